@@ -1,0 +1,38 @@
+"""quantcli: post-training quantization of PyTorch models for ONNX Runtime and TensorRT.
+
+Heavy modules (torch, onnx) load on first use of an attribute, so ``quantcli --help`` starts fast.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "QuantDescriptor": "quantcli.descriptor",
+    "ScaledQuantDescriptor": "quantcli.descriptor",
+    "fake_tensor_quant": "quantcli.tensor_quant",
+    "fake_affine_tensor_quant": "quantcli.tensor_quant",
+    "scaled_e4m3": "quantcli.tensor_quant",
+    "quantize_model": "quantcli.nn.replace",
+    "calibrate": "quantcli.calibrate",
+    "load_calibrated": "quantcli.checkpoint",
+    "save_calibrated": "quantcli.checkpoint",
+    "verify_onnx": "quantcli.verify",
+}
+
+__all__ = ["__version__", "tensor_quant", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name == "tensor_quant":  # the module, callable as TensorQuantFunction.apply
+        import importlib
+
+        return importlib.import_module("quantcli.tensor_quant")
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'quantcli' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value

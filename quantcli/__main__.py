@@ -1,0 +1,3 @@
+from quantcli.cli import main
+
+main()

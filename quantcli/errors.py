@@ -1,0 +1,40 @@
+"""Typed exceptions. Library code raises these; only ``quantcli.cli`` turns them into exit codes.
+
+Every message is one line that says what is wrong and, where there is one, how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class QuantCliError(Exception):
+    """Base class: bad usage or bad input (exit code 2 on the command line)."""
+
+    exit_code = 2
+
+
+class ModelLoadError(QuantCliError):
+    """The MODEL spec, its factory or its weights could not be turned into an ``nn.Module``."""
+
+
+class DataError(QuantCliError):
+    """Calibration or verification data is missing, malformed, or does not fit ``forward``."""
+
+
+class ConfigError(QuantCliError):
+    """A quant config (preset, YAML/JSON file, or rules) is invalid."""
+
+
+class CalibrationError(QuantCliError):
+    """Calibration could not produce an amax (non-finite activations, no data, ...)."""
+
+
+class CheckpointError(QuantCliError):
+    """A file is not a quantcli calibrated checkpoint, or is damaged."""
+
+
+class ExportError(QuantCliError):
+    """The model cannot be exported as asked (opset too low, amax missing, unwritable path, ...)."""
+
+
+class VerifyError(QuantCliError):
+    """Verification could not be carried out (corrupt ONNX, mismatched inputs, missing provider, ...)."""

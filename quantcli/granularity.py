@@ -1,0 +1,82 @@
+"""How an amax tensor's shape maps onto the tensor it quantizes: per-tensor, per-axis, or blocked.
+
+amax keeps the rank of the tensor (a conv weight's per-channel amax is ``(Cout, 1, 1, 1)``). Along each
+dimension its size is 1 (shared), the tensor's size (one amax per index), or ``ceil(n / block)`` (one
+amax per block of ``block`` consecutive elements).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Granularity:
+    kind: str  # "tensor" | "axis" | "block"
+    axis: int | None = None  # the per-axis or block axis (non-negative)
+    block_size: int | None = None
+
+
+def _dims(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> list[tuple[int, str, int]]:
+    if len(amax_shape) == 0 or math.prod(amax_shape) == 1:
+        return []
+    if len(amax_shape) != len(x_shape):
+        raise ValueError(
+            f"amax of shape {tuple(amax_shape)} must have the rank of the tensor {tuple(x_shape)} "
+            "(keep reduced axes as size 1) or be a scalar"
+        )
+    out = []
+    for d, (a, n) in enumerate(zip(amax_shape, x_shape)):
+        if a == 1 and n != 1:
+            continue
+        if a == n:
+            if a != 1:
+                out.append((d, "axis", 1))
+            continue
+        block = -(-n // a)
+        if a > n or -(-n // block) != a:
+            raise ValueError(f"amax size {a} does not divide dimension {d} of size {n} into blocks")
+        out.append((d, "block", block))
+    return out
+
+
+def granularity_of(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> Granularity:
+    """Classify for ONNX: one per-axis dimension, or one blocked dimension (other dims equal), or per-tensor."""
+    dims = _dims(tuple(amax_shape), tuple(x_shape))
+    if not dims:
+        return Granularity("tensor")
+    blocks = [d for d in dims if d[1] == "block"]
+    if not blocks:
+        if len(dims) > 1:
+            raise ValueError(
+                f"amax of shape {tuple(amax_shape)} is per-axis over several axes {[d[0] for d in dims]}; "
+                "ONNX QuantizeLinear takes one axis"
+            )
+        return Granularity("axis", dims[0][0])
+    if len(blocks) > 1:
+        raise ValueError(f"amax of shape {tuple(amax_shape)} blocks several axes; ONNX takes one block axis")
+    d = blocks[0]
+    return Granularity("block", d[0], d[2])
+
+
+def expand_amax(amax: torch.Tensor, x_shape: tuple[int, ...]) -> torch.Tensor:
+    """amax broadcastable elementwise against ``x_shape`` (blocked dims repeated to full size)."""
+    if amax.dim() == 0 or amax.numel() == 1:
+        return amax.reshape(())
+    out = amax
+    for d, kind, block in _dims(tuple(amax.shape), tuple(x_shape)):
+        if kind == "block":
+            out = out.repeat_interleave(block, dim=d).narrow(d, 0, x_shape[d])
+    return out
+
+
+def flatten_for_onnx(t: torch.Tensor, g: Granularity) -> torch.Tensor:
+    """The scale layout ONNX wants: scalar per-tensor, 1-D per-axis, same-rank per-block."""
+    if g.kind == "tensor":
+        return t.reshape(())
+    if g.kind == "axis":
+        return t.reshape(-1)
+    return t

@@ -1,0 +1,254 @@
+"""The quantize ops, as ``torch.autograd.Function``s with ``forward``, ``backward`` and ONNX ``symbolic``.
+
+Semantics follow NVIDIA's ``tensor_quant`` (see ``shared/seeds/003``, ``004``): ``amax`` is given instead of
+a scale, its shape decides the granularity (per-tensor, per-axis with the rank kept, or blocked), and
+``num_bits``/``unsigned``/``narrow_range`` decide the integer grid. The arithmetic is ONNX's, from
+:mod:`quantcli.arithmetic`: the fake-quant output and onnxruntime's ``QuantizeLinear`` give the same codes.
+
+Where the reference differs from ONNX (it multiplies by ``bound / amax``), quantcli divides by the float32
+scale ``amax / bound`` as ``QuantizeLinear`` does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantcli import arithmetic as ar
+from quantcli.descriptor import QuantDescriptor, ScaledQuantDescriptor
+from quantcli.granularity import expand_amax
+
+__all__ = [
+    "TensorQuantFunction",
+    "FakeTensorQuantFunction",
+    "LegacyFakeTensorQuantFunction",
+    "FakeAffineTensorQuantFunction",
+    "ScaledE4M3Function",
+    "QuantDescriptor",
+    "ScaledQuantDescriptor",
+    "tensor_quant",
+    "fake_tensor_quant",
+    "legacy_fake_tensor_quant",
+    "fake_affine_tensor_quant",
+    "scaled_e4m3",
+]
+
+
+def _as_amax(amax, like: torch.Tensor) -> torch.Tensor:
+    if amax is None:
+        raise ValueError("amax is None: calibrate the quantizer or give amax")
+    if not isinstance(amax, torch.Tensor):
+        amax = torch.tensor(amax, dtype=torch.float32, device=like.device)
+    ar.check_amax(amax)
+    return amax
+
+
+def _check_unsigned_input(inputs: torch.Tensor, unsigned: bool) -> None:
+    if unsigned and inputs.numel() and inputs.detach().min() < 0:
+        raise TypeError(
+            f"negative input (min {inputs.detach().min().item():g}) to an unsigned quantizer; "
+            "use unsigned=False or quantize a non-negative tensor"
+        )
+
+
+def _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range):
+    """(codes float32, onnx scale float32 broadcastable, amax broadcastable)."""
+    ar.check_num_bits(num_bits)
+    amax = _as_amax(amax, inputs)
+    _check_unsigned_input(inputs, unsigned)
+    amax_e = expand_amax(amax, tuple(inputs.shape))
+    scale = ar.symmetric_scale(amax_e, ar.symmetric_bound(num_bits, unsigned))
+    lo, hi = ar.symmetric_code_bounds(amax_e, num_bits, unsigned, narrow_range)
+    return ar.quantize_linear(inputs, scale, 0, lo, hi), scale, amax_e
+
+
+def _ste_clip_mask(inputs: torch.Tensor, amax_e: torch.Tensor) -> torch.Tensor:
+    return inputs.abs() <= amax_e.to(inputs.dtype)
+
+
+def _amax_grad(grad_outputs, codes, amax, bound):
+    # d(scale * code)/d amax = code / bound almost everywhere (the code is locally constant);
+    # autograd on this surrogate sums it back over broadcast and blocked dimensions.
+    with torch.enable_grad():
+        a = amax.detach().to(torch.float64).requires_grad_(True)
+        surrogate = expand_amax(a, tuple(codes.shape)) / bound * codes.to(torch.float64)
+        (g,) = torch.autograd.grad(surrogate, a, grad_outputs.to(torch.float64))
+    return g.to(amax.dtype)
+
+
+class TensorQuantFunction(torch.autograd.Function):
+    """Quantize to integer codes; returns ``(outputs, scale)``.
+
+    ``outputs`` are integer-valued in the input's float dtype, ``scale = bound / amax`` as in the reference API,
+    so ``outputs / scale`` dequantizes (for a dead channel, amax 0, the scale is 1 and the code 0). The ONNX
+    scale is ``amax / bound``, and it is what the codes are computed with.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+        codes, onnx_scale, amax_e = _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range)
+        ctx.save_for_backward(inputs, amax_e)
+        a = amax_e.to(onnx_scale.dtype)
+        bound = ar.symmetric_bound(num_bits, unsigned)
+        quant_scale = torch.where(a > 0, bound / torch.where(a > 0, a, 1.0), 1.0)
+        ctx.mark_non_differentiable(quant_scale)
+        return codes.to(inputs.dtype), quant_scale.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, grad_outputs, grad_scale):
+        inputs, amax_e = ctx.saved_tensors
+        zero = grad_outputs.new_zeros(())
+        return torch.where(_ste_clip_mask(inputs, amax_e), grad_outputs, zero), None, None, None, None
+
+    @staticmethod
+    def symbolic(g, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+        from exporters.qdq import symmetric_quantize
+
+        return symmetric_quantize(g, inputs, amax, num_bits, unsigned, narrow_range)
+
+
+class FakeTensorQuantFunction(torch.autograd.Function):
+    """Quantize then dequantize; output in the input's dtype.
+
+    ``backward``: straight-through estimator with clipping (gradient zero outside ``[-amax, amax]``); if amax
+    requires grad (``learn_amax``), its gradient is ``sum(grad * code / bound)`` over the elements it scales.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+        codes, scale, amax_e = _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range)
+        amax_t = amax if isinstance(amax, torch.Tensor) else None
+        ctx.save_for_backward(inputs, amax_e, codes, amax_t)
+        ctx.bound = ar.symmetric_bound(num_bits, unsigned)
+        return ar.dequantize_linear(codes, scale).to(inputs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        inputs, amax_e, codes, amax = ctx.saved_tensors
+        zero = grad_outputs.new_zeros(())
+        grad_inputs = torch.where(_ste_clip_mask(inputs, amax_e), grad_outputs, zero)
+        grad_amax = None
+        if amax is not None and ctx.needs_input_grad[1]:
+            grad_amax = _amax_grad(grad_outputs, codes, amax, ctx.bound)
+        return grad_inputs, grad_amax, None, None, None
+
+    @staticmethod
+    def symbolic(g, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+        from exporters.qdq import symmetric_qdq
+
+        return symmetric_qdq(g, inputs, amax, num_bits, unsigned, narrow_range)
+
+
+class LegacyFakeTensorQuantFunction(torch.autograd.Function):
+    """Same forward as :class:`FakeTensorQuantFunction`; backward is the plain straight-through estimator."""
+
+    @staticmethod
+    def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+        codes, scale, _ = _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range)
+        return ar.dequantize_linear(codes, scale).to(inputs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        return grad_outputs, None, None, None, None
+
+    @staticmethod
+    def symbolic(g, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
+        from exporters.qdq import symmetric_qdq
+
+        return symmetric_qdq(g, inputs, amax, num_bits, unsigned, narrow_range)
+
+
+def affine_qparams(min_range, max_range, num_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemmlowp parameters for an unsigned grid ``[0, 2**num_bits-1]`` covering ``[min, max]`` (0 included).
+
+    Returns ``(scale float32, zero_point float32 integer-valued)``; the zero point is the code of 0.0.
+    """
+    ar.check_num_bits(num_bits)
+    lo = torch.as_tensor(min_range, dtype=torch.float32).clamp(max=0.0)
+    hi = torch.as_tensor(max_range, dtype=torch.float32).clamp(min=0.0)
+    if (lo > hi).any():
+        raise ValueError(f"min_range {min_range} > max_range {max_range}")
+    qmax = float((1 << num_bits) - 1)
+    scale = (hi - lo) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero_point = torch.clamp(torch.round(-lo / scale), 0.0, qmax)
+    return scale, zero_point
+
+
+class FakeAffineTensorQuantFunction(torch.autograd.Function):
+    """Fake affine (asymmetric) quantization on an unsigned grid with a zero point (gemmlowp style).
+
+    ``backward``: straight-through estimator with clipping to ``[min_range, max_range]``.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, min_range, max_range, num_bits=8):
+        scale, zp = affine_qparams(min_range, max_range, num_bits)
+        scale, zp = scale.to(inputs.device), zp.to(inputs.device)
+        codes = ar.quantize_linear(inputs, scale, zp, 0, (1 << num_bits) - 1)
+        lo = torch.as_tensor(min_range, dtype=inputs.dtype, device=inputs.device)
+        hi = torch.as_tensor(max_range, dtype=inputs.dtype, device=inputs.device)
+        ctx.save_for_backward(inputs, lo, hi)
+        return ar.dequantize_linear(codes, scale, zp).to(inputs.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        inputs, lo, hi = ctx.saved_tensors
+        mask = (inputs >= lo) & (inputs <= hi)
+        return torch.where(mask, grad_outputs, grad_outputs.new_zeros(())), None, None, None
+
+    @staticmethod
+    def symbolic(g, inputs, min_range, max_range, num_bits=8):
+        from exporters.qdq import affine_qdq
+
+        return affine_qdq(g, inputs, min_range, max_range, num_bits)
+
+
+class ScaledE4M3Function(torch.autograd.Function):
+    """FP8 E4M3 fake quantization: ``scale = amax / 448``, saturating at ±448, round to nearest even.
+
+    Only ``(E, M) == (4, 3)`` exists in ONNX; other formats raise.
+    """
+
+    @staticmethod
+    def forward(ctx, inputs, amax=None, E=4, M=3):
+        if (E, M) != (4, 3):
+            raise ValueError(f"only FP8 E4M3 (E=4, M=3) is supported, got E={E}, M={M}")
+        amax_e = None
+        if amax is not None:
+            amax = _as_amax(amax, inputs)
+            amax_e = expand_amax(amax, tuple(inputs.shape))
+        ctx.save_for_backward(inputs, amax_e)
+        return ar.fake_quant_e4m3(inputs, amax_e)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        inputs, amax_e = ctx.saved_tensors
+        if amax_e is None:
+            mask = inputs.abs() <= ar.FP8_E4M3_MAX
+        else:
+            mask = _ste_clip_mask(inputs, amax_e)
+        return torch.where(mask, grad_outputs, grad_outputs.new_zeros(())), None, None, None
+
+    @staticmethod
+    def symbolic(g, inputs, amax=None, E=4, M=3):
+        from exporters.qdq import e4m3_qdq
+
+        return e4m3_qdq(g, inputs, amax, E, M)
+
+
+tensor_quant = TensorQuantFunction.apply
+fake_tensor_quant = FakeTensorQuantFunction.apply
+legacy_fake_tensor_quant = LegacyFakeTensorQuantFunction.apply
+fake_affine_tensor_quant = FakeAffineTensorQuantFunction.apply
+scaled_e4m3 = ScaledE4M3Function.apply
+
+
+class _CallableModule(type(__import__("sys"))):
+    """``from quantcli import tensor_quant`` gives this module; calling it is ``TensorQuantFunction.apply``,
+    so both the module style (``tensor_quant.fake_tensor_quant``) and the function style work."""
+
+    def __call__(self, *args, **kwargs):
+        return TensorQuantFunction.apply(*args, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule
