@@ -1,0 +1,86 @@
+"""The calibrator interface: ``collect(x)`` once per batch, ``compute_amax(...)``, ``reset()``.
+
+State is a few small tensors on the input's device, independent of the number of batches. Non-finite
+inputs are detected without a host synchronisation on CUDA: the first offending batch index is kept on the
+device and reported by ``compute_amax``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantcli.errors import CalibrationError
+
+
+def normalize_axis(axis, ndim: int) -> tuple[int, ...]:
+    """Kept axes as sorted non-negative ints; ``None`` -> ``()`` (per-tensor)."""
+    if axis is None:
+        return ()
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise CalibrationError(f"axis {a} is out of range for a tensor of rank {ndim}")
+        out.append(a % ndim)
+    return tuple(sorted(set(out)))
+
+
+class Calibrator:
+    """Base class: naming, batch counting and non-finite bookkeeping."""
+
+    def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, name: str | None = None):
+        self.num_bits = num_bits
+        self.axis = axis
+        self.unsigned = unsigned
+        self.name = name
+        self._batches = 0
+        self._bad_batch: torch.Tensor | None = None
+        self._kept_shape: tuple[int, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        return self.name or type(self).__name__
+
+    @property
+    def num_batches(self) -> int:
+        return self._batches
+
+    def _kept(self, x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(kept axes, amax shape with rank kept) for ``x``; checks kept sizes do not change."""
+        axes = normalize_axis(self.axis, x.dim())
+        shape = tuple(x.shape[d] if d in axes else 1 for d in range(x.dim())) if axes else ()
+        if self._kept_shape is not None and shape != self._kept_shape:
+            raise CalibrationError(
+                f"{self.label}: the per-axis dimensions changed between batches, {self._kept_shape} -> {shape} "
+                f"(axis={self.axis}); calibrate per-tensor or keep those dimensions fixed"
+            )
+        self._kept_shape = shape
+        return axes, shape
+
+    def _note_finite(self, batch_max: torch.Tensor) -> None:
+        bad = ~torch.isfinite(batch_max).all()
+        if batch_max.device.type == "cpu":
+            if bad:
+                raise CalibrationError(
+                    f"{self.label}: non-finite values (NaN or inf) in calibration batch {self._batches}; "
+                    "check the input data and the model's numerics"
+                )
+            return
+        idx = torch.tensor(self._batches, device=batch_max.device)
+        if self._bad_batch is None:
+            self._bad_batch = torch.full((), -1, dtype=torch.long, device=batch_max.device)
+        self._bad_batch = torch.where(bad & (self._bad_batch < 0), idx, self._bad_batch)
+
+    def _check_ready(self) -> None:
+        if self._batches == 0:
+            raise CalibrationError(f"{self.label}: no data was collected; run calibration batches first")
+        if self._bad_batch is not None and int(self._bad_batch) >= 0:
+            raise CalibrationError(
+                f"{self.label}: non-finite values (NaN or inf) in calibration batch {int(self._bad_batch)}; "
+                "check the input data and the model's numerics"
+            )
+
+    def reset(self) -> None:
+        self._batches = 0
+        self._bad_batch = None
+        self._kept_shape = None

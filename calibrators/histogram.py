@@ -1,0 +1,199 @@
+"""amax methods as pure functions of a histogram of ``|x|``: entropy, mse, percentile.
+
+Each takes ``hist`` of shape ``(bins,)`` or ``(channels, bins)`` and ``bin_edges`` of shape ``(bins + 1,)``
+(shared) or ``(channels, bins + 1)``, as numpy arrays or tensors (on any device), and returns amax as a
+tensor of shape ``()`` or ``(channels,)`` (a numpy array when given numpy). All candidates are evaluated
+at once with tensor ops; only channels are processed in chunks to bound memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quantcli import arithmetic as ar
+from quantcli.errors import CalibrationError
+
+_CHUNK_ELEMENTS = 1 << 23  # candidates x bins x channels evaluated at once
+
+
+def _prepare(hist, bin_edges):
+    was_numpy = isinstance(hist, np.ndarray)
+    h = torch.as_tensor(hist).to(torch.float64)
+    e = torch.as_tensor(bin_edges, device=h.device).to(torch.float64)
+    squeeze = h.dim() == 1
+    if squeeze:
+        h = h.unsqueeze(0)
+    if e.dim() == 1:
+        e = e.unsqueeze(0).expand(h.shape[0], -1)
+    if h.dim() != 2 or e.shape != (h.shape[0], h.shape[1] + 1):
+        raise ValueError(f"hist {tuple(h.shape)} and bin_edges {tuple(e.shape)} do not fit: need edges = bins + 1")
+    if (h.sum(dim=1) <= 0).any():
+        raise CalibrationError("the histogram is empty (no values collected)")
+    return h, e, squeeze, was_numpy
+
+
+def _finish(amax: torch.Tensor, squeeze: bool, was_numpy: bool):
+    amax = amax.to(torch.float32)
+    if squeeze:
+        amax = amax.reshape(())
+    return amax.cpu().numpy() if was_numpy else amax
+
+
+def _candidates(num_bins: int, start_bin: int, stride: int, device) -> torch.Tensor:
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    start = max(1, min(start_bin, num_bins))
+    return torch.arange(start, num_bins + 1, stride, device=device)
+
+
+def _data_end(h: torch.Tensor) -> torch.Tensor:
+    """Per row, one past the last non-empty bin: candidates beyond it clip nothing and only coarsen the grid."""
+    nz = (h > 0).to(torch.long)
+    pos = torch.arange(1, h.shape[1] + 1, device=h.device).unsqueeze(0)
+    return (nz * pos).amax(dim=1)  # (C,)
+
+
+def _pick(cand: torch.Tensor, score: torch.Tensor, stop: torch.Tensor, last: bool) -> torch.Tensor:
+    """Best candidate per row among those <= stop (the row's data end); stop itself if none is."""
+    valid = cand.view(1, -1) <= stop.view(-1, 1)
+    score = torch.where(valid, score, torch.full_like(score, float("inf")))
+    j = _last_argmin(score) if last else torch.argmin(score, dim=-1)
+    return torch.where(valid.any(1), cand[j], stop)
+
+
+def _last_argmin(values: torch.Tensor) -> torch.Tensor:
+    """Index of the minimum along the last dim, the last one among equal minima."""
+    n = values.shape[-1]
+    return n - 1 - torch.argmin(values.flip(-1), dim=-1)
+
+
+def _xlogx(p: torch.Tensor) -> torch.Tensor:
+    return torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
+
+
+def _entropy_divergences(h: torch.Tensor, cand: torch.Tensor, nq: int) -> torch.Tensor:
+    """KL(P_i || Q_i) for every candidate i (columns), as TensorRT's calibrator defines them.
+
+    P_i: the first i bins, with the mass beyond bin i added to bin i-1. Q_i: the first i bins merged into
+    ``nq`` quantization bins (bin j goes to ``floor(j * nq / i)``), each bin's mass spread evenly over its
+    non-empty source bins. Computed from prefix sums, so no loop over candidates or bins.
+    """
+    c_rows = h.shape[0]
+    total = h.sum(dim=1, keepdim=True)  # (C, 1)
+    zero_col = torch.zeros(c_rows, 1, dtype=h.dtype, device=h.device)
+    cb = torch.cat([zero_col, h.cumsum(1)], 1)  # (C, B+1)
+    cnz = torch.cat([zero_col, (h > 0).to(h.dtype).cumsum(1)], 1)
+    cl = torch.cat([zero_col, _xlogx(h / total).cumsum(1)], 1)
+
+    i = cand.view(1, -1)  # (1, K)
+    k = torch.arange(nq, device=h.device).view(1, 1, -1)  # (1, 1, nq)
+    starts = (k * i.unsqueeze(-1) + nq - 1) // nq  # ceil(k * i / nq): (1, K, nq)
+    ends = ((k + 1) * i.unsqueeze(-1) + nq - 1) // nq
+    flat_s = starts.expand(c_rows, -1, -1).reshape(c_rows, -1)
+    flat_e = ends.expand(c_rows, -1, -1).reshape(c_rows, -1)
+    s_k = (cb.gather(1, flat_e) - cb.gather(1, flat_s)).view(c_rows, -1, nq)  # (C, K, nq)
+    n_k = (cnz.gather(1, flat_e) - cnz.gather(1, flat_s)).view(c_rows, -1, nq)
+
+    iv = i.expand(c_rows, -1)
+    sum_i = cb.gather(1, iv)  # mass in the first i bins: (C, K)
+    out_i = total - sum_i
+    b_last = h.gather(1, iv - 1)
+    safe_sum = torch.where(sum_i > 0, sum_i, 1.0)
+
+    q_k = torch.where(s_k > 0, s_k / (torch.where(n_k > 0, n_k, 1.0) * safe_sum.unsqueeze(-1)), 1.0)
+    cross = (s_k / total.unsqueeze(-1) * torch.log(q_k)).sum(-1)  # sum_j p_j log q_j over the first i bins
+
+    k_last = ((i - 1) * nq) // i  # (1, K)
+    idx_last = k_last.expand(c_rows, -1).unsqueeze(-1)
+    q_last = q_k.gather(2, idx_last).squeeze(-1)
+    cross = cross + torch.where(out_i > 0, out_i / total * torch.log(q_last), 0.0)
+
+    self_term = cl.gather(1, iv - 1) + _xlogx((b_last + out_i) / total)
+    kl = self_term - cross
+    impossible = ((out_i > 0) & (b_last == 0)) | (sum_i <= 0)  # Q is zero where P is not
+    return torch.where(impossible | torch.isnan(kl), torch.full_like(kl, float("inf")), kl)
+
+
+def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = False, stride: int = 1,
+                         start_bin: int = 128):
+    """amax minimising the KL divergence between the histogram and its quantized version (TensorRT).
+
+    ``2**(num_bits - 1 + unsigned)`` quantization bins; candidates are bin edges ``start_bin, start_bin +
+    stride, ...`` up to the last non-empty bin (larger ones clip nothing). As in TensorRT, the first bin's count is replaced by the second's, so a spike of
+    exact zeros (ReLU) does not dominate. Ties go to the largest candidate.
+
+    Also as in TensorRT, a candidate whose last bin is empty while mass lies beyond it has infinite
+    divergence (Q is zero where P is not). An isolated outlier beyond an empty gap is therefore clipped only
+    when the bulk of the data reaches past ``start_bin``; lower ``start_bin`` for such data.
+    """
+    if isinstance(num_bits, (tuple, list)):
+        raise ValueError("entropy calibration is defined for integer formats; use mse or percentile for FP8")
+    h, e, squeeze, was_numpy = _prepare(hist, bin_edges)
+    h = h.clone()
+    if h.shape[1] > 1:
+        h[:, 0] = h[:, 1]
+    nq = 1 << (num_bits - 1 + int(unsigned))
+    cand = _candidates(h.shape[1], start_bin, stride, h.device)
+    stop = _data_end(h)
+    per_row = max(1, _CHUNK_ELEMENTS // (cand.numel() * nq))
+    best = []
+    for r in range(0, h.shape[0], per_row):
+        hr = h[r : r + per_row]
+        kl = _entropy_divergences(hr, cand, nq)
+        best.append(_pick(cand, kl, stop[r : r + per_row], last=True))
+    idx = torch.cat(best)
+    amax = e.gather(1, idx.view(-1, 1)).squeeze(1)
+    return _finish(amax, squeeze, was_numpy)
+
+
+def _fake_quant_positive(centers: torch.Tensor, amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor:
+    """Quantize-dequantize non-negative values with quantcli's arithmetic (float64 for the search)."""
+    if isinstance(num_bits, (tuple, list)):
+        scale = ar.symmetric_scale(amax, ar.FP8_E4M3_MAX)
+        v = torch.clamp(centers.to(torch.float32) / scale.to(torch.float32), -ar.FP8_E4M3_MAX, ar.FP8_E4M3_MAX)
+        return v.to(torch.float8_e4m3fn).to(torch.float64) * scale.to(torch.float64)
+    bound = ar.symmetric_bound(num_bits, unsigned)
+    scale = ar.symmetric_scale(amax.to(torch.float32), bound)  # float32 scale, as deployed
+    codes = ar.quantize_linear(centers.to(torch.float32), scale, 0, 0, bound)
+    return codes.to(torch.float64) * scale.to(torch.float64)
+
+
+def compute_amax_mse(hist, bin_edges, num_bits=8, unsigned: bool = False, stride: int = 1, start_bin: int = 128):
+    """amax minimising ``sum_j hist[j] * (c_j - fq(c_j; amax))**2`` over bin centres ``c_j``.
+
+    ``fq`` is quantcli's own fake quantization (float32 scale ``amax / bound``) for integer ``num_bits``, or
+    FP8 E4M3 for ``num_bits=(4, 3)``. Candidates: bin edges ``start_bin, start_bin + stride, ..., bins``.
+    """
+    h, e, squeeze, was_numpy = _prepare(hist, bin_edges)
+    cand = _candidates(h.shape[1], start_bin, stride, h.device)
+    centers = (e[:, :-1] + e[:, 1:]) / 2  # (C, B)
+    stop = _data_end(h)
+    per_row = max(1, _CHUNK_ELEMENTS // (cand.numel() * h.shape[1]))
+    out = []
+    for r in range(0, h.shape[0], per_row):
+        hr, cr, er = h[r : r + per_row], centers[r : r + per_row], e[r : r + per_row]
+        amax_c = er[:, cand]  # (c, K)
+        # only non-empty bins contribute; drop columns empty in every row of the chunk
+        keep = (hr > 0).any(0)
+        hr, cr = hr[:, keep], cr[:, keep]
+        fq = _fake_quant_positive(cr.unsqueeze(1), amax_c.unsqueeze(-1), num_bits, unsigned)  # (c, K, B')
+        err = ((cr.unsqueeze(1) - fq) ** 2 * hr.unsqueeze(1)).sum(-1)
+        best = _pick(cand, err, stop[r : r + per_row], last=False)
+        out.append(er.gather(1, best.view(-1, 1)).squeeze(1))
+    return _finish(torch.cat(out), squeeze, was_numpy)
+
+
+def compute_amax_percentile(hist, bin_edges, percentile: float = 99.99):
+    """The right edge of the first bin where the cumulative count reaches ``percentile`` % of the total."""
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile}")
+    h, e, squeeze, was_numpy = _prepare(hist, bin_edges)
+    cdf = h.cumsum(1)
+    target = cdf[:, -1:] * (percentile / 100.0)
+    idx = torch.searchsorted(cdf.contiguous(), target.contiguous(), right=False).clamp(max=h.shape[1] - 1)
+    amax = e.gather(1, idx + 1).squeeze(1)
+    return _finish(amax, squeeze, was_numpy)
+
+
+METHODS = {"entropy": compute_amax_entropy, "mse": compute_amax_mse, "percentile": compute_amax_percentile}

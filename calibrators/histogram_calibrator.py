@@ -1,0 +1,119 @@
+"""``HistogramCalibrator``: a streaming histogram of ``|x|``, per-tensor or per-channel, on ``x``'s device.
+
+Binning scheme (why the result depends only on the data, not on batch order or batch size): each channel's
+histogram covers ``[0, 2**e)`` with ``num_bins`` bins, ``e`` the smallest exponent with every value seen so far
+``< 2**e``. When a batch raises ``e`` by ``k``, adjacent groups of ``2**k`` bins are summed. With a power-of-two
+``num_bins`` the bin width is a power of two, every division is exact, and ``floor(floor(x/w)/2**k) ==
+floor(x/(w*2**k))``: the merged histogram is exactly the one that would have been built over the final range
+from the start. So the final histogram is a function of the multiset of values alone (other ``num_bins``
+agree within one bin). The price: the range is at most 2x the max, so at least half the bins hold data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from calibrators.base import Calibrator
+from calibrators.histogram import METHODS
+
+
+class HistogramCalibrator(Calibrator):
+    """Collects ``hist`` of shape ``(channels, num_bins)`` (channels = 1 per-tensor) and searches amax with
+    one of :data:`calibrators.histogram.METHODS`. State is ``O(channels * num_bins)``, whatever the batch count.
+    """
+
+    def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, num_bins: int = 2048,
+                 skip_zeros: bool = False, name: str | None = None):
+        super().__init__(num_bits, axis, unsigned, name)
+        if not isinstance(num_bins, int) or num_bins < 2:
+            raise ValueError(f"num_bins must be an int >= 2, got {num_bins!r}")
+        self.num_bins = num_bins
+        self.skip_zeros = skip_zeros
+        self._hist: torch.Tensor | None = None  # (C, num_bins) int64
+        self._exp: torch.Tensor | None = None  # (C,) int64: range is [0, 2**exp)
+        self._amax_shape: tuple[int, ...] = ()
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        """Add one batch (any float dtype, any device; stays there)."""
+        axes, shape = self._kept(x)
+        self._amax_shape = shape
+        a = x.detach()
+        if axes:
+            rest = [d for d in range(a.dim()) if d not in axes]
+            a = a.permute(*axes, *rest).reshape(-1 if not rest else int(torch.tensor(shape).prod()), -1)
+        else:
+            a = a.reshape(1, -1)
+        a = a.abs().to(torch.float32)
+        channels = a.shape[0]
+        batch_max = a.amax(dim=1)
+        self._note_finite(batch_max)
+        _, exp = torch.frexp(batch_max)  # batch_max < 2**exp (and 2**exp <= 2 * batch_max)
+        exp = exp.to(torch.long)
+        nb = self.num_bins
+        if self._hist is None:
+            self._hist = torch.zeros(channels, nb, dtype=torch.long, device=a.device)
+            self._exp = exp
+        else:
+            new_exp = torch.maximum(self._exp, torch.where(torch.isfinite(batch_max), exp, self._exp))
+            self._merge(new_exp - self._exp)
+            self._exp = new_exp
+        width = torch.ldexp(torch.ones_like(batch_max), self._exp.to(torch.int32)) / nb  # (C,)
+        idx = torch.floor(a / width.unsqueeze(1)).to(torch.long).clamp_(0, nb - 1)
+        idx += torch.arange(channels, device=a.device).unsqueeze(1) * nb
+        counts = torch.bincount(idx.reshape(-1), minlength=channels * nb).view(channels, nb)
+        if self.skip_zeros:
+            counts[:, 0] -= (a == 0).sum(dim=1)
+        self._hist += counts
+        self._batches += 1
+
+    def _merge(self, shift: torch.Tensor) -> None:
+        """Sum groups of ``2**shift[c]`` adjacent bins of each channel (the range grew by ``2**shift``)."""
+        nb = self.num_bins
+        shift = shift.clamp(max=62)
+        src = torch.arange(nb, device=self._hist.device).unsqueeze(0)
+        dst = torch.bitwise_right_shift(src, shift.unsqueeze(1)).clamp_(max=nb - 1)
+        merged = torch.zeros_like(self._hist)
+        merged.scatter_add_(1, dst.expand_as(self._hist), self._hist)
+        self._hist = merged
+
+    @property
+    def hist(self) -> torch.Tensor:
+        """``(channels, num_bins)`` counts (a copy)."""
+        self._check_ready()
+        return self._hist.clone()
+
+    @property
+    def bin_edges(self) -> torch.Tensor:
+        """``(channels, num_bins + 1)`` edges in the input's units."""
+        self._check_ready()
+        top = torch.ldexp(torch.ones(self._exp.shape, device=self._exp.device), self._exp.to(torch.int32))
+        steps = torch.arange(self.num_bins + 1, device=top.device, dtype=torch.float64) / self.num_bins
+        return top.to(torch.float64).unsqueeze(1) * steps.unsqueeze(0)
+
+    def compute_amax(self, method: str = "entropy", **kwargs) -> torch.Tensor:
+        """amax from the histogram: ``"entropy"``, ``"mse"`` or ``"percentile"`` (kwargs go to the method).
+
+        Returns the per-tensor scalar, or the per-axis amax with the input's rank kept. Can be called
+        repeatedly with different methods without collecting again.
+        """
+        self._check_ready()
+        if method not in METHODS:
+            raise ValueError(f"unknown histogram method {method!r}; choose from {sorted(METHODS)}")
+        if method in ("entropy", "mse"):
+            kwargs.setdefault("num_bits", self.num_bits)
+            kwargs.setdefault("unsigned", self.unsigned)
+        hist = self._hist.to(torch.float64)
+        if self.skip_zeros and (hist.sum(dim=1) == 0).any():
+            raise ValueError(f"{self.label}: every collected value was zero and skip_zeros is set")
+        amax = METHODS[method](hist, self.bin_edges, **kwargs)
+        return amax.reshape(self._amax_shape) if self._amax_shape else amax.reshape(())
+
+    def reset(self) -> None:
+        super().reset()
+        self._hist = None
+        self._exp = None
+
+    def __repr__(self) -> str:
+        return (f"HistogramCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned}, "
+                f"num_bins={self.num_bins}, skip_zeros={self.skip_zeros})")

@@ -1,0 +1,42 @@
+"""``MaxCalibrator``: running max of ``|x|`` over every axis except ``axis``."""
+
+from __future__ import annotations
+
+import torch
+
+from calibrators.base import Calibrator
+
+
+class MaxCalibrator(Calibrator):
+    """Running ``max |x|``; per-tensor when ``axis is None``, else one value per index of the kept axes.
+
+    The amax keeps the input's rank (``(C, 1, 1, 1)`` for ``axis=0`` on a conv weight). State: one tensor.
+    """
+
+    def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, name: str | None = None):
+        super().__init__(num_bits, axis, unsigned, name)
+        self._amax: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        """Fold one batch into the running max (on ``x``'s device, no host copy)."""
+        axes, shape = self._kept(x)
+        reduce = tuple(d for d in range(x.dim()) if d not in axes)
+        a = x.detach().abs()
+        batch = a.amax(dim=reduce, keepdim=True) if reduce else a
+        batch = batch.reshape(shape).to(torch.float32)
+        self._note_finite(batch)
+        self._amax = batch if self._amax is None else torch.maximum(self._amax, batch)
+        self._batches += 1
+
+    def compute_amax(self, *_, **__) -> torch.Tensor:
+        """The running max; raises if nothing was collected or a batch was non-finite."""
+        self._check_ready()
+        return self._amax.clone()
+
+    def reset(self) -> None:
+        super().reset()
+        self._amax = None
+
+    def __repr__(self) -> str:
+        return f"MaxCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned})"

@@ -1,0 +1,277 @@
+"""Calibrators (issue: max and histogram, entropy/mse/percentile): hand cases, reference loops, invariance."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from calibrators import (
+    HistogramCalibrator,
+    MaxCalibrator,
+    compute_amax_entropy,
+    compute_amax_mse,
+    compute_amax_percentile,
+)
+from quantcli.errors import CalibrationError
+
+# ----------------------------------------------------------------------------- slow, obvious references
+
+
+def ref_entropy(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
+    bins = np.array(hist, dtype=np.float64)
+    bins[0] = bins[1]
+    total = bins.sum()
+    nq = 1 << (num_bits - 1 + int(unsigned))
+    best_i, best_kl = None, math.inf
+    stop = int(np.nonzero(np.asarray(hist))[0].max()) + 1  # candidates end where the data ends
+    for i in range(start_bin, stop + 1, stride):
+        p = bins[:i].copy()
+        p[-1] += bins[i:].sum()
+        p /= total
+        quant = [(j * nq) // i for j in range(i)]
+        sums = np.zeros(nq)
+        nnz = np.zeros(nq)
+        for j in range(i):
+            if bins[j] > 0:
+                sums[quant[j]] += bins[j]
+                nnz[quant[j]] += 1
+        q = np.zeros(i)
+        for j in range(i):
+            if bins[j] > 0:
+                q[j] = sums[quant[j]] / nnz[quant[j]]
+        q /= q.sum()
+        kl = 0.0
+        for j in range(i):
+            if p[j] > 0:
+                kl = math.inf if q[j] == 0 else kl + p[j] * math.log(p[j] / q[j])
+        if kl <= best_kl:  # ties: the last (largest) candidate
+            best_i, best_kl = i, kl
+    return edges[best_i]
+
+
+def ref_mse(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
+    bound = 2**num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1
+    centers = (edges[:-1] + edges[1:]) / 2
+    best, best_err = None, math.inf
+    stop = int(np.nonzero(hist)[0].max()) + 1
+    for i in range(start_bin, stop + 1, stride):
+        a = np.float32(edges[i])
+        s = np.float32(a / np.float32(bound))
+        fq = np.clip(np.round(centers.astype(np.float32) / s), 0, bound).astype(np.float64) * np.float64(s)
+        err = float(np.sum(hist * (centers - fq) ** 2))
+        if err < best_err:
+            best, best_err = edges[i], err
+    return best
+
+
+def random_hist(rng, bins=512):
+    h = rng.integers(0, 50, bins).astype(np.float64) * (rng.random(bins) < 0.8)
+    h[: bins // 3] += rng.integers(100, 1000, bins // 3)  # bulk near zero, sparse tail
+    return h, np.arange(bins + 1, dtype=np.float64) * 0.01
+
+
+# ----------------------------------------------------------------------------- max
+
+
+def test_max_per_tensor_and_per_channel():
+    x = torch.tensor([[1.0, -5.0, 2.0], [-0.5, 0.25, 3.0]])
+    c = MaxCalibrator()
+    c.collect(x)
+    c.collect(x * 0.5)
+    assert c.compute_amax().item() == 5.0
+    c0 = MaxCalibrator(axis=0)
+    c0.collect(x)
+    assert c0.compute_amax().tolist() == [[5.0], [3.0]]
+    cn = MaxCalibrator(axis=-1)
+    cn.collect(x)
+    assert cn.compute_amax().tolist() == [[1.0, 5.0, 3.0]]
+    ct = MaxCalibrator(axis=(0, 2))
+    ct.collect(torch.arange(24.0).reshape(2, 3, 4) - 12)
+    assert ct.compute_amax().shape == (2, 1, 4)
+
+
+def test_max_shape_change_names_quantizer():
+    c = MaxCalibrator(axis=0, name="fc1.input_quantizer")
+    c.collect(torch.ones(3, 4))
+    with pytest.raises(CalibrationError, match="fc1.input_quantizer"):
+        c.collect(torch.ones(5, 4))
+
+
+def test_empty_calibrator_raises():
+    with pytest.raises(CalibrationError, match="no data"):
+        MaxCalibrator(name="q").compute_amax()
+    with pytest.raises(CalibrationError, match="no data"):
+        HistogramCalibrator(name="q").compute_amax("entropy")
+
+
+@pytest.mark.parametrize("cls", [MaxCalibrator, HistogramCalibrator])
+def test_nan_names_quantizer_and_batch(cls):
+    c = cls(name="layer.input_quantizer")
+    c.collect(torch.ones(4))
+    with pytest.raises(CalibrationError, match=r"layer.input_quantizer.*batch 1"):
+        c.collect(torch.tensor([1.0, float("nan")]))
+
+
+# ----------------------------------------------------------------------------- amax methods, hand cases
+
+
+def test_percentile_of_arange():
+    c = HistogramCalibrator()
+    c.collect(torch.arange(100.0))
+    assert c.compute_amax("percentile", percentile=90).item() == pytest.approx(89, abs=0.1)
+
+
+def test_entropy_clips_far_outlier():
+    g = torch.Generator().manual_seed(0)
+    bulk = torch.rand(100_000, generator=g)
+    # bulk spans bins 0..255 of [0, 8): candidates from bin 128 reach into it, the outlier at 4 is clipped
+    c = HistogramCalibrator()
+    c.collect(torch.cat([bulk, torch.tensor([4.0])]))
+    assert 0.9 < c.compute_amax("entropy").item() < 1.1
+    # a 100x outlier: the bulk fills bins 0..15 of [0, 128); with start_bin below that it is clipped too
+    far = HistogramCalibrator()
+    far.collect(torch.cat([bulk, torch.tensor([100.0])]))
+    assert 0.9 < far.compute_amax("entropy", start_bin=4).item() < 1.1
+    # ...while with the default start_bin=128 every candidate in the empty gap has infinite divergence
+    # (TensorRT's definition: clipped mass lands in an empty bin), so the max is kept
+    assert far.compute_amax("entropy").item() == pytest.approx(100.0625)
+
+
+def test_mse_many_255_one_256():
+    x = torch.cat([torch.full((10_000,), 255.0), torch.tensor([256.0])])
+    # bins are 0.25 wide over [0, 512): the values sit at bin centres 255.125 and 256.125
+    c = HistogramCalibrator(unsigned=True)
+    c.collect(x)
+    assert c.compute_amax("mse").item() == pytest.approx(255, abs=1.5)
+    c8 = HistogramCalibrator()
+    c8.collect(x)
+    assert c8.compute_amax("mse").item() == pytest.approx(255, abs=1.5)
+
+
+def test_mse_fp8_finds_range_near_max():
+    g = torch.Generator().manual_seed(0)
+    c = HistogramCalibrator(num_bits=(4, 3))
+    c.collect(torch.randn(50_000, generator=g))
+    amax = c.compute_amax("mse").item()
+    assert 1.0 < amax < 8.0
+
+
+def test_skip_zeros():
+    x = torch.cat([torch.zeros(10_000), torch.linspace(0.1, 1.0, 100)])
+    c = HistogramCalibrator(skip_zeros=True)
+    c.collect(x)
+    assert c.hist.sum().item() == 100
+    # without skipping, the 99th percentile is zero-dominated
+    c2 = HistogramCalibrator()
+    c2.collect(x)
+    assert c2.compute_amax("percentile", percentile=50).item() < c.compute_amax("percentile", percentile=50).item()
+
+
+# ----------------------------------------------------------------------------- vectorized == reference
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_entropy_equals_reference_loop(seed):
+    rng = np.random.default_rng(seed)
+    h, e = random_hist(rng, 384)
+    assert compute_amax_entropy(h, e, start_bin=128) == pytest.approx(ref_entropy(h, e, start_bin=128))
+    assert compute_amax_entropy(h, e, num_bits=6, unsigned=True, stride=3, start_bin=40) == pytest.approx(
+        ref_entropy(h, e, num_bits=6, unsigned=True, stride=3, start_bin=40)
+    )
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_mse_equals_reference_loop(seed):
+    rng = np.random.default_rng(seed)
+    h, e = random_hist(rng, 384)
+    assert compute_amax_mse(h, e, start_bin=64) == pytest.approx(ref_mse(h, e, start_bin=64))
+    assert compute_amax_mse(h, e, num_bits=4, unsigned=True, stride=2, start_bin=16) == pytest.approx(
+        ref_mse(h, e, num_bits=4, unsigned=True, stride=2, start_bin=16)
+    )
+
+
+def test_percentile_equals_reference():
+    rng = np.random.default_rng(5)
+    h, e = random_hist(rng, 300)
+    cdf = np.cumsum(h) / h.sum()
+    for p in (50.0, 99.0, 99.99, 100.0):
+        idx = int(np.argmax(cdf >= p / 100 - 1e-15))
+        assert compute_amax_percentile(h, e, p) == pytest.approx(e[idx + 1])
+
+
+def test_methods_accept_channel_dimension():
+    rng = np.random.default_rng(7)
+    hs, es = zip(*(random_hist(rng, 256) for _ in range(3)))
+    h, e = np.stack(hs), np.stack(es)
+    for fn, kw in ((compute_amax_entropy, {}), (compute_amax_mse, {}), (compute_amax_percentile, {})):
+        batched = fn(h, e, **kw)
+        assert batched.shape == (3,)
+        for c in range(3):
+            assert batched[c] == pytest.approx(fn(h[c], e[c], **kw))
+
+
+# ----------------------------------------------------------------------------- invariance, per-channel
+
+
+def test_histogram_independent_of_batch_order_and_size():
+    g = torch.Generator().manual_seed(0)
+    data = torch.randn(20_000, generator=g) * torch.linspace(0.01, 8, 20_000)
+    results = []
+    for perm_seed, batch in ((0, 100), (1, 3000), (2, 20_000), (3, 777)):
+        perm = torch.randperm(data.numel(), generator=torch.Generator().manual_seed(perm_seed))
+        c = HistogramCalibrator()
+        for chunk in data[perm].split(batch):
+            c.collect(chunk)
+        results.append((c.hist, c.bin_edges, {m: c.compute_amax(m).item() for m in ("entropy", "mse", "percentile")}))
+    h0, e0, a0 = results[0]
+    for h, e, a in results[1:]:
+        assert torch.equal(h, h0) and torch.equal(e, e0)  # exactly the same histogram
+        assert a == a0
+
+
+def test_per_channel_equals_per_tensor_on_each_channel():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 5, 40, generator=g) * torch.tensor([0.1, 1, 3, 10, 0.5, 2]).view(6, 1, 1)
+    pc = HistogramCalibrator(axis=0)
+    for b in x.split(2, dim=1):
+        pc.collect(b)
+    amax_pc = {m: pc.compute_amax(m) for m in ("entropy", "mse", "percentile")}
+    assert amax_pc["entropy"].shape == (6, 1, 1)
+    for c in range(6):
+        single = HistogramCalibrator()
+        for b in x[c].split(2, dim=0):
+            single.collect(b)
+        assert torch.equal(single.hist[0], pc.hist[c])
+        for m, a in amax_pc.items():
+            assert a[c].item() == pytest.approx(single.compute_amax(m).item())
+
+
+def test_memory_state_independent_of_batches():
+    c = HistogramCalibrator(axis=1)
+    for _ in range(50):
+        c.collect(torch.randn(8, 16))
+    assert c._hist.shape == (16, 2048)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs(dtype):
+    x = torch.linspace(-3, 3, 1001)
+    for cls in (MaxCalibrator, HistogramCalibrator):
+        c = cls()
+        c.collect(x.to(dtype))
+        method = () if cls is MaxCalibrator else ("percentile",)
+        assert c.compute_amax(*method).item() == pytest.approx(3.0, rel=0.01)
+
+
+@pytest.mark.cuda
+def test_cuda_collect_stays_on_device():
+    x = torch.randn(64, 3072, device="cuda")
+    for c in (MaxCalibrator(), HistogramCalibrator(axis=1)):
+        c.collect(x)
+        amax = c.compute_amax(*(() if isinstance(c, MaxCalibrator) else ("entropy",)))
+        assert amax.device.type == "cuda"
+    hc = HistogramCalibrator()
+    hc.collect(torch.tensor([1.0, float("inf")], device="cuda"))  # no sync: raised at compute time
+    with pytest.raises(CalibrationError, match="batch 0"):
+        hc.compute_amax("percentile")
