@@ -1,14 +1,22 @@
 """The ``quantcli`` command line: parses, calls library functions, prints. Nothing else lives here.
 
-Library code raises :class:`quantcli.errors.QuantCliError`; this module turns it into a one-line error and
-exit code 2. Numerical check failures are exit code 1.
+Library code raises :class:`quantcli.errors.QuantCliError`; this module turns it into a one-line error on
+stderr and exit code 2. A failed numerical check (``verify``) is exit code 1. Heavy imports happen inside
+the commands so that ``quantcli --help`` starts fast.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 
 from quantcli import __version__
 
@@ -18,7 +26,17 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class Method(str, Enum):
+    max = "max"
+    entropy = "entropy"
+    mse = "mse"
+    percentile = "percentile"
 
 
 def _version(value: bool) -> None:
@@ -34,9 +52,173 @@ def _root(
     """quantcli: calibrate -> export --onnx -> verify."""
 
 
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False) if err.is_terminal else print(
+        f"error: {message}", file=sys.stderr
+    )
+    raise typer.Exit(code)
+
+
+def _guard(fn, *args, **kwargs):
+    """Run a command body: QuantCliError -> one line, exit 2; anything unexpected -> one line, exit 2."""
+    from quantcli.errors import QuantCliError
+
+    try:
+        return fn(*args, **kwargs)
+    except typer.Exit:
+        raise
+    except QuantCliError as e:
+        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except Exception as e:  # a bug or an input we did not foresee: still one line, no traceback
+        if os.environ.get("QUANTCLI_DEBUG"):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        _fail(f"{type(e).__name__}: {first} (set QUANTCLI_DEBUG=1 for a traceback)")
+
+
+def _print_json(data) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def _progress(total: int, label: str, enabled: bool):
+    """A Rich progress bar on a TTY; a no-op elsewhere. Returns (context manager, advance callback)."""
+    import contextlib
+
+    if not enabled or not err.is_terminal:
+        return contextlib.nullcontext(), None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    prog = Progress(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err, transient=True)
+    task = prog.add_task(label, total=total)
+    return prog, lambda i: prog.update(task, completed=i + 1)
+
+
+# --------------------------------------------------------------------------------------------- calibrate
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Argument(..., help="package.module:factory, path/to/file.py:factory, or a sample model (digits_cnn, text_encoder)."),
+    weights: Optional[Path] = typer.Option(None, "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them. Sample models bring their own."),
+    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, fp8, int4-weight-only) or a YAML/JSON file."),
+    method: Method = typer.Option(Method.max, "--method", help="Activation amax method."),
+    percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
+    num_bins: int = typer.Option(2048, "--num-bins", help="Histogram bins for entropy/mse/percentile."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays into batches of N (default 32)."),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Use at most N samples."),
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:i]."),
+    out_path: Optional[Path] = typer.Option(None, "--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow --weights that are a pickled whole module (runs code from the file)."),
+) -> None:
+    """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
+    _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size, num_samples,
+           device, out_path, as_json, trust_pickle)
+
+
+def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
+               out_path, as_json, trust_pickle):
+    from quantcli.calibrate import calibrate as run_calibration
+    from quantcli.calibrate import resolve_device
+    from quantcli.checkpoint import save_calibrated
+    from quantcli.data import cap_samples, load_batches
+    from quantcli.errors import DataError, QuantCliError
+    from quantcli.loading import load_model
+    from quantcli.nn import load_config, quantize_model
+
+    if batch_size is not None and batch_size <= 0:
+        raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
+    cfg = load_config(config)
+    resolve_device(device)
+    model, spec = load_model(model_spec, weights, trust_pickle)
+    if data is not None:
+        batches = load_batches(data, model, batch_size or 32, num_samples)
+    elif spec.kind == "sample":
+        from sample_models import SAMPLES
+
+        batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), num_samples)
+    else:
+        raise DataError(f"{model_spec} is not a sample model, so it needs calibration data: pass --data FILE")
+    quantize_model(model, cfg)
+    report = model.quantcli_report
+    if not report.layers:
+        raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
+    target = out_path or Path(f"{spec.stem}.calib.pt")
+    ctx, advance = _progress(len(batches), "calibrating", not as_json)
+    with ctx:
+        summary = run_calibration(model, batches, method, percentile=percentile, num_bins=num_bins,
+                                  device=device, progress=advance)
+    model.to("cpu")
+    info = summary.to_dict()
+    info["config"] = cfg.source
+    save_calibrated(target, model, spec, batches[0], info)
+    info["out"] = str(target)
+    info["unmatched_patterns"] = report.unmatched_patterns
+    if as_json:
+        _print_json(info)
+        return
+    for p in report.unmatched_patterns:
+        err.print(f"warning: config pattern {p!r} matched no quantizer")
+    t = Table(title=f"quantcli calibrate {model_spec}", show_header=False)
+    t.add_row("method", f"{summary.method} ({cfg.source})")
+    t.add_row("device", summary.device)
+    t.add_row("data", f"{summary.num_samples} samples in {summary.num_batches} batches")
+    t.add_row("quantizers calibrated", str(len(summary.calibrated)))
+    t.add_row("quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)")
+    if summary.amax_min is not None:
+        t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
+    t.add_row("time", f"{summary.seconds:.2f} s")
+    t.add_row("written", str(target))
+    out.print(t)
+
+
+# --------------------------------------------------------------------------------------------- inspect
+
+
+@app.command()
+def inspect(
+    path: Path = typer.Argument(..., help="A calibrated checkpoint (.pt) or an exported ONNX file."),
+    as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+) -> None:
+    """Show the quantizers of a calibrated checkpoint, or the Q/DQ nodes of an ONNX file."""
+    _guard(_inspect, path, as_json)
+
+
+def _inspect(path: Path, as_json: bool) -> None:
+    from quantcli.inspect import inspect_checkpoint, inspect_onnx
+
+    if path.suffix.lower() == ".onnx":
+        rows = inspect_onnx(path)
+        if as_json:
+            _print_json(rows)
+            return
+        t = Table(title=f"{path} — {len(rows['pairs'])} Q/DQ pairs, opset {rows['opset']}")
+        for col in ("quantizer", "format", "axis", "block", "scale", "zero point", "stored"):
+            t.add_column(col)
+        for r in rows["pairs"]:
+            t.add_row(r["quantizer"] or r["tensor"], r["format"], str(r["axis"]), str(r["block_size"] or ""),
+                      r["scale"], str(r["zero_point"]), r["stored"])
+        out.print(t)
+        return
+    rows = inspect_checkpoint(path)
+    if as_json:
+        _print_json(rows)
+        return
+    t = Table(title=f"{path} — {rows['model']} ({rows['config']})")
+    for col in ("quantizer", "enabled", "num_bits", "axis", "block", "amax"):
+        t.add_column(col)
+    for r in rows["quantizers"]:
+        t.add_row(r["name"], "yes" if r["enabled"] else "no", r["format"], str(r["axis"]), str(r["block_sizes"] or ""),
+                  r["amax"])
+    out.print(t)
+
+
 def main() -> None:
     app(prog_name="quantcli")
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

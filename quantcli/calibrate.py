@@ -1,0 +1,153 @@
+"""``calibrate(model, batches, method=...)``: fill every enabled quantizer's amax.
+
+Weights are calibrated from the weights themselves (max, per channel or per block, unless the weight
+descriptor asks for a histogram). Activations: one pass of the data through the model in
+``torch.inference_mode()`` with the input quantizers observing (no fake quantization during the pass),
+then each calibrator's amax search. Calibrators collect on the model's device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantcli.data import Batch, num_samples, run_model, to_device
+from quantcli.errors import CalibrationError, QuantCliError
+from quantcli.nn.replace import quantizers
+
+METHODS = ("max", "entropy", "mse", "percentile")
+
+
+@dataclass
+class CalibrationSummary:
+    method: str
+    device: str
+    num_batches: int
+    num_samples: int
+    calibrated: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # disabled or dynamic
+    amax_min: float | None = None
+    amax_max: float | None = None
+    seconds: float = 0.0
+    settings: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "device": self.device,
+            "num_batches": self.num_batches,
+            "num_samples": self.num_samples,
+            "quantizers_calibrated": len(self.calibrated),
+            "quantizers_skipped": len(self.skipped),
+            "calibrated": self.calibrated,
+            "skipped": self.skipped,
+            "amax_min": self.amax_min,
+            "amax_max": self.amax_max,
+            "seconds": round(self.seconds, 4),
+            "settings": self.settings,
+        }
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise QuantCliError(f"--device {device} was asked for, but no CUDA GPU is available; use --device cpu or auto")
+        dev = torch.device(device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise QuantCliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+        return dev
+    raise QuantCliError(f"unknown --device {device!r}; use auto, cpu or cuda[:i]")
+
+
+def calibrate(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    method: str = "max",
+    *,
+    percentile: float = 99.99,
+    num_bins: int = 2048,
+    device: str | torch.device = "auto",
+    progress: Callable[[int], None] | None = None,
+) -> CalibrationSummary:
+    """Calibrate every enabled, static quantizer of a quantized ``model`` in place.
+
+    Args:
+        batches: keyword batches for ``model(**batch)``.
+        method: activation amax method: ``max``, ``entropy``, ``mse`` or ``percentile``.
+        percentile: for ``percentile``, in percent.
+        num_bins: histogram bins (a power of two keeps histograms exactly order-invariant).
+        device: ``auto``, ``cpu``, ``cuda[:i]`` or a ``torch.device``.
+        progress: called with the batch index after each batch.
+    """
+    if method not in METHODS:
+        raise CalibrationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not 0 < percentile <= 100:
+        raise CalibrationError(f"--percentile must be in (0, 100], got {percentile}")
+    if not isinstance(num_bins, int) or num_bins < 16:
+        raise CalibrationError(f"--num-bins must be an int >= 16, got {num_bins}")
+    if not batches:
+        raise CalibrationError("no calibration batches")
+    qs = quantizers(model)
+    if not qs:
+        raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
+    dev = resolve_device(device)
+    t0 = time.perf_counter()
+    model.eval().to(dev)
+    summary = CalibrationSummary(method, str(dev), len(batches), num_samples(batches),
+                                 settings={"percentile": percentile, "num_bins": num_bins})
+    kwargs = {"percentile": percentile}
+
+    # weights: from the weights themselves
+    for name, q in qs.items():
+        if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        wmethod = method if q.desc.calib_method == "histogram" else "max"
+        q.start_calibration(wmethod, num_bins)
+        q.collect(parent.weight.detach())
+        q.load_calib_amax(wmethod, **kwargs)
+
+    # activations: one observing pass
+    acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
+    for q in acts.values():
+        q.start_calibration(method, num_bins)
+    try:
+        with torch.inference_mode():
+            for i, batch in enumerate(batches):
+                run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
+                if progress is not None:
+                    progress(i)
+        seen = [n for n, q in acts.items() if q.calibrator is not None and q.calibrator.num_batches == 0]
+        if seen:
+            raise CalibrationError(f"quantizer(s) saw no data during calibration (not on the forward path?): {', '.join(seen[:5])}")
+        for q in acts.values():
+            q.load_calib_amax(method, **kwargs)
+    finally:
+        for q in acts.values():
+            if q.mode == "calibrate":
+                q.calibrator = None
+                q.set_mode("quantize")
+
+    for name, q in qs.items():
+        if q.enabled and not q.desc.dynamic and q.amax is not None:
+            summary.calibrated.append(name)
+            lo, hi = float(q.amax.min()), float(q.amax.max())
+            summary.amax_min = lo if summary.amax_min is None else min(summary.amax_min, lo)
+            summary.amax_max = hi if summary.amax_max is None else max(summary.amax_max, hi)
+        else:
+            summary.skipped.append(name)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    summary.seconds = time.perf_counter() - t0
+    return summary

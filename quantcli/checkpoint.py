@@ -1,0 +1,155 @@
+"""The calibrated checkpoint: one self-contained file, readable with ``torch.load(weights_only=True)``.
+
+Keys: ``format`` (``"quantcli.calibrated"``), ``format_version``, ``quantcli_version``, ``model`` (spec, and
+the factory file's source for file specs), ``state_dict`` (weights and every quantizer's amax),
+``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``inputs`` (names, dtypes,
+shapes, example batch), ``calibration`` (settings and summary). Written atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantcli import __version__
+from quantcli.data import Batch
+from quantcli.errors import CheckpointError, QuantCliError
+from quantcli.loading import ModelSpec, build_model
+from quantcli.nn.config import QuantConfig, _plain
+from quantcli.nn.replace import quantize_model, quantizers
+
+FORMAT = "quantcli.calibrated"
+FORMAT_VERSION = 1
+EXAMPLE_SAMPLES = 8
+
+
+def atomic_write(path: str | Path, write) -> None:
+    """Call ``write(tmp_path)`` then rename over ``path``: no half-written file on failure."""
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise QuantCliError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise QuantCliError(f"cannot write {path}: directory {parent} is not writable")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _example(batch: Batch) -> Batch:
+    return {k: v[:EXAMPLE_SAMPLES].detach().cpu().clone() for k, v in batch.items()}
+
+
+def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example_batch: Batch,
+                    calibration: dict[str, Any] | None = None) -> None:
+    """Write the calibrated checkpoint for a quantized, calibrated ``model``."""
+    cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
+    qs = {}
+    for name, q in quantizers(model).items():
+        qs[name] = {
+            "descriptor": _plain(q.desc.dict()),
+            "enabled": q.enabled,
+            "amax": None if q.amax is None else q.amax.detach().cpu().clone(),
+        }
+    example = _example(example_batch)
+    data = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "quantcli_version": __version__,
+        "model": spec.to_plain(),
+        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "quant_config": cfg.to_plain(),
+        "quantizers": qs,
+        "inputs": {
+            "names": list(example),
+            "dtypes": [str(v.dtype).replace("torch.", "") for v in example.values()],
+            "shapes": [list(v.shape) for v in example.values()],
+            "example": example,
+        },
+        "calibration": calibration or {},
+    }
+    atomic_write(path, lambda tmp: torch.save(data, tmp))
+
+
+@dataclass
+class Calibrated:
+    """A loaded checkpoint: the quantized model (eval mode, on CPU) and everything stored with it."""
+
+    model: nn.Module
+    spec: ModelSpec
+    config: QuantConfig
+    data: dict[str, Any]
+    path: str
+
+    @property
+    def input_names(self) -> list[str]:
+        return list(self.data["inputs"]["names"])
+
+    @property
+    def example(self) -> Batch:
+        return dict(self.data["inputs"]["example"])
+
+    @property
+    def quantizer_info(self) -> dict[str, dict[str, Any]]:
+        return self.data["quantizers"]
+
+    def float_model(self) -> nn.Module:
+        """A copy of the model with every quantizer disabled (the unquantized reference)."""
+        m = copy.deepcopy(self.model)
+        for q in quantizers(m).values():
+            q.set_mode("disabled")
+            q.mode = "disabled"
+        return m
+
+    def evaluation_batches(self) -> list[Batch] | None:
+        """The sample model's held-out batches, if the model is a sample model."""
+        if self.spec.kind != "sample":
+            return None
+        from sample_models import SAMPLES
+
+        return SAMPLES[self.spec.spec].evaluation_batches()
+
+
+def read_checkpoint(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"calibrated checkpoint {path} does not exist")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint (cannot read it: "
+                              f"{str(e).splitlines()[0][:120]}); create one with `quantcli calibrate`") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
+    if data.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointError(f"{path} was written by a newer quantcli (format {data['format_version']}); upgrade quantcli")
+    return data
+
+
+def load_calibrated(path: str | Path) -> Calibrated:
+    """Re-create the quantized model exactly: same outputs, bit for bit, as when it was saved."""
+    data = read_checkpoint(path)
+    spec = ModelSpec.from_plain(data["model"])
+    cfg = QuantConfig.from_plain(data["quant_config"])
+    model = build_model(spec)
+    quantize_model(model, cfg)
+    try:
+        model.load_state_dict(data["state_dict"], strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
+                              f"{str(e).splitlines()[0]}") from None
+    for name, q in quantizers(model).items():
+        q.set_mode("quantize")
+    return Calibrated(model.eval(), spec, cfg, data, str(path))

@@ -1,0 +1,196 @@
+"""Calibration / verification data: files -> a list of keyword batches for ``model(**batch)``.
+
+Formats: ``.npz`` (one array per forward argument, by name; ``arr_0, arr_1, ...`` positional), ``.npy`` (the
+single input), ``.pt`` (a tensor, a dict of tensors, or a list of such batches; read with
+``weights_only=True``), or a directory of such files (one batch per file, sequence lengths may differ).
+Whole arrays are split into batches of ``batch_size``; lists and directories are used batch by batch.
+float64 becomes float32; integer and bool arrays (token ids, masks) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantcli.errors import DataError
+
+Batch = dict[str, torch.Tensor]
+_SUFFIXES = (".npz", ".npy", ".pt")
+
+
+def forward_parameters(model: nn.Module) -> tuple[list[str], list[str], bool]:
+    """(all named parameters of forward, the required ones, accepts **kwargs)."""
+    sig = inspect.signature(model.forward)
+    names, required, var_kw = [], [], False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            var_kw = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY):
+            names.append(p.name)
+            if p.default is p.empty:
+                required.append(p.name)
+    return names, required, var_kw
+
+
+def _tensor(x, where: str) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype == object:
+            raise DataError(f"{where}: object arrays are not supported; save numeric arrays")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, torch.Tensor):
+        raise DataError(f"{where}: expected an array or tensor, got {type(x).__name__}")
+    if x.dtype == torch.float64:
+        x = x.to(torch.float32)
+    return x
+
+
+def _named(raw: dict, names: list[str], where: str) -> Batch:
+    positional = all(re.fullmatch(r"arr_\d+", k) for k in raw)
+    out = {}
+    for k, v in raw.items():
+        if positional:
+            i = int(k[4:])
+            if i >= len(names):
+                raise DataError(f"{where}: {k} is positional argument {i}, but forward takes {len(names)} ({', '.join(names)})")
+            k = names[i]
+        out[k] = _tensor(v, f"{where}[{k}]")
+    return out
+
+
+def _read(path: Path, names: list[str]) -> tuple[list[Batch], bool]:
+    """(batches, whole_arrays): whole arrays may be re-batched."""
+    where = str(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                raw = {k: z[k] for k in z.files}
+            return [_named(raw, names, where)], True
+        if suffix == ".npy":
+            arr = np.load(path, allow_pickle=False)
+            if not names:
+                raise DataError(f"{where}: forward takes no arguments")
+            return [{names[0]: _tensor(arr, where)}], True
+        if suffix == ".pt":
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        else:
+            raise DataError(f"{where}: unknown data format {suffix!r}; use .npz, .npy, .pt or a directory of them")
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"cannot read {where}: {str(e).splitlines()[0]}") from None
+    if isinstance(obj, torch.Tensor):
+        return [{names[0]: _tensor(obj, where)}] if names else [], True
+    if isinstance(obj, dict):
+        return [_named(obj, names, where)], True
+    if isinstance(obj, (list, tuple)):
+        batches = []
+        for i, b in enumerate(obj):
+            if isinstance(b, torch.Tensor):
+                batches.append({names[0]: _tensor(b, f"{where}[{i}]")})
+            elif isinstance(b, dict):
+                batches.append(_named(b, names, f"{where}[{i}]"))
+            else:
+                raise DataError(f"{where}[{i}]: a batch must be a tensor or a dict of tensors, got {type(b).__name__}")
+        return batches, False
+    raise DataError(f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}")
+
+
+def _split(batch: Batch, batch_size: int, where: str) -> list[Batch]:
+    sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items()}
+    if any(s is None for s in sizes.values()):
+        raise DataError(f"{where}: scalar arrays cannot be batched; give each input a leading sample dimension")
+    if len(set(sizes.values())) > 1:
+        raise DataError(f"{where}: inputs have different sample counts {sizes}")
+    n = next(iter(sizes.values()), 0)
+    return [{k: v[i : i + batch_size] for k, v in batch.items()} for i in range(0, n, batch_size)]
+
+
+def check_names(batch: Batch, model: nn.Module, where: str) -> None:
+    names, required, var_kw = forward_parameters(model)
+    for k in batch:
+        if k not in names and not var_kw:
+            raise DataError(f"{where}: input {k!r} is not an argument of forward({', '.join(names)})")
+    missing = [r for r in required if r not in batch]
+    if missing:
+        raise DataError(f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not provide "
+                        f"(it has {', '.join(batch) or 'nothing'})")
+
+
+def load_batches(path: str | Path, model: nn.Module, batch_size: int | None = 32,
+                 num_samples: int | None = None) -> list[Batch]:
+    """Read data for ``model`` and return keyword batches, capped at ``num_samples`` samples in total."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data {path} does not exist")
+    names, _, _ = forward_parameters(model)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
+        if not files:
+            raise DataError(f"data directory {path} has no .npz, .npy or .pt files")
+        batches = []
+        for f in files:
+            bs, _ = _read(f, names)
+            batches += bs
+        whole = False
+    else:
+        batches, whole = _read(path, names)
+    if whole and batch_size:
+        batches = [s for b in batches for s in _split(b, batch_size, str(path))]
+    batches = cap_samples(batches, num_samples)
+    if not batches or all(_count(b) == 0 for b in batches):
+        raise DataError(f"data {path} holds no samples")
+    for b in batches:
+        check_names(b, model, str(path))
+    return batches
+
+
+def _count(batch: Batch) -> int:
+    v = next(iter(batch.values()), None)
+    return int(v.shape[0]) if v is not None and v.dim() else 1
+
+
+def cap_samples(batches: list[Batch], num_samples: int | None) -> list[Batch]:
+    if num_samples is None:
+        return batches
+    if num_samples <= 0:
+        raise DataError(f"--num-samples must be positive, got {num_samples}")
+    out, seen = [], 0
+    for b in batches:
+        if seen >= num_samples:
+            break
+        take = min(_count(b), num_samples - seen)
+        out.append({k: v[:take] for k, v in b.items()} if take < _count(b) else b)
+        seen += take
+    return out
+
+
+def num_samples(batches: list[Batch]) -> int:
+    return sum(_count(b) for b in batches)
+
+
+def describe(batch: Batch) -> str:
+    """``x: float32[32, 1, 8, 8], mask: int64[32, 9]`` for error messages."""
+    return ", ".join(f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}" for k, v in batch.items())
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
+    """``model(**batch)`` with errors turned into a DataError that names the inputs and their shapes."""
+    try:
+        return model(**batch)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        from quantcli.errors import QuantCliError
+
+        if isinstance(e, QuantCliError):
+            raise
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None

@@ -1,0 +1,56 @@
+"""Tables of what a calibrated checkpoint or an exported ONNX file contains (plain data; cli.py prints)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _amax_text(amax) -> str:
+    if amax is None:
+        return "-"
+    if amax.numel() == 1:
+        return f"{float(amax):.6g}"
+    return f"[{float(amax.min()):.4g} .. {float(amax.max()):.4g}] ({amax.numel()})"
+
+
+def _format(desc: dict[str, Any]) -> str:
+    nb = desc.get("num_bits", 8)
+    if isinstance(nb, (list, tuple)):
+        return "fp8-e4m3"
+    return f"{'uint' if desc.get('unsigned') else 'int'}{nb}"
+
+
+def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+    from quantcli.checkpoint import read_checkpoint
+
+    data = read_checkpoint(path)
+    rows = []
+    for name, q in data["quantizers"].items():
+        d = q["descriptor"]
+        rows.append({
+            "name": name,
+            "enabled": q["enabled"],
+            "format": _format(d),
+            "axis": d.get("axis"),
+            "block_sizes": {k: v for k, v in (d.get("block_sizes") or {}).items()},
+            "amax": _amax_text(q["amax"]) if q["enabled"] else "-",
+            "amax_values": None if q["amax"] is None else q["amax"].flatten().tolist()[:16],
+        })
+    return {
+        "model": data["model"]["spec"],
+        "config": data["quant_config"].get("source", data["quant_config"].get("preset")),
+        "inputs": {"names": data["inputs"]["names"], "dtypes": data["inputs"]["dtypes"], "shapes": data["inputs"]["shapes"]},
+        "calibration": {k: v for k, v in data["calibration"].items() if k not in ("calibrated", "skipped")},
+        "quantizers": rows,
+    }
+
+
+def inspect_onnx(path: str | Path) -> dict[str, Any]:
+    from exporters.graph import qdq_pairs, read_onnx
+
+    model = read_onnx(path)
+    pairs = qdq_pairs(model)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+    return {"opset": opset, "pairs": [p.to_row() for p in pairs],
+            "metadata": {p.key: p.value for p in model.metadata_props}}

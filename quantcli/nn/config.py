@@ -1,0 +1,157 @@
+"""Quant configs: presets plus ordered pattern rules.
+
+A config is a preset name (``int8``, ``int8-per-tensor``, ``fp8``, ``int4-weight-only``), a YAML/JSON file,
+or the same content as a dict::
+
+    preset: int8            # the starting point (default int8)
+    block_size: 128         # int4-weight-only's block along the input dimension
+    rules:                  # applied in order, matched with fnmatch on quantizer names;
+      - pattern: "classifier.*"            # later rules win field by field
+        enable: false
+      - pattern: "*.weight_quantizer"
+        num_bits: 4
+
+Quantizer names are module names plus ``.input_quantizer`` / ``.weight_quantizer``. A rule's other keys are
+:class:`~quantcli.descriptor.QuantDescriptor` fields. ``axis: output_channel`` means the layer's
+output-channel axis (0, or 1 for transposed convolutions).
+"""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantcli.descriptor import FIELDS, QuantDescriptor
+from quantcli.errors import ConfigError
+
+OUTPUT_CHANNEL = "output_channel"
+INPUT_CHANNEL_BLOCKS = "input_channel_blocks"
+
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    "int8": {
+        "input": {"enable": True, "num_bits": 8},
+        "weight": {"enable": True, "num_bits": 8, "axis": OUTPUT_CHANNEL},
+    },
+    "int8-per-tensor": {
+        "input": {"enable": True, "num_bits": 8},
+        "weight": {"enable": True, "num_bits": 8},
+    },
+    "fp8": {
+        "input": {"enable": True, "num_bits": (4, 3)},
+        "weight": {"enable": True, "num_bits": (4, 3)},
+    },
+    "int4-weight-only": {
+        "input": {"enable": False},
+        "weight": {"enable": True, "num_bits": 4, "block_sizes": INPUT_CHANNEL_BLOCKS},
+    },
+}
+DEFAULT_BLOCK_SIZE = 128
+_RULE_KEYS = {"pattern", "enable", *FIELDS}
+
+
+@dataclass
+class QuantConfig:
+    preset: str = "int8"
+    rules: list[dict[str, Any]] = field(default_factory=list)
+    block_size: int = DEFAULT_BLOCK_SIZE
+    source: str = "int8"
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
+        for i, r in enumerate(self.rules):
+            if not isinstance(r, dict) or "pattern" not in r or not isinstance(r["pattern"], str):
+                raise ConfigError(f"rule {i} must be a mapping with a 'pattern' string, got {r!r}")
+            unknown = sorted(set(r) - _RULE_KEYS)
+            if unknown:
+                raise ConfigError(f"rule {i} ({r['pattern']!r}) has unknown field(s) {unknown}; "
+                                  f"known: enable, {', '.join(FIELDS)}")
+            if "enable" in r and not isinstance(r["enable"], bool):
+                raise ConfigError(f"rule {i} ({r['pattern']!r}): enable must be true or false")
+
+    def to_plain(self) -> dict[str, Any]:
+        """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
+        return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source}
+
+    @classmethod
+    def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
+        if not isinstance(data, dict):
+            raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
+        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source"})
+        if unknown:
+            raise ConfigError(f"unknown config field(s) {unknown} in {source}; known: preset, block_size, rules")
+        return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
+                   block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source))
+
+    def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
+        """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
+        fields = copy.deepcopy(PRESETS[self.preset][kind])
+        matched = []
+        for i, rule in enumerate(self.rules):
+            if fnmatch.fnmatchcase(quantizer_name, rule["pattern"]):
+                matched.append(i)
+                fields.update({k: v for k, v in rule.items() if k != "pattern"})
+        enabled = fields.pop("enable", True)
+        if fields.get("axis") == OUTPUT_CHANNEL:
+            fields["axis"] = layer.weight_axis
+        if fields.get("block_sizes") == INPUT_CHANNEL_BLOCKS:
+            in_axis = 1 - layer.weight_axis if layer.weight.dim() > 1 else 0
+            fields["block_sizes"] = {(-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size}
+        if not enabled and kind == "input" and "num_bits" not in fields:
+            fields["num_bits"] = 8
+        try:
+            desc = QuantDescriptor(name=quantizer_name, **fields)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{quantizer_name}: {e}") from None
+        return enabled, desc, matched
+
+
+def _plain(x):
+    if isinstance(x, tuple):
+        return [_plain(i) for i in x]
+    if isinstance(x, list):
+        return [_plain(i) for i in x]
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    return x
+
+
+def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantConfig:
+    """A preset name, a ``.yaml``/``.yml``/``.json`` path, a dict, a list of rules, or a QuantConfig."""
+    if config is None:
+        return QuantConfig()
+    if isinstance(config, QuantConfig):
+        return config
+    if isinstance(config, list):
+        return QuantConfig(rules=config, source="<rules>")
+    if isinstance(config, dict):
+        return QuantConfig.from_plain(config)
+    text = str(config)
+    if text in PRESETS:
+        return QuantConfig(preset=text, source=text)
+    path = Path(text)
+    if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"unknown preset {text!r}; choose one of {', '.join(PRESETS)} or give a .yaml/.json file")
+    if not path.is_file():
+        raise ConfigError(f"config file {text} does not exist")
+    try:
+        raw = path.read_text(encoding="utf-8")
+        if path.suffix.lower() == ".json":
+            data = json.loads(raw)
+        else:
+            import yaml
+
+            data = yaml.safe_load(raw)
+    except Exception as e:  # yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(f"cannot parse {text}: {str(e).splitlines()[0]}") from None
+    if isinstance(data, list):
+        return QuantConfig(rules=data, source=str(path))
+    if data is None:
+        data = {}
+    return QuantConfig.from_plain(data, source=str(path))

@@ -1,0 +1,180 @@
+"""``TensorQuantizer``: a module that holds a descriptor, an ``amax`` buffer and a calibrator.
+
+Modes: ``"calibrate"`` (observe only: collect statistics, return the input unchanged), ``"quantize"``
+(fake-quantize with amax) and ``"disabled"`` (identity).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from calibrators import HistogramCalibrator, MaxCalibrator
+from quantcli.descriptor import QuantDescriptor
+from quantcli.errors import CalibrationError, ConfigError
+from quantcli.tensor_quant import FakeTensorQuantFunction, ScaledE4M3Function
+
+MODES = ("calibrate", "quantize", "disabled")
+
+
+class TensorQuantizer(nn.Module):
+    """Quantizes one tensor as its :class:`QuantDescriptor` says.
+
+    ``amax`` is a buffer (``None`` until calibrated) and appears in ``state_dict`` once set; its shape keeps
+    the rank of the tensor for per-axis (``(C, 1, 1, 1)``) and is ``shape // block`` along the blocked axis.
+    """
+
+    def __init__(self, desc: QuantDescriptor | None = None, name: str | None = None, enabled: bool = True):
+        super().__init__()
+        self.desc = desc or QuantDescriptor()
+        self.name = name
+        self.enabled = enabled
+        self.mode = "quantize" if enabled else "disabled"
+        self.calibrator = None
+        amax = None if self.desc.amax is None else torch.tensor(self.desc.amax, dtype=torch.float32)
+        self.register_buffer("amax", amax)
+        blocks = QuantDescriptor.get_block_quant_axes_and_sizes(self.desc.block_sizes)
+        if len(blocks) > 1:
+            raise ConfigError(f"{name}: block quantization along several axes {sorted(blocks)} is not supported "
+                              "(ONNX QuantizeLinear blocks one axis)")
+        self._block = next(iter(blocks.items()), None)
+        if self.desc.learn_amax and amax is not None:
+            self.amax = None
+            self._parameters["amax"] = nn.Parameter(amax)
+
+    # ------------------------------------------------------------------------------------------- modes
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode if self.enabled else "disabled"
+
+    def start_calibration(self, method: str = "max", num_bins: int = 2048) -> None:
+        """Attach a fresh calibrator and switch to observing."""
+        if not self.enabled or self.desc.dynamic:
+            return
+        use_hist = method != "max" and (self.desc.calib_method == "histogram" or method in ("entropy", "mse", "percentile"))
+        axis = self._calib_axis()
+        nb = self.desc.num_bits
+        bits = nb if isinstance(nb, int) else tuple(nb)
+        if use_hist:
+            self.calibrator = HistogramCalibrator(bits, axis, self.desc.unsigned, num_bins=num_bins, name=self.name)
+        else:
+            self.calibrator = MaxCalibrator(bits, axis, self.desc.unsigned, name=self.name)
+        self.set_mode("calibrate")
+
+    def _calib_axis(self):
+        if self._block is not None:
+            return "block"
+        return self.desc.axis
+
+    def _blocked_view(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        axis, size = self._block
+        d = axis % x.dim()
+        n = x.shape[d]
+        size = min(size, n)
+        if n % size:
+            raise ConfigError(f"{self.name}: dimension {d} of size {n} is not a multiple of the block size {size}; "
+                              "set block_size to a divisor")
+        return x.unflatten(d, (n // size, size)), d
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        if self.calibrator is None:
+            raise CalibrationError(f"{self.name}: start_calibration() first")
+        if self._block is not None:
+            xb, d = self._blocked_view(x)
+            self.calibrator.axis = tuple(i for i in range(xb.dim()) if i != d + 1)
+            self.calibrator.collect(xb)
+        else:
+            self.calibrator.collect(x)
+
+    def load_calib_amax(self, method: str = "max", **kwargs) -> torch.Tensor:
+        """Compute amax from the calibrator (``method`` for histograms), store it, and switch to quantizing."""
+        if self.calibrator is None:
+            raise CalibrationError(f"{self.name}: was never calibrated")
+        if isinstance(self.calibrator, HistogramCalibrator):
+            if method == "max":
+                method = "entropy"
+            if method == "entropy" and self.desc.is_fp8:
+                raise CalibrationError(f"{self.name}: entropy calibration is for integer formats; use mse or percentile for FP8")
+            kw = {k: v for k, v in kwargs.items() if k != "num_bins"}
+            if method != "percentile":
+                kw.pop("percentile", None)
+            amax = self.calibrator.compute_amax(method, **kw)
+        else:
+            amax = self.calibrator.compute_amax()
+        if self._block is not None:
+            amax = amax.squeeze(self._blocked_axis_after(amax))
+        if self.desc.scale_amax is not None:
+            amax = amax * self.desc.scale_amax
+        self.set_amax(amax)
+        self.calibrator = None
+        self.set_mode("quantize")
+        return self.amax
+
+    def _blocked_axis_after(self, amax: torch.Tensor) -> int:
+        d = self._block[0] % (amax.dim() - 1)
+        return d + 1
+
+    def set_amax(self, amax: torch.Tensor) -> None:
+        amax = amax.detach().to(torch.float32)
+        if (amax < 0).any() or not torch.isfinite(amax).all():
+            raise CalibrationError(f"{self.name}: amax must be finite and >= 0")
+        if isinstance(self._parameters.get("amax"), nn.Parameter):
+            self._parameters["amax"] = nn.Parameter(amax)
+        elif self.desc.learn_amax:
+            self.amax = None
+            self._buffers.pop("amax", None)
+            self._parameters["amax"] = nn.Parameter(amax)
+        else:
+            self.amax = amax
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        key = prefix + "amax"
+        if key in state_dict and self.amax is None:
+            self.set_amax(state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def _dynamic_amax(self, x: torch.Tensor) -> torch.Tensor:
+        c = MaxCalibrator(axis=self.desc.axis, name=self.name)
+        if self._block is not None:
+            xb, d = self._blocked_view(x)
+            c.axis = tuple(i for i in range(xb.dim()) if i != d + 1)
+            return c_collect(c, xb).squeeze(d + 1)
+        return c_collect(c, x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mode == "disabled":
+            return x
+        if self.mode == "calibrate":
+            self.collect(x)
+            return x
+        amax = self._dynamic_amax(x) if self.desc.dynamic else self.amax
+        if amax is None:
+            raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
+        amax = amax.to(x.device)
+        if torch.onnx.is_in_onnx_export() and not self.desc.learn_amax:
+            from exporters.custom_ops import export_amax
+
+            amax = export_amax(amax)
+        if self.desc.is_fp8:
+            return ScaledE4M3Function.apply(x, amax, 4, 3)
+        return FakeTensorQuantFunction.apply(x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range)
+
+    def extra_repr(self) -> str:
+        d = self.desc
+        bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned else ''}int{d.num_bits}"
+        gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")
+        if self.amax is None:
+            a = "amax=None"
+        elif self.amax.numel() == 1:
+            a = f"amax={self.amax.item():.4g}"
+        else:
+            a = f"amax=[{self.amax.min().item():.4g}, {self.amax.max().item():.4g}]({self.amax.numel()})"
+        return f"{bits} {gran}{' narrow' if d.narrow_range else ''} {a} mode={self.mode}"
+
+
+def c_collect(c: MaxCalibrator, x: torch.Tensor) -> torch.Tensor:
+    c.collect(x)
+    return c.compute_amax()
