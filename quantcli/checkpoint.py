@@ -150,6 +150,6 @@ def load_calibrated(path: str | Path) -> Calibrated:
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
                               f"{str(e).splitlines()[0]}") from None
-    for name, q in quantizers(model).items():
+    for q in quantizers(model).values():
         q.set_mode("quantize")
     return Calibrated(model.eval(), spec, cfg, data, str(path))

@@ -188,9 +188,5 @@ def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     try:
         return model(**batch)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        from quantcli.errors import QuantCliError
-
-        if isinstance(e, QuantCliError):
-            raise
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None
