@@ -3,10 +3,11 @@
 
 from calibrators.histogram import compute_amax_entropy, compute_amax_mse, compute_amax_percentile
 from calibrators.histogram_calibrator import HistogramCalibrator
-from calibrators.max import MaxCalibrator
+from calibrators.max import MaxCalibrator, MinMaxCalibrator
 
 __all__ = [
     "MaxCalibrator",
+    "MinMaxCalibrator",
     "HistogramCalibrator",
     "compute_amax_entropy",
     "compute_amax_mse",

@@ -40,3 +40,34 @@ class MaxCalibrator(Calibrator):
 
     def __repr__(self) -> str:
         return f"MaxCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned})"
+
+
+class MinMaxCalibrator(Calibrator):
+    """Running ``min(x)`` and ``max(x)`` per tensor, for asymmetric (affine) quantization."""
+
+    def __init__(self, num_bits: int = 8, name: str | None = None):
+        super().__init__(num_bits, None, True, name)
+        self._min: torch.Tensor | None = None
+        self._max: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def collect(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        lo, hi = x.amin().to(torch.float32), x.amax().to(torch.float32)
+        self._note_finite(torch.stack([lo, hi]))
+        self._min = lo if self._min is None else torch.minimum(self._min, lo)
+        self._max = hi if self._max is None else torch.maximum(self._max, hi)
+        self._batches += 1
+
+    def compute_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(min, max)`` seen, widened to include 0 (zero must be exactly representable)."""
+        self._check_ready()
+        return self._min.clamp(max=0.0).clone(), self._max.clamp(min=0.0).clone()
+
+    def compute_amax(self, *_, **__) -> torch.Tensor:
+        lo, hi = self.compute_range()
+        return torch.maximum(-lo, hi)
+
+    def reset(self) -> None:
+        super().reset()
+        self._min = self._max = None

@@ -37,6 +37,19 @@ def integer_type(num_bits: int, unsigned: bool) -> OnnxQuantType:
     return UINT16 if unsigned else INT16
 
 
+def emitted_type(num_bits: int, unsigned: bool) -> OnnxQuantType:
+    """The type the ``symbolic`` functions emit: int8/uint8 up to 8 bits (narrower grids clipped), int16 above.
+
+    torch's TorchScript exporter cannot type int4 tensors, so 2..4-bit grids leave the exporter as clipped
+    int8 Q/DQ pairs (the same codes) and :func:`exporters.fold.narrow_types` stores them as int4/uint4.
+    """
+    if num_bits <= 8:
+        return UINT8 if unsigned else INT8
+    if unsigned:
+        raise ValueError(f"unsigned {num_bits}-bit quantization has no ONNX type quantcli exports; use signed")
+    return INT16
+
+
 def format_name(num_bits, unsigned: bool, blocked: bool = False) -> str:
     """Human name of a quantizer's format, as used in summaries and errors."""
     if num_bits == (4, 3) or num_bits == [4, 3]:

@@ -4,8 +4,9 @@ Each piece turns one quantize op into ``[Max, Min] -> QuantizeLinear -> Dequanti
 point and clip bounds are computed here in PyTorch with :mod:`quantcli.arithmetic` and emitted as constants,
 so the graph holds exactly the float32 numbers the fake-quant model uses.
 
-The optional ``Max``/``Min`` pair appears only when the grid is narrower than the ONNX type's saturation
-range (``narrow_range``, or 2..7-bit grids stored in int8) or a channel is dead (amax 0): clipping ``x`` to
+The optional ``Max``/``Min`` pair appears only when the grid is narrower than the emitted type's saturation
+range (``narrow_range``, or 2..7-bit grids in int8, see :func:`exporters.formats.emitted_type`) or a
+channel is dead (amax 0): clipping ``x`` to
 ``fl(qmin * scale)`` before dividing gives the same code as clamping after rounding, since
 ``fl(qmin * s) / s`` is within a few ulps of ``qmin``.
 """
@@ -53,10 +54,7 @@ def _zero_point_const(g, zp: torch.Tensor, qtype: fm.OnnxQuantType):
     if qtype is fm.FP8_E4M3:
         return g.op("Constant", value_t=zp.to(torch.float8_e4m3fn))
     native = {fm.INT8.name: torch.int8, fm.UINT8.name: torch.uint8, fm.INT16.name: torch.int16}
-    if qtype.name in native:
-        return g.op("Constant", value_t=zp.to(native[qtype.name]))
-    # int4 / uint4 / uint16 have no torch constant type: emit int32 and Cast (folded after export).
-    return g.op("Cast", g.op("Constant", value_t=zp.to(torch.int32)), to_i=qtype.elem_type)
+    return g.op("Constant", value_t=zp.to(native[qtype.name]))
 
 
 def _qdq_attrs(gran: Granularity) -> dict:
@@ -91,9 +89,13 @@ def _symmetric_pieces(g, x, amax, num_bits, unsigned, narrow_range):
     a = constant_value(amax, "amax").to(torch.float32)
     ar.check_num_bits(num_bits)
     ar.check_amax(a)
-    qtype = fm.integer_type(num_bits, unsigned)
+    final_type = fm.integer_type(num_bits, unsigned)
+    try:
+        qtype = fm.emitted_type(num_bits, unsigned)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     gran, shape = _granularity(g, x, a)
-    _check_opset(g, max(qtype.min_opset, fm.MIN_OPSET), fm.format_name(num_bits, unsigned, gran.kind == "block"))
+    _check_opset(g, max(final_type.min_opset, fm.MIN_OPSET), fm.format_name(num_bits, unsigned, gran.kind == "block"))
     bound = ar.symmetric_bound(num_bits, unsigned)
     scale = ar.symmetric_scale(a, bound)
     qmin, qmax = ar.integer_range(num_bits, unsigned, narrow_range)
@@ -138,8 +140,8 @@ def affine_qdq(g, x, min_range, max_range, num_bits=8):
     scale, zp = affine_qparams(lo_v, hi_v, num_bits)
     if scale.numel() != 1:
         raise ExportError("affine quantization is exported per-tensor only")
-    qtype = fm.integer_type(num_bits, True)
-    _check_opset(g, max(qtype.min_opset, fm.MIN_OPSET), fm.format_name(num_bits, True))
+    _check_opset(g, max(fm.integer_type(num_bits, True).min_opset, fm.MIN_OPSET), fm.format_name(num_bits, True))
+    qtype = fm.emitted_type(num_bits, True)
     qmax = (1 << num_bits) - 1
     scale, zp = scale.reshape(()), zp.reshape(())
     if qmax != qtype.qmax:

@@ -103,7 +103,7 @@ def calibrate(
     model: str = typer.Argument(..., help="package.module:factory, path/to/file.py:factory, or a sample model (digits_cnn, text_encoder)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them. Sample models bring their own."),
-    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, fp8, int4-weight-only) or a YAML/JSON file."),
+    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only) or a YAML/JSON file."),
     method: Method = typer.Option(Method.max, "--method", help="Activation amax method."),
     percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
     num_bins: int = typer.Option(2048, "--num-bins", help="Histogram bins for entropy/mse/percentile."),
@@ -172,6 +172,56 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
         t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
     t.add_row("time", f"{summary.seconds:.2f} s")
     t.add_row("written", str(target))
+    out.print(t)
+
+
+# --------------------------------------------------------------------------------------------- export
+
+
+class Exporter(str, Enum):
+    torchscript = "torchscript"
+    dynamo = "dynamo"
+
+
+@app.command()
+def export(
+    calibrated: Path = typer.Argument(..., help="Calibrated checkpoint written by `quantcli calibrate`."),
+    onnx_path: Path = typer.Option(..., "--onnx", help="ONNX file to write."),
+    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need: 13 int8, 19 fp8, 21 int4)."),
+    exporter: Exporter = typer.Option(Exporter.torchscript, "--exporter", help="torch exporter: torchscript or dynamo (torch.export)."),
+    dynamic_axes: bool = typer.Option(True, "--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions."),
+    weights_qdq: bool = typer.Option(False, "--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+) -> None:
+    """Export a calibrated checkpoint as a standard QuantizeLinear/DequantizeLinear ONNX graph."""
+    _guard(_export, calibrated, onnx_path, opset, exporter.value, dynamic_axes, weights_qdq, as_json)
+
+
+def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, as_json):
+    from exporters.onnx_export import export_onnx
+    from quantcli.checkpoint import load_calibrated
+
+    ckpt = load_calibrated(calibrated)
+    meta = {
+        "quantcli.config": json.dumps(ckpt.config.to_plain()),
+        "quantcli.model": ckpt.spec.spec,
+        "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
+    }
+    res = export_onnx(ckpt.model, ckpt.example, onnx_path, opset, exporter, dynamic_axes=dynamic_axes,
+                      weights_qdq=weights_qdq, metadata=meta)
+    if as_json:
+        _print_json(res.to_dict())
+        return
+    t = Table(title=f"quantcli export {calibrated}", show_header=False)
+    t.add_row("Q/DQ pairs", ", ".join(f"{v} {k}" for k, v in sorted(res.pairs_by_format.items())) or "none")
+    t.add_row("weights stored quantized", str(res.weights_stored_quantized))
+    t.add_row("opset", str(res.opset))
+    t.add_row("exporter", res.exporter)
+    t.add_row("inputs", ", ".join(res.input_names))
+    t.add_row("outputs", ", ".join(res.output_names))
+    t.add_row("file size", f"{res.file_bytes / 1024:.1f} KiB" + (" (+ external data)" if res.external_data else ""))
+    t.add_row("time", f"{res.seconds:.2f} s")
+    t.add_row("written", res.path)
     out.print(t)
 
 

@@ -23,6 +23,7 @@ _DEFAULTS: dict[str, Any] = {
     "unsigned": False,
     "narrow_range": False,
     "dynamic": False,
+    "asymmetric": False,
 }
 FIELDS = tuple(_DEFAULTS)
 _BLOCK_SPECIAL = ("type", "scale_bits", "scale_block_sizes")
@@ -139,6 +140,8 @@ class ScaledQuantDescriptor:
         unsigned: unsigned integer grid.
         narrow_range: signed grid ``[-bound, bound]`` instead of ``[-bound-1, bound]``.
         dynamic: compute amax on the fly instead of calibrating it.
+        asymmetric: (quantcli addition) affine quantization on an unsigned grid with a zero point, calibrated
+            from the running min and max (``FakeAffineTensorQuantFunction``); per-tensor, integer formats only.
     """
 
     def __init__(self, num_bits=8, name=None, **kwargs):
@@ -170,6 +173,9 @@ class ScaledQuantDescriptor:
         self._dynamic = _bool("dynamic", v["dynamic"])
         if self.is_fp8 and self._unsigned:
             raise ValueError("FP8 E4M3 is signed; unsigned=True does not apply")
+        self._asymmetric = _bool("asymmetric", v["asymmetric"])
+        if self._asymmetric and (self.is_fp8 or self._axis is not None or self._block_sizes is not None):
+            raise ValueError("asymmetric quantization is per-tensor and integer-only (no axis, block_sizes or FP8)")
 
     num_bits = property(lambda self: self._num_bits, doc="int bits, or (E, M) for FP8.")
     name = property(lambda self: self._name)
@@ -182,6 +188,7 @@ class ScaledQuantDescriptor:
     calib_method = property(lambda self: self._calib_method)
     unsigned = property(lambda self: self._unsigned)
     narrow_range = property(lambda self: self._narrow_range)
+    asymmetric = property(lambda self: self._asymmetric)
 
     @property
     def dynamic(self) -> bool:

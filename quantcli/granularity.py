@@ -44,22 +44,30 @@ def _dims(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> list[tuple[i
 
 
 def granularity_of(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> Granularity:
-    """Classify for ONNX: one per-axis dimension, or one blocked dimension (other dims equal), or per-tensor."""
+    """Classify for ONNX: per-tensor, per-axis (one kept axis), or blocked (one blocked axis, every other
+    axis kept whole, as ONNX's blocked QuantizeLinear wants its scale).
+
+    A single block spanning a whole axis looks like a broadcast axis (amax size 1); when every other axis is
+    kept, it is read as that block (a conv weight ``(O, I, kh, kw)`` blocked by ``I`` has amax ``(O, 1, kh, kw)``).
+    """
     dims = _dims(tuple(amax_shape), tuple(x_shape))
     if not dims:
         return Granularity("tensor")
+    kept = [d for d in dims if d[1] == "axis"]
     blocks = [d for d in dims if d[1] == "block"]
-    if not blocks:
-        if len(dims) > 1:
-            raise ValueError(
-                f"amax of shape {tuple(amax_shape)} is per-axis over several axes {[d[0] for d in dims]}; "
-                "ONNX QuantizeLinear takes one axis"
-            )
-        return Granularity("axis", dims[0][0])
-    if len(blocks) > 1:
-        raise ValueError(f"amax of shape {tuple(amax_shape)} blocks several axes; ONNX takes one block axis")
-    d = blocks[0]
-    return Granularity("block", d[0], d[2])
+    broadcast = [d for d, (a, n) in enumerate(zip(amax_shape, x_shape)) if a == 1 and n != 1]
+    if not blocks and len(kept) == 1:
+        return Granularity("axis", kept[0][0])
+    if not blocks and len(broadcast) == 1:
+        d = broadcast[0]
+        return Granularity("block", d, x_shape[d])
+    if len(blocks) == 1 and not broadcast:
+        d = blocks[0]
+        return Granularity("block", d[0], d[2])
+    raise ValueError(
+        f"amax of shape {tuple(amax_shape)} for a tensor of shape {tuple(x_shape)} is neither per-tensor, "
+        "per-axis (one axis) nor blocked along one axis; ONNX QuantizeLinear cannot express it"
+    )
 
 
 def expand_amax(amax: torch.Tensor, x_shape: tuple[int, ...]) -> torch.Tensor:

@@ -18,6 +18,8 @@ def _format(desc: dict[str, Any]) -> str:
     nb = desc.get("num_bits", 8)
     if isinstance(nb, (list, tuple)):
         return "fp8-e4m3"
+    if desc.get("asymmetric"):
+        return f"uint{nb} asymmetric"
     return f"{'uint' if desc.get('unsigned') else 'int'}{nb}"
 
 

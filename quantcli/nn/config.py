@@ -1,6 +1,7 @@
 """Quant configs: presets plus ordered pattern rules.
 
-A config is a preset name (``int8``, ``int8-per-tensor``, ``fp8``, ``int4-weight-only``), a YAML/JSON file,
+A config is a preset name (``int8``, ``int8-per-tensor``, ``uint8-asymmetric``, ``fp8``, ``int4-weight-only``),
+a YAML/JSON file,
 or the same content as a dict::
 
     preset: int8            # the starting point (default int8)
@@ -39,6 +40,10 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "int8-per-tensor": {
         "input": {"enable": True, "num_bits": 8},
         "weight": {"enable": True, "num_bits": 8},
+    },
+    "uint8-asymmetric": {
+        "input": {"enable": True, "num_bits": 8, "asymmetric": True},
+        "weight": {"enable": True, "num_bits": 8, "axis": OUTPUT_CHANNEL},
     },
     "fp8": {
         "input": {"enable": True, "num_bits": (4, 3)},
@@ -102,7 +107,12 @@ class QuantConfig:
             fields["axis"] = layer.weight_axis
         if fields.get("block_sizes") == INPUT_CHANNEL_BLOCKS:
             in_axis = 1 - layer.weight_axis if layer.weight.dim() > 1 else 0
-            fields["block_sizes"] = {(-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size}
+            if layer.weight.shape[in_axis] == 1:
+                # one input channel (a first conv on grey images): nothing to block, quantize per output channel
+                fields.pop("block_sizes")
+                fields["axis"] = layer.weight_axis
+            else:
+                fields["block_sizes"] = {(-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size}
         if not enabled and kind == "input" and "num_bits" not in fields:
             fields["num_bits"] = 8
         try:

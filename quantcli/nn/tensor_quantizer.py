@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from calibrators import HistogramCalibrator, MaxCalibrator
+from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError
-from quantcli.tensor_quant import FakeTensorQuantFunction, ScaledE4M3Function
+from quantcli.tensor_quant import FakeAffineTensorQuantFunction, FakeTensorQuantFunction, ScaledE4M3Function
 
 MODES = ("calibrate", "quantize", "disabled")
 
@@ -33,6 +33,7 @@ class TensorQuantizer(nn.Module):
         self.calibrator = None
         amax = None if self.desc.amax is None else torch.tensor(self.desc.amax, dtype=torch.float32)
         self.register_buffer("amax", amax)
+        self.register_buffer("amin", None)  # asymmetric quantizers: the calibrated minimum (<= 0)
         blocks = QuantDescriptor.get_block_quant_axes_and_sizes(self.desc.block_sizes)
         if len(blocks) > 1:
             raise ConfigError(f"{name}: block quantization along several axes {sorted(blocks)} is not supported "
@@ -56,7 +57,9 @@ class TensorQuantizer(nn.Module):
         axis = self._calib_axis()
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
-        if use_hist:
+        if self.desc.asymmetric:
+            self.calibrator = MinMaxCalibrator(bits, name=self.name)
+        elif use_hist:
             self.calibrator = HistogramCalibrator(bits, axis, self.desc.unsigned, num_bins=num_bins, name=self.name)
         else:
             self.calibrator = MaxCalibrator(bits, axis, self.desc.unsigned, name=self.name)
@@ -92,6 +95,13 @@ class TensorQuantizer(nn.Module):
         """Compute amax from the calibrator (``method`` for histograms), store it, and switch to quantizing."""
         if self.calibrator is None:
             raise CalibrationError(f"{self.name}: was never calibrated")
+        if isinstance(self.calibrator, MinMaxCalibrator):
+            lo, amax = self.calibrator.compute_range()
+            self.amin = lo
+            self.set_amax(amax)
+            self.calibrator = None
+            self.set_mode("quantize")
+            return self.amax
         if isinstance(self.calibrator, HistogramCalibrator):
             if method == "max":
                 method = "entropy"
@@ -133,6 +143,8 @@ class TensorQuantizer(nn.Module):
         key = prefix + "amax"
         if key in state_dict and self.amax is None:
             self.set_amax(state_dict[key])
+        if prefix + "amin" in state_dict and self.amin is None:
+            self.amin = state_dict[prefix + "amin"].detach().to(torch.float32).clone()
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     # ------------------------------------------------------------------------------------------- forward
@@ -158,13 +170,23 @@ class TensorQuantizer(nn.Module):
             from exporters.custom_ops import export_amax
 
             amax = export_amax(amax)
+        if self.desc.asymmetric:
+            amin = self.amin if self.amin is not None else torch.zeros_like(amax)
+            amin = amin.to(x.device)
+            if torch.onnx.is_in_onnx_export():
+                from exporters.custom_ops import export_amax
+
+                amin = export_amax(amin)
+            return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)
         if self.desc.is_fp8:
             return ScaledE4M3Function.apply(x, amax, 4, 3)
         return FakeTensorQuantFunction.apply(x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range)
 
     def extra_repr(self) -> str:
         d = self.desc
-        bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned else ''}int{d.num_bits}"
+        bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
+        if d.asymmetric:
+            bits += " asymmetric"
         gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")
         if self.amax is None:
             a = "amax=None"

@@ -1,0 +1,197 @@
+"""Post-export graph passes, shared by both exporters.
+
+1. Constant nodes become initializers (one place to look up values).
+2. ``Cast`` of an initializer is folded (the dynamo translations cast their zero points).
+3. Weights are stored quantized (the deployment form): a ``QuantizeLinear`` whose input is an initializer
+   (possibly through the ``Max``/``Min`` clip) is replaced by its codes, computed with quantcli's arithmetic,
+   the same arithmetic the fake-quant model uses; the float weight disappears from the file.
+4. :func:`narrow_types`: 2..4-bit pairs, emitted as clipped int8, are stored as int4/uint4.
+5. Unused initializers are dropped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper, numpy_helper
+
+from exporters.graph import to_numpy
+from quantcli import arithmetic as ar
+
+_INT_RANGES = {
+    onnx.TensorProto.INT8: (-128, 127), onnx.TensorProto.UINT8: (0, 255), onnx.TensorProto.INT4: (-8, 7),
+    onnx.TensorProto.UINT4: (0, 15), onnx.TensorProto.INT16: (-32768, 32767), onnx.TensorProto.UINT16: (0, 65535),
+}
+
+
+def make_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
+    """An initializer of ``elem_type`` holding ``values`` (already representable in that type)."""
+    dims = list(values.shape)
+    if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+        raw = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.float8_e4m3fn)
+        return helper.make_tensor(name, elem_type, dims, raw.view(torch.uint8).numpy().tobytes(), raw=True)
+    if elem_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        return helper.make_tensor(name, elem_type, dims, values.astype(np.int64).flatten().tolist())
+    np_type = helper.tensor_dtype_to_np_dtype(elem_type)
+    return numpy_helper.from_array(np.ascontiguousarray(values).astype(np_type), name)
+
+
+def constants_to_initializers(model: onnx.ModelProto) -> None:
+    g = model.graph
+    keep = []
+    for n in g.node:
+        if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value":
+            t = onnx.TensorProto()
+            t.CopyFrom(n.attribute[0].t)
+            t.name = n.output[0]
+            g.initializer.append(t)
+        else:
+            keep.append(n)
+    del g.node[:]
+    g.node.extend(keep)
+
+
+def _representable(vals: np.ndarray, elem_type: int) -> bool:
+    if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return bool(np.all(np.abs(vals) <= 448.0))
+    if elem_type not in _INT_RANGES:
+        return False
+    lo, hi = _INT_RANGES[elem_type]
+    return bool(np.all(vals == np.round(vals)) and vals.min(initial=0) >= lo and vals.max(initial=0) <= hi)
+
+
+def fold_casts(model: onnx.ModelProto) -> None:
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    keep = []
+    for n in g.node:
+        if n.op_type == "Cast" and n.input[0] in inits:
+            to = next(a.i for a in n.attribute if a.name == "to")
+            vals = to_numpy(inits[n.input[0]]).astype(np.float64)
+            if _representable(vals, to):
+                new = make_initializer(n.output[0], vals.astype(np.float32), to)
+                g.initializer.append(new)
+                inits[new.name] = new
+                continue
+        keep.append(n)
+    del g.node[:]
+    g.node.extend(keep)
+
+
+def _attrs(node) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def _broadcast_param(p: np.ndarray, x_shape: tuple[int, ...], axis: int | None, block: int | None) -> np.ndarray:
+    if p.size == 1 and p.ndim <= 1:
+        return p.reshape(())
+    if block:
+        return np.repeat(p, block, axis=axis).take(np.arange(x_shape[axis]), axis=axis)
+    shape = [1] * len(x_shape)
+    shape[axis] = p.size
+    return p.reshape(shape)
+
+
+def quantize_codes(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem_type: int, axis: int | None,
+                   block: int | None) -> np.ndarray:
+    """ONNX QuantizeLinear on numpy, with quantcli's arithmetic."""
+    if axis is not None:
+        axis = axis % x.ndim
+    s = torch.from_numpy(_broadcast_param(scale.astype(np.float32), x.shape, axis, block))
+    xt = torch.from_numpy(x.astype(np.float32))
+    if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return ar.quantize_e4m3(xt, s).to(torch.float32).numpy()
+    z = torch.from_numpy(_broadcast_param(zp.astype(np.float32), x.shape, axis, block))
+    lo, hi = _INT_RANGES[elem_type]
+    return ar.quantize_linear(xt, s, z, lo, hi).numpy()
+
+
+def fold_weight_quantization(model: onnx.ModelProto) -> int:
+    """Replace QuantizeLinear of constant weights by stored codes. Returns how many were folded."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    drop_q: set[int] = set()
+    drop_clip: set[int] = set()
+    folded = 0
+    for n in g.node:
+        if n.op_type != "QuantizeLinear" or n.input[1] not in inits:
+            continue
+        chain, src = [], n.input[0]
+        while src not in inits and src in producers and producers[src].op_type in ("Max", "Min") \
+                and producers[src].input[1] in inits:
+            chain.append(producers[src])
+            src = producers[src].input[0]
+        if src not in inits:
+            continue
+        x = to_numpy(inits[src]).astype(np.float32)
+        for c in reversed(chain):
+            bound = to_numpy(inits[c.input[1]]).astype(np.float32)
+            x = np.maximum(x, bound) if c.op_type == "Max" else np.minimum(x, bound)
+        a = _attrs(n)
+        zp_name = n.input[2] if len(n.input) > 2 else ""
+        zp_t = inits.get(zp_name)
+        elem = zp_t.data_type if zp_t is not None else onnx.TensorProto.UINT8
+        zp = to_numpy(zp_t) if zp_t is not None else np.zeros(())
+        scale = to_numpy(inits[n.input[1]])
+        axis = a.get("axis", 1) if scale.size > 1 else None
+        codes = quantize_codes(x, scale, zp, elem, axis, a.get("block_size") or None)
+        new = make_initializer(n.output[0], codes, elem)
+        g.initializer.append(new)
+        inits[new.name] = new
+        drop_q.add(id(n))
+        drop_clip.update(id(c) for c in chain)
+        folded += 1
+    keep = [n for n in g.node if id(n) not in drop_q]
+    # a clip node may feed other nodes too: drop it only when nothing reads it any more
+    while True:
+        read = {i for n in keep for i in n.input} | {o.name for o in g.output}
+        rest = [n for n in keep if id(n) not in drop_clip or any(o in read for o in n.output)]
+        if len(rest) == len(keep):
+            break
+        keep = rest
+    del g.node[:]
+    g.node.extend(keep)
+    return folded
+
+
+def narrow_types(model: onnx.ModelProto, targets: dict[str, int]) -> int:
+    """Store the Q/DQ pairs whose DequantizeLinear output is in ``targets`` in the target type (int4/uint4).
+
+    Their codes already lie in the target range (the exporter clipped them), so retyping the zero point and
+    any stored codes changes no value. Returns the number of pairs narrowed.
+    """
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    retype: dict[str, int] = {}
+    for n in g.node:
+        if n.op_type == "DequantizeLinear" and n.output[0] in targets:
+            t = targets[n.output[0]]
+            if len(n.input) > 2 and n.input[2] in inits:
+                retype[n.input[2]] = t
+            if n.input[0] in inits:
+                retype[n.input[0]] = t
+    for name, t in retype.items():
+        old = inits[name]
+        vals = to_numpy(old).astype(np.float64)
+        if not _representable(vals, t):
+            raise ValueError(f"{name}: values outside the range of ONNX type {t}")
+        new = make_initializer(name, vals.astype(np.float32), t)
+        old.CopyFrom(new)
+    return sum(1 for n in g.node if n.op_type == "DequantizeLinear" and n.output[0] in targets)
+
+
+def drop_unused_initializers(model: onnx.ModelProto) -> None:
+    g = model.graph
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    keep = [t for t in g.initializer if t.name in used]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+
+
+def prepare(model: onnx.ModelProto, fold_weights: bool) -> int:
+    """Passes 1-3; returns the number of weights stored quantized."""
+    constants_to_initializers(model)
+    fold_casts(model)
+    return fold_weight_quantization(model) if fold_weights else 0

@@ -1,0 +1,119 @@
+"""Reading ONNX graphs: initializers and constants as numpy, Q/DQ pairs and the quantizer each came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from quantcli.errors import VerifyError
+
+QUANTIZERS_KEY = "quantcli.quantizers"
+
+
+def read_onnx(path: str | Path) -> onnx.ModelProto:
+    """Load and check an ONNX file; a missing or corrupt file is a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise VerifyError(f"ONNX file {path} does not exist")
+    try:
+        model = onnx.load(str(path))
+        onnx.checker.check_model(model)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        raise VerifyError(f"{path} is not a valid ONNX model ({first}); re-export it with `quantcli export`") from None
+    return model
+
+
+def initializer_map(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in graph.initializer}
+
+
+def to_numpy(t: onnx.TensorProto) -> np.ndarray:
+    """Tensor values as numpy; int4/uint4 unpacked to int8/uint8, fp8 as float32."""
+    if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
+        from onnx import numpy_helper as nh
+
+        arr = nh.to_array(t)
+        return arr.astype(np.int8 if t.data_type == onnx.TensorProto.INT4 else np.uint8)
+    arr = numpy_helper.to_array(t)
+    if t.data_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return arr.astype(np.float32)
+    return arr
+
+
+@dataclass
+class QdqPair:
+    """One DequantizeLinear (and its QuantizeLinear, if the codes are computed at run time)."""
+
+    tensor: str  # the float tensor the pair quantizes (the Q input, or the stored initializer)
+    output: str  # the DequantizeLinear output
+    quantizer: str | None
+    format: str
+    axis: int | None
+    block_size: int | None
+    scale: np.ndarray
+    zero_point: np.ndarray
+    stored: str  # "runtime" (Q in the graph) or "initializer" (weights stored quantized)
+    q_node: str | None
+    dq_node: str
+
+    def to_row(self) -> dict:
+        s = self.scale
+        scale_txt = f"{float(s):.6g}" if s.size == 1 else f"[{float(s.min()):.4g} .. {float(s.max()):.4g}] ({s.size})"
+        zp = self.zero_point
+        return {
+            "tensor": self.tensor, "output": self.output, "quantizer": self.quantizer, "format": self.format,
+            "axis": self.axis, "block_size": self.block_size, "scale": scale_txt,
+            "zero_point": float(zp) if zp.size == 1 else f"({zp.size} values)", "stored": self.stored,
+        }
+
+
+_FORMATS = {
+    onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT4: "int4",
+    onnx.TensorProto.UINT4: "uint4", onnx.TensorProto.INT16: "int16", onnx.TensorProto.UINT16: "uint16",
+    onnx.TensorProto.FLOAT8E4M3FN: "fp8-e4m3",
+}
+
+
+def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
+    """DequantizeLinear output name -> quantizer name, as written by the exporter into metadata_props."""
+    for p in model.metadata_props:
+        if p.key == QUANTIZERS_KEY:
+            return json.loads(p.value)
+    return {}
+
+
+def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
+    g = model.graph
+    inits = initializer_map(g)
+    producers = {o: n for n in g.node for o in n.output}
+    names = quantizer_map(model)
+    pairs = []
+    for n in g.node:
+        if n.op_type != "DequantizeLinear":
+            continue
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        src = producers.get(n.input[0])
+        zp_name = n.input[2] if len(n.input) > 2 else None
+        zp_t = inits.get(zp_name) if zp_name else None
+        elem = zp_t.data_type if zp_t is not None else (inits[n.input[0]].data_type if n.input[0] in inits else 0)
+        scale = to_numpy(inits[n.input[1]]) if n.input[1] in inits else np.array(np.nan)
+        zp = to_numpy(zp_t) if zp_t is not None else np.zeros(())
+        if src is not None and src.op_type == "QuantizeLinear":
+            tensor, stored, qn = src.input[0], "runtime", src.name
+        else:
+            tensor, stored, qn = n.input[0], "initializer", None
+        scale_rank = scale.ndim
+        pairs.append(QdqPair(
+            tensor=tensor, output=n.output[0], quantizer=names.get(n.output[0]),
+            format=_FORMATS.get(elem, f"type{elem}"),
+            axis=attrs.get("axis", 1) if scale_rank >= 1 and scale.size > 1 else None,
+            block_size=attrs.get("block_size") or None, scale=scale, zero_point=zp, stored=stored,
+            q_node=qn, dq_node=n.name,
+        ))
+    return pairs

@@ -1,0 +1,283 @@
+"""The export driver: a quantized model -> a checked, standard Q/DQ ONNX file, written atomically.
+
+Both torch exporters are supported. ``torchscript`` (``torch.onnx.export(..., dynamo=False)``) calls the
+quantize ops' ``symbolic`` functions; ``dynamo`` (torch.export) sees the same ops as ``torch.library`` custom
+ops whose ONNX translations emit the same nodes (:mod:`exporters.dynamo`). Then :mod:`exporters.fold`
+stores weights quantized, the model is checked with ``onnx.checker`` and shape inference, and the quant
+config and the quantizer of every DequantizeLinear go into ``metadata_props``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from exporters import formats as fm
+from exporters.fold import drop_unused_initializers, narrow_types, prepare
+from exporters.graph import QUANTIZERS_KEY, qdq_pairs
+from quantcli import __version__
+from quantcli.errors import ExportError
+
+EXPORTERS = ("torchscript", "dynamo")
+EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
+
+
+@dataclass
+class ExportResult:
+    path: str
+    opset: int
+    exporter: str
+    pairs_by_format: dict[str, int] = field(default_factory=dict)
+    weights_stored_quantized: int = 0
+    file_bytes: int = 0
+    seconds: float = 0.0
+    input_names: list[str] = field(default_factory=list)
+    output_names: list[str] = field(default_factory=list)
+    external_data: bool = False
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _quantizers(model: nn.Module):
+    from quantcli.nn.replace import quantizers
+
+    return quantizers(model)
+
+
+def required_opset(model: nn.Module) -> tuple[int, str]:
+    """(lowest opset the model's quantizers need, the format that needs it)."""
+    need, why = fm.MIN_OPSET, "int8"
+    for q in _quantizers(model).values():
+        if not q.enabled:
+            continue
+        blocked = q._block is not None
+        unsigned = q.desc.unsigned or q.desc.asymmetric
+        op = fm.required_opset(q.desc.num_bits, unsigned, blocked)
+        if op > need:
+            need, why = op, fm.format_name(q.desc.num_bits, unsigned, blocked)
+    return need, why
+
+
+def check_exportable(model: nn.Module) -> None:
+    missing = [n for n, q in _quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ExportError(f"uncalibrated quantizer(s), amax missing: {', '.join(missing[:5])}{more}; run `quantcli calibrate` first")
+    dynamic = [n for n, q in _quantizers(model).items() if q.enabled and q.desc.dynamic]
+    if dynamic:
+        raise ExportError(f"dynamic quantizers cannot be exported as static Q/DQ: {', '.join(dynamic[:5])}")
+
+
+def _output_names(outputs) -> list[str]:
+    if isinstance(outputs, dict):
+        return [str(k) for k in outputs]
+    if isinstance(outputs, (tuple, list)):
+        return [f"output_{i}" for i in range(len(outputs))]
+    return ["output_0"]
+
+
+def _dynamic_axes(example: dict[str, torch.Tensor], output_names: list[str], outputs) -> dict[str, dict[int, str]]:
+    axes: dict[str, dict[int, str]] = {}
+    for name, t in example.items():
+        if t.dim() == 0:
+            continue
+        a = {0: "batch"}
+        if not t.dtype.is_floating_point and t.dim() >= 2:
+            a[1] = "sequence"
+        axes[name] = a
+    flat = list(outputs.values()) if isinstance(outputs, dict) else list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    for name, o in zip(output_names, flat):
+        if isinstance(o, torch.Tensor) and o.dim() > 0:
+            axes[name] = {0: "batch"}
+    return axes
+
+
+def _ir_version(opset: int) -> int:
+    return 10 if opset >= 21 else 9 if opset >= 19 else 8
+
+
+def _name_quantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]:
+    """DequantizeLinear output -> quantizer name.
+
+    The TorchScript exporter names nodes by module scope (``/fc1/input_quantizer/DequantizeLinear``); the
+    dynamo path names its nodes after the quantizer (:mod:`exporters.dynamo`). Either way the quantizer's
+    module path is in the node name.
+    """
+    known = set(_quantizers(module))
+    mapping = {}
+    for n in model.graph.node:
+        if n.op_type != "DequantizeLinear":
+            continue
+        parts = n.name.strip("/").split("/")
+        scoped = ".".join(parts[:-1])
+        if scoped in known:
+            mapping[n.output[0]] = scoped
+            continue
+        flat = n.name.replace("/", ".")
+        hits = [q for q in known if q in flat]
+        if hits:
+            mapping[n.output[0]] = max(hits, key=len)
+    return mapping
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: dict[str, torch.Tensor],
+    path: str | Path,
+    opset: int | None = None,
+    exporter: str = "torchscript",
+    *,
+    dynamic_axes: bool = True,
+    weights_qdq: bool = False,
+    metadata: dict[str, str] | None = None,
+) -> ExportResult:
+    """Export a calibrated, quantized ``model`` to a standard Q/DQ ONNX file.
+
+    Args:
+        example_inputs: keyword inputs for ``model(**example_inputs)``; their names become the graph's inputs.
+        opset: default: the lowest the formats need (13 int8, 19 fp8, 21 int4/blocked).
+        exporter: ``torchscript`` or ``dynamo``.
+        dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic.
+        weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
+    """
+    t0 = time.perf_counter()
+    if exporter not in EXPORTERS:
+        raise ExportError(f"unknown exporter {exporter!r}; choose torchscript or dynamo")
+    check_exportable(model)
+    need, why = required_opset(model)
+    if opset is None:
+        opset = need
+    elif opset < need:
+        raise ExportError(f"{why} quantization needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out")
+    if opset > 21:
+        raise ExportError(f"opset {opset} is not supported; use 13..21")
+    path = Path(path)
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.suffix.lower() != ".onnx":
+        raise ExportError(f"output {path} must end in .onnx")
+    if not parent.is_dir():
+        raise ExportError(f"cannot write {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"cannot write {path}: directory {parent} is not writable")
+
+    model = model.eval().cpu()
+    example = {k: v.cpu() for k, v in example_inputs.items()}
+    with torch.no_grad():
+        outputs = model(**example)
+    output_names = _output_names(outputs)
+    input_names = list(example)
+    axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
+
+    workdir = Path(tempfile.mkdtemp(prefix=".quantcli-export-", dir=parent))
+    try:
+        raw = workdir / "raw.onnx"
+        if exporter == "torchscript":
+            _export_torchscript(model, example, raw, opset, input_names, output_names, axes)
+        else:
+            from exporters.dynamo import export_dynamo
+
+            export_dynamo(model, example, raw, opset, input_names, output_names, axes)
+        onnx_model = onnx.load(str(raw))
+        folded = prepare(onnx_model, fold_weights=not weights_qdq)
+        _set_opset(onnx_model, opset)
+        mapping = _name_quantizers(onnx_model, model)
+        qs = _quantizers(model)
+        narrow = {}
+        for out_name, qname in mapping.items():
+            d = qs[qname].desc
+            if not d.is_fp8 and d.num_bits <= 4:
+                narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
+        narrow_types(onnx_model, narrow)
+        drop_unused_initializers(onnx_model)
+        meta = {
+            "quantcli.version": __version__,
+            "quantcli.exporter": exporter,
+            QUANTIZERS_KEY: json.dumps(mapping),
+            **(metadata or {}),
+        }
+        del onnx_model.metadata_props[:]
+        for k, v in meta.items():
+            onnx_model.metadata_props.add(key=k, value=v)
+        onnx_model.producer_name = "quantcli"
+        onnx_model.producer_version = __version__
+        try:
+            onnx_model = onnx.shape_inference.infer_shapes(onnx_model, check_type=True)
+            onnx.checker.check_model(onnx_model)
+        except Exception as e:
+            raise ExportError(f"the exported graph failed the ONNX checker: {str(e).splitlines()[0][:200]}") from None
+        external = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES if _small_enough_to_size(onnx_model) else True
+        final = workdir / path.name
+        if external:
+            onnx.save_model(onnx_model, str(final), save_as_external_data=True, all_tensors_to_one_file=True,
+                            location=path.name + ".data")
+            os.replace(workdir / (path.name + ".data"), parent / (path.name + ".data"))
+        else:
+            onnx.save_model(onnx_model, str(final))
+        os.replace(final, path)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    counts: dict[str, int] = {}
+    for p in qdq_pairs(onnx_model):
+        counts[p.format + (" blocked" if p.block_size else "")] = counts.get(p.format + (" blocked" if p.block_size else ""), 0) + 1
+    return ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
+                        input_names, output_names, external)
+
+
+def _small_enough_to_size(model: onnx.ModelProto) -> bool:
+    total = sum(len(t.raw_data) for t in model.graph.initializer)
+    return total < EXTERNAL_DATA_BYTES
+
+
+def _set_opset(model: onnx.ModelProto, opset: int) -> None:
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            o.version = opset
+    model.ir_version = _ir_version(opset)
+
+
+def _positional_args(model: nn.Module, example: dict[str, torch.Tensor]) -> tuple:
+    """Inputs in forward's parameter order (None for skipped optional ones); extra names as a trailing dict."""
+    from quantcli.data import forward_parameters
+
+    names, _, _ = forward_parameters(model)
+    named = [k for k in example if k in names]
+    last = max((names.index(k) for k in named), default=-1)
+    args = tuple(example.get(n) for n in names[: last + 1])
+    extra = {k: v for k, v in example.items() if k not in names}
+    return args + (extra,) if extra else args
+
+
+def _export_torchscript(model, example, path, opset, input_names, output_names, axes) -> None:
+    from torch.onnx import symbolic_helper  # noqa: F401  (registers helpers used by symbolic functions)
+
+    args = _positional_args(model, example)
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(
+                model, args, str(path), dynamo=False, opset_version=opset,
+                input_names=input_names, output_names=output_names, dynamic_axes=axes, do_constant_folding=True,
+            )
+        except ExportError:
+            raise
+        except Exception as e:
+            cause = e
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                nxt = cause.__cause__ or cause.__context__
+                if isinstance(nxt, ExportError):
+                    raise nxt from None
+                cause = nxt
+            raise ExportError(f"torch.onnx.export failed: {str(e).strip().splitlines()[0][:200]}") from None
