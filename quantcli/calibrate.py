@@ -30,6 +30,7 @@ class CalibrationSummary:
     num_samples: int
     calibrated: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # disabled or dynamic
+    not_called: list[str] = field(default_factory=list)  # on no forward path: disabled, with their layer's weights
     amax_min: float | None = None
     amax_max: float | None = None
     seconds: float = 0.0
@@ -45,6 +46,7 @@ class CalibrationSummary:
             "quantizers_skipped": len(self.skipped),
             "calibrated": self.calibrated,
             "skipped": self.skipped,
+            "not_called": self.not_called,
             "amax_min": self.amax_min,
             "amax_max": self.amax_max,
             "seconds": round(self.seconds, 4),
@@ -128,10 +130,18 @@ def calibrate(
                 run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
                 if progress is not None:
                     progress(i)
-        seen = [n for n, q in acts.items() if q.calibrator is not None and q.calibrator.num_batches == 0]
-        if seen:
-            raise CalibrationError(f"quantizer(s) saw no data during calibration (not on the forward path?): {', '.join(seen[:5])}")
-        for q in acts.values():
+        for name, q in acts.items():
+            if q.calibrator is not None and q.calibrator.num_batches == 0:
+                # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
+                # and nothing of it reaches an exported graph
+                layer = name.rsplit(".", 1)[0]
+                for qn in (name, f"{layer}.weight_quantizer"):
+                    if qn in qs:
+                        qs[qn].enabled = False
+                        qs[qn].set_mode("disabled")
+                        summary.not_called.append(qn)
+                q.calibrator = None
+                continue
             q.load_calib_amax(method, **kwargs)
     finally:
         for q in acts.values():
@@ -139,7 +149,10 @@ def calibrate(
                 q.calibrator = None
                 q.set_mode("quantize")
 
+
     for name, q in qs.items():
+        if name in summary.not_called:
+            continue
         if q.enabled and not q.desc.dynamic and q.amax is not None:
             summary.calibrated.append(name)
             lo, hi = float(q.amax.min()), float(q.amax.max())

@@ -150,6 +150,9 @@ def load_calibrated(path: str | Path) -> Calibrated:
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
                               f"{str(e).splitlines()[0]}") from None
-    for q in quantizers(model).values():
+    stored = data["quantizers"]
+    for name, q in quantizers(model).items():
+        if name in stored and not stored[name]["enabled"]:
+            q.enabled = False  # e.g. a layer that never ran during calibration
         q.set_mode("quantize")
     return Calibrated(model.eval(), spec, cfg, data, str(path))

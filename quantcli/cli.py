@@ -162,6 +162,8 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
         return
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
+    if summary.not_called:
+        err.print(f"warning: never called during calibration, left unquantized: {', '.join(summary.not_called)}")
     t = Table(title=f"quantcli calibrate {model_spec}", show_header=False)
     t.add_row("method", f"{summary.method} ({cfg.source})")
     t.add_row("device", summary.device)
@@ -223,6 +225,97 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     t.add_row("time", f"{res.seconds:.2f} s")
     t.add_row("written", res.path)
     out.print(t)
+
+
+# --------------------------------------------------------------------------------------------- verify
+
+
+class Provider(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@app.command()
+def verify(
+    onnx_path: Path = typer.Argument(..., help="The exported ONNX file."),
+    reference: Path = typer.Option(..., "--reference", help="The calibrated checkpoint it was exported from."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Inputs (calibrate's formats). Default: the sample model's held-out set, else the checkpoint's example batch."),
+    provider: Provider = typer.Option(Provider.auto, "--provider", help="onnxruntime execution provider."),
+    max_abs_diff: Optional[float] = typer.Option(None, "--max-abs-diff", help="Fidelity: largest |onnx - fake-quant| allowed (default: 2% of the largest |output|)."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Quality: smallest cosine similarity to the float model allowed."),
+    min_snr: Optional[float] = typer.Option(None, "--min-snr", help="Quality: smallest SNR (dB) against the float model allowed."),
+    per_layer: bool = typer.Option(False, "--per-layer", help="Rank quantized layers by their local quantization error."),
+    report_path: Optional[Path] = typer.Option(None, "--report", help="Write every metric as JSON to this file."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays from --data (default 32)."),
+    num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Use at most N samples."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+) -> None:
+    """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
+    code = _guard(_verify, onnx_path, reference, data, provider.value, max_abs_diff, min_cosine, min_snr, per_layer,
+                  report_path, batch_size, num_samples, as_json)
+    raise typer.Exit(code)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return "inf" if v == float("inf") else f"{v:.6g}"
+    return str(v)
+
+
+def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_snr, per_layer, report_path,
+            batch_size, num_samples, as_json) -> int:
+    from quantcli.checkpoint import atomic_write, load_calibrated
+    from quantcli.data import cap_samples, load_batches
+    from quantcli.verify import verify_onnx
+
+    ckpt = load_calibrated(reference)
+    batches = None
+    if data is not None:
+        batches = load_batches(data, ckpt.model, batch_size or 32, num_samples)
+    elif num_samples is not None:
+        batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
+    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider, max_abs_diff=max_abs_diff, min_cosine=min_cosine,
+                      min_snr=min_snr, per_layer=per_layer)
+    d = rep.to_dict()
+    if report_path is not None:
+        atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n"))
+    if as_json:
+        _print_json(d)
+        return 0 if rep.passed else 1
+    out.print(f"verify {onnx_path} against {reference} — {rep.num_samples} samples, {rep.provider}")
+    t = Table(title="checks")
+    for col in ("check", "threshold", "measured", "result"):
+        t.add_column(col)
+    st = rep.structure
+    t.add_row("structure", f"{st['quantizers_expected']} quantizers", f"{st['quantizers_found']} found, {len(st['problems'])} problem(s)",
+              "pass" if st["passed"] else "FAIL")
+    for c in rep.checks:
+        t.add_row(c.name, ("<= " if c.kind == "max" else ">= ") + _fmt(c.threshold), _fmt(c.value), "pass" if c.passed else "FAIL")
+    out.print(t)
+    for p in st["problems"][:20]:
+        out.print(f"  structure: {p}")
+    q = Table(title="quality vs the float model (and deployment: onnxruntime optimizations on)")
+    for col in ("output", "cosine", "SNR dB", "max abs err", "mean abs err", "top-1 agree", "deploy max diff"):
+        q.add_column(col)
+    dep = rep.deployment.get("outputs", {})
+    for name, m in rep.quality["outputs"].items():
+        q.add_row(name, _fmt(m["cosine"]), _fmt(m["snr_db"]), _fmt(m["max_abs_error"]), _fmt(m["mean_abs_error"]),
+                  _fmt(m.get("top1_agreement")), _fmt(dep.get(name, {}).get("max_abs_diff")))
+    out.print(q)
+    if rep.deployment.get("error"):
+        out.print(f"  deployment: {rep.deployment['error']}")
+    if rep.layers:
+        lt = Table(title="layers, worst local quantization error first")
+        for col in ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes"):
+            lt.add_column(col)
+        for r in rep.layers:
+            lt.add_row(str(r["rank"]), r["quantizer"], r["kind"], _fmt(r["snr_db"]), _fmt(r["max_abs_error"]), _fmt(r["identical_codes"]))
+        out.print(lt)
+    out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
+    return 0 if rep.passed else 1
 
 
 # --------------------------------------------------------------------------------------------- inspect

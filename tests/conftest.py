@@ -21,3 +21,43 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+@pytest.fixture(scope="session")
+def calibrated(tmp_path_factory):
+    """Calibrated checkpoints of the sample models, made once per session through the real CLI code path."""
+    from tests.helpers import cli
+
+    root = tmp_path_factory.mktemp("calibrated")
+    made = {}
+
+    def get(model="digits_cnn", config="int8", method="max"):
+        key = (model, config, method)
+        if key not in made:
+            out = root / f"{model}-{config}-{method}.calib.pt"
+            r = cli("calibrate", model, "--config", config, "--method", method, "--out", out, "--json")
+            assert r.exit_code == 0, r.output
+            made[key] = out
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def exported(calibrated, tmp_path_factory):
+    from tests.helpers import cli
+
+    root = tmp_path_factory.mktemp("exported")
+    made = {}
+
+    def get(model="digits_cnn", config="int8", method="max", *extra):
+        key = (model, config, method, extra)
+        if key not in made:
+            ck = calibrated(model, config, method)
+            out = root / f"{model}-{config}-{method}-{len(made)}.onnx"
+            r = cli("export", ck, "--onnx", out, "--json", *extra)
+            assert r.exit_code == 0, r.output
+            made[key] = out
+        return made[key]
+
+    return get

@@ -1,0 +1,281 @@
+"""`quantcli calibrate` end to end: sample models, user models, every data format, and bad input."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from quantcli import load_calibrated
+from tests.helpers import assert_clean_error, cli, cli_subprocess
+
+TINY = '''
+import torch
+from torch import nn
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.conv = nn.Conv1d(2, 2, 1)
+
+    def forward(self, x, bias=None):
+        y = self.fc(x)
+        return y if bias is None else y + bias
+
+def make():
+    torch.manual_seed(0)
+    return Tiny()
+
+def broken():
+    raise RuntimeError("no GPU budget today")
+
+def not_a_module():
+    return 42
+'''
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    f = tmp_path / "tiny.py"
+    f.write_text(TINY)
+    return f
+
+
+def test_sample_model_needs_nothing_else(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = cli_subprocess("calibrate", "digits_cnn", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "quantizers calibrated" in r.stdout
+    ck = tmp_path / "digits_cnn.calib.pt"
+    data = torch.load(ck, weights_only=True)
+    assert data["format"] == "quantcli.calibrated"
+    assert data["inputs"]["names"] == ["x"] and data["inputs"]["dtypes"] == ["float32"]
+    assert set(data["quantizers"]) >= {"conv1.input_quantizer", "fc2.weight_quantizer"}
+
+
+def test_reload_is_bit_exact(calibrated):
+    ck = calibrated("text_encoder", "int8", "entropy")
+    a, b = load_calibrated(ck), load_calibrated(ck)
+    from sample_models import text_encoder
+
+    for batch in text_encoder.evaluation_batches()[:3]:
+        with torch.inference_mode():
+            assert torch.equal(a.model(**batch), b.model(**batch))
+    # and equal to quantizing the same weights with the stored amax by hand
+    q = a.model.layers[0].attention.query
+    from quantcli import fake_tensor_quant
+
+    assert torch.equal(q.weight_quantizer(q.weight), fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False))
+
+
+@pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
+def test_methods_json_summary(method, tmp_path):
+    out = tmp_path / "d.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--method", method, "--out", out, "--json", "--num-samples", "128")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["method"] == method and info["num_samples"] == 128 and info["quantizers_calibrated"] == 8
+    assert out.is_file()
+
+
+def test_text_encoder_varying_lengths_and_integer_inputs(calibrated):
+    ck = load_calibrated(calibrated("text_encoder"))
+    assert ck.input_names == ["input_ids", "attention_mask"]
+    assert ck.data["inputs"]["dtypes"] == ["int64", "int64"]
+    from sample_models import text_encoder
+
+    lengths = {b["input_ids"].shape[1] for b in text_encoder.calibration_batches()}
+    assert len(lengths) > 3
+
+
+def _write_data(tmp_path, kind):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(40, 6, generator=g)
+    if kind == "npz-named":
+        p = tmp_path / "d.npz"
+        np.savez(p, x=x.numpy().astype(np.float64))
+    elif kind == "npz-positional":
+        p = tmp_path / "d.npz"
+        np.savez(p, x.numpy())
+    elif kind == "npy":
+        p = tmp_path / "d.npy"
+        np.save(p, x.numpy())
+    elif kind == "pt-tensor":
+        p = tmp_path / "d.pt"
+        torch.save(x, p)
+    elif kind == "pt-dict":
+        p = tmp_path / "d.pt"
+        torch.save({"x": x, "bias": torch.zeros(40, 3)}, p)
+    elif kind == "pt-list":
+        p = tmp_path / "d.pt"
+        torch.save([{"x": x[:10]}, {"x": x[10:25]}], p)
+    else:
+        p = tmp_path / "batches"
+        p.mkdir()
+        np.savez(p / "000.npz", x=x[:7].numpy())
+        torch.save({"x": x[7:20]}, p / "001.pt")
+        np.save(p / "002.npy", x[20:].numpy())
+    return p
+
+
+@pytest.mark.parametrize("kind", ["npz-named", "npz-positional", "npy", "pt-tensor", "pt-dict", "pt-list", "dir"])
+def test_user_model_every_data_format(tiny, tmp_path, kind):
+    data = _write_data(tmp_path, kind)
+    out = tmp_path / "tiny.calib.pt"
+    r = cli("calibrate", f"{tiny}:make", "--data", data, "--out", out, "--json", "--batch-size", "16")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["num_samples"] == (25 if kind == "pt-list" else 40)
+    assert "fc.input_quantizer" in info["calibrated"]
+    # the conv1d never runs: it is reported and left unquantized, also after reloading
+    assert info["not_called"] == ["conv.input_quantizer", "conv.weight_quantizer"]
+    ck = load_calibrated(out)
+    assert not ck.model.conv.input_quantizer.enabled and ck.model.fc.input_quantizer.enabled
+
+
+def test_weights_safetensors_and_pt(tiny, tmp_path):
+    from safetensors.torch import save_file
+
+    torch.manual_seed(1)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tiny_mod", tiny)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = mod.Tiny()
+    save_file(m.state_dict(), str(tmp_path / "w.safetensors"))
+    torch.save(m.state_dict(), tmp_path / "w.pt")
+    data = _write_data(tmp_path, "npz-named")
+    for w in ("w.safetensors", "w.pt"):
+        out = tmp_path / f"{w}.calib.pt"
+        r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / w, "--data", data, "--out", out, "--json")
+        assert r.exit_code == 0, r.output
+        ck = load_calibrated(out)
+        assert torch.equal(ck.model.fc.weight, m.fc.weight)
+
+
+def test_module_spec_form(tmp_path):
+    out = tmp_path / "m.calib.pt"
+    r = cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "missing.npz", "--out", out)
+    assert_clean_error(r, "missing.npz", "does not exist")
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).random((16, 1, 8, 8), dtype=np.float32))
+    r = cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "x.npz", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+
+
+def test_bert_encoder_through_factory_file(tmp_path):
+    pytest.importorskip("transformers")
+    f = tmp_path / "bert.py"
+    f.write_text(
+        "import torch\nfrom transformers import BertConfig, BertModel\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    cfg = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,\n"
+        "                     intermediate_size=64, max_position_embeddings=64)\n"
+        "    return BertModel(cfg).eval()\n"
+    )
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, 120, (24, 12)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[:, 9:] = 0
+    np.savez(tmp_path / "tok.npz", input_ids=ids, attention_mask=mask)
+    out = tmp_path / "bert.calib.pt"
+    r = cli("calibrate", f"{f}:make", "--data", tmp_path / "tok.npz", "--out", out, "--json", "--method", "percentile")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert any(n.startswith("encoder.layer.1.attention.self.query") for n in info["calibrated"])
+    ck = load_calibrated(out)
+    assert ck.data["inputs"]["dtypes"] == ["int64", "int64"]
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _assert_no_output(tmp_path):
+    assert not list(tmp_path.glob("*.calib.pt")), list(tmp_path.iterdir())
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_bad_model_specs(tiny, tmp_path):
+    out = tmp_path / "o.calib.pt"
+    assert_clean_error(cli("calibrate", "no_such_model", "--out", out), "no_such_model", "factory")
+    assert_clean_error(cli("calibrate", "nowhere/m.py:make", "--out", out), "does not exist")
+    assert_clean_error(cli("calibrate", "no.such.pkg:make", "--out", out), "cannot import")
+    assert_clean_error(cli("calibrate", f"{tiny}:broken", "--out", out), "raised RuntimeError", "no GPU budget")
+    assert_clean_error(cli("calibrate", f"{tiny}:not_a_module", "--out", out), "int", "not a torch.nn.Module")
+    assert_clean_error(cli("calibrate", f"{tiny}:missing", "--out", out), "no callable")
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--out", out), "--data")
+    _assert_no_output(tmp_path)
+
+
+def test_bad_weights(tiny, tmp_path):
+    data = _write_data(tmp_path, "npz-named")
+    out = tmp_path / "o.calib.pt"
+    torch.save({"fc.weight": torch.zeros(3, 7), "fc.bias": torch.zeros(3), "extra": torch.zeros(1)}, tmp_path / "w.pt")
+    r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "w.pt", "--data", data, "--out", out)
+    assert_clean_error(r, "conv.weight", "extra", "fc.weight (3, 7) vs model (3, 6)")
+    torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
+    r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "module.pt", "--data", data, "--out", out)
+    assert_clean_error(r, "--trust-pickle")
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "nope.pt", "--data", data, "--out", out), "does not exist")
+    (tmp_path / "w.txt").write_text("hi")
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "w.txt", "--data", data, "--out", out), ".txt")
+    _assert_no_output(tmp_path)
+
+
+def test_trust_pickle_reads_whole_module(tiny, tmp_path, monkeypatch):
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("tiny")
+    torch.save(mod.Tiny(), tmp_path / "whole.pt")
+    data = _write_data(tmp_path, "npz-named")
+    r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "whole.pt", "--trust-pickle", "--data", data,
+            "--out", tmp_path / "o.calib.pt", "--json")
+    assert r.exit_code == 0, r.output
+
+
+def test_bad_data(tiny, tmp_path):
+    out = tmp_path / "o.calib.pt"
+    np.savez(tmp_path / "wrongname.npz", y=np.zeros((4, 6), np.float32))
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "wrongname.npz", "--out", out), "'y'", "forward(x, bias)")
+    np.savez(tmp_path / "shape.npz", x=np.zeros((4, 5), np.float32))
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "shape.npz", "--out", out), "x: float32[4, 5]")
+    np.savez(tmp_path / "empty.npz", x=np.zeros((0, 6), np.float32))
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "empty.npz", "--out", out), "no samples")
+    x = np.ones((4, 6), np.float32)
+    x[2, 3] = np.nan
+    np.savez(tmp_path / "nan.npz", x=x)
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "nan.npz", "--out", out), "fc.input_quantizer", "NaN")
+    (tmp_path / "d.csv").write_text("1,2")
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "d.csv", "--out", out), ".csv")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "junk.npz", "--out", out), "cannot read")
+    _assert_no_output(tmp_path)
+
+
+def test_bad_options(tmp_path):
+    out = tmp_path / "o.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--method", "median", "--out", out)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert_clean_error(cli("calibrate", "digits_cnn", "--config", "int3", "--out", out), "int3")
+    (tmp_path / "c.yaml").write_text("rules:\n  - {pattern: '*', colour: red}\n")
+    assert_clean_error(cli("calibrate", "digits_cnn", "--config", tmp_path / "c.yaml", "--out", out), "colour")
+    if not torch.cuda.is_available():
+        assert_clean_error(cli("calibrate", "digits_cnn", "--device", "cuda", "--out", out), "no CUDA GPU")
+    assert_clean_error(cli("calibrate", "digits_cnn", "--out", tmp_path / "no" / "dir" / "o.calib.pt"), "does not exist")
+    _assert_no_output(tmp_path)
+
+
+@pytest.mark.cuda
+def test_calibrate_on_cuda(tmp_path):
+    out = tmp_path / "c.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--device", "cuda", "--method", "entropy", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["device"].startswith("cuda")
+    cpu = tmp_path / "p.calib.pt"
+    assert cli("calibrate", "digits_cnn", "--device", "cpu", "--method", "entropy", "--out", cpu, "--json").exit_code == 0
+    a, b = load_calibrated(out), load_calibrated(cpu)
+    for (n, qa), qb in zip(a.quantizer_info.items(), b.quantizer_info.values()):
+        assert torch.allclose(qa["amax"], qb["amax"], rtol=1e-5), n
