@@ -1,0 +1,247 @@
+"""`quantcli export --onnx`: standard Q/DQ graphs for every format, checked in onnxruntime."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from exporters import export_onnx
+from exporters.graph import qdq_pairs, quantizer_map
+from quantcli import QuantDescriptor, load_calibrated, quantize_model
+from quantcli.calibrate import calibrate
+from quantcli.verify import expected_scales, verify_onnx
+from tests.helpers import assert_clean_error, cli
+from tests.ort_util import run_model
+
+T = onnx.TensorProto
+FORMATS = {
+    # config: (opset, activation elem type or None, weight elem type, blocked weights)
+    "int8": (13, T.INT8, T.INT8, False),
+    "int8-per-tensor": (13, T.INT8, T.INT8, False),
+    "uint8-asymmetric": (13, T.UINT8, T.INT8, False),
+    "fp8": (19, T.FLOAT8E4M3FN, T.FLOAT8E4M3FN, False),
+    "int4-weight-only": (21, None, T.INT4, True),
+}
+
+
+def _opset(m):
+    return next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+
+
+@pytest.mark.parametrize("config", list(FORMATS))
+def test_digits_every_format(config, calibrated, exported):
+    opset, act_type, w_type, blocked = FORMATS[config]
+    path = exported("digits_cnn", config)
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    assert _opset(model) == opset
+    pairs = {p.quantizer: p for p in qdq_pairs(model)}
+    ck = load_calibrated(calibrated("digits_cnn", config))
+    scales = expected_scales(ck)
+    inits = {t.name: t for t in model.graph.initializer}
+    for name, want in scales.items():
+        p = pairs[name]
+        assert np.array_equal(p.scale.reshape(-1).astype(np.float32), want), name
+        if name.endswith("weight_quantizer"):
+            assert p.stored == "initializer" and inits[p.tensor].data_type == w_type, name
+        else:
+            assert p.stored == "runtime" and p.format == {T.INT8: "int8", T.UINT8: "uint8", T.FLOAT8E4M3FN: "fp8-e4m3"}[act_type]
+    zp_types = {t.data_type for n in model.graph.node if n.op_type == "DequantizeLinear" for t in model.graph.initializer
+                if len(n.input) > 2 and t.name == n.input[2]}
+    assert zp_types == ({act_type, w_type} - {None})
+    if blocked:
+        assert any(p.block_size for p in pairs.values())
+        assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)  # weight-only: no runtime Q
+    # no float weight is left in the file
+    float_weights = [t.name for t in model.graph.initializer if t.name.endswith(".weight") and t.data_type == T.FLOAT
+                     and not t.name.startswith("bn")]
+    assert float_weights == []
+    rep = verify_onnx(path, ck, deployment=False)
+    assert rep.structure["passed"], rep.structure["problems"]
+    assert all(v["identical_codes"] == 1.0 for v in rep.fidelity["quantizers"].values())
+    assert rep.passed
+
+
+def test_int8_file_is_about_4x_smaller(calibrated, exported, tmp_path):
+    small = exported("digits_cnn", "int8")
+    big = tmp_path / "qdq.onnx"
+    r = cli("export", calibrated("digits_cnn", "int8"), "--onnx", big, "--weights-qdq")
+    assert r.exit_code == 0, r.output
+    assert big.stat().st_size > 2.5 * small.stat().st_size
+    m = onnx.load(str(big))
+    assert sum(n.op_type == "QuantizeLinear" for n in m.graph.node) == 8
+    assert verify_onnx(big, calibrated("digits_cnn", "int8"), deployment=False).passed
+
+
+def test_text_encoder_dynamic_batch_and_sequence(calibrated, exported):
+    path = exported("text_encoder", "int8")
+    ck = load_calibrated(calibrated("text_encoder", "int8"))
+    model = onnx.load(str(path))
+    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    assert dims == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}
+    from sample_models.text_encoder import tokenize
+
+    seen = {b["input_ids"].shape[1] for b in ck.evaluation_batches()} | {ck.example["input_ids"].shape[1]}
+    lines = ["def f(x): return x + 1  # a line of code", "A sentence of prose that", "print('hi')"]
+    batch = tokenize(lines)
+    assert batch["input_ids"].shape[1] not in {ck.example["input_ids"].shape[1]}
+    got = run_model(model, {k: v.numpy() for k, v in batch.items()})[0]
+    with torch.inference_mode():
+        want = ck.model(**batch).numpy()
+    assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
+    assert len(seen) > 1
+
+
+def test_static_shapes(calibrated, tmp_path):
+    out = tmp_path / "s.onnx"
+    assert cli("export", calibrated("digits_cnn"), "--onnx", out, "--static-shapes").exit_code == 0
+    dims = [d.dim_value for d in onnx.load(str(out)).graph.input[0].type.tensor_type.shape.dim]
+    assert dims == [8, 1, 8, 8]
+
+
+def test_metadata_and_summary_json(calibrated, tmp_path):
+    out = tmp_path / "m.onnx"
+    r = cli("export", calibrated("digits_cnn"), "--onnx", out, "--json")
+    info = json.loads(r.stdout)
+    assert info["pairs_by_format"] == {"int8": 8} and info["weights_stored_quantized"] == 4 and info["opset"] == 13
+    m = onnx.load(str(out))
+    meta = {p.key: p.value for p in m.metadata_props}
+    assert meta["quantcli.version"] and json.loads(meta["quantcli.config"])["preset"] == "int8"
+    assert set(quantizer_map(m).values()) == set(load_calibrated(calibrated("digits_cnn")).quantizer_info)
+
+
+def test_inspect_onnx_lists_pairs(exported):
+    r = cli("inspect", exported("digits_cnn", "int4-weight-only"), "--json")
+    rows = json.loads(r.stdout)
+    assert rows["opset"] == 21
+    assert {p["quantizer"] for p in rows["pairs"]} == {"conv1.weight_quantizer", "conv2.weight_quantizer",
+                                                       "fc1.weight_quantizer", "fc2.weight_quantizer"}
+    assert {p["format"] for p in rows["pairs"]} == {"int4"}
+
+
+# ------------------------------------------------------------------------- narrow range, dead channels
+
+
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _export_and_compare(model, x, tmp_path, opset=None):
+    path = tmp_path / "m.onnx"
+    export_onnx(model, {"x": x}, path, opset=opset)
+    got = run_model(onnx.load(str(path)), {"x": x.numpy()})[0]
+    with torch.inference_mode():
+        want = model(x=x).numpy()
+    return got, want, onnx.load(str(path))
+
+
+@pytest.mark.parametrize("num_bits", [8, 6, 4])
+def test_narrow_range_parity_beyond_amax(num_bits, tmp_path):
+    torch.manual_seed(0)
+    m = quantize_model(Two().eval(), {"rules": [{"pattern": "*", "narrow_range": True, "num_bits": num_bits}]})
+    x = torch.randn(64, 4) * 3
+    calibrate(m, [{"x": x}], device="cpu")
+    m.a.input_quantizer.set_amax(torch.tensor(0.5))  # most values lie beyond amax: clipped to -bound, not -bound-1
+    xt = torch.randn(256, 4) * 3
+    got, want, model = _export_and_compare(m, xt, tmp_path)
+    assert np.array_equal(got, want) or np.abs(got - want).max() < 1e-5
+    ops = [n.op_type for n in model.graph.node]
+    assert "Max" in ops and "Min" in ops  # ONNX has no narrow range: an explicit clip keeps parity
+
+
+def test_dead_channels_export_to_zero(tmp_path):
+    torch.manual_seed(0)
+    m = quantize_model(Two().eval())
+    with torch.no_grad():
+        m.a.weight[1] = 0.0  # a dead output channel: weight amax 0
+    x = torch.randn(32, 4)
+    calibrate(m, [{"x": x}], device="cpu")
+    assert m.a.weight_quantizer.amax[1].item() == 0.0
+    m.b.input_quantizer.set_amax(torch.tensor(0.0))  # a dead activation
+    got, want, model = _export_and_compare(m, x, tmp_path)
+    for t in model.graph.initializer:
+        if t.data_type == T.FLOAT:
+            assert np.all(np.isfinite(onnx.numpy_helper.to_array(t)))
+    scales = [p.scale for p in qdq_pairs(model)]
+    assert all(np.all(s > 0) and np.all(np.isfinite(s)) for s in scales)
+    assert np.abs(got - want).max() < 1e-5
+
+
+def test_fp8_and_per_channel_descriptor_directly(tmp_path):
+    torch.manual_seed(0)
+    m = quantize_model(Two().eval(), "fp8")
+    x = torch.randn(32, 4) * 100
+    calibrate(m, [{"x": x}], device="cpu", method="mse")
+    got, want, model = _export_and_compare(m, x * 3, tmp_path)  # beyond amax: fp8 saturates at 448
+    assert _opset(model) == 19
+    assert np.abs(got - want).max() <= 1e-5 * max(1, np.abs(want).max())
+    assert QuantDescriptor(num_bits=(4, 3)).is_fp8
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def test_not_a_checkpoint(tmp_path):
+    torch.save({"a": torch.zeros(1)}, tmp_path / "x.pt")
+    assert_clean_error(cli("export", tmp_path / "x.pt", "--onnx", tmp_path / "o.onnx"), "not a quantcli calibrated checkpoint")
+    (tmp_path / "t.pt").write_text("hello")
+    assert_clean_error(cli("export", tmp_path / "t.pt", "--onnx", tmp_path / "o.onnx"), "not a quantcli calibrated checkpoint")
+    assert_clean_error(cli("export", tmp_path / "none.pt", "--onnx", tmp_path / "o.onnx"), "does not exist")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_opset_too_low_names_format(calibrated, tmp_path):
+    out = tmp_path / "o.onnx"
+    assert_clean_error(cli("export", calibrated("digits_cnn", "fp8"), "--onnx", out, "--opset", "17"), "fp8-e4m3", ">= 19")
+    assert_clean_error(cli("export", calibrated("digits_cnn", "int4-weight-only"), "--onnx", out, "--opset", "19"),
+                       "int4", ">= 21")
+    assert not out.exists()
+
+
+def test_unwritable_output(calibrated, tmp_path):
+    assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "no" / "o.onnx"), "does not exist")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        import os
+
+        if not os.access(ro, os.W_OK):  # root can write anywhere
+            assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", ro / "o.onnx"), "not writable")
+    finally:
+        ro.chmod(0o700)
+    assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "o.txt"), ".onnx")
+
+
+def test_uncalibrated_quantizers_listed(tmp_path):
+    from quantcli.checkpoint import save_calibrated
+    from quantcli.loading import load_model
+
+    model, spec = load_model("digits_cnn")
+    quantize_model(model)
+    save_calibrated(tmp_path / "u.calib.pt", model, spec, {"x": torch.zeros(2, 1, 8, 8)})
+    r = cli("export", tmp_path / "u.calib.pt", "--onnx", tmp_path / "o.onnx")
+    assert_clean_error(r, "amax missing", "conv1.input_quantizer")
+    assert not (tmp_path / "o.onnx").exists()
+
+
+def test_external_data_for_large_models(calibrated, tmp_path, monkeypatch):
+    import exporters.onnx_export as oe
+
+    monkeypatch.setattr(oe, "EXTERNAL_DATA_BYTES", 1000)
+    out = tmp_path / "big.onnx"
+    res = export_onnx(load_calibrated(calibrated("digits_cnn")).model, load_calibrated(calibrated("digits_cnn")).example, out)
+    assert res.external_data and (tmp_path / "big.onnx.data").is_file()
+    m = onnx.load(str(out))
+    onnx.checker.check_model(str(out))
+    assert len(m.graph.initializer) > 0
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".quantcli-export")] == []
