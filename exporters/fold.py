@@ -29,12 +29,12 @@ def make_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.Tens
     """An initializer of ``elem_type`` holding ``values`` (already representable in that type)."""
     dims = list(values.shape)
     if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
-        raw = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).to(torch.float8_e4m3fn)
+        raw = torch.from_numpy(np.array(values, dtype=np.float32, order="C")).to(torch.float8_e4m3fn)
         return helper.make_tensor(name, elem_type, dims, raw.view(torch.uint8).numpy().tobytes(), raw=True)
     if elem_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
         return helper.make_tensor(name, elem_type, dims, values.astype(np.int64).flatten().tolist())
     np_type = helper.tensor_dtype_to_np_dtype(elem_type)
-    return numpy_helper.from_array(np.ascontiguousarray(values).astype(np_type), name)
+    return numpy_helper.from_array(np.array(values, dtype=np_type, order="C"), name)  # keeps 0-d shapes
 
 
 def constants_to_initializers(model: onnx.ModelProto) -> None:
@@ -172,6 +172,12 @@ def narrow_types(model: onnx.ModelProto, targets: dict[str, int]) -> int:
                 retype[n.input[2]] = t
             if n.input[0] in inits:
                 retype[n.input[0]] = t
+    stale = set(retype) | {n.input[0] for n in g.node if n.op_type == "QuantizeLinear" and len(n.input) > 2
+                           and n.input[2] in retype} | {n.output[0] for n in g.node if n.op_type == "QuantizeLinear"
+                                                        and len(n.input) > 2 and n.input[2] in retype}
+    keep_vi = [v for v in g.value_info if v.name not in stale]  # typed int8 by the exporter: re-inferred later
+    del g.value_info[:]
+    g.value_info.extend(keep_vi)
     for name, t in retype.items():
         old = inits[name]
         vals = to_numpy(old).astype(np.float64)
@@ -190,8 +196,30 @@ def drop_unused_initializers(model: onnx.ModelProto) -> None:
     g.initializer.extend(keep)
 
 
+def align_zero_points(model: onnx.ModelProto) -> None:
+    """Give every Q/DQ zero point its scale's shape (ONNX requires it; torch.export may lift a 0-d zero as [1])."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(n.input) < 3:
+            continue
+        s, z = inits.get(n.input[1]), inits.get(n.input[2])
+        if s is None or z is None or list(s.dims) == list(z.dims):
+            continue
+        vals = to_numpy(z)
+        if vals.size != int(np.prod(s.dims, dtype=np.int64)):
+            continue
+        name = f"{n.input[2]}_as_{'x'.join(map(str, s.dims)) or 'scalar'}"
+        if name not in inits:
+            new = make_initializer(name, vals.reshape(tuple(s.dims)).astype(np.float32), z.data_type)
+            g.initializer.append(new)
+            inits[name] = new
+        n.input[2] = name
+
+
 def prepare(model: onnx.ModelProto, fold_weights: bool) -> int:
     """Passes 1-3; returns the number of weights stored quantized."""
     constants_to_initializers(model)
     fold_casts(model)
+    align_zero_points(model)
     return fold_weight_quantization(model) if fold_weights else 0

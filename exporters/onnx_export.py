@@ -32,6 +32,7 @@ from quantcli.errors import ExportError
 
 EXPORTERS = ("torchscript", "dynamo")
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
+DYNAMO_MIN_OPSET = 18  # torch's torch.export-based exporter builds opset 18 and newer
 
 
 @dataclass
@@ -121,6 +122,13 @@ def _name_quantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":
             continue
+        meta = {p.key: p.value for p in n.metadata_props}
+        if "pkg.torch.onnx.name_scopes" in meta:  # dynamo: ['', 'fc1', 'fc1.input_quantizer', 'qdq_3']
+            scopes = [s.strip(" '\"") for s in meta["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
+            hits = [s for s in scopes if s in known]
+            if hits:
+                mapping[n.output[0]] = hits[-1]
+                continue
         parts = n.name.strip("/").split("/")
         scoped = ".".join(parts[:-1])
         if scoped in known:
@@ -158,10 +166,13 @@ def export_onnx(
         raise ExportError(f"unknown exporter {exporter!r}; choose torchscript or dynamo")
     check_exportable(model)
     need, why = required_opset(model)
+    if exporter == "dynamo" and need < DYNAMO_MIN_OPSET:
+        need, why = DYNAMO_MIN_OPSET, "the dynamo exporter"
     if opset is None:
         opset = need
     elif opset < need:
-        raise ExportError(f"{why} quantization needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out")
+        what = why if why == "the dynamo exporter" else f"{why} quantization"
+        raise ExportError(f"{what} needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out")
     if opset > 21:
         raise ExportError(f"opset {opset} is not supported; use 13..21")
     path = Path(path)
@@ -202,6 +213,8 @@ def export_onnx(
                 narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
         narrow_types(onnx_model, narrow)
         drop_unused_initializers(onnx_model)
+        for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
+            del node.metadata_props[:]
         meta = {
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
@@ -242,9 +255,10 @@ def _small_enough_to_size(model: onnx.ModelProto) -> bool:
 
 
 def _set_opset(model: onnx.ModelProto, opset: int) -> None:
-    for o in model.opset_import:
-        if o.domain in ("", "ai.onnx"):
-            o.version = opset
+    """Check the exporter wrote the asked-for opset, and use the IR version onnxruntime reads for it."""
+    got = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    if got != opset:
+        raise ExportError(f"the exporter wrote opset {got} instead of {opset}")
     model.ir_version = _ir_version(opset)
 
 

@@ -1,17 +1,20 @@
-"""ONNX graph pieces for the quantize ops' ``symbolic`` functions (TorchScript-based exporter).
+"""ONNX graph pieces for the quantize ops: one :class:`QdqSpec` per op, emitted by either exporter.
 
-Each piece turns one quantize op into ``[Max, Min] -> QuantizeLinear -> DequantizeLinear``. The scale, zero
-point and clip bounds are computed here in PyTorch with :mod:`quantcli.arithmetic` and emitted as constants,
-so the graph holds exactly the float32 numbers the fake-quant model uses.
+A spec holds the float32 scale, the zero point, the storage type, the granularity and optional clip bounds,
+all computed here in PyTorch with :mod:`quantcli.arithmetic`, so the graph holds exactly the numbers the
+fake-quant model uses. :func:`emit` writes ``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` for the
+TorchScript exporter's ``symbolic`` functions; :mod:`exporters.dynamo` writes the same nodes from the same
+spec for the torch.export-based exporter.
 
 The optional ``Max``/``Min`` pair appears only when the grid is narrower than the emitted type's saturation
 range (``narrow_range``, or 2..7-bit grids in int8, see :func:`exporters.formats.emitted_type`) or a
-channel is dead (amax 0): clipping ``x`` to
-``fl(qmin * scale)`` before dividing gives the same code as clamping after rounding, since
-``fl(qmin * s) / s`` is within a few ulps of ``qmin``.
+channel is dead (amax 0): clipping ``x`` to ``fl(qmin * scale)`` before dividing gives the same code as
+clamping after rounding, since ``fl(qmin * s) / s`` is within a few ulps of ``qmin``.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -21,8 +24,28 @@ from quantcli.errors import ExportError
 from quantcli.granularity import Granularity, expand_amax, flatten_for_onnx, granularity_of
 
 
+@dataclass
+class QdqSpec:
+    scale: torch.Tensor  # float32, ONNX layout: scalar, 1-D per-axis, or same-rank blocked
+    zero_point: torch.Tensor  # float32 values of the zero point, same layout
+    qtype: fm.OnnxQuantType  # the type emitted (int8/uint8/int16/fp8)
+    granularity: Granularity
+    lo: torch.Tensor | None = None  # float clip bounds broadcastable against x, or None
+    hi: torch.Tensor | None = None
+    min_opset: int = fm.MIN_OPSET
+    format: str = "int8"
+
+    @property
+    def axis(self) -> int:
+        return self.granularity.axis if self.granularity.axis is not None else 1
+
+    @property
+    def block_size(self) -> int:
+        return self.granularity.block_size or 0
+
+
 def constant_value(v, what: str) -> torch.Tensor:
-    """The value of a constant graph input to a symbolic function (amax, min/max range)."""
+    """The value of a constant input to a symbolic function (amax, min/max range)."""
     if isinstance(v, torch.Tensor):
         return v
     if isinstance(v, (int, float)):
@@ -36,7 +59,88 @@ def constant_value(v, what: str) -> torch.Tensor:
     )
 
 
-def _input_shape(x) -> tuple[int, ...] | None:
+def _granularity(amax: torch.Tensor, x_shape) -> tuple[Granularity, tuple[int, ...]]:
+    if amax.numel() == 1:
+        return Granularity("tensor"), tuple(x_shape or ())
+    shape = tuple(x_shape) if x_shape is not None and all(s is not None for s in x_shape) else tuple(amax.shape)
+    try:
+        return granularity_of(tuple(amax.shape), shape), shape
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+
+
+def _dead_clip(a: torch.Tensor, gran: Granularity, shape, lo_code: float, hi_code: float, bound: float):
+    a_e = expand_amax(a, shape) if gran.kind == "block" else a
+    s_e = ar.symmetric_scale(a_e, bound)
+    d_e = ar.dead_mask(a_e)
+    zero = torch.zeros((), dtype=torch.float32)
+    lo = torch.where(d_e, zero, torch.tensor(lo_code, dtype=torch.float32) * s_e)
+    hi = torch.where(d_e, zero, torch.tensor(hi_code, dtype=torch.float32) * s_e)
+    return lo, hi
+
+
+def symmetric_spec(amax: torch.Tensor, x_shape, num_bits: int, unsigned: bool, narrow_range: bool) -> QdqSpec:
+    a = amax.detach().cpu().to(torch.float32)
+    ar.check_num_bits(num_bits)
+    ar.check_amax(a)
+    try:
+        qtype = fm.emitted_type(num_bits, unsigned)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    gran, shape = _granularity(a, x_shape)
+    bound = ar.symmetric_bound(num_bits, unsigned)
+    qmin, qmax = ar.integer_range(num_bits, unsigned, narrow_range)
+    lo = hi = None
+    if (qmin, qmax) != (qtype.qmin, qtype.qmax) or ar.dead_mask(a).any():
+        lo, hi = _dead_clip(a, gran, shape, float(qmin), float(qmax), bound)
+    scale = flatten_for_onnx(ar.symmetric_scale(a, bound), gran)
+    blocked = gran.kind == "block"
+    return QdqSpec(scale, torch.zeros(scale.shape), qtype, gran, lo, hi,
+                   fm.required_opset(num_bits, unsigned, blocked), fm.format_name(num_bits, unsigned, blocked))
+
+
+def affine_spec(min_range: torch.Tensor, max_range: torch.Tensor, num_bits: int) -> QdqSpec:
+    from quantcli.tensor_quant import affine_qparams
+
+    scale, zp = affine_qparams(min_range.detach().cpu(), max_range.detach().cpu(), num_bits)
+    if scale.numel() != 1:
+        raise ExportError("affine quantization is exported per-tensor only")
+    qtype = fm.emitted_type(num_bits, True)
+    scale, zp = scale.reshape(()), zp.reshape(())
+    qmax = (1 << num_bits) - 1
+    lo = hi = None
+    if qmax != qtype.qmax:
+        lo, hi = (0.0 - zp) * scale, (qmax - zp) * scale
+    return QdqSpec(scale, zp, qtype, Granularity("tensor"), lo, hi, fm.required_opset(num_bits, True, False),
+                   fm.format_name(num_bits, True))
+
+
+def e4m3_spec(amax: torch.Tensor | None, x_shape) -> QdqSpec:
+    if amax is None:
+        one = torch.ones(())
+        return QdqSpec(one, torch.zeros(()), fm.FP8_E4M3, Granularity("tensor"), min_opset=19, format="fp8-e4m3")
+    a = amax.detach().cpu().to(torch.float32)
+    ar.check_amax(a)
+    gran, shape = _granularity(a, x_shape)
+    lo = hi = None
+    if ar.dead_mask(a).any():
+        inf = float("inf")
+        lo, hi = _dead_clip(a, gran, shape, -inf, inf, ar.FP8_E4M3_MAX)
+        lo, hi = torch.nan_to_num(lo, neginf=-inf), torch.nan_to_num(hi, posinf=inf)
+    scale = flatten_for_onnx(ar.symmetric_scale(a, ar.FP8_E4M3_MAX), gran)
+    return QdqSpec(scale, torch.zeros(scale.shape), fm.FP8_E4M3, gran, lo, hi, 19, "fp8-e4m3")
+
+
+def check_opset(opset: int, spec: QdqSpec) -> None:
+    if opset < spec.min_opset:
+        raise ExportError(f"{spec.format} quantization needs ONNX opset >= {spec.min_opset}, but the export uses "
+                          f"opset {opset}; pass --opset {spec.min_opset} or leave --opset out")
+
+
+# --------------------------------------------------------------------------- TorchScript emission
+
+
+def _input_shape(x):
     try:
         sizes = x.type().sizes()
     except Exception:
@@ -44,137 +148,59 @@ def _input_shape(x) -> tuple[int, ...] | None:
     return tuple(sizes) if sizes is not None else None
 
 
-def _check_opset(g, need: int, fmt: str) -> None:
-    if g.opset < need:
-        raise ExportError(f"{fmt} quantization needs ONNX opset >= {need}, but the export uses opset {g.opset}; "
-                          f"pass --opset {need} or leave --opset out")
-
-
-def _zero_point_const(g, zp: torch.Tensor, qtype: fm.OnnxQuantType):
-    if qtype is fm.FP8_E4M3:
-        return g.op("Constant", value_t=zp.to(torch.float8_e4m3fn))
+def _zero_point_const(g, spec: QdqSpec):
+    if spec.qtype is fm.FP8_E4M3:
+        return g.op("Constant", value_t=spec.zero_point.to(torch.float8_e4m3fn))
     native = {fm.INT8.name: torch.int8, fm.UINT8.name: torch.uint8, fm.INT16.name: torch.int16}
-    return g.op("Constant", value_t=zp.to(native[qtype.name]))
+    return g.op("Constant", value_t=spec.zero_point.to(native[spec.qtype.name]))
 
 
-def _qdq_attrs(gran: Granularity) -> dict:
-    if gran.kind == "axis":
-        return {"axis_i": gran.axis}
-    if gran.kind == "block":
-        return {"axis_i": gran.axis, "block_size_i": gran.block_size}
+def _attrs(spec: QdqSpec) -> dict:
+    if spec.granularity.kind == "axis":
+        return {"axis_i": spec.axis}
+    if spec.granularity.kind == "block":
+        return {"axis_i": spec.axis, "block_size_i": spec.block_size}
     return {}
 
 
-def _clip(g, x, lo: torch.Tensor, hi: torch.Tensor):
-    x = g.op("Max", x, g.op("Constant", value_t=lo.to(torch.float32)))
-    return g.op("Min", x, g.op("Constant", value_t=hi.to(torch.float32)))
-
-
-def _granularity(g, x, amax: torch.Tensor) -> tuple[Granularity, tuple[int, ...] | None]:
-    shape = _input_shape(x)
-    if amax.numel() == 1:
-        return Granularity("tensor"), shape
-    if shape is None or any(s is None for s in shape):
-        shape = tuple(amax.shape)  # per-axis amax keeps the rank; blocked needs the static input shape
-    try:
-        gran = granularity_of(tuple(amax.shape), shape)
-    except ValueError as e:
-        raise ExportError(str(e)) from None
-    if gran.kind == "block":
-        _check_opset(g, fm.BLOCKED_MIN_OPSET, "blocked")
-    return gran, shape
-
-
-def _symmetric_pieces(g, x, amax, num_bits, unsigned, narrow_range):
-    a = constant_value(amax, "amax").to(torch.float32)
-    ar.check_num_bits(num_bits)
-    ar.check_amax(a)
-    final_type = fm.integer_type(num_bits, unsigned)
-    try:
-        qtype = fm.emitted_type(num_bits, unsigned)
-    except ValueError as e:
-        raise ExportError(str(e)) from None
-    gran, shape = _granularity(g, x, a)
-    _check_opset(g, max(final_type.min_opset, fm.MIN_OPSET), fm.format_name(num_bits, unsigned, gran.kind == "block"))
-    bound = ar.symmetric_bound(num_bits, unsigned)
-    scale = ar.symmetric_scale(a, bound)
-    qmin, qmax = ar.integer_range(num_bits, unsigned, narrow_range)
-    dead = ar.dead_mask(a)
-    if (qmin, qmax) != (qtype.qmin, qtype.qmax) or dead.any():
-        a_e = expand_amax(a, shape) if gran.kind == "block" else a
-        s_e = ar.symmetric_scale(a_e, bound)
-        d_e = ar.dead_mask(a_e)
-        zero = torch.zeros((), dtype=torch.float32)
-        lo = torch.where(d_e, zero, torch.tensor(float(qmin)) * s_e)
-        hi = torch.where(d_e, zero, torch.tensor(float(qmax)) * s_e)
-        x = _clip(g, x, lo, hi)
-    scale_o = flatten_for_onnx(scale, gran)
-    scale_c = g.op("Constant", value_t=scale_o)
-    zp_c = _zero_point_const(g, torch.zeros(scale_o.shape), qtype)
-    return x, scale_c, zp_c, _qdq_attrs(gran)
+def emit(g, x, spec: QdqSpec, dequantize: bool = True):
+    """``[Max, Min] -> QuantizeLinear [-> DequantizeLinear]`` in a TorchScript graph context."""
+    check_opset(g.opset, spec)
+    if spec.lo is not None:
+        x = g.op("Max", x, g.op("Constant", value_t=spec.lo.to(torch.float32)))
+        x = g.op("Min", x, g.op("Constant", value_t=spec.hi.to(torch.float32)))
+    scale_c = g.op("Constant", value_t=spec.scale.to(torch.float32))
+    zp_c = _zero_point_const(g, spec)
+    q = g.op("QuantizeLinear", x, scale_c, zp_c, **_attrs(spec))
+    return g.op("DequantizeLinear", q, scale_c, zp_c, **_attrs(spec)) if dequantize else q
 
 
 def symmetric_qdq(g, x, amax, num_bits=8, unsigned=False, narrow_range=True):
-    """Fake quantization as ``QuantizeLinear -> DequantizeLinear`` (int types, per-tensor/axis/block)."""
-    x, scale_c, zp_c, attrs = _symmetric_pieces(g, x, amax, num_bits, unsigned, narrow_range)
-    q = g.op("QuantizeLinear", x, scale_c, zp_c, **attrs)
-    return g.op("DequantizeLinear", q, scale_c, zp_c, **attrs)
+    """``FakeTensorQuantFunction.symbolic``."""
+    a = constant_value(amax, "amax")
+    return emit(g, x, symmetric_spec(a, _input_shape(x), num_bits, unsigned, narrow_range))
 
 
 def symmetric_quantize(g, x, amax, num_bits=8, unsigned=False, narrow_range=True):
-    """``TensorQuantFunction``: the codes (as float) and the reference-API scale ``bound / amax``."""
-    x, scale_c, zp_c, attrs = _symmetric_pieces(g, x, amax, num_bits, unsigned, narrow_range)
-    q = g.op("QuantizeLinear", x, scale_c, zp_c, **attrs)
+    """``TensorQuantFunction.symbolic``: the codes (as float) and the reference-API scale ``bound / amax``."""
     a = constant_value(amax, "amax").to(torch.float32)
+    q = emit(g, x, symmetric_spec(a, _input_shape(x), num_bits, unsigned, narrow_range), dequantize=False)
     bound = ar.symmetric_bound(num_bits, unsigned)
     quant_scale = torch.where(a > 0, bound / torch.where(a > 0, a, 1.0), torch.ones_like(a))
     return g.op("Cast", q, to_i=1), g.op("Constant", value_t=quant_scale)
 
 
 def affine_qdq(g, x, min_range, max_range, num_bits=8):
-    """Asymmetric fake quantization: uint grid with the zero point in the graph."""
-    from quantcli.tensor_quant import affine_qparams
-
-    lo_v = constant_value(min_range, "min_range")
-    hi_v = constant_value(max_range, "max_range")
-    scale, zp = affine_qparams(lo_v, hi_v, num_bits)
-    if scale.numel() != 1:
-        raise ExportError("affine quantization is exported per-tensor only")
-    _check_opset(g, max(fm.integer_type(num_bits, True).min_opset, fm.MIN_OPSET), fm.format_name(num_bits, True))
-    qtype = fm.emitted_type(num_bits, True)
-    qmax = (1 << num_bits) - 1
-    scale, zp = scale.reshape(()), zp.reshape(())
-    if qmax != qtype.qmax:
-        x = _clip(g, x, (0.0 - zp) * scale, (qmax - zp) * scale)
-    scale_c = g.op("Constant", value_t=scale)
-    zp_c = _zero_point_const(g, zp, qtype)
-    q = g.op("QuantizeLinear", x, scale_c, zp_c)
-    return g.op("DequantizeLinear", q, scale_c, zp_c)
+    """``FakeAffineTensorQuantFunction.symbolic``: uint grid with the zero point in the graph."""
+    lo = constant_value(min_range, "min_range")
+    hi = constant_value(max_range, "max_range")
+    return emit(g, x, affine_spec(torch.as_tensor(lo), torch.as_tensor(hi), num_bits))
 
 
 def e4m3_qdq(g, x, amax=None, E=4, M=3):
-    """FP8 E4M3: ``QuantizeLinear`` with a float8e4m3fn zero point (saturating), opset >= 19."""
+    """``ScaledE4M3Function.symbolic``: float8e4m3fn zero point (saturating), opset >= 19."""
     if (E, M) != (4, 3):
         raise ExportError(f"only FP8 E4M3 exports to ONNX, got E={E}, M={M}")
-    _check_opset(g, fm.FP8_E4M3.min_opset, "fp8-e4m3")
     if amax is None or (hasattr(amax, "node") and amax.node().mustBeNone()):
-        a = torch.ones(())
-        scale = torch.ones(())
-        gran = Granularity("tensor")
-    else:
-        a = constant_value(amax, "amax").to(torch.float32)
-        ar.check_amax(a)
-        gran, shape = _granularity(g, x, a)
-        scale = ar.symmetric_scale(a, ar.FP8_E4M3_MAX)
-        dead = ar.dead_mask(a)
-        if dead.any():
-            a_e = expand_amax(a, shape) if gran.kind == "block" else a
-            d_e = ar.dead_mask(a_e)
-            big = torch.full(d_e.shape, float("inf"))
-            x = _clip(g, x, torch.where(d_e, 0.0, -big), torch.where(d_e, 0.0, big))
-    scale_o = flatten_for_onnx(scale, gran)
-    scale_c = g.op("Constant", value_t=scale_o)
-    zp_c = _zero_point_const(g, torch.zeros(scale_o.shape), fm.FP8_E4M3)
-    attrs = _qdq_attrs(gran)
-    q = g.op("QuantizeLinear", x, scale_c, zp_c, **attrs)
-    return g.op("DequantizeLinear", q, scale_c, zp_c, **attrs)
+        return emit(g, x, e4m3_spec(None, None))
+    return emit(g, x, e4m3_spec(constant_value(amax, "amax"), _input_shape(x)))

@@ -189,7 +189,7 @@ class Exporter(str, Enum):
 def export(
     calibrated: Path = typer.Argument(..., help="Calibrated checkpoint written by `quantcli calibrate`."),
     onnx_path: Path = typer.Option(..., "--onnx", help="ONNX file to write."),
-    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need: 13 int8, 19 fp8, 21 int4)."),
+    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need: 13 int8, 19 fp8, 21 int4; 18 at least with dynamo)."),
     exporter: Exporter = typer.Option(Exporter.torchscript, "--exporter", help="torch exporter: torchscript or dynamo (torch.export)."),
     dynamic_axes: bool = typer.Option(True, "--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions."),
     weights_qdq: bool = typer.Option(False, "--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),

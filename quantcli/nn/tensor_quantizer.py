@@ -162,6 +162,12 @@ class TensorQuantizer(nn.Module):
         if self.mode == "calibrate":
             self.collect(x)
             return x
+        spec = getattr(self, "_export_spec", None)
+        if spec is not None:
+            from exporters import dynamo
+
+            if dynamo.active():
+                return dynamo.call(x, spec)
         amax = self._dynamic_amax(x) if self.desc.dynamic else self.amax
         if amax is None:
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")

@@ -1,0 +1,165 @@
+"""The torch.export-based exporter: quantize ops as ``torch.library`` custom ops with ONNX translations.
+
+Before tracing, every enabled quantizer gets its :class:`~exporters.qdq.QdqSpec`, computed from its real amax
+and the shape of the tensor it sees (torch.export traces with fake tensors, so values are read first).
+While exporting, quantizers call ``quantcli::qdq`` with the spec's tensors; the op's eager kernel is ONNX's
+Q/DQ arithmetic (:mod:`quantcli.arithmetic`), and its onnxscript translation emits the same
+``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from exporters import formats as fm
+from exporters.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
+from quantcli import arithmetic as ar
+from quantcli.errors import ExportError
+
+_ACTIVE = False
+
+
+def active() -> bool:
+    """True while :func:`export_dynamo` traces the model."""
+    return _ACTIVE
+
+
+@contextmanager
+def _activated():
+    global _ACTIVE
+    _ACTIVE = True
+    try:
+        yield
+    finally:
+        _ACTIVE = False
+
+
+def _expand_param(p: torch.Tensor, x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
+    """An ONNX-layout scale / zero point broadcast against ``x``."""
+    if p.dim() == 0:
+        return p
+    if block_size > 0:
+        return p.repeat_interleave(block_size, dim=axis).narrow(axis, 0, x.shape[axis])
+    shape = [1] * x.dim()
+    shape[axis % x.dim()] = p.numel()
+    return p.reshape(shape)
+
+
+@torch.library.custom_op("quantcli::qdq", mutates_args=())
+def qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+        axis: int, block_size: int, elem_type: int, clip: bool) -> torch.Tensor:
+    """ONNX ``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` on ``x`` (float32 arithmetic)."""
+    xin = x.to(torch.float32)
+    if clip:
+        xin = torch.minimum(torch.maximum(xin, lo), hi)
+    s = _expand_param(scale, xin, axis, block_size)
+    if elem_type == fm.FP8_E4M3.elem_type:
+        return ar.dequantize_linear(ar.quantize_e4m3(xin, s), s).to(x.dtype)
+    qtype = next(t for t in (fm.INT8, fm.UINT8, fm.INT16) if t.elem_type == elem_type)
+    z = _expand_param(zero_point, xin, axis, block_size)
+    codes = ar.quantize_linear(xin, s, z, qtype.qmin, qtype.qmax)
+    return ar.dequantize_linear(codes, s, z).to(x.dtype)
+
+
+@qdq.register_fake
+def _qdq_fake(x, scale, zero_point, lo, hi, axis, block_size, elem_type, clip):
+    return torch.empty_like(x)
+
+
+def call(x: torch.Tensor, spec: QdqSpec) -> torch.Tensor:
+    clip = spec.lo is not None
+    lo = spec.lo if clip else spec.scale
+    hi = spec.hi if clip else spec.scale
+    return torch.ops.quantcli.qdq(x, spec.scale, spec.zero_point, lo, hi, spec.axis, spec.block_size,
+                                  spec.qtype.elem_type, clip)
+
+
+def _translation(opset: int):
+    import onnxscript
+
+    op = getattr(onnxscript, f"opset{opset}")
+
+    def qdq_onnx(x, scale, zero_point, lo, hi, axis: int, block_size: int, elem_type: int, clip: bool):
+        if clip:
+            x = op.Min(op.Max(x, lo), hi)
+        zp = op.Cast(zero_point, to=elem_type)
+        if block_size > 0:
+            q = op.QuantizeLinear(x, scale, zp, axis=axis, block_size=block_size)
+            return op.DequantizeLinear(q, scale, zp, axis=axis, block_size=block_size)
+        q = op.QuantizeLinear(x, scale, zp, axis=axis)
+        return op.DequantizeLinear(q, scale, zp, axis=axis)
+
+    return qdq_onnx
+
+
+def quantizer_spec(q, x_shape) -> QdqSpec:
+    d = q.desc
+    if d.asymmetric:
+        amin = q.amin if q.amin is not None else torch.zeros(())
+        return affine_spec(amin, q.amax, d.num_bits)
+    if d.is_fp8:
+        return e4m3_spec(q.amax, x_shape)
+    return symmetric_spec(q.amax, x_shape, d.num_bits, d.unsigned, d.narrow_range)
+
+
+def _prepare_specs(model: nn.Module, example: dict[str, torch.Tensor], opset: int) -> None:
+    from quantcli.nn.replace import quantizers
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    hooks = [q.register_forward_pre_hook(lambda m, a, n=n: shapes.__setitem__(n, tuple(a[0].shape)))
+             for n, q in quantizers(model).items() if q.mode == "quantize"]
+    try:
+        with torch.no_grad():
+            model(**example)
+    finally:
+        for h in hooks:
+            h.remove()
+    for n, q in quantizers(model).items():
+        if n in shapes:
+            spec = quantizer_spec(q, shapes[n])
+            check_opset(opset, spec)
+            q._export_spec = spec
+
+
+def _clear_specs(model: nn.Module) -> None:
+    from quantcli.nn.replace import quantizers
+
+    for q in quantizers(model).values():
+        q._export_spec = None
+
+
+def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names,
+                  axes) -> None:
+    """``torch.onnx.export(..., dynamo=True)`` with the quantize ops translated to Q/DQ nodes."""
+    _prepare_specs(model, example, opset)
+    dynamic_shapes = None
+    if axes:
+        dynamic_shapes = {k: {d: torch.export.Dim.DYNAMIC for d in axes.get(k, {})} or None for k in example}
+    try:
+        with _activated(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+                contextlib.redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            import logging
+
+            logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+            prog = torch.onnx.export(
+                model, (), kwargs=dict(example), dynamo=True, opset_version=opset,
+                custom_translation_table={torch.ops.quantcli.qdq.default: _translation(opset)},
+                input_names=input_names, output_names=output_names, dynamic_shapes=dynamic_shapes,
+                # no onnxscript optimizer: it merges identical Q/DQ pairs (q/k/v input quantizers share their
+                # input and scale), so a quantizer would lose its own pair; exporters.fold does the folding
+                optimize=False, verbose=False, report=False,
+            )
+            prog.save(str(path))
+    except ExportError:
+        raise
+    except Exception as e:
+        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {str(e).strip().splitlines()[0][:200]}") from None
+    finally:
+        _clear_specs(model)
