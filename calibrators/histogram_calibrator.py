@@ -11,6 +11,8 @@ agree within one bin). The price: the range is at most 2x the max, so at least h
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from calibrators.base import Calibrator
@@ -33,38 +35,90 @@ class HistogramCalibrator(Calibrator):
         self._exp: torch.Tensor | None = None  # (C,) int64: range is [0, 2**exp)
         self._amax_shape: tuple[int, ...] = ()
 
+    def _scratch(self, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reusable float32 / int32 buffers: a fresh allocation per batch costs more (page faults) than the
+        histogram itself. Sized by the largest batch seen, so memory does not grow with the batch count."""
+        n = 1
+        for d in shape:
+            n *= d
+        f, i = getattr(self, "_buf_f", None), getattr(self, "_buf_i", None)
+        if f is None or f.device != device or f.numel() < n:
+            f = torch.empty(n, dtype=torch.float32, device=device)
+            i = torch.empty(n, dtype=torch.int32, device=device)
+            self._buf_f, self._buf_i = f, i
+        return f[:n].view(shape), i[:n].view(shape)
+
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add one batch (any float dtype, any device; stays there)."""
         axes, shape = self._kept(x)
         self._amax_shape = shape
-        a = x.detach()
+        x = x.detach()
         if axes:
-            rest = [d for d in range(a.dim()) if d not in axes]
-            a = a.permute(*axes, *rest).reshape(-1 if not rest else int(torch.tensor(shape).prod()), -1)
+            rest = [d for d in range(x.dim()) if d not in axes]
+            channels = 1
+            for d in axes:
+                channels *= x.shape[d]
+            src = x.permute(*axes, *rest)
         else:
-            a = a.reshape(1, -1)
-        a = a.abs().to(torch.float32)
-        channels = a.shape[0]
+            channels, src = 1, x
+        per = x.numel() // max(channels, 1)
+        a, idx = self._scratch((channels, per), x.device)
+        a.view(src.shape).copy_(src)  # any float dtype in, float32 out, channels first
+        a.abs_()
+        if channels == 1 and x.device.type == "cpu":
+            self._collect_cpu_scalar(a, idx)
+            return
         batch_max = a.amax(dim=1)
         self._note_finite(batch_max)
         _, exp = torch.frexp(batch_max)  # batch_max < 2**exp (and 2**exp <= 2 * batch_max)
         exp = exp.to(torch.long)
         nb = self.num_bins
         if self._hist is None:
-            self._hist = torch.zeros(channels, nb, dtype=torch.long, device=a.device)
+            self._hist = torch.zeros(channels, nb, dtype=torch.long, device=x.device)
             self._exp = exp
         else:
             new_exp = torch.maximum(self._exp, torch.where(torch.isfinite(batch_max), exp, self._exp))
-            self._merge(new_exp - self._exp)
+            shift = new_exp - self._exp
+            # on the CPU a host check is free and skips the no-op merge; on CUDA always merge (no sync)
+            if x.device.type != "cpu" or bool(shift.any()):
+                self._merge(shift)
             self._exp = new_exp
-        width = torch.ldexp(torch.ones_like(batch_max), self._exp.to(torch.int32)) / nb  # (C,)
-        idx = torch.floor(a / width.unsqueeze(1)).to(torch.long).clamp_(0, nb - 1)
-        idx += torch.arange(channels, device=a.device).unsqueeze(1) * nb
-        counts = torch.bincount(idx.reshape(-1), minlength=channels * nb).view(channels, nb)
-        if self.skip_zeros:
-            counts[:, 0] -= (a == 0).sum(dim=1)
-        self._hist += counts
+        zeros = (a == 0).sum(dim=1) if self.skip_zeros else None
+        # bin = floor(|x| * nb / 2**e): exact, nb and 2**e being powers of two; |x| < 2**e so bin < nb
+        per_bin = torch.ldexp(torch.full_like(batch_max, float(nb)), -self._exp.to(torch.int32))
+        torch.mul(a, per_bin.unsqueeze(1), out=a)
+        idx.copy_(a)  # truncation == floor for non-negative values
+        if channels > 1:
+            idx += torch.arange(0, channels * nb, nb, dtype=torch.int32, device=x.device).unsqueeze(1)
+        idx.clamp_(0, channels * nb - 1)  # only NaN/inf (already reported) could fall outside
+        # accumulate in place: a bincount would allocate and zero a channels x bins table every batch
+        ones = torch.ones((), dtype=torch.long, device=x.device).expand(idx.numel())
+        self._hist.view(-1).index_add_(0, idx.view(-1), ones)
+        if zeros is not None:
+            self._hist[:, 0] -= zeros
+        self._batches += 1
+
+    def _collect_cpu_scalar(self, a: torch.Tensor, idx: torch.Tensor) -> None:
+        """Per-tensor on the CPU: the same scheme with the exponent as a Python int (host reads are free)."""
+        m = float(a.max())
+        if not math.isfinite(m):
+            self._note_finite(torch.tensor(m))
+        exp = math.frexp(m)[1]  # m < 2**exp
+        nb = self.num_bins
+        if self._hist is None:
+            self._hist = torch.zeros(1, nb, dtype=torch.long)
+            self._exp = torch.tensor([exp], dtype=torch.long)
+        elif exp > int(self._exp[0]):
+            self._merge(torch.tensor([exp]) - self._exp)
+            self._exp = torch.tensor([exp], dtype=torch.long)
+        zeros = int((a == 0).sum()) if self.skip_zeros else 0
+        a.mul_(math.ldexp(float(nb), -int(self._exp[0])))  # exact: a power of two
+        idx.copy_(a)  # truncation == floor for non-negative values; every bin < nb since |x| < 2**e
+        counts = torch.bincount(idx.view(-1), minlength=nb)
+        if zeros:
+            counts[0] -= zeros
+        self._hist[0] += counts
         self._batches += 1
 
     def _merge(self, shift: torch.Tensor) -> None:
@@ -113,6 +167,7 @@ class HistogramCalibrator(Calibrator):
         super().reset()
         self._hist = None
         self._exp = None
+        self._buf_f = self._buf_i = None
 
     def __repr__(self) -> str:
         return (f"HistogramCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned}, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from calibrators.base import Calibrator
@@ -16,15 +18,31 @@ class MaxCalibrator(Calibrator):
     def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, name: str | None = None):
         super().__init__(num_bits, axis, unsigned, name)
         self._amax: torch.Tensor | None = None
+        self._amax_f: float | None = None
 
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Fold one batch into the running max (on ``x``'s device, no host copy)."""
         axes, shape = self._kept(x)
-        reduce = tuple(d for d in range(x.dim()) if d not in axes)
-        a = x.detach().abs()
-        batch = a.amax(dim=reduce, keepdim=True) if reduce else a
-        batch = batch.reshape(shape).to(torch.float32)
+        x = x.detach()
+        if not axes and x.device.type == "cpu" and x.numel():
+            # per-tensor on the CPU: a Python float is the cheapest running state (a host read costs nothing here)
+            lo, hi = torch.aminmax(x)
+            v = max(-float(lo), float(hi))
+            if not math.isfinite(v):
+                self._note_finite(torch.tensor(v))
+            prev = self._amax_f
+            self._amax_f = v if prev is None else max(prev, v)
+            self._batches += 1
+            return
+        if not axes:  # one pass, no |x| temporary
+            lo, hi = torch.aminmax(x)
+            batch = torch.maximum(-lo, hi).to(torch.float32)
+        else:
+            reduce = tuple(d for d in range(x.dim()) if d not in axes)
+            hi = x.amax(dim=reduce, keepdim=True) if reduce else x
+            lo = x.amin(dim=reduce, keepdim=True) if reduce else x
+            batch = torch.maximum(-lo, hi).reshape(shape).to(torch.float32)
         self._note_finite(batch)
         self._amax = batch if self._amax is None else torch.maximum(self._amax, batch)
         self._batches += 1
@@ -32,11 +50,16 @@ class MaxCalibrator(Calibrator):
     def compute_amax(self, *_, **__) -> torch.Tensor:
         """The running max; raises if nothing was collected or a batch was non-finite."""
         self._check_ready()
+        if self._amax is None:
+            return torch.tensor(self._amax_f, dtype=torch.float32)
+        if self._amax_f is not None:  # batches seen on both paths (a model moved between devices)
+            return torch.maximum(self._amax, torch.tensor(self._amax_f, device=self._amax.device))
         return self._amax.clone()
 
     def reset(self) -> None:
         super().reset()
         self._amax = None
+        self._amax_f = None
 
     def __repr__(self) -> str:
         return f"MaxCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned})"

@@ -14,7 +14,7 @@ _LAZY = {
     "fake_affine_tensor_quant": "quantcli.tensor_quant",
     "scaled_e4m3": "quantcli.tensor_quant",
     "quantize_model": "quantcli.nn.replace",
-    "calibrate": "quantcli.calibrate",
+    "calibrate": "quantcli.calibration",
     "load_calibrated": "quantcli.checkpoint",
     "save_calibrated": "quantcli.checkpoint",
     "verify_onnx": "quantcli.verify",

@@ -121,8 +121,8 @@ def calibrate(
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
                out_path, as_json, trust_pickle):
-    from quantcli.calibrate import calibrate as run_calibration
-    from quantcli.calibrate import resolve_device
+    from quantcli.calibration import calibrate as run_calibration
+    from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
     from quantcli.data import cap_samples, load_batches
     from quantcli.errors import DataError, QuantCliError

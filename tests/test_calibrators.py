@@ -1,7 +1,5 @@
 """Calibrators (issue: max and histogram, entropy/mse/percentile): hand cases, reference loops, invariance."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -14,55 +12,7 @@ from calibrators import (
     compute_amax_percentile,
 )
 from quantcli.errors import CalibrationError
-
-# ----------------------------------------------------------------------------- slow, obvious references
-
-
-def ref_entropy(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
-    bins = np.array(hist, dtype=np.float64)
-    bins[0] = bins[1]
-    total = bins.sum()
-    nq = 1 << (num_bits - 1 + int(unsigned))
-    best_i, best_kl = None, math.inf
-    stop = int(np.nonzero(np.asarray(hist))[0].max()) + 1  # candidates end where the data ends
-    for i in range(start_bin, stop + 1, stride):
-        p = bins[:i].copy()
-        p[-1] += bins[i:].sum()
-        p /= total
-        quant = [(j * nq) // i for j in range(i)]
-        sums = np.zeros(nq)
-        nnz = np.zeros(nq)
-        for j in range(i):
-            if bins[j] > 0:
-                sums[quant[j]] += bins[j]
-                nnz[quant[j]] += 1
-        q = np.zeros(i)
-        for j in range(i):
-            if bins[j] > 0:
-                q[j] = sums[quant[j]] / nnz[quant[j]]
-        q /= q.sum()
-        kl = 0.0
-        for j in range(i):
-            if p[j] > 0:
-                kl = math.inf if q[j] == 0 else kl + p[j] * math.log(p[j] / q[j])
-        if kl <= best_kl:  # ties: the last (largest) candidate
-            best_i, best_kl = i, kl
-    return edges[best_i]
-
-
-def ref_mse(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
-    bound = 2**num_bits - 1 if unsigned else 2 ** (num_bits - 1) - 1
-    centers = (edges[:-1] + edges[1:]) / 2
-    best, best_err = None, math.inf
-    stop = int(np.nonzero(hist)[0].max()) + 1
-    for i in range(start_bin, stop + 1, stride):
-        a = np.float32(edges[i])
-        s = np.float32(a / np.float32(bound))
-        fq = np.clip(np.round(centers.astype(np.float32) / s), 0, bound).astype(np.float64) * np.float64(s)
-        err = float(np.sum(hist * (centers - fq) ** 2))
-        if err < best_err:
-            best, best_err = edges[i], err
-    return best
+from tests.reference_amax import ref_entropy, ref_mse
 
 
 def random_hist(rng, bins=512):

@@ -11,7 +11,7 @@ from torch import nn
 from exporters import export_onnx
 from exporters.graph import qdq_pairs, quantizer_map
 from quantcli import QuantDescriptor, load_calibrated, quantize_model
-from quantcli.calibrate import calibrate
+from quantcli.calibration import calibrate
 from quantcli.verify import expected_scales, verify_onnx
 from tests.helpers import assert_clean_error, cli
 from tests.ort_util import run_model

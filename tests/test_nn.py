@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from quantcli import QuantDescriptor, quantize_model
-from quantcli.calibrate import calibrate
+from quantcli.calibration import calibrate
 from quantcli.errors import ConfigError
 from quantcli.nn import TensorQuantizer, load_config, quantizers
 from quantcli.nn.modules import QuantConvTranspose2d, QuantLinear

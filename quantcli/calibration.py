@@ -1,9 +1,9 @@
 """``calibrate(model, batches, method=...)``: fill every enabled quantizer's amax.
 
 Weights are calibrated from the weights themselves (max, per channel or per block, unless the weight
-descriptor asks for a histogram). Activations: one pass of the data through the model in
-``torch.inference_mode()`` with the input quantizers observing (no fake quantization during the pass),
-then each calibrator's amax search. Calibrators collect on the model's device.
+descriptor asks for a histogram). Activations: one pass of the data through the float model in
+``torch.inference_mode()`` with the input quantizers observing and every other quantizer disabled (no fake
+quantization during the pass), then each calibrator's amax search. Calibrators collect on the model's device.
 """
 
 from __future__ import annotations
@@ -124,6 +124,11 @@ def calibrate(
     acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
     for q in acts.values():
         q.start_calibration(method, num_bins)
+    # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
+    # so the pass costs a forward plus the observers and nothing else
+    paused = [q for q in qs.values() if q.mode == "quantize"]
+    for q in paused:
+        q.mode = "disabled"
     try:
         with torch.inference_mode():
             for i, batch in enumerate(batches):
@@ -144,6 +149,8 @@ def calibrate(
                 continue
             q.load_calib_amax(method, **kwargs)
     finally:
+        for q in paused:
+            q.mode = "quantize"
         for q in acts.values():
             if q.mode == "calibrate":
                 q.calibrator = None

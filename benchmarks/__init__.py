@@ -1,0 +1,1 @@
+"""Performance scripts. Each prints ratios against a reference run in the same process; nothing here is asserted."""

@@ -1,0 +1,16 @@
+"""Run every benchmark: ``python -m benchmarks [--quick] [--device cuda]``."""
+
+import argparse
+
+from benchmarks import bench_calibration, bench_calibrators, bench_end_to_end
+
+p = argparse.ArgumentParser(description=__doc__)
+p.add_argument("--device", default="cpu")
+p.add_argument("--quick", action="store_true", help="skip the minutes-long per-candidate loop references")
+a = p.parse_args()
+bench_calibration.main(["--device", a.device])
+print()
+bench_calibrators.main(["--device", a.device] + (["--quick"] if a.quick else []))
+if a.device == "cpu":
+    print()
+    bench_end_to_end.main([])

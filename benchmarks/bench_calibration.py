@@ -1,0 +1,77 @@
+"""End-to-end calibration overhead: ``quantcli.calibrate`` vs a plain ``inference_mode`` forward pass.
+
+Same process, same batches, same thread count. Targets on a CPU: max <= 1.15x, histogram methods (collection
+plus amax search for every quantizer) <= 1.5x the plain forward time.
+
+    python -m benchmarks.bench_calibration [--device cpu|cuda] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from benchmarks.common import machine, median_time, setup_threads, table
+
+
+def workloads(device: str):
+    from sample_models import digits_cnn, text_encoder
+
+    x = torch.cat([b["x"] for b in digits_cnn.calibration_batches()] + [b["x"] for b in digits_cnn.evaluation_batches()])
+    x = x.repeat(2, 1, 1, 1)[:2048]
+    digits = [{"x": b.to(device)} for b in x.split(256)]
+    text = [{k: v.to(device) for k, v in b.items()} for b in text_encoder.calibration_batches() * 4]
+    return {"digits_cnn (8 x 256)": ("digits_cnn", digits), "text_encoder (32 batches)": ("text_encoder", text)}
+
+
+def _plain_pass(model, batches) -> None:
+    with torch.inference_mode():
+        for b in batches:
+            model(**b)
+
+
+def _fresh_quantized(name: str):
+    from quantcli.loading import load_model
+    from quantcli.nn import quantize_model
+
+    m, _ = load_model(name)
+    return quantize_model(m)
+
+
+def run(device: str = "cpu", repeat: int = 7) -> list[dict]:
+    from functools import partial
+
+    from quantcli.calibration import calibrate
+    from quantcli.loading import load_model
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    rows = []
+    for label, (name, batches) in workloads(device).items():
+        plain_model, _ = load_model(name)
+        plain_model.to(device)
+        t_plain = median_time(partial(_plain_pass, plain_model, batches), repeat=repeat, warmup=2, sync=sync)
+        for method in ("max", "entropy", "mse", "percentile"):
+            run_calib = partial(lambda m, b, meth: calibrate(m, b, meth, device=device), b=batches, meth=method)
+            t = median_time(run_calib, repeat=repeat, warmup=1, sync=sync, setup=partial(_fresh_quantized, name))
+            rows.append({"model": label, "method": method, "plain forward ms": f"{t_plain * 1e3:.1f}",
+                         "calibrate ms": f"{t * 1e3:.1f}", "ratio": f"{t / t_plain:.2f}x",
+                         "target": "<= 1.15x" if method == "max" else "<= 1.50x"})
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args(argv)
+    setup_threads(a.threads)
+    rows = run(a.device)
+    print(f"calibration overhead on {a.device} — {machine()}")
+    print("(median of 7; calibrate time excludes building the model; both sides run the same batches)")
+    print(table(rows, ["model", "method", "plain forward ms", "calibrate ms", "ratio", "target"]))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Calibrator speed and memory: vectorized amax searches vs per-candidate loops, collection overhead vs the
+matmul that produced the activation, state and peak memory for 10 vs 1000 batches.
+
+    python -m benchmarks.bench_calibrators [--device cpu|cuda] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+import torch
+
+from benchmarks.common import machine, median_time, peak_rss_of, setup_threads, table
+
+
+def _activation_hist(channels: int | None = None, device: str = "cpu"):
+    from calibrators import HistogramCalibrator
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 768, generator=g) @ torch.randn(768, 3072, generator=g) / 28
+    x = torch.nn.functional.gelu(x).to(device)
+    c = HistogramCalibrator(axis=None if channels is None else 1)
+    c.collect(x if channels is None else x[:, :channels])
+    return c
+
+
+def amax_rows(device: str, quick: bool) -> list[dict]:
+    from calibrators.histogram import compute_amax_entropy, compute_amax_mse, compute_amax_percentile
+    from tests.reference_amax import ref_entropy, ref_mse
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    from calibrators import HistogramCalibrator
+
+    dense = HistogramCalibrator()  # worst case: data in every one of the 2048 bins, every candidate evaluated
+    g = torch.Generator().manual_seed(1)
+    dense.collect(torch.cat([torch.rand(200_000, generator=g) * 1.99, torch.randn(200_000, generator=g).abs() * 0.3]))
+    refs = {"entropy": ref_entropy, "mse": ref_mse}
+    fns = {"entropy": compute_amax_entropy, "mse": compute_amax_mse, "percentile": compute_amax_percentile}
+    rows = []
+    for label, c in (("2048 bins, GELU activation", _activation_hist(device=device)), ("2048 bins, every bin filled", dense)):
+        rows += _amax_rows_for(c, label, fns, refs, sync, quick)
+    rows += _per_channel_rows(fns, sync, quick, device)
+    return rows
+
+
+def _amax_rows_for(c, label, fns, refs, sync, quick) -> list[dict]:
+    h, e = c.hist[0].double(), c.bin_edges[0]
+    hn, en = h.cpu().numpy(), e.cpu().numpy()
+    rows = []
+    for name, fn in fns.items():
+        t_fast = median_time(lambda fn=fn: fn(h, e), repeat=9, warmup=2, sync=sync)
+        row = {"method": name, "histogram": label, "quantcli ms": f"{t_fast * 1e3:.2f}"}
+        if name in refs and not quick:
+            t0 = time.perf_counter()
+            want = refs[name](hn, en)
+            t_ref = time.perf_counter() - t0
+            got = float(fn(h, e))
+            row.update({"loop reference ms": f"{t_ref * 1e3:.0f}", "speed-up": f"{t_ref / t_fast:.0f}x",
+                        "same bin": "yes" if got == want else f"no ({got} vs {want})"})
+        elif name == "percentile":
+            cdf = np.cumsum(hn) / hn.sum()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                idx = next(i for i, v in enumerate(cdf) if v >= 0.9999)
+            t_ref = (time.perf_counter() - t0) / 20
+            row.update({"loop reference ms": f"{t_ref * 1e3:.2f}", "speed-up": f"{t_ref / t_fast:.1f}x",
+                        "same bin": "yes" if float(fn(h, e)) == en[idx + 1] else "no"})
+        rows.append(row)
+    return rows
+
+
+def _per_channel_rows(fns, sync, quick, device) -> list[dict]:
+    # per-channel: 768 channels in one call vs a Python loop over channels of the same function
+    rows = []
+    pc = _activation_hist(channels=768, device=device)
+    H, E = pc.hist.double(), pc.bin_edges
+    for name, fn in fns.items():
+        t_batched = median_time(lambda fn=fn: fn(H, E), repeat=3, warmup=1, sync=sync)
+        n_loop = 32 if quick else 96
+        t_loop = median_time(lambda fn=fn, n=n_loop: [fn(H[i], E[i]) for i in range(n)], repeat=1, warmup=0, sync=sync)
+        t_loop *= 768 / n_loop
+        rows.append({"method": name, "histogram": "768 channels", "quantcli ms": f"{t_batched * 1e3:.1f}",
+                     "loop reference ms": f"{t_loop * 1e3:.0f} (loop over channels)",
+                     "speed-up": f"{t_loop / t_batched:.1f}x", "same bin": "-"})
+    return rows
+
+
+def collect_rows(device: str) -> list[dict]:
+    from calibrators import HistogramCalibrator, MaxCalibrator
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else None
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 768, generator=g).to(device)
+    w = torch.randn(768, 3072, generator=g).to(device)
+    x = a @ w
+    t_mm = median_time(lambda: a @ w, repeat=21, warmup=3, sync=sync)
+    rows = []
+    for label, c in (("max, per-tensor", MaxCalibrator()), ("histogram, per-tensor", HistogramCalibrator()),
+                     ("histogram, per-channel (3072)", HistogramCalibrator(axis=1))):
+        c.collect(x)
+        t = median_time(lambda c=c: c.collect(x), repeat=21, warmup=3, sync=sync)
+        rows.append({"collect": label, "activation": "64 x 3072", "collect ms": f"{t * 1e3:.3f}",
+                     "matmul ms": f"{t_mm * 1e3:.3f}", "collect / matmul": f"{t / t_mm:.2f}"})
+    return rows
+
+
+_MEM = """
+import torch
+torch.set_num_threads(1)
+from calibrators import HistogramCalibrator, MaxCalibrator
+cs = [HistogramCalibrator(), HistogramCalibrator(axis=1), MaxCalibrator(axis=1)]
+g = torch.Generator().manual_seed(0)
+for i in range({n}):
+    x = torch.randn(64, 3072, generator=g)
+    for c in cs:
+        c.collect(x)
+for c in cs[:2]:
+    c.compute_amax("entropy")
+"""
+
+
+def memory_rows() -> list[dict]:
+    from calibrators import HistogramCalibrator
+
+    rows = []
+    peaks = {n: peak_rss_of(_MEM.format(n=n)) for n in (10, 1000)}
+    c = HistogramCalibrator(axis=1)
+    for _ in range(3):
+        c.collect(torch.randn(64, 3072))
+    state = c._hist.numel() * c._hist.element_size() + c._exp.numel() * 8
+    for n, p in peaks.items():
+        rows.append({"batches": n, "peak RSS MiB": f"{p:.1f}", "vs 10 batches": f"{p / peaks[10]:.3f}x",
+                     "per-channel histogram state": f"{state / 2**20:.1f} MiB"})
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--quick", action="store_true", help="skip the minutes-long per-candidate loop references")
+    a = p.parse_args(argv)
+    setup_threads(a.threads)
+    print(f"calibrators on {a.device} — {machine()}")
+    print("\namax search (target: entropy >= 100x faster than the per-candidate loop and <= 10 ms per quantizer)")
+    print(table(amax_rows(a.device, a.quick), ["method", "histogram", "quantcli ms", "loop reference ms", "speed-up", "same bin"]))
+    print("\ncollection cost vs the matmul that produced the activation")
+    print(table(collect_rows(a.device), ["collect", "activation", "collect ms", "matmul ms", "collect / matmul"]))
+    if a.device == "cpu":
+        print("\nmemory: three calibrators, 64 x 3072 activations, separate processes")
+        print(table(memory_rows(), ["batches", "peak RSS MiB", "vs 10 batches", "per-channel histogram state"]))
+
+
+if __name__ == "__main__":
+    main()
