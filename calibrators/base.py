@@ -66,7 +66,7 @@ class Calibrator:
                     "check the input data and the model's numerics"
                 )
             return
-        idx = torch.tensor(self._batches, device=batch_max.device)
+        idx = torch.full((), self._batches, dtype=torch.long, device=batch_max.device)  # a fill, not a host copy
         if self._bad_batch is None:
             self._bad_batch = torch.full((), -1, dtype=torch.long, device=batch_max.device)
         self._bad_batch = torch.where(bad & (self._bad_batch < 0), idx, self._bad_batch)

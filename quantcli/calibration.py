@@ -171,3 +171,19 @@ def calibrate(
         torch.cuda.synchronize(dev)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def recompute_amax(model: nn.Module, method: str, *, percentile: float = 99.99) -> list[str]:
+    """Recompute every activation amax with another histogram method from the histograms the last
+    ``calibrate(..., method in {entropy, mse, percentile})`` collected: no second pass over the data.
+    Returns the quantizers updated."""
+    if method not in ("entropy", "mse", "percentile"):
+        raise CalibrationError(f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}")
+    done = []
+    for name, q in quantizers(model).items():
+        if q.histogram is not None and q.enabled:
+            q.recompute_amax(method, percentile=percentile)
+            done.append(name)
+    if not done:
+        raise CalibrationError("no histograms kept: calibrate with entropy, mse or percentile first")
+    return done

@@ -27,24 +27,33 @@ def _seed(seed: int = 0) -> None:
     torch.use_deterministic_algorithms(True)
 
 
+def _targets(out_dir: Path | None, weights: Path, splits: Path) -> tuple[Path, Path]:
+    """Where to write: the bundled files, or the same names under ``out_dir``."""
+    if out_dir is None:
+        return weights, splits
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir / weights.name, out_dir / splits.name
+
+
 def _save(model: nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
 
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path))
 
 
-def train_digits() -> float:
+def train_digits(out_dir: Path | None = None) -> float:
     from sklearn.datasets import load_digits
 
     from sample_models import digits_cnn as dc
 
+    weights, splits = _targets(out_dir, dc.WEIGHTS, dc.SPLITS)
     _seed()
     digits = load_digits()
     pixels = digits.data.astype(np.uint8)
     labels = digits.target.astype(np.uint8)
     order = np.random.default_rng(0).permutation(len(labels))
     train, test = order[:1200], order[1200:]
-    np.savez_compressed(dc.SPLITS, calib_x=pixels[train[:512]], calib_y=labels[train[:512]],
+    np.savez_compressed(splits, calib_x=pixels[train[:512]], calib_y=labels[train[:512]],
                         eval_x=pixels[test], eval_y=labels[test])
     x = torch.from_numpy(pixels[train].astype(np.float32) / 16).reshape(-1, 1, 8, 8)
     y = torch.from_numpy(labels[train].astype(np.int64))
@@ -59,7 +68,7 @@ def train_digits() -> float:
             nn.functional.cross_entropy(model(x[idx]), y[idx]).backward()
             opt.step()
     model.eval()
-    _save(model, dc.WEIGHTS)
+    _save(model, weights)
     xt = torch.from_numpy(pixels[test].astype(np.float32) / 16).reshape(-1, 1, 8, 8)
     with torch.no_grad():
         return (model(xt).argmax(1).numpy() == labels[test]).mean()
@@ -99,9 +108,10 @@ def _length_batches(lines: list[str], labels: list[int], batch: int):
     return [[(lines[i], labels[i]) for i in order[k : k + batch]] for k in range(0, len(order), batch)]
 
 
-def train_text() -> float:
+def train_text(out_dir: Path | None = None) -> float:
     from sample_models import text_encoder as te
 
+    weights, splits = _targets(out_dir, te.WEIGHTS, te.SPLITS)
     _seed()
     prose, code = _stdlib_lines()
     rng = random.Random(0)
@@ -126,7 +136,7 @@ def train_text() -> float:
             nn.functional.cross_entropy(model(**toks), torch.tensor([y for _, y in b])).backward()
             opt.step()
     model.eval()
-    _save(model, te.WEIGHTS)
+    _save(model, weights)
     arrays = {}
     calib = _length_batches([lines[i] for i in train[:256]], [labels[i] for i in train[:256]], 32)
     for k, b in enumerate(calib):
@@ -144,7 +154,7 @@ def train_text() -> float:
         with torch.no_grad():
             correct += int((model(**toks).argmax(1) == torch.tensor(ys)).sum())
     arrays["eval_labels"] = np.array(eval_labels, dtype=np.uint8)
-    np.savez_compressed(te.SPLITS, **arrays)
+    np.savez_compressed(splits, **arrays)
     return correct / len(eval_labels)
 
 
@@ -154,9 +164,10 @@ TRAINERS = {"digits_cnn": train_digits, "text_encoder": train_text}
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("name", choices=sorted(TRAINERS))
+    parser.add_argument("--out", type=Path, default=None, help="write here instead of over the bundled files")
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
-    acc = TRAINERS[args.name]()
+    acc = TRAINERS[args.name](args.out)
     print(f"{args.name}: held-out accuracy {acc:.4f}, trained in {time.perf_counter() - t0:.1f} s")
 
 

@@ -225,3 +225,19 @@ def test_cuda_collect_stays_on_device():
     hc.collect(torch.tensor([1.0, float("inf")], device="cuda"))  # no sync: raised at compute time
     with pytest.raises(CalibrationError, match="batch 0"):
         hc.compute_amax("percentile")
+
+
+@pytest.mark.cuda
+def test_cuda_collect_never_synchronizes():
+    # every collect path stays on the device: a host synchronisation raises in sync-debug mode
+    x = torch.randn(64, 3072, device="cuda")
+    cs = [MaxCalibrator(), MaxCalibrator(axis=1), HistogramCalibrator(), HistogramCalibrator(axis=1)]
+    for c in cs:
+        c.collect(x)  # first batch allocates state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for c in cs:
+            c.collect(x * 2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -160,3 +160,20 @@ def test_dynamic_quantizer_computes_amax_per_call():
     x = torch.tensor([[1.0, -2.0], [0.5, 0.25]])
     y = q(x)
     assert torch.allclose(y, x, atol=2.0 / 127)
+
+
+def test_histogram_methods_recompute_without_new_data():
+    from quantcli.calibration import recompute_amax
+
+    m = quantize_model(Net().eval())
+    calls = []
+    m.conv.register_forward_hook(lambda *a: calls.append(1))
+    calibrate(m, _batches(), "entropy", device="cpu")
+    n_calls = len(calls)
+    entropy = m.conv.input_quantizer.amax.clone()
+    done = recompute_amax(m, "percentile", percentile=100.0)
+    assert len(calls) == n_calls  # the model did not run again
+    assert "conv.input_quantizer" in done
+    # percentile 100 is the end of the last non-empty bin: at least the max seen
+    assert m.conv.input_quantizer.amax >= max(b["x"].abs().max() for b in _batches()) - 1e-6
+    assert not torch.equal(m.conv.input_quantizer.amax, entropy)

@@ -31,6 +31,7 @@ class TensorQuantizer(nn.Module):
         self.enabled = enabled
         self.mode = "quantize" if enabled else "disabled"
         self.calibrator = None
+        self.histogram = None  # the last histogram calibrator, after calibration with a histogram method
         amax = None if self.desc.amax is None else torch.tensor(self.desc.amax, dtype=torch.float32)
         self.register_buffer("amax", amax)
         self.register_buffer("amin", None)  # asymmetric quantizers: the calibrated minimum (<= 0)
@@ -111,6 +112,7 @@ class TensorQuantizer(nn.Module):
             if method != "percentile":
                 kw.pop("percentile", None)
             amax = self.calibrator.compute_amax(method, **kw)
+            self.histogram = self.calibrator  # kept: another method can be computed without re-running the model
         else:
             amax = self.calibrator.compute_amax()
         if self._block is not None:
@@ -121,6 +123,13 @@ class TensorQuantizer(nn.Module):
         self.calibrator = None
         self.set_mode("quantize")
         return self.amax
+
+    def recompute_amax(self, method: str, **kwargs) -> torch.Tensor:
+        """amax by another histogram method from the kept histogram (no new data pass)."""
+        if self.histogram is None:
+            raise CalibrationError(f"{self.name}: no histogram kept; calibrate with entropy, mse or percentile first")
+        self.calibrator = self.histogram
+        return self.load_calib_amax(method, **kwargs)
 
     def _blocked_axis_after(self, amax: torch.Tensor) -> int:
         d = self._block[0] % (amax.dim() - 1)
