@@ -122,23 +122,19 @@ def test_skip_zeros():
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_entropy_equals_reference_loop(seed):
+@pytest.mark.parametrize(
+    "fast, slow, cases",
+    [
+        (compute_amax_entropy, ref_entropy, [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
+        (compute_amax_mse, ref_mse, [{"start_bin": 64}, {"num_bits": 4, "unsigned": True, "stride": 2, "start_bin": 16}]),
+    ],
+    ids=["entropy", "mse"],
+)
+def test_vectorized_equals_reference_loop(seed, fast, slow, cases):
     rng = np.random.default_rng(seed)
     h, e = random_hist(rng, 384)
-    assert compute_amax_entropy(h, e, start_bin=128) == pytest.approx(ref_entropy(h, e, start_bin=128))
-    assert compute_amax_entropy(h, e, num_bits=6, unsigned=True, stride=3, start_bin=40) == pytest.approx(
-        ref_entropy(h, e, num_bits=6, unsigned=True, stride=3, start_bin=40)
-    )
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_mse_equals_reference_loop(seed):
-    rng = np.random.default_rng(seed)
-    h, e = random_hist(rng, 384)
-    assert compute_amax_mse(h, e, start_bin=64) == pytest.approx(ref_mse(h, e, start_bin=64))
-    assert compute_amax_mse(h, e, num_bits=4, unsigned=True, stride=2, start_bin=16) == pytest.approx(
-        ref_mse(h, e, num_bits=4, unsigned=True, stride=2, start_bin=16)
-    )
+    for kw in cases:
+        assert fast(h, e, **kw) == pytest.approx(slow(h, e, **kw)), kw
 
 
 def test_percentile_equals_reference():
