@@ -78,49 +78,59 @@ def _xlogx(p: torch.Tensor) -> torch.Tensor:
     return torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
 
 
+def _bounds(cand: torch.Tensor, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For candidates ``i``: the ``nq + 1`` boundaries ``ceil(k * i / nq)`` between quantization bins (bin k
+    holds source bins ``[b_k, b_{k+1})``), flattened, and the quantization bin of source bin ``i - 1``."""
+    i = cand.view(-1, 1)
+    k = torch.arange(nq + 1, device=cand.device).view(1, -1)
+    return ((k * i + nq - 1) // nq).reshape(-1), ((cand - 1) * nq) // cand
+
+
 @functools.lru_cache(maxsize=32)
-def _quant_bin_bounds(cand_key: tuple[int, int, int], nq: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """For candidates ``range(*cand_key)``: the ``nq + 1`` boundaries ``ceil(k * i / nq)`` between the
-    quantization bins (bin k holds source bins ``[b_k, b_{k+1})``), and the quantization bin of the last
-    source bin, ``i - 1``. Data-independent, so cached."""
-    i = torch.arange(*cand_key, device=device).view(-1, 1)
-    k = torch.arange(nq + 1, device=device).view(1, -1)
-    bounds = (k * i + nq - 1) // nq
-    return bounds.reshape(-1), ((i.view(-1) - 1) * nq) // i.view(-1)
+def _range_bounds(start: int, stop: int, step: int, nq: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_bounds` for ``range(start, stop, step)``: data-independent, so cached."""
+    return _bounds(torch.arange(start, stop, step, device=device), nq)
 
 
-def _entropy_divergences(h: torch.Tensor, cand: torch.Tensor, nq: int) -> torch.Tensor:
+def _entropy_divergences(h: torch.Tensor, cand: torch.Tensor, nq: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """KL(P_i || Q_i) for every candidate i (columns), as TensorRT's calibrator defines them.
 
     P_i: the first i bins, with the mass beyond bin i added to bin i-1. Q_i: the first i bins merged into
     ``nq`` quantization bins (bin j goes to ``floor(j * nq / i)``), each bin's mass spread evenly over its
-    non-empty source bins. Computed from prefix sums, so no loop over candidates or bins.
+    non-empty source bins. From exact integer prefix sums, so no loop over candidates or bins; the
+    ``(candidates, nq)`` terms are evaluated in ``dtype``:
+
+        sum_j p_j log q_j = (sum_k s_k log s_k - s_k log n_k) / T - (S_i / T) log S_i  (+ the clipped mass term)
+
+    with ``s_k``, ``n_k`` the mass and non-empty count of quantization bin k and ``S_i`` the mass below i.
     """
     c_rows = h.shape[0]
-    total = h.sum(dim=1, keepdim=True)  # (C, 1)
-    zero_col = torch.zeros(c_rows, 1, dtype=h.dtype, device=h.device)
-    cb = torch.cat([zero_col, h.cumsum(1)], 1)  # (C, B+1)
-    cnz = torch.cat([zero_col, (h > 0).to(h.dtype).cumsum(1)], 1)
-    cl = torch.cat([zero_col, _xlogx(h / total).cumsum(1)], 1)
+    counts = h.round().to(torch.long)
+    zero_col = torch.zeros(c_rows, 1, dtype=torch.long, device=h.device)
+    cb = torch.cat([zero_col, counts.cumsum(1)], 1)  # (C, B+1) exact
+    cnz = torch.cat([zero_col, (counts > 0).to(torch.long).cumsum(1)], 1)
+    total = cb[:, -1:].to(torch.float64)  # (C, 1)
+    cl = torch.cat([zero_col.to(torch.float64), _xlogx(h / total).cumsum(1)], 1)
 
-    i = cand.view(1, -1)  # (1, K)
-    step = int(cand[1] - cand[0]) if cand.numel() > 1 else 1
-    bounds, k_last = _quant_bin_bounds((int(cand[0]), int(cand[-1]) + 1, step), nq, str(h.device))
+    if cand.numel() > 1 and bool((cand[1:] - cand[:-1] == cand[1] - cand[0]).all()):
+        bounds, k_last = _range_bounds(int(cand[0]), int(cand[-1]) + 1, int(cand[1] - cand[0]), nq, str(h.device))
+    else:
+        bounds, k_last = _bounds(cand, nq)
     prefix = torch.cat([cb, cnz]).index_select(1, bounds).view(2 * c_rows, -1, nq + 1)
-    per_bin = prefix[..., 1:] - prefix[..., :-1]  # (2C, K, nq): mass and non-empty count of each quant bin
+    per_bin = (prefix[..., 1:] - prefix[..., :-1]).to(dtype)  # (2C, K, nq): mass and non-empty count
     s_k, n_k = per_bin[:c_rows], per_bin[c_rows:]
+    inner = (torch.xlogy(s_k, s_k) - torch.xlogy(s_k, n_k)).sum(-1).to(torch.float64)  # (C, K)
 
-    iv = i.expand(c_rows, -1)
-    sum_i = cb.gather(1, iv)  # mass in the first i bins: (C, K)
+    iv = cand.view(1, -1).expand(c_rows, -1)
+    sum_i = cb.gather(1, iv).to(torch.float64)  # mass in the first i bins: (C, K)
     out_i = total - sum_i
     b_last = h.gather(1, iv - 1)
-    safe_sum = torch.where(sum_i > 0, sum_i, 1.0)
-
-    q_k = torch.where(s_k > 0, s_k / (torch.where(n_k > 0, n_k, 1.0) * safe_sum.unsqueeze(-1)), 1.0)
-    cross = (s_k / total.unsqueeze(-1) * torch.log(q_k)).sum(-1)  # sum_j p_j log q_j over the first i bins
+    cross = inner / total - sum_i / total * torch.log(torch.where(sum_i > 0, sum_i, 1.0))
 
     idx_last = k_last.view(1, -1).expand(c_rows, -1).unsqueeze(-1)
-    q_last = q_k.gather(2, idx_last).squeeze(-1)
+    s_last = s_k.gather(2, idx_last).squeeze(-1).to(torch.float64)
+    n_last = n_k.gather(2, idx_last).squeeze(-1).to(torch.float64)
+    q_last = torch.where(s_last > 0, s_last / (torch.where(n_last > 0, n_last, 1.0) * torch.where(sum_i > 0, sum_i, 1.0)), 1.0)
     cross = cross + torch.where(out_i > 0, out_i / total * torch.log(q_last), 0.0)
 
     self_term = cl.gather(1, iv - 1) + _xlogx((b_last + out_i) / total)
@@ -134,8 +144,10 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     """amax minimising the KL divergence between the histogram and its quantized version (TensorRT).
 
     ``2**(num_bits - 1 + unsigned)`` quantization bins; candidates are bin edges ``start_bin, start_bin +
-    stride, ...`` up to the last non-empty bin (larger ones clip nothing). As in TensorRT, the first bin's count is replaced by the second's, so a spike of
-    exact zeros (ReLU) does not dominate. Ties go to the largest candidate.
+    stride, ...`` up to the last non-empty bin (larger ones clip nothing). As in TensorRT, the first bin's
+    count is replaced by the second's, so a spike of exact zeros (ReLU) does not dominate. Ties go to the
+    largest candidate. Candidates are scored in float32 first; those within 1e-4 of the best are scored
+    again in float64, so the choice is the exact evaluation's.
 
     Also as in TensorRT, a candidate whose last bin is empty while mass lies beyond it has infinite
     divergence (Q is zero where P is not). An isolated outlier beyond an empty gap is therefore clipped only
@@ -158,7 +170,15 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
         if cr.numel() == 0:
             best.append(st)
             continue
-        kl = _entropy_divergences(hr, cr, nq)
+        valid = cr.view(1, -1) <= st.view(-1, 1)
+        kl = torch.where(valid, _entropy_divergences(hr, cr, nq, torch.float32), float("inf"))
+        low = kl.amin(dim=1, keepdim=True)
+        near = valid & torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
+        cols = near.any(0)
+        if cols.any():  # rescore the near-best exactly
+            exact = _entropy_divergences(hr, cr[cols], nq, torch.float64)
+            kl = torch.full_like(kl, float("inf"))
+            kl[:, cols] = torch.where(near[:, cols], exact, float("inf"))
         best.append(_pick(cr, kl, st, last=True))
     idx = torch.cat(best)
     amax = e.gather(1, idx.view(-1, 1)).squeeze(1)

@@ -64,8 +64,11 @@ class HistogramCalibrator(Calibrator):
             channels, src = 1, x
         per = x.numel() // max(channels, 1)
         a, idx = self._scratch((channels, per), x.device)
-        a.view(src.shape).copy_(src)  # any float dtype in, float32 out, channels first
-        a.abs_()
+        if src.dtype == torch.float32:
+            torch.abs(src, out=a.view(src.shape))  # one pass, channels first
+        else:
+            a.view(src.shape).copy_(src)  # any float dtype in, float32 out
+            a.abs_()
         if channels == 1 and x.device.type == "cpu":
             self._collect_cpu_scalar(a, idx)
             return
