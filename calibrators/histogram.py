@@ -116,10 +116,13 @@ def _entropy_divergences(h: torch.Tensor, cand: torch.Tensor, nq: int, dtype: to
         bounds, k_last = _range_bounds(int(cand[0]), int(cand[-1]) + 1, int(cand[1] - cand[0]), nq, str(h.device))
     else:
         bounds, k_last = _bounds(cand, nq)
-    prefix = torch.cat([cb, cnz]).index_select(1, bounds).view(2 * c_rows, -1, nq + 1)
-    per_bin = (prefix[..., 1:] - prefix[..., :-1]).to(dtype)  # (2C, K, nq): mass and non-empty count
+    # gather the prefix sums in the scoring dtype (float32 prefix sums are exact to 2**24 samples; beyond,
+    # the float64 re-scoring of the near-best candidates keeps the choice exact)
+    prefix = torch.cat([cb, cnz]).to(dtype).index_select(1, bounds).view(2 * c_rows, -1, nq + 1)
+    per_bin = torch.diff(prefix, dim=-1)  # (2C, K, nq): mass and non-empty count of each quantization bin
     s_k, n_k = per_bin[:c_rows], per_bin[c_rows:]
-    inner = (torch.xlogy(s_k, s_k) - torch.xlogy(s_k, n_k)).sum(-1).to(torch.float64)  # (C, K)
+    # sum_k s_k log(s_k / n_k); n_k = 0 only where s_k = 0, and xlogy(0, 0) = 0
+    inner = torch.xlogy(s_k, s_k / n_k.clamp(min=1)).sum(-1).to(torch.float64)  # (C, K)
 
     iv = cand.view(1, -1).expand(c_rows, -1)
     sum_i = cb.gather(1, iv).to(torch.float64)  # mass in the first i bins: (C, K)

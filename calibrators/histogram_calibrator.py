@@ -11,12 +11,30 @@ agree within one bin). The price: the range is at most 2x the max, so at least h
 
 from __future__ import annotations
 
+import contextlib
 import math
+import weakref
 
 import torch
 
 from calibrators.base import Calibrator
 from calibrators.histogram import METHODS
+
+_shared: dict | None = None  # id(tensor) -> (weakref, signature, counts, exponent), within one forward pass
+
+
+@contextlib.contextmanager
+def shared_observations():
+    """Within this block, per-tensor histogram calibrators on the CPU that see the same tensor object (the q, k
+    and v projections of an attention layer share their input) histogram it once and share the counts.
+    Exact: a calibrator takes the counts only when their range is no coarser than its own would be, and
+    merges them up by the same power-of-two rule as any batch; otherwise it collects itself."""
+    global _shared
+    outer, _shared = _shared, {}
+    try:
+        yield
+    finally:
+        _shared = outer
 
 
 class HistogramCalibrator(Calibrator):
@@ -31,29 +49,65 @@ class HistogramCalibrator(Calibrator):
             raise ValueError(f"num_bins must be an int >= 2, got {num_bins!r}")
         self.num_bins = num_bins
         self.skip_zeros = skip_zeros
+        self._buf_f: torch.Tensor | None = None
+        self._buf_i: torch.Tensor | None = None
         self._hist: torch.Tensor | None = None  # (C, num_bins) int64
         self._exp: torch.Tensor | None = None  # (C,) int64: range is [0, 2**exp)
+        self._exp_int: int | None = None  # the same, as a Python int, on the per-tensor CPU path
         self._amax_shape: tuple[int, ...] = ()
 
     def _scratch(self, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable float32 / int32 buffers: a fresh allocation per batch costs more (page faults) than the
         histogram itself. Sized by the largest batch seen, so memory does not grow with the batch count."""
-        n = 1
-        for d in shape:
-            n *= d
-        f, i = getattr(self, "_buf_f", None), getattr(self, "_buf_i", None)
+        n = shape[0] * shape[1]
+        f, i = self._buf_f, self._buf_i
         if f is None or f.device != device or f.numel() < n:
             f = torch.empty(n, dtype=torch.float32, device=device)
             i = torch.empty(n, dtype=torch.int32, device=device)
             self._buf_f, self._buf_i = f, i
         return f[:n].view(shape), i[:n].view(shape)
 
+    def _signature(self, shape) -> tuple:
+        return (self.num_bins, self.skip_zeros, shape)
+
+    def _absorb(self, counts: torch.Tensor, exp: int, batch_exp: int) -> bool:
+        """Add another calibrator's counts of this very batch, made over ``[0, 2**exp)``; ``batch_exp`` is the
+        batch's own exponent. Exact only if that range is no coarser than the one this calibrator would reach
+        itself, ``max(own, batch_exp)``: then the counts merge up to it. Returns False (collect yourself) if not.
+        """
+        own = self._exp_int
+        target = batch_exp if self._hist is None else max(own, batch_exp)
+        if exp > target:
+            return False
+        if self._hist is None:
+            self._hist = torch.zeros_like(counts)
+        elif target > own:
+            self._merge(torch.tensor([target - own]))
+        self._hist += _merged(counts, torch.tensor([target - exp]), self.num_bins)
+        self._exp = torch.tensor([target], dtype=torch.long)
+        self._exp_int = target
+        self._batches += 1
+        return True
+
     @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         """Add one batch (any float dtype, any device; stays there)."""
         axes, shape = self._kept(x)
         self._amax_shape = shape
-        x = x.detach()
+        # per-tensor histograms on the CPU (small, and the range check below reads the host for free)
+        share = (_shared is not None and not axes and x.device.type == "cpu"
+                 and (self._hist is None or self._exp_int is not None))
+        if share:
+            hit = _shared.get(id(x))
+            if hit is not None and hit[0]() is x and hit[1] == self._signature(shape):
+                if self._absorb(*hit[2:]):
+                    return
+        counts, exp, batch_exp = self._collect(x.detach(), axes, want_counts=share)
+        if share and counts is not None:
+            _shared[id(x)] = (weakref.ref(x), self._signature(shape), counts, exp, batch_exp)
+
+    def _collect(self, x: torch.Tensor, axes, want_counts: bool):
+        """Histogram one batch into the state; returns ``(this batch's counts, their exponent)`` if asked."""
         if axes:
             rest = [d for d in range(x.dim()) if d not in axes]
             channels = 1
@@ -69,9 +123,8 @@ class HistogramCalibrator(Calibrator):
         else:
             a.view(src.shape).copy_(src)  # any float dtype in, float32 out
             a.abs_()
-        if channels == 1 and x.device.type == "cpu":
-            self._collect_cpu_scalar(a, idx)
-            return
+        if channels == 1 and x.device.type == "cpu" and (self._hist is None or self._exp_int is not None):
+            return self._collect_cpu_scalar(a, idx, want_counts)
         batch_max = a.amax(dim=1)
         self._note_finite(batch_max)
         _, exp = torch.frexp(batch_max)  # batch_max < 2**exp (and 2**exp <= 2 * batch_max)
@@ -87,6 +140,7 @@ class HistogramCalibrator(Calibrator):
             if x.device.type != "cpu" or bool(shift.any()):
                 self._merge(shift)
             self._exp = new_exp
+        self._exp_int = None  # the tensor path owns the exponent now
         zeros = (a == 0).sum(dim=1) if self.skip_zeros else None
         # bin = floor(|x| * nb / 2**e): exact, nb and 2**e being powers of two; |x| < 2**e so bin < nb
         per_bin = torch.ldexp(torch.full_like(batch_max, float(nb)), -self._exp.to(torch.int32))
@@ -95,44 +149,43 @@ class HistogramCalibrator(Calibrator):
         if channels > 1:
             idx += torch.arange(0, channels * nb, nb, dtype=torch.int32, device=x.device).unsqueeze(1)
         idx.clamp_(0, channels * nb - 1)  # only NaN/inf (already reported) could fall outside
-        # accumulate in place: a bincount would allocate and zero a channels x bins table every batch
+        # accumulate in place: a bincount would allocate and zero a channels x bins table every batch (and
+        # synchronise on CUDA to size its output)
         ones = torch.ones((), dtype=torch.long, device=x.device).expand(idx.numel())
         self._hist.view(-1).index_add_(0, idx.view(-1), ones)
         if zeros is not None:
             self._hist[:, 0] -= zeros
         self._batches += 1
+        return None, None, None
 
-    def _collect_cpu_scalar(self, a: torch.Tensor, idx: torch.Tensor) -> None:
+    def _collect_cpu_scalar(self, a: torch.Tensor, idx: torch.Tensor, want_counts: bool):
         """Per-tensor on the CPU: the same scheme with the exponent as a Python int (host reads are free)."""
         m = float(a.max())
         if not math.isfinite(m):
             self._note_finite(torch.tensor(m))
-        exp = math.frexp(m)[1]  # m < 2**exp
+        exp = batch_exp = math.frexp(m)[1]  # m < 2**exp
         nb = self.num_bins
         if self._hist is None:
             self._hist = torch.zeros(1, nb, dtype=torch.long)
             self._exp = torch.tensor([exp], dtype=torch.long)
-        elif exp > int(self._exp[0]):
-            self._merge(torch.tensor([exp]) - self._exp)
+            self._exp_int = exp
+        elif exp > self._exp_int:
+            self._merge(torch.tensor([exp - self._exp_int]))
             self._exp = torch.tensor([exp], dtype=torch.long)
+            self._exp_int = exp
         zeros = int((a == 0).sum()) if self.skip_zeros else 0
-        a.mul_(math.ldexp(float(nb), -int(self._exp[0])))  # exact: a power of two
+        a.mul_(math.ldexp(float(nb), -self._exp_int))  # exact: a power of two
         idx.copy_(a)  # truncation == floor for non-negative values; every bin < nb since |x| < 2**e
         counts = torch.bincount(idx.view(-1), minlength=nb)
         if zeros:
             counts[0] -= zeros
-        self._hist[0] += counts
+        self._hist.view(-1).add_(counts)
         self._batches += 1
+        return (counts.view(1, nb), self._exp_int, batch_exp) if want_counts else (None, None, None)
 
     def _merge(self, shift: torch.Tensor) -> None:
         """Sum groups of ``2**shift[c]`` adjacent bins of each channel (the range grew by ``2**shift``)."""
-        nb = self.num_bins
-        shift = shift.clamp(max=62)
-        src = torch.arange(nb, device=self._hist.device).unsqueeze(0)
-        dst = torch.bitwise_right_shift(src, shift.unsqueeze(1)).clamp_(max=nb - 1)
-        merged = torch.zeros_like(self._hist)
-        merged.scatter_add_(1, dst.expand_as(self._hist), self._hist)
-        self._hist = merged
+        self._hist = _merged(self._hist, shift.to(self._hist.device), self.num_bins)
 
     @property
     def hist(self) -> torch.Tensor:
@@ -170,8 +223,19 @@ class HistogramCalibrator(Calibrator):
         super().reset()
         self._hist = None
         self._exp = None
+        self._exp_int = None
         self._buf_f = self._buf_i = None
 
     def __repr__(self) -> str:
         return (f"HistogramCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned}, "
                 f"num_bins={self.num_bins}, skip_zeros={self.skip_zeros})")
+
+
+def _merged(hist: torch.Tensor, shift: torch.Tensor, nb: int) -> torch.Tensor:
+    """``hist`` (channels, nb) with groups of ``2**shift[c]`` adjacent bins summed into bin ``i >> shift[c]``."""
+    shift = shift.reshape(-1).clamp(min=0, max=62)
+    src = torch.arange(nb, device=hist.device).unsqueeze(0)
+    dst = torch.bitwise_right_shift(src, shift.unsqueeze(1)).clamp_(max=nb - 1)
+    out = torch.zeros_like(hist)
+    out.scatter_add_(1, dst.expand_as(hist), hist)
+    return out

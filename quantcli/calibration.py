@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from calibrators.histogram_calibrator import shared_observations
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.nn.replace import quantizers
@@ -132,7 +133,8 @@ def calibrate(
     try:
         with torch.inference_mode():
             for i, batch in enumerate(batches):
-                run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
+                with shared_observations():  # q/k/v-style quantizers of one tensor histogram it once
+                    run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
                 if progress is not None:
                     progress(i)
         for name, q in acts.items():

@@ -237,3 +237,27 @@ def test_cuda_collect_never_synchronizes():
             c.collect(x * 2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_shared_observations_are_exact():
+    from calibrators.histogram_calibrator import shared_observations
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(64, 32, generator=g) * s for s in (0.5, 4.0, 1.0, 30.0, 0.1)]
+    wide = torch.randn(10, generator=g) * 100  # gives a calibrator a much larger range first
+    alone, first, second = HistogramCalibrator(), HistogramCalibrator(), HistogramCalibrator()
+    coarse_alone, coarse = HistogramCalibrator(), HistogramCalibrator()
+    fine_alone, fine = HistogramCalibrator(), HistogramCalibrator()
+    for c in (coarse_alone, coarse):
+        c.collect(wide)
+    for x in batches:
+        alone.collect(x)
+        coarse_alone.collect(x)
+        fine_alone.collect(x)
+        with shared_observations():
+            coarse.collect(x)  # histograms first, over its wide range: counts too coarse for the others
+            first.collect(x)  # so this one collects itself...
+            second.collect(x)  # ...and this one takes first's counts
+            fine.collect(x)
+    for got, want in ((first, alone), (second, alone), (coarse, coarse_alone), (fine, fine_alone)):
+        assert torch.equal(got.hist, want.hist) and torch.equal(got.bin_edges, want.bin_edges)
