@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import machine, peak_rss_of, setup_threads, table
+from benchmarks.common import PEAK_RSS_SNIPPET, machine, peak_rss_from, peak_rss_of, setup_threads, table
 
 _CALIB_MEM = """
 import torch
@@ -80,16 +80,14 @@ print("SECONDS", time.perf_counter() - t)
 
 
 def _run_timed(code: str) -> tuple[float, float]:
-    import json
+    """(seconds the code reports, its process's own peak RSS in MiB)."""
     import subprocess
     import sys
 
-    wrapper = code + "\nimport resource, json\nprint('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
-    out = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, check=True,
+    out = subprocess.run([sys.executable, "-c", code + PEAK_RSS_SNIPPET], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}).stdout
     secs = float(next(ln.split()[1] for ln in out.splitlines() if ln.startswith("SECONDS")))
-    rss = json.loads(next(ln.split()[1] for ln in out.splitlines() if ln.startswith("RSS"))) / 1024
-    return secs, rss
+    return secs, peak_rss_from(out)
 
 
 def peer_rows(n: int = 512) -> list[dict]:

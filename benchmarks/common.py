@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -37,19 +35,28 @@ def median_time(fn: Callable[..., object], repeat: int = 5, warmup: int = 1, syn
     return statistics.median(once() for _ in range(repeat))
 
 
+PEAK_RSS_SNIPPET = (
+    "\nimport re\n"
+    "print('PEAK_RSS_KIB', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
+)
+"""Appended to a child's code: its own peak RSS. Not ``ru_maxrss``: Linux carries that across fork and exec,
+so a child would report at least its parent's peak."""
+
+
+def peak_rss_from(stdout: str) -> float:
+    """MiB, from the line PEAK_RSS_SNIPPET printed."""
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("PEAK_RSS_KIB"))
+    return int(line.split()[1]) / 1024.0
+
+
 def peak_rss_of(code: str, env: dict | None = None) -> float:
     """Peak resident memory (MiB) of a fresh Python process running ``code``."""
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("OMP_NUM_THREADS", "1")
-    wrapper = code + "\nimport resource, json, sys\nprint(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))\n"
-    out = subprocess.run([sys.executable, "-c", wrapper], capture_output=True, text=True, env=e, check=True)
-    kib = json.loads(out.stdout.strip().splitlines()[-1])
-    return kib / 1024.0
-
-
-def self_peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+    out = subprocess.run([sys.executable, "-c", code + PEAK_RSS_SNIPPET], capture_output=True, text=True, env=e,
+                         check=True)
+    return peak_rss_from(out.stdout)
 
 
 def machine() -> str:

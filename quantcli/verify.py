@@ -30,7 +30,6 @@ from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated, load_calibrated
 from quantcli.data import Batch, describe, run_model
 from quantcli.errors import VerifyError
-from quantcli.granularity import flatten_for_onnx, granularity_of
 from quantcli.nn.replace import quantizers
 
 LAYER_CHUNK = 64  # extra graph outputs per onnxruntime session (bounds memory with --per-layer)
@@ -501,5 +500,4 @@ def expected_scales(ckpt: Calibrated) -> dict[str, np.ndarray]:
     return out
 
 
-__all__ = ["verify_onnx", "VerifyReport", "Check", "choose_provider", "default_max_abs_diff", "expected_scales",
-           "flatten_for_onnx", "granularity_of"]
+__all__ = ["verify_onnx", "VerifyReport", "Check", "choose_provider", "default_max_abs_diff", "expected_scales"]

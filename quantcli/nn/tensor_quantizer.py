@@ -54,8 +54,8 @@ class TensorQuantizer(nn.Module):
         """Attach a fresh calibrator and switch to observing."""
         if not self.enabled or self.desc.dynamic:
             return
-        use_hist = method != "max" and (self.desc.calib_method == "histogram" or method in ("entropy", "mse", "percentile"))
-        axis = self._calib_axis()
+        use_hist = method in ("entropy", "mse", "percentile")
+        axis = None if self._block is not None else self.desc.axis  # blocks: collect() sets the block axes
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
         if self.desc.asymmetric:
@@ -65,11 +65,6 @@ class TensorQuantizer(nn.Module):
         else:
             self.calibrator = MaxCalibrator(bits, axis, self.desc.unsigned, name=self.name)
         self.set_mode("calibrate")
-
-    def _calib_axis(self):
-        if self._block is not None:
-            return "block"
-        return self.desc.axis
 
     def _blocked_view(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         axis, size = self._block
@@ -158,12 +153,15 @@ class TensorQuantizer(nn.Module):
 
     # ------------------------------------------------------------------------------------------- forward
     def _dynamic_amax(self, x: torch.Tensor) -> torch.Tensor:
-        c = MaxCalibrator(axis=self.desc.axis, name=self.name)
+        """amax of this very tensor (``dynamic=True``): max |x| per kept axis or block."""
         if self._block is not None:
             xb, d = self._blocked_view(x)
-            c.axis = tuple(i for i in range(xb.dim()) if i != d + 1)
-            return c_collect(c, xb).squeeze(d + 1)
-        return c_collect(c, x)
+            c = MaxCalibrator(axis=tuple(i for i in range(xb.dim()) if i != d + 1), name=self.name)
+            c.collect(xb)
+            return c.compute_amax().squeeze(d + 1)
+        c = MaxCalibrator(axis=self.desc.axis, name=self.name)
+        c.collect(x)
+        return c.compute_amax()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "disabled":
@@ -211,7 +209,3 @@ class TensorQuantizer(nn.Module):
             a = f"amax=[{self.amax.min().item():.4g}, {self.amax.max().item():.4g}]({self.amax.numel()})"
         return f"{bits} {gran}{' narrow' if d.narrow_range else ''} {a} mode={self.mode}"
 
-
-def c_collect(c: MaxCalibrator, x: torch.Tensor) -> torch.Tensor:
-    c.collect(x)
-    return c.compute_amax()
