@@ -279,3 +279,15 @@ def test_calibrate_on_cuda(tmp_path):
     a, b = load_calibrated(out), load_calibrated(cpu)
     for (n, qa), qb in zip(a.quantizer_info.items(), b.quantizer_info.values()):
         assert torch.allclose(qa["amax"], qb["amax"], rtol=1e-5), n
+
+
+def test_inspect_checkpoint(calibrated):
+    r = cli("inspect", calibrated("digits_cnn", "int4-weight-only"), "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    rows = {q["name"]: q for q in info["quantizers"]}
+    assert rows["fc1.weight_quantizer"]["format"] == "int4" and rows["fc1.weight_quantizer"]["block_sizes"] == {"-1": 128}  # JSON keys are strings
+    assert not rows["fc1.input_quantizer"]["enabled"]
+    assert info["inputs"]["names"] == ["x"]
+    table = cli("inspect", calibrated("digits_cnn"))
+    assert table.exit_code == 0 and "conv1.weight_quantizer" in table.output
