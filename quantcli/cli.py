@@ -286,6 +286,8 @@ def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_
         _print_json(d)
         return 0 if rep.passed else 1
     out.print(f"verify {onnx_path} against {reference} — {rep.num_samples} samples, {rep.provider}")
+    if rep.provider_note:
+        err.print(f"warning: {rep.provider_note}")
     t = Table(title="checks")
     for col in ("check", "threshold", "measured", "result"):
         t.add_column(col)

@@ -62,6 +62,7 @@ class VerifyReport:
     deployment: dict[str, Any] = field(default_factory=dict)
     layers: list[dict[str, Any]] | None = None
     seconds: float = 0.0
+    provider_note: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -70,6 +71,7 @@ class VerifyReport:
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed, "onnx": self.onnx, "checkpoint": self.checkpoint, "provider": self.provider,
+            "provider_note": self.provider_note,
             "num_batches": self.num_batches, "num_samples": self.num_samples,
             "checks": [c.to_dict() for c in self.checks], "structure": self.structure, "fidelity": self.fidelity,
             "quality": self.quality, "deployment": self.deployment, "layers": self.layers,
@@ -324,7 +326,16 @@ def verify_onnx(
 
     qmodel = ckpt.model
     fmodel = ckpt.float_model()
-    sess = _session(model, prov, optimize=False)
+    provider_note = None
+    try:
+        sess = _session(model, prov, optimize=False)
+    except VerifyError as e:
+        if provider != "auto" or prov == "CPUExecutionProvider":
+            raise
+        # onnxruntime-gpu lists CUDA but its libraries are missing or broken: auto means "CPU then"
+        provider_note = f"CUDAExecutionProvider failed ({e}); ran on CPUExecutionProvider"
+        prov = "CPUExecutionProvider"
+        sess = _session(model, prov, optimize=False)
     out_names = [o.name for o in sess.get_outputs()]
     dsess, deployment_error = None, None
     if deployment:
@@ -358,7 +369,8 @@ def verify_onnx(
                 dsess, deployment_error = None, str(e)
         n_samples += next(iter(batch.values())).shape[0] if batch else 0
 
-    report = VerifyReport(str(onnx_path), ckpt.path, prov, len(batches), n_samples, structure=structure)
+    report = VerifyReport(str(onnx_path), ckpt.path, prov, len(batches), n_samples, structure=structure,
+                          provider_note=provider_note)
     report.fidelity = {"outputs": {n: s.fidelity() for n, s in fid.items()}}
     report.quality = {"outputs": {n: s.quality() for n, s in qual.items()}}
     if deployment:

@@ -150,3 +150,21 @@ def test_ci_example_script(tmp_path):
     r = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
                        env={**__import__("os").environ, "MIN_SNR": "99"})
     assert r.returncode == 1, r.stdout + r.stderr  # the job fails on a failed check
+
+
+def test_auto_provider_falls_back_to_cpu_when_cuda_cannot_load(calibrated, exported, monkeypatch):
+    import quantcli.verify as v
+
+    real = v._session
+    monkeypatch.setattr(v, "choose_provider", lambda p="auto": "CUDAExecutionProvider")
+
+    def session(model, provider, optimize):
+        if provider == "CUDAExecutionProvider":
+            raise v.VerifyError("onnxruntime cannot load the model: libcudnn.so.9: cannot open shared object file")
+        return real(model, provider, optimize)
+
+    monkeypatch.setattr(v, "_session", session)
+    rep = v.verify_onnx(exported("digits_cnn"), calibrated("digits_cnn"), provider="auto", deployment=False)
+    assert rep.provider == "CPUExecutionProvider" and "libcudnn" in rep.provider_note and rep.passed
+    with pytest.raises(v.VerifyError, match="libcudnn"):
+        v.verify_onnx(exported("digits_cnn"), calibrated("digits_cnn"), provider="cuda", deployment=False)
