@@ -170,6 +170,11 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     for r in range(0, h.shape[0], per_row):
         hr, st = h[r : r + per_row], stop[r : r + per_row]
         cr = cand[cand <= st.max()]  # candidates past the data clip nothing
+        # a candidate whose last bin is empty while mass lies beyond it has infinite divergence: skip it
+        # (the data end itself clips nothing and always stays)
+        alive = (hr.index_select(1, (cr - 1).clamp(min=0)) > 0).any(0) | (cr.view(1, -1) == st.view(-1, 1)).any(0)
+        if int(alive.sum()) < 0.75 * cr.numel():  # worth losing the cached bounds of a plain range
+            cr = cr[alive]
         if cr.numel() == 0:
             best.append(st)
             continue
