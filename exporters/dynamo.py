@@ -21,6 +21,7 @@ from exporters import formats as fm
 from exporters.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
 from quantcli import arithmetic as ar
 from quantcli.errors import ExportError
+from quantcli.granularity import broadcast_onnx_param
 
 _ACTIVE = False
 
@@ -40,17 +41,6 @@ def _activated():
         _ACTIVE = False
 
 
-def _expand_param(p: torch.Tensor, x: torch.Tensor, axis: int, block_size: int) -> torch.Tensor:
-    """An ONNX-layout scale / zero point broadcast against ``x``."""
-    if p.dim() == 0:
-        return p
-    if block_size > 0:
-        return p.repeat_interleave(block_size, dim=axis).narrow(axis, 0, x.shape[axis])
-    shape = [1] * x.dim()
-    shape[axis % x.dim()] = p.numel()
-    return p.reshape(shape)
-
-
 @torch.library.custom_op("quantcli::qdq", mutates_args=())
 def qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
         axis: int, block_size: int, elem_type: int, clip: bool) -> torch.Tensor:
@@ -58,11 +48,11 @@ def qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, lo: torc
     xin = x.to(torch.float32)
     if clip:
         xin = torch.minimum(torch.maximum(xin, lo), hi)
-    s = _expand_param(scale, xin, axis, block_size)
+    s = broadcast_onnx_param(scale, tuple(xin.shape), axis, block_size)
     if elem_type == fm.FP8_E4M3.elem_type:
         return ar.dequantize_linear(ar.quantize_e4m3(xin, s), s).to(x.dtype)
-    qtype = next(t for t in (fm.INT8, fm.UINT8, fm.INT16) if t.elem_type == elem_type)
-    z = _expand_param(zero_point, xin, axis, block_size)
+    qtype = fm.BY_ELEM_TYPE[elem_type]
+    z = broadcast_onnx_param(zero_point, tuple(xin.shape), axis, block_size)
     codes = ar.quantize_linear(xin, s, z, qtype.qmin, qtype.qmax)
     return ar.dequantize_linear(codes, s, z).to(x.dtype)
 

@@ -16,13 +16,10 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
+from exporters import formats as fm
 from exporters.graph import to_numpy
 from quantcli import arithmetic as ar
-
-_INT_RANGES = {
-    onnx.TensorProto.INT8: (-128, 127), onnx.TensorProto.UINT8: (0, 255), onnx.TensorProto.INT4: (-8, 7),
-    onnx.TensorProto.UINT4: (0, 15), onnx.TensorProto.INT16: (-32768, 32767), onnx.TensorProto.UINT16: (0, 65535),
-}
+from quantcli.granularity import broadcast_onnx_param
 
 
 def make_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
@@ -53,12 +50,12 @@ def constants_to_initializers(model: onnx.ModelProto) -> None:
 
 
 def _representable(vals: np.ndarray, elem_type: int) -> bool:
-    if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
-        return bool(np.all(np.abs(vals) <= 448.0))
-    if elem_type not in _INT_RANGES:
+    t = fm.BY_ELEM_TYPE.get(elem_type)
+    if t is None:
         return False
-    lo, hi = _INT_RANGES[elem_type]
-    return bool(np.all(vals == np.round(vals)) and vals.min(initial=0) >= lo and vals.max(initial=0) <= hi)
+    if t is fm.FP8_E4M3:
+        return bool(np.all(np.abs(vals) <= t.qmax))
+    return bool(np.all(vals == np.round(vals)) and vals.min(initial=0) >= t.qmin and vals.max(initial=0) <= t.qmax)
 
 
 def fold_casts(model: onnx.ModelProto) -> None:
@@ -83,28 +80,16 @@ def _attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def _broadcast_param(p: np.ndarray, x_shape: tuple[int, ...], axis: int | None, block: int | None) -> np.ndarray:
-    if p.size == 1 and p.ndim <= 1:
-        return p.reshape(())
-    if block:
-        return np.repeat(p, block, axis=axis).take(np.arange(x_shape[axis]), axis=axis)
-    shape = [1] * len(x_shape)
-    shape[axis] = p.size
-    return p.reshape(shape)
-
-
 def quantize_codes(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem_type: int, axis: int | None,
                    block: int | None) -> np.ndarray:
     """ONNX QuantizeLinear on numpy, with quantcli's arithmetic."""
-    if axis is not None:
-        axis = axis % x.ndim
-    s = torch.from_numpy(_broadcast_param(scale.astype(np.float32), x.shape, axis, block))
+    s = broadcast_onnx_param(torch.from_numpy(scale.astype(np.float32)), x.shape, axis, block)
     xt = torch.from_numpy(x.astype(np.float32))
-    if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+    t = fm.BY_ELEM_TYPE[elem_type]
+    if t is fm.FP8_E4M3:
         return ar.quantize_e4m3(xt, s).to(torch.float32).numpy()
-    z = torch.from_numpy(_broadcast_param(zp.astype(np.float32), x.shape, axis, block))
-    lo, hi = _INT_RANGES[elem_type]
-    return ar.quantize_linear(xt, s, z, lo, hi).numpy()
+    z = broadcast_onnx_param(torch.from_numpy(zp.astype(np.float32)), x.shape, axis, block)
+    return ar.quantize_linear(xt, s, z, t.qmin, t.qmax).numpy()
 
 
 def fold_weight_quantization(model: onnx.ModelProto) -> int:

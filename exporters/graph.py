@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
+from exporters import formats as fm
 from quantcli.errors import VerifyError
 
 QUANTIZERS_KEY = "quantcli.quantizers"
@@ -73,11 +74,6 @@ class QdqPair:
         }
 
 
-_FORMATS = {
-    onnx.TensorProto.INT8: "int8", onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.INT4: "int4",
-    onnx.TensorProto.UINT4: "uint4", onnx.TensorProto.INT16: "int16", onnx.TensorProto.UINT16: "uint16",
-    onnx.TensorProto.FLOAT8E4M3FN: "fp8-e4m3",
-}
 
 
 def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
@@ -111,7 +107,7 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
         scale_rank = scale.ndim
         pairs.append(QdqPair(
             tensor=tensor, output=n.output[0], quantizer=names.get(n.output[0]),
-            format=_FORMATS.get(elem, f"type{elem}"),
+            format=fm.BY_ELEM_TYPE[elem].name if elem in fm.BY_ELEM_TYPE else f"type{elem}",
             axis=attrs.get("axis", 1) if scale_rank >= 1 and scale.size > 1 else None,
             block_size=attrs.get("block_size") or None, scale=scale, zero_point=zp, stored=stored,
             q_node=qn, dq_node=n.name,

@@ -88,3 +88,16 @@ def flatten_for_onnx(t: torch.Tensor, g: Granularity) -> torch.Tensor:
     if g.kind == "axis":
         return t.reshape(-1)
     return t
+
+
+def broadcast_onnx_param(p: torch.Tensor, x_shape: tuple[int, ...], axis: int | None, block_size: int | None) -> torch.Tensor:
+    """A QuantizeLinear/DequantizeLinear scale or zero point in ONNX layout (scalar; 1-D along ``axis``; or
+    same-rank with ``axis`` in blocks of ``block_size``) made broadcastable elementwise against ``x_shape``."""
+    if p.numel() == 1 and p.dim() <= 1:
+        return p.reshape(())
+    axis = axis % len(x_shape)
+    if block_size:
+        return p.repeat_interleave(block_size, dim=axis).narrow(axis, 0, x_shape[axis])
+    shape = [1] * len(x_shape)
+    shape[axis] = p.numel()
+    return p.reshape(shape)

@@ -30,6 +30,7 @@ from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated, load_calibrated
 from quantcli.data import Batch, describe, run_model
 from quantcli.errors import VerifyError
+from quantcli.granularity import broadcast_onnx_param
 from quantcli.nn.replace import quantizers
 
 LAYER_CHUNK = 64  # extra graph outputs per onnxruntime session (bounds memory with --per-layer)
@@ -274,16 +275,11 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> dict[str, Any]:
 
 
 def _dequantize(codes, scale, zp, axis, block) -> np.ndarray:
-    if scale.size == 1:
-        return ((codes - zp.reshape(())) * scale.reshape(())).astype(np.float32)
-    shape = [1] * codes.ndim
-    if block:
-        s = np.repeat(scale, block, axis=axis).take(np.arange(codes.shape[axis]), axis=axis)
-        z = np.repeat(zp, block, axis=axis).take(np.arange(codes.shape[axis]), axis=axis) if zp.size > 1 else zp.reshape(())
-        return ((codes - z) * s).astype(np.float32)
-    shape[axis] = scale.size
-    z = zp.reshape(shape) if zp.size > 1 else zp.reshape(())
-    return ((codes - z) * scale.reshape(shape)).astype(np.float32)
+    """ONNX DequantizeLinear of stored codes, with the parameters in ONNX layout."""
+    shape = tuple(codes.shape)
+    s = broadcast_onnx_param(torch.from_numpy(np.asarray(scale, np.float32)), shape, axis, block)
+    z = broadcast_onnx_param(torch.from_numpy(np.asarray(zp, np.float32)), shape, axis, block)
+    return ar.dequantize_linear(torch.from_numpy(np.asarray(codes, np.float32)), s, z).numpy()
 
 
 # ------------------------------------------------------------------------------------------- main entry
@@ -488,11 +484,9 @@ def _stored_weight(model: onnx.ModelProto, p) -> np.ndarray | None:
     values = to_numpy(inits[p.tensor]).astype(np.float32)
     if p.stored == "runtime":  # float weight + Q/DQ in the graph: quantize it as QuantizeLinear would
         from exporters.fold import quantize_codes
+        from exporters.formats import BY_NAME
 
-        zp_type = onnx.TensorProto.FLOAT8E4M3FN if p.format == "fp8-e4m3" else {
-            "int8": onnx.TensorProto.INT8, "uint8": onnx.TensorProto.UINT8, "int4": onnx.TensorProto.INT4,
-            "uint4": onnx.TensorProto.UINT4, "int16": onnx.TensorProto.INT16}[p.format]
-        values = quantize_codes(values, p.scale, p.zero_point, zp_type, p.axis, p.block_size)
+        values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
     return _dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
 
 
