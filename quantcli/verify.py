@@ -28,7 +28,7 @@ import torch
 from exporters.graph import qdq_pairs, read_onnx, to_numpy
 from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated, load_calibrated
-from quantcli.data import Batch, describe, run_model
+from quantcli.data import Batch, describe, num_samples, run_model
 from quantcli.errors import VerifyError
 from quantcli.granularity import broadcast_onnx_param
 from quantcli.nn.replace import quantizers
@@ -343,7 +343,6 @@ def verify_onnx(
     qual = {n: _Stats() for n in out_names}
     dep = {n: _Stats() for n in out_names}
     ref_abs_max = 0.0
-    n_samples = 0
     for i, batch in enumerate(batches):
         where = f"batch {i} ({describe(batch)})"
         feeds = _feeds(sess, batch, where)
@@ -363,9 +362,8 @@ def verify_onnx(
                     dep[n].add(g, r)
             except VerifyError as e:
                 dsess, deployment_error = None, str(e)
-        n_samples += next(iter(batch.values())).shape[0] if batch else 0
 
-    report = VerifyReport(str(onnx_path), ckpt.path, prov, len(batches), n_samples, structure=structure,
+    report = VerifyReport(str(onnx_path), ckpt.path, prov, len(batches), num_samples(batches), structure=structure,
                           provider_note=provider_note)
     report.fidelity = {"outputs": {n: s.fidelity() for n, s in fid.items()}}
     report.quality = {"outputs": {n: s.quality() for n, s in qual.items()}}

@@ -245,3 +245,26 @@ def test_external_data_for_large_models(calibrated, tmp_path, monkeypatch):
     onnx.checker.check_model(str(out))
     assert len(m.graph.initializer) > 0
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".quantcli-export")] == []
+
+
+def test_learned_amax_exports_as_constant(tmp_path):
+    torch.manual_seed(0)
+    m = quantize_model(Two().eval(), {"rules": [{"pattern": "*", "learn_amax": True, "amax": 2.0}]})
+    assert isinstance(m.a.input_quantizer.amax, nn.Parameter)
+    x = torch.randn(16, 4)
+    got, want, model = _export_and_compare(m, x, tmp_path)
+    assert np.abs(got - want).max() < 1e-5
+    assert len(qdq_pairs(model)) == 4
+
+
+def test_checkpoint_exports_after_the_factory_file_is_gone(tmp_path):
+    src = tmp_path / "net.py"
+    src.write_text("import torch\nfrom torch import nn\n"
+                   "def make():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n")
+    np.savez(tmp_path / "d.npz", np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32))
+    ck = tmp_path / "net.calib.pt"
+    assert cli("calibrate", f"{src}:make", "--data", tmp_path / "d.npz", "--out", ck).exit_code == 0
+    src.unlink()  # the checkpoint carries the factory's source
+    r = cli("export", ck, "--onnx", tmp_path / "net.onnx")
+    assert r.exit_code == 0, r.output
+    assert cli("verify", tmp_path / "net.onnx", "--reference", ck).exit_code == 0

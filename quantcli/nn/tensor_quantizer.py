@@ -179,7 +179,7 @@ class TensorQuantizer(nn.Module):
         if amax is None:
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
         amax = amax.to(x.device)
-        if torch.onnx.is_in_onnx_export() and not self.desc.learn_amax:
+        if torch.onnx.is_in_onnx_export():  # learned or calibrated, amax is a constant in the graph
             from exporters.custom_ops import export_amax
 
             amax = export_amax(amax)
