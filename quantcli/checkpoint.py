@@ -33,6 +33,8 @@ EXAMPLE_SAMPLES = 8
 def atomic_write(path: str | Path, write) -> None:
     """Call ``write(tmp_path)`` then rename over ``path``: no half-written file on failure."""
     path = Path(path)
+    if path.is_dir():
+        raise QuantCliError(f"cannot write {path}: it is a directory; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise QuantCliError(f"cannot write {path}: directory {parent} does not exist")

@@ -362,7 +362,25 @@ def _inspect(path: Path, as_json: bool) -> None:
 
 
 def main() -> None:
-    app(prog_name="quantcli")
+    """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
+    try:  # recent typer vendors its own click; older ones use the click package
+        from typer._click import exceptions as click_exc
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click_exc
+
+    try:
+        code = app(prog_name="quantcli", standalone_mode=False)
+    except click_exc.UsageError as e:
+        hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(2)
+    except click_exc.ClickException as e:
+        print(f"error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    except click_exc.Abort:
+        print("error: aborted", file=sys.stderr)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -291,3 +291,17 @@ def test_inspect_checkpoint(calibrated):
     assert info["inputs"]["names"] == ["x"]
     table = cli("inspect", calibrated("digits_cnn"))
     assert table.exit_code == 0 and "conv1.weight_quantizer" in table.output
+
+
+def test_usage_errors_are_one_line_from_the_real_cli(tmp_path):
+    for args, fragment in (
+        (["export", "x.calib.pt"], "Missing option '--onnx'"),
+        (["calibrate", "digits_cnn", "--method", "median"], "'median' is not one of"),
+        (["nosuch"], "No such command"),
+        (["calibrate", "digits_cnn", "--out", str(tmp_path)], "is a directory"),
+    ):
+        r = cli_subprocess(*args, cwd=tmp_path)
+        assert_clean_error(r, fragment)
+    ok = cli_subprocess("--help")
+    assert ok.returncode == 0 and "calibrate" in ok.stdout
+    assert cli_subprocess("--version").stdout.startswith("quantcli ")
