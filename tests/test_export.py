@@ -268,3 +268,51 @@ def test_checkpoint_exports_after_the_factory_file_is_gone(tmp_path):
     r = cli("export", ck, "--onnx", tmp_path / "net.onnx")
     assert r.exit_code == 0, r.output
     assert cli("verify", tmp_path / "net.onnx", "--reference", ck).exit_code == 0
+
+
+class AllLayers(nn.Module):
+    """Every layer type quantcli wraps; transposed convs quantize their weight along axis 1."""
+
+    def __init__(self):
+        super().__init__()
+        # input-channel counts divisible by the test's int4 block size of 2
+        self.c1 = nn.Conv1d(4, 4, 3, padding=1)
+        self.t1 = nn.ConvTranspose1d(4, 4, 2, stride=2)
+        self.c2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.t2 = nn.ConvTranspose2d(4, 6, 2, stride=2, groups=2)
+        self.c3 = nn.Conv3d(2, 4, 3, padding=1)
+        self.t3 = nn.ConvTranspose3d(4, 2, 2, stride=2)
+        self.fc = nn.Linear(6 + 4 + 2, 5)
+
+    def forward(self, seq, img, vol):
+        a = self.t1(torch.relu(self.c1(seq))).mean(-1)
+        b = self.t2(torch.relu(self.c2(img))).mean((-1, -2))
+        c = self.t3(torch.relu(self.c3(vol))).mean((-1, -2, -3))
+        return self.fc(torch.cat([b, a, c], 1))
+
+
+@pytest.mark.parametrize("config", ["int8", "fp8", "int4-weight-only"])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_every_layer_type_exports_exactly(config, exporter, tmp_path):
+    torch.manual_seed(0)
+    m = quantize_model(AllLayers().eval(), {"preset": config, "block_size": 2})
+    g = torch.Generator().manual_seed(1)
+
+    def batch(n):
+        return {"seq": torch.randn(n, 4, 8, generator=g), "img": torch.randn(n, 4, 6, 6, generator=g),
+                "vol": torch.randn(n, 2, 4, 4, 4, generator=g)}
+
+    calibrate(m, [batch(8) for _ in range(3)], "max", device="cpu")
+    assert m.t2.weight_quantizer.desc.axis in (1, None)  # output channels of a transposed conv: axis 1
+    path = tmp_path / "all.onnx"
+    export_onnx(m, batch(4), path, exporter=exporter)
+    onnx.checker.check_model(str(path), full_check=True)
+    feeds = batch(5)
+    got = run_model(onnx.load(str(path)), {k: v.numpy() for k, v in feeds.items()})[0]
+    with torch.inference_mode():
+        want = m(**feeds).numpy()
+    assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
+    names = {p.quantizer for p in qdq_pairs(onnx.load(str(path)))}
+    from quantcli.nn import quantizers
+
+    assert names == {n for n, q in quantizers(m).items() if q.enabled}
