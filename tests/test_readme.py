@@ -27,3 +27,11 @@ def test_quick_start_command_runs_as_written(tmp_path):
 def test_test_command_is_the_one_ci_runs():
     assert _block_after("## Run the tests") == "python -m pytest -q"
     assert "python -m pytest -q" in (README.parent / ".ci" / "run").read_text()
+
+
+def test_python_api_example_runs_as_written(tmp_path, monkeypatch):
+    text = README.read_text().split("## Python API", 1)[1]
+    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "README.md", "exec"), {})
+    assert (tmp_path / "digits.onnx").is_file()
