@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import warnings
 from contextlib import contextmanager
 
@@ -131,13 +132,13 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     dynamic_shapes = None
     if axes:
         dynamic_shapes = {k: {d: torch.export.Dim.DYNAMIC for d in axes.get(k, {})} or None for k in example}
+    torch_onnx_log = logging.getLogger("torch.onnx")
+    level = torch_onnx_log.level
     try:
         with _activated(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            import logging
-
-            logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+            torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
             prog = torch.onnx.export(
                 model, (), kwargs=dict(example), dynamo=True, opset_version=opset,
                 custom_translation_table={torch.ops.quantcli.qdq.default: _translation(opset)},
@@ -152,4 +153,5 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     except Exception as e:
         raise ExportError(f"torch.onnx.export(dynamo=True) failed: {str(e).strip().splitlines()[0][:200]}") from None
     finally:
+        torch_onnx_log.setLevel(level)
         _clear_specs(model)
