@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import random
 import sysconfig
 import time
@@ -19,12 +20,21 @@ import torch
 from torch import nn
 
 
-def _seed(seed: int = 0) -> None:
+@contextlib.contextmanager
+def _deterministic(seed: int = 0):
+    """Seeded, one thread, deterministic kernels; the caller's settings come back afterwards."""
+    state = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(), torch.random.get_rng_state())
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(state[0])
+        torch.set_num_threads(state[1])
+        torch.random.set_rng_state(state[2])
 
 
 def _targets(out_dir: Path | None, weights: Path, splits: Path) -> tuple[Path, Path]:
@@ -42,12 +52,16 @@ def _save(model: nn.Module, path: Path) -> None:
 
 
 def train_digits(out_dir: Path | None = None) -> float:
+    with _deterministic():
+        return _train_digits(out_dir)
+
+
+def _train_digits(out_dir: Path | None) -> float:
     from sklearn.datasets import load_digits
 
     from sample_models import digits_cnn as dc
 
     weights, splits = _targets(out_dir, dc.WEIGHTS, dc.SPLITS)
-    _seed()
     digits = load_digits()
     pixels = digits.data.astype(np.uint8)
     labels = digits.target.astype(np.uint8)
@@ -109,10 +123,14 @@ def _length_batches(lines: list[str], labels: list[int], batch: int):
 
 
 def train_text(out_dir: Path | None = None) -> float:
+    with _deterministic():
+        return _train_text(out_dir)
+
+
+def _train_text(out_dir: Path | None) -> float:
     from sample_models import text_encoder as te
 
     weights, splits = _targets(out_dir, te.WEIGHTS, te.SPLITS)
-    _seed()
     prose, code = _stdlib_lines()
     rng = random.Random(0)
     rng.shuffle(prose)
