@@ -183,7 +183,8 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
         low = kl.amin(dim=1, keepdim=True)
         near = valid & torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
         cols = near.any(0)
-        if cols.any():  # rescore the near-best exactly
+        # rescore the near-best exactly, unless each row has a single one (the float32 choice is then certain)
+        if bool((near.sum(1) > 1).any()):
             exact = _entropy_divergences(hr, cr[cols], nq, torch.float64)
             kl = torch.full_like(kl, float("inf"))
             kl[:, cols] = torch.where(near[:, cols], exact, float("inf"))
@@ -249,7 +250,7 @@ def compute_amax_mse(hist, bin_edges, num_bits=8, unsigned: bool = False, stride
             valid = ck.view(1, -1) <= st.view(-1, 1)
             best = torch.where(valid, err, torch.full_like(err, float("inf"))).amin(dim=1, keepdim=True)
             close = valid & (err <= best * (1 + 1e-3) + 1e-30)
-            if close.any():  # rescore the near-best candidates exactly
+            if bool((close.sum(1) > 1).any()):  # rescore near-ties exactly; a lone near-best is certain
                 rows, cols = close.nonzero(as_tuple=True)
                 exact = _mse_exact_pairs(hr[rows], cr[rows], amax_c[rows, cols], num_bits, unsigned)
                 err = torch.full_like(err, float("inf"))

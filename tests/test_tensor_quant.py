@@ -166,3 +166,22 @@ def test_properties_bounds_idempotence_error(xs, amax, num_bits, narrow):
     # monotone
     order = torch.argsort(x)
     assert (torch.diff(y[order]) >= 0).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 5), min_size=2, max_size=4),
+    st.data(),
+    st.integers(2, 8),
+    st.booleans(),
+)
+def test_property_per_axis_equals_per_slice(shape, data, num_bits, narrow):
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    seed = data.draw(st.integers(0, 2**16))
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 3
+    reduce = tuple(d for d in range(len(shape)) if d != axis)
+    amax = x.abs().amax(dim=reduce, keepdim=True) * data.draw(st.sampled_from([0.0, 0.5, 1.0]))
+    y = fake_tensor_quant(x, amax, num_bits, False, narrow)
+    for i in range(shape[axis]):
+        xs, a = x.select(axis, i), amax.select(axis, i).reshape(())
+        assert torch.equal(y.select(axis, i), fake_tensor_quant(xs, a, num_bits, False, narrow))
