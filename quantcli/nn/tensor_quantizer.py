@@ -41,8 +41,7 @@ class TensorQuantizer(nn.Module):
                               "(ONNX QuantizeLinear blocks one axis)")
         self._block = next(iter(blocks.items()), None)
         if self.desc.learn_amax and amax is not None:
-            self.amax = None
-            self._parameters["amax"] = nn.Parameter(amax)
+            self.set_amax(amax)  # becomes a Parameter
 
     # ------------------------------------------------------------------------------------------- modes
     def set_mode(self, mode: str) -> None:
