@@ -29,6 +29,7 @@ from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import QUANTIZERS_KEY, qdq_pairs
 from quantcli import __version__
 from quantcli.errors import ExportError
+from quantcli.nn.replace import quantizers
 
 EXPORTERS = ("torchscript", "dynamo")
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
@@ -52,16 +53,10 @@ class ExportResult:
         return dict(self.__dict__)
 
 
-def _quantizers(model: nn.Module):
-    from quantcli.nn.replace import quantizers
-
-    return quantizers(model)
-
-
 def required_opset(model: nn.Module) -> tuple[int, str]:
     """(lowest opset the model's quantizers need, the format that needs it)."""
     need, why = fm.MIN_OPSET, "int8"
-    for q in _quantizers(model).values():
+    for q in quantizers(model).values():
         if not q.enabled:
             continue
         blocked = q._block is not None
@@ -73,11 +68,11 @@ def required_opset(model: nn.Module) -> tuple[int, str]:
 
 
 def check_exportable(model: nn.Module) -> None:
-    missing = [n for n, q in _quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
+    missing = [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ExportError(f"uncalibrated quantizer(s), amax missing: {', '.join(missing[:5])}{more}; run `quantcli calibrate` first")
-    dynamic = [n for n, q in _quantizers(model).items() if q.enabled and q.desc.dynamic]
+    dynamic = [n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic]
     if dynamic:
         raise ExportError(f"dynamic quantizers cannot be exported as static Q/DQ: {', '.join(dynamic[:5])}")
 
@@ -110,14 +105,14 @@ def _ir_version(opset: int) -> int:
     return 10 if opset >= 21 else 9 if opset >= 19 else 8
 
 
-def _name_quantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]:
+def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]:
     """DequantizeLinear output -> quantizer name.
 
     The TorchScript exporter names nodes by module scope (``/fc1/input_quantizer/DequantizeLinear``); the
     dynamo path names its nodes after the quantizer (:mod:`exporters.dynamo`). Either way the quantizer's
     module path is in the node name.
     """
-    known = set(_quantizers(module))
+    known = set(quantizers(module))
     mapping = {}
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":
@@ -204,8 +199,8 @@ def export_onnx(
         onnx_model = onnx.load(str(raw))
         folded = prepare(onnx_model, fold_weights=not weights_qdq)
         _set_opset(onnx_model, opset)
-        mapping = _name_quantizers(onnx_model, model)
-        qs = _quantizers(model)
+        mapping = _namequantizers(onnx_model, model)
+        qs = quantizers(model)
         narrow = {}
         for out_name, qname in mapping.items():
             d = qs[qname].desc
