@@ -20,20 +20,13 @@ def test_weights_small_and_bundled():
         assert mod.SPLITS.is_file()
 
 
-def test_digits_accuracy_on_held_out_set():
-    s = SAMPLES["digits_cnn"]
+@pytest.mark.parametrize("name, floor", [("digits_cnn", 0.97), ("text_encoder", 0.9)])
+def test_accuracy_on_held_out_set(name, floor):
+    s = SAMPLES[name]
     model = s.build()
     with torch.inference_mode():
         pred = torch.cat([model(**b).argmax(1) for b in s.evaluation_batches()])
-    assert (pred == s.evaluation_labels()).float().mean() >= 0.97
-
-
-def test_text_encoder_accuracy_on_held_out_set():
-    s = SAMPLES["text_encoder"]
-    model = s.build()
-    with torch.inference_mode():
-        pred = torch.cat([model(**b).argmax(1) for b in s.evaluation_batches()])
-    assert (pred == s.evaluation_labels()).float().mean() >= 0.9
+    assert (pred == s.evaluation_labels()).float().mean() >= floor
 
 
 def test_digits_retraining_is_deterministic(tmp_path):
