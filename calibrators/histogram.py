@@ -12,6 +12,7 @@ import functools
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from quantcli import arithmetic as ar
 from quantcli.errors import CalibrationError
@@ -60,9 +61,14 @@ def _data_end(h: torch.Tensor) -> torch.Tensor:
     return (nz * pos).amax(dim=1)  # (C,)
 
 
-def _pick(cand: torch.Tensor, score: torch.Tensor, stop: torch.Tensor, last: bool) -> torch.Tensor:
-    """Best candidate per row among those <= stop (the row's data end); stop itself if none is."""
-    valid = cand.view(1, -1) <= stop.view(-1, 1)
+def _pick(cand: torch.Tensor, score: torch.Tensor, stop: torch.Tensor, last: bool, valid=None) -> torch.Tensor:
+    """Best candidate per row among those <= stop (the row's data end); stop itself if none is. ``valid``:
+    that mask, if the caller has it; ``None`` where every candidate is valid (a single row)."""
+    if valid is None and score.shape[0] > 1:
+        valid = cand.view(1, -1) <= stop.view(-1, 1)
+    if valid is None:
+        j = _last_argmin(score) if last else torch.argmin(score, dim=-1)
+        return cand[j]
     score = torch.where(valid, score, torch.full_like(score, float("inf")))
     j = _last_argmin(score) if last else torch.argmin(score, dim=-1)
     return torch.where(valid.any(1), cand[j], stop)
@@ -74,9 +80,6 @@ def _last_argmin(values: torch.Tensor) -> torch.Tensor:
     return n - 1 - torch.argmin(values.flip(-1), dim=-1)
 
 
-def _xlogx(p: torch.Tensor) -> torch.Tensor:
-    return torch.where(p > 0, p * torch.log(torch.where(p > 0, p, 1.0)), 0.0)
-
 
 def _bounds(cand: torch.Tensor, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For candidates ``i``: the ``nq + 1`` boundaries ``ceil(k * i / nq)`` between quantization bins (bin k
@@ -87,59 +90,77 @@ def _bounds(cand: torch.Tensor, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=32)
-def _range_bounds(start: int, stop: int, step: int, nq: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_bounds` for ``range(start, stop, step)``: data-independent, so cached."""
-    return _bounds(torch.arange(start, stop, step, device=device), nq)
+def _range_bounds(start: int, stop: int, step: int, nq: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``range(start, stop, step)`` as a tensor and its :func:`_bounds`: data-independent, so cached. The
+    bounds of the first ``K`` candidates are the first ``K * (nq + 1)`` entries."""
+    cand = torch.arange(start, stop, step, device=device)
+    return (cand, *_bounds(cand, nq))
 
 
-def _entropy_divergences(h: torch.Tensor, cand: torch.Tensor, nq: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def _entropy_tables(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Exact prefix sums the divergences are built from, shared by the float32 screening and the float64
+    re-scoring: mass and non-empty count below each bin edge (stacked, int64, ``(2, C, B + 1)``), the totals
+    ``(C, 1)`` and ``sum p log p`` below each edge (float64, ``(C, B + 1)``)."""
+    counts = h.round().to(torch.long)
+    pre = F.pad(torch.stack([counts.cumsum(1), (counts > 0).to(torch.long).cumsum(1)]), (1, 0))
+    total = pre[0, :, -1:].to(torch.float64)
+    p = h / total
+    return pre, total, F.pad(torch.xlogy(p, p).cumsum(1), (1, 0))
+
+
+def _bin_terms(tables, bounds: torch.Tensor, k_last: torch.Tensor, nq: int, dtype: torch.dtype):
+    """Per candidate (columns): ``sum_k s_k log(s_k / n_k)`` over its ``nq`` quantization bins, and the mass
+    and non-empty count of the bin holding source bin ``i - 1``; float64 ``(C, K)`` each.
+
+    ``s_k``, ``n_k`` are exact: differences of float32 prefix sums while every total is below 2**24, of
+    integer ones beyond. Only the ``(K, nq)`` logarithms and their sum are evaluated in ``dtype``."""
+    pre, total = tables[0], tables[1]
+    c_rows = pre.shape[1]
+    flat = pre.view(2 * c_rows, -1)
+    exact_float = dtype == torch.float64 or float(total.max()) < 2**24
+    if exact_float:
+        per_bin = torch.diff(flat.to(dtype).index_select(1, bounds).view(2 * c_rows, -1, nq + 1), dim=-1)
+    else:  # large totals: float32 prefix sums would round, their differences are computed as integers
+        narrow = flat.to(torch.int32) if float(total.max()) < 2**31 else flat
+        per_bin = torch.diff(narrow.index_select(1, bounds).view(2 * c_rows, -1, nq + 1), dim=-1).to(dtype)
+    s_k, n_k = per_bin[:c_rows], per_bin[c_rows:]  # (C, K, nq) each
+    idx_last = k_last.view(1, -1, 1).expand(c_rows, -1, 1)
+    s_last = s_k.gather(2, idx_last).view(c_rows, -1).to(torch.float64)
+    n_last = n_k.gather(2, idx_last).view(c_rows, -1).to(torch.float64)
+    # 0 log 0 = 0: n_k = 0 only where s_k = 0, and where s_k > 0 the ratio is at least 1 (each non-empty bin
+    # holds a sample), far above the floor that keeps log finite at s_k = 0 (log is vectorised; xlogy is not)
+    ratio = n_k.clamp_(min=1)  # in place: n_last is taken
+    torch.div(s_k, ratio, out=ratio)
+    inner = ratio.clamp_(min=1e-30).log_().mul_(s_k).sum(-1).to(torch.float64)
+    return inner, s_last, n_last
+
+
+def _entropy_divergences(h: torch.Tensor, tables, cand: torch.Tensor, inner: torch.Tensor, s_last: torch.Tensor,
+                         n_last: torch.Tensor) -> torch.Tensor:
     """KL(P_i || Q_i) for every candidate i (columns), as TensorRT's calibrator defines them.
 
     P_i: the first i bins, with the mass beyond bin i added to bin i-1. Q_i: the first i bins merged into
     ``nq`` quantization bins (bin j goes to ``floor(j * nq / i)``), each bin's mass spread evenly over its
-    non-empty source bins. From exact integer prefix sums, so no loop over candidates or bins; the
-    ``(candidates, nq)`` terms are evaluated in ``dtype``:
+    non-empty source bins. From the exact prefix sums of :func:`_entropy_tables` and the per-bin terms of
+    :func:`_bin_terms`, so no loop over candidates or bins:
 
-        sum_j p_j log q_j = (sum_k s_k log s_k - s_k log n_k) / T - (S_i / T) log S_i  (+ the clipped mass term)
+        T sum_j p_j log q_j = sum_k s_k log(s_k / n_k) - S_i log S_i + out_i log q_last
 
-    with ``s_k``, ``n_k`` the mass and non-empty count of quantization bin k and ``S_i`` the mass below i.
+    with ``s_k``, ``n_k`` the mass and non-empty count of quantization bin k, ``S_i`` the mass below i,
+    ``out_i`` the mass beyond it and ``q_last = s_last / (n_last S_i)`` the value Q gives bin ``i - 1``.
     """
-    c_rows = h.shape[0]
-    counts = h.round().to(torch.long)
-    zero_col = torch.zeros(c_rows, 1, dtype=torch.long, device=h.device)
-    cb = torch.cat([zero_col, counts.cumsum(1)], 1)  # (C, B+1) exact
-    cnz = torch.cat([zero_col, (counts > 0).to(torch.long).cumsum(1)], 1)
-    total = cb[:, -1:].to(torch.float64)  # (C, 1)
-    cl = torch.cat([zero_col.to(torch.float64), _xlogx(h / total).cumsum(1)], 1)
-
-    if cand.numel() > 1 and bool((cand[1:] - cand[:-1] == cand[1] - cand[0]).all()):
-        bounds, k_last = _range_bounds(int(cand[0]), int(cand[-1]) + 1, int(cand[1] - cand[0]), nq, str(h.device))
-    else:
-        bounds, k_last = _bounds(cand, nq)
-    # gather the prefix sums in the scoring dtype (float32 prefix sums are exact to 2**24 samples; beyond,
-    # the float64 re-scoring of the near-best candidates keeps the choice exact)
-    prefix = torch.cat([cb, cnz]).to(dtype).index_select(1, bounds).view(2 * c_rows, -1, nq + 1)
-    per_bin = torch.diff(prefix, dim=-1)  # (2C, K, nq): mass and non-empty count of each quantization bin
-    s_k, n_k = per_bin[:c_rows], per_bin[c_rows:]
-    # sum_k s_k log(s_k / n_k); n_k = 0 only where s_k = 0, and xlogy(0, 0) = 0
-    inner = torch.xlogy(s_k, s_k / n_k.clamp(min=1)).sum(-1).to(torch.float64)  # (C, K)
-
-    iv = cand.view(1, -1).expand(c_rows, -1)
-    sum_i = cb.gather(1, iv).to(torch.float64)  # mass in the first i bins: (C, K)
+    pre, total, plogp = tables
+    iv = cand.view(1, -1).expand(h.shape[0], -1)
+    sum_i = pre[0].gather(1, iv).to(torch.float64)  # an integer: (C, K)
     out_i = total - sum_i
     b_last = h.gather(1, iv - 1)
-    cross = inner / total - sum_i / total * torch.log(torch.where(sum_i > 0, sum_i, 1.0))
-
-    idx_last = k_last.view(1, -1).expand(c_rows, -1).unsqueeze(-1)
-    s_last = s_k.gather(2, idx_last).squeeze(-1).to(torch.float64)
-    n_last = n_k.gather(2, idx_last).squeeze(-1).to(torch.float64)
-    q_last = torch.where(s_last > 0, s_last / (torch.where(n_last > 0, n_last, 1.0) * torch.where(sum_i > 0, sum_i, 1.0)), 1.0)
-    cross = cross + torch.where(out_i > 0, out_i / total * torch.log(q_last), 0.0)
-
-    self_term = cl.gather(1, iv - 1) + _xlogx((b_last + out_i) / total)
-    kl = self_term - cross
+    q_last = s_last / (n_last.clamp(min=1) * sum_i.clamp(min=1))
+    # 0 log 0 = 0 throughout; a zero q_last where out_i > 0 is the impossible case below
+    cross = (inner - torch.xlogy(sum_i, sum_i) + torch.xlogy(out_i, q_last)) / total
+    u = (b_last + out_i) / total
+    kl = plogp.gather(1, iv - 1) + torch.xlogy(u, u) - cross
     impossible = ((out_i > 0) & (b_last == 0)) | (sum_i <= 0)  # Q is zero where P is not
-    return torch.where(impossible | torch.isnan(kl), torch.full_like(kl, float("inf")), kl)
+    return kl.masked_fill_(impossible | kl.isnan(), float("inf"))
 
 
 def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = False, stride: int = 1,
@@ -149,8 +170,9 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     ``2**(num_bits - 1 + unsigned)`` quantization bins; candidates are bin edges ``start_bin, start_bin +
     stride, ...`` up to the last non-empty bin (larger ones clip nothing). As in TensorRT, the first bin's
     count is replaced by the second's, so a spike of exact zeros (ReLU) does not dominate. Ties go to the
-    largest candidate. Candidates are scored in float32 first; those within 1e-4 of the best are scored
-    again in float64, so the choice is the exact evaluation's.
+    largest candidate. Candidates are screened with the ``(candidates, nq)`` logarithms in float32 (from exact
+    bin masses: the error is below 1e-5 for any sample count), and those within 1e-4 of the best are scored
+    again in float64, so the choice is the float64 evaluation's.
 
     Also as in TensorRT, a candidate whose last bin is empty while mass lies beyond it has infinite
     divergence (Q is zero where P is not). An isolated outlier beyond an empty gap is therefore clipped only
@@ -158,38 +180,53 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     """
     if isinstance(num_bits, (tuple, list)):
         raise ValueError("entropy calibration is defined for integer formats; use mse or percentile for FP8")
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
     h, e, squeeze, was_numpy = _prepare(hist, bin_edges)
     h = h.clone()
-    if h.shape[1] > 1:
+    num_bins = h.shape[1]
+    if num_bins > 1:
         h[:, 0] = h[:, 1]
     nq = 1 << (num_bits - 1 + int(unsigned))
-    cand = _candidates(h.shape[1], start_bin, stride, h.device)
+    start = max(1, min(start_bin, num_bins))
+    all_cand, all_bounds, all_last = _range_bounds(start, num_bins + 1, stride, nq, str(h.device))
     stop = _data_end(h)
-    per_row = max(1, _chunk_elements(h.device) // (cand.numel() * nq))
+    per_row = max(1, _chunk_elements(h.device) // (all_cand.numel() * nq))
     best = []
     for r in range(0, h.shape[0], per_row):
         hr, st = h[r : r + per_row], stop[r : r + per_row]
-        cr = cand[cand <= st.max()]  # candidates past the data clip nothing
-        # a candidate whose last bin is empty while mass lies beyond it has infinite divergence: skip it
-        # (the data end itself clips nothing and always stays)
-        alive = (hr.index_select(1, (cr - 1).clamp(min=0)) > 0).any(0) | (cr.view(1, -1) == st.view(-1, 1)).any(0)
-        if int(alive.sum()) < 0.75 * cr.numel():  # worth losing the cached bounds of a plain range
-            cr = cr[alive]
-        if cr.numel() == 0:
+        # candidates past the data clip nothing: the first n of the range are those up to the chunk's data end
+        n = max(0, (int(st.max()) - start) // stride + 1)
+        if n == 0:
             best.append(st)
             continue
-        valid = cr.view(1, -1) <= st.view(-1, 1)
-        kl = torch.where(valid, _entropy_divergences(hr, cr, nq, torch.float32), float("inf"))
+        cr, bounds, k_last = all_cand[:n], all_bounds[: n * (nq + 1)], all_last[:n]
+        # a candidate whose last bin is empty while mass lies beyond it has infinite divergence: skip it
+        # (the data end itself clips nothing and always stays)
+        alive = (hr.index_select(1, cr - 1) > 0).any(0) | (cr.view(1, -1) == st.view(-1, 1)).any(0)
+        if int(alive.sum()) < 0.75 * n:  # worth an indexing pass
+            cr, k_last = cr[alive], k_last[alive]
+            bounds = bounds.view(n, nq + 1)[alive].reshape(-1)
+            if cr.numel() == 0:
+                best.append(st)
+                continue
+        tables = _entropy_tables(hr)
+        kl = _entropy_divergences(hr, tables, cr, *_bin_terms(tables, bounds, k_last, nq, torch.float32))
+        multi = hr.shape[0] > 1
+        valid = cr.view(1, -1) <= st.view(-1, 1) if multi else None
+        if multi:
+            kl = torch.where(valid, kl, float("inf"))
         low = kl.amin(dim=1, keepdim=True)
-        near = valid & torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
-        cols = near.any(0)
+        near = torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
         # rescore the near-best exactly, unless each row has a single one (the float32 choice is then certain)
         if bool((near.sum(1) > 1).any()):
-            exact = _entropy_divergences(hr, cr[cols], nq, torch.float64)
+            cols = near.any(0)
+            terms = _bin_terms(tables, bounds.view(-1, nq + 1)[cols].reshape(-1), k_last[cols], nq, torch.float64)
+            exact = _entropy_divergences(hr, tables, cr[cols], *terms)
             kl = torch.full_like(kl, float("inf"))
             kl[:, cols] = torch.where(near[:, cols], exact, float("inf"))
-        best.append(_pick(cr, kl, st, last=True))
-    idx = torch.cat(best)
+        best.append(_pick(cr, kl, st, last=True, valid=valid))
+    idx = torch.cat(best) if len(best) > 1 else best[0]
     amax = e.gather(1, idx.view(-1, 1)).squeeze(1)
     return _finish(amax, squeeze, was_numpy)
 
