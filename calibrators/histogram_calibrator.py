@@ -12,7 +12,9 @@ agree within one bin). The price: the range is at most 2x the max, so at least h
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import struct
 import weakref
 
 import torch
@@ -37,6 +39,22 @@ def shared_observations():
         _shared = outer
 
 
+_searched: dict | None = None  # (method, settings) -> [(hist, exponent, amax)], within one calibration
+
+
+@contextlib.contextmanager
+def shared_searches():
+    """Within this block, calibrators whose histograms and ranges are equal (the q, k and v projections of an
+    attention layer see one input) search amax once per method and settings. Exact: the search is a pure
+    function of the histogram, its range and the settings, and equality is checked element by element."""
+    global _searched
+    outer, _searched = _searched, {}
+    try:
+        yield
+    finally:
+        _searched = outer
+
+
 class HistogramCalibrator(Calibrator):
     """Collects ``hist`` of shape ``(channels, num_bins)`` (channels = 1 per-tensor) and searches amax with
     one of :data:`calibrators.histogram.METHODS`. State is ``O(channels * num_bins)``, whatever the batch count.
@@ -55,15 +73,18 @@ class HistogramCalibrator(Calibrator):
         self._exp: torch.Tensor | None = None  # (C,) int64: range is [0, 2**exp)
         self._exp_int: int | None = None  # the same, as a Python int, on the per-tensor CPU path
         self._amax_shape: tuple[int, ...] = ()
+        self._flat_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._spiky = False  # the last CPU batch had one dominant bin
 
-    def _scratch(self, shape: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reusable float32 / int32 buffers: a fresh allocation per batch costs more (page faults) than the
+    def _scratch(self, shape: tuple[int, ...], device: torch.device,
+                 index_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reusable float32 / integer buffers: a fresh allocation per batch costs more (page faults) than the
         histogram itself. Sized by the largest batch seen, so memory does not grow with the batch count."""
         n = shape[0] * shape[1]
         f, i = self._buf_f, self._buf_i
-        if f is None or f.device != device or f.numel() < n:
+        if f is None or f.device != device or f.numel() < n or i.dtype != index_dtype:
             f = torch.empty(n, dtype=torch.float32, device=device)
-            i = torch.empty(n, dtype=torch.int32, device=device)
+            i = torch.empty(n, dtype=index_dtype, device=device)
             self._buf_f, self._buf_i = f, i
         return f[:n].view(shape), i[:n].view(shape)
 
@@ -83,7 +104,7 @@ class HistogramCalibrator(Calibrator):
             self._hist = torch.zeros_like(counts)
         elif target > own:
             self._merge(torch.tensor([target - own]))
-        self._hist += _merged(counts, torch.tensor([target - exp]), self.num_bins)
+        self._hist += counts if exp == target else _merged(counts, torch.tensor([target - exp]), self.num_bins)
         self._exp = torch.tensor([target], dtype=torch.long)
         self._exp_int = target
         self._batches += 1
@@ -102,7 +123,10 @@ class HistogramCalibrator(Calibrator):
             if hit is not None and hit[0]() is x and hit[1] == self._signature(shape):
                 if self._absorb(*hit[2:]):
                     return
-        counts, exp, batch_exp = self._collect(x.detach(), axes, want_counts=share)
+        if not axes and x.device.type == "cpu" and (self._hist is None or self._exp_int is not None):
+            counts, exp, batch_exp = self._collect_cpu_scalar(x.detach(), want_counts=share)
+        else:
+            counts, exp, batch_exp = self._collect(x.detach(), axes, want_counts=share)
         if share and counts is not None:
             _shared[id(x)] = (weakref.ref(x), self._signature(shape), counts, exp, batch_exp)
 
@@ -123,8 +147,6 @@ class HistogramCalibrator(Calibrator):
         else:
             a.view(src.shape).copy_(src)  # any float dtype in, float32 out
             a.abs_()
-        if channels == 1 and x.device.type == "cpu" and (self._hist is None or self._exp_int is not None):
-            return self._collect_cpu_scalar(a, idx, want_counts)
         batch_max = a.amax(dim=1)
         self._note_finite(batch_max)
         _, exp = torch.frexp(batch_max)  # batch_max < 2**exp (and 2**exp <= 2 * batch_max)
@@ -158,9 +180,19 @@ class HistogramCalibrator(Calibrator):
         self._batches += 1
         return None, None, None
 
-    def _collect_cpu_scalar(self, a: torch.Tensor, idx: torch.Tensor, want_counts: bool):
-        """Per-tensor on the CPU: the same scheme with the exponent as a Python int (host reads are free)."""
-        m = float(a.max())
+    def _collect_cpu_scalar(self, x: torch.Tensor, want_counts: bool):
+        """Per-tensor on the CPU: the same scheme with the exponent as a Python int (host reads are free), on
+        flat buffers, in as few passes as the torch ops allow: abs, max, scale, truncate, count."""
+        flat = x.reshape(-1)
+        a, idx = self._flat_scratch(flat.numel())
+        if flat.dtype == torch.float32:
+            torch.abs(flat, out=a)
+        else:
+            a.copy_(flat)  # any float dtype in, float32 out
+            a.abs_()
+        # max |x| from the bit patterns: for non-negative floats the int32 order is the float order (NaN's
+        # patterns lie above inf's), and an integer max runs twice as fast as a NaN-propagating float one
+        m = _float_of_bits(int(a.view(torch.int32).max()))
         if not math.isfinite(m):
             self._note_finite(torch.tensor(m))
         exp = batch_exp = math.frexp(m)[1]  # m < 2**exp
@@ -176,12 +208,29 @@ class HistogramCalibrator(Calibrator):
         zeros = int((a == 0).sum()) if self.skip_zeros else 0
         a.mul_(math.ldexp(float(nb), -self._exp_int))  # exact: a power of two
         idx.copy_(a)  # truncation == floor for non-negative values; every bin < nb since |x| < 2**e
-        counts = torch.bincount(idx.view(-1), minlength=nb)
+        counts = _bincount_interleaved(idx, nb) if self._spiky else torch.bincount(idx, minlength=nb)
+        # where one bin holds much of the data (a ReLU's zeros), back-to-back increments of one counter stall
+        # the count; the next batch then counts in interleaved copies (same counts, either way). Measured on
+        # the sample models: a bin with half the values counts 20% faster interleaved, one with 15% slower.
+        self._spiky = int(counts.max()) > idx.numel() // 4
         if zeros:
             counts[0] -= zeros
         self._hist.view(-1).add_(counts)
         self._batches += 1
         return (counts.view(1, nb), self._exp_int, batch_exp) if want_counts else (None, None, None)
+
+    def _flat_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat float32 / bin-index CPU buffers of ``n`` elements (views of :meth:`_scratch`'s, kept per size).
+        Bin indices are int16 when every lane's bin fits: the passes over them move half the bytes."""
+        views = self._flat_views
+        v = views.get(n)
+        if v is None or v[0].data_ptr() != (self._buf_f.data_ptr() if self._buf_f is not None else None):
+            dtype = torch.int16 if _LANES * self.num_bins <= torch.iinfo(torch.int16).max else torch.int32
+            f, i = self._scratch((1, n), torch.device("cpu"), dtype)
+            if len(views) > 64:
+                views.clear()
+            v = views[n] = (f.view(-1), i.view(-1))
+        return v
 
     def _merge(self, shift: torch.Tensor) -> None:
         """Sum groups of ``2**shift[c]`` adjacent bins of each channel (the range grew by ``2**shift``)."""
@@ -213,11 +262,19 @@ class HistogramCalibrator(Calibrator):
         if method in ("entropy", "mse"):
             kwargs.setdefault("num_bits", self.num_bits)
             kwargs.setdefault("unsigned", self.unsigned)
+        key = (method, tuple(sorted(kwargs.items())), self._amax_shape)
+        if _searched is not None:
+            for hist, exp, amax in _searched.get(key, ()):
+                if torch.equal(exp, self._exp) and torch.equal(hist, self._hist):
+                    return amax.clone()
         hist = self._hist.to(torch.float64)
         if self.skip_zeros and (hist.sum(dim=1) == 0).any():
             raise ValueError(f"{self.label}: every collected value was zero and skip_zeros is set")
         amax = METHODS[method](hist, self.bin_edges, **kwargs)
-        return amax.reshape(self._amax_shape) if self._amax_shape else amax.reshape(())
+        amax = amax.reshape(self._amax_shape) if self._amax_shape else amax.reshape(())
+        if _searched is not None:
+            _searched.setdefault(key, []).append((self._hist, self._exp, amax.clone()))
+        return amax
 
     def reset(self) -> None:
         super().reset()
@@ -225,10 +282,35 @@ class HistogramCalibrator(Calibrator):
         self._exp = None
         self._exp_int = None
         self._buf_f = self._buf_i = None
+        self._flat_views = {}
+        self._spiky = False
 
     def __repr__(self) -> str:
         return (f"HistogramCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned}, "
                 f"num_bins={self.num_bins}, skip_zeros={self.skip_zeros})")
+
+
+_LANES, _LANE_ROW = 4, 1024
+
+
+def _float_of_bits(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
+@functools.lru_cache(maxsize=8)
+def _lane_offsets(nb: int, dtype: torch.dtype) -> torch.Tensor:
+    return ((torch.arange(_LANE_ROW) % _LANES) * nb).to(dtype)
+
+
+def _bincount_interleaved(idx: torch.Tensor, nb: int) -> torch.Tensor:
+    """``torch.bincount(idx, minlength=nb)`` for bins in ``[0, nb)``, faster on skewed data: consecutive
+    elements count into ``_LANES`` separate copies of the histogram, summed at the end. A plain count
+    increments the same counter back to back when a bin dominates (the zeros after a ReLU), and each
+    increment then waits for the previous one to reach memory: ReLU outputs counted at half speed.
+    Overwrites ``idx``."""
+    whole = idx.numel() - idx.numel() % _LANE_ROW
+    idx[:whole].view(-1, _LANE_ROW).add_(_lane_offsets(nb, idx.dtype))
+    return torch.bincount(idx, minlength=_LANES * nb).view(_LANES, nb).sum(0)
 
 
 def _merged(hist: torch.Tensor, shift: torch.Tensor, nb: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrators.histogram_calibrator import shared_observations
+from calibrators.histogram_calibrator import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.nn.replace import quantizers
@@ -137,19 +137,8 @@ def calibrate(
                     run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
                 if progress is not None:
                     progress(i)
-        for name, q in acts.items():
-            if q.calibrator is not None and q.calibrator.num_batches == 0:
-                # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
-                # and nothing of it reaches an exported graph
-                layer = name.rsplit(".", 1)[0]
-                for qn in (name, f"{layer}.weight_quantizer"):
-                    if qn in qs:
-                        qs[qn].enabled = False
-                        qs[qn].set_mode("disabled")
-                        summary.not_called.append(qn)
-                q.calibrator = None
-                continue
-            q.load_calib_amax(method, **kwargs)
+        with shared_searches():  # equal histograms (q/k/v of one input) search amax once
+            _load_activation_amax(qs, acts, method, kwargs, summary)
     finally:
         for q in paused:
             q.mode = "quantize"
@@ -175,6 +164,23 @@ def calibrate(
     return summary
 
 
+def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary) -> None:
+    """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and reported."""
+    for name, q in acts.items():
+        if q.calibrator is not None and q.calibrator.num_batches == 0:
+            # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
+            # and nothing of it reaches an exported graph
+            layer = name.rsplit(".", 1)[0]
+            for qn in (name, f"{layer}.weight_quantizer"):
+                if qn in qs:
+                    qs[qn].enabled = False
+                    qs[qn].set_mode("disabled")
+                    summary.not_called.append(qn)
+            q.calibrator = None
+            continue
+        q.load_calib_amax(method, **kwargs)
+
+
 def recompute_amax(model: nn.Module, method: str, *, percentile: float = 99.99) -> list[str]:
     """Recompute every activation amax with another histogram method from the histograms the last
     ``calibrate(..., method in {entropy, mse, percentile})`` collected: no second pass over the data.
@@ -182,10 +188,11 @@ def recompute_amax(model: nn.Module, method: str, *, percentile: float = 99.99) 
     if method not in ("entropy", "mse", "percentile"):
         raise CalibrationError(f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}")
     done = []
-    for name, q in quantizers(model).items():
-        if q.histogram is not None and q.enabled:
-            q.recompute_amax(method, percentile=percentile)
-            done.append(name)
+    with shared_searches():
+        for name, q in quantizers(model).items():
+            if q.histogram is not None and q.enabled:
+                q.recompute_amax(method, percentile=percentile)
+                done.append(name)
     if not done:
         raise CalibrationError("no histograms kept: calibrate with entropy, mse or percentile first")
     return done

@@ -261,3 +261,82 @@ def test_shared_observations_are_exact():
             fine.collect(x)
     for got, want in ((first, alone), (second, alone), (coarse, coarse_alone), (fine, fine_alone)):
         assert torch.equal(got.hist, want.hist) and torch.equal(got.bin_edges, want.bin_edges)
+
+
+def test_shared_searches_search_equal_histograms_once(monkeypatch):
+    import calibrators.histogram_calibrator as hc
+
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randn(4096, generator=g), torch.randn(4096, generator=g)
+    same, twin, other = HistogramCalibrator(), HistogramCalibrator(), HistogramCalibrator()
+    same.collect(x)
+    twin.collect(x.clone())
+    other.collect(y)
+    want = {c: {m: c.compute_amax(m) for m in ("entropy", "mse", "percentile")} for c in (same, twin, other)}
+    calls = []
+
+    def counted(fn):
+        def wrapper(*a, **k):
+            calls.append(fn)
+            return fn(*a, **k)
+
+        return wrapper
+
+    methods = {m: counted(fn) for m, fn in hc.METHODS.items()}
+    monkeypatch.setattr(hc, "METHODS", methods)
+    with hc.shared_searches():
+        got = {c: {m: c.compute_amax(m) for m in ("entropy", "mse", "percentile")} for c in (same, twin, other)}
+        p99 = [c.compute_amax("percentile", percentile=99.0) for c in (same, twin)]
+    assert len(calls) == 3 * 2 + 1  # twin reuses same's searches; another setting is a new search
+    assert torch.equal(p99[0], p99[1])
+    for c in want:
+        for m in want[c]:
+            assert torch.equal(got[c][m], want[c][m])
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
+@pytest.mark.parametrize("n", [1, 1023, 1024, 5000, 65536])
+def test_interleaved_bincount_equals_bincount(n, dtype):
+    from calibrators.histogram_calibrator import _bincount_interleaved
+
+    g = torch.Generator().manual_seed(n)
+    idx = (torch.randn(n, generator=g).relu() * 300).clamp(max=2047).to(dtype)  # a spike at bin 0
+    want = torch.bincount(idx, minlength=2048)
+    assert torch.equal(_bincount_interleaved(idx.clone(), 2048), want)
+
+
+def test_cpu_histogram_equals_direct_count_on_spiky_and_smooth_batches():
+    """Batches alternate between ReLU-like (one dominant bin: counted in interleaved copies) and smooth ones,
+    with the range growing midway; the histogram is the direct count over the final range."""
+    g = torch.Generator().manual_seed(11)
+    batches = [torch.randn(3000 + 7 * i, generator=g) * (1 + 5 * (i > 3)) for i in range(8)]
+    batches = [b.relu() if i % 2 else b for i, b in enumerate(batches)]
+    c = HistogramCalibrator(num_bins=256)
+    for b in batches:
+        c.collect(b.view(-1, 10)[:, :7] if b.numel() % 10 == 0 else b)  # a non-contiguous batch too
+    seen = torch.cat([(b.view(-1, 10)[:, :7] if b.numel() % 10 == 0 else b).reshape(-1) for b in batches]).abs()
+    top = float(c.bin_edges[0, -1])
+    want = torch.bincount((seen.double() * 256 / top).floor().long(), minlength=256)
+    assert top > float(seen.max()) >= top / 2
+    assert torch.equal(c.hist[0], want)
+
+
+@pytest.mark.parametrize("scale", [1, 5000, 10**7])  # totals below 2**24, above it, above 2**31
+def test_entropy_float32_screening_is_close_and_the_choice_is_float64s(scale):
+    import calibrators.histogram as H
+
+    rng = np.random.default_rng(scale % 97)
+    h = torch.tensor(random_hist(rng, 1024)[0] * scale).unsqueeze(0)
+    e = torch.arange(1025, dtype=torch.float64) * 0.01
+    hh = h.clone()
+    hh[:, 0] = hh[:, 1]
+    cand = torch.arange(128, 1025)
+    bounds, k_last = H._bounds(cand, 128)
+    tables = H._entropy_tables(hh)
+    screened = H._entropy_divergences(hh, tables, cand, *H._bin_terms(tables, bounds, k_last, 128, torch.float32))
+    exact = H._entropy_divergences(hh, tables, cand, *H._bin_terms(tables, bounds, k_last, 128, torch.float64))
+    finite = torch.isfinite(exact)
+    assert torch.equal(finite, torch.isfinite(screened))
+    assert float((screened - exact)[finite].abs().max()) < 1e-5  # the docstring's bound; 1e-4 is the re-scoring window
+    best = int(cand[len(cand) - 1 - int(torch.argmin(exact.flip(-1)))])  # the last of equal minima
+    assert float(compute_amax_entropy(h, e)) == pytest.approx(float(e[best]))
