@@ -110,9 +110,9 @@ class HistogramCalibrator(Calibrator):
         self._batches += 1
         return True
 
-    @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
-        """Add one batch (any float dtype, any device; stays there)."""
+        """Add one batch (any float dtype, any device; stays there). Works on ``x.detach()``: no graph is
+        recorded, without the cost of entering ``no_grad`` once per batch."""
         axes, shape = self._kept(x)
         self._amax_shape = shape
         # per-tensor histograms on the CPU (small, and the range check below reads the host for free)

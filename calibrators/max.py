@@ -20,9 +20,8 @@ class MaxCalibrator(Calibrator):
         self._amax: torch.Tensor | None = None
         self._amax_f: float | None = None
 
-    @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
-        """Fold one batch into the running max (on ``x``'s device, no host copy)."""
+        """Fold one batch into the running max (on ``x``'s device, no host copy; on ``x.detach()``)."""
         axes, shape = self._kept(x)
         x = x.detach()
         if not axes and x.device.type == "cpu" and x.numel():
@@ -73,7 +72,6 @@ class MinMaxCalibrator(Calibrator):
         self._min: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
 
-    @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         x = x.detach()
         lo, hi = x.amin().to(torch.float32), x.amax().to(torch.float32)

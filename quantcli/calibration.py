@@ -8,6 +8,7 @@ quantization during the pass), then each calibrator's amax search. Calibrators c
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -106,7 +107,9 @@ def calibrate(
         raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
     dev = resolve_device(device)
     t0 = time.perf_counter()
-    model.eval().to(dev)
+    model.eval()
+    if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to(dev)  # (moving walks every module even when nothing moves)
     summary = CalibrationSummary(method, str(dev), len(batches), num_samples(batches),
                                  settings={"percentile": percentile, "num_bins": num_bins})
     kwargs = {"percentile": percentile}

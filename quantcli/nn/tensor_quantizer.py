@@ -75,7 +75,6 @@ class TensorQuantizer(nn.Module):
                               "set block_size to a divisor")
         return x.unflatten(d, (n // size, size)), d
 
-    @torch.no_grad()
     def collect(self, x: torch.Tensor) -> None:
         if self.calibrator is None:
             raise CalibrationError(f"{self.name}: start_calibration() first")
