@@ -244,14 +244,25 @@ def _fake_quant_positive(centers: torch.Tensor, amax: torch.Tensor, num_bits, un
 
 
 def _mse_errors_fast(hr: torch.Tensor, cr: torch.Tensor, amax_c: torch.Tensor, bound: int) -> torch.Tensor:
-    """Integer-grid errors for every candidate in float32, in place: ``s**2 * sum_j h_j (t_j - q(t_j))**2`` with
-    ``t = c / s``, one buffer and a matrix-vector product for the weighted sum."""
+    """Integer-grid errors for every candidate in float32: ``s**2 * sum_j h_j (t_j - q(t_j))**2`` with ``t = c / s``,
+    in blocks of candidates small enough to stay in cache, two reused buffers and a matrix-vector product
+    for the weighted sum (one pass over a many-MiB grid per op cost more than the arithmetic)."""
     s = ar.symmetric_scale(amax_c.to(torch.float32), bound)  # (c, K) float32, as deployed
-    t = cr.to(torch.float32).unsqueeze(1) / s.unsqueeze(-1)  # (c, K, B')
-    q = torch.round(t).clamp_(0, bound)
-    t.sub_(q).square_()
-    del q
-    err = torch.matmul(t, hr.to(torch.float32).unsqueeze(-1)).squeeze(-1)  # (c, K)
+    c32, h32 = cr.to(torch.float32).unsqueeze(1), hr.to(torch.float32).unsqueeze(-1)  # (c, 1, B'), (c, B', 1)
+    rows, k_all, width = s.shape[0], s.shape[1], cr.shape[1]
+    # blocks of about _chunk_elements grid cells: on the CPU two reused 1 MiB buffers, 1.1-4x faster on the
+    # sample models' histograms than one pass per op over a grid of up to 16 MiB (allocated afresh per call)
+    step = min(k_all, max(1, _chunk_elements(cr.device) // max(1, rows * width)))
+    t_buf = torch.empty(rows, step, width, device=cr.device)
+    q_buf = torch.empty_like(t_buf)
+    err = torch.empty_like(s)
+    for a in range(0, k_all, step):
+        k = min(step, k_all - a)
+        t, q = t_buf[:, :k], q_buf[:, :k]
+        torch.div(c32, s[:, a : a + k].unsqueeze(-1), out=t)
+        torch.round(t, out=q).clamp_(0, bound)
+        t.sub_(q).square_()
+        err[:, a : a + k] = torch.matmul(t, h32).squeeze(-1)
     return err * (s * s)
 
 
