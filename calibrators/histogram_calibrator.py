@@ -15,29 +15,12 @@ import contextlib
 import functools
 import math
 import struct
-import weakref
 
 import torch
 
+from calibrators import shared
 from calibrators.base import Calibrator
 from calibrators.histogram import METHODS
-
-_shared: dict | None = None  # id(tensor) -> (weakref, signature, counts, exponent), within one forward pass
-
-
-@contextlib.contextmanager
-def shared_observations():
-    """Within this block, per-tensor histogram calibrators on the CPU that see the same tensor object (the q, k
-    and v projections of an attention layer share their input) histogram it once and share the counts.
-    Exact: a calibrator takes the counts only when their range is no coarser than its own would be, and
-    merges them up by the same power-of-two rule as any batch; otherwise it collects itself."""
-    global _shared
-    outer, _shared = _shared, {}
-    try:
-        yield
-    finally:
-        _shared = outer
-
 
 _searched: dict | None = None  # (method, settings) -> [(hist, exponent, amax)], within one calibration
 
@@ -89,7 +72,7 @@ class HistogramCalibrator(Calibrator):
         return f[:n].view(shape), i[:n].view(shape)
 
     def _signature(self, shape) -> tuple:
-        return (self.num_bins, self.skip_zeros, shape)
+        return ("histogram", self.num_bins, self.skip_zeros, shape)
 
     def _absorb(self, counts: torch.Tensor, exp: int, batch_exp: int) -> bool:
         """Add another calibrator's counts of this very batch, made over ``[0, 2**exp)``; ``batch_exp`` is the
@@ -116,19 +99,18 @@ class HistogramCalibrator(Calibrator):
         axes, shape = self._kept(x)
         self._amax_shape = shape
         # per-tensor histograms on the CPU (small, and the range check below reads the host for free)
-        share = (_shared is not None and not axes and x.device.type == "cpu"
+        share = (shared.active() and not axes and x.device.type == "cpu"
                  and (self._hist is None or self._exp_int is not None))
         if share:
-            hit = _shared.get(id(x))
-            if hit is not None and hit[0]() is x and hit[1] == self._signature(shape):
-                if self._absorb(*hit[2:]):
-                    return
+            hit = shared.lookup(x, self._signature(shape))
+            if hit is not None and self._absorb(*hit):
+                return
         if not axes and x.device.type == "cpu" and (self._hist is None or self._exp_int is not None):
             counts, exp, batch_exp = self._collect_cpu_scalar(x.detach(), want_counts=share)
         else:
             counts, exp, batch_exp = self._collect(x.detach(), axes, want_counts=share)
         if share and counts is not None:
-            _shared[id(x)] = (weakref.ref(x), self._signature(shape), counts, exp, batch_exp)
+            shared.store(x, self._signature(shape), (counts, exp, batch_exp))
 
     def _collect(self, x: torch.Tensor, axes, want_counts: bool):
         """Histogram one batch into the state; returns ``(this batch's counts, their exponent)`` if asked."""

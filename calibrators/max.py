@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from calibrators import shared
 from calibrators.base import Calibrator
 
 
@@ -23,11 +24,16 @@ class MaxCalibrator(Calibrator):
     def collect(self, x: torch.Tensor) -> None:
         """Fold one batch into the running max (on ``x``'s device, no host copy; on ``x.detach()``)."""
         axes, shape = self._kept(x)
-        x = x.detach()
+        seen, x = x, x.detach()
         if not axes and x.device.type == "cpu" and x.numel():
-            # per-tensor on the CPU: a Python float is the cheapest running state (a host read costs nothing here)
-            lo, hi = torch.aminmax(x)
-            v = max(-float(lo), float(hi))
+            # per-tensor on the CPU: a Python float is the cheapest running state (a host read costs nothing
+            # here); q/k/v calibrators of one input reduce it once (calibrators.shared: keyed by the very
+            # tensor the layer passed, not by the detached view made here)
+            v = shared.lookup(seen, ("absmax",))
+            if v is None:
+                lo, hi = torch.aminmax(x)
+                v = max(-float(lo), float(hi))
+                shared.store(seen, ("absmax",), v)
             if not math.isfinite(v):
                 self._note_finite(torch.tensor(v))
             prev = self._amax_f

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrators.histogram_calibrator import shared_observations, shared_searches
+from calibrators.histogram_calibrator import shared_searches
+from calibrators.shared import shared_observations
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.nn.replace import quantizers
@@ -136,7 +137,7 @@ def calibrate(
     try:
         with torch.inference_mode():
             for i, batch in enumerate(batches):
-                with shared_observations():  # q/k/v-style quantizers of one tensor histogram it once
+                with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
                     run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
                 if progress is not None:
                     progress(i)

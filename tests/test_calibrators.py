@@ -240,7 +240,7 @@ def test_cuda_collect_never_synchronizes():
 
 
 def test_shared_observations_are_exact():
-    from calibrators.histogram_calibrator import shared_observations
+    from calibrators.shared import shared_observations
 
     g = torch.Generator().manual_seed(3)
     batches = [torch.randn(64, 32, generator=g) * s for s in (0.5, 4.0, 1.0, 30.0, 0.1)]
@@ -340,3 +340,24 @@ def test_entropy_float32_screening_is_close_and_the_choice_is_float64s(scale):
     assert float((screened - exact)[finite].abs().max()) < 1e-5  # the docstring's bound; 1e-4 is the re-scoring window
     best = int(cand[len(cand) - 1 - int(torch.argmin(exact.flip(-1)))])  # the last of equal minima
     assert float(compute_amax_entropy(h, e)) == pytest.approx(float(e[best]))
+
+
+def test_max_calibrators_of_one_tensor_reduce_it_once(monkeypatch):
+    import calibrators.max as cmax
+    from calibrators.shared import shared_observations
+
+    calls = []
+    real = torch.aminmax
+    monkeypatch.setattr(cmax.torch, "aminmax", lambda t: calls.append(1) or real(t))
+    g = torch.Generator().manual_seed(5)
+    batches = [torch.randn(16, 8, generator=g) * s for s in (1.0, 3.0, 0.5)]
+    alone, q, k, v = MaxCalibrator(), MaxCalibrator(), MaxCalibrator(), MaxCalibrator()
+    for x in batches:
+        alone.collect(x)
+        with shared_observations():
+            for c in (q, k, v):
+                c.collect(x)
+            k.collect(x.clone())  # another tensor object, equal values: reduced again
+    assert len(calls) == 3 * 3  # alone, the shared one, the clone: per batch
+    for c in (q, k, v):
+        assert torch.equal(c.compute_amax(), alone.compute_amax())
