@@ -11,7 +11,6 @@ agree within one bin). The price: the range is at most 2x the max, so at least h
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import struct
@@ -21,21 +20,6 @@ import torch
 from calibrators import shared
 from calibrators.base import Calibrator
 from calibrators.histogram import METHODS
-
-_searched: dict | None = None  # (method, settings) -> [(hist, exponent, amax)], within one calibration
-
-
-@contextlib.contextmanager
-def shared_searches():
-    """Within this block, calibrators whose histograms and ranges are equal (the q, k and v projections of an
-    attention layer see one input) search amax once per method and settings. Exact: the search is a pure
-    function of the histogram, its range and the settings, and equality is checked element by element."""
-    global _searched
-    outer, _searched = _searched, {}
-    try:
-        yield
-    finally:
-        _searched = outer
 
 
 class HistogramCalibrator(Calibrator):
@@ -244,18 +228,17 @@ class HistogramCalibrator(Calibrator):
         if method in ("entropy", "mse"):
             kwargs.setdefault("num_bits", self.num_bits)
             kwargs.setdefault("unsigned", self.unsigned)
-        key = (method, tuple(sorted(kwargs.items())), self._amax_shape)
-        if _searched is not None:
-            for hist, exp, amax in _searched.get(key, ()):
-                if torch.equal(exp, self._exp) and torch.equal(hist, self._hist):
-                    return amax.clone()
+        # q/k/v calibrators of one input hold equal histograms: one search serves them (calibrators.shared)
+        key = ("amax", method, tuple(sorted(kwargs.items())), self._amax_shape)
+        found = shared.find_equal(key, (self._exp, self._hist))
+        if found is not None:
+            return found.clone()
         hist = self._hist.to(torch.float64)
         if self.skip_zeros and (hist.sum(dim=1) == 0).any():
             raise ValueError(f"{self.label}: every collected value was zero and skip_zeros is set")
         amax = METHODS[method](hist, self.bin_edges, **kwargs)
         amax = amax.reshape(self._amax_shape) if self._amax_shape else amax.reshape(())
-        if _searched is not None:
-            _searched.setdefault(key, []).append((self._hist, self._exp, amax.clone()))
+        shared.keep_equal(key, (self._exp, self._hist), amax.clone())
         return amax
 
     def reset(self) -> None:
@@ -288,7 +271,7 @@ def _bincount_interleaved(idx: torch.Tensor, nb: int) -> torch.Tensor:
     """``torch.bincount(idx, minlength=nb)`` for bins in ``[0, nb)``, faster on skewed data: consecutive
     elements count into ``_LANES`` separate copies of the histogram, summed at the end. A plain count
     increments the same counter back to back when a bin dominates (the zeros after a ReLU), and each
-    increment then waits for the previous one to reach memory: ReLU outputs counted at half speed.
+    increment then waits for the previous one: ReLU outputs count at about half the speed of smooth data.
     Overwrites ``idx``."""
     whole = idx.numel() - idx.numel() % _LANE_ROW
     idx[:whole].view(-1, _LANE_ROW).add_(_lane_offsets(nb, idx.dtype))

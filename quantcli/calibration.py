@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrators.histogram_calibrator import shared_searches
-from calibrators.shared import shared_observations
+from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.nn.replace import quantizers

@@ -265,6 +265,7 @@ def test_shared_observations_are_exact():
 
 def test_shared_searches_search_equal_histograms_once(monkeypatch):
     import calibrators.histogram_calibrator as hc
+    from calibrators.shared import shared_searches
 
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(4096, generator=g), torch.randn(4096, generator=g)
@@ -284,7 +285,7 @@ def test_shared_searches_search_equal_histograms_once(monkeypatch):
 
     methods = {m: counted(fn) for m, fn in hc.METHODS.items()}
     monkeypatch.setattr(hc, "METHODS", methods)
-    with hc.shared_searches():
+    with shared_searches():
         got = {c: {m: c.compute_amax(m) for m in ("entropy", "mse", "percentile")} for c in (same, twin, other)}
         p99 = [c.compute_amax("percentile", percentile=99.0) for c in (same, twin)]
     assert len(calls) == 3 * 2 + 1  # twin reuses same's searches; another setting is a new search
