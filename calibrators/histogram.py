@@ -80,7 +80,6 @@ def _last_argmin(values: torch.Tensor) -> torch.Tensor:
     return n - 1 - torch.argmin(values.flip(-1), dim=-1)
 
 
-
 def _bounds(cand: torch.Tensor, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For candidates ``i``: the ``nq + 1`` boundaries ``ceil(k * i / nq)`` between quantization bins (bin k
     holds source bins ``[b_k, b_{k+1})``), flattened, and the quantization bin of source bin ``i - 1``."""
@@ -117,11 +116,11 @@ def _bin_terms(tables, bounds: torch.Tensor, k_last: torch.Tensor, nq: int, dtyp
     pre, total = tables[0], tables[1]
     c_rows = pre.shape[1]
     flat = pre.view(2 * c_rows, -1)
-    exact_float = dtype == torch.float64 or float(total.max()) < 2**24
-    if exact_float:
+    most = float(total.max())
+    if dtype == torch.float64 or most < 2**24:
         per_bin = torch.diff(flat.to(dtype).index_select(1, bounds).view(2 * c_rows, -1, nq + 1), dim=-1)
     else:  # large totals: float32 prefix sums would round, their differences are computed as integers
-        narrow = flat.to(torch.int32) if float(total.max()) < 2**31 else flat
+        narrow = flat.to(torch.int32) if most < 2**31 else flat
         per_bin = torch.diff(narrow.index_select(1, bounds).view(2 * c_rows, -1, nq + 1), dim=-1).to(dtype)
     s_k, n_k = per_bin[:c_rows], per_bin[c_rows:]  # (C, K, nq) each
     idx_last = k_last.view(1, -1, 1).expand(c_rows, -1, 1)
