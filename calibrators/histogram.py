@@ -47,11 +47,15 @@ def _finish(amax: torch.Tensor, squeeze: bool, was_numpy: bool):
     return amax.cpu().numpy() if was_numpy else amax
 
 
-def _candidates(num_bins: int, start_bin: int, stride: int, device) -> torch.Tensor:
+def _candidate_start(num_bins: int, start_bin: int, stride: int) -> int:
+    """The first candidate edge of ``range(start, num_bins + 1, stride)``, after checking ``stride``."""
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
-    start = max(1, min(start_bin, num_bins))
-    return torch.arange(start, num_bins + 1, stride, device=device)
+    return max(1, min(start_bin, num_bins))
+
+
+def _candidates(num_bins: int, start_bin: int, stride: int, device) -> torch.Tensor:
+    return torch.arange(_candidate_start(num_bins, start_bin, stride), num_bins + 1, stride, device=device)
 
 
 def _data_end(h: torch.Tensor) -> torch.Tensor:
@@ -179,15 +183,13 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     """
     if isinstance(num_bits, (tuple, list)):
         raise ValueError("entropy calibration is defined for integer formats; use mse or percentile for FP8")
-    if stride < 1:
-        raise ValueError(f"stride must be >= 1, got {stride}")
     h, e, squeeze, was_numpy = _prepare(hist, bin_edges)
     h = h.clone()
     num_bins = h.shape[1]
     if num_bins > 1:
         h[:, 0] = h[:, 1]
     nq = 1 << (num_bits - 1 + int(unsigned))
-    start = max(1, min(start_bin, num_bins))
+    start = _candidate_start(num_bins, start_bin, stride)
     all_cand, all_bounds, all_last = _range_bounds(start, num_bins + 1, stride, nq, str(h.device))
     stop = _data_end(h)
     per_row = max(1, _chunk_elements(h.device) // (all_cand.numel() * nq))
@@ -211,9 +213,8 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
                 continue
         tables = _entropy_tables(hr)
         kl = _entropy_divergences(hr, tables, cr, *_bin_terms(tables, bounds, k_last, nq, torch.float32))
-        multi = hr.shape[0] > 1
-        valid = cr.view(1, -1) <= st.view(-1, 1) if multi else None
-        if multi:
+        valid = cr.view(1, -1) <= st.view(-1, 1) if hr.shape[0] > 1 else None  # one row: every candidate is
+        if valid is not None:
             kl = torch.where(valid, kl, float("inf"))
         low = kl.amin(dim=1, keepdim=True)
         near = torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
