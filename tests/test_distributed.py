@@ -160,6 +160,8 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
         other = Scenario("digits_cnn", "per-channel" if rank else "int8", "entropy", "strided")
         results["ranks_disagree"] = failure(lambda: calibrate(_quantized(other), good, "entropy", device="cpu"))
         results["no_batches_anywhere"] = failure(lambda: calibrate(_quantized(sc), [], device="cpu"))
+        results["bins_disagree"] = failure(
+            lambda: calibrate(_quantized(sc), good, "mse", num_bins=1024 if rank else 2048, device="cpu"))
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -215,6 +217,8 @@ def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks):
     assert own[0] == other[0] == "DataError" and other[1] == f"rank 0: {own[1]}"
     a, b = ranks[0]["ranks_disagree"], ranks[1]["ranks_disagree"]
     assert a == b and a[0] == "CalibrationError" and "differ between ranks" in a[1]
+    a, b = ranks[0]["bins_disagree"], ranks[1]["bins_disagree"]
+    assert a == b and a[0] == "CalibrationError" and "calibrate different quantizers" in a[1]
     assert ranks[0]["no_batches_anywhere"] == ranks[1]["no_batches_anywhere"] == (
         "CalibrationError", "no calibration batches on any rank")
 
