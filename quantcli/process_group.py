@@ -5,7 +5,7 @@
 when there are GPUs, else the CPU) and initialises the default process group (NCCL on CUDA, Gloo on the CPU).
 
 :func:`one_outcome` marks a step boundary: every rank runs the step; then one small collective tells every
-rank whether any rank failed, and if one did, every rank raises that error (the lowest failing rank's), so a
+rank whether any rank failed (one ``all_reduce`` of one integer), and if one did, every rank raises that error (the lowest failing rank's), so a
 failure is reported once (by rank 0) and no rank is left waiting in a later collective.
 """
 
@@ -111,17 +111,22 @@ def agree(failure: BaseException | None, group=None) -> None:
     """Collective: raise on every rank when any rank passes a failure; return when none does.
 
     The failing rank re-raises its own exception; the others raise the same kind of ``QuantCliError`` with
-    the message prefixed by the failing rank (``RankFailed`` for anything else)."""
-    if world_size(group) == 1:
+    the message prefixed by the failing rank (``RankFailed`` for anything else). One ``all_reduce`` of one
+    integer when no rank failed; the messages travel only when one did."""
+    world = world_size(group)
+    if world == 1:
         if failure is not None:
             raise failure
         return
-    outcomes: list = [None] * world_size(group)
-    dist.all_gather_object(outcomes, _describe(failure), group=group)
-    failed = next((r for r, o in enumerate(outcomes) if o is not None), None)
-    if failed is None:
+    rank = dist.get_rank(group)
+    flag = torch.tensor([world - rank if failure is not None else 0], dtype=torch.long, device=comm_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if int(flag) == 0:
         return
-    if failure is not None and failed == dist.get_rank(group):
+    failed = world - int(flag)  # the lowest failing rank
+    outcomes: list = [None] * world
+    dist.all_gather_object(outcomes, _describe(failure), group=group)
+    if failed == rank:
         raise failure
     kind, message = outcomes[failed]
     raise _error_of(kind, f"rank {failed}: {message}") from None
