@@ -10,7 +10,7 @@ Targets: merge <= 5% of calibration time; speed-up near-linear (>= 0.8 x ranks) 
 limit (the batches are in memory here). On a machine shared with other work the speed-up is disturbed: a
 second process only runs as fast as a free core lets it.
 
-    python -m benchmarks.bench_distributed [--model digits_cnn|resnet_cnn] [--samples 4096] [--ranks 2]
+    python -m benchmarks.bench_distributed [--model resnet_cnn|conv1d_bn|digits_cnn] [--samples 4096] [--ranks 2]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LINEARITY_TARGET = 0.8
 
 def workload(model: str, samples: int, batch_size: int) -> list[dict[str, torch.Tensor]]:
     """``samples`` inputs for ``model`` in batches: the digits (calibration + held-out images, repeated), or the
-    structured sample models' own batch helper."""
+    structured sample models' own batch helpers (``resnet_cnn``: digits upsampled to 3x32x32)."""
     if model == "digits_cnn":
         from sample_models import digits_cnn
 
@@ -39,7 +39,7 @@ def workload(model: str, samples: int, batch_size: int) -> list[dict[str, torch.
         return [{"x": b} for b in x.split(batch_size)]
     from sample_models import structured
 
-    return getattr(structured, f"{model}_batches")(samples, batch_size)
+    return {"resnet_cnn": structured.resnet_batches, "conv1d_bn": structured.conv1d_batches}[model](samples, batch_size)
 
 
 def _fresh(model: str):
@@ -55,17 +55,22 @@ def _fresh(model: str):
 
 
 def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samples: int, batch_size: int,
-          methods: list[str], repeat: int) -> None:
+          methods: list[str], repeat: int, device: str) -> None:
     import torch.distributed as dist
 
     import quantcli.calibration as calibration
     from quantcli.calibration import calibrate
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    cuda = device == "cuda"
+    dev = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     solo = dist.new_group([0])  # rank 0 alone: the one-process reference, in the same warmed-up process
-    batches = workload(model, samples, batch_size)
+    batches = [{k: v.to(dev) for k, v in b.items()} for b in workload(model, samples, batch_size)]
     mine = batches[rank::world]
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     merge = calibration.merge_calibrators
     timing = {}
 
@@ -82,17 +87,21 @@ def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samp
         for method in methods:
             alone, together = [], []
             for i in range(repeat + 1):  # the first run of each side warms up
-                m = _fresh(model)
+                m = _fresh(model).to(dev)
                 dist.barrier()
                 if rank == 0:
+                    sync()
                     t = time.perf_counter()
-                    calibrate(m, batches, method, device="cpu", group=solo)
+                    calibrate(m, batches, method, device=dev, group=solo)
+                    sync()
                     if i:
                         alone.append(time.perf_counter() - t)
-                m = _fresh(model)
+                m = _fresh(model).to(dev)
                 dist.barrier()
+                sync()
                 t = time.perf_counter()
-                calibrate(m, mine, method, device="cpu")
+                calibrate(m, mine, method, device=dev)
+                sync()
                 wall = time.perf_counter() - t
                 runs: list = [None] * world
                 dist.all_gather_object(runs, (wall, timing["merge"], timing["wait"]))
@@ -109,15 +118,16 @@ def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samp
         dist.destroy_process_group()
 
 
-def run(model: str = "digits_cnn", samples: int = 4096, batch_size: int = 128, ranks: int = 2,
-        methods: tuple[str, ...] = ("max", "entropy"), repeat: int = 5) -> list[dict]:
+def run(model: str = "resnet_cnn", samples: int = 4096, batch_size: int = 64, ranks: int = 2,
+        methods: tuple[str, ...] = ("max", "entropy"), repeat: int = 3, device: str = "cpu") -> list[dict]:
+    """Rows of the table; on ``cuda`` one rank per GPU (NCCL), rank 0's GPU alone as the reference."""
     import torch.multiprocessing as mp
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "rows.pt")
-        mp.spawn(_rank, args=(ranks, os.path.join(d, "init"), out, model, samples, batch_size, list(methods), repeat),
-                 nprocs=ranks, join=True)
+        mp.spawn(_rank, args=(ranks, os.path.join(d, "init"), out, model, samples, batch_size, list(methods), repeat,
+                              device), nprocs=ranks, join=True)
         raw = torch.load(out, weights_only=False)
     rows = []
     for r in raw:
@@ -136,16 +146,22 @@ def run(model: str = "digits_cnn", samples: int = 4096, batch_size: int = 128, r
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="digits_cnn", help="digits_cnn, or a model of sample_models.structured (resnet_cnn)")
+    p.add_argument("--model", default="resnet_cnn", help="resnet_cnn, conv1d_bn (sample_models.structured) or digits_cnn")
     p.add_argument("--samples", type=int, default=4096)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--methods", default="max,entropy")
+    p.add_argument("--device", default="cpu", help="cpu (Gloo), or cuda: one rank per GPU (NCCL), --ranks GPUs")
     a = p.parse_args(argv)
     setup_threads(1)
-    rows = run(a.model, a.samples, a.batch_size, a.ranks, tuple(a.methods.split(",")), a.repeat)
-    print(f"data-parallel calibration, 1 process vs {a.ranks} Gloo ranks (1 thread each) — {machine()}; "
+    if a.device == "cuda" and torch.cuda.device_count() < a.ranks:
+        print(f"data-parallel calibration on cuda: {torch.cuda.device_count()} GPU(s), {a.ranks} ranks asked for; "
+              "nothing to compare (NCCL needs one GPU per rank)")
+        return []
+    rows = run(a.model, a.samples, a.batch_size, a.ranks, tuple(a.methods.split(",")), a.repeat, a.device)
+    backend = "NCCL ranks (one GPU each)" if a.device == "cuda" else "Gloo ranks (1 thread each)"
+    print(f"data-parallel calibration, 1 process vs {a.ranks} {backend} — {machine()}; "
           f"load average {os.getloadavg()[0]:.1f} (other work on the machine disturbs the speed-up)")
     print(f"(fastest of {a.repeat} interleaved runs; {a.ranks}-rank time = the slowest rank's calibrate(), merge "
           "included; merge timed after a barrier, the wait there reported as imbalance)")

@@ -406,7 +406,8 @@ def main() -> None:
         code = app(prog_name="quantcli", standalone_mode=False)
     except click_exc.UsageError as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank got the same arguments: rank 0 tells
+            print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         sys.exit(2)
     except click_exc.ClickException as e:
         print(f"error: {e.format_message()}", file=sys.stderr)

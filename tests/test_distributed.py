@@ -275,3 +275,24 @@ def test_ranks_fail_together_and_report_once(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: rank 1: cannot read") and "b1.npz" in lines[0], text
     assert not (tmp_path / "out.calib.pt").exists()
     assert sorted(x.name for x in tmp_path.iterdir()) == ["batches"]
+
+
+def test_torchrun_environment_and_rank_device(monkeypatch):
+    from quantcli.errors import QuantCliError
+    from quantcli.process_group import rank_device, torchrun_environment
+
+    monkeypatch.delenv("RANK", raising=False)
+    assert torchrun_environment() is None
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert torchrun_environment() is None  # one rank: an ordinary process
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert torchrun_environment() == (1, 4, 1)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+    with pytest.raises(QuantCliError, match="cuda:LOCAL_RANK"):
+        rank_device("cuda:0", 1)
+    if not torch.cuda.is_available():
+        assert rank_device("auto", 1) == torch.device("cpu")
+        with pytest.raises(QuantCliError, match="no CUDA GPU"):
+            rank_device("cuda", 1)
