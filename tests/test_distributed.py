@@ -296,3 +296,28 @@ def test_torchrun_environment_and_rank_device(monkeypatch):
         assert rank_device("auto", 1) == torch.device("cpu")
         with pytest.raises(QuantCliError, match="no CUDA GPU"):
             rank_device("cuda", 1)
+
+
+def test_shards_partition_the_one_process_batches(tmp_path):
+    """Every format: the ranks' shares are the one-process batches at positions r, r+N, ... (a directory of batch
+    files by file); together, each batch exactly once."""
+    from quantcli.data import load_batches
+    from quantcli.loading import load_model
+    from quantcli.shard import load_shard
+
+    model, _ = load_model("digits_cnn")
+    x = np.random.default_rng(0).standard_normal((70, 1, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "all.npy", x)
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for i in range(5):
+        np.savez(folder / f"b{i}.npz", x=x[i * 14 : (i + 1) * 14])
+    for path, kwargs in [(tmp_path / "all.npy", {"batch_size": 16}), (folder, {}), (folder, {"num_samples": 40}),
+                         (tmp_path / "all.npy", {"batch_size": 16, "num_samples": 50})]:
+        whole = load_batches(path, model, kwargs.get("batch_size", 32), kwargs.get("num_samples"))
+        for world in (2, 3, 7):
+            shares = [load_shard(path, model, r, world, **kwargs) for r in range(world)]
+            for r, share in enumerate(shares):
+                want = whole[r::world]
+                assert len(share) == len(want) and all(torch.equal(a["x"], b["x"]) for a, b in zip(share, want))
+            assert sum(len(s) for s in shares) == len(whole)
