@@ -96,6 +96,7 @@ def calibrate(
     across the ranks before amax is computed (:mod:`calibrators.distributed`), so every rank gets the amax one
     process would get over all the ranks' batches, bit for bit (with a power-of-two ``num_bins``). An error on
     one rank raises on every rank (:mod:`quantcli.process_group`); the summary counts every rank's batches.
+    Every rank of the group must call it (to calibrate on one rank alone, pass a group of that rank only).
 
     Args:
         batches: keyword batches for ``model(**batch)`` (this rank's share under ``torch.distributed``).
