@@ -228,11 +228,12 @@ def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks):
 
 def test_torchrun_cli_writes_the_one_process_checkpoint(tmp_path):
     one, two = tmp_path / "one.calib.pt", tmp_path / "two.calib.pt"
-    r = cli("calibrate", "digits_cnn", "--method", "entropy", "--out", one, "--json")
+    r = cli("calibrate", "digits_cnn", "--method", "entropy", "--out", one, "--json", "--device", "cpu")
     assert r.exit_code == 0, r.output
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "quantcli", "calibrate", "digits_cnn", "--method", "entropy", "--out", str(two), "--json"],
+                        "-m", "quantcli", "calibrate", "digits_cnn", "--method", "entropy", "--out", str(two), "--json",
+                        "--device", "cpu"],  # Gloo, also on a host with fewer GPUs than ranks
                        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)  # one JSON document: rank 0 alone prints
@@ -266,7 +267,7 @@ def test_ranks_fail_together_and_report_once(tmp_path):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
         procs.append(subprocess.Popen([sys.executable, "-m", "quantcli", "calibrate", "digits_cnn", "--data", str(data),
-                                       "--out", str(tmp_path / "out.calib.pt")], cwd=tmp_path, env=env,
+                                       "--out", str(tmp_path / "out.calib.pt"), "--device", "cpu"], cwd=tmp_path, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
