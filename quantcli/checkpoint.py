@@ -140,12 +140,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_calibrated(path: str | Path) -> Calibrated:
-    """Re-create the quantized model exactly: same outputs, bit for bit, as when it was saved."""
+def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
+    """Re-create the quantized model exactly: same outputs, bit for bit, as when it was saved.
+
+    Model code that came inside the checkpoint (a factory file's stored source when the file is not on disk
+    unchanged, a pickled whole module) runs only with ``trust_code=True``; otherwise
+    :class:`quantcli.errors.UntrustedCodeError` is raised and nothing is executed.
+    """
     data = read_checkpoint(path)
     spec = ModelSpec.from_plain(data["model"])
     cfg = QuantConfig.from_plain(data["quant_config"])
-    model = build_model(spec)
+    model = build_model(spec, trust_code=trust_code, origin=str(path))
     quantize_model(model, cfg)
     try:
         model.load_state_dict(data["state_dict"], strict=True)

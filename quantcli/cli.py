@@ -180,6 +180,10 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
 # --------------------------------------------------------------------------------------------- export
 
 
+TRUST_CODE_HELP = ("Run model code stored in the checkpoint (a factory file's source when the file is not on disk "
+                   "unchanged, or a pickled whole module). Only for checkpoints you trust.")
+
+
 class Exporter(str, Enum):
     torchscript = "torchscript"
     dynamo = "dynamo"
@@ -194,16 +198,17 @@ def export(
     dynamic_axes: bool = typer.Option(True, "--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions."),
     weights_qdq: bool = typer.Option(False, "--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    trust_code: bool = typer.Option(False, "--trust-code", help=TRUST_CODE_HELP),
 ) -> None:
     """Export a calibrated checkpoint as a standard QuantizeLinear/DequantizeLinear ONNX graph."""
-    _guard(_export, calibrated, onnx_path, opset, exporter.value, dynamic_axes, weights_qdq, as_json)
+    _guard(_export, calibrated, onnx_path, opset, exporter.value, dynamic_axes, weights_qdq, as_json, trust_code)
 
 
-def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, as_json):
+def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, as_json, trust_code=False):
     from exporters.onnx_export import export_onnx
     from quantcli.checkpoint import load_calibrated
 
-    ckpt = load_calibrated(calibrated)
+    ckpt = load_calibrated(calibrated, trust_code=trust_code)
     meta = {
         "quantcli.config": json.dumps(ckpt.config.to_plain()),
         "quantcli.model": ckpt.spec.spec,
@@ -250,10 +255,11 @@ def verify(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays from --data (default 32)."),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Use at most N samples."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    trust_code: bool = typer.Option(False, "--trust-code", help=TRUST_CODE_HELP),
 ) -> None:
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
     code = _guard(_verify, onnx_path, reference, data, provider.value, max_abs_diff, min_cosine, min_snr, per_layer,
-                  report_path, batch_size, num_samples, as_json)
+                  report_path, batch_size, num_samples, as_json, trust_code)
     raise typer.Exit(code)
 
 
@@ -266,12 +272,12 @@ def _fmt(v) -> str:
 
 
 def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_snr, per_layer, report_path,
-            batch_size, num_samples, as_json) -> int:
+            batch_size, num_samples, as_json, trust_code=False) -> int:
     from quantcli.checkpoint import atomic_write, load_calibrated
     from quantcli.data import cap_samples, load_batches
     from quantcli.verify import verify_onnx
 
-    ckpt = load_calibrated(reference)
+    ckpt = load_calibrated(reference, trust_code=trust_code)
     batches = None
     if data is not None:
         batches = load_batches(data, ckpt.model, batch_size or 32, num_samples)
@@ -359,6 +365,10 @@ def _inspect(path: Path, as_json: bool) -> None:
         t.add_row(r["name"], "yes" if r["enabled"] else "no", r["format"], str(r["axis"]), str(r["block_sizes"] or ""),
                   r["amax"])
     out.print(t)
+    code = rows["model_code"]
+    if code["needs_trust_code"]:
+        out.print(f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
+                  "export and verify run it only with --trust-code")
 
 
 def main() -> None:
