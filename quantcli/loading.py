@@ -240,7 +240,12 @@ def load_model(spec: str | ModelSpec, weights: str | Path | None = None, trust_p
     to a Hugging Face folder.
     """
     ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec, trust_pickle, **hf_options)
-    model = build_model(ms, trust_code=trust_pickle)
+    if ms.kind == "hf":
+        from quantcli.hf_model import load_hf_folder
+
+        model = load_hf_folder(ms)
+    else:
+        model = build_model(ms, trust_code=trust_pickle)
     if weights is not None:
         load_weights(model, read_state_dict(weights, trust_pickle), f"weights {weights}")
     return model.eval(), ms
