@@ -210,7 +210,7 @@ def load_hf_folder(spec) -> nn.Module:
     if missing or mismatched:
         what = f"missing {', '.join(missing[:5])}" if missing else f"mis-shaped {', '.join(mismatched[:5])}"
         raise ModelLoadError(f"the weights in {folder} do not fill {cls.__name__} ({what}); those would be random")
-    return _deployable(model.eval(), extra)
+    return _deployable(model.float().eval(), extra)  # a bf16/fp16 checkpoint is calibrated from exact fp32 copies
 
 
 def build_hf_model(spec, from_folder: bool = False) -> nn.Module:
@@ -225,4 +225,4 @@ def build_hf_model(spec, from_folder: bool = False) -> nn.Module:
         model = cls._from_config(config, attn_implementation="eager")
     except Exception as e:
         raise ModelLoadError(f"cannot build {cls.__name__} from the stored config: {str(e).strip().splitlines()[0][:200]}") from None
-    return _deployable(model.eval(), extra)
+    return _deployable(model.float().eval(), extra)

@@ -43,8 +43,10 @@ class ModelSpec:
         """A short name for default output files."""
         if self.kind == "sample":
             return self.spec
-        if self.kind in ("pickle", "hf"):
-            return Path(self.spec.rstrip("/\\")).stem or "model"
+        if self.kind == "hf":  # a folder: its whole name (``bert.v2/`` -> ``bert.v2``)
+            return Path(self.spec.rstrip("/\\")).name or "model"
+        if self.kind == "pickle":
+            return Path(self.spec).stem
         target = self.spec.rsplit(":", 1)[0]
         return Path(target).stem if self.kind == "file" else target.rsplit(".", 1)[-1]
 
