@@ -235,8 +235,7 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
 
         texts = read_texts(path)
         if num_samples is not None:
-            cap_samples([], num_samples)  # validates the value
-            texts = texts[:num_samples]
+            texts = texts[:_positive_samples(num_samples)]
         max_length = opts.max_length or (stored.get("max_length") if stored.get("kind") == "text" else None) \
             or DEFAULT_MAX_LENGTH
         folder = opts.tokenizer or opts.model_folder
@@ -260,7 +259,7 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
                                   parse_floats(opts.std, "--std"),
                                   stored if stored.get("kind") == "image" else None)
         if num_samples is not None:
-            cap_samples([], num_samples)
+            _positive_samples(num_samples)
         batches = image_batches(path, model, names[0], settings, batch_size, num_samples)
         prep = settings.to_plain()
         prep["summary"] = settings.describe()
@@ -272,6 +271,12 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
     for b in batches:
         check_names(b, model, str(path))
     return batches, prep
+
+
+def _positive_samples(n: int) -> int:
+    if n <= 0:
+        raise DataError(f"--num-samples must be positive, got {n}")
+    return n
 
 
 def describe_preprocessing(prep: dict[str, Any] | None) -> str | None:
