@@ -70,15 +70,22 @@ def test_state_dict_and_torchscript_are_refused_with_what_to_pass(files):
     assert not list(d.glob("*.calib.pt"))
 
 
-def test_class_defined_in_a_script_is_named(tmp_path):
+def test_class_defined_in_a_script_is_named(tmp_path, monkeypatch):
     # a module pickled from a script's __main__ cannot be found again: say which class and what to do
-    import subprocess
     import sys
 
-    script = ("import torch\nfrom torch import nn\nclass Net(nn.Module):\n    def __init__(self):\n"
-              "        super().__init__(); self.fc = nn.Linear(2, 2)\n    def forward(self, x):\n        return self.fc(x)\n"
-              f"torch.save(Net(), {str(tmp_path / 'net.pt')!r})\n")
-    subprocess.run([sys.executable, "-c", script], check=True)
+    class NetGone(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    NetGone.__module__, NetGone.__qualname__ = "__main__", "NetGone"
+    monkeypatch.setattr(sys.modules["__main__"], "NetGone", NetGone, raising=False)
+    torch.save(NetGone(), tmp_path / "net.pt")
+    monkeypatch.delattr(sys.modules["__main__"], "NetGone")  # as in a new process: the script is not __main__
     np.savez(tmp_path / "x.npz", x=np.ones((2, 2), np.float32))
     r = cli("calibrate", tmp_path / "net.pt", "--trust-pickle", "--data", tmp_path / "x.npz")
-    assert_clean_error(r, "__main__.Net", "cannot be imported")
+    assert_clean_error(r, "__main__.NetGone", "cannot be imported")
