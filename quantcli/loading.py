@@ -192,9 +192,10 @@ def read_state_dict(path: str | Path, trust_pickle: bool = False) -> dict[str, t
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        msg = str(e)
-        if not ("weights_only" in msg or "Unsupported global" in msg or "GLOBAL" in msg):
-            raise ModelLoadError(f"cannot read {path}: {msg.splitlines()[0]}") from None
+        from quantcli.whole_module import needs_pickle, reason
+
+        if not needs_pickle(e):  # a damaged or foreign file is not a pickle to trust
+            raise ModelLoadError(f"cannot read {path}: {reason(e)}") from None
         if not trust_pickle:
             raise ModelLoadError(
                 f"{path} is a pickled object (a whole module?), not a state dict; loading it runs code from the "

@@ -38,12 +38,12 @@ def is_torchscript(path: Path) -> bool:
     return any(n.endswith("/constants.pkl") or "/code/" in n for n in names)
 
 
-def _needs_pickle(err: Exception) -> bool:
+def needs_pickle(err: Exception) -> bool:
     """The safe reader stopped at a class or function to import: the file is a pickle of Python objects."""
     return "Unsupported global" in str(err)
 
 
-def _reason(err: Exception) -> str:
+def reason(err: Exception) -> str:
     msg = str(err)
     if "WeightsUnpickler error:" in msg:
         msg = msg.split("WeightsUnpickler error:", 1)[1]
@@ -69,8 +69,8 @@ def read_model_file(path: Path, trust_pickle: bool) -> bytes:
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
-        if not _needs_pickle(e):
-            raise ModelLoadError(f"cannot read MODEL {p} as a torch.save file: {_reason(e)}") from None
+        if not needs_pickle(e):
+            raise ModelLoadError(f"cannot read MODEL {p} as a torch.save file: {reason(e)}") from None
         if not trust_pickle:
             raise ModelLoadError(
                 f"MODEL {p} is a pickled whole module (torch.save(model)); unpickling it can run any code the file "

@@ -67,6 +67,9 @@ def test_state_dict_and_torchscript_are_refused_with_what_to_pass(files):
     assert_clean_error(r, "TorchScript", "cannot be inserted", "--trust-pickle", "--weights")
     (d / "junk.pt").write_bytes(b"not a checkpoint")
     assert_clean_error(cli("calibrate", d / "junk.pt", "--data", d / "x.npz", "--trust-pickle"), "cannot read")
+    r = cli("calibrate", "sample_models.digits_cnn:build", "--weights", d / "junk.pt", "--data", d / "x.npz")
+    assert_clean_error(r, "cannot read", "junk.pt")
+    assert "--trust-pickle" not in r.output  # a damaged file is not a pickle to trust
     assert not list(d.glob("*.calib.pt"))
 
 
