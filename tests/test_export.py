@@ -317,3 +317,23 @@ def test_every_layer_type_exports_exactly(config, exporter, tmp_path):
     from quantcli.nn import quantizers
 
     assert names == {n for n, q in quantizers(m).items() if q.enabled}
+
+
+def test_graph_inputs_are_named_in_forward_order_whatever_the_batch_key_order(tmp_path):
+    import onnxruntime as ort
+
+    class TwoInputs(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+
+        def forward(self, a, b):
+            return self.fc(a) - 10 * b
+
+    model = TwoInputs().eval()
+    a, b = torch.randn(2, 4), torch.randn(2, 3)
+    path = tmp_path / "two.onnx"
+    export_onnx(model, {"b": b, "a": a}, path)  # keys in the other order than forward's
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {"a": a.numpy(), "b": b.numpy()})[0]
+    np.testing.assert_allclose(got, model(a, b).detach().numpy(), rtol=1e-5, atol=1e-5)
