@@ -9,17 +9,18 @@ What a rank reads:
   only its own files, file ``i`` going to rank ``i % world_size`` (a ``.pt`` file holding a list of batches
   goes whole to its file's rank). With ``num_samples`` the cap needs every earlier file's sample count, so
   there each rank reads every file and keeps its own batches.
-- a single file (whole arrays re-batched, a ``.pt`` list of batches) and any other format: every rank reads
-  the file, keeps its own batches and drops the others' at once (a whole array is one object in these formats).
+- a single file (whole arrays re-batched, a ``.pt`` list of batches) and any other format (text files, image
+  folders): every rank reads and converts all the data, keeps its own batches and drops the others' at once.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from quantcli.data import Batch, load_batches
+from quantcli.data import Batch, DataOptions, load_batches, load_data
 
 BATCH_FILES = (".npz", ".npy", ".pt")
 
@@ -39,12 +40,15 @@ def batch_files(path: Path) -> list[Path] | None:
 
 
 def load_shard(path: str | Path, model: nn.Module, rank: int, world_size: int, batch_size: int | None = 32,
-               num_samples: int | None = None) -> list[Batch]:
-    """Rank ``rank``'s batches of the data at ``path``: those of ``load_batches(path, ...)`` at positions
-    ``rank, rank + world_size, ...`` (for a directory of batch files: those of its files at these positions),
-    reading as little of the others' data as the format allows (module docstring). A rank may get none."""
+               num_samples: int | None = None,
+               options: DataOptions | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+    """Rank ``rank``'s share of ``load_data(path, ...)``: ``(batches, preprocessing)`` with the batches at
+    positions ``rank, rank + world_size, ...`` (for a directory of batch files: those of its files at these
+    positions), reading as little of the others' data as the format allows (module docstring). A rank may get
+    no batch."""
     path = Path(path)
     files = batch_files(path) if num_samples is None else None
     if files is None:
-        return strided(load_batches(path, model, batch_size, num_samples), rank, world_size)
-    return [b for f in strided(files, rank, world_size) for b in load_batches(f, model, None)]
+        batches, prep = load_data(path, model, batch_size, num_samples, options)
+        return strided(batches, rank, world_size), prep
+    return [b for f in strided(files, rank, world_size) for b in load_batches(f, model, None)], None

@@ -317,7 +317,7 @@ def test_shards_partition_the_one_process_batches(tmp_path):
                          (tmp_path / "all.npy", {"batch_size": 16, "num_samples": 50})]:
         whole = load_batches(path, model, kwargs.get("batch_size", 32), kwargs.get("num_samples"))
         for world in (2, 3, 7):
-            shares = [load_shard(path, model, r, world, **kwargs) for r in range(world)]
+            shares = [load_shard(path, model, r, world, **kwargs)[0] for r in range(world)]
             for r, share in enumerate(shares):
                 want = whole[r::world]
                 assert len(share) == len(want) and all(torch.equal(a["x"], b["x"]) for a, b in zip(share, want))
