@@ -215,11 +215,14 @@ DEFAULT_MAX_LENGTH = 128
 
 
 def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, num_samples: int | None = None,
-              options: DataOptions | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+              options: DataOptions | None = None,
+              shard: tuple[int, int] | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
     """:func:`load_batches`, plus text files (``.txt``/``.jsonl``) and folders of JPEG/PNG images.
 
     Returns ``(batches, preprocessing)``: ``preprocessing`` is plain data saying how text or images became
     tensors (``None`` for tensor files); a calibrated checkpoint stores it so verify repeats it.
+    ``shard=(rank, world_size)`` keeps batches ``rank, rank + world_size, ...`` (a torch.distributed rank's
+    share, :mod:`quantcli.shard`); images of the other batches are not decoded.
     """
     from quantcli.text_data import TEXT_SUFFIXES
 
@@ -249,6 +252,8 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
             files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
                      for k, v in tokenizer_files(folder).items()}
         batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
+        if shard is not None:
+            batches = batches[shard[0]::shard[1]]
         prep = {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
     elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
         from quantcli.image_data import image_batches, image_settings, parse_floats, parse_size
@@ -260,11 +265,12 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
                                   stored if stored.get("kind") == "image" else None)
         if num_samples is not None:
             _positive_samples(num_samples)
-        batches = image_batches(path, model, names[0], settings, batch_size, num_samples)
+        batches = image_batches(path, model, names[0], settings, batch_size, num_samples, shard)
         prep = settings.to_plain()
         prep["summary"] = settings.describe()
     else:
-        return load_batches(path, model, batch_size, num_samples), None
+        batches = load_batches(path, model, batch_size, num_samples)
+        return (batches if shard is None else batches[shard[0]::shard[1]]), None
     # forward's order: the torchscript exporter names graph inputs in the batch's key order but passes them
     # positionally in forward's order (a tokenizer returns token_type_ids before attention_mask)
     batches = [{**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}} for b in batches]

@@ -9,8 +9,9 @@ What a rank reads:
   only its own files, file ``i`` going to rank ``i % world_size`` (a ``.pt`` file holding a list of batches
   goes whole to its file's rank). With ``num_samples`` the cap needs every earlier file's sample count, so
   there each rank reads every file and keeps its own batches.
-- a single file (whole arrays re-batched, a ``.pt`` list of batches) and any other format (text files, image
-  folders): every rank reads and converts all the data, keeps its own batches and drops the others' at once.
+- a folder of images: every rank lists the files, and decodes only the images of its own batches.
+- a single file (whole arrays re-batched, a ``.pt`` list of batches) or a text file: every rank reads (and
+  tokenizes) all of it, keeps its own batches and drops the others' at once.
 """
 
 from __future__ import annotations
@@ -49,6 +50,5 @@ def load_shard(path: str | Path, model: nn.Module, rank: int, world_size: int, b
     path = Path(path)
     files = batch_files(path) if num_samples is None else None
     if files is None:
-        batches, prep = load_data(path, model, batch_size, num_samples, options)
-        return strided(batches, rank, world_size), prep
+        return load_data(path, model, batch_size, num_samples, options, shard=(rank, world_size))
     return [b for f in strided(files, rank, world_size) for b in load_batches(f, model, None)], None

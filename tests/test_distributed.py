@@ -322,3 +322,33 @@ def test_shards_partition_the_one_process_batches(tmp_path):
                 want = whole[r::world]
                 assert len(share) == len(want) and all(torch.equal(a["x"], b["x"]) for a, b in zip(share, want))
             assert sum(len(s) for s in shares) == len(whole)
+
+
+def test_a_rank_decodes_only_the_images_of_its_own_batches(tmp_path):
+    from PIL import Image
+
+    from quantcli.data import DataOptions, load_data
+    from quantcli.errors import DataError
+    from quantcli.loading import load_model
+    from quantcli.shard import load_shard
+
+    model, _ = load_model("digits_cnn")
+    folder = tmp_path / "images"
+    folder.mkdir()
+    rng = np.random.default_rng(1)
+    for i in range(7):
+        Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8)).save(folder / f"img{i}.png")
+    opts = DataOptions(image_size="8", mean="0.5", std="0.25")
+    whole, prep = load_data(folder, model, 2, None, opts)
+    for world in (2, 3):
+        shares = [load_shard(folder, model, r, world, 2, None, opts) for r in range(world)]
+        for r, (share, share_prep) in enumerate(shares):
+            assert share_prep["size"] == prep["size"]
+            want = whole[r::world]
+            assert len(share) == len(want) and all(torch.equal(a["x"], b["x"]) for a, b in zip(share, want))
+    (folder / "img2.png").write_bytes(b"not a png")  # in batch 1: rank 1's of 2
+    with pytest.raises(DataError, match="img2.png"):
+        load_data(folder, model, 2, None, opts)
+    with pytest.raises(DataError, match="img2.png"):
+        load_shard(folder, model, 1, 2, 2, None, opts)
+    assert len(load_shard(folder, model, 0, 2, 2, None, opts)[0]) == 2  # never opened img2.png
