@@ -10,8 +10,10 @@ What a rank reads:
   goes whole to its file's rank). With ``num_samples`` the cap needs every earlier file's sample count, so
   there each rank reads every file and keeps its own batches.
 - a folder of images: every rank lists the files, and decodes only the images of its own batches.
-- a single file (whole arrays re-batched, a ``.pt`` list of batches) or a text file: every rank reads (and
-  tokenizes) all of it, keeps its own batches and drops the others' at once.
+- a single ``.npy`` or ``.pt`` file: memory-mapped (copy-on-write), so a rank reads only the pages of its own
+  batches (a float64 array is converted, so read, whole).
+- a ``.npz`` (a zip: an array is read whole) or a text file: every rank reads (and tokenizes) all of it, keeps
+  its own batches and drops the others' at once.
 """
 
 from __future__ import annotations

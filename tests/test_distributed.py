@@ -300,8 +300,8 @@ def test_torchrun_environment_and_rank_device(monkeypatch):
 
 
 def test_shards_partition_the_one_process_batches(tmp_path):
-    """Every format: the ranks' shares are the one-process batches at positions r, r+N, ... (a directory of batch
-    files by file); together, each batch exactly once."""
+    """Every tensor format: the ranks' shares are the one-process batches at positions r, r+N, ... (a directory
+    of batch files by file; single .npy/.pt files memory-mapped); together, each batch exactly once."""
     from quantcli.data import load_batches
     from quantcli.loading import load_model
     from quantcli.shard import load_shard
@@ -309,12 +309,15 @@ def test_shards_partition_the_one_process_batches(tmp_path):
     model, _ = load_model("digits_cnn")
     x = np.random.default_rng(0).standard_normal((70, 1, 8, 8)).astype(np.float32)
     np.save(tmp_path / "all.npy", x)
+    torch.save(torch.from_numpy(x), tmp_path / "all.pt")
+    torch.save([{"x": torch.from_numpy(x[i : i + 9])} for i in range(0, 70, 9)], tmp_path / "list.pt")
     folder = tmp_path / "folder"
     folder.mkdir()
     for i in range(5):
         np.savez(folder / f"b{i}.npz", x=x[i * 14 : (i + 1) * 14])
     for path, kwargs in [(tmp_path / "all.npy", {"batch_size": 16}), (folder, {}), (folder, {"num_samples": 40}),
-                         (tmp_path / "all.npy", {"batch_size": 16, "num_samples": 50})]:
+                         (tmp_path / "all.npy", {"batch_size": 16, "num_samples": 50}),
+                         (tmp_path / "all.pt", {"batch_size": 16}), (tmp_path / "list.pt", {})]:
         whole = load_batches(path, model, kwargs.get("batch_size", 32), kwargs.get("num_samples"))
         for world in (2, 3, 7):
             shares = [load_shard(path, model, r, world, **kwargs)[0] for r in range(world)]
