@@ -45,6 +45,23 @@ class Calibrator:
     def num_batches(self) -> int:
         return self._batches
 
+    @property
+    def amax_shape(self) -> tuple[int, ...] | None:
+        """The amax's shape (the input's rank kept, ``()`` per-tensor); ``None`` before the first batch."""
+        return self._kept_shape
+
+    def first_nonfinite_batch(self) -> int | None:
+        """Index of the first batch that held NaN or inf, else ``None`` (on CUDA, reading it synchronises)."""
+        if self._bad_batch is None or int(self._bad_batch) < 0:
+            return None
+        return int(self._bad_batch)
+
+    def _merged_from_ranks(self, num_batches: int, amax_shape: tuple[int, ...]) -> None:
+        """Bookkeeping after ``load_merged``: the batches of every rank; non-finite ones were refused before."""
+        self._batches = num_batches
+        self._kept_shape = tuple(amax_shape)
+        self._bad_batch = None
+
     def _kept(self, x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(kept axes, amax shape with rank kept) for ``x``; checks kept sizes do not change."""
         axes = normalize_axis(self.axis, x.dim())
@@ -74,9 +91,10 @@ class Calibrator:
     def _check_ready(self) -> None:
         if self._batches == 0:
             raise CalibrationError(f"{self.label}: no data was collected; run calibration batches first")
-        if self._bad_batch is not None and int(self._bad_batch) >= 0:
+        bad = self.first_nonfinite_batch()
+        if bad is not None:
             raise CalibrationError(
-                f"{self.label}: non-finite values (NaN or inf) in calibration batch {int(self._bad_batch)}; "
+                f"{self.label}: non-finite values (NaN or inf) in calibration batch {bad}; "
                 "check the input data and the model's numerics"
             )
 

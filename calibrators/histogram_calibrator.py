@@ -216,6 +216,32 @@ class HistogramCalibrator(Calibrator):
         steps = torch.arange(self.num_bins + 1, device=top.device, dtype=torch.float64) / self.num_bins
         return top.to(torch.float64).unsqueeze(1) * steps.unsqueeze(0)
 
+    def range_exponent(self) -> torch.Tensor | None:
+        """``(channels,)`` int64 ``e``: channel ``c``'s histogram covers ``[0, 2**e[c])``; ``None`` before data."""
+        return None if self._hist is None else self._exp.clone()
+
+    def counts_over(self, exp: torch.Tensor) -> torch.Tensor:
+        """``(channels, num_bins)`` int64: the counts re-binned onto the ranges ``[0, 2**exp[c])``, no narrower
+        than :meth:`range_exponent`, by the pairwise bin sums ``collect`` uses when a range grows: exactly the
+        histogram of the same values built over those ranges from the start (power-of-two ``num_bins``)."""
+        if self._hist is None:
+            raise ValueError(f"{self.label}: no data collected")
+        shift = exp.to(device=self._exp.device, dtype=torch.long).reshape(-1) - self._exp
+        if bool((shift < 0).any()):
+            raise ValueError(f"{self.label}: counts_over needs ranges at least as wide as the histogram's")
+        return _merged(self._hist, shift, self.num_bins)
+
+    def load_merged(self, hist: torch.Tensor, exp: torch.Tensor, num_batches: int,
+                    amax_shape: tuple[int, ...]) -> None:
+        """Take ``hist`` over ``[0, 2**exp)``, merged over every rank's ``num_batches`` batches in all, as the
+        state; ``amax_shape`` as :attr:`amax_shape` (a rank that saw no batch cannot know it)."""
+        self._hist = hist.to(torch.long).clone()
+        self._exp = exp.to(device=hist.device, dtype=torch.long).reshape(-1).clone()
+        per_tensor_cpu = tuple(amax_shape) == () and hist.device.type == "cpu"
+        self._exp_int = int(self._exp[0]) if per_tensor_cpu else None
+        self._amax_shape = tuple(amax_shape)
+        self._merged_from_ranks(num_batches, amax_shape)
+
     def compute_amax(self, method: str = "entropy", **kwargs) -> torch.Tensor:
         """amax from the histogram: ``"entropy"``, ``"mse"`` or ``"percentile"`` (kwargs go to the method).
 

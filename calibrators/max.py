@@ -61,6 +61,21 @@ class MaxCalibrator(Calibrator):
             return torch.maximum(self._amax, torch.tensor(self._amax_f, device=self._amax.device))
         return self._amax.clone()
 
+    def running_amax(self) -> torch.Tensor | None:
+        """The max of ``|x|`` so far, float32 in :attr:`amax_shape`, unchecked; ``None`` before the first batch."""
+        if self._batches == 0:
+            return None
+        if self._amax is None:
+            return torch.tensor(self._amax_f, dtype=torch.float32)
+        if self._amax_f is not None:
+            return torch.maximum(self._amax, torch.tensor(self._amax_f, device=self._amax.device))
+        return self._amax.clone()
+
+    def load_merged(self, amax: torch.Tensor, num_batches: int) -> None:
+        """Take ``amax``, the running max merged over every rank's ``num_batches`` batches in all, as the state."""
+        self._amax, self._amax_f = amax.to(torch.float32).clone(), None
+        self._merged_from_ranks(num_batches, tuple(amax.shape))
+
     def reset(self) -> None:
         super().reset()
         self._amax = None
@@ -94,6 +109,17 @@ class MinMaxCalibrator(Calibrator):
     def compute_amax(self, *_, **__) -> torch.Tensor:
         lo, hi = self.compute_range()
         return torch.maximum(-lo, hi)
+
+    def running_range(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(min, max)`` seen so far (float32 scalars, not widened to 0); ``None`` before the first batch."""
+        if self._batches == 0:
+            return None
+        return self._min.clone(), self._max.clone()
+
+    def load_merged(self, lo: torch.Tensor, hi: torch.Tensor, num_batches: int) -> None:
+        """Take ``(lo, hi)``, the range merged over every rank's ``num_batches`` batches in all, as the state."""
+        self._min, self._max = lo.to(torch.float32).clone(), hi.to(torch.float32).clone()
+        self._merged_from_ranks(num_batches, ())
 
     def reset(self) -> None:
         super().reset()

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from calibrators.distributed import merge_calibrators, world_size
 from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.nn.replace import quantizers
+from quantcli.process_group import one_outcome, sum_over_ranks
 
 METHODS = ("max", "entropy", "mse", "percentile")
 
@@ -37,6 +39,7 @@ class CalibrationSummary:
     amax_max: float | None = None
     seconds: float = 0.0
     settings: dict = field(default_factory=dict)
+    ranks: int = 1  # torch.distributed ranks whose batches were merged
 
     def to_dict(self) -> dict:
         return {
@@ -53,6 +56,7 @@ class CalibrationSummary:
             "amax_max": self.amax_max,
             "seconds": round(self.seconds, 4),
             "settings": self.settings,
+            "ranks": self.ranks,
         }
 
 
@@ -83,64 +87,53 @@ def calibrate(
     num_bins: int = 2048,
     device: str | torch.device = "auto",
     progress: Callable[[int], None] | None = None,
+    group=None,
 ) -> CalibrationSummary:
     """Calibrate every enabled, static quantizer of a quantized ``model`` in place.
 
+    Under ``torch.distributed`` (the default process group is initialised, or ``group`` is given) call it on
+    every rank with that rank's own batches (a rank may have none): each calibrator's statistics are merged
+    across the ranks before amax is computed (:mod:`calibrators.distributed`), so every rank gets the amax one
+    process would get over all the ranks' batches, bit for bit (with a power-of-two ``num_bins``). An error on
+    one rank raises on every rank (:mod:`quantcli.process_group`); the summary counts every rank's batches.
+    Every rank of the group must call it (to calibrate on one rank alone, pass a group of that rank only).
+
     Args:
-        batches: keyword batches for ``model(**batch)``.
+        batches: keyword batches for ``model(**batch)`` (this rank's share under ``torch.distributed``).
         method: activation amax method: ``max``, ``entropy``, ``mse`` or ``percentile``.
         percentile: for ``percentile``, in percent.
         num_bins: histogram bins (a power of two keeps histograms exactly order-invariant).
         device: ``auto``, ``cpu``, ``cuda[:i]`` or a ``torch.device``.
         progress: called with the batch index after each batch.
+        group: the ``torch.distributed`` process group to merge over (default: the default group, if any).
     """
-    if method not in METHODS:
-        raise CalibrationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if not 0 < percentile <= 100:
-        raise CalibrationError(f"--percentile must be in (0, 100], got {percentile}")
-    if not isinstance(num_bins, int) or num_bins < 16:
-        raise CalibrationError(f"--num-bins must be an int >= 16, got {num_bins}")
-    if not batches:
-        raise CalibrationError("no calibration batches")
-    qs = quantizers(model)
-    if not qs:
-        raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
-    dev = resolve_device(device)
+    ranks = world_size(group)
     t0 = time.perf_counter()
-    model.eval()
-    if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
-        model.to(dev)  # (moving walks every module even when nothing moves)
-    summary = CalibrationSummary(method, str(dev), len(batches), num_samples(batches),
-                                 settings={"percentile": percentile, "num_bins": num_bins})
+    with one_outcome(group):
+        qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
     kwargs = {"percentile": percentile}
-
-    # weights: from the weights themselves
-    for name, q in qs.items():
-        if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
-            continue
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        wmethod = method if q.desc.calib_method == "histogram" else "max"
-        q.start_calibration(wmethod, num_bins)
-        q.collect(parent.weight.detach())
-        q.load_calib_amax(wmethod, **kwargs)
-
-    # activations: one observing pass
-    acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
-    for q in acts.values():
-        q.start_calibration(method, num_bins)
     # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
     # so the pass costs a forward plus the observers and nothing else
     paused = [q for q in qs.values() if q.mode == "quantize"]
     for q in paused:
         q.mode = "disabled"
     try:
-        with torch.inference_mode():
+        seen = [0, 0]  # batches, samples
+        with one_outcome(group), torch.inference_mode():
             for i, batch in enumerate(batches):
                 with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
                     run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
+                seen[0] += 1
+                seen[1] += num_samples([batch])
                 if progress is not None:
                     progress(i)
-        with shared_searches():  # equal histograms (q/k/v of one input) search amax once
+        total_batches, total_samples = sum_over_ranks(seen, group)
+        if total_batches == 0:
+            raise CalibrationError("no calibration batches on any rank")
+        summary = CalibrationSummary(method, str(dev), total_batches, total_samples,
+                                     settings={"percentile": percentile, "num_bins": num_bins}, ranks=ranks)
+        merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
+        with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
             _load_activation_amax(qs, acts, method, kwargs, summary)
     finally:
         for q in paused:
@@ -149,7 +142,6 @@ def calibrate(
             if q.mode == "calibrate":
                 q.calibrator = None
                 q.set_mode("quantize")
-
 
     for name, q in qs.items():
         if name in summary.not_called:
@@ -165,6 +157,43 @@ def calibrate(
         torch.cuda.synchronize(dev)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):
+    """Check the arguments, move the model, calibrate the weights and start the activation calibrators.
+    Returns ``(quantizers, device, activation quantizers)``."""
+    if method not in METHODS:
+        raise CalibrationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not 0 < percentile <= 100:
+        raise CalibrationError(f"--percentile must be in (0, 100], got {percentile}")
+    if not isinstance(num_bins, int) or num_bins < 16:
+        raise CalibrationError(f"--num-bins must be an int >= 16, got {num_bins}")
+    if alone and not batches:  # under torch.distributed a rank may have none (checked over all ranks)
+        raise CalibrationError("no calibration batches")
+    qs = quantizers(model)
+    if not qs:
+        raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
+    dev = resolve_device(device)
+    model.eval()
+    if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to(dev)  # (moving walks every module even when nothing moves)
+    kwargs = {"percentile": percentile}
+
+    # weights: from the weights themselves (the same on every rank: nothing to merge)
+    for name, q in qs.items():
+        if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        wmethod = method if q.desc.calib_method == "histogram" else "max"
+        q.start_calibration(wmethod, num_bins)
+        q.collect(parent.weight.detach())
+        q.load_calib_amax(wmethod, **kwargs)
+
+    # activations: one observing pass
+    acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
+    for q in acts.values():
+        q.start_calibration(method, num_bins)
+    return qs, dev, acts
 
 
 def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary) -> None:

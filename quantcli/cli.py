@@ -52,7 +52,12 @@ def _root(
     """quantcli: calibrate -> export --onnx -> verify."""
 
 
+_quiet = False  # a torchrun rank other than 0: rank 0 reports for every rank
+
+
 def _fail(message: str, code: int = 2) -> None:
+    if _quiet:
+        raise typer.Exit(code)
     err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False) if err.is_terminal else print(
         f"error: {message}", file=sys.stderr
     )
@@ -130,6 +135,23 @@ def calibrate(
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
                out_path, as_json, trust_pickle, pooling="none", data_options=None):
+    """One process, or (under ``torchrun``) one rank: each rank reads its own share of the data, the
+    statistics are merged, rank 0 writes the checkpoint and prints; every rank ends with the same outcome."""
+    global _quiet
+    from quantcli.process_group import join_from_environment, leave
+
+    job = join_from_environment(device)
+    _quiet = job is not None and job.rank != 0
+    try:
+        _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
+                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options)
+    finally:
+        if job is not None:
+            leave()
+
+
+def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples,
+                    device, out_path, as_json, trust_pickle, pooling, data_options):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
@@ -137,40 +159,51 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     from quantcli.errors import DataError, QuantCliError
     from quantcli.loading import load_model
     from quantcli.nn import load_config, quantize_model
+    from quantcli.process_group import one_outcome
+    from quantcli.shard import load_shard, strided
 
-    if batch_size is not None and batch_size <= 0:
-        raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
-    cfg = load_config(config)
-    resolve_device(device)
-    model, spec = load_model(model_spec, weights, trust_pickle, pooling=pooling)
-    if pooling != "none" and spec.kind != "hf":
-        raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
-    prep = None
-    if data is not None:
-        opts = data_options or DataOptions()
-        opts.model_folder = spec.path if spec.kind == "hf" else None
-        batches, prep = load_data(data, model, batch_size or 32, num_samples, opts)
-    elif spec.kind == "sample":
-        from sample_models import SAMPLES
+    with one_outcome():  # every rank loads; a failure on any rank stops all of them here
+        if batch_size is not None and batch_size <= 0:
+            raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
+        cfg = load_config(config)
+        if job is None:
+            resolve_device(device)
+        model, spec = load_model(model_spec, weights, trust_pickle, pooling=pooling)
+        if pooling != "none" and spec.kind != "hf":
+            raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
+        prep = None
+        if data is not None:
+            opts = data_options or DataOptions()
+            opts.model_folder = spec.path if spec.kind == "hf" else None
+            batches, prep = (load_data(data, model, batch_size or 32, num_samples, opts) if job is None else
+                             load_shard(data, model, job.rank, job.world_size, batch_size or 32, num_samples, opts))
+        elif spec.kind == "sample":
+            from sample_models import SAMPLES
 
-        batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), num_samples)
-    else:
-        raise DataError(f"{model_spec} is not a sample model, so it needs calibration data: pass --data FILE")
-    quantize_model(model, cfg)
-    report = model.quantcli_report
-    if not report.layers:
-        raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
+            batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), num_samples)
+            if job is not None:
+                batches = strided(batches, job.rank, job.world_size)
+        else:
+            raise DataError(f"{model_spec} is not a sample model, so it needs calibration data: pass --data FILE")
+        quantize_model(model, cfg)
+        report = model.quantcli_report
+        if not report.layers:
+            raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
     target = out_path or Path(f"{spec.stem}.calib.pt")
-    ctx, advance = _progress(len(batches), "calibrating", not as_json)
+    ctx, advance = _progress(len(batches), "calibrating", not as_json and not _quiet)
     with ctx:
         summary = run_calibration(model, batches, method, percentile=percentile, num_bins=num_bins,
-                                  device=device, progress=advance)
+                                  device=device if job is None else job.device, progress=advance)
     model.to("cpu")
     info = summary.to_dict()
     info["config"] = cfg.source
     if prep is not None:
         info["preprocessing"] = describe_preprocessing(prep)
-    save_calibrated(target, model, spec, batches[0], info, prep)
+    with one_outcome():  # rank 0 writes (atomically); the others write nothing and learn whether it worked
+        if job is None or job.rank == 0:
+            save_calibrated(target, model, spec, batches[0], info, prep)
+    if _quiet:
+        return
     info["out"] = str(target)
     info["unmatched_patterns"] = report.unmatched_patterns
     if as_json:
@@ -182,8 +215,9 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
         err.print(f"warning: never called during calibration, left unquantized: {', '.join(summary.not_called)}")
     t = Table(title=f"quantcli calibrate {model_spec}", show_header=False)
     t.add_row("method", f"{summary.method} ({cfg.source})")
-    t.add_row("device", summary.device)
-    t.add_row("data", f"{summary.num_samples} samples in {summary.num_batches} batches")
+    t.add_row("device", summary.device if job is None else f"{summary.device} ({job.backend}, one per rank)")
+    t.add_row("data", f"{summary.num_samples} samples in {summary.num_batches} batches"
+              + (f" over {summary.ranks} ranks" if summary.ranks > 1 else ""))
     if prep is not None:
         t.add_row("preprocessing", describe_preprocessing(prep))
     t.add_row("quantizers calibrated", str(len(summary.calibrated)))
@@ -411,7 +445,8 @@ def main() -> None:
         code = app(prog_name="quantcli", standalone_mode=False)
     except click_exc.UsageError as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-        print(f"error: {e.format_message()}{hint}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank got the same arguments: rank 0 tells
+            print(f"error: {e.format_message()}{hint}", file=sys.stderr)
         sys.exit(2)
     except click_exc.ClickException as e:
         print(f"error: {e.format_message()}", file=sys.stderr)

@@ -64,8 +64,9 @@ def _named(raw: dict, names: list[str], where: str) -> Batch:
     return out
 
 
-def _read(path: Path, names: list[str]) -> tuple[list[Batch], bool]:
-    """(batches, whole_arrays): whole arrays may be re-batched."""
+def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch], bool]:
+    """(batches, whole_arrays): whole arrays may be re-batched. ``mmap``: ``.npy`` and ``.pt`` tensors are
+    memory-mapped (copy-on-write), so only the pages of the batches used are ever read."""
     where = str(path)
     suffix = path.suffix.lower()
     try:
@@ -74,12 +75,12 @@ def _read(path: Path, names: list[str]) -> tuple[list[Batch], bool]:
                 raw = {k: z[k] for k in z.files}
             return [_named(raw, names, where)], True
         if suffix == ".npy":
-            arr = np.load(path, allow_pickle=False)
+            arr = np.load(path, allow_pickle=False, mmap_mode="c" if mmap else None)
             if not names:
                 raise DataError(f"{where}: forward takes no arguments")
             return [{names[0]: _tensor(arr, where)}], True
         if suffix == ".pt":
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+            obj = _load_pt(path, mmap)
         else:
             raise DataError(f"{where}: unknown data format {suffix!r}; use .npz, .npy, .pt or a directory of them")
     except DataError:
@@ -101,6 +102,15 @@ def _read(path: Path, names: list[str]) -> tuple[list[Batch], bool]:
                 raise DataError(f"{where}[{i}]: a batch must be a tensor or a dict of tensors, got {type(b).__name__}")
         return batches, False
     raise DataError(f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}")
+
+
+def _load_pt(path: Path, mmap: bool):
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file in the legacy (pre-zip) format cannot be mapped: read it whole
+            pass
+    return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def _split(batch: Batch, batch_size: int, where: str) -> list[Batch]:
@@ -125,8 +135,9 @@ def check_names(batch: Batch, model: nn.Module, where: str) -> None:
 
 
 def load_batches(path: str | Path, model: nn.Module, batch_size: int | None = 32,
-                 num_samples: int | None = None) -> list[Batch]:
-    """Read data for ``model`` and return keyword batches, capped at ``num_samples`` samples in total."""
+                 num_samples: int | None = None, mmap: bool = False) -> list[Batch]:
+    """Read data for ``model`` and return keyword batches, capped at ``num_samples`` samples in total.
+    ``mmap``: memory-map ``.npy`` and ``.pt`` files (a torch.distributed rank reads only its own batches)."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"data {path} does not exist")
@@ -137,11 +148,11 @@ def load_batches(path: str | Path, model: nn.Module, batch_size: int | None = 32
             raise DataError(f"data directory {path} has no .npz, .npy or .pt files")
         batches = []
         for f in files:
-            bs, _ = _read(f, names)
+            bs, _ = _read(f, names, mmap)
             batches += bs
         whole = False
     else:
-        batches, whole = _read(path, names)
+        batches, whole = _read(path, names, mmap)
     if whole and batch_size:
         batches = [s for b in batches for s in _split(b, batch_size, str(path))]
     batches = cap_samples(batches, num_samples)
@@ -215,11 +226,14 @@ DEFAULT_MAX_LENGTH = 128
 
 
 def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, num_samples: int | None = None,
-              options: DataOptions | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+              options: DataOptions | None = None,
+              shard: tuple[int, int] | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
     """:func:`load_batches`, plus text files (``.txt``/``.jsonl``) and folders of JPEG/PNG images.
 
     Returns ``(batches, preprocessing)``: ``preprocessing`` is plain data saying how text or images became
     tensors (``None`` for tensor files); a calibrated checkpoint stores it so verify repeats it.
+    ``shard=(rank, world_size)`` keeps batches ``rank, rank + world_size, ...`` (a torch.distributed rank's
+    share, :mod:`quantcli.shard`); images of the other batches are not decoded.
     """
     from quantcli.text_data import TEXT_SUFFIXES
 
@@ -249,6 +263,8 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
             files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
                      for k, v in tokenizer_files(folder).items()}
         batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
+        if shard is not None:
+            batches = batches[shard[0]::shard[1]]
         prep = {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
     elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
         from quantcli.image_data import image_batches, image_settings, parse_floats, parse_size
@@ -260,11 +276,12 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
                                   stored if stored.get("kind") == "image" else None)
         if num_samples is not None:
             _positive_samples(num_samples)
-        batches = image_batches(path, model, names[0], settings, batch_size, num_samples)
+        batches = image_batches(path, model, names[0], settings, batch_size, num_samples, shard)
         prep = settings.to_plain()
         prep["summary"] = settings.describe()
     else:
-        return load_batches(path, model, batch_size, num_samples), None
+        batches = load_batches(path, model, batch_size, num_samples, mmap=shard is not None)
+        return (batches if shard is None else batches[shard[0]::shard[1]]), None
     # forward's order: the torchscript exporter names graph inputs in the batch's key order but passes them
     # positionally in forward's order (a tokenizer returns token_type_ids before attention_mask)
     batches = [{**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}} for b in batches]

@@ -186,8 +186,9 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
 
 
 def image_batches(folder: Path, model: nn.Module, input_name: str, settings: ImageSettings, batch_size: int,
-                  num_samples: int | None) -> list[dict[str, torch.Tensor]]:
-    """Decode, resize and normalise every image under ``folder``: ``{input_name: float32 (B, C, H, W)}`` batches."""
+                  num_samples: int | None, shard: tuple[int, int] | None = None) -> list[dict[str, torch.Tensor]]:
+    """Decode, resize and normalise every image under ``folder``: ``{input_name: float32 (B, C, H, W)}`` batches.
+    ``shard=(rank, world_size)``: only batches ``rank, rank + world_size, ...`` (the others are not decoded)."""
     _pil()
     files = find_images(folder)
     if not files:
@@ -205,7 +206,8 @@ def image_batches(folder: Path, model: nn.Module, input_name: str, settings: Ima
             raise DataError(f"{name} has {v.size} values, but the model takes {channels}-channel images")
     mean, std = mean.reshape(-1, 1, 1), std.reshape(-1, 1, 1)
     batches = []
-    for i in range(0, len(files), batch_size):
+    starts = range(0, len(files), batch_size)
+    for i in starts if shard is None else starts[shard[0]::shard[1]]:
         arr = np.stack([_decode(f, mode, settings) for f in files[i : i + batch_size]])
         arr = (arr * np.float32(settings.rescale) - mean) / std
         batches.append({input_name: torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))})
