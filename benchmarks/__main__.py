@@ -2,7 +2,7 @@
 
 import argparse
 
-from benchmarks import bench_calibration, bench_calibrators, bench_end_to_end
+from benchmarks import bench_calibration, bench_calibrators, bench_end_to_end, bench_reduce_range
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--device", default="cpu")
@@ -14,3 +14,5 @@ bench_calibrators.main(["--device", a.device] + (["--quick"] if a.quick else [])
 if a.device == "cpu":
     print()
     bench_end_to_end.main([])
+    print()
+    bench_reduce_range.main([])
