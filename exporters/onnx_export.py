@@ -28,7 +28,7 @@ from torch import nn
 from exporters import formats as fm
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import QUANTIZERS_KEY, qdq_pairs
-from exporters.ort_compat import guard_fp8
+from exporters.ort_compat import guard_fp8, session_needs
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli.errors import ExportError
@@ -55,6 +55,7 @@ class ExportResult:
     quantized_layers: int | None = None  # onnxruntime target: layers with Q/DQ, and how many it leaves in float
     unfused_layers: int | None = None
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
+    onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -223,6 +224,7 @@ def export_onnx(
             del node.metadata_props[:]
         target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
         guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
+        ort_needs = list(session_needs(onnx_model).disabled_optimizers)
         meta = {
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
@@ -255,7 +257,7 @@ def export_onnx(
         counts[p.format + (" blocked" if p.block_size else "")] = counts.get(p.format + (" blocked" if p.block_size else ""), 0) + 1
     res = ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
                        input_names, output_names, external)
-    res.fp8_guards = guards
+    res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
     if target == "onnxruntime":
         fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)

@@ -223,6 +223,9 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     t.add_row("outputs", ", ".join(res.output_names))
     if res.fp8_guards:
         t.add_row("fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)")
+    if res.onnxruntime_disabled_optimizers:
+        t.add_row("onnxruntime", "fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
+                  f"InferenceSession(path, disabled_optimizers={res.onnxruntime_disabled_optimizers})")
     if res.fusion_error:
         t.add_row("onnxruntime", f"does not load with default options: {res.fusion_error}")
     elif res.quantized_layers is not None:

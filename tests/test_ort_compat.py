@@ -145,3 +145,18 @@ def test_fp8_guards_every_pattern_exactly(tmp_path):
     raw = _unguard(graph)
     loaded = _session(raw.SerializeToString(), needs=session_needs(raw)).run(None, feeds)[0]
     assert np.array_equal(loaded, off)
+
+
+def test_other_targets_keep_fp8_unguarded_and_export_names_the_session_options(tmp_path):
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    m = quantize_model(_Fp8Shapes().eval(), "fp8")
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randn(4, 2, 4, 4, generator=g), "s": torch.randn(4, 4, 6, generator=g)}
+    calibrate(m, [batch], "max", device="cpu")
+    m.quantcli_config = SimpleNamespace(target="tensorrt")  # TensorRT fuses DQ -> op directly: no guards
+    res = export_onnx(m, batch, tmp_path / "trt.onnx")
+    assert res.fp8_guards == 0 and res.quantized_layers is None
+    assert tuple(res.onnxruntime_disabled_optimizers) == FP8_UNSAFE_OPTIMIZERS
+    assert not any(is_guard(n) for n in onnx.load(str(tmp_path / "trt.onnx")).graph.node)
