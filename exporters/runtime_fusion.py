@@ -3,8 +3,8 @@
 :func:`inspect_fusion` loads the graph the way a user does (``InferenceSession(path)``: default options,
 ``ORT_ENABLE_ALL``), saves the graph onnxruntime runs (``SessionOptions.optimized_model_filepath``) and looks up
 every quantized layer of the exported graph in it. A layer is a Conv/ConvTranspose/Gemm/MatMul that reads a
-DequantizeLinear output named in the quantizer map (``metadata_props``), named after the module its quantizers
-belong to. *Fused* is what onnxruntime did (the op type it runs the layer as); *reasons* is a diagnosis of an
+DequantizeLinear output, named after the module its quantizers belong to (the quantizer map in
+``metadata_props``). *Fused* is what onnxruntime did (the op type it runs the layer as); *reasons* is a diagnosis of an
 unfused layer from the conditions of onnxruntime's QDQ selectors (``qdq_selectors.cc``), the passes that run
 before them (``qdq_s8_to_u8.cc``, ``weight_bias_quantization.cc``, ``ensure_unique_dq_for_node_unit.cc``) and
 the guards of :mod:`exporters.ort_compat`. A reason is reported only where one of those conditions explains it.
@@ -12,6 +12,7 @@ the guards of :mod:`exporters.ort_compat`. A reason is reported only where one o
 
 from __future__ import annotations
 
+import collections
 import platform
 import shutil
 import tempfile
@@ -139,20 +140,22 @@ def _layer_name(quantizers: list[str], node: onnx.NodeProto) -> str:
 
 
 def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, list[str]]]:
-    """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul reading a mapped DQ."""
+    """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul reading a DequantizeLinear.
+
+    Named after the module of its quantizers in the quantizer map, else after the node.
+    """
     g = _Graph(model)
     out = []
     for n in model.graph.node:
         if n.op_type not in LAYER_OPS:
             continue
-        names = []
-        for i in n.input[:2]:
-            dq, _ = g.dq_of(i, _MOVES)
-            if dq is not None and dq.output[0] in g.qmap:
-                names.append(g.qmap[dq.output[0]])
-        if names:
+        dqs = [dq for dq, _ in (g.dq_of(i, _MOVES) for i in n.input[:2]) if dq is not None]
+        names = [g.qmap[dq.output[0]] for dq in dqs if dq.output[0] in g.qmap]
+        if dqs:
             out.append((_layer_name(names, n), n, names))
-    return out
+    # one module is one node: a name claimed by several nodes means the map is ambiguous there; name them by node
+    claimed = collections.Counter(name for name, _, _ in out)
+    return [(name if claimed[name] == 1 else n.name or n.output[0], n, names) for name, n, names in out]
 
 
 # ------------------------------------------------------------------------------------------- diagnosis
