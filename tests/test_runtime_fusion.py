@@ -196,3 +196,13 @@ def test_an_unguarded_fp8_graph_reports_the_load_failure_and_the_options(exporte
 
 def test_runtime_needs_an_onnx_file(calibrated):
     assert_clean_error(cli("inspect", calibrated("digits_cnn", "int8"), "--runtime", "onnxruntime"), "ONNX")
+
+
+def test_layers_without_a_clear_quantizer_name_are_counted_and_named_by_node(tmp_path):
+    m = _layer_graph("Conv", consumers=3)
+    qmap = {"wd0": "a.weight_quantizer", "wd1": "a.weight_quantizer"}  # ambiguous for two layers, none for the third
+    del m.metadata_props[:]
+    m.metadata_props.add(key=QUANTIZERS_KEY, value=json.dumps(qmap))
+    rep = inspect_fusion(_save(m, tmp_path))
+    assert [r.layer for r in rep.layers] == ["layer0/Conv", "layer1/Conv", "layer2/Conv"]
+    assert [r.fused for r in rep.layers] == [True, True, True]
