@@ -44,8 +44,8 @@ from onnx import helper, numpy_helper
 FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
                        onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
 GUARD_OP = "Max"
-GUARD_CONSTANT = "quantcli_ort_compat_guard_neg_inf"
-GUARD_SUFFIX = "/ort_compat_guard"
+GUARD_CONSTANT = "quantcli_fp8_guard_neg_inf"
+GUARD_SUFFIX = "/fp8_guard"
 # the passes an unguarded float8 graph must be loaded without (names as onnxruntime registers them)
 FP8_UNSAFE_OPTIMIZERS = ("QDQSelectorActionTransformer", "ReluQuantRewrite", "WeightBiasQuantization")
 
@@ -76,7 +76,7 @@ def is_guard(n: onnx.NodeProto) -> bool:
 
 @dataclass
 class Fp8Exposure:
-    """Where an unguarded graph meets the passes above: node names, one list per pass that would fire."""
+    """Where an unguarded graph meets the passes above: node names, one list per pattern."""
 
     dq_feeding_ops: list[str] = field(default_factory=list)  # float8 activation DQ read directly by an op
     q_after_ops: list[str] = field(default_factory=list)  # float8 Q reading an op's output directly
