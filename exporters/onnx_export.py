@@ -192,7 +192,7 @@ def export_onnx(
         raise ExportError(f"cannot write {path}: directory {parent} is not writable")
 
     model = model.eval().cpu()
-    example = {k: v.cpu() for k, v in example_inputs.items()}
+    example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
     with torch.no_grad():
         outputs = model(**example)
     output_names = _output_names(outputs)
@@ -277,6 +277,16 @@ def _set_opset(model: onnx.ModelProto, opset: int) -> None:
     if got != opset:
         raise ExportError(f"the exporter wrote opset {got} instead of {opset}")
     model.ir_version = _ir_version(opset)
+
+
+def _in_forward_order(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The example keyed in forward's parameter order: the exporters name graph inputs in that order, so a batch
+    whose keys come in another order (a tokenizer's ``token_type_ids`` before ``attention_mask``) must not
+    name the wrong input."""
+    from quantcli.data import forward_parameters
+
+    names, _, _ = forward_parameters(model)
+    return {**{k: example[k] for k in names if k in example}, **{k: v for k, v in example.items() if k not in names}}
 
 
 def _positional_args(model: nn.Module, example: dict[str, torch.Tensor]) -> tuple:

@@ -1,9 +1,11 @@
 """The calibrated checkpoint: one self-contained file, readable with ``torch.load(weights_only=True)``.
 
-Keys: ``format`` (``"quantcli.calibrated"``), ``format_version``, ``quantcli_version``, ``model`` (spec, and
-the factory file's source for file specs), ``state_dict`` (weights and every quantizer's amax),
+Keys: ``format`` (``"quantcli.calibrated"``), ``format_version``, ``quantcli_version``, ``model`` (spec; the
+factory file's source for file specs; ``extra``: a pickled module's bytes and sha256, or a Hugging Face folder's
+config, class and outputs), ``state_dict`` (weights and every quantizer's amax),
 ``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``inputs`` (names, dtypes,
-shapes, example batch), ``calibration`` (settings and summary). Written atomically.
+shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing`` (text/image data).
+Written atomically.
 """
 
 from __future__ import annotations
@@ -55,8 +57,12 @@ def _example(batch: Batch) -> Batch:
 
 
 def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example_batch: Batch,
-                    calibration: dict[str, Any] | None = None) -> None:
-    """Write the calibrated checkpoint for a quantized, calibrated ``model``."""
+                    calibration: dict[str, Any] | None = None, preprocessing: dict[str, Any] | None = None) -> None:
+    """Write the calibrated checkpoint for a quantized, calibrated ``model``.
+
+    ``preprocessing`` (from :func:`quantcli.data.load_data`) records how text or images became tensors, so that
+    verify repeats it: tokenizer files and max length, or image size, mean and std.
+    """
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
     for name, q in quantizers(model).items():
@@ -82,6 +88,8 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
         },
         "calibration": calibration or {},
     }
+    if preprocessing is not None:
+        data["preprocessing"] = preprocessing
     atomic_write(path, lambda tmp: torch.save(data, tmp))
 
 
@@ -140,12 +148,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_calibrated(path: str | Path) -> Calibrated:
-    """Re-create the quantized model exactly: same outputs, bit for bit, as when it was saved."""
+def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
+    """Re-create the quantized model exactly: same outputs, bit for bit, as when it was saved.
+
+    Model code that came inside the checkpoint (a factory file's stored source when the file is not on disk
+    unchanged, a pickled whole module) runs only with ``trust_code=True``; otherwise
+    :class:`quantcli.errors.UntrustedCodeError` is raised and nothing is executed.
+    """
     data = read_checkpoint(path)
     spec = ModelSpec.from_plain(data["model"])
     cfg = QuantConfig.from_plain(data["quant_config"])
-    model = build_model(spec)
+    model = build_model(spec, trust_code=trust_code, origin=str(path))
     quantize_model(model, cfg)
     try:
         model.load_state_dict(data["state_dict"], strict=True)

@@ -100,9 +100,9 @@ def _progress(total: int, label: str, enabled: bool):
 
 @app.command()
 def calibrate(
-    model: str = typer.Argument(..., help="package.module:factory, path/to/file.py:factory, or a sample model (digits_cnn, text_encoder)."),
+    model: str = typer.Argument(..., help="package.module:factory, path/to/file.py:factory, a sample model (digits_cnn, text_encoder), a Hugging Face model folder, or a torch.save(model) file (with --trust-pickle)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."),
-    data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them. Sample models bring their own."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG images. Sample models bring their own."),
     config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only) or a YAML/JSON file."),
     method: Method = typer.Option(Method.max, "--method", help="Activation amax method."),
     percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
@@ -112,19 +112,28 @@ def calibrate(
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda[:i]."),
     out_path: Optional[Path] = typer.Option(None, "--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
-    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow --weights that are a pickled whole module (runs code from the file)."),
+    trust_pickle: bool = typer.Option(False, "--trust-pickle", help="Allow a MODEL or --weights that is a pickled whole module, torch.save(model) (unpickling runs code from the file)."),
+    pooling: str = typer.Option("none", "--pooling", help="Hugging Face base model output: none (last_hidden_state) or mean (mean over unmasked tokens, 'embeddings')."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Folder with the tokenizer for text --data (default: the MODEL folder)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="Text --data: at most N tokens per example (default 128)."),
+    image_size: Optional[str] = typer.Option(None, "--image-size", help="Image --data: N or HxW pixels (default: preprocessor_config.json, else 224)."),
+    mean: Optional[str] = typer.Option(None, "--mean", help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: preprocessor_config.json, else ImageNet's)."),
+    std: Optional[str] = typer.Option(None, "--std", help="Image --data: per-channel std (default: preprocessor_config.json, else ImageNet's)."),
 ) -> None:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
+    from quantcli.data import DataOptions
+
     _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size, num_samples,
-           device, out_path, as_json, trust_pickle)
+           device, out_path, as_json, trust_pickle, pooling,
+           DataOptions(tokenizer, max_length, image_size, mean, std))
 
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
-               out_path, as_json, trust_pickle):
+               out_path, as_json, trust_pickle, pooling="none", data_options=None):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
-    from quantcli.data import cap_samples, load_batches
+    from quantcli.data import DataOptions, cap_samples, describe_preprocessing, load_data
     from quantcli.errors import DataError, QuantCliError
     from quantcli.loading import load_model
     from quantcli.nn import load_config, quantize_model
@@ -133,9 +142,14 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
         raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
     cfg = load_config(config)
     resolve_device(device)
-    model, spec = load_model(model_spec, weights, trust_pickle)
+    model, spec = load_model(model_spec, weights, trust_pickle, pooling=pooling)
+    if pooling != "none" and spec.kind != "hf":
+        raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
+    prep = None
     if data is not None:
-        batches = load_batches(data, model, batch_size or 32, num_samples)
+        opts = data_options or DataOptions()
+        opts.model_folder = spec.path if spec.kind == "hf" else None
+        batches, prep = load_data(data, model, batch_size or 32, num_samples, opts)
     elif spec.kind == "sample":
         from sample_models import SAMPLES
 
@@ -154,7 +168,9 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     model.to("cpu")
     info = summary.to_dict()
     info["config"] = cfg.source
-    save_calibrated(target, model, spec, batches[0], info)
+    if prep is not None:
+        info["preprocessing"] = describe_preprocessing(prep)
+    save_calibrated(target, model, spec, batches[0], info, prep)
     info["out"] = str(target)
     info["unmatched_patterns"] = report.unmatched_patterns
     if as_json:
@@ -168,6 +184,8 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     t.add_row("method", f"{summary.method} ({cfg.source})")
     t.add_row("device", summary.device)
     t.add_row("data", f"{summary.num_samples} samples in {summary.num_batches} batches")
+    if prep is not None:
+        t.add_row("preprocessing", describe_preprocessing(prep))
     t.add_row("quantizers calibrated", str(len(summary.calibrated)))
     t.add_row("quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)")
     if summary.amax_min is not None:
@@ -178,6 +196,10 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
 
 
 # --------------------------------------------------------------------------------------------- export
+
+
+TRUST_CODE_HELP = ("Run model code stored in the checkpoint (a factory file's source when the file is not on disk "
+                   "unchanged, or a pickled whole module). Only for checkpoints you trust.")
 
 
 class Exporter(str, Enum):
@@ -194,16 +216,17 @@ def export(
     dynamic_axes: bool = typer.Option(True, "--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions."),
     weights_qdq: bool = typer.Option(False, "--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    trust_code: bool = typer.Option(False, "--trust-code", help=TRUST_CODE_HELP),
 ) -> None:
     """Export a calibrated checkpoint as a standard QuantizeLinear/DequantizeLinear ONNX graph."""
-    _guard(_export, calibrated, onnx_path, opset, exporter.value, dynamic_axes, weights_qdq, as_json)
+    _guard(_export, calibrated, onnx_path, opset, exporter.value, dynamic_axes, weights_qdq, as_json, trust_code)
 
 
-def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, as_json):
+def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, as_json, trust_code=False):
     from exporters.onnx_export import export_onnx
     from quantcli.checkpoint import load_calibrated
 
-    ckpt = load_calibrated(calibrated)
+    ckpt = load_calibrated(calibrated, trust_code=trust_code)
     meta = {
         "quantcli.config": json.dumps(ckpt.config.to_plain()),
         "quantcli.model": ckpt.spec.spec,
@@ -260,10 +283,19 @@ def verify(
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays from --data (default 32)."),
     num_samples: Optional[int] = typer.Option(None, "--num-samples", help="Use at most N samples."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    trust_code: bool = typer.Option(False, "--trust-code", help=TRUST_CODE_HELP),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="Text --data: tokenizer folder (default: the one calibration stored, else the model folder)."),
+    max_length: Optional[int] = typer.Option(None, "--max-length", help="Text --data: at most N tokens (default: calibration's)."),
+    image_size: Optional[str] = typer.Option(None, "--image-size", help="Image --data: N or HxW pixels (default: calibration's)."),
+    mean: Optional[str] = typer.Option(None, "--mean", help="Image --data: per-channel mean (default: calibration's)."),
+    std: Optional[str] = typer.Option(None, "--std", help="Image --data: per-channel std (default: calibration's)."),
 ) -> None:
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
+    from quantcli.data import DataOptions
+
     code = _guard(_verify, onnx_path, reference, data, provider.value, max_abs_diff, min_cosine, min_snr, per_layer,
-                  report_path, batch_size, num_samples, as_json)
+                  report_path, batch_size, num_samples, as_json, trust_code,
+                  DataOptions(tokenizer, max_length, image_size, mean, std))
     raise typer.Exit(code)
 
 
@@ -276,15 +308,18 @@ def _fmt(v) -> str:
 
 
 def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_snr, per_layer, report_path,
-            batch_size, num_samples, as_json) -> int:
+            batch_size, num_samples, as_json, trust_code=False, data_options=None) -> int:
     from quantcli.checkpoint import atomic_write, load_calibrated
-    from quantcli.data import cap_samples, load_batches
+    from quantcli.data import DataOptions, cap_samples, load_data
     from quantcli.verify import verify_onnx
 
-    ckpt = load_calibrated(reference)
+    ckpt = load_calibrated(reference, trust_code=trust_code)
     batches = None
     if data is not None:
-        batches = load_batches(data, ckpt.model, batch_size or 32, num_samples)
+        opts = data_options or DataOptions()
+        opts.model_folder = ckpt.spec.path if ckpt.spec.kind == "hf" else None
+        opts.stored = ckpt.data.get("preprocessing")
+        batches, _ = load_data(data, ckpt.model, batch_size or 32, num_samples, opts)
     elif num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
     rep = verify_onnx(onnx_path, ckpt, batches, provider=provider, max_abs_diff=max_abs_diff, min_cosine=min_cosine,
@@ -410,6 +445,10 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu") -> 
         t.add_row(r["name"], "yes" if r["enabled"] else "no", r["format"], str(r["axis"]), str(r["block_sizes"] or ""),
                   r["amax"])
     out.print(t)
+    code = rows["model_code"]
+    if code["needs_trust_code"]:
+        out.print(f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
+                  "export and verify run it only with --trust-code")
 
 
 def main() -> None:

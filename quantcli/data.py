@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import inspect
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -190,3 +192,97 @@ def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None
+
+
+@dataclass
+class DataOptions:
+    """How text files and image folders become tensors (tensor files ignore these).
+
+    ``model_folder``: a Hugging Face model folder (default tokenizer, ``preprocessor_config.json``);
+    ``stored``: the preprocessing a calibrated checkpoint recorded (verify's defaults).
+    """
+
+    tokenizer: str | Path | None = None
+    max_length: int | None = None
+    image_size: str | None = None
+    mean: str | None = None
+    std: str | None = None
+    model_folder: str | Path | None = None
+    stored: dict[str, Any] | None = None
+
+
+DEFAULT_MAX_LENGTH = 128
+
+
+def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, num_samples: int | None = None,
+              options: DataOptions | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+    """:func:`load_batches`, plus text files (``.txt``/``.jsonl``) and folders of JPEG/PNG images.
+
+    Returns ``(batches, preprocessing)``: ``preprocessing`` is plain data saying how text or images became
+    tensors (``None`` for tensor files); a calibrated checkpoint stores it so verify repeats it.
+    """
+    from quantcli.text_data import TEXT_SUFFIXES
+
+    opts = options or DataOptions()
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data {path} does not exist")
+    batch_size = batch_size or 32
+    stored = opts.stored or {}
+    names, _, var_kw = forward_parameters(model)
+    if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
+        from quantcli.text_data import load_tokenizer, read_texts, text_batches, tokenizer_files
+
+        texts = read_texts(path)
+        if num_samples is not None:
+            texts = texts[:_positive_samples(num_samples)]
+        max_length = opts.max_length or (stored.get("max_length") if stored.get("kind") == "text" else None) \
+            or DEFAULT_MAX_LENGTH
+        folder = opts.tokenizer or opts.model_folder
+        kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
+        if opts.tokenizer is None and kept:
+            tok = load_tokenizer(None, {k: v.numpy().tobytes() for k, v in kept.items()})
+            source, files = stored.get("tokenizer", "stored in the checkpoint"), kept
+        else:
+            tok = load_tokenizer(folder)
+            source = str(folder)
+            files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
+                     for k, v in tokenizer_files(folder).items()}
+        batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
+        prep = {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
+    elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
+        from quantcli.image_data import image_batches, image_settings, parse_floats, parse_size
+
+        if not names:
+            raise DataError(f"{path}: forward takes no arguments")
+        settings = image_settings(opts.model_folder, parse_size(opts.image_size), parse_floats(opts.mean, "--mean"),
+                                  parse_floats(opts.std, "--std"),
+                                  stored if stored.get("kind") == "image" else None)
+        if num_samples is not None:
+            _positive_samples(num_samples)
+        batches = image_batches(path, model, names[0], settings, batch_size, num_samples)
+        prep = settings.to_plain()
+        prep["summary"] = settings.describe()
+    else:
+        return load_batches(path, model, batch_size, num_samples), None
+    # forward's order: the torchscript exporter names graph inputs in the batch's key order but passes them
+    # positionally in forward's order (a tokenizer returns token_type_ids before attention_mask)
+    batches = [{**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}} for b in batches]
+    for b in batches:
+        check_names(b, model, str(path))
+    return batches, prep
+
+
+def _positive_samples(n: int) -> int:
+    if n <= 0:
+        raise DataError(f"--num-samples must be positive, got {n}")
+    return n
+
+
+def describe_preprocessing(prep: dict[str, Any] | None) -> str | None:
+    """One line for summaries: which tokenizer / image settings were used."""
+    if not prep:
+        return None
+    if prep["kind"] == "text":
+        return f"tokenized with {prep['tokenizer']} (max length {prep['max_length']}, padded per batch)"
+    return prep.get("summary")

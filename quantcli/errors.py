@@ -38,3 +38,12 @@ class ExportError(QuantCliError):
 
 class VerifyError(QuantCliError):
     """Verification could not be carried out (corrupt ONNX, mismatched inputs, missing provider, ...)."""
+
+
+class UntrustedCodeError(QuantCliError):
+    """Building the model would run code that came inside a checkpoint, and the user did not allow it
+    (``--trust-code`` / ``trust_code=True``). Raised before anything is executed."""
+
+
+class MissingExtraError(QuantCliError):
+    """An optional feature needs a package from an optional extra (``pip install 'quantcli[extra]'``)."""

@@ -25,6 +25,7 @@ def _format(desc: dict[str, Any]) -> str:
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     from quantcli.checkpoint import read_checkpoint
+    from quantcli.loading import ModelSpec, model_code
 
     data = read_checkpoint(path)
     rows = []
@@ -41,6 +42,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         })
     return {
         "model": data["model"]["spec"],
+        "model_code": model_code(ModelSpec.from_plain(data["model"])),
         "config": data["quant_config"].get("source", data["quant_config"].get("preset")),
         "inputs": {"names": data["inputs"]["names"], "dtypes": data["inputs"]["dtypes"], "shapes": data["inputs"]["shapes"]},
         "calibration": {k: v for k, v in data["calibration"].items() if k not in ("calibrated", "skipped")},

@@ -7,9 +7,7 @@ module is only read with ``trust_pickle=True``.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import importlib.util
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,41 +16,63 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcli.errors import ModelLoadError
+from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError
+from quantcli.trust import require_trust, sha256_hex
 
 
 @dataclass
 class ModelSpec:
-    kind: str  # "sample" | "file" | "module"
+    kind: str  # "sample" | "file" | "module" | "pickle" (torch.save(model)) | "hf" (Hugging Face folder)
     spec: str
     path: str | None = None
     source: str | None = None
+    extra: dict[str, Any] | None = None  # per kind: the pickle's bytes and sha256; the HF config, class, outputs
 
     def to_plain(self) -> dict[str, Any]:
-        return {"kind": self.kind, "spec": self.spec, "path": self.path, "source": self.source}
+        d = {"kind": self.kind, "spec": self.spec, "path": self.path, "source": self.source}
+        if self.extra is not None:
+            d["extra"] = self.extra
+        return d
 
     @classmethod
     def from_plain(cls, d: dict[str, Any]) -> ModelSpec:
-        return cls(d["kind"], d["spec"], d.get("path"), d.get("source"))
+        return cls(d["kind"], d["spec"], d.get("path"), d.get("source"), d.get("extra"))
 
     @property
     def stem(self) -> str:
         """A short name for default output files."""
         if self.kind == "sample":
             return self.spec
+        if self.kind == "hf":  # a folder: its whole name (``bert.v2/`` -> ``bert.v2``)
+            return Path(self.spec.rstrip("/\\")).name or "model"
+        if self.kind == "pickle":
+            return Path(self.spec).stem
         target = self.spec.rsplit(":", 1)[0]
         return Path(target).stem if self.kind == "file" else target.rsplit(".", 1)[-1]
 
 
-def parse_spec(spec: str) -> ModelSpec:
+def parse_spec(spec: str, trust_pickle: bool = False, **hf_options: Any) -> ModelSpec:
+    """MODEL text -> ModelSpec. A path without ``:factory`` is a Hugging Face folder or a whole-module file;
+    ``hf_options`` (``pooling``) apply to Hugging Face folders."""
     from sample_models import SAMPLES
 
     if spec in SAMPLES:
         return ModelSpec("sample", spec)
+    as_path = Path(spec)
+    if as_path.is_dir():
+        from quantcli.hf_model import hf_spec
+
+        return hf_spec(as_path, **hf_options)
+    if as_path.is_file() and not spec.endswith(".py"):
+        from quantcli.whole_module import bytes_tensor, read_model_file
+
+        data = read_model_file(as_path, trust_pickle)
+        return ModelSpec("pickle", spec, str(as_path.resolve()), None,
+                         {"sha256": sha256_hex(data), "pickle": bytes_tensor(data)})
     if ":" not in spec:
         raise ModelLoadError(
-            f"MODEL {spec!r} is not a sample model ({', '.join(SAMPLES)}) and has no ':factory'; "
-            "use package.module:factory or path/to/file.py:factory"
+            f"MODEL {spec!r} is not a sample model ({', '.join(SAMPLES)}), a Hugging Face model folder, a "
+            "torch.save(model) file, nor has a ':factory'; use package.module:factory or path/to/file.py:factory"
         )
     target, factory = spec.rsplit(":", 1)
     if not factory.isidentifier():
@@ -65,39 +85,55 @@ def parse_spec(spec: str) -> ModelSpec:
     return ModelSpec("module", spec)
 
 
-def _load_file_module(spec: ModelSpec):
+def _file_source(spec: ModelSpec, trust_code: bool, origin: str | None) -> str:
+    """The source to run for a file spec: the file on disk when it still holds the stored source; the stored
+    source only with ``trust_code`` (it came inside the checkpoint)."""
     path = Path(spec.path) if spec.path else None
-    digest = hashlib.sha1((spec.source or spec.path or "").encode()).hexdigest()[:12]
-    mod_name = f"quantcli_user_model_{digest}"
+    on_disk = None
+    if path is not None and path.is_file():
+        try:
+            on_disk = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            on_disk = None
+    if spec.source is None:
+        if on_disk is None:
+            raise ModelLoadError(f"MODEL file {spec.path} does not exist")
+        return on_disk
+    if on_disk == spec.source:
+        return on_disk
+    state = "changed on disk since calibration" if on_disk is not None else "not on disk"
+    require_trust(trust_code, f"the factory source of a file {state}", spec.path, sha256_hex(spec.source), origin)
+    return spec.source
+
+
+def _load_file_module(spec: ModelSpec, trust_code: bool = False, origin: str | None = None):
+    source = _file_source(spec, trust_code, origin)
+    mod_name = f"quantcli_user_model_{sha256_hex(source)[:16]}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
-    if path is not None and path.is_file() and (spec.source is None or path.read_text(encoding="utf-8") == spec.source):
-        ispec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(ispec)
-        sys.modules[mod_name] = module
-        ispec.loader.exec_module(module)
-        return module
-    if spec.source is None:
-        raise ModelLoadError(f"MODEL file {spec.path} does not exist")
-    # the file moved or changed since calibration: run the source stored in the checkpoint
     import types
 
     module = types.ModuleType(mod_name)
     module.__file__ = spec.path
     sys.modules[mod_name] = module
-    exec(compile(spec.source, spec.path or "<checkpoint source>", "exec"), module.__dict__)
+    try:
+        exec(compile(source, spec.path or "<checkpoint source>", "exec"), module.__dict__)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
     return module
 
 
-def _factory(spec: ModelSpec):
+def _factory(spec: ModelSpec, trust_code: bool = False, origin: str | None = None):
     if spec.kind == "sample":
         from sample_models import SAMPLES
 
         return SAMPLES[spec.spec].build
     target, name = spec.spec.rsplit(":", 1)
     try:
-        module = _load_file_module(spec) if spec.kind == "file" else importlib.import_module(target)
-    except ModelLoadError:
+        module = (_load_file_module(spec, trust_code, origin) if spec.kind == "file"
+                  else importlib.import_module(target))
+    except QuantCliError:
         raise
     except Exception as e:
         raise ModelLoadError(f"cannot import {target}: {type(e).__name__}: {e}") from None
@@ -107,9 +143,28 @@ def _factory(spec: ModelSpec):
     return fn
 
 
-def build_model(spec: ModelSpec) -> nn.Module:
-    """Call the factory; it must return an ``nn.Module``."""
-    fn = _factory(spec)
+def _unpickled(spec: ModelSpec, trust_code: bool, origin: str | None) -> nn.Module:
+    from quantcli.whole_module import tensor_bytes, unpickle_module
+
+    extra = spec.extra or {}
+    require_trust(trust_code, "the pickled whole module read from", spec.path, extra.get("sha256", "?"),
+                  origin)
+    return unpickle_module(tensor_bytes(extra["pickle"]), origin or spec.spec)
+
+
+def build_model(spec: ModelSpec, trust_code: bool = False, origin: str | None = None) -> nn.Module:
+    """Call the factory; it must return an ``nn.Module``.
+
+    Code that came inside a checkpoint (``origin``) runs only with ``trust_code``; otherwise
+    :class:`UntrustedCodeError` is raised before anything runs (see :mod:`quantcli.trust`).
+    """
+    if spec.kind == "pickle":
+        return _unpickled(spec, trust_code, origin)
+    if spec.kind == "hf":
+        from quantcli.hf_model import build_hf_model
+
+        return build_hf_model(spec)
+    fn = _factory(spec, trust_code, origin)
     try:
         model = fn()
     except Exception as e:
@@ -137,9 +192,10 @@ def read_state_dict(path: str | Path, trust_pickle: bool = False) -> dict[str, t
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        msg = str(e)
-        if not ("weights_only" in msg or "Unsupported global" in msg or "GLOBAL" in msg):
-            raise ModelLoadError(f"cannot read {path}: {msg.splitlines()[0]}") from None
+        from quantcli.whole_module import needs_pickle, reason
+
+        if not needs_pickle(e):  # a damaged or foreign file is not a pickle to trust
+            raise ModelLoadError(f"cannot read {path}: {reason(e)}") from None
         if not trust_pickle:
             raise ModelLoadError(
                 f"{path} is a pickled object (a whole module?), not a state dict; loading it runs code from the "
@@ -179,10 +235,48 @@ def _few(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + more
 
 
-def load_model(spec: str | ModelSpec, weights: str | Path | None = None, trust_pickle: bool = False) -> tuple[nn.Module, ModelSpec]:
-    """Build the model from its spec and load ``weights`` if given. Returns ``(model in eval mode, spec)``."""
-    ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec)
-    model = build_model(ms)
+def load_model(spec: str | ModelSpec, weights: str | Path | None = None, trust_pickle: bool = False,
+               **hf_options: Any) -> tuple[nn.Module, ModelSpec]:
+    """Build the model from its spec and load ``weights`` if given. Returns ``(model in eval mode, spec)``.
+
+    ``trust_pickle`` allows a pickled whole module, as MODEL or as ``weights``; ``hf_options`` (``pooling``) apply
+    to a Hugging Face folder.
+    """
+    ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec, trust_pickle, **hf_options)
+    if ms.kind == "hf":
+        from quantcli.hf_model import load_hf_folder
+
+        model = load_hf_folder(ms)
+    else:
+        model = build_model(ms, trust_code=trust_pickle)
     if weights is not None:
         load_weights(model, read_state_dict(weights, trust_pickle), f"weights {weights}")
     return model.eval(), ms
+
+
+def model_code(spec: ModelSpec) -> dict[str, Any]:
+    """Where the code that rebuilds ``spec``'s model comes from, without running anything.
+
+    ``needs_trust_code`` is what ``load_calibrated`` would demand now (a factory file is checked against disk).
+    """
+    if spec.kind == "sample":
+        return {"source": "sample model", "file": None, "sha256": None, "needs_trust_code": False}
+    if spec.kind == "module":
+        return {"source": "installed module", "file": spec.spec.rsplit(":", 1)[0], "sha256": None,
+                "needs_trust_code": False}
+    if spec.kind == "file":
+        digest = sha256_hex(spec.source) if spec.source is not None else None
+        try:
+            _file_source(spec, False, None)
+            needs = False
+        except UntrustedCodeError:
+            needs = True
+        except QuantCliError:
+            needs = False  # nothing to run at all: load_calibrated reports the missing file
+        return {"source": "factory file source stored in the checkpoint" if needs else "factory file on disk",
+                "file": spec.path, "sha256": digest, "needs_trust_code": needs}
+    if spec.kind == "pickle":
+        return {"source": "pickled whole module stored in the checkpoint", "file": spec.path,
+                "sha256": (spec.extra or {}).get("sha256"), "needs_trust_code": True}
+    return {"source": "transformers class " + str((spec.extra or {}).get("architecture")), "file": spec.path,
+            "sha256": None, "needs_trust_code": False}

@@ -35,3 +35,48 @@ def test_python_api_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(code, "README.md", "exec"), {})
     assert (tmp_path / "digits.onnx").is_file()
+
+
+def _blocks_after(heading: str) -> list[str]:
+    section = README.read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+    return [b.strip() for b in re.findall(r"```bash\n(.*?)```", section, re.S)]
+
+
+def test_own_model_quick_starts_run_as_written(tmp_path, monkeypatch):
+    """The Hugging Face classifier + text file and whole-module CNN + image folder commands, on tiny models.
+
+    Each README line runs through the real Typer app in this process (a subprocess per line cost ~15 s here,
+    mostly importing transformers); the quick start above covers the installed entry point.
+    """
+    import shlex
+
+    import numpy as np
+    import pytest
+
+    pytest.importorskip("transformers")
+    pytest.importorskip("PIL")
+    import torch
+    from PIL import Image
+
+    from tests.helpers import cli
+    from tests.test_user_models_data import TEXTS, _cnn, make_bert_folder
+
+    make_bert_folder(tmp_path / "my-classifier")
+    (tmp_path / "texts.txt").write_text("\n".join(TEXTS) + "\n")
+    torch.save(_cnn(), tmp_path / "cnn.pt")
+    rng = np.random.default_rng(0)
+    for i in range(4):
+        (tmp_path / "images" / f"{i % 2}").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (40 + 8 * i, 48, 3), dtype=np.uint8)).save(tmp_path / "images" / f"{i % 2}" / f"{i}.png")
+    monkeypatch.chdir(tmp_path)
+    blocks = _blocks_after("## Quick start: your own model")
+    assert len(blocks) == 2
+    for block, made in zip(blocks, ("my-classifier.onnx", "cnn.onnx")):
+        lines = block.splitlines()
+        assert len(lines) == 3
+        for line in lines:
+            argv = shlex.split(line)
+            assert argv[0] == "quantcli", line
+            r = cli(*argv[1:])
+            assert r.exit_code == 0, (line, r.output)
+        assert "PASS" in r.stdout and (tmp_path / made).is_file()

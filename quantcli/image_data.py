@@ -1,0 +1,212 @@
+"""Image calibration / verification data: a folder of JPEG/PNG files (searched recursively, in sorted order),
+decoded, converted to the model's channel mode, resized and normalised into a float32 ``(N, C, H, W)`` batch.
+
+Settings come from the options, else the model folder's ``preprocessor_config.json``, else ImageNet's (224x224,
+mean 0.485/0.456/0.406, std 0.229/0.224/0.225); the summary says which. Every image is converted to one mode
+(RGB for 3-channel models, L for 1-channel), as torchvision's ImageFolder does; the summary counts conversions.
+16-bit and float images are refused (converting them to 8 bits would clip, not scale).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantcli.errors import DataError, MissingExtraError
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGENET_SIZE = (224, 224)
+_CONVERTIBLE = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
+
+
+@dataclass
+class ImageSettings:
+    """How images become tensors. ``resize_shorter`` (then a center crop to ``size``) or a direct resize."""
+
+    size: tuple[int, int]  # (height, width) of the model input, pixels
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+    resize_shorter: int | None = None
+    rescale: float = 1 / 255
+    source: str = "ImageNet defaults"
+    mode: str = "RGB"  # what every image is converted to
+    conversions: dict[str, int] = field(default_factory=dict)
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"kind": "image", "size": list(self.size), "mean": list(self.mean), "std": list(self.std),
+                "resize_shorter": self.resize_shorter, "rescale": self.rescale, "source": self.source}
+
+    @classmethod
+    def from_plain(cls, d: dict[str, Any]) -> ImageSettings:
+        return cls(tuple(d["size"]), tuple(d["mean"]), tuple(d["std"]), d.get("resize_shorter"),
+                   d.get("rescale", 1 / 255), d.get("source", "stored in the checkpoint"))
+
+    def describe(self) -> str:
+        conv = ", ".join(f"{n} from {m}" for m, n in sorted(self.conversions.items()))
+        resize = f"shorter side {self.resize_shorter}, center crop" if self.resize_shorter else "resized"
+        return (f"images {resize} to {self.size[0]}x{self.size[1]}, mean {list(self.mean)}, std {list(self.std)} "
+                f"({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else ""))
+
+
+def _pil():
+    try:
+        from PIL import Image
+    except ImportError:
+        raise MissingExtraError("image data needs Pillow: pip install 'quantcli[images]'") from None
+    return Image
+
+
+def find_images(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def parse_size(text: str | None) -> tuple[int, int] | None:
+    """``"224"`` or ``"224x160"`` (height x width) -> (height, width)."""
+    if text is None:
+        return None
+    parts = str(text).lower().split("x")
+    try:
+        hw = tuple(int(p) for p in parts)
+    except ValueError:
+        hw = ()
+    if len(hw) not in (1, 2) or min(hw) <= 0:
+        raise DataError(f"--image-size must be N or HxW in pixels, got {text!r}")
+    return (hw[0], hw[0]) if len(hw) == 1 else hw  # type: ignore[return-value]
+
+
+def parse_floats(text: str | None, option: str) -> tuple[float, ...] | None:
+    if text is None:
+        return None
+    try:
+        vals = tuple(float(v) for v in str(text).split(","))
+    except ValueError:
+        raise DataError(f"{option} must be comma-separated numbers (one per channel), got {text!r}") from None
+    if option == "--std" and any(v <= 0 for v in vals):
+        raise DataError(f"--std values must be positive, got {text!r}")
+    return vals
+
+
+def _hw(v: Any) -> tuple[int, int] | None:
+    if isinstance(v, int):
+        return (v, v)
+    if isinstance(v, dict) and "height" in v and "width" in v:
+        return (int(v["height"]), int(v["width"]))
+    return None
+
+
+def _from_preprocessor(cfg: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None, tuple, tuple, float]:
+    size, shorter = None, None
+    raw = cfg.get("size")
+    if cfg.get("do_resize", True) and raw is not None:
+        size = _hw(raw)
+        if size is None and isinstance(raw, dict) and "shortest_edge" in raw:
+            shorter = int(raw["shortest_edge"])
+            size = (shorter, shorter)
+    if cfg.get("do_center_crop") and _hw(cfg.get("crop_size")) is not None:
+        size = _hw(cfg["crop_size"])
+    normalize = cfg.get("do_normalize", True)
+    mean = tuple(cfg.get("image_mean", IMAGENET_MEAN)) if normalize else (0.0,)
+    std = tuple(cfg.get("image_std", IMAGENET_STD)) if normalize else (1.0,)
+    rescale = float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else 1.0
+    return size, shorter, mean, std, rescale
+
+
+def image_settings(model_folder: str | Path | None, size: tuple[int, int] | None, mean: tuple | None,
+                   std: tuple | None, stored: dict[str, Any] | None = None) -> ImageSettings:
+    """Options win, then what a checkpoint stored, then ``preprocessor_config.json``, then ImageNet's."""
+    if stored is not None:
+        base = ImageSettings.from_plain(stored)
+    else:
+        base = ImageSettings(IMAGENET_SIZE, IMAGENET_MEAN, IMAGENET_STD)
+        pre = Path(model_folder) / "preprocessor_config.json" if model_folder else None
+        if pre is not None and pre.is_file():
+            try:
+                cfg = json.loads(pre.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise DataError(f"{pre} is not valid JSON: {str(e).splitlines()[0]}") from None
+            s, shorter, m, sd, rescale = _from_preprocessor(cfg)
+            base = ImageSettings(s or IMAGENET_SIZE, m, sd, shorter, rescale, f"from {pre.name}")
+    given = [n for n, v in (("--image-size", size), ("--mean", mean), ("--std", std)) if v is not None]
+    if given:
+        base.source = f"{', '.join(given)} given; the rest {base.source}"
+    if size is not None:
+        base.size, base.resize_shorter = size, None
+    base.mean = mean if mean is not None else base.mean
+    base.std = std if std is not None else base.std
+    return base
+
+
+def model_channels(model: nn.Module) -> int:
+    """Channels the model takes: a Hugging Face config's ``num_channels``, else the first Conv2d's, else 3."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and isinstance(getattr(cfg, "num_channels", None), int):
+        return cfg.num_channels
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            return m.in_channels
+    return 3
+
+
+def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
+    Image = _pil()
+    try:
+        with Image.open(path) as im:
+            im.load()
+            if im.mode not in _CONVERTIBLE:
+                raise DataError(f"image {path} has mode {im.mode} (16-bit or float pixels); save it as 8-bit "
+                                "RGB or grayscale")
+            if im.mode != mode:
+                settings.conversions[im.mode] = settings.conversions.get(im.mode, 0) + 1
+                im = im.convert(mode)
+            else:
+                im = im.copy()
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(f"cannot decode image {path}: {str(e).strip().splitlines()[0][:160]}") from None
+    h, w = settings.size
+    if settings.resize_shorter:
+        s = settings.resize_shorter
+        scale = s / min(im.width, im.height)
+        im = im.resize((max(s, round(im.width * scale)), max(s, round(im.height * scale))), Image.BILINEAR)
+        left, top = (im.width - w) // 2, (im.height - h) // 2
+        im = im.crop((left, top, left + w, top + h))
+    else:
+        im = im.resize((w, h), Image.BILINEAR)
+    a = np.asarray(im, dtype=np.float32)
+    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+
+
+def image_batches(folder: Path, model: nn.Module, input_name: str, settings: ImageSettings, batch_size: int,
+                  num_samples: int | None) -> list[dict[str, torch.Tensor]]:
+    """Decode, resize and normalise every image under ``folder``: ``{input_name: float32 (B, C, H, W)}`` batches."""
+    _pil()
+    files = find_images(folder)
+    if not files:
+        raise DataError(f"data directory {folder} has no .npz, .npy, .pt files nor JPEG/PNG images")
+    if num_samples is not None:
+        files = files[:num_samples]
+    channels = model_channels(model)
+    if channels not in (1, 3):
+        raise DataError(f"the model takes {channels}-channel images; image folders give 1 (L) or 3 (RGB) channels")
+    mode = settings.mode = "RGB" if channels == 3 else "L"
+    mean = np.asarray(settings.mean, np.float32)
+    std = np.asarray(settings.std, np.float32)
+    for name, v in (("--mean", mean), ("--std", std)):
+        if v.size not in (1, channels):
+            raise DataError(f"{name} has {v.size} values, but the model takes {channels}-channel images")
+    mean, std = mean.reshape(-1, 1, 1), std.reshape(-1, 1, 1)
+    batches = []
+    for i in range(0, len(files), batch_size):
+        arr = np.stack([_decode(f, mode, settings) for f in files[i : i + batch_size]])
+        arr = (arr * np.float32(settings.rescale) - mean) / std
+        batches.append({input_name: torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))})
+    return batches

@@ -1,0 +1,222 @@
+"""Hugging Face model folders, text files and image folders, as users have them (issue 16)."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from quantcli import load_calibrated
+from tests.helpers import assert_clean_error, cli
+
+transformers = pytest.importorskip("transformers")
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a cat dog sat on mat good bad movie was is very not".split()
+TEXTS = ["the cat sat on the mat", "a dog was very good", "the movie was not bad", "very good movie",
+         "a cat is a cat", "bad dog", "the mat was good", "not very bad at all"]
+
+
+def make_tokenizer(folder):
+    """A BERT tokenizer from a small vocab file: no download."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(WORDS) + "\n")
+    return transformers.BertTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def make_bert_folder(folder, head=True, tokenizer=True):
+    cfg = transformers.BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=32, max_position_embeddings=64, num_labels=3,
+                                  initializer_range=0.2)
+    torch.manual_seed(0)
+    cls = transformers.BertForSequenceClassification if head else transformers.BertModel
+    model = cls(cfg).eval()
+    model.save_pretrained(str(folder))
+    if tokenizer:
+        make_tokenizer(folder.parent / "vocab").save_pretrained(str(folder))
+    return model
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bert")
+    model = make_bert_folder(d / "clf")
+    (d / "texts.txt").write_text("\n".join(TEXTS[:5]) + "\n\n" + "\n".join(TEXTS[5:]) + "\n")
+    return model, d
+
+
+def test_classifier_folder_and_text_file(bert, tmp_path):
+    model, d = bert
+    folder = tmp_path / "clf"
+    shutil.copytree(d / "clf", folder)
+    out = tmp_path / "clf.calib.pt"
+    r = cli("calibrate", folder, "--data", d / "texts.txt", "--out", out, "--json", "--batch-size", "3")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["num_samples"] == 8 and info["num_batches"] == 3
+    assert "max length 128" in info["preprocessing"]
+    ck = load_calibrated(out)
+    assert ck.input_names == ["input_ids", "attention_mask", "token_type_ids"]
+    # the float model is the folder's classifier: same logits as transformers itself on the same tokens
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    enc = tok(TEXTS, padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        expected = model(**enc).logits
+        got = ck.float_model()(**enc)
+    assert set(got) == {"logits"} and torch.allclose(got["logits"], expected, atol=1e-5)
+    shutil.rmtree(folder)  # export and verify need nothing from the folder, the tokenizer included
+    onnx = tmp_path / "clf.onnx"
+    r = cli("export", out, "--onnx", onnx, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["output_names"] == ["logits"]
+    r = cli("verify", onnx, "--reference", out, "--data", d / "texts.txt", "--json")
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["num_samples"] == 8 and rep["quality"]["outputs"]["logits"]["cosine"] > 0.99
+
+
+def test_base_model_mean_pooling_jsonl_and_bin_weights(tmp_path):
+    folder = tmp_path / "enc"
+    model = make_bert_folder(folder, head=False)
+    state = transformers.BertModel.from_pretrained(str(folder)).state_dict()
+    (folder / "model.safetensors").unlink()
+    torch.save(state, folder / "pytorch_model.bin")  # the older weight format, read with weights_only
+    lines = [json.dumps({"text": t, "label": i}) for i, t in enumerate(TEXTS)]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "enc.calib.pt"
+    r = cli("calibrate", folder, "--pooling", "mean", "--data", tmp_path / "d.jsonl", "--max-length", "5",
+            "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    ck = load_calibrated(out)
+    example = ck.example
+    assert example["input_ids"].shape[1] == 5  # truncated to --max-length
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    enc = tok(TEXTS[:4], padding=True, return_tensors="pt")
+    with torch.inference_mode():
+        h = model(**enc).last_hidden_state
+        m = enc["attention_mask"].unsqueeze(-1).float()
+        expected = (h * m).sum(1) / m.sum(1)
+        got = ck.float_model()(**enc)
+    assert set(got) == {"embeddings"} and torch.allclose(got["embeddings"], expected, atol=1e-5)
+    r = cli("calibrate", folder, "--data", tmp_path / "d.jsonl", "--out", tmp_path / "b.calib.pt", "--json")
+    assert r.exit_code == 0, r.output
+    assert set(load_calibrated(tmp_path / "b.calib.pt").model(**enc)) == {"last_hidden_state"}
+
+
+def _png(path, array):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(array).save(path)
+
+
+def _cnn():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                               torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
+
+
+def test_image_folder_decoded_converted_and_normalised(tmp_path):
+    torch.save(_cnn(), tmp_path / "cnn.pt")
+    imgs = tmp_path / "imgs"
+    _png(imgs / "a_red.png", np.full((10, 14, 3), (255, 0, 0), np.uint8))  # a solid colour stays solid when resized
+    _png(imgs / "b_gray.png", np.full((9, 9), 128, np.uint8))  # L: converted to RGB (128, 128, 128)
+    _png(imgs / "nested" / "c.png", np.random.default_rng(0).integers(0, 256, (12, 12, 3), dtype=np.uint8))
+    out = tmp_path / "cnn.calib.pt"
+    r = cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--image-size", "6x8",
+            "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["num_samples"] == 3 and "converted to RGB: 1 from L" in info["preprocessing"]
+    assert "ImageNet" in info["preprocessing"]
+    x = torch.load(out, weights_only=True)["inputs"]["example"]["input"]
+    assert x.shape == (3, 3, 6, 8) and x.dtype == torch.float32
+    mean, std = torch.tensor([0.485, 0.456, 0.406]), torch.tensor([0.229, 0.224, 0.225])
+    red = (torch.tensor([1.0, 0.0, 0.0]) - mean) / std
+    gray = (torch.full((3,), 128 / 255) - mean) / std
+    assert torch.allclose(x[0], red[:, None, None].expand(3, 6, 8), atol=1e-5)
+    assert torch.allclose(x[1], gray[:, None, None].expand(3, 6, 8), atol=1e-5)
+    # verify repeats the stored preprocessing
+    assert cli("export", out, "--onnx", tmp_path / "c.onnx", "--trust-code").exit_code == 0
+    r = cli("verify", tmp_path / "c.onnx", "--reference", out, "--data", imgs, "--trust-code", "--json")
+    assert r.exit_code == 0, r.output
+
+
+def test_preprocessor_config_gives_the_defaults(tmp_path):
+    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=32, num_labels=2)
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(tmp_path / "vit"))
+    (tmp_path / "vit" / "preprocessor_config.json").write_text(json.dumps(
+        {"do_resize": True, "size": {"height": 8, "width": 8}, "do_normalize": True,
+         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "rescale_factor": 1 / 255}))
+    _png(tmp_path / "imgs" / "w.png", np.full((20, 20, 3), 255, np.uint8))
+    _png(tmp_path / "imgs" / "k.jpg", np.zeros((20, 30, 3), np.uint8))
+    out = tmp_path / "vit.calib.pt"
+    r = cli("calibrate", tmp_path / "vit", "--data", tmp_path / "imgs", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert "preprocessor_config.json" in json.loads(r.stdout)["preprocessing"]
+    x = torch.load(out, weights_only=True)["inputs"]["example"]["pixel_values"]
+    assert x.shape == (2, 3, 8, 8)
+    assert torch.allclose(x[0], torch.full((3, 8, 8), -1.0)) and torch.allclose(x[1], torch.full((3, 8, 8), 1.0))
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+def _no_output(d):
+    assert not list(d.rglob("*.calib.pt")) and not list(d.rglob(".*.tmp"))
+
+
+def test_bad_folders_texts_and_images(bert, tmp_path):
+    _, d = bert
+    texts = d / "texts.txt"
+    (tmp_path / "plain").mkdir()
+    assert_clean_error(cli("calibrate", tmp_path / "plain", "--data", texts), "not a Hugging Face model folder")
+    fake = tmp_path / "fake"
+    shutil.copytree(d / "clf", fake)
+    cfg = json.loads((fake / "config.json").read_text())
+    cfg["architectures"] = ["BertForTimeTravel"]
+    (fake / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(cli("calibrate", fake, "--data", texts), "BertForTimeTravel", "does not have")
+    cfg["architectures"] = ["BertForSequenceClassification"]
+    cfg["auto_map"] = {"AutoModel": "modeling_evil.Evil"}
+    (fake / "config.json").write_text(json.dumps(cfg))
+    assert_clean_error(cli("calibrate", fake, "--data", texts), "auto_map", "never runs code")
+    notok = tmp_path / "notok"
+    make_bert_folder(notok, tokenizer=False)
+    assert_clean_error(cli("calibrate", notok, "--data", texts), "no tokenizer", "--tokenizer")
+    assert_clean_error(cli("calibrate", d / "clf", "--pooling", "mean", "--data", texts), "--pooling", "task head")
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    assert_clean_error(cli("calibrate", d / "clf", "--data", tmp_path / "empty.txt"), "holds no text")
+    (tmp_path / "latin1.txt").write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
+    assert_clean_error(cli("calibrate", d / "clf", "--data", tmp_path / "latin1.txt"), "not UTF-8", "line 2")
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\n{"label": 1}\n')
+    assert_clean_error(cli("calibrate", d / "clf", "--data", tmp_path / "bad.jsonl"), "line 2", '"text"')
+    torch.save(_cnn(), tmp_path / "cnn.pt")
+    imgs = tmp_path / "imgs"
+    _png(imgs / "ok.png", np.zeros((4, 4, 3), np.uint8))
+    (imgs / "broken.jpg").write_bytes(b"\xff\xd8\xff not really a jpeg")
+    r = cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs)
+    assert_clean_error(r, "cannot decode image", "broken.jpg")
+    (imgs / "broken.jpg").unlink()
+    Image.fromarray(np.full((4, 4), 4000, np.uint16)).save(imgs / "deep.png")
+    assert_clean_error(cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs), "deep.png", "16-bit")
+    (imgs / "deep.png").unlink()
+    assert_clean_error(cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--mean", "0.5,0.5"),
+                       "--mean has 2 values")
+    assert_clean_error(cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--image-size", "big"),
+                       "--image-size")
+    _no_output(tmp_path)
+
+
+def test_missing_extras_are_named(bert, tmp_path, monkeypatch):
+    _, d = bert
+    torch.save(_cnn(), tmp_path / "cnn.pt")
+    _png(tmp_path / "imgs" / "a.png", np.zeros((4, 4, 3), np.uint8))
+    monkeypatch.setitem(__import__("sys").modules, "PIL", None)
+    r = cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", tmp_path / "imgs")
+    assert_clean_error(r, "Pillow", "quantcli[images]")
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    assert_clean_error(cli("calibrate", d / "clf", "--data", d / "texts.txt"), "transformers", "quantcli[hf]")
+    _no_output(tmp_path)
