@@ -2,7 +2,13 @@
 
 import argparse
 
-from benchmarks import bench_calibration, bench_calibrators, bench_end_to_end, bench_reduce_range
+from benchmarks import (
+    bench_calibration,
+    bench_calibrators,
+    bench_end_to_end,
+    bench_ort_fp8,
+    bench_reduce_range,
+)
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--device", default="cpu")
@@ -16,3 +22,5 @@ if a.device == "cpu":
     bench_end_to_end.main([])
     print()
     bench_reduce_range.main([])
+    print()
+    bench_ort_fp8.main([])

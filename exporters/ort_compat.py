@@ -169,6 +169,24 @@ def guard_fp8(model: onnx.ModelProto) -> int:
     return count
 
 
+def unguard_fp8(model: onnx.ModelProto) -> int:
+    """Remove the guards in place (the form TensorRT fuses); returns how many were removed."""
+    g = model.graph
+    alias = {n.output[0]: n.input[0] for n in g.node if is_guard(n)}
+    if not alias:
+        return 0
+    keep = [n for n in g.node if not is_guard(n)]
+    for n in keep:
+        for k, i in enumerate(n.input):
+            n.input[k] = alias.get(i, i)
+    del g.node[:]
+    g.node.extend(keep)
+    left = [t for t in g.initializer if t.name != GUARD_CONSTANT]
+    del g.initializer[:]
+    g.initializer.extend(left)
+    return len(alias)
+
+
 @dataclass(frozen=True)
 class SessionNeeds:
     """What an onnxruntime session needs to load a graph and compute what it computes with optimizations off.
