@@ -2,7 +2,14 @@
 
 import argparse
 
-from benchmarks import bench_calibration, bench_calibrators, bench_distributed, bench_end_to_end
+from benchmarks import (
+    bench_calibration,
+    bench_calibrators,
+    bench_distributed,
+    bench_end_to_end,
+    bench_ort_fp8,
+    bench_reduce_range,
+)
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--device", default="cpu")
@@ -14,5 +21,9 @@ bench_calibrators.main(["--device", a.device] + (["--quick"] if a.quick else [])
 if a.device == "cpu":
     print()
     bench_end_to_end.main([])
+    print()
+    bench_reduce_range.main([])
+    print()
+    bench_ort_fp8.main([])
 print()
 bench_distributed.main(["--device", a.device])

@@ -3,8 +3,9 @@
 Both torch exporters are supported. ``torchscript`` (``torch.onnx.export(..., dynamo=False)``) calls the
 quantize ops' ``symbolic`` functions; ``dynamo`` (torch.export) sees the same ops as ``torch.library`` custom
 ops whose ONNX translations emit the same nodes (:mod:`exporters.dynamo`). Then :mod:`exporters.fold`
-stores weights quantized, the model is checked with ``onnx.checker`` and shape inference, and the quant
-config and the quantizer of every DequantizeLinear go into ``metadata_props``.
+stores weights quantized, :mod:`exporters.ort_compat` guards float8 pairs against onnxruntime's optimizer (onnxruntime
+target), the model is checked with ``onnx.checker`` and shape inference, and the quant config and the quantizer
+of every DequantizeLinear go into ``metadata_props``.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from torch import nn
 from exporters import formats as fm
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import QUANTIZERS_KEY, qdq_pairs
+from exporters.ort_compat import guard_fp8, session_needs
+from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli.errors import ExportError
 from quantcli.nn.replace import quantizers
@@ -48,6 +51,11 @@ class ExportResult:
     input_names: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
     external_data: bool = False
+    fp8_guards: int = 0  # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.ort_compat)
+    quantized_layers: int | None = None  # onnxruntime target: layers with Q/DQ, and how many it leaves in float
+    unfused_layers: int | None = None
+    fusion_error: str | None = None  # onnxruntime could not load the graph with default options
+    onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -155,6 +163,10 @@ def export_onnx(
         exporter: ``torchscript`` or ``dynamo``.
         dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic.
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
+
+    For the onnxruntime target (the config's ``target``, default) float8 pairs get the guards of
+    :mod:`exporters.ort_compat`, so the graph loads with default session options, and the result counts the
+    quantized layers onnxruntime leaves in float (:func:`exporters.runtime_fusion.inspect_fusion`).
     """
     t0 = time.perf_counter()
     if exporter not in EXPORTERS:
@@ -210,6 +222,9 @@ def export_onnx(
         drop_unused_initializers(onnx_model)
         for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
             del node.metadata_props[:]
+        target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
+        guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
+        ort_needs = list(session_needs(onnx_model).disabled_optimizers)
         meta = {
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
@@ -240,8 +255,15 @@ def export_onnx(
     counts: dict[str, int] = {}
     for p in qdq_pairs(onnx_model):
         counts[p.format + (" blocked" if p.block_size else "")] = counts.get(p.format + (" blocked" if p.block_size else ""), 0) + 1
-    return ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
-                        input_names, output_names, external)
+    res = ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
+                       input_names, output_names, external)
+    res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
+    if target == "onnxruntime":
+        fusion = inspect_fusion(path)
+        res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)
+        res.fusion_error = fusion.load_error
+        res.seconds = time.perf_counter() - t0
+    return res
 
 
 def _small_enough_to_size(model: onnx.ModelProto) -> bool:

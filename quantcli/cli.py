@@ -278,6 +278,16 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     t.add_row("exporter", res.exporter)
     t.add_row("inputs", ", ".join(res.input_names))
     t.add_row("outputs", ", ".join(res.output_names))
+    if res.fp8_guards:
+        t.add_row("fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)")
+    if res.onnxruntime_disabled_optimizers:
+        t.add_row("onnxruntime", "fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
+                  f"InferenceSession(path, disabled_optimizers={res.onnxruntime_disabled_optimizers})")
+    if res.fusion_error:
+        t.add_row("onnxruntime", f"does not load with default options: {res.fusion_error}")
+    elif res.quantized_layers is not None:
+        t.add_row("unfused layers (onnxruntime)", f"{res.unfused_layers} of {res.quantized_layers} quantized layers run in "
+                  "float" + (f" (quantcli inspect {res.path} --runtime onnxruntime)" if res.unfused_layers else ""))
     t.add_row("file size", f"{res.file_bytes / 1024:.1f} KiB" + (" (+ external data)" if res.external_data else ""))
     t.add_row("time", f"{res.seconds:.2f} s")
     t.add_row("written", res.path)
@@ -392,18 +402,59 @@ def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_
 # --------------------------------------------------------------------------------------------- inspect
 
 
+class Runtime(str, Enum):
+    onnxruntime = "onnxruntime"
+
+
 @app.command()
 def inspect(
     path: Path = typer.Argument(..., help="A calibrated checkpoint (.pt) or an exported ONNX file."),
+    runtime: Optional[Runtime] = typer.Option(None, "--runtime", help="ONNX file: per quantized layer, whether this runtime (default session options) runs it as an integer kernel, and why not."),
+    provider: Provider = typer.Option(Provider.cpu, "--provider", help="With --runtime: the execution provider (cpu or cuda)."),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
 ) -> None:
     """Show the quantizers of a calibrated checkpoint, or the Q/DQ nodes of an ONNX file."""
-    _guard(_inspect, path, as_json)
+    _guard(_inspect, path, as_json, runtime, provider.value)
 
 
-def _inspect(path: Path, as_json: bool) -> None:
+def _inspect_runtime(path: Path, provider: str, as_json: bool) -> None:
+    from quantcli.errors import QuantCliError
+    from quantcli.inspect import inspect_runtime
+
+    if path.suffix.lower() != ".onnx":
+        raise QuantCliError(f"--runtime inspects an exported ONNX file; {path} is not one")
+    if provider == "auto":
+        from quantcli.verify import choose_provider
+
+        provider = "cuda" if choose_provider("auto") == "CUDAExecutionProvider" else "cpu"
+    rep = inspect_runtime(path, "onnxruntime", provider)
+    if as_json:
+        _print_json(rep)
+        return
+    t = Table(title=f"{path} in onnxruntime ({rep['provider']}, default session options): "
+                    f"{rep['unfused_layers']} of {rep['quantized_layers']} quantized layers in float")
+    for col in ("layer", "op", "runs as", "integer kernel", "why not"):
+        t.add_column(col)
+    for r in rep["layers"]:
+        fused = {True: "yes", False: "no", None: "?"}[r["fused"]]
+        t.add_row(r["layer"], r["op_type"], r["kernel"] or "-", fused, "; ".join(r["reasons"]))
+    out.print(t)
+    if rep["load_error"]:
+        out.print(f"onnxruntime cannot load it with default options: {rep['load_error']}")
+    if rep["session_needs"]:
+        out.print(f"for the results it computes with optimizations off, load it with "
+                  f"InferenceSession(path, disabled_optimizers={rep['disabled_optimizers']}) (or re-export it for "
+                  "the onnxruntime target):")
+        for line in rep["session_needs"]:
+            out.print(f"  {line}")
+
+
+def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu") -> None:
     from quantcli.inspect import inspect_checkpoint, inspect_onnx
 
+    if runtime is not None:
+        _inspect_runtime(path, provider, as_json)
+        return
     if path.suffix.lower() == ".onnx":
         rows = inspect_onnx(path)
         if as_json:

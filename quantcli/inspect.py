@@ -58,3 +58,18 @@ def inspect_onnx(path: str | Path) -> dict[str, Any]:
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     return {"opset": opset, "pairs": [p.to_row() for p in pairs],
             "metadata": {p.key: p.value for p in model.metadata_props}}
+
+
+def inspect_runtime(path: str | Path, runtime: str = "onnxruntime", provider: str = "cpu") -> dict[str, Any]:
+    """Per quantized layer of an ONNX file: whether ``runtime`` runs it as an integer kernel, and why not.
+
+    Keys: ``runtime``, ``provider``, ``load_error``, ``quantized_layers``, ``unfused_layers``, ``session_needs``
+    (why the graph needs non-default session options, if it does), ``disabled_optimizers`` (those options), and
+    ``layers``: ``{layer, node, op_type, quantizers, kernel, fused, reasons}`` each.
+    """
+    from exporters.runtime_fusion import inspect_fusion
+    from quantcli.errors import QuantCliError
+
+    if runtime != "onnxruntime":
+        raise QuantCliError(f"unknown runtime {runtime!r}; onnxruntime is the one quantcli can inspect")
+    return inspect_fusion(path, provider).to_dict()

@@ -6,6 +6,7 @@ or the same content as a dict::
 
     preset: int8            # the starting point (default int8)
     block_size: 128         # int4-weight-only's block along the input dimension
+    reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
         enable: false
@@ -15,6 +16,12 @@ or the same content as a dict::
 Quantizer names are module names plus ``.input_quantizer`` / ``.weight_quantizer``. A rule's other keys are
 :class:`~quantcli.descriptor.QuantDescriptor` fields. ``axis: output_channel`` means the layer's
 output-channel axis (0, or 1 for transposed convolutions).
+
+``reduce_range`` is onnxruntime's remedy for x86 CPUs without VNNI (AVX2, AVX-512 without VNNI): their u8s8
+kernel adds pairs of uint8 x int8 products in saturating 16-bit lanes (``VPMADDUBSW``), and 255 * 127 * 2 does
+not fit. With 7-bit weights (|w| <= 63) a pair stays below 2**15. It turns every enabled 8-bit integer weight
+quantizer into ``num_bits: 7, narrow_range: true`` (rules that set other widths are left alone); the exported
+graph stores the codes as int8 and computes exactly what the fake-quant model computes.
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 DEFAULT_BLOCK_SIZE = 128
+REDUCED_WEIGHT_BITS = 7  # reduce_range: |code| <= 63, so a uint8 x int8 pair sum fits in 16 bits
 _RULE_KEYS = {"pattern", "enable", *FIELDS}
 
 
@@ -64,12 +72,15 @@ class QuantConfig:
     rules: list[dict[str, Any]] = field(default_factory=list)
     block_size: int = DEFAULT_BLOCK_SIZE
     source: str = "int8"
+    reduce_range: bool = False
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
+        if not isinstance(self.reduce_range, bool):
+            raise ConfigError(f"reduce_range must be true or false, got {self.reduce_range!r}")
         for i, r in enumerate(self.rules):
             if not isinstance(r, dict) or "pattern" not in r or not isinstance(r["pattern"], str):
                 raise ConfigError(f"rule {i} must be a mapping with a 'pattern' string, got {r!r}")
@@ -82,17 +93,20 @@ class QuantConfig:
 
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
-        return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source}
+        return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
+                "reduce_range": self.reduce_range}
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source"})
+        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range"})
         if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown} in {source}; known: preset, block_size, rules")
+            raise ConfigError(f"unknown config field(s) {unknown} in {source}; "
+                              "known: preset, block_size, reduce_range, rules")
         return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
-                   block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source))
+                   block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source),
+                   reduce_range=data.get("reduce_range", False))
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
@@ -115,6 +129,9 @@ class QuantConfig:
                 fields["block_sizes"] = {(-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size}
         if not enabled and kind == "input" and "num_bits" not in fields:
             fields["num_bits"] = 8
+        if self.reduce_range and kind == "weight" and fields.get("num_bits", 8) == 8 \
+                and not (fields.get("unsigned") or fields.get("asymmetric")):
+            fields.update(num_bits=REDUCED_WEIGHT_BITS, narrow_range=True)
         try:
             desc = QuantDescriptor(name=quantizer_name, **fields)
         except (TypeError, ValueError) as e:
