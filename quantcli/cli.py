@@ -412,9 +412,12 @@ def inspect(
     runtime: Optional[Runtime] = typer.Option(None, "--runtime", help="ONNX file: per quantized layer, whether this runtime (default session options) runs it as an integer kernel, and why not."),
     provider: Provider = typer.Option(Provider.cpu, "--provider", help="With --runtime: the execution provider (cpu or cuda)."),
     as_json: bool = typer.Option(False, "--json", help="Print as JSON."),
+    trust_code: bool = typer.Option(False, "--trust-code", help="Checkpoint: also rebuild the model (running the "
+                                    "model code stored in it) and load its weights, to show that export and verify "
+                                    "can use it. Without it, inspect only reads the file."),
 ) -> None:
     """Show the quantizers of a calibrated checkpoint, or the Q/DQ nodes of an ONNX file."""
-    _guard(_inspect, path, as_json, runtime, provider.value)
+    _guard(_inspect, path, as_json, runtime, provider.value, trust_code)
 
 
 def _inspect_runtime(path: Path, provider: str, as_json: bool) -> None:
@@ -449,7 +452,7 @@ def _inspect_runtime(path: Path, provider: str, as_json: bool) -> None:
             out.print(f"  {line}")
 
 
-def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu") -> None:
+def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", trust_code: bool = False) -> None:
     from quantcli.inspect import inspect_checkpoint, inspect_onnx
 
     if runtime is not None:
@@ -468,7 +471,7 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu") -> 
                       r["scale"], str(r["zero_point"]), r["stored"])
         out.print(t)
         return
-    rows = inspect_checkpoint(path)
+    rows = inspect_checkpoint(path, trust_code=trust_code)
     if as_json:
         _print_json(rows)
         return
@@ -480,9 +483,13 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu") -> 
                   r["amax"])
     out.print(t)
     code = rows["model_code"]
-    if code["needs_trust_code"]:
+    loads = rows["model_loads"]
+    if loads is not None:
+        out.print(f"model loads: {loads['class']}, {loads['parameters']:,} parameters, "
+                  f"{loads['quantizers']} quantizers (model code was run: --trust-code)")
+    elif code["needs_trust_code"]:
         out.print(f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
-                  "export and verify run it only with --trust-code")
+                  "export and verify run it only with --trust-code (inspect --trust-code checks that it loads)")
 
 
 def main() -> None:

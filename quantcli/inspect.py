@@ -23,7 +23,12 @@ def _format(desc: dict[str, Any]) -> str:
     return f"{'uint' if desc.get('unsigned') else 'int'}{nb}"
 
 
-def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
+def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, Any]:
+    """The checkpoint's quantizers, read without running any model code.
+
+    With ``trust_code=True`` the model is also rebuilt from the checkpoint (running its code) and its stored
+    weights loaded, so ``model_loads`` says whether ``export``/``verify`` will be able to use it.
+    """
     from quantcli.checkpoint import read_checkpoint
     from quantcli.loading import ModelSpec, model_code
 
@@ -47,7 +52,18 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         "inputs": {"names": data["inputs"]["names"], "dtypes": data["inputs"]["dtypes"], "shapes": data["inputs"]["shapes"]},
         "calibration": {k: v for k, v in data["calibration"].items() if k not in ("calibrated", "skipped")},
         "quantizers": rows,
+        "model_loads": _model_loads(path) if trust_code else None,
     }
+
+
+def _model_loads(path: str | Path) -> dict[str, Any]:
+    from quantcli.checkpoint import load_calibrated
+    from quantcli.nn import quantizers
+
+    ck = load_calibrated(path, trust_code=True)
+    return {"class": type(ck.model).__name__,
+            "parameters": sum(p.numel() for p in ck.model.parameters()),
+            "quantizers": len(quantizers(ck.model))}
 
 
 def inspect_onnx(path: str | Path) -> dict[str, Any]:

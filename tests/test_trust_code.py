@@ -63,7 +63,17 @@ def test_stored_source_needs_trust_code(stored_source_checkpoint, tmp_path):
     assert r.exit_code == 0, r.output
     code = json.loads(r.stdout)["model_code"]
     assert code["needs_trust_code"] and code["sha256"] == digest and code["file"].endswith("fac.py")
+    assert json.loads(r.stdout)["model_loads"] is None
     assert not marker.exists()
+    # inspect --trust-code rebuilds the model from the stored source (in a fresh process, so the code runs)
+    r = cli_subprocess("inspect", ck, "--trust-code", "--json", cwd=tmp_path,
+                       env={"QUANTCLI_TEST_MARKER": str(marker)})
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert marker.read_text() == "ran\n"
+    marker.unlink()
+    assert rep["model_loads"]["quantizers"] == len(rep["quantizers"]) > 0
+    assert rep["model_loads"]["parameters"] == (4 * 8 + 8) + (8 * 2 + 2)  # the factory's two Linear layers
 
     # a fresh process, as a user runs it (this one still holds the module calibration imported from disk)
     r = cli_subprocess("export", ck, "--onnx", onnx, "--trust-code", "--json", cwd=tmp_path,
