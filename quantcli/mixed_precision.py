@@ -76,6 +76,15 @@ class MixedPrecisionResult:
         }
 
 
+def split_holdout(batches: list[Batch]) -> tuple[list[Batch], list[Batch]]:
+    """``(calibration, held-out)``: the last quarter of the batches (at least one) is held out."""
+    if len(batches) < 2:
+        raise CalibrationError("--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data with at "
+                               "least 2 batches (the last quarter of them is held out)")
+    k = max(1, len(batches) // 4)
+    return batches[:-k], batches[-k:]
+
+
 def check_target(min_cosine: float | None, min_snr: float | None) -> None:
     if min_cosine is None and min_snr is None:
         raise CalibrationError("give a target: --min-cosine C and/or --min-snr DB")
