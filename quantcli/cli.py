@@ -228,6 +228,7 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     code = 1 if mixed is not None and not mixed.met else 0
     if as_json:
         _print_json(info)
+        _target_missed(mixed)
         return code
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
@@ -256,11 +257,17 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     t.add_row("time", f"{summary.seconds:.2f} s" + (f" + {mixed.seconds:.2f} s target search" if mixed else ""))
     t.add_row("written", str(target))
     out.print(t)
-    if code:
-        err.print(f"target not met: it needs {mixed.needed} of {mixed.layers_total} layers in float, more than "
-                  f"--max-float-layers {mixed.cap}; the checkpoint keeps the {mixed.cap} most sensitive in float "
-                  f"(cosine {_fmt(mixed.after.cosine)}, SNR {_fmt(mixed.after.snr_db)} dB)")
+    _target_missed(mixed)
     return code
+
+
+def _target_missed(mixed) -> None:
+    """Exit 1's explanation (stderr, also with --json): what the target needs and what the cap allowed."""
+    if mixed is None or mixed.met:
+        return
+    err.print(f"target not met: it needs {mixed.needed} of {mixed.layers_total} layers in float, more than "
+              f"--max-float-layers {mixed.cap}; the checkpoint keeps the {mixed.cap} most sensitive in float "
+              f"(cosine {_fmt(mixed.after.cosine)}, SNR {_fmt(mixed.after.snr_db)} dB)")
 
 
 def _target_text(mixed) -> str:
