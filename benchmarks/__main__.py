@@ -3,6 +3,7 @@
 import argparse
 
 from benchmarks import (
+    bench_accuracy,
     bench_calibration,
     bench_calibrators,
     bench_distributed,
@@ -25,5 +26,7 @@ if a.device == "cpu":
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
+    print()
+    bench_accuracy.main(["--quick"] if a.quick else [])
 print()
 bench_distributed.main(["--device", a.device])
