@@ -50,6 +50,7 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
     ref = ck.float_model()  # the same weights with every quantizer passing through
     batch = {k: torch.from_numpy(v) for k, v in hold.items()}
     kept = mp["kept_float"]
+    assert ck.data["calibration"]["mixed_precision"]["kept_float"] == kept  # the checkpoint says which
     stored = ck.data["quantizers"]
     assert sorted(n for n, q in stored.items() if not q["enabled"]) == sorted(
         f"{layer}.{kind}_quantizer" for layer in kept for kind in ("input", "weight"))
