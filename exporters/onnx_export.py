@@ -137,11 +137,26 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         if scoped in known:
             mapping[n.output[0]] = scoped
             continue
+        scoped = _scope_path(parts[:-1])
+        if scoped in known:
+            mapping[n.output[0]] = scoped
+            continue
         flat = n.name.replace("/", ".")
         hits = [q for q in known if q in flat]
         if hits:
             mapping[n.output[0]] = max(hits, key=len)
     return mapping
+
+
+def _scope_path(parts: list[str]) -> str:
+    """The module path of a TorchScript node scope: a child of a Sequential or ModuleList is named
+    ``<container>.<index>`` in the scope (``/layer2/layer2.0/downsample/downsample.0/...`` is module
+    ``layer2.0.downsample.0``)."""
+    path: list[str] = []
+    for part in parts:
+        head, dot, rest = part.partition(".")
+        path.append(rest if dot and path and head == path[-1] else part)
+    return ".".join(path)
 
 
 def export_onnx(
