@@ -257,7 +257,7 @@ class Exporter(str, Enum):
 def export(
     calibrated: Path = typer.Argument(..., help="Calibrated checkpoint written by `quantcli calibrate`."),
     onnx_path: Path = typer.Option(..., "--onnx", help="ONNX file to write."),
-    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need: 13 int8, 19 fp8, 21 int4; 18 at least with dynamo)."),
+    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need, 13 int8, 19 fp8, 21 int4, 18 at least with dynamo, and at least 17 where the model has a LayerNorm)."),
     exporter: Exporter = typer.Option(Exporter.torchscript, "--exporter", help="torch exporter: torchscript or dynamo (torch.export)."),
     dynamic_axes: bool = typer.Option(True, "--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions."),
     weights_qdq: bool = typer.Option(False, "--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
@@ -286,7 +286,9 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     t = Table(title=f"quantcli export {calibrated}", show_header=False)
     t.add_row("Q/DQ pairs", ", ".join(f"{v} {k}" for k, v in sorted(res.pairs_by_format.items())) or "none")
     t.add_row("weights stored quantized", str(res.weights_stored_quantized))
-    t.add_row("opset", str(res.opset))
+    t.add_row("opset", f"{res.opset} ({res.opset_reason})")
+    if res.opset_note:
+        t.add_row("opset note", res.opset_note)
     t.add_row("exporter", res.exporter)
     t.add_row("inputs", ", ".join(res.input_names))
     t.add_row("outputs", ", ".join(res.output_names))
