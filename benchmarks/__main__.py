@@ -7,6 +7,7 @@ from benchmarks import (
     bench_calibrators,
     bench_distributed,
     bench_end_to_end,
+    bench_opset,
     bench_ort_fp8,
     bench_reduce_range,
 )
@@ -25,5 +26,7 @@ if a.device == "cpu":
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
+    print()
+    bench_opset.main([])
 print()
 bench_distributed.main(["--device", a.device])
