@@ -12,7 +12,7 @@ from calibrators import (
     compute_amax_percentile,
 )
 from quantcli.errors import CalibrationError
-from tests.reference_amax import ref_entropy, ref_mse
+from tests.reference_amax import ref_entropy, ref_entropy_vectorized, ref_mse
 
 
 def random_hist(rng, bins=512):
@@ -147,9 +147,11 @@ def test_skip_zeros():
     "fast, slow, cases",
     [
         (compute_amax_entropy, ref_entropy, [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
+        (ref_entropy_vectorized, ref_entropy,
+         [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
         (compute_amax_mse, ref_mse, [{"start_bin": 64}, {"num_bits": 4, "unsigned": True, "stride": 2, "start_bin": 16}]),
     ],
-    ids=["entropy", "mse"],
+    ids=["entropy", "fair-entropy-reference", "mse"],
 )
 def test_vectorized_equals_reference_loop(seed, fast, slow, cases):
     rng = np.random.default_rng(seed)
