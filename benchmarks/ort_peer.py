@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,17 +41,21 @@ class Reader(CalibrationDataReader):
         return next(self._it, None)
 
 
-def calibrate(fp32: str, data: dict[str, np.ndarray], method: str) -> object:
-    """Calibration alone: the steps ``quantize_static`` runs before it quantizes (augment the graph with every
-    quantizable op's outputs, run it over the batches, compute the ranges). Returns the tensor ranges."""
+def calibrate(fp32: str, data: dict[str, np.ndarray], method: str) -> tuple[object, float]:
+    """Calibration alone: the steps ``quantize_static`` runs before it quantizes. Returns the tensor ranges and
+    the seconds of running the batches and computing the ranges; building the calibrator (the graph augmented
+    with every quantizable op's outputs, its session) is left out, as building the quantized model is on
+    quantcli's side."""
     ops = list(set(QLinearOpsRegistry) | set(QDQRegistry))
     with tempfile.TemporaryDirectory(prefix="ort.quant.") as d:
         calibrator = create_calibrator(Path(fp32), ops, augmented_model_path=str(Path(d) / "augmented.onnx"),
                                        calibrate_method=getattr(CalibrationMethod, method))
+        t = time.perf_counter()
         calibrator.collect_data(Reader(data))
         ranges = calibrator.compute_data()
+        seconds = time.perf_counter() - t
         calibrator.clear_collected_data()
-        return ranges
+        return ranges, seconds
 
 
 def quantize(fp32: str, data: dict[str, np.ndarray], out: str, method: str) -> None:

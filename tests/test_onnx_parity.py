@@ -21,11 +21,15 @@ def _values(rng, scale):
     return np.concatenate([x, ties, np.float32([1e6, -1e6, 0.0, -0.0])])
 
 
-def test_int8_per_tensor(rng):
-    amax = torch.tensor(3.7)
-    x = _values(rng, 3.7 / 127)
+@pytest.mark.parametrize("amax", [3.7, 127 * 2.0**-5])
+def test_int8_per_tensor(amax, rng):
+    # 3.7 gives an inexact scale (its "ties" are near-ties); 127 * 2**-5 gives scale 2**-5 and exact ties
+    amax = torch.tensor(amax)
+    x = _values(rng, amax.item() / 127)
     codes, _ = tensor_quant(torch.from_numpy(x), amax, 8, False, False)
     scale = ar.symmetric_scale(amax, 127).numpy()
+    if scale == 2.0**-5:
+        assert _count_ties(x, scale) >= 280
     ort = ort_quantize_linear(x, scale, np.int8(0), TensorProto.INT8)
     assert np.array_equal(codes.numpy(), ort)
 
