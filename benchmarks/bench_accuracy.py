@@ -81,6 +81,17 @@ def _float_onnx(fmodel, example, path: Path) -> None:
 
 
 def _ort_references(fp32: Path, calib, d: Path) -> dict[str, dict]:
+    # onnxruntime's tools write temporary external-data files into the working directory: work in ``d``
+    here = os.getcwd()
+    os.chdir(d)
+    try:
+        return _ort_quantized(fp32, calib, d)
+    finally:
+        os.chdir(here)
+
+
+def _ort_quantized(fp32: Path, calib, d: Path) -> dict[str, dict]:
+    """quantize_dynamic (per-channel int8 weights) and quantize_static (QDQ, MinMax, per-channel) of ``fp32``."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
