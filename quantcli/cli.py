@@ -108,7 +108,7 @@ def calibrate(
     model: str = typer.Argument(..., help="package.module:factory, path/to/file.py:factory, a sample model (digits_cnn, text_encoder), a Hugging Face model folder, or a torch.save(model) file (with --trust-pickle)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG images. Sample models bring their own."),
-    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only) or a YAML/JSON file."),
+    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or a YAML/JSON file."),
     method: Method = typer.Option(Method.max, "--method", help="Activation amax method."),
     percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
     num_bins: int = typer.Option(2048, "--num-bins", help="Histogram bins for entropy/mse/percentile."),
@@ -234,6 +234,9 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         t.add_row("BatchNorm folded", "off (--no-fold-bn / fold_batchnorm: false)")
     t.add_row("quantizers calibrated", str(len(summary.calibrated)))
     t.add_row("quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)")
+    if summary.dynamic:
+        t.add_row("dynamic activations", f"{len(summary.dynamic)} quantized at run time (uint8 from each tensor's "
+                  "min and max, as DynamicQuantizeLinear): nothing to calibrate")
     if summary.amax_min is not None:
         t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
     t.add_row("time", f"{summary.seconds:.2f} s")
@@ -285,6 +288,8 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
         return
     t = Table(title=f"quantcli export {calibrated}", show_header=False)
     t.add_row("Q/DQ pairs", ", ".join(f"{v} {k}" for k, v in sorted(res.pairs_by_format.items())) or "none")
+    if res.dynamic_layers:
+        t.add_row("dynamic layers", f"{res.dynamic_layers} (DynamicQuantizeLinear -> MatMulInteger, int8 weights)")
     t.add_row("weights stored quantized", str(res.weights_stored_quantized))
     t.add_row("opset", f"{res.opset} ({res.opset_reason})")
     if res.opset_note:
