@@ -436,3 +436,26 @@ def test_checkpoint_from_before_folding_loads_unfolded(tmp_path):
     assert isinstance(ck.model.features[1], nn.BatchNorm1d) and not ck.config.fold_batchnorm
     with torch.no_grad():
         assert torch.equal(ck.model(x=batches[0]["x"]), model(x=batches[0]["x"]))
+
+
+class Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+        self.alias = self.bn  # forward calls it by this second name; fx names it by the first
+
+    def forward(self, x):
+        return self.alias(self.conv(x))
+
+
+def test_batchnorm_registered_under_two_names_is_not_folded():
+    m = Aliased().eval()
+    _randomise_bn(m.bn, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        want = m(x)
+    report = fold_batchnorm(m, {"x": x})
+    assert report.detection == "fx" and not report.folded
+    assert report.skipped == [("bn", "the layer or the BatchNorm is registered under two names")]
+    with torch.no_grad():
+        assert torch.equal(m(x), want)

@@ -13,9 +13,9 @@ layer (onnxruntime cannot fuse a Conv into an integer kernel across one).
 A BatchNorm is folded only when nothing else reads its layer's output. Where the model traces with ``torch.fx``
 the graph says so (the layer's output node has exactly one user, the BatchNorm, and both modules are called once).
 Where it does not trace (data-dependent control flow, say), each largest submodule that traces is judged by its own
-graph (a blocks' ``conv -> bn`` inside it is private to it), and an unmodified ``nn.Sequential`` that does not
-trace folds its adjacent layer and BatchNorm children; every other BatchNorm is left alone and reported with the
-reason.
+graph (a block's ``conv -> bn`` inside it is private to it), and an unmodified ``nn.Sequential`` that does not
+trace folds its adjacent layer and BatchNorm children. A layer or BatchNorm registered under two names is never
+folded (the other name would still reach it). Every other BatchNorm is left alone and reported with the reason.
 
 Folding an already calibrated model (``fold_batchnorm(quantized_model)``): the input quantizers keep their amax
 (the layer's input does not change, and neither, up to float rounding, does the BatchNorm's output that the next
@@ -203,6 +203,7 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
     else:
         report.detection = "fx"
         candidates, reasons = _traced_candidates(graph, model)
+    candidates = _registered_once(model, candidates, reasons)
     linear_bns = [bn for layer, bn in candidates if isinstance(modules[layer], nn.Linear)]
     ranks = _bn_input_ranks(model, linear_bns, example)
     for layer, bn in candidates:
@@ -258,8 +259,7 @@ def _untraced_candidates(model: nn.Module):
     that only its BatchNorm reads is read by nothing outside either (the submodule does not return it). A
     submodule that does not trace is searched further down; if it is an unmodified ``nn.Sequential``, its adjacent
     layer and BatchNorm children fold as well (its forward feeds each child's output to the next child only).
-    Modules registered under two names are never folded: the untraced code could call them anywhere."""
-    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    """
     candidates, reasons = [], {}
 
     def visit(prefix: str, module: nn.Module) -> None:
@@ -286,14 +286,21 @@ def _untraced_candidates(model: nn.Module):
         candidates += [(ln, bn_n) for (ln, layer), (bn_n, bn) in zip(kids, kids[1:])
                        if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm)]
     visit("", model)
+    return candidates, reasons
+
+
+def _registered_once(model: nn.Module, candidates: list[tuple[str, str]], reasons: dict[str, str]):
+    """Drop pairs whose layer or BatchNorm is registered under two names: replacing one name would leave the
+    BatchNorm reachable (and applied again) under the other."""
+    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
     modules = dict(model.named_modules(remove_duplicate=False))
     kept = []
     for layer, bn in candidates:
         if uses[id(modules[layer])] > 1 or uses[id(modules[bn])] > 1:
-            reasons[bn] = "the model does not trace with torch.fx, and the layer or the BatchNorm is registered under two names"
+            reasons[bn] = "the layer or the BatchNorm is registered under two names"
         else:
             kept.append((layer, bn))
-    return kept, reasons
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- folding
