@@ -26,6 +26,7 @@ from quantcli.errors import CheckpointError, QuantCliError
 from quantcli.loading import ModelSpec, build_model
 from quantcli.nn.config import QuantConfig, _plain
 from quantcli.nn.replace import quantize_model, quantizers
+from quantcli.nn.smooth import restore as restore_smoothing
 
 FORMAT = "quantcli.calibrated"
 FORMAT_VERSION = 1
@@ -160,6 +161,7 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     cfg = QuantConfig.from_plain(data["quant_config"])
     model = build_model(spec, trust_code=trust_code, origin=str(path))
     quantize_model(model, cfg)
+    restore_smoothing(model, data["state_dict"])  # SmoothQuant's explicit Muls, if any, before their weights load
     try:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:
