@@ -131,7 +131,10 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
             s = smoothing_scales(act, w, alpha)
             fold, into = _choose_fold(model, check, reference, obs, inp, consumers, layers)
             plans.append((consumers, fold, into, s))
+    # outside inference mode: the Muls' buffers must be ordinary tensors (export traces them)
+    with torch.no_grad():
         for consumers, fold, into, s in plans:
+            s = s.clone()
             _apply(model, layers, consumers, fold, into, s, explicit=True)
             report.groups.append(SmoothGroup(consumers, fold, into, float(s.min()), float(s.max())))
     report.skipped = obs.skipped
