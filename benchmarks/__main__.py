@@ -8,6 +8,7 @@ from benchmarks import (
     bench_distributed,
     bench_end_to_end,
     bench_int8_transformers,
+    bench_opset,
     bench_ort_fp8,
     bench_reduce_range,
 )
@@ -26,6 +27,8 @@ if a.device == "cpu":
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
+    print()
+    bench_opset.main([])
     print()
     bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
 print()
