@@ -129,7 +129,9 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
             act = torch.stack([obs.act_amax[c] for c in consumers]).amax(0)
             w = torch.stack([layers[c].weight.detach().abs().amax(0) for c in consumers]).amax(0)
             s = smoothing_scales(act, w, alpha)
-            fold, into = _choose_fold(model, check, reference, obs, inp, consumers, layers)
+            # no floating-point output to compare (e.g. class ids): no trial can show a fold exact, so Muls only
+            fold, into = (_choose_fold(model, check, reference, obs, inp, consumers, layers) if reference
+                          else ("mul", None))
             plans.append((consumers, fold, into, s))
     # outside inference mode: the Muls' buffers must be ordinary tensors (export traces them)
     with torch.no_grad():

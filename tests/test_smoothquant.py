@@ -164,6 +164,26 @@ def test_pre_ln_folds_into_layernorm_and_linear():
     assert (out - ref).abs().max() <= _rounding_bound(ref, depth=3, k=32)
 
 
+class ArgmaxPreLN(PreLN):
+    def forward(self, x):
+        return super().forward(x).argmax(-1)
+
+
+def test_without_float_outputs_only_muls():
+    """Integer outputs cannot show a fold exact: every group gets an explicit Mul, and the outputs stay equal."""
+    torch.manual_seed(0)
+    model = ArgmaxPreLN()
+    x = torch.randn(16, 10, 16)
+    with torch.no_grad():
+        ref = PreLN.forward(model, x)  # the float values behind the argmax
+    quantize_model(model, "int8")
+    report = smooth_quant(model, [{"x": x}], 0.5, device="cpu")
+    assert {g.fold for g in report.groups} == {"mul"}
+    with _float(model), torch.no_grad():
+        out = PreLN.forward(model, x)
+    assert (out - ref).abs().max() <= _rounding_bound(ref, depth=3, k=32)
+
+
 def test_scale_of_a_shared_input_uses_every_reader():
     """s[j] = max|X_j|^a / max(|W_q[:, j]|, |W_k[:, j]|, |W_fc1[:, j]|)^(1-a), computed by hand."""
     torch.manual_seed(1)
@@ -254,3 +274,15 @@ def test_optional_value_expansion():
     assert optional_values(["--smoothquant", "--json"]) == ["--smoothquant", "0.5", "--json"]
     assert optional_values(["--smoothquant", "0.8", "m"]) == ["--smoothquant", "0.8", "m"]
     assert optional_values(["--smoothquant=0.3"]) == ["--smoothquant=0.3"]
+
+
+def test_dynamo_export_verifies(smoothed_text, tmp_path):
+    from exporters import export_onnx
+    from quantcli.verify import verify_onnx
+    from sample_models import text_encoder as te
+
+    model, ck, _ = smoothed_text
+    path = tmp_path / "te-dynamo.onnx"
+    export_onnx(model, te.calibration_batches()[0], path, exporter="dynamo")
+    report = verify_onnx(path, ck, te.evaluation_batches()[:2], provider="cpu")
+    assert report.passed, report.to_dict()
