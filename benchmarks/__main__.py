@@ -7,6 +7,7 @@ from benchmarks import (
     bench_calibrators,
     bench_distributed,
     bench_end_to_end,
+    bench_int8_transformers,
     bench_opset,
     bench_ort_fp8,
     bench_reduce_range,
@@ -32,5 +33,7 @@ if a.device == "cpu":
     bench_ort_fp8.main([])
     print()
     bench_opset.main([])
+    print()
+    bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
 print()
 bench_distributed.main(["--device", a.device])

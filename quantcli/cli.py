@@ -125,17 +125,18 @@ def calibrate(
     mean: Optional[str] = typer.Option(None, "--mean", help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: preprocessor_config.json, else ImageNet's)."),
     std: Optional[str] = typer.Option(None, "--std", help="Image --data: per-channel std (default: preprocessor_config.json, else ImageNet's)."),
     fold_bn: Optional[bool] = typer.Option(None, "--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true)."),
+    smoothquant: Optional[float] = typer.Option(None, "--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul."),
 ) -> None:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.data import DataOptions
 
     _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size, num_samples,
            device, out_path, as_json, trust_pickle, pooling,
-           DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn)
+           DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, smoothquant)
 
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
-               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None):
+               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, smoothquant=None):
     """One process, or (under ``torchrun``) one rank: each rank reads its own share of the data, the
     statistics are merged, rank 0 writes the checkpoint and prints; every rank ends with the same outcome."""
     global _quiet
@@ -145,14 +146,15 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     _quiet = job is not None and job.rank != 0
     try:
         _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
-                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn)
+                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn,
+                        smoothquant)
     finally:
         if job is not None:
             leave()
 
 
 def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples,
-                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None):
+                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, smoothquant=None):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
@@ -166,6 +168,10 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     with one_outcome():  # every rank loads; a failure on any rank stops all of them here
         if batch_size is not None and batch_size <= 0:
             raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
+        if smoothquant is not None and job is not None:
+            raise QuantCliError("--smoothquant runs in one process; run calibrate without torchrun to smooth")
+        if smoothquant is not None and not 0.0 <= smoothquant <= 1.0:
+            raise QuantCliError(f"--smoothquant alpha must be in [0, 1], got {smoothquant}")
         cfg = load_config(config)
         if fold_bn is not None:
             cfg.fold_batchnorm = fold_bn
@@ -193,6 +199,11 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         if not report.layers:
             raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
     target = out_path or Path(f"{spec.stem}.calib.pt")
+    smoothed = None
+    if smoothquant is not None:  # before calibration: the quantizers calibrate the smoothed tensors
+        from quantcli.smoothquant import smooth_quant
+
+        smoothed = smooth_quant(model, batches, smoothquant, device=device)
     ctx, advance = _progress(len(batches), "calibrating", not as_json and not _quiet)
     with ctx:
         summary = run_calibration(model, batches, method, percentile=percentile, num_bins=num_bins,
@@ -201,6 +212,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     info = summary.to_dict()
     info["config"] = cfg.source
     info["batchnorm"] = {"fold_batchnorm": cfg.fold_batchnorm, **report.batchnorm.to_dict()}
+    if smoothed is not None:
+        info["smoothquant"] = smoothed.to_dict()
     if prep is not None:
         info["preprocessing"] = describe_preprocessing(prep)
     with one_outcome():  # rank 0 writes (atomically); the others write nothing and learn whether it worked
@@ -237,6 +250,11 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     if summary.dynamic:
         t.add_row("dynamic activations", f"{len(summary.dynamic)} quantized at run time (uint8 from each tensor's "
                   "min and max, as DynamicQuantizeLinear): nothing to calibrate")
+    if smoothed is not None:
+        n = smoothed.counts()
+        t.add_row("smoothquant", f"alpha {smoothed.alpha}: {len(smoothed.groups)} inputs smoothed; 1/s folded into "
+                  f"{n['layernorm']} LayerNorm(s) and {n['linear']} Linear(s), {n['mul']} explicit Mul(s)"
+                  + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else ""))
     if summary.amax_min is not None:
         t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
     t.add_row("time", f"{summary.seconds:.2f} s")
@@ -513,6 +531,31 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
                   "export and verify run it only with --trust-code (inspect --trust-code checks that it loads)")
 
 
+#: options whose value may be left out, and the value they then take (typer has no optional-value options)
+OPTIONAL_VALUES = {"--smoothquant": "0.5"}
+
+
+def optional_values(args: list[str]) -> list[str]:
+    """Give ``--smoothquant`` its default value where it is followed by nothing, another option or a word that
+    is not a number (``calibrate M --smoothquant`` == ``calibrate M --smoothquant 0.5``)."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a in OPTIONAL_VALUES:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is None or not _is_number(nxt):
+                out.append(OPTIONAL_VALUES[a])
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> None:
     """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
     try:  # recent typer vendors its own click; older ones use the click package
@@ -521,7 +564,7 @@ def main() -> None:
         from click import exceptions as click_exc
 
     try:
-        code = app(prog_name="quantcli", standalone_mode=False)
+        code = app(args=optional_values(sys.argv[1:]), prog_name="quantcli", standalone_mode=False)
     except click_exc.UsageError as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank got the same arguments: rank 0 tells
