@@ -27,12 +27,13 @@ from torch import nn
 
 from exporters import formats as fm
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
-from exporters.graph import QUANTIZERS_KEY, qdq_pairs
+from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
 from exporters.ort_compat import guard_fp8, session_needs
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli.errors import ExportError
 from quantcli.nn.replace import quantizers
+from quantcli.nn.usage import unused_quantizers
 
 EXPORTERS = ("torchscript", "dynamo")
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
@@ -56,6 +57,8 @@ class ExportResult:
     unfused_layers: int | None = None
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
+    # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their result
+    pruned_quantizers: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -225,10 +228,12 @@ def export_onnx(
         target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
         guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
         ort_needs = list(session_needs(onnx_model).disabled_optimizers)
+        pruned = _pruned(model, example, mapping)
         meta = {
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
             QUANTIZERS_KEY: json.dumps(mapping),
+            PRUNED_KEY: json.dumps(pruned),
             **(metadata or {}),
         }
         del onnx_model.metadata_props[:]
@@ -258,12 +263,25 @@ def export_onnx(
     res = ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
                        input_names, output_names, external)
     res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
+    res.pruned_quantizers = pruned
     if target == "onnxruntime":
         fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)
         res.fusion_error = fusion.load_error
         res.seconds = time.perf_counter() - t0
     return res
+
+
+def _pruned(model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str]) -> list[str]:
+    """Enabled quantizers without a DequantizeLinear whose output reaches no model output (traced by autograd).
+
+    A quantizer that is absent and *is* used stays out of this list: verify reports it as missing.
+    """
+    absent = {n for n, q in quantizers(model).items() if q.enabled} - set(mapping.values())
+    if not absent:
+        return []
+    unused = unused_quantizers(model, example) or set()
+    return sorted(absent & unused)
 
 
 def _small_enough_to_size(model: onnx.ModelProto) -> bool:

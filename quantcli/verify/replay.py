@@ -1,0 +1,222 @@
+"""Per-quantizer evidence on a bounded sample: onnxruntime's tensors around every Q/DQ pair, compared with the
+PyTorch model's.
+
+Graph surgery makes every activation pair's ``DequantizeLinear`` output and the tensor its ``QuantizeLinear``
+reads (before any ``Max``/``Min`` clip) extra graph outputs of the exact session. On one sample of at most
+:data:`REPLAY_SAMPLES` inputs, three comparisons follow:
+
+* **same-input codes** -- the PyTorch quantizer applied to onnxruntime's own input gives onnxruntime's codes
+  (the arithmetic of the pair itself; anything below 1.0 is a bug).
+* **replay** -- the fake-quant model runs with every quantizer's output *replaced by onnxruntime's*
+  ``DequantizeLinear`` output, so each float segment between quantizers (biases, normalisations, activations,
+  attention, residual adds) reads exactly what onnxruntime's read. Each quantizer's input then differs from
+  onnxruntime's only by float rounding of that one segment -- far below a quantization step -- and a graph
+  output only by the rounding of the last segment. A changed bias or float weight, a missing or replaced op,
+  shows up as a deviation of its own segment, in quantization steps, named by the quantizer that reads it.
+  Code flips cannot accumulate here, however deep the model.
+* **end-to-end codes** -- the fake-quant model on its own: the fraction of codes equal to onnxruntime's at
+  every quantizer (deep models flip a few by one step from float rounding; reported, not a threshold).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from exporters.graph import QdqPair, qdq_pairs
+from quantcli.data import Batch, run_model
+from quantcli.nn.replace import quantizers
+from quantcli.verify import sessions
+from quantcli.verify.outputs import flat_outputs
+from quantcli.verify.stats import PairStats
+
+REPLAY_SAMPLES = 32  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
+FP8_MANTISSA_BITS = 3
+FP8_MIN_EXPONENT = -6
+
+
+def activation_pairs(model: onnx.ModelProto) -> dict[str, list[QdqPair]]:
+    """Quantizer -> its activation pairs (a ``QuantizeLinear`` computed at run time), in graph order."""
+    inits = {t.name for t in model.graph.initializer}
+    out: dict[str, list[QdqPair]] = {}
+    for p in qdq_pairs(model):
+        if p.quantizer and p.stored == "runtime" and p.tensor not in inits:
+            out.setdefault(p.quantizer, []).append(p)
+    return out
+
+
+def _constant(name: str, inits: set[str], constants: set[str]) -> bool:
+    return name in inits or name in constants
+
+
+def source_tensor(model: onnx.ModelProto, name: str) -> str:
+    """The tensor a pair quantizes: ``name`` followed back through ``Max``/``Min`` with a constant bound (the
+    narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does internally."""
+    g = model.graph
+    inits = {t.name for t in g.initializer}
+    constants = {o for n in g.node if n.op_type == "Constant" for o in n.output}
+    producers = {o: n for n in g.node for o in n.output}
+    seen = 0
+    while seen < 8:
+        n = producers.get(name)
+        if n is None or n.op_type not in ("Max", "Min") or len(n.input) != 2:
+            return name
+        a, b = n.input
+        if _constant(b, inits, constants) and not _constant(a, inits, constants):
+            name = a
+        elif _constant(a, inits, constants) and not _constant(b, inits, constants):
+            name = b
+        else:
+            return name
+        seen += 1
+    return name
+
+
+def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """A copy of ``model`` that also outputs ``names`` (float tensors inside the graph)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    existing = {o.name for o in m.graph.output}
+    for t in names:
+        if t not in existing:
+            m.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
+            existing.add(t)
+    return m
+
+
+def evidence_outputs(model: onnx.ModelProto) -> list[str]:
+    """Every extra output the replay needs: each activation pair's source tensor and DequantizeLinear output."""
+    names = []
+    for ps in activation_pairs(model).values():
+        for p in ps:
+            names += [source_tensor(model, p.tensor), p.output]
+    return names
+
+
+def sample_batch(batches: list[Batch]) -> Batch:
+    """The first :data:`REPLAY_SAMPLES` inputs of the first batch."""
+    return {k: v[:REPLAY_SAMPLES] for k, v in batches[0].items()}
+
+
+def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:
+    """Largest ``|diff|`` in quantization steps of pair ``p`` at values ``x`` (float8: the E4M3 spacing there)."""
+    if diff.size == 0:
+        return 0.0
+    s = np.asarray(p.scale, np.float64)
+    if s.size > 1:
+        shape = [1] * diff.ndim
+        if p.block_size or p.axis is None or s.ndim != 1:
+            s = np.asarray(s.min())  # conservative: the finest step of the tensor
+        else:
+            shape[p.axis % diff.ndim] = s.size
+            s = s.reshape(shape)
+    s = np.maximum(s, np.finfo(np.float32).tiny)
+    step = s
+    if p.format.startswith("fp8"):
+        exp = np.floor(np.log2(np.maximum(np.abs(x) / s, 2.0 ** FP8_MIN_EXPONENT)))
+        step = s * np.exp2(np.maximum(exp, FP8_MIN_EXPONENT) - FP8_MANTISSA_BITS)
+    return float((np.abs(diff) / step).max())
+
+
+@dataclass
+class Replay:
+    """The per-quantizer evidence of one sample."""
+
+    samples: int
+    rows: list[dict[str, Any]] = field(default_factory=list)  # per activation quantizer
+    output_deviation: dict[str, float] = field(default_factory=dict)  # max |replayed PyTorch - onnxruntime|
+    not_replayed: list[str] = field(default_factory=list)  # quantizers PyTorch called where the graph has no pair
+
+
+def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.Module, batch: Batch) -> Replay:
+    """Run the sample through the exact session (with the extra outputs) and the fake-quant model, three ways."""
+    pairs = activation_pairs(model)
+    sources = {p.output: source_tensor(model, p.tensor) for ps in pairs.values() for p in ps}
+    extra = [t for ps in pairs.values() for p in ps for t in (sources[p.output], p.output)]
+    where = "the per-quantizer sample"
+    values = sessions.run(sess, sessions.feeds(sess, batch, where), where, out_names + extra)
+    ort_out, named = values[: len(out_names)], dict(zip(out_names + extra, values))
+    qs = quantizers(qmodel)
+    rep = Replay(samples=int(next(iter(batch.values())).shape[0]))
+
+    # end to end: the fake-quant model on its own, every quantizer's output kept
+    seen: dict[str, list[np.ndarray]] = {}
+
+    def keep(name):
+        def hook(_m, _i, out):
+            seen.setdefault(name, []).append(out.detach().cpu().numpy())
+
+        return hook
+
+    handles = [qs[n].register_forward_hook(keep(n)) for n in pairs if n in qs]
+    try:
+        with torch.inference_mode():
+            run_model(qmodel, batch, where)
+    finally:
+        for h in handles:
+            h.remove()
+
+    # replay: every quantizer reads PyTorch's segment output, and hands on onnxruntime's DequantizeLinear output
+    deviation: dict[str, float] = {}
+    calls: dict[str, int] = {}
+    not_replayed: set[str] = set()
+
+    def force(name):
+        def hook(_m, inputs, out):
+            k = calls.get(name, 0)
+            calls[name] = k + 1
+            ps = pairs[name]
+            if k >= len(ps):
+                not_replayed.add(name)
+                return None
+            p = ps[k]
+            x_ort, dq = named[sources[p.output]], named[p.output]
+            x = inputs[0].detach().cpu().numpy()
+            if x.shape != x_ort.shape or dq.shape != tuple(out.shape):
+                not_replayed.add(name)
+                return None
+            d = _steps(x.astype(np.float64) - x_ort, x_ort, p)
+            deviation[name] = max(deviation.get(name, 0.0), d if math.isfinite(d) else math.inf)
+            return torch.from_numpy(np.ascontiguousarray(dq)).to(out.dtype)
+
+        return hook
+
+    handles = [qs[n].register_forward_hook(force(n)) for n in pairs if n in qs]
+    try:
+        with torch.inference_mode():
+            forced = [t.detach().cpu().numpy() for t in flat_outputs(run_model(qmodel, batch, where))]
+    finally:
+        for h in handles:
+            h.remove()
+    for n, g, r in zip(out_names, ort_out, forced):
+        if g.shape == r.shape:
+            d = np.abs(g.astype(np.float64) - r)
+            rep.output_deviation[n] = float(np.nan_to_num(d, nan=np.inf).max(initial=0.0))
+    rep.not_replayed = sorted(not_replayed)
+
+    for name, ps in pairs.items():
+        if name not in qs:
+            continue
+        local, same, e2e = PairStats(), PairStats(), PairStats()
+        for k, p in enumerate(ps):
+            x, dq = named[sources[p.output]], named[p.output]
+            local.add(dq, x)
+            with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
+                mine = qs[name].forward(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+            same.add(dq, mine)
+            own = seen.get(name, [])
+            if k < len(own) and own[k].shape == dq.shape:
+                e2e.add(dq, own[k])
+        rep.rows.append({
+            "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
+            "snr_db": local.snr_db, "max_abs_error": local.max_abs,
+            "identical_codes": same.identical / same.count if same.count else None,
+            "identical_codes_end_to_end": e2e.identical / e2e.count if e2e.count else None,
+            "replay_steps": deviation.get(name),
+        })
+    return rep
