@@ -11,6 +11,7 @@ import torch
 
 from exporters.graph import qdq_pairs
 from tests.helpers import assert_clean_error, cli
+from tests.mutations import add_to_initializer, replace_op, scale_times_two, variant, zero_point_plus_one
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -211,41 +212,6 @@ def test_auto_provider_falls_back_to_cpu_when_cuda_cannot_load(calibrated, expor
 # Mutations. Each edits a copy of one exported graph; the library is called where the CLI is not what is tested.
 
 
-def _own_initializer(m, node_names, index, values):
-    """Give the named nodes a private copy of input ``index`` with ``values`` (shared constants stay untouched)."""
-    name = f"mutated_{len(m.graph.initializer)}"
-    ref = next(n for n in m.graph.node if n.name in node_names)
-    dtype = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == ref.input[index])).dtype
-    m.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(values).astype(dtype), name))
-    for n in m.graph.node:
-        if n.name in node_names:
-            n.input[index] = name
-
-
-def _initializer(m, name):
-    return onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == name))
-
-
-def scale_times_two(m, quantizer):
-    p = _pair(m, quantizer)
-    dq = next(n for n in m.graph.node if n.name == p.dq_node)
-    _own_initializer(m, {p.dq_node, p.q_node}, 1, _initializer(m, dq.input[1]) * 2)
-
-
-def zero_point_plus_one(m, quantizer):
-    p = _pair(m, quantizer)
-    dq = next(n for n in m.graph.node if n.name == p.dq_node)
-    zp = _initializer(m, dq.input[2])
-    _own_initializer(m, {p.dq_node, p.q_node}, 2, np.where(zp < np.iinfo(zp.dtype).max, zp.astype(np.int64) + 1, zp - 1))
-
-
-def _variant(m, edit, *args):
-    c = onnx.ModelProto()
-    c.CopyFrom(m)
-    edit(c, *args)
-    return c
-
-
 def _verify(tmp_path, model, ck, batches, **kw):
     from quantcli.verify import verify_onnx
 
@@ -271,24 +237,9 @@ def test_scale_and_zero_point_mutations_fail_and_name_the_quantizer(text_int8, t
     assert len({n.split(".")[0] + n.split(".")[1] for n in picked}) >= 3  # both layers and the classifier
     for q in picked:
         for edit in (scale_times_two, zero_point_plus_one):
-            rep = _verify(tmp_path, _variant(model, edit, q), ck, batches)
+            rep = _verify(tmp_path, variant(model, edit, q), ck, batches)
             assert not rep.passed, (q, edit.__name__)
             assert rep.structure["layers_with_problems"] == [q], (q, edit.__name__, rep.structure["problems"])
-
-
-def _replace_op(m, op_type, index=0, by="Identity"):
-    node = [n for n in m.graph.node if n.op_type == op_type][index]
-    node.op_type = by
-    del node.attribute[:]
-    del node.input[1:]
-    return node
-
-
-def _add_to_initializer(m, name, index, delta):
-    v = _initializer(m, name).copy()
-    v.flat[index] += delta
-    t = next(t for t in m.graph.initializer if t.name == name)
-    t.CopyFrom(onnx.numpy_helper.from_array(v, name))
 
 
 def _failed(rep):
@@ -303,14 +254,14 @@ def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrate
     model = onnx.load(str(exported("digits_cnn")))
     batches = [ck.evaluation_batches()[0]]
     assert _verify(tmp_path, model, ck, batches).passed
-    bias = _variant(model, _add_to_initializer, "fc2.bias", 3, 0.4)
+    bias = variant(model, add_to_initializer, "fc2.bias", 3, 0.4)
     rep = _verify(tmp_path, bias, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_outputs" in _failed(rep), _failed(rep)
-    bn = _variant(model, _add_to_initializer, "bn2.weight", 5, 0.05)
+    bn = variant(model, add_to_initializer, "bn2.weight", 5, 0.05)
     rep = _verify(tmp_path, bn, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)
     assert rep.fidelity["failing_quantizers"] == ["fc1.input_quantizer"]  # the first quantizer after bn2
-    relu = _variant(model, _replace_op, "Relu", 0)
+    relu = variant(model, replace_op, "Relu", 0)
     rep = _verify(tmp_path, relu, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)
     assert rep.fidelity["failing_quantizers"][0] == "conv2.input_quantizer"
@@ -324,7 +275,7 @@ def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrate
 
 def test_layer_norm_weight_change_fails_through_fidelity_on_text_encoder(text_int8, tmp_path):
     model, ck, batches = text_int8
-    rep = _verify(tmp_path, _variant(model, _add_to_initializer, "layers.0.norm1.weight", 7, 0.1), ck, batches)
+    rep = _verify(tmp_path, variant(model, add_to_initializer, "layers.0.norm1.weight", 7, 0.1), ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)
     assert rep.fidelity["failing_quantizers"][0] == "layers.0.intermediate.input_quantizer"
 
