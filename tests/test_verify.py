@@ -57,11 +57,13 @@ def _ort_vs_fake_quant(onnx_path, ckpt_path, optimize):
 def test_text_encoder_passes_with_deployment_reported(calibrated, exported, tmp_path):
     report = tmp_path / "r.json"
     onnx_path, ck = exported("text_encoder", "int8"), calibrated("text_encoder", "int8")
-    r = cli("verify", onnx_path, "--reference", ck, "--report", report, "--min-snr", "20")
+    # --max-abs-diff makes the exact session (optimizations off) cover every input, not only the sample
+    r = cli("verify", onnx_path, "--reference", ck, "--report", report, "--min-snr", "20", "--max-abs-diff", "1e9")
     assert r.exit_code == 0, r.output
     rep = json.loads(report.read_text())
     assert set(rep) >= {"passed", "checks", "structure", "fidelity", "quality", "deployment", "layers", "provider"}
     assert rep["deployment"]["graph_optimization"] == "ORT_ENABLE_ALL" and rep["deployment"]["error"] is None
+    assert rep["fidelity"]["exact_samples"] == rep["num_samples"] == 600
     # the reported deviations are the ones onnxruntime gives when asked directly
     dep = rep["deployment"]["outputs"]["output_0"]["max_abs_diff"]
     assert dep == pytest.approx(_ort_vs_fake_quant(onnx_path, ck, optimize=True), rel=1e-6, abs=1e-9)
@@ -69,10 +71,14 @@ def test_text_encoder_passes_with_deployment_reported(calibrated, exported, tmp_
     assert fid == pytest.approx(_ort_vs_fake_quant(onnx_path, ck, optimize=False), rel=1e-6, abs=1e-9)
     assert rep["provider"] == "CPUExecutionProvider" or torch.cuda.is_available()
     assert "PASS" in r.output
+    # without it, the exact session runs on the per-quantizer sample only
+    r = cli("verify", onnx_path, "--reference", ck, "--json")
+    assert json.loads(r.stdout)["fidelity"]["exact_samples"] == 32
 
 
 def test_threshold_failure_is_exit_1(calibrated, exported):
-    r = cli("verify", exported("digits_cnn"), "--reference", calibrated("digits_cnn"), "--min-snr", "90", "--json")
+    r = cli("verify", exported("digits_cnn"), "--reference", calibrated("digits_cnn"), "--min-snr", "90", "--json",
+            "--max-abs-diff", "1e9")
     assert r.exit_code == 1
     rep = json.loads(r.stdout)
     snr = next(c for c in rep["checks"] if c["name"] == "quality.min_snr_db")

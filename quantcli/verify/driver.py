@@ -32,6 +32,7 @@ from quantcli.verify.verdict import (
     at_least,
     at_most,
 )
+from quantcli.verify.weights import constant_weights
 
 
 def _open_exact(model, prov: str, provider: str):
@@ -92,52 +93,71 @@ def verify_onnx(
         except VerifyError as e:
             deploy_error = str(e)
 
+    # one pass over the data: the deployed session (what a user ships) against the fake-quant and the float
+    # model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
+    # explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer
+    sample, rest = rp.split_sample(batches)
+    pairs = rp.activation_pairs(model)
     fid: dict[str, PairStats] = {}  # exact session vs fake-quant
     qerr: dict[str, PairStats] = {}  # fake-quant vs float: the quantization error, the unit of fidelity
+    qerr_exact: dict[str, PairStats] = {}  # the same, on the inputs the exact session ran
     qual: dict[str, PairStats] = {}  # exact session vs float
     dep: dict[str, PairStats] = {}  # deployed session vs fake-quant
     dqual: dict[str, PairStats] = {}  # deployed session vs float
     logits: set[int] = set()
-    for i, batch in enumerate(batches):
-        where = f"batch {i} ({describe(batch)})"
-        inputs = sessions.feeds(sess, batch, where)
-        got = sessions.run(sess, inputs, where, out_names)
-        deployed = None
-        if dsess is not None:
-            try:
-                deployed = sessions.run(dsess, inputs, where)
-            except VerifyError as e:
-                dsess, deploy_error = None, str(e)
-        with torch.inference_mode():
-            ref = _numpy(run_model(qmodel, batch, where))
-        if i == 0:
-            flt_t, logits = logit_outputs(fmodel, batch)
-            flt = [t.detach().cpu().numpy() for t in flt_t]
-            for k, n in enumerate(out_names):
-                fid[n], qerr[n], qual[n] = PairStats(), PairStats(), PairStats(top1=k in logits)
-                dep[n], dqual[n] = PairStats(), PairStats(top1=k in logits)
-        else:
+    evidence, exact_samples = None, 0
+    with constant_weights(qmodel), constant_weights(fmodel):
+        for i, batch in enumerate([sample] + rest):
+            where = "the first batch" if i == 0 else f"batch {i} ({describe(batch)})"
+            inputs = sessions.feeds(sess, batch, where)
+            deployed = None
+            if dsess is not None:
+                try:
+                    deployed = sessions.run(dsess, inputs, where)
+                except VerifyError as e:
+                    dsess, deploy_error = None, str(e)
             with torch.inference_mode():
-                flt = _numpy(run_model(fmodel, batch, where))
-        if len(ref) != len(got):
-            raise VerifyError(f"the graph has {len(got)} outputs, the model {len(ref)}")
-        for k, n in enumerate(out_names):
-            fid[n].add(got[k], ref[k])
-            qerr[n].add(ref[k], flt[k])
-            qual[n].add(got[k], flt[k])
-            if deployed is not None:
-                dep[n].add(deployed[k], ref[k])
-                dqual[n].add(deployed[k], flt[k])
+                if i == 0:
+                    with rp.capture(qmodel, pairs) as seen:
+                        ref = _numpy(run_model(qmodel, batch, where))
+                else:
+                    ref = _numpy(run_model(qmodel, batch, where))
+            if i == 0:
+                flt_t, logits = logit_outputs(fmodel, batch)
+                flt = [t.detach().cpu().numpy() for t in flt_t]
+                for k, n in enumerate(out_names):
+                    fid[n], qerr[n], qerr_exact[n] = PairStats(), PairStats(), PairStats()
+                    qual[n] = PairStats(top1=k in logits)
+                    dep[n], dqual[n] = PairStats(), PairStats(top1=k in logits)
+                evidence, got = rp.replay(sess, model, out_names, qmodel, batch, seen)
+                del seen
+            else:
+                with torch.inference_mode():
+                    flt = _numpy(run_model(fmodel, batch, where))
+                full_exact = dsess is None or max_abs_diff is not None
+                got = sessions.run(sess, inputs, where, out_names) if full_exact else None
+            if got is not None:
+                exact_samples += int(next(iter(batch.values())).shape[0])
+            if len(ref) != len(out_names):
+                raise VerifyError(f"the graph has {len(out_names)} outputs, the model {len(ref)}")
+            for k, n in enumerate(out_names):
+                qerr[n].add(ref[k], flt[k])
+                if got is not None:
+                    qerr_exact[n].add(ref[k], flt[k])
+                    fid[n].add(got[k], ref[k])
+                    qual[n].add(got[k], flt[k])
+                if deployed is not None:
+                    dep[n].add(deployed[k], ref[k])
+                    dqual[n].add(deployed[k], flt[k])
 
-    sample = rp.replay(sess, model, out_names, qmodel, rp.sample_batch(batches))
     report = VerifyReport(str(onnx_path), ckpt.path, prov, len(batches), num_samples(batches), structure=structure,
                           provider_note=provider_note)
-
+    sample = evidence
     # fidelity: the exact session against the fake-quant model
     outputs: dict[str, Any] = {}
     for n in out_names:
         outputs[n] = {**fid[n].deviation(), "quantization_rms": qerr[n].rms,
-                      "rms_ratio": ratio(fid[n].rms, qerr[n].rms),
+                      "rms_ratio": ratio(fid[n].rms, qerr_exact[n].rms),
                       "replay_max_abs_diff": sample.output_deviation.get(n),
                       "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), qerr[n].rms)}
     rows = {r["quantizer"]: r for r in weight_rows + sample.rows}
@@ -149,6 +169,7 @@ def verify_onnx(
                            "identical_codes_end_to_end": r["identical_codes_end_to_end"],
                            "replay_steps": r.get("replay_steps")} for n, r in rows.items()},
         "sample_size": sample.samples,
+        "exact_samples": exact_samples,  # inputs the exact session's output statistics cover
         "not_replayed": sample.not_replayed,
         "failing_quantizers": [r["quantizer"] for r in failing],
     }

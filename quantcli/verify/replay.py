@@ -20,7 +20,9 @@ reads (before any ``Max``/``Min`` clip) extra graph outputs of the exact session
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +35,6 @@ from quantcli.data import Batch, run_model
 from quantcli.nn.replace import quantizers
 from quantcli.verify import sessions
 from quantcli.verify.outputs import flat_outputs
-from quantcli.verify.stats import PairStats
 
 REPLAY_SAMPLES = 32  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
 FP8_MANTISSA_BITS = 3
@@ -50,31 +51,28 @@ def activation_pairs(model: onnx.ModelProto) -> dict[str, list[QdqPair]]:
     return out
 
 
-def _constant(name: str, inits: set[str], constants: set[str]) -> bool:
-    return name in inits or name in constants
-
-
-def source_tensor(model: onnx.ModelProto, name: str) -> str:
-    """The tensor a pair quantizes: ``name`` followed back through ``Max``/``Min`` with a constant bound (the
+def source_tensors(model: onnx.ModelProto, names: list[str]) -> dict[str, str]:
+    """The tensor each named tensor quantizes: followed back through ``Max``/``Min`` with a constant bound (the
     narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does internally."""
     g = model.graph
-    inits = {t.name for t in g.initializer}
-    constants = {o for n in g.node if n.op_type == "Constant" for o in n.output}
+    constants = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
     producers = {o: n for n in g.node for o in n.output}
-    seen = 0
-    while seen < 8:
-        n = producers.get(name)
-        if n is None or n.op_type not in ("Max", "Min") or len(n.input) != 2:
-            return name
-        a, b = n.input
-        if _constant(b, inits, constants) and not _constant(a, inits, constants):
-            name = a
-        elif _constant(a, inits, constants) and not _constant(b, inits, constants):
-            name = b
-        else:
-            return name
-        seen += 1
-    return name
+    out = {}
+    for start in names:
+        name = start
+        for _ in range(8):
+            n = producers.get(name)
+            if n is None or n.op_type not in ("Max", "Min") or len(n.input) != 2:
+                break
+            a, b = n.input
+            if b in constants and a not in constants:
+                name = a
+            elif a in constants and b not in constants:
+                name = b
+            else:
+                break
+        out[start] = name
+    return out
 
 
 def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
@@ -91,16 +89,18 @@ def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
 
 def evidence_outputs(model: onnx.ModelProto) -> list[str]:
     """Every extra output the replay needs: each activation pair's source tensor and DequantizeLinear output."""
-    names = []
-    for ps in activation_pairs(model).values():
-        for p in ps:
-            names += [source_tensor(model, p.tensor), p.output]
-    return names
+    pairs = [p for ps in activation_pairs(model).values() for p in ps]
+    sources = source_tensors(model, [p.tensor for p in pairs])
+    return [t for p in pairs for t in (sources[p.tensor], p.output)]
 
 
-def sample_batch(batches: list[Batch]) -> Batch:
-    """The first :data:`REPLAY_SAMPLES` inputs of the first batch."""
-    return {k: v[:REPLAY_SAMPLES] for k, v in batches[0].items()}
+def split_sample(batches: list[Batch]) -> tuple[Batch, list[Batch]]:
+    """(the first :data:`REPLAY_SAMPLES` inputs of the first batch, every other input in batches)."""
+    first = batches[0]
+    n = int(next(iter(first.values())).shape[0])
+    sample = {k: v[:REPLAY_SAMPLES] for k, v in first.items()}
+    rest = [{k: v[REPLAY_SAMPLES:] for k, v in first.items()}] if n > REPLAY_SAMPLES else []
+    return sample, rest + list(batches[1:])
 
 
 def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:
@@ -133,18 +133,10 @@ class Replay:
     not_replayed: list[str] = field(default_factory=list)  # quantizers PyTorch called where the graph has no pair
 
 
-def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.Module, batch: Batch) -> Replay:
-    """Run the sample through the exact session (with the extra outputs) and the fake-quant model, three ways."""
-    pairs = activation_pairs(model)
-    sources = {p.output: source_tensor(model, p.tensor) for ps in pairs.values() for p in ps}
-    extra = [t for ps in pairs.values() for p in ps for t in (sources[p.output], p.output)]
-    where = "the per-quantizer sample"
-    values = sessions.run(sess, sessions.feeds(sess, batch, where), where, out_names + extra)
-    ort_out, named = values[: len(out_names)], dict(zip(out_names + extra, values))
+@contextlib.contextmanager
+def capture(qmodel: torch.nn.Module, names) -> Iterator[dict[str, list[np.ndarray]]]:
+    """While active, every output of the named quantizers, per call (the end-to-end comparison's PyTorch side)."""
     qs = quantizers(qmodel)
-    rep = Replay(samples=int(next(iter(batch.values())).shape[0]))
-
-    # end to end: the fake-quant model on its own, every quantizer's output kept
     seen: dict[str, list[np.ndarray]] = {}
 
     def keep(name):
@@ -153,13 +145,30 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
 
         return hook
 
-    handles = [qs[n].register_forward_hook(keep(n)) for n in pairs if n in qs]
+    handles = [qs[n].register_forward_hook(keep(n)) for n in names if n in qs]
     try:
-        with torch.inference_mode():
-            run_model(qmodel, batch, where)
+        yield seen
     finally:
         for h in handles:
             h.remove()
+
+
+def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.Module, batch: Batch,
+           seen: dict[str, list[np.ndarray]]) -> tuple[Replay, list[np.ndarray]]:
+    """The sample through the exact session (with the extra outputs) and the fake-quant model replayed on it.
+
+    ``seen``: the fake-quant model's own quantizer outputs on ``batch`` (:func:`capture`). Returns the evidence
+    and the exact session's outputs on the sample.
+    """
+    pairs = activation_pairs(model)
+    found = source_tensors(model, [p.tensor for ps in pairs.values() for p in ps])
+    sources = {p.output: found[p.tensor] for ps in pairs.values() for p in ps}
+    extra = [t for ps in pairs.values() for p in ps for t in (sources[p.output], p.output)]
+    where = "the per-quantizer sample"
+    values = sessions.run(sess, sessions.feeds(sess, batch, where), where, out_names + extra)
+    ort_out, named = values[: len(out_names)], dict(zip(out_names + extra, values))
+    qs = quantizers(qmodel)
+    rep = Replay(samples=int(next(iter(batch.values())).shape[0]))
 
     # replay: every quantizer reads PyTorch's segment output, and hands on onnxruntime's DequantizeLinear output
     deviation: dict[str, float] = {}
@@ -202,21 +211,28 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
     for name, ps in pairs.items():
         if name not in qs:
             continue
-        local, same, e2e = PairStats(), PairStats(), PairStats()
+        err2 = ref2 = max_abs = 0.0
+        same = e2e = total = e2e_total = 0
         for k, p in enumerate(ps):
             x, dq = named[sources[p.output]], named[p.output]
-            local.add(dq, x)
+            d = (dq - x).ravel()
+            err2 += float(np.dot(d, d))
+            ref2 += float(np.dot(x.ravel(), x.ravel()))
+            max_abs = max(max_abs, float(np.abs(d).max(initial=0.0)))
             with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
                 mine = qs[name].forward(torch.from_numpy(np.ascontiguousarray(x))).numpy()
-            same.add(dq, mine)
+            same += int(np.count_nonzero(mine == dq))
+            total += dq.size
             own = seen.get(name, [])
             if k < len(own) and own[k].shape == dq.shape:
-                e2e.add(dq, own[k])
+                e2e += int(np.count_nonzero(own[k] == dq))
+                e2e_total += dq.size
         rep.rows.append({
             "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
-            "snr_db": local.snr_db, "max_abs_error": local.max_abs,
-            "identical_codes": same.identical / same.count if same.count else None,
-            "identical_codes_end_to_end": e2e.identical / e2e.count if e2e.count else None,
+            "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
+            "max_abs_error": max_abs,
+            "identical_codes": same / total if total else None,
+            "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
             "replay_steps": deviation.get(name),
         })
-    return rep
+    return rep, ort_out

@@ -104,7 +104,8 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     problems: dict[str, list[str]] = {}
     rows = []
     absent = sorted(set(qs) - set(pairs))
-    unused = (unused_quantizers(ckpt.model, ckpt.example) or set()) if absent else set()
+    one = {k: v[:1] for k, v in ckpt.example.items()}  # connectivity does not depend on the batch size
+    unused = (unused_quantizers(ckpt.model, one) or set()) if absent else set()
     pruned = [n for n in absent if n in unused]
     for name in absent:
         if name not in unused:
