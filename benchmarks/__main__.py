@@ -9,6 +9,7 @@ from benchmarks import (
     bench_end_to_end,
     bench_ort_fp8,
     bench_reduce_range,
+    bench_verify,
 )
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -25,5 +26,7 @@ if a.device == "cpu":
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
+    print()
+    bench_verify.main([])
 print()
 bench_distributed.main(["--device", a.device])

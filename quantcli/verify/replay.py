@@ -215,9 +215,9 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
         same = e2e = total = e2e_total = 0
         for k, p in enumerate(ps):
             x, dq = named[sources[p.output]], named[p.output]
-            d = (dq - x).ravel()
-            err2 += float(np.dot(d, d))
-            ref2 += float(np.dot(x.ravel(), x.ravel()))
+            d = dq - x
+            err2 += float(np.square(d, dtype=np.float64).sum())  # float64: float32 sums overflow on wild values
+            ref2 += float(np.square(x, dtype=np.float64).sum())
             max_abs = max(max_abs, float(np.abs(d).max(initial=0.0)))
             with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
                 mine = qs[name].forward(torch.from_numpy(np.ascontiguousarray(x))).numpy()
