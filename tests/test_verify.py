@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from exporters.graph import qdq_pairs
+from quantcli.verify import REPLAY_SAMPLES
 from tests.helpers import assert_clean_error, cli
 from tests.mutations import add_to_initializer, replace_op, scale_times_two, variant, zero_point_plus_one
 
@@ -31,7 +32,7 @@ def test_passes_for_every_format(config, calibrated, exported):
     assert rep["quality"]["session"] == "deployed"  # --min-cosine judges what a user ships
     assert rep["quality"]["outputs"]["output_0"]["top1_agreement"] > 0.97  # fc2 returns logits
     assert [c["name"] for c in rep["checks"]] == CHECKS + ["quality.min_cosine"]
-    assert rep["fidelity"]["sample_size"] == 32 and not rep["fidelity"]["not_replayed"]
+    assert rep["fidelity"]["sample_size"] == REPLAY_SAMPLES == 16 and not rep["fidelity"]["not_replayed"]
 
 
 def _ort_vs_fake_quant(onnx_path, ckpt_path, optimize):
@@ -73,7 +74,7 @@ def test_text_encoder_passes_with_deployment_reported(calibrated, exported, tmp_
     assert "PASS" in r.output
     # without it, the exact session runs on the per-quantizer sample only
     r = cli("verify", onnx_path, "--reference", ck, "--json")
-    assert json.loads(r.stdout)["fidelity"]["exact_samples"] == 32
+    assert json.loads(r.stdout)["fidelity"]["exact_samples"] == REPLAY_SAMPLES
 
 
 def test_threshold_failure_is_exit_1(calibrated, exported):
@@ -301,3 +302,37 @@ def test_graph_that_does_not_load_with_default_options_fails(calibrated, exporte
     assert all(c["passed"] for c in rep["checks"] if c["name"].startswith("fidelity"))  # exact session: fine
     r = cli("verify", tmp_path / "unguarded.onnx", "--reference", calibrated("digits_cnn", "fp8"))
     assert r.exit_code == 1 and "deployment" in r.output and "disabled_optimizers" in r.output
+
+
+def test_deployed_deviation_can_be_a_check(calibrated, exported):
+    onnx_path, ck = exported("text_encoder", "int8"), calibrated("text_encoder", "int8")
+    r = cli("verify", onnx_path, "--reference", ck, "--json", "--max-deploy-ratio", "0")
+    rep = json.loads(r.stdout)
+    check = next(c for c in rep["checks"] if c["name"] == "deployment.rms_ratio")
+    measured = rep["deployment"]["outputs"]["output_0"]["rms_ratio"]
+    assert measured > 0  # onnxruntime's fused integer kernels round otherwise than the simulation
+    assert check["value"] == measured and not check["passed"] and r.exit_code == 1
+    r = cli("verify", onnx_path, "--reference", ck, "--json", "--max-deploy-ratio", str(measured))
+    assert r.exit_code == 0
+    assert_clean_error(cli("verify", onnx_path, "--reference", ck, "--max-rms-ratio", "-1"), "--max-rms-ratio")
+
+
+def test_a_large_deployment_gap_is_explained(monkeypatch):
+    from quantcli.verify import driver, sessions
+    from quantcli.verify.stats import PairStats
+
+    def stats(got):
+        s = PairStats()
+        s.add(np.asarray(got, np.float32), np.zeros(4, np.float32))
+        return s
+
+    qerr = {"y": stats([1.0, -1.0, 1.0, -1.0])}  # quantization error RMS 1
+    exact = {"y": stats([0.01, 0, 0, 0])}  # RMS 0.005
+    deployed = {"y": stats([0.4, 0, 0, 0])}  # RMS 0.2: 40x the exact session's
+    monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: False)
+    section = driver._deployment(None, ["y"], deployed, exact, qerr, None)
+    assert section["outputs"]["y"]["rms_ratio"] == pytest.approx(0.2)
+    assert section["outputs"]["y"]["exact_rms_ratio"] == pytest.approx(0.005)
+    assert len(section["notes"]) == 1 and "reduce_range" in section["notes"][0] and "no VNNI" in section["notes"][0]
+    close = {"y": stats([0.012, 0, 0, 0])}  # as close to the simulation as the exact session: nothing to explain
+    assert driver._deployment(None, ["y"], close, exact, qerr, None)["notes"] == []

@@ -36,7 +36,7 @@ from quantcli.nn.replace import quantizers
 from quantcli.verify import sessions
 from quantcli.verify.outputs import flat_outputs
 
-REPLAY_SAMPLES = 32  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
+REPLAY_SAMPLES = 16  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
 FP8_MANTISSA_BITS = 3
 FP8_MIN_EXPONENT = -6
 
