@@ -14,8 +14,12 @@ reads (before any ``Max``/``Min`` clip) extra graph outputs of the exact session
   output only by the rounding of the last segment. A changed bias or float weight, a missing or replaced op,
   shows up as a deviation of its own segment, in quantization steps, named by the quantizer that reads it.
   Code flips cannot accumulate here, however deep the model.
-* **end-to-end codes** -- the fake-quant model on its own: the fraction of codes equal to onnxruntime's at
-  every quantizer (deep models flip a few by one step from float rounding; reported, not a threshold).
+* **end-to-end codes** -- the fake-quant model on its own (its outputs captured during verify's main pass over
+  the same inputs, :func:`capture`): the fraction of codes equal to onnxruntime's at every quantizer (deep
+  models flip a few by one step from float rounding and carry them on; reported, not a threshold).
+
+Quantizers PyTorch calls more often than the graph has pairs for them, or with other shapes, are not replaced
+(``not_replayed``); the segments after them then compare against PyTorch's own values.
 """
 
 from __future__ import annotations

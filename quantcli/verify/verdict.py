@@ -71,15 +71,6 @@ class VerifyReport:
     def passed(self) -> bool:
         return self.structure.get("passed", False) and all(c.passed for c in self.checks)
 
-    @property
-    def failed_quantizers(self) -> list[str]:
-        """Quantizers a failed check names: structure problems and the worst replayed segments."""
-        names = list(self.structure.get("layers_with_problems", []))
-        for c in self.checks:
-            if not c.passed and c.name == "fidelity.replay_steps":
-                names += [n for n in self.fidelity.get("failing_quantizers", []) if n not in names]
-        return names
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed, "onnx": self.onnx, "checkpoint": self.checkpoint, "provider": self.provider,
