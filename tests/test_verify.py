@@ -254,7 +254,8 @@ def _failed(rep):
 
 
 def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrated, exported, tmp_path):
-    """The issue's cases: +0.4 on one element of fc2.bias, a BatchNorm weight (no quantizer), a Relu -> Identity."""
+    """The issue's cases: +0.4 on one element of fc2.bias, a Relu -> Identity (BatchNorm is folded into the convs,
+    so digits_cnn has no float layer without quantizers: text_encoder's LayerNorm below is that case)."""
     from quantcli.checkpoint import load_calibrated
 
     ck = load_calibrated(calibrated("digits_cnn"))
@@ -264,10 +265,6 @@ def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrate
     bias = variant(model, add_to_initializer, "fc2.bias", 3, 0.4)
     rep = _verify(tmp_path, bias, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_outputs" in _failed(rep), _failed(rep)
-    bn = variant(model, add_to_initializer, "bn2.weight", 5, 0.05)
-    rep = _verify(tmp_path, bn, ck, batches)
-    assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)
-    assert rep.fidelity["failing_quantizers"] == ["fc1.input_quantizer"]  # the first quantizer after bn2
     relu = variant(model, replace_op, "Relu", 0)
     rep = _verify(tmp_path, relu, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)

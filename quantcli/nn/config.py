@@ -1,12 +1,14 @@
 """Quant configs: presets plus ordered pattern rules.
 
-A config is a preset name (``int8``, ``int8-per-tensor``, ``uint8-asymmetric``, ``fp8``, ``int4-weight-only``),
+A config is a preset name (``int8``, ``int8-per-tensor``, ``uint8-asymmetric``, ``fp8``, ``int4-weight-only``,
+``int8-dynamic``: activations quantized at run time, Linear layers only),
 a YAML/JSON file,
 or the same content as a dict::
 
     preset: int8            # the starting point (default int8)
     block_size: 128         # int4-weight-only's block along the input dimension
     reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
+    fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it (quantcli.nn.fold_bn)
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
         enable: false
@@ -60,7 +62,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "input": {"enable": False},
         "weight": {"enable": True, "num_bits": 4, "block_sizes": INPUT_CHANNEL_BLOCKS},
     },
+    # activations quantized at run time as ONNX DynamicQuantizeLinear does (uint8, per tensor, no calibration);
+    # exported as DynamicQuantizeLinear -> MatMulInteger, which onnxruntime runs as DynamicQuantizeMatMul
+    "int8-dynamic": {
+        "input": {"enable": True, "num_bits": 8, "asymmetric": True, "dynamic": True},
+        "weight": {"enable": True, "num_bits": 8, "axis": OUTPUT_CHANNEL},
+    },
 }
+#: presets that quantize Linear layers only; convolutions stay float. int8-dynamic: onnxruntime has no fused
+#: integer kernel for DynamicQuantizeLinear -> ConvInteger (its own quantize_dynamic output runs ConvInteger, Cast,
+#: Mul and Add as separate ops on the CPU provider, and its DynamicQuantizeConvIntegerFusion turns the pattern back
+#: into a float Conv on dequantized weights), so a dynamic Conv costs a min/max pass and gains no integer kernel
+LINEAR_ONLY_PRESETS = ("int8-dynamic",)
 DEFAULT_BLOCK_SIZE = 128
 REDUCED_WEIGHT_BITS = 7  # reduce_range: |code| <= 63, so a uint8 x int8 pair sum fits in 16 bits
 _RULE_KEYS = {"pattern", "enable", *FIELDS}
@@ -73,6 +86,7 @@ class QuantConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     source: str = "int8"
     reduce_range: bool = False
+    fold_batchnorm: bool = True
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -81,6 +95,8 @@ class QuantConfig:
             raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.reduce_range, bool):
             raise ConfigError(f"reduce_range must be true or false, got {self.reduce_range!r}")
+        if not isinstance(self.fold_batchnorm, bool):
+            raise ConfigError(f"fold_batchnorm must be true or false, got {self.fold_batchnorm!r}")
         for i, r in enumerate(self.rules):
             if not isinstance(r, dict) or "pattern" not in r or not isinstance(r["pattern"], str):
                 raise ConfigError(f"rule {i} must be a mapping with a 'pattern' string, got {r!r}")
@@ -94,23 +110,26 @@ class QuantConfig:
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
         return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
-                "reduce_range": self.reduce_range}
+                "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm}
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range"})
+        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm"})
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown} in {source}; "
-                              "known: preset, block_size, reduce_range, rules")
+                              "known: preset, block_size, reduce_range, fold_batchnorm, rules")
         return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
                    block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source),
-                   reduce_range=data.get("reduce_range", False))
+                   reduce_range=data.get("reduce_range", False), fold_batchnorm=data.get("fold_batchnorm", True))
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
-        fields = copy.deepcopy(PRESETS[self.preset][kind])
+        base = PRESETS[self.preset][kind]
+        if self.preset in LINEAR_ONLY_PRESETS and not _is_linear(layer):
+            base = {"enable": False}  # a rule may still enable it (as a static quantizer)
+        fields = copy.deepcopy(base)
         matched = []
         for i, rule in enumerate(self.rules):
             if fnmatch.fnmatchcase(quantizer_name, rule["pattern"]):
@@ -137,6 +156,12 @@ class QuantConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{quantizer_name}: {e}") from None
         return enabled, desc, matched
+
+
+def _is_linear(layer) -> bool:
+    from torch import nn
+
+    return isinstance(layer, nn.Linear)
 
 
 def _plain(x):

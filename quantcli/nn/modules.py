@@ -22,6 +22,11 @@ class QuantMixin:
 
 class QuantLinear(nn.Linear, QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer.dynamic_uint8 and self.input_quantizer.mode == "quantize":
+            from quantcli.nn.dynamic import dynamic_linear, exporting
+
+            if exporting():  # DynamicQuantizeLinear -> MatMulInteger
+                return dynamic_linear(self, input)
         return F.linear(self.input_quantizer(input), self.quantized_weight(), self.bias)
 
 

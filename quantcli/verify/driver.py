@@ -97,7 +97,7 @@ def verify_onnx(
     # model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
     # explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer
     sample, rest = rp.split_sample(batches)
-    pairs = rp.activation_pairs(model)
+    evidence_names = rp.evidence_quantizers(model)
     fid: dict[str, PairStats] = {}  # exact session vs fake-quant
     qerr: dict[str, PairStats] = {}  # fake-quant vs float: the quantization error, the unit of fidelity
     qerr_exact: dict[str, PairStats] = {}  # the same, on the inputs the exact session ran
@@ -118,7 +118,7 @@ def verify_onnx(
                     dsess, deploy_error = None, str(e)
             with torch.inference_mode():
                 if i == 0:
-                    with rp.capture(qmodel, pairs) as seen:
+                    with rp.capture(qmodel, evidence_names) as seen:
                         ref = _numpy(run_model(qmodel, batch, where))
                 else:
                     ref = _numpy(run_model(qmodel, batch, where))

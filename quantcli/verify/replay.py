@@ -34,7 +34,9 @@ import numpy as np
 import onnx
 import torch
 
+from exporters.dynamic_linear import DynamicLayer, dynamic_layers
 from exporters.graph import QdqPair, qdq_pairs
+from quantcli import arithmetic as ar
 from quantcli.data import Batch, run_model
 from quantcli.nn.replace import quantizers
 from quantcli.verify import sessions
@@ -79,23 +81,41 @@ def source_tensors(model: onnx.ModelProto, names: list[str]) -> dict[str, str]:
     return out
 
 
-def with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
-    """A copy of ``model`` that also outputs ``names`` (float tensors inside the graph)."""
+def with_outputs(model: onnx.ModelProto, names: list[tuple[str, int]]) -> onnx.ModelProto:
+    """A copy of ``model`` that also outputs ``names``: (tensor inside the graph, its ONNX element type)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     existing = {o.name for o in m.graph.output}
-    for t in names:
+    for t, elem in names:
         if t not in existing:
-            m.graph.output.append(onnx.helper.make_tensor_value_info(t, onnx.TensorProto.FLOAT, None))
+            m.graph.output.append(onnx.helper.make_tensor_value_info(t, elem, None))
             existing.add(t)
     return m
 
 
-def evidence_outputs(model: onnx.ModelProto) -> list[str]:
-    """Every extra output the replay needs: each activation pair's source tensor and DequantizeLinear output."""
+def dynamic_inputs(model: onnx.ModelProto) -> dict[str, DynamicLayer]:
+    """Input quantizer -> its ``DynamicQuantizeLinear -> MatMulInteger`` layer (:mod:`exporters.dynamic_linear`)."""
+    return {d.input_quantizer: d for d in dynamic_layers(model) if d.input_quantizer}
+
+
+def _dynamic_outputs(d: DynamicLayer) -> list[tuple[str, int]]:
+    f32, u8 = onnx.TensorProto.FLOAT, onnx.TensorProto.UINT8
+    return [(d.input, f32), (d.codes, u8), (d.scale, f32), (d.zero_point, u8)]
+
+
+def evidence_quantizers(model: onnx.ModelProto) -> list[str]:
+    """The activation quantizers the sample covers: Q/DQ pairs and dynamic layers."""
+    return list(activation_pairs(model)) + [n for n in dynamic_inputs(model) if n not in activation_pairs(model)]
+
+
+def evidence_outputs(model: onnx.ModelProto) -> list[tuple[str, int]]:
+    """Every extra output the replay needs: each activation pair's source tensor and DequantizeLinear output,
+    each dynamic layer's input, codes, scale and zero point."""
     pairs = [p for ps in activation_pairs(model).values() for p in ps]
     sources = source_tensors(model, [p.tensor for p in pairs])
-    return [t for p in pairs for t in (sources[p.tensor], p.output)]
+    f32 = onnx.TensorProto.FLOAT
+    out = [(t, f32) for p in pairs for t in (sources[p.tensor], p.output)]
+    return out + [o for d in dynamic_inputs(model).values() for o in _dynamic_outputs(d)]
 
 
 def split_sample(batches: list[Batch]) -> tuple[Batch, list[Batch]]:
@@ -167,12 +187,17 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
     pairs = activation_pairs(model)
     found = source_tensors(model, [p.tensor for ps in pairs.values() for p in ps])
     sources = {p.output: found[p.tensor] for ps in pairs.values() for p in ps}
+    dyn = {n: d for n, d in dynamic_inputs(model).items() if n not in pairs}
     extra = [t for ps in pairs.values() for p in ps for t in (sources[p.output], p.output)]
+    extra += [t for d in dyn.values() for t, _ in _dynamic_outputs(d)]
     where = "the per-quantizer sample"
     values = sessions.run(sess, sessions.feeds(sess, batch, where), where, out_names + extra)
     ort_out, named = values[: len(out_names)], dict(zip(out_names + extra, values))
     qs = quantizers(qmodel)
     rep = Replay(samples=int(next(iter(batch.values())).shape[0]))
+    # dynamic layers: onnxruntime's codes dequantized with its own run-time scale and zero point
+    dyn_deq = {n: ((named[d.codes].astype(np.float32) - named[d.zero_point].astype(np.float32))
+                   * named[d.scale].astype(np.float32)).astype(np.float32) for n, d in dyn.items()}
 
     # replay: every quantizer reads PyTorch's segment output, and hands on onnxruntime's DequantizeLinear output
     deviation: dict[str, float] = {}
@@ -183,6 +208,8 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
         def hook(_m, inputs, out):
             k = calls.get(name, 0)
             calls[name] = k + 1
+            if name in dyn:
+                return force_dynamic(name, inputs, out, k)
             ps = pairs[name]
             if k >= len(ps):
                 not_replayed.add(name)
@@ -199,7 +226,18 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
 
         return hook
 
-    handles = [qs[n].register_forward_hook(force(n)) for n in pairs if n in qs]
+    def force_dynamic(name, inputs, out, k):
+        d, deq = dyn[name], dyn_deq[name]
+        x_ort, x = named[d.input], inputs[0].detach().cpu().numpy()
+        if k > 0 or x.shape != x_ort.shape or deq.shape != tuple(out.shape):
+            not_replayed.add(name)
+            return None
+        step = max(float(named[d.scale]), float(np.finfo(np.float32).tiny))  # the run-time scale: one step
+        diff = float(np.abs(x.astype(np.float64) - x_ort).max(initial=0.0)) / step
+        deviation[name] = diff if math.isfinite(diff) else math.inf
+        return torch.from_numpy(np.ascontiguousarray(deq)).to(out.dtype)
+
+    handles = [qs[n].register_forward_hook(force(n)) for n in list(pairs) + list(dyn) if n in qs]
     try:
         with torch.inference_mode():
             forced = [t.detach().cpu().numpy() for t in flat_outputs(run_model(qmodel, batch, where))]
@@ -237,6 +275,26 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
             "max_abs_error": max_abs,
             "identical_codes": same / total if total else None,
             "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
+            "replay_steps": deviation.get(name),
+        })
+    for name, d in dyn.items():
+        if name not in qs:
+            continue
+        x, codes, deq = np.ascontiguousarray(named[d.input]), named[d.codes], dyn_deq[name]
+        ps, pz = ar.dynamic_qparams(torch.from_numpy(x))
+        mine = ar.quantize_linear(torch.from_numpy(x), ps, pz, 0, ar.DYNAMIC_QMAX).numpy()
+        params_equal = float(ps) == float(named[d.scale]) and float(pz) == float(named[d.zero_point])
+        same = int(np.count_nonzero(mine == codes)) if params_equal else 0
+        own = seen.get(name, [])
+        e2e = own[0] if own and own[0].shape == deq.shape else None
+        diff = deq.astype(np.float64) - x
+        ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
+        rep.rows.append({
+            "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation (dynamic)",
+            "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
+            "max_abs_error": float(np.abs(diff).max(initial=0.0)),
+            "identical_codes": same / codes.size if codes.size else None,
+            "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size if e2e is not None else None,
             "replay_steps": deviation.get(name),
         })
     return rep, ort_out

@@ -16,6 +16,7 @@ import numpy as np
 import onnx
 import torch
 
+from exporters.dynamic_linear import dynamic_layers
 from exporters.graph import QdqPair, pruned_quantizers, qdq_pairs, to_numpy
 from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated
@@ -43,7 +44,7 @@ def expected_scale(q) -> tuple[np.ndarray, np.ndarray]:
 def expected_scales(ckpt: Calibrated) -> dict[str, np.ndarray]:
     """Scale each enabled, calibrated quantizer implies (for tests and tools)."""
     return {name: expected_scale(q)[0] for name, q in quantizers(ckpt.model).items()
-            if q.enabled and q.amax is not None}
+            if q.enabled and q.amax is not None and not q.dynamic_uint8}
 
 
 def dequantize(codes, scale, zp, axis, block) -> np.ndarray:
@@ -87,6 +88,47 @@ def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any]
     return row, (f"{bad} stored weight code(s) differ from the checkpoint's weights" if bad else None)
 
 
+def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, problems: dict[str, list[str]],
+                          rows: list[dict[str, Any]]) -> set[str]:
+    """Structure of the ``DynamicQuantizeLinear -> MatMulInteger`` layers (:mod:`exporters.dynamic_linear`).
+
+    The input quantizer has no scale to compare (it is computed at run time; ``fidelity.codes`` checks it on the
+    sample); the weight's float32 scale must be ``amax / bound`` exactly, its zero point 0 and its stored codes
+    the checkpoint's. Returns the quantizer names found in such layers; appends the weights' per-layer rows."""
+    found: set[str] = set()
+    inits = {t.name: t for t in model.graph.initializer}
+    weights = dict(ckpt.model.named_parameters())
+    for layer in dynamic_layers(model):
+        found |= {n for n in (layer.input_quantizer, layer.weight_quantizer) if n is not None}
+        wname = layer.weight_quantizer
+        if wname not in qs:
+            continue
+        q = qs[wname]
+        want, _ = expected_scale(q)
+        got = layer.weight_scale
+        if got is None or got.reshape(-1).shape != want.shape or not np.array_equal(got.reshape(-1), want):
+            problems.setdefault(wname, []).append("weight scale (in the Mul after MatMulInteger) differs from amax/bound")
+            continue
+        if layer.weight_zero_point is not None and np.any(layer.weight_zero_point != 0):
+            problems.setdefault(wname, []).append("weight zero point is not 0")
+        module = wname.rsplit(".", 1)[0]
+        w = weights.get(f"{module}.weight")
+        if layer.weight in inits and w is not None:
+            with torch.no_grad():
+                want_w = q(w.detach()).cpu().numpy()
+            codes = to_numpy(inits[layer.weight]).astype(np.float32)  # (K, N)
+            deq = (codes * want.reshape(1, -1) if want.size > 1 else codes * want.reshape(())).T.astype(np.float32)
+            bad = int(np.count_nonzero(deq != want_w)) if deq.shape == want_w.shape else want_w.size
+            if bad:
+                problems.setdefault(wname, []).append(f"{bad} stored weight code(s) differ from the checkpoint's weights")
+            local = PairStats()
+            local.add(want_w, w.detach().cpu().numpy())
+            same = 1.0 - bad / max(want_w.size, 1)
+            rows.append({"quantizer": wname, "module": module, "kind": "weight", "snr_db": local.snr_db,
+                         "max_abs_error": local.max_abs, "identical_codes": same, "identical_codes_end_to_end": same})
+    return found
+
+
 def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the structure section of the report, per-layer rows of the weight quantizers)."""
     graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
@@ -102,8 +144,9 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     inits = {t.name: t for t in model.graph.initializer}
     params = dict(ckpt.model.named_parameters())
     problems: dict[str, list[str]] = {}
-    rows = []
-    absent = sorted(set(qs) - set(pairs))
+    rows: list[dict[str, Any]] = []
+    dynamic = _check_dynamic_layers(model, ckpt, qs, problems, rows)
+    absent = sorted(set(qs) - set(pairs) - dynamic)
     one = {k: v[:1] for k, v in ckpt.example.items()}  # connectivity does not depend on the batch size
     unused = (unused_quantizers(ckpt.model, one) or set()) if absent else set()
     pruned = [n for n in absent if n in unused]
@@ -135,10 +178,10 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     recorded = pruned_quantizers(model)
     return {
         "passed": not flat, "problems": flat, "layers_with_problems": sorted(problems),
-        "quantizers_expected": len(qs), "quantizers_found": len(set(pairs) & set(qs)),
+        "quantizers_expected": len(qs), "quantizers_found": len((set(pairs) | dynamic) & set(qs)),
         "pruned": pruned,
         "notes": [f"{n}: pruned by the exporter, its output reaches no model output" for n in pruned],
         "pruned_recorded_at_export": recorded,
         "unmapped_pairs": sum(1 for p in all_pairs if not p.quantizer),
-        "unexpected_quantizers": sorted(set(pairs) - set(qs)),
+        "unexpected_quantizers": sorted((set(pairs) | dynamic) - set(qs)),
     }, rows
