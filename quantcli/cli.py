@@ -524,6 +524,8 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
         t.add_row(r["name"], "yes" if r["enabled"] else "no", r["format"], str(r["axis"]), str(r["block_sizes"] or ""),
                   r["amax"])
     out.print(t)
+    if rows["batchnorm_folds"]:
+        out.print("BatchNorm folded: " + ", ".join(f"{f['batchnorm']} into {f['layer']}" for f in rows["batchnorm_folds"]))
     code = rows["model_code"]
     loads = rows["model_loads"]
     if loads is not None:
