@@ -12,6 +12,7 @@ from benchmarks import (
     bench_ort_fp8,
     bench_reduce_range,
     bench_startup,
+    bench_verify,
 )
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -32,6 +33,7 @@ if a.device == "cpu":
     print()
     bench_ort_fp8.main([])
     print()
+    bench_verify.main([])
     bench_opset.main([])
     print()
     bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])

@@ -320,6 +320,9 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     if res.onnxruntime_disabled_optimizers:
         t.add_row("onnxruntime", "fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
                   f"InferenceSession(path, disabled_optimizers={res.onnxruntime_disabled_optimizers})")
+    if res.pruned_quantizers:
+        t.add_row("pruned (output unused)", f"{len(res.pruned_quantizers)} quantizer(s) whose output reaches no model "
+                  f"output: {', '.join(res.pruned_quantizers[:4])}" + (" ..." if len(res.pruned_quantizers) > 4 else ""))
     if res.fusion_error:
         t.add_row("onnxruntime", f"does not load with default options: {res.fusion_error}")
     elif res.quantized_layers is not None:
@@ -346,9 +349,11 @@ def verify(
     reference: Path = typer.Option(..., "--reference", help="The calibrated checkpoint it was exported from."),
     data: Optional[Path] = typer.Option(None, "--data", help="Inputs (calibrate's formats). Default: the sample model's held-out set, else the checkpoint's example batch."),
     provider: Provider = typer.Option(Provider.auto, "--provider", help="onnxruntime execution provider."),
-    max_abs_diff: Optional[float] = typer.Option(None, "--max-abs-diff", help="Fidelity: largest |onnx - fake-quant| allowed (default: 2% of the largest |output|)."),
-    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Quality: smallest cosine similarity to the float model allowed."),
-    min_snr: Optional[float] = typer.Option(None, "--min-snr", help="Quality: smallest SNR (dB) against the float model allowed."),
+    max_abs_diff: Optional[float] = typer.Option(None, "--max-abs-diff", help="Fidelity, optional: largest |onnxruntime - fake-quant| allowed per output, in the output's units (optimizations off)."),
+    max_rms_ratio: Optional[float] = typer.Option(None, "--max-rms-ratio", help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed per output, optimizations off (default 0.5)."),
+    max_deploy_ratio: Optional[float] = typer.Option(None, "--max-deploy-ratio", help="Deployment, optional: the same ratio for the deployed session (default options)."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Quality of the deployed session: smallest cosine similarity to the float model allowed."),
+    min_snr: Optional[float] = typer.Option(None, "--min-snr", help="Quality of the deployed session: smallest SNR (dB) against the float model allowed."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Rank quantized layers by their local quantization error."),
     report_path: Optional[Path] = typer.Option(None, "--report", help="Write every metric as JSON to this file."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays from --data (default 32)."),
@@ -364,7 +369,9 @@ def verify(
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
     from quantcli.data import DataOptions
 
-    code = _guard(_verify, onnx_path, reference, data, provider.value, max_abs_diff, min_cosine, min_snr, per_layer,
+    thresholds = {"max_abs_diff": max_abs_diff, "max_rms_ratio": max_rms_ratio, "max_deploy_ratio": max_deploy_ratio,
+                  "min_cosine": min_cosine, "min_snr": min_snr}
+    code = _guard(_verify, onnx_path, reference, data, provider.value, thresholds, per_layer,
                   report_path, batch_size, num_samples, as_json, trust_code,
                   DataOptions(tokenizer, max_length, image_size, mean, std))
     raise typer.Exit(code)
@@ -378,12 +385,16 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_snr, per_layer, report_path,
+def _verify(onnx_path, reference, data, provider, thresholds, per_layer, report_path,
             batch_size, num_samples, as_json, trust_code=False, data_options=None) -> int:
     from quantcli.checkpoint import atomic_write, load_calibrated
     from quantcli.data import DataOptions, cap_samples, load_data
+    from quantcli.errors import QuantCliError
     from quantcli.verify import verify_onnx
 
+    for name in ("max_abs_diff", "max_rms_ratio", "max_deploy_ratio"):
+        if thresholds[name] is not None and not thresholds[name] >= 0:
+            raise QuantCliError(f"--{name.replace('_', '-')} must be a number >= 0, got {thresholds[name]}")
     ckpt = load_calibrated(reference, trust_code=trust_code)
     batches = None
     if data is not None:
@@ -393,8 +404,8 @@ def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_
         batches, _ = load_data(data, ckpt.model, batch_size or 32, num_samples, opts)
     elif num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
-    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider, max_abs_diff=max_abs_diff, min_cosine=min_cosine,
-                      min_snr=min_snr, per_layer=per_layer)
+    given = {k: v for k, v in thresholds.items() if v is not None or k != "max_rms_ratio"}  # None: the default
+    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider, per_layer=per_layer, **given)
     d = rep.to_dict()
     if report_path is not None:
         atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n"))
@@ -405,32 +416,44 @@ def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_
     if rep.provider_note:
         err.print(f"warning: {rep.provider_note}")
     t = Table(title="checks")
-    for col in ("check", "threshold", "measured", "result"):
+    for col in ("check", "threshold", "measured", "result", "where"):
         t.add_column(col)
     st = rep.structure
-    t.add_row("structure", f"{st['quantizers_expected']} quantizers", f"{st['quantizers_found']} found, {len(st['problems'])} problem(s)",
-              "pass" if st["passed"] else "FAIL")
+    pruned = f", {len(st['pruned'])} pruned (unused)" if st["pruned"] else ""
+    t.add_row("structure", f"{st['quantizers_expected']} quantizers",
+              f"{st['quantizers_found']} found{pruned}, {len(st['problems'])} problem(s)",
+              "pass" if st["passed"] else "FAIL", ", ".join(st["layers_with_problems"][:3]) or "")
     for c in rep.checks:
-        t.add_row(c.name, ("<= " if c.kind == "max" else ">= ") + _fmt(c.threshold), _fmt(c.value), "pass" if c.passed else "FAIL")
+        t.add_row(c.name, ("<= " if c.kind == "max" else ">= ") + _fmt(c.threshold), _fmt(c.value),
+                  "pass" if c.passed else "FAIL", "" if c.passed or not c.detail else c.detail[:120])
     out.print(t)
     for p in st["problems"][:20]:
         out.print(f"  structure: {p}")
-    q = Table(title="quality vs the float model (and deployment: onnxruntime optimizations on)")
-    for col in ("output", "cosine", "SNR dB", "max abs err", "mean abs err", "top-1 agree", "deploy max diff"):
+    for note in st["notes"]:
+        out.print(f"  structure (info): {note}")
+    for c in rep.checks:
+        if not c.passed and c.detail and len(c.detail) > 120:
+            out.print(f"  {c.name}: {c.detail}")
+    q = Table(title=f"quality vs the float model ({rep.quality['session']} session), deployment vs fake-quant")
+    for col in ("output", "cosine", "SNR dB", "max abs err", "top-1 agree", "exact rms ratio", "deployed rms ratio"):
         q.add_column(col)
     dep = rep.deployment.get("outputs", {})
     for name, m in rep.quality["outputs"].items():
-        q.add_row(name, _fmt(m["cosine"]), _fmt(m["snr_db"]), _fmt(m["max_abs_error"]), _fmt(m["mean_abs_error"]),
-                  _fmt(m.get("top1_agreement")), _fmt(dep.get(name, {}).get("max_abs_diff")))
+        q.add_row(name, _fmt(m["cosine"]), _fmt(m["snr_db"]), _fmt(m["max_abs_error"]), _fmt(m.get("top1_agreement")),
+                  _fmt(rep.fidelity["outputs"][name]["rms_ratio"]), _fmt(dep.get(name, {}).get("rms_ratio")))
     out.print(q)
     if rep.deployment.get("error"):
         out.print(f"  deployment: {rep.deployment['error']}")
+    for note in rep.deployment.get("notes", []):
+        out.print(f"  deployment: {note}")
+    out.print(f"  per-quantizer evidence on {rep.fidelity['sample_size']} samples; {rep.seconds:.1f} s")
     if rep.layers:
         lt = Table(title="layers, worst local quantization error first")
-        for col in ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes"):
+        for col in ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes", "end to end", "replay steps"):
             lt.add_column(col)
         for r in rep.layers:
-            lt.add_row(str(r["rank"]), r["quantizer"], r["kind"], _fmt(r["snr_db"]), _fmt(r["max_abs_error"]), _fmt(r["identical_codes"]))
+            lt.add_row(str(r["rank"]), r["quantizer"], r["kind"], _fmt(r["snr_db"]), _fmt(r["max_abs_error"]),
+                       _fmt(r["identical_codes"]), _fmt(r["identical_codes_end_to_end"]), _fmt(r.get("replay_steps")))
         out.print(lt)
     out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
     return 0 if rep.passed else 1
