@@ -8,10 +8,12 @@ from benchmarks import (
     bench_calibrators,
     bench_distributed,
     bench_end_to_end,
+    bench_int8_transformers,
     bench_opset,
     bench_ort_fp8,
     bench_reduce_range,
     bench_startup,
+    bench_verify,
 )
 
 p = argparse.ArgumentParser(description=__doc__)
@@ -32,7 +34,10 @@ if a.device == "cpu":
     print()
     bench_ort_fp8.main([])
     print()
+    bench_verify.main([])
     bench_opset.main([])
+    print()
+    bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
     print()
     bench_accuracy.main(["--quick"] if a.quick else [])
 print()

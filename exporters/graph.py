@@ -14,6 +14,7 @@ from exporters import formats as fm
 from quantcli.errors import VerifyError
 
 QUANTIZERS_KEY = "quantcli.quantizers"
+PRUNED_KEY = "quantcli.pruned_quantizers"  # JSON list: quantizers removed as dead code (their output is unused)
 
 
 def read_onnx(path: str | Path) -> onnx.ModelProto:
@@ -82,6 +83,14 @@ def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
         if p.key == QUANTIZERS_KEY:
             return json.loads(p.value)
     return {}
+
+
+def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
+    """Quantizers the exporter recorded as removed because nothing uses their output (empty for older files)."""
+    for p in model.metadata_props:
+        if p.key == PRUNED_KEY:
+            return list(json.loads(p.value))
+    return []
 
 
 def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
