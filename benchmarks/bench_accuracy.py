@@ -52,7 +52,8 @@ def _splits(name: str):
     return model.eval(), calib, ev[:2], (ev[2:6] if name == "deep_encoder" else ev[2:])
 
 
-def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: Path, config: str = "int8") -> dict:
+def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: Path, config: str = "int8",
+          smoothquant: float | None = None) -> dict:
     from exporters import export_onnx
     from quantcli.calibration import calibrate
     from quantcli.mixed_precision import meet_target
@@ -60,6 +61,10 @@ def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: P
 
     m = quantize_model(copy.deepcopy(fmodel), config)
     t = time.perf_counter()
+    if smoothquant is not None:  # as calibrate --smoothquant does: smooth, then calibrate the smoothed tensors
+        from quantcli.smoothquant import smooth_quant
+
+        smooth_quant(m, calib, smoothquant, device="cpu")
     calibrate(m, calib, method, device="cpu")
     kept = 0
     if min_cosine is not None:
@@ -184,6 +189,10 @@ def accuracy_rows(name: str, repeat: int, methods=METHODS) -> tuple[list[dict], 
         variants[default] = _ours(fmodel, calib, holdout, "auto", TARGET_COSINE, d / "auto_target.onnx")
         variants[f"quantcli --method max --min-cosine {TARGET_COSINE}"] = _ours(
             fmodel, calib, holdout, "max", TARGET_COSINE, d / "max_target.onnx")
+        variants["quantcli --smoothquant --method auto"] = _ours(fmodel, calib, holdout, "auto", None,
+                                                                 d / "sq_auto.onnx", smoothquant=0.5)
+        variants[f"quantcli --smoothquant --method auto --min-cosine {TARGET_COSINE}"] = _ours(
+            fmodel, calib, holdout, "auto", TARGET_COSINE, d / "sq_auto_target.onnx", smoothquant=0.5)
         variants["quantcli --config int8-dynamic"] = _ours(fmodel, calib, holdout, "max", None, d / "dynamic.onnx",
                                                            config="int8-dynamic")
         variants.update(_ort_references(fp32, calib, d))
