@@ -29,6 +29,7 @@ from exporters import formats as fm
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import QUANTIZERS_KEY, qdq_pairs
 from exporters.ort_compat import guard_fp8, session_needs
+from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli.errors import ExportError
@@ -56,6 +57,8 @@ class ExportResult:
     unfused_layers: int | None = None
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
+    target: str = "onnxruntime"
+    placement: dict[str, int] = field(default_factory=dict)  # onnxruntime target: what exporters.ort_placement did
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -219,16 +222,18 @@ def export_onnx(
             if not d.is_fp8 and d.num_bits <= 4:
                 narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
         narrow_types(onnx_model, narrow)
+        target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
+        placed = place_for_onnxruntime(onnx_model) if target == "onnxruntime" else {}
         drop_unused_initializers(onnx_model)
         for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
             del node.metadata_props[:]
-        target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
         guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
         ort_needs = list(session_needs(onnx_model).disabled_optimizers)
         meta = {
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
             QUANTIZERS_KEY: json.dumps(mapping),
+            "quantcli.target": target,
             **(metadata or {}),
         }
         del onnx_model.metadata_props[:]
@@ -258,6 +263,7 @@ def export_onnx(
     res = ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
                        input_names, output_names, external)
     res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
+    res.target, res.placement = target, placed
     if target == "onnxruntime":
         fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)

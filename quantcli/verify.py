@@ -405,6 +405,9 @@ def verify_onnx(
 
 def _layer_report(model: onnx.ModelProto, ckpt: Calibrated, batches: list[Batch], provider: str) -> list[dict[str, Any]]:
     """Per quantizer: identical-code fraction (ORT vs PyTorch) and local error (DQ output vs its own input)."""
+    from exporters.ort_placement import strip_propagated
+
+    model = strip_propagated(model)  # a Q moved in front of MaxPool/Flatten would otherwise read quantized values
     pairs = [p for p in qdq_pairs(model) if p.quantizer]
     inits = {t.name for t in model.graph.initializer}
     qs = quantizers(ckpt.model)

@@ -7,6 +7,7 @@ or the same content as a dict::
     preset: int8            # the starting point (default int8)
     block_size: 128         # int4-weight-only's block along the input dimension
     reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
+    target: onnxruntime     # the runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
         enable: false
@@ -62,6 +63,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 DEFAULT_BLOCK_SIZE = 128
+#: deployment targets: which runtime's fusions decide where quantizers go (:mod:`quantcli.nn.placement`)
+TARGETS = ("onnxruntime", "tensorrt")
+DEFAULT_TARGET = "onnxruntime"
 REDUCED_WEIGHT_BITS = 7  # reduce_range: |code| <= 63, so a uint8 x int8 pair sum fits in 16 bits
 _RULE_KEYS = {"pattern", "enable", *FIELDS}
 
@@ -73,8 +77,11 @@ class QuantConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     source: str = "int8"
     reduce_range: bool = False
+    target: str = DEFAULT_TARGET
 
     def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ConfigError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -94,19 +101,19 @@ class QuantConfig:
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
         return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
-                "reduce_range": self.reduce_range}
+                "reduce_range": self.reduce_range, "target": self.target}
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range"})
+        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "target"})
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown} in {source}; "
-                              "known: preset, block_size, reduce_range, rules")
+                              "known: preset, block_size, reduce_range, target, rules")
         return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
                    block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source),
-                   reduce_range=data.get("reduce_range", False))
+                   reduce_range=data.get("reduce_range", False), target=data.get("target", DEFAULT_TARGET))
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""

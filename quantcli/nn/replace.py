@@ -6,15 +6,21 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.modules import QUANT_CLASSES
+from quantcli.nn.placement import Placement, analyse
 from quantcli.nn.tensor_quantizer import TensorQuantizer
+
+# rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
+_GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dynamic")
 
 
 @dataclass
 class QuantizeReport:
     layers: list[str] = field(default_factory=list)
     unmatched_patterns: list[str] = field(default_factory=list)
+    placement: Placement | None = None
 
 
 def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
@@ -27,23 +33,72 @@ def quantize_model(model: nn.Module, config=None) -> nn.Module:
 
     Module names, parameters, hooks and ``state_dict`` keys are kept (quantizer ``amax`` buffers are added).
     ``config`` is anything :func:`quantcli.nn.config.load_config` takes (default: the ``int8`` preset). The
-    report (layers converted, rule patterns that matched nothing) is at ``model.quantcli_report``.
+    report (layers converted, rule patterns that matched nothing, the target's placement) is at
+    ``model.quantcli_report``.
+
+    The config's ``target`` decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``, inputs
+    that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer reads
+    directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes.
     """
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
     used: set[int] = set()
+    layers: dict[str, nn.Module] = {}
+    own_grid: set[str] = set()  # input quantizers whose grid a rule chose
     for name, module in list(model.named_modules()):
         qcls = QUANT_CLASSES.get(type(module))
         if qcls is None:
             continue
         module.__class__ = qcls
         for kind in ("input", "weight"):
-            qname = f"{name}.{kind}_quantizer" if name else f"{kind}_quantizer"
+            qname = _qname(name, kind)
             enabled, desc, matched = cfg.resolve(qname, kind, module)
             used.update(matched)
+            if kind == "input" and any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
+                own_grid.add(name)
             module.add_module(f"{kind}_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         report.layers.append(name)
+        layers[name] = module
+    if cfg.target == "onnxruntime" and not getattr(cfg, "legacy_placement", False):
+        used.update(_place_for_onnxruntime(model, cfg, layers, own_grid, report))
     report.unmatched_patterns = [r["pattern"] for i, r in enumerate(cfg.rules) if i not in used]
     model.quantcli_config = cfg
     model.quantcli_report = report
     return model
+
+
+def _qname(layer: str, kind: str) -> str:
+    return f"{layer}.{kind}_quantizer" if layer else f"{kind}_quantizer"
+
+
+def _integer8(q: TensorQuantizer) -> bool:
+    d = q.desc
+    return q.enabled and not d.is_fp8 and not d.dynamic and q._block is None and d.num_bits <= 8
+
+
+def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module], own_grid: set[str],
+                           report: QuantizeReport) -> set[int]:
+    """Unsigned post-ReLU inputs, output quantizers, int32 biases; returns the indices of rules that matched."""
+    used: set[int] = set()
+    placement = analyse(model, layers, cfg.target,
+                        {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic for n, m in layers.items()},
+                        {n: _integer8(m.weight_quantizer) for n, m in layers.items()})
+    for name in list(placement.unsigned_inputs):
+        q = layers[name].input_quantizer
+        d = q.desc
+        if name in own_grid or not _integer8(q) or d.unsigned or d.asymmetric or d.axis is not None:
+            placement.unsigned_inputs.remove(name)
+            continue
+        q.desc = QuantDescriptor(**{**d.dict(), "unsigned": True})
+    for name in placement.output_quantized:
+        module = layers[name]
+        qname = _qname(name, "output")
+        enabled, desc, matched = cfg.resolve(qname, "input", module)
+        used.update(matched)
+        module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
+    for module in layers.values():
+        # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
+        if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            module.int32_bias = True
+    report.placement = placement
+    return used
