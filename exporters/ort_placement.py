@@ -82,7 +82,18 @@ def uint8_activations(model: onnx.ModelProto) -> int:
     return count
 
 
-def _key(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]):
+def _source(name: str, producers: dict[str, onnx.NodeProto]) -> str:
+    """The tensor behind float Casts: a Q reads float, so a Cast to float of its input is the same values (the
+    TorchScript exporter reads q/k/v's shared input through such Casts)."""
+    n = producers.get(name)
+    while n is not None and n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT
+                                                           for a in n.attribute):
+        name = n.input[0]
+        n = producers.get(name)
+    return name
+
+
+def _key(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto], producers=None):
     vals = []
     for name in n.input[1:]:
         t = inits.get(name)
@@ -90,7 +101,7 @@ def _key(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]):
             return None
         vals.append((t.data_type, tuple(t.dims), to_numpy(t).tobytes()))
     attrs = tuple(sorted((a.name, str(helper.get_attribute_value(a))) for a in n.attribute))
-    return n.input[0], tuple(vals), attrs
+    return (_source(n.input[0], producers) if producers is not None else n.input[0]), tuple(vals), attrs
 
 
 def share_quantize(model: onnx.ModelProto) -> int:
@@ -98,12 +109,13 @@ def share_quantize(model: onnx.ModelProto) -> int:
     g = model.graph
     inits = _inits(model)
     outputs = {o.name for o in g.output}
+    producers = {o: n for n in g.node for o in n.output}
     first: dict = {}
     rename: dict[str, str] = {}
     keep = []
     for n in g.node:
         if n.op_type == "QuantizeLinear" and n.input[0] not in inits and n.output[0] not in outputs:
-            k = _key(n, inits)
+            k = _key(n, inits, producers)
             if k is not None and k in first:
                 rename[n.output[0]] = first[k].output[0]
                 continue
