@@ -100,6 +100,61 @@ def _bias_translation(opset: int):
     return int32_bias_onnx
 
 
+@torch.library.custom_op("quantcli::dynamic_linear", mutates_args=())
+def dynamic_linear_op(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
+                      bias: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    """``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul -> Add`` on ``x`` (:mod:`exporters.dynamic_linear`).
+
+    ``w_codes`` int8 ``(K, N)``; ``w_scale`` float32 ``(N,)`` or scalar. The fake-quant value, in float32."""
+    w = ar.dequantize_linear(w_codes.to(torch.float32), w_scale, w_zero_point.to(torch.float32))
+    y = torch.matmul(ar.fake_quant_dynamic(x.to(torch.float32)), w)
+    return (y + bias if has_bias else y).to(x.dtype)
+
+
+@dynamic_linear_op.register_fake
+def _dynamic_linear_fake(x, w_codes, w_scale, w_zero_point, bias, has_bias):
+    return x.new_empty((*x.shape[:-1], w_codes.shape[1]))
+
+
+def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(int8 weight codes (K, N), float32 scale, int8 zero point) of a dynamic Linear, computed before tracing
+    (torch.export traces with fake tensors, so values are read first)."""
+    from exporters.dynamic_linear import weight_spec
+
+    wq = layer.weight_quantizer
+    w = layer.weight.detach().cpu()
+    spec = weight_spec(wq.amax, tuple(w.shape), wq.desc.num_bits, wq.desc.narrow_range)
+    w_t = w.t().to(torch.float32)
+    if spec.lo is not None:
+        w_t = torch.minimum(torch.maximum(w_t, spec.lo), spec.hi)
+    s = broadcast_onnx_param(spec.scale, tuple(w_t.shape), spec.axis if spec.scale.numel() > 1 else None, None)
+    codes = ar.quantize_linear(w_t, s, 0, spec.qtype.qmin, spec.qtype.qmax).to(torch.int8)
+    return codes, spec.scale, spec.zero_point.to(torch.int8)
+
+
+def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A QuantLinear with a dynamic input quantizer, while torch.export traces."""
+    codes, scale, zp = layer._dynamic_export
+    bias = layer.bias if layer.bias is not None else scale
+    return torch.ops.quantcli.dynamic_linear(x, codes, scale, zp, bias, layer.bias is not None)
+
+
+def _dynamic_linear_translation(opset: int):
+    import onnxscript
+
+    op = getattr(onnxscript, f"opset{opset}")
+
+    def dynamic_linear_onnx(x, w_codes, w_scale, w_zero_point, bias, has_bias: bool):
+        xq, xs, xzp = op.DynamicQuantizeLinear(x)
+        acc = op.MatMulInteger(xq, w_codes, xzp, w_zero_point)
+        y = op.Mul(op.Cast(acc, to=1), op.Mul(xs, w_scale))
+        if has_bias:
+            y = op.Add(y, bias)
+        return y
+
+    return dynamic_linear_onnx
+
+
 def _translation(opset: int):
     import onnxscript
 
@@ -133,13 +188,17 @@ def _prepare_specs(model: nn.Module, example: dict[str, torch.Tensor], opset: in
 
     shapes: dict[str, tuple[int, ...]] = {}
     hooks = [q.register_forward_pre_hook(lambda m, a, n=n: shapes.__setitem__(n, tuple(a[0].shape)))
-             for n, q in quantizers(model).items() if q.mode == "quantize"]
+             for n, q in quantizers(model).items() if q.mode == "quantize" and not q.dynamic_uint8]
     try:
         with torch.no_grad():
             model(**example)
     finally:
         for h in hooks:
             h.remove()
+    for module in model.modules():
+        q = getattr(module, "input_quantizer", None)
+        if isinstance(module, nn.Linear) and q is not None and q.mode == "quantize" and q.dynamic_uint8:
+            module._dynamic_export = _dynamic_linear_constants(module)
     for n, q in quantizers(model).items():
         if n in shapes:
             spec = quantizer_spec(q, shapes[n])
@@ -152,6 +211,9 @@ def _clear_specs(model: nn.Module) -> None:
 
     for q in quantizers(model).values():
         q._export_spec = None
+    for module in model.modules():
+        if hasattr(module, "_dynamic_export"):
+            del module._dynamic_export
 
 
 def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names,
@@ -171,7 +233,9 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
             prog = torch.onnx.export(
                 model, (), kwargs=dict(example), dynamo=True, opset_version=opset,
                 custom_translation_table={torch.ops.quantcli.qdq.default: _translation(opset),
-                                          torch.ops.quantcli.int32_bias.default: _bias_translation(opset)},
+                                          torch.ops.quantcli.int32_bias.default: _bias_translation(opset),
+                                          torch.ops.quantcli.dynamic_linear.default:
+                                              _dynamic_linear_translation(opset)},
                 input_names=input_names, output_names=output_names, dynamic_shapes=dynamic_shapes,
                 # no onnxscript optimizer: it merges identical Q/DQ pairs (q/k/v input quantizers share their
                 # input and scale), so a quantizer would lose its own pair; exporters.fold does the folding

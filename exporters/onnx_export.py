@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from exporters import formats as fm
+from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import QUANTIZERS_KEY, qdq_pairs
 from exporters.ort_compat import guard_fp8, session_needs
@@ -52,6 +53,7 @@ class ExportResult:
     input_names: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
     external_data: bool = False
+    dynamic_layers: int = 0  # DynamicQuantizeLinear -> MatMulInteger layers (exporters.dynamic_linear)
     fp8_guards: int = 0  # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.ort_compat)
     quantized_layers: int | None = None  # onnxruntime target: layers with Q/DQ, and how many it leaves in float
     unfused_layers: int | None = None
@@ -79,11 +81,20 @@ def required_opset(model: nn.Module) -> tuple[int, str]:
 
 
 def check_exportable(model: nn.Module) -> None:
+    from quantcli.nn.dynamic import exportable
+
     missing = [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ExportError(f"uncalibrated quantizer(s), amax missing: {', '.join(missing[:5])}{more}; run `quantcli calibrate` first")
-    dynamic = [n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic]
+    dynamic = [n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic and not q.dynamic_uint8]
+    for module in model.modules():  # dynamic uint8 inputs export with their Linear (MatMulInteger)
+        q = getattr(module, "input_quantizer", None)
+        if q is not None and q.enabled and q.dynamic_uint8:
+            why = exportable(module) if isinstance(module, nn.Linear) else f"it quantizes a {type(module).__name__}"
+            if why is not None:
+                raise ExportError(f"{q.name}: a dynamic activation quantizer exports as DynamicQuantizeLinear -> "
+                                  f"MatMulInteger in a Linear layer with 8-bit integer weights, but {why}")
     if dynamic:
         raise ExportError(f"dynamic quantizers cannot be exported as static Q/DQ: {', '.join(dynamic[:5])}")
 
@@ -215,6 +226,7 @@ def export_onnx(
         folded = prepare(onnx_model, fold_weights=not weights_qdq)
         _set_opset(onnx_model, opset)
         mapping = _namequantizers(onnx_model, model)
+        mapping.update(dynamic_quantizer_map(onnx_model, quantizers(model)))
         qs = quantizers(model)
         narrow = {}
         for out_name, qname in mapping.items():
@@ -264,6 +276,11 @@ def export_onnx(
                        input_names, output_names, external)
     res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
     res.target, res.placement = target, placed
+    dyn = dynamic_layers(onnx_model)
+    res.dynamic_layers = len(dyn)
+    if exporter == "dynamo":  # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
+        inits = {t.name for t in onnx_model.graph.initializer}
+        res.weights_stored_quantized += sum(1 for d in dyn if d.weight in inits)
     if target == "onnxruntime":
         fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)

@@ -32,6 +32,7 @@ INTEGER_KERNELS = frozenset({
     "DynamicQuantizeMatMul", "MatMulInteger", "ConvInteger", "QAttention", "NhwcQLinearConv",
 })
 LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
+DYNAMIC_OPS = ("MatMulInteger",)  # a DynamicQuantizeLinear -> MatMulInteger layer (exporters.dynamic_linear)
 _MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")  # weight layout changes
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _INT8, _UINT8 = onnx.TensorProto.INT8, onnx.TensorProto.UINT8
@@ -147,6 +148,11 @@ def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, 
     g = _Graph(model)
     out = []
     for n in model.graph.node:
+        if n.op_type in DYNAMIC_OPS and n.input[0] in g.producers \
+                and g.producers[n.input[0]].op_type == "DynamicQuantizeLinear":
+            names = [g.qmap[i] for i in n.input[:2] if i in g.qmap]
+            out.append((_layer_name(names, n), n, names))
+            continue
         if n.op_type not in LAYER_OPS:
             continue
         dqs = [dq for dq, _ in (g.dq_of(i, _MOVES) for i in n.input[:2]) if dq is not None]
@@ -278,6 +284,11 @@ def diagnose(model: onnx.ModelProto, node: onnx.NodeProto, int8_allowed: bool | 
 
 def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
     reasons: list[str] = []
+    if node.op_type in DYNAMIC_OPS:  # MatMulInteger is itself an integer kernel; these are what its fusions need
+        if node.input[1] not in g.inits:
+            reasons.append("its weight codes are computed at run time (exported with --weights-qdq?), not a "
+                           "constant: the MatMulIntegerToFloat fusion needs constant weights")
+        return reasons
     x_dq, x_guarded = g.dq_of(node.input[0])
     w_dq, w_guarded = g.dq_of(node.input[1], _MOVES)
     if x_guarded or w_guarded or (x_dq is not None and g.quant_type(x_dq) in ort_compat.FP8_TYPES):
@@ -314,6 +325,29 @@ def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------- the runtime
+
+
+def _dynamic_output(g: _Graph, node: onnx.NodeProto) -> list[str]:
+    """The tensors of a MatMulInteger layer's chain (MatMulInteger -> Cast -> Mul -> Add), first to last."""
+    chain = [node.output[0]]
+    for op in ("Cast", "Mul", "Add"):
+        readers = g.consumers.get(chain[-1], [])
+        if len(readers) != 1 or readers[0].op_type != op:
+            break
+        chain.append(readers[0].output[0])
+    return chain
+
+
+def _find_dynamic(optimized: onnx.ModelProto, g: _Graph, node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The node that computes a dynamic layer in onnxruntime's graph: the one writing the last tensor of its
+    chain (``MatMulIntegerToFloatFusion`` and ``DynamicQuantizeMatMulFusion`` keep the Add's or Mul's output)."""
+    chain = _dynamic_output(g, node)
+    by_output = {o: n for n in optimized.graph.node for o in n.output}
+    for t in reversed(chain):
+        n = by_output.get(t)
+        if n is not None and (n.op_type in INTEGER_KERNELS or t == chain[0]):
+            return n
+    return by_output.get(chain[0])
 
 
 def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | None:
@@ -379,7 +413,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
             report.layers.append(LayerFusion(layer, node.name, node.op_type, names, None, False,
                                              ["the session did not load with default options"]))
             continue
-        got = _find(optimized, node)
+        got = _find_dynamic(optimized, g, node) if node.op_type in DYNAMIC_OPS else _find(optimized, node)
         kernel = got.op_type if got is not None else None
         fused = None if got is None else kernel in INTEGER_KERNELS
         if fused or provider != "cpu":

@@ -104,6 +104,37 @@ def dequantize_linear(
     return q32 * scale.to(ct)
 
 
+DYNAMIC_QMAX = 255
+"""ONNX ``DynamicQuantizeLinear`` quantizes to uint8 only: the grid ``[0, 255]``."""
+
+
+def dynamic_qparams(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale, zero_point)`` of ONNX ``DynamicQuantizeLinear`` for the whole tensor ``x``, as 0-d float32.
+
+    ``x_min = min(0, min(x))``, ``x_max = max(0, max(x))`` (the range always holds 0),
+    ``scale = (x_max - x_min) / 255`` in float32, or 1 when ``x_max == x_min`` (an all-zero tensor: the ONNX
+    reference and onnxruntime define it so, where the formula would give 0);
+    ``zero_point = round_half_to_even(clamp(0 - x_min / scale, 0, 255))`` (float32 division, as onnxruntime's
+    ``GetQuantizationParameter``). The zero point is integer-valued.
+    """
+    xf = x.detach().to(torch.float32)
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    if xf.numel() == 0:
+        return torch.ones((), dtype=torch.float32, device=x.device), zero
+    lo = torch.minimum(xf.min(), zero)
+    hi = torch.maximum(xf.max(), zero)
+    span = hi - lo
+    scale = torch.where(span > 0, span / torch.tensor(float(DYNAMIC_QMAX), device=x.device), torch.ones_like(span))
+    zp = torch.round(torch.clamp(zero - lo / scale, 0.0, float(DYNAMIC_QMAX)))
+    return scale, zp
+
+
+def fake_quant_dynamic(x: torch.Tensor) -> torch.Tensor:
+    """ONNX ``DynamicQuantizeLinear`` followed by ``DequantizeLinear``: uint8, per tensor, in ``x``'s dtype."""
+    scale, zp = dynamic_qparams(x)
+    return dequantize_linear(quantize_linear(x, scale, zp, 0, DYNAMIC_QMAX), scale, zp).to(x.dtype)
+
+
 def dead_mask(amax: torch.Tensor) -> torch.Tensor:
     """True where amax == 0: those elements quantize to 0."""
     return amax.detach() == 0

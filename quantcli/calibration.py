@@ -20,6 +20,7 @@ from calibrators.distributed import merge_calibrators, world_size
 from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
+from quantcli.nn.dynamic import count_calls
 from quantcli.nn.replace import quantizers
 from quantcli.process_group import one_outcome, sum_over_ranks
 
@@ -34,6 +35,7 @@ class CalibrationSummary:
     num_samples: int
     calibrated: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # disabled or dynamic
+    dynamic: list[str] = field(default_factory=list)  # quantized at run time (int8-dynamic): nothing to calibrate
     not_called: list[str] = field(default_factory=list)  # on no forward path: disabled, with their layer's weights
     amax_min: float | None = None
     amax_max: float | None = None
@@ -52,6 +54,7 @@ class CalibrationSummary:
             "calibrated": self.calibrated,
             "skipped": self.skipped,
             "not_called": self.not_called,
+            "dynamic": self.dynamic,
             "amax_min": self.amax_min,
             "amax_max": self.amax_max,
             "seconds": round(self.seconds, 4),
@@ -115,11 +118,12 @@ def calibrate(
     # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
     # so the pass costs a forward plus the observers and nothing else
     paused = [q for q in qs.values() if q.mode == "quantize"]
+    dynamic = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8}
     for q in paused:
         q.mode = "disabled"
     try:
         seen = [0, 0]  # batches, samples
-        with one_outcome(group), torch.inference_mode():
+        with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
             for i, batch in enumerate(batches):
                 with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
                     run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
@@ -127,7 +131,7 @@ def calibrate(
                 seen[1] += num_samples([batch])
                 if progress is not None:
                     progress(i)
-        total_batches, total_samples = sum_over_ranks(seen, group)
+        total_batches, total_samples, *dynamic_calls = sum_over_ranks(seen + list(calls.values()), group)
         if total_batches == 0:
             raise CalibrationError("no calibration batches on any rank")
         summary = CalibrationSummary(method, str(dev), total_batches, total_samples,
@@ -135,6 +139,11 @@ def calibrate(
         merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
         with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
             _load_activation_amax(qs, acts, method, kwargs, summary)
+        for name, n_calls in zip(calls, dynamic_calls):
+            if n_calls == 0:
+                _leave_out(qs, name, summary)
+            else:
+                summary.dynamic.append(name)
     finally:
         for q in paused:
             q.mode = "quantize"
@@ -202,15 +211,20 @@ def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summa
         if q.calibrator is not None and q.calibrator.num_batches == 0:
             # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
             # and nothing of it reaches an exported graph
-            layer = name.rsplit(".", 1)[0]
-            for qn in (name, f"{layer}.weight_quantizer"):
-                if qn in qs:
-                    qs[qn].enabled = False
-                    qs[qn].set_mode("disabled")
-                    summary.not_called.append(qn)
+            _leave_out(qs, name, summary)
             q.calibrator = None
             continue
         q.load_calib_amax(method, **kwargs)
+
+
+def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
+    """Disable an activation quantizer whose layer never ran, and its layer's weight quantizer; report both."""
+    layer = name.rsplit(".", 1)[0]
+    for qn in (name, f"{layer}.weight_quantizer"):
+        if qn in qs:
+            qs[qn].enabled = False
+            qs[qn].set_mode("disabled")
+            summary.not_called.append(qn)
 
 
 def recompute_amax(model: nn.Module, method: str, *, percentile: float = 99.99) -> list[str]:

@@ -109,7 +109,7 @@ def calibrate(
     model: str = typer.Argument(..., help="package.module:factory, path/to/file.py:factory, a sample model (digits_cnn, text_encoder), a Hugging Face model folder, or a torch.save(model) file (with --trust-pickle)."),
     weights: Optional[Path] = typer.Option(None, "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG images. Sample models bring their own."),
-    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only) or a YAML/JSON file."),
+    config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or a YAML/JSON file."),
     target: Optional[str] = typer.Option(None, "--target", help="Runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt. Overrides the config file's target."),
     method: Method = typer.Option(Method.max, "--method", help="Activation amax method."),
     percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
@@ -229,6 +229,9 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     t.add_row("target", f"{cfg.target}: {info['placement']['text']}")
     t.add_row("quantizers calibrated", str(len(summary.calibrated)))
     t.add_row("quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)")
+    if summary.dynamic:
+        t.add_row("dynamic activations", f"{len(summary.dynamic)} quantized at run time (uint8 from each tensor's "
+                  "min and max, as DynamicQuantizeLinear): nothing to calibrate")
     if summary.amax_min is not None:
         t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
     t.add_row("time", f"{summary.seconds:.2f} s")
@@ -295,6 +298,8 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
         return
     t = Table(title=f"quantcli export {calibrated}", show_header=False)
     t.add_row("Q/DQ pairs", ", ".join(f"{v} {k}" for k, v in sorted(res.pairs_by_format.items())) or "none")
+    if res.dynamic_layers:
+        t.add_row("dynamic layers", f"{res.dynamic_layers} (DynamicQuantizeLinear -> MatMulInteger, int8 weights)")
     t.add_row("weights stored quantized", str(res.weights_stored_quantized))
     t.add_row("opset", str(res.opset))
     t.add_row("exporter", res.exporter)

@@ -139,7 +139,8 @@ class ScaledQuantDescriptor:
         calib_method: ``"max"`` or ``"histogram"``.
         unsigned: unsigned integer grid.
         narrow_range: signed grid ``[-bound, bound]`` instead of ``[-bound-1, bound]``.
-        dynamic: compute amax on the fly instead of calibrating it.
+        dynamic: compute amax on the fly instead of calibrating it. With ``asymmetric``: ONNX
+            ``DynamicQuantizeLinear`` (uint8, scale and zero point from each tensor's own min and max).
         asymmetric: (quantcli addition) affine quantization on an unsigned grid with a zero point, calibrated
             from the running min and max (``FakeAffineTensorQuantFunction``); per-tensor, integer formats only.
     """
@@ -176,6 +177,9 @@ class ScaledQuantDescriptor:
         self._asymmetric = _bool("asymmetric", v["asymmetric"])
         if self._asymmetric and (self.is_fp8 or self._axis is not None or self._block_sizes is not None):
             raise ValueError("asymmetric quantization is per-tensor and integer-only (no axis, block_sizes or FP8)")
+        if self._asymmetric and self._dynamic and self._num_bits != 8:
+            raise ValueError("dynamic asymmetric quantization is ONNX DynamicQuantizeLinear, which is uint8 only: "
+                             f"num_bits must be 8, got {self._num_bits}")
 
     num_bits = property(lambda self: self._num_bits, doc="int bits, or (E, M) for FP8.")
     name = property(lambda self: self._name)

@@ -23,6 +23,7 @@ __all__ = [
     "LegacyFakeTensorQuantFunction",
     "FakeAffineTensorQuantFunction",
     "ScaledE4M3Function",
+    "FakeDynamicQuantFunction",
     "QuantDescriptor",
     "ScaledQuantDescriptor",
     "tensor_quant",
@@ -201,6 +202,23 @@ class FakeAffineTensorQuantFunction(torch.autograd.Function):
         from exporters.qdq import affine_qdq
 
         return affine_qdq(g, inputs, min_range, max_range, num_bits)
+
+
+class FakeDynamicQuantFunction(torch.autograd.Function):
+    """ONNX ``DynamicQuantizeLinear`` -> ``DequantizeLinear``: uint8 asymmetric, per tensor, scale and zero point
+    computed from this very tensor (:func:`quantcli.arithmetic.dynamic_qparams`).
+
+    ``backward``: straight-through (the range always covers the tensor, so nothing is clipped).
+    Exported only as part of a Linear (``DynamicQuantizeLinear -> MatMulInteger``, :mod:`quantcli.nn.dynamic`).
+    """
+
+    @staticmethod
+    def forward(ctx, inputs):
+        return ar.fake_quant_dynamic(inputs)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        return grad_outputs
 
 
 class ScaledE4M3Function(torch.autograd.Function):

@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import torch
 
+from exporters.dynamic_linear import dynamic_layers
 from exporters.graph import qdq_pairs, read_onnx, to_numpy
 from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated, load_calibrated
@@ -241,7 +242,10 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> dict[str, Any]:
     inits = {t.name: t for t in model.graph.initializer}
     weights = dict(ckpt.model.named_parameters())
     layer_problems: dict[str, list[str]] = {}
+    dynamic = _check_dynamic_layers(model, ckpt, qs, layer_problems)
     for name, q in qs.items():
+        if name in dynamic:
+            continue
         p = pairs.get(name)
         if p is None:
             layer_problems.setdefault(name, []).append("Q/DQ pair missing from the graph")
@@ -266,12 +270,49 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> dict[str, Any]:
                 bad = int((deq != want_w).sum())
                 if bad:
                     layer_problems.setdefault(name, []).append(f"{bad} stored weight code(s) differ from the checkpoint's weights")
-    extra = sorted(set(pairs) - set(qs))
+    extra = sorted((set(pairs) | dynamic) - set(qs))
     for name, probs in layer_problems.items():
         problems += [f"{name}: {x}" for x in probs]
     return {"passed": not problems, "problems": problems, "layers_with_problems": sorted(layer_problems),
-            "quantizers_expected": len(qs), "quantizers_found": len(set(pairs) & set(qs)),
+            "quantizers_expected": len(qs), "quantizers_found": len((set(pairs) | dynamic) & set(qs)),
             "unmapped_pairs": sum(1 for p in qdq_pairs(model) if not p.quantizer), "unexpected_quantizers": extra}
+
+
+def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, problems: dict[str, list[str]]) -> set[str]:
+    """Structure of the ``DynamicQuantizeLinear -> MatMulInteger`` layers (:mod:`exporters.dynamic_linear`).
+
+    The input quantizer has no scale to compare (it is computed at run time; ``fidelity.codes`` checks it);
+    the weight's float32 scale must be ``amax / bound`` exactly, its zero point 0 and its stored codes the
+    checkpoint's. Returns the quantizer names found in such layers."""
+    found: set[str] = set()
+    inits = {t.name: t for t in model.graph.initializer}
+    weights = dict(ckpt.model.named_parameters())
+    for layer in dynamic_layers(model):
+        for name in (layer.input_quantizer, layer.weight_quantizer):
+            if name is not None:
+                found.add(name)
+        wname = layer.weight_quantizer
+        if wname not in qs:
+            continue
+        q = qs[wname]
+        want, _ = _expected_scale(q)
+        got = layer.weight_scale
+        if got is None or got.reshape(-1).shape != want.shape or not np.array_equal(got.reshape(-1), want):
+            problems.setdefault(wname, []).append("weight scale (in the Mul after MatMulInteger) differs from amax/bound")
+            continue
+        if layer.weight_zero_point is not None and np.any(layer.weight_zero_point != 0):
+            problems.setdefault(wname, []).append("weight zero point is not 0")
+        module = wname.rsplit(".", 1)[0]
+        w = weights.get(f"{module}.weight")
+        if layer.weight in inits and w is not None:
+            with torch.no_grad():
+                want_w = q(w.detach()).cpu().numpy()
+            codes = to_numpy(inits[layer.weight]).astype(np.float32)  # (K, N)
+            deq = (codes * want.reshape(1, -1) if want.size > 1 else codes * want.reshape(())).T
+            bad = int((deq.astype(np.float32) != want_w).sum()) if deq.shape == want_w.shape else want_w.size
+            if bad:
+                problems.setdefault(wname, []).append(f"{bad} stored weight code(s) differ from the checkpoint's weights")
+    return found
 
 
 def _dequantize(codes, scale, zp, axis, block) -> np.ndarray:
@@ -471,10 +512,88 @@ def _layer_report(model: onnx.ModelProto, ckpt: Calibrated, batches: list[Batch]
                                  "snr_db": local[p.quantizer].snr_db, "max_abs_error": local[p.quantizer].max_abs,
                                  "identical_codes": c.identical / c.count if c.count else None,
                                  "identical_codes_end_to_end": e.identical / e.count if e.count else None}
+    rows.update(_dynamic_rows(model, ckpt, batches, provider))
     ranked = sorted(rows.values(), key=lambda r: (r["snr_db"] if r["snr_db"] is not None else math.inf))
     for rank, r in enumerate(ranked, start=1):
         r["rank"] = rank
     return ranked
+
+
+def _dynamic_rows(model: onnx.ModelProto, ckpt: Calibrated, batches: list[Batch], provider: str) -> dict[str, dict]:
+    """Rows of the dynamic layers (:mod:`exporters.dynamic_linear`).
+
+    Activation: onnxruntime's ``DynamicQuantizeLinear`` input, codes, scale and zero point are read from the
+    graph; the PyTorch quantizer's arithmetic on the same input must give the same scale, zero point and codes
+    (``identical_codes``: the fraction of codes equal, 0 for a batch whose scale or zero point differs).
+    Weight: the stored int8 codes against the checkpoint's fake-quantized weights."""
+    qs = quantizers(ckpt.model)
+    inits = {t.name: t for t in model.graph.initializer}
+    params = dict(ckpt.model.named_parameters())
+    layers = [d for d in dynamic_layers(model) if d.input_quantizer in qs]
+    rows: dict[str, dict] = {}
+    for d in layers:
+        wq = qs.get(d.weight_quantizer) if d.weight_quantizer else None
+        w = params.get(f"{d.weight_quantizer.rsplit('.', 1)[0]}.weight") if d.weight_quantizer else None
+        if wq is None or w is None or d.weight not in inits or d.weight_scale is None:
+            continue
+        with torch.no_grad():
+            fq = wq(w.detach()).numpy()
+        loc = _Stats()
+        loc.add(fq, w.detach().numpy())
+        codes = to_numpy(inits[d.weight]).astype(np.float32)
+        stored = (codes * d.weight_scale.reshape(1, -1) if d.weight_scale.size > 1 else codes * d.weight_scale).T
+        same = float((stored.astype(np.float32) == fq).mean()) if stored.shape == fq.shape else None
+        rows[d.weight_quantizer] = {"quantizer": d.weight_quantizer, "module": d.weight_quantizer.rsplit(".", 1)[0],
+                                    "kind": "weight", "snr_db": loc.snr_db, "max_abs_error": loc.max_abs,
+                                    "identical_codes": same, "identical_codes_end_to_end": same}
+    u8, f32 = onnx.TensorProto.UINT8, onnx.TensorProto.FLOAT
+    for start in range(0, len(layers), LAYER_CHUNK // 4):
+        chunk = layers[start : start + LAYER_CHUNK // 4]
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        existing = {o.name for o in m.graph.output}
+        for d in chunk:
+            for t, elem in ((d.input, f32), (d.codes, u8), (d.scale, f32), (d.zero_point, u8)):
+                if t not in existing:
+                    m.graph.output.append(onnx.helper.make_tensor_value_info(t, elem, None))
+                    existing.add(t)
+        names = [t for d in chunk for t in (d.input, d.codes, d.scale, d.zero_point)]
+        sess = _session(m, provider, optimize=False)
+        captured: dict[str, list[np.ndarray]] = {}
+        hooks = [qs[d.input_quantizer].register_forward_hook(_capture(captured, d.input_quantizer)) for d in chunk]
+        local = {d.input_quantizer: _Stats() for d in chunk}
+        e2e = {d.input_quantizer: _Stats() for d in chunk}
+        same = {d.input_quantizer: [0, 0] for d in chunk}
+        try:
+            for i, batch in enumerate(batches):
+                captured.clear()
+                with torch.inference_mode():
+                    run_model(ckpt.model, batch, f"batch {i}")
+                outs = dict(zip(names, _run(sess, _feeds(sess, batch, f"batch {i}"), f"batch {i}", names)))
+                for d in chunk:
+                    x = np.ascontiguousarray(outs[d.input])
+                    codes, scale, zp = outs[d.codes], outs[d.scale], outs[d.zero_point]
+                    ps, pz = ar.dynamic_qparams(torch.from_numpy(x))
+                    mine = ar.quantize_linear(torch.from_numpy(x), ps, pz, 0, ar.DYNAMIC_QMAX).numpy()
+                    equal = float(ps) == float(scale) and float(pz) == float(zp)
+                    same[d.input_quantizer][0] += int((mine == codes).sum()) if equal else 0
+                    same[d.input_quantizer][1] += codes.size
+                    deq = ((codes.astype(np.float32) - np.float32(zp)) * np.float32(scale)).astype(np.float32)
+                    local[d.input_quantizer].add(deq, x)
+                    for t in captured.get(d.input_quantizer, [])[:1]:
+                        if t.shape == deq.shape:
+                            e2e[d.input_quantizer].add(deq, t)
+        finally:
+            for h in hooks:
+                h.remove()
+        for d in chunk:
+            n = d.input_quantizer
+            e = e2e[n]
+            rows[n] = {"quantizer": n, "module": n.rsplit(".", 1)[0], "kind": "activation (dynamic)",
+                       "snr_db": local[n].snr_db, "max_abs_error": local[n].max_abs,
+                       "identical_codes": same[n][0] / same[n][1] if same[n][1] else None,
+                       "identical_codes_end_to_end": e.identical / e.count if e.count else None}
+    return rows
 
 
 def _stored_weight(model: onnx.ModelProto, p) -> np.ndarray | None:
@@ -502,7 +621,7 @@ def expected_scales(ckpt: Calibrated) -> dict[str, np.ndarray]:
     """Scale each enabled quantizer implies (for tests and tools)."""
     out = {}
     for name, q in quantizers(ckpt.model).items():
-        if q.enabled and q.amax is not None:
+        if q.enabled and q.amax is not None and not q.dynamic_uint8:
             out[name] = _expected_scale(q)[0]
     return out
 

@@ -1,6 +1,7 @@
 """Quant configs: presets plus ordered pattern rules.
 
-A config is a preset name (``int8``, ``int8-per-tensor``, ``uint8-asymmetric``, ``fp8``, ``int4-weight-only``),
+A config is a preset name (``int8``, ``int8-per-tensor``, ``uint8-asymmetric``, ``fp8``, ``int4-weight-only``,
+``int8-dynamic``: activations quantized at run time, Linear layers only),
 a YAML/JSON file,
 or the same content as a dict::
 
@@ -61,7 +62,18 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "input": {"enable": False},
         "weight": {"enable": True, "num_bits": 4, "block_sizes": INPUT_CHANNEL_BLOCKS},
     },
+    # activations quantized at run time as ONNX DynamicQuantizeLinear does (uint8, per tensor, no calibration);
+    # exported as DynamicQuantizeLinear -> MatMulInteger, which onnxruntime runs as DynamicQuantizeMatMul
+    "int8-dynamic": {
+        "input": {"enable": True, "num_bits": 8, "asymmetric": True, "dynamic": True},
+        "weight": {"enable": True, "num_bits": 8, "axis": OUTPUT_CHANNEL},
+    },
 }
+#: presets that quantize Linear layers only; convolutions stay float. int8-dynamic: onnxruntime has no fused
+#: integer kernel for DynamicQuantizeLinear -> ConvInteger (its own quantize_dynamic output runs ConvInteger, Cast,
+#: Mul and Add as separate ops on the CPU provider, and its DynamicQuantizeConvIntegerFusion turns the pattern back
+#: into a float Conv on dequantized weights), so a dynamic Conv costs a min/max pass and gains no integer kernel
+LINEAR_ONLY_PRESETS = ("int8-dynamic",)
 DEFAULT_BLOCK_SIZE = 128
 #: deployment targets: which runtime's fusions decide where quantizers go (:mod:`quantcli.nn.placement`)
 TARGETS = ("onnxruntime", "tensorrt")
@@ -117,7 +129,10 @@ class QuantConfig:
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
-        fields = copy.deepcopy(PRESETS[self.preset][kind])
+        base = PRESETS[self.preset][kind]
+        if self.preset in LINEAR_ONLY_PRESETS and not _is_linear(layer):
+            base = {"enable": False}  # a rule may still enable it (as a static quantizer)
+        fields = copy.deepcopy(base)
         matched = []
         for i, rule in enumerate(self.rules):
             if fnmatch.fnmatchcase(quantizer_name, rule["pattern"]):
@@ -144,6 +159,12 @@ class QuantConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{quantizer_name}: {e}") from None
         return enabled, desc, matched
+
+
+def _is_linear(layer) -> bool:
+    from torch import nn
+
+    return isinstance(layer, nn.Linear)
 
 
 def _plain(x):

@@ -63,6 +63,11 @@ class QuantMixin:
 
 class QuantLinear(nn.Linear, QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.input_quantizer.dynamic_uint8 and self.input_quantizer.mode == "quantize":
+            from quantcli.nn.dynamic import dynamic_linear, exporting
+
+            if exporting():  # DynamicQuantizeLinear -> MatMulInteger
+                return dynamic_linear(self, input)
         # only a 2-D input exports as Gemm (QGemm takes an int32 bias); 3-D is MatMul + Add, whose
         # MatMulIntegerToFloat adds a float bias
         bias = self.quantized_bias() if input.dim() == 2 else self.bias

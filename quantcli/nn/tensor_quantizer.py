@@ -12,8 +12,13 @@ from torch import nn
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
 from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
-from quantcli.errors import CalibrationError, ConfigError
-from quantcli.tensor_quant import FakeAffineTensorQuantFunction, FakeTensorQuantFunction, ScaledE4M3Function
+from quantcli.errors import CalibrationError, ConfigError, ExportError
+from quantcli.tensor_quant import (
+    FakeAffineTensorQuantFunction,
+    FakeDynamicQuantFunction,
+    FakeTensorQuantFunction,
+    ScaledE4M3Function,
+)
 
 MODES = ("calibrate", "quantize", "disabled")
 
@@ -43,6 +48,11 @@ class TensorQuantizer(nn.Module):
         self._block = next(iter(blocks.items()), None)
         if self.desc.learn_amax and amax is not None:
             self.set_amax(amax)  # becomes a Parameter
+
+    @property
+    def dynamic_uint8(self) -> bool:
+        """Quantized at run time as ONNX ``DynamicQuantizeLinear`` does (``dynamic`` + ``asymmetric``): no amax."""
+        return self.desc.dynamic and self.desc.asymmetric
 
     # ------------------------------------------------------------------------------------------- modes
     def set_mode(self, mode: str) -> None:
@@ -168,6 +178,11 @@ class TensorQuantizer(nn.Module):
         if self.mode == "calibrate":
             self.collect(x)
             return x
+        if self.dynamic_uint8:
+            if torch.onnx.is_in_onnx_export():
+                raise ExportError(f"{self.name}: a dynamic (DynamicQuantizeLinear) activation quantizer exports only as "
+                                  "the input of a Linear layer with 8-bit integer weights")
+            return FakeDynamicQuantFunction.apply(x)
         spec = getattr(self, "_export_spec", None)
         if spec is not None:
             from exporters import dynamo
@@ -215,6 +230,8 @@ class TensorQuantizer(nn.Module):
         bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
         if d.asymmetric:
             bits += " asymmetric"
+        if self.dynamic_uint8:
+            return f"{bits} dynamic per-tensor (DynamicQuantizeLinear) mode={self.mode}"
         gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")
         if self.amax is None:
             a = "amax=None"

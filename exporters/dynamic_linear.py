@@ -1,0 +1,160 @@
+"""ONNX for a Linear with dynamic int8 activations: the pattern onnxruntime fuses into ``DynamicQuantizeMatMul``.
+
+::
+
+    x -> DynamicQuantizeLinear -> (x codes uint8, x scale, x zero point)
+    MatMulInteger(x codes, W codes int8 (K, N), x zero point, W zero point 0)
+      -> Cast(float) -> Mul(., Mul(x scale, W scale)) -> Add(., bias)
+
+This is what onnxruntime's ``quantize_dynamic`` writes for a MatMul, and exactly the chain its
+``MatMulIntegerToFloatFusion`` (``matmul_integer_to_float.cc``: MatMulInteger -> Cast -> Mul whose other input is
+a Mul of the two scales, then an Add of a constant 1-D bias) and ``DynamicQuantizeMatMulFusion``
+(``dynamic_quantize_matmul_fusion.cc``: the ``DynamicQuantizeLinear`` feeding only that node, constant weight
+codes and scale) match. Each layer gets its own ``DynamicQuantizeLinear``, so q/k/v projections of one tensor
+each fuse into a ``DynamicQuantizeMatMul`` (which quantizes its input itself).
+
+The weight codes are emitted as ``QuantizeLinear(Transpose(W))``; the TorchScript exporter folds the Transpose
+and :mod:`exporters.fold` stores the codes as an int8 initializer, computed with quantcli's arithmetic.
+
+:func:`dynamic_quantizer_map` adds the dynamic quantizers to the quantizer map in ``metadata_props``:
+the ``DynamicQuantizeLinear`` codes output -> the input quantizer, the weight codes -> the weight quantizer.
+:func:`dynamic_layers` reads the pattern back (verify, inspect).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import torch
+
+from exporters.qdq import constant_value, emit, symmetric_spec
+
+
+def weight_spec(amax: torch.Tensor, weight_shape: tuple[int, int], num_bits: int, narrow_range: bool):
+    """The Q spec of the transposed weight ``(K, N)``: per output channel is ONNX axis 1 there."""
+    n, k = weight_shape
+    a = amax.detach().cpu().to(torch.float32)
+    a_t = a.reshape(1, n) if a.numel() > 1 else a.reshape(())
+    return symmetric_spec(a_t, (k, n), num_bits, False, narrow_range)
+
+
+def dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_range=False):
+    """``DynamicLinearFunction.symbolic`` (TorchScript exporter)."""
+    amax = constant_value(weight_amax, "weight amax")
+    sizes = weight.type().sizes()
+    spec = weight_spec(amax, (sizes[0], sizes[1]), num_bits, narrow_range)
+    xq, xs, xzp = g.op("DynamicQuantizeLinear", x, outputs=3)
+    w_t = g.op("Transpose", weight, perm_i=[1, 0])
+    w_codes = emit(g, w_t, spec, dequantize=False)
+    w_zp = g.op("Constant", value_t=spec.zero_point.to(torch.int8))
+    acc = g.op("MatMulInteger", xq, w_codes, xzp, w_zp)
+    w_scale = g.op("Constant", value_t=spec.scale.to(torch.float32))
+    y = g.op("Mul", g.op("Cast", acc, to_i=onnx.TensorProto.FLOAT), g.op("Mul", xs, w_scale))
+    if bias is not None and not (hasattr(bias, "node") and bias.node().mustBeNone()):
+        y = g.op("Add", y, bias)
+    return y
+
+
+# ------------------------------------------------------------------------------------------- reading graphs
+
+
+@dataclass
+class DynamicLayer:
+    """One ``DynamicQuantizeLinear -> MatMulInteger`` layer of an exported graph."""
+
+    node: str  # the MatMulInteger node
+    input: str  # the float tensor DynamicQuantizeLinear reads
+    codes: str  # its uint8 codes output
+    scale: str  # its float scale output
+    zero_point: str  # its uint8 zero point output
+    weight: str  # the weight codes (an int8 initializer when stored quantized)
+    weight_scale: np.ndarray | None  # float32, (N,) or scalar; None when not a constant
+    weight_zero_point: np.ndarray | None
+    output: str  # the layer's float output (after the scale Mul, and the bias Add if there is one)
+    input_quantizer: str | None = None
+    weight_quantizer: str | None = None
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
+    """Every MatMulInteger fed by a DynamicQuantizeLinear, with the tensors verify and inspect need."""
+    from exporters.graph import quantizer_map, to_numpy
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    consumers = _consumers(model)
+    qmap = quantizer_map(model)
+    layers = []
+    for n in g.node:
+        if n.op_type != "MatMulInteger":
+            continue
+        dql = producers.get(n.input[0])
+        if dql is None or dql.op_type != "DynamicQuantizeLinear":
+            continue
+        w_scale = w_zp = None
+        out = n.output[0]
+        cast = _only(consumers, out, "Cast")
+        if cast is not None:
+            mul = _only(consumers, cast.output[0], "Mul")
+            if mul is not None:
+                out = mul.output[0]
+                other = mul.input[1] if mul.input[0] == cast.output[0] else mul.input[0]
+                sm = producers.get(other)
+                if sm is not None and sm.op_type == "Mul":
+                    s_name = sm.input[1] if sm.input[0] == dql.output[1] else sm.input[0]
+                    if s_name in inits:
+                        w_scale = to_numpy(inits[s_name]).astype(np.float32)
+                add = _only(consumers, out, "Add")
+                if add is not None:
+                    out = add.output[0]
+        if len(n.input) > 3 and n.input[3] in inits:
+            w_zp = to_numpy(inits[n.input[3]])
+        layers.append(DynamicLayer(n.name, dql.input[0], dql.output[0], dql.output[1], dql.output[2], n.input[1],
+                                   w_scale, w_zp, out, qmap.get(dql.output[0]), qmap.get(n.input[1])))
+    return layers
+
+
+def _only(consumers, tensor: str, op_type: str) -> onnx.NodeProto | None:
+    c = consumers.get(tensor, [])
+    return c[0] if len(c) == 1 and c[0].op_type == op_type else None
+
+
+def dynamic_quantizer_map(model: onnx.ModelProto, quantizer_names) -> dict[str, str]:
+    """Quantizer map entries for the dynamic layers: codes output -> input quantizer, weight codes -> weight
+    quantizer. The layer's module is found from the MatMulInteger's node scope (``/layers.0/attention/query/...``)
+    or, for the dynamo exporter, its name-scope metadata."""
+    known = set(quantizer_names)
+    out = {}
+    for layer in dynamic_layers(model):
+        node = next(n for n in model.graph.node if n.name == layer.node)
+        module = _module_of(node, known)
+        if module is None:
+            continue
+        out[layer.codes] = f"{module}.input_quantizer" if module else "input_quantizer"
+        out[layer.weight] = f"{module}.weight_quantizer" if module else "weight_quantizer"
+    return out
+
+
+def _module_of(node: onnx.NodeProto, known: set[str]) -> str | None:
+    meta = {p.key: p.value for p in node.metadata_props}
+    if "pkg.torch.onnx.name_scopes" in meta:
+        scopes = [s.strip(" '\"") for s in meta["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
+        hits = [s for s in scopes if f"{s}.input_quantizer" in known]
+        if hits:
+            return hits[-1]
+    parts = node.name.strip("/").split("/")
+    for cut in range(len(parts) - 1, -1, -1):
+        module = ".".join(parts[:cut])
+        if f"{module}.input_quantizer" in known or (not module and "input_quantizer" in known):
+            return module
+    return None

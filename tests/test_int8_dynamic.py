@@ -1,0 +1,312 @@
+"""``--config int8-dynamic``: activations quantized at run time exactly as ONNX ``DynamicQuantizeLinear``
+(uint8, per tensor), Linear layers exported as ``DynamicQuantizeLinear -> MatMulInteger``, which onnxruntime
+runs as its dynamic integer kernels. Reference values come from onnxruntime itself and from hand-worked cases."""
+
+import collections
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from onnx import TensorProto as T
+from onnx import helper
+
+from exporters.dynamic_linear import dynamic_layers
+from exporters.runtime_fusion import inspect_fusion, optimized_graph
+from quantcli import arithmetic as ar
+from quantcli.checkpoint import load_calibrated
+from quantcli.descriptor import QuantDescriptor
+from quantcli.errors import ExportError
+from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.verify import verify_onnx
+from tests.helpers import assert_clean_error, cli
+
+U = 2.0**-24  # float32 unit roundoff
+
+
+def _ort_dql(x: np.ndarray):
+    """onnxruntime's DynamicQuantizeLinear on ``x``: (codes, scale, zero point)."""
+    g = helper.make_graph([helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])], "dql",
+                          [helper.make_tensor_value_info("x", T.FLOAT, list(x.shape))],
+                          [helper.make_tensor_value_info("y", T.UINT8, list(x.shape)),
+                           helper.make_tensor_value_info("s", T.FLOAT, []), helper.make_tensor_value_info("z", T.UINT8, [])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    m.ir_version = 8
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": x})
+
+
+def _quantizer():
+    q = TensorQuantizer(QuantDescriptor(num_bits=8, asymmetric=True, dynamic=True), name="x")
+    assert q.dynamic_uint8
+    return q
+
+
+def _cases():
+    r = np.random.default_rng(0)
+    return {
+        "normal": r.standard_normal((4, 7, 33)).astype(np.float32) * 3,
+        "all_positive": r.uniform(0.5, 9.0, (64,)).astype(np.float32),
+        "all_negative": -r.uniform(0.5, 9.0, (64,)).astype(np.float32),
+        "all_zero": np.zeros((3, 5), np.float32),
+        "one_value": np.full((6,), 2.75, np.float32),
+        # range [0, 255]: scale exactly 1, so k + 0.5 are ties of x / scale
+        "ties": np.array([0.0, 255.0, 0.5, 1.5, 2.5, 3.5, 254.5, 127.5], np.float32),
+        # range [-2.5, 252.5]: scale 1, and -min / scale = 2.5 is a tie of the zero point itself
+        "zero_point_tie": np.array([-2.5, 252.5, -1.5, -0.5, 0.5, 100.5], np.float32),
+        "outliers": np.concatenate([r.standard_normal(500), [80.0, -3.0]]).astype(np.float32),
+    }
+
+
+@pytest.mark.parametrize("case", list(_cases()))
+def test_codes_scale_and_zero_point_equal_onnxruntime(case):
+    x = _cases()[case]
+    codes, scale, zp = _ort_dql(x)
+    s, z = ar.dynamic_qparams(torch.from_numpy(x))
+    assert np.float32(s) == scale and float(z) == float(zp), (float(s), scale, float(z), zp)
+    mine = ar.quantize_linear(torch.from_numpy(x), s, z, 0, 255).numpy()
+    np.testing.assert_array_equal(mine, codes.astype(np.float32))
+    # the fake-quant quantizer returns exactly (codes - zero point) * scale
+    with torch.no_grad():
+        fq = _quantizer()(torch.from_numpy(x)).numpy()
+    np.testing.assert_array_equal(fq, ((codes.astype(np.float32) - np.float32(zp)) * np.float32(scale)).astype(np.float32))
+
+
+def test_hand_worked_cases():
+    """Independent of onnxruntime: the ONNX definition worked by hand."""
+    s, z = ar.dynamic_qparams(torch.tensor([0.0, 255.0, 0.5, 1.5, 2.5]))
+    assert (float(s), float(z)) == (1.0, 0.0)
+    codes = ar.quantize_linear(torch.tensor([0.5, 1.5, 2.5, 254.5]), s, z, 0, 255)
+    assert codes.tolist() == [0.0, 2.0, 2.0, 254.0]  # ties to even
+    s, z = ar.dynamic_qparams(torch.tensor([-2.5, 252.5]))
+    assert (float(s), float(z)) == (1.0, 2.0)  # zero point 2.5 rounds to even
+    s, z = ar.dynamic_qparams(torch.zeros(4))
+    assert (float(s), float(z)) == (1.0, 0.0)  # all zero: scale 1 (the formula would give 0)
+    s, z = ar.dynamic_qparams(torch.tensor([-5.1, -2.0]))  # all negative: the range is [-5.1, 0]
+    assert float(s) == np.float32(np.float32(5.1) / np.float32(255)) and float(z) == 255.0
+    s, z = ar.dynamic_qparams(torch.tensor([1.0, 3.0]))  # all positive: the range is [0, 3]
+    assert float(s) == np.float32(np.float32(3.0) / np.float32(255)) and float(z) == 0.0
+
+
+def test_only_uint8():
+    with pytest.raises(ValueError, match="uint8 only"):
+        QuantDescriptor(num_bits=4, asymmetric=True, dynamic=True)
+
+
+# ------------------------------------------------------------------------------------------- exported graphs
+
+
+def _layer_tensors(path, batch):
+    """onnxruntime (optimizations off): per dynamic layer, its input, codes, scale, zero point and output."""
+    model = onnx.load(str(path))
+    layers = dynamic_layers(model)
+    names = []
+    for d in layers:
+        for t, elem in ((d.input, T.FLOAT), (d.codes, T.UINT8), (d.scale, T.FLOAT), (d.zero_point, T.UINT8),
+                        (d.output, T.FLOAT)):
+            if t not in {o.name for o in model.graph.output}:
+                model.graph.output.append(helper.make_tensor_value_info(t, elem, None))
+            names.append(t)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    feeds = {i.name: batch[i.name].numpy() for i in sess.get_inputs()}
+    outs = dict(zip(names, sess.run(names, feeds)))
+    return layers, outs
+
+
+def _check_layers_against_pytorch(path, model, batch):
+    """Per layer, on onnxruntime's own input: identical codes, scale and zero point, and the output within the
+    float-accumulation bound.
+
+    The graph sums the integer products exactly (int32) and rounds about 4 times (cast, scale product, scale
+    multiply, bias add); PyTorch rounds each dequantized factor and each of the K products and partial sums.
+    With ``a_k = xs (q_k - zp)`` and ``b_kn = ws_n w_kn`` both are within ``gamma_{K+2} S_n`` and
+    ``gamma_4 (S_n + |bias_n|)`` of the exact value, ``S_n = xs ws_n sum_k |q_k - zp| |w_kn|``
+    (Higham, Accuracy and Stability of Numerical Algorithms, 3.1: any summation order), so
+    ``|pytorch - graph| <= gamma_{K+6} (S_n + |bias_n|)`` with ``gamma_m = m u / (1 - m u)``.
+    """
+    layers, outs = _layer_tensors(path, batch)
+    modules = dict(model.named_modules())
+    assert layers
+    for d in layers:
+        layer = modules[d.input_quantizer.rsplit(".", 1)[0]]
+        x = torch.from_numpy(outs[d.input])
+        s, z = ar.dynamic_qparams(x)
+        assert float(s) == outs[d.scale] and float(z) == float(outs[d.zero_point]), d.input_quantizer
+        codes = ar.quantize_linear(x, s, z, 0, 255)
+        np.testing.assert_array_equal(codes.numpy(), outs[d.codes].astype(np.float32), err_msg=d.input_quantizer)
+        with torch.no_grad():
+            mine = layer(x).numpy().astype(np.float64)
+        wq = layer.weight_quantizer
+        ws = ar.symmetric_scale(wq.amax, ar.symmetric_bound(8)).reshape(-1).double()
+        w_codes = torch.round(layer.weight.detach().double() / ws.reshape(-1, 1))
+        k = layer.in_features
+        s_n = (float(s) * ws) * ((codes.double() - float(z)).abs() @ w_codes.abs().T)
+        bias = layer.bias.detach().double().abs() if layer.bias is not None else 0.0
+        gamma = (k + 6) * U / (1 - (k + 6) * U)
+        bound = gamma * (s_n + bias)
+        diff = np.abs(mine - outs[d.output].astype(np.float64))
+        assert (diff <= bound.numpy()).all(), (d.input_quantizer, float(diff.max()), float(bound.max()))
+
+
+@pytest.fixture(scope="module")
+def text_dynamic(calibrated, exported):
+    ck = calibrated("text_encoder", "int8-dynamic")
+    return ck, exported("text_encoder", "int8-dynamic")
+
+
+def test_calibrate_says_activations_need_no_calibration(calibrated):
+    r = cli("calibrate", "text_encoder", "--config", "int8-dynamic", "--num-samples", "64", "--out",
+            str(calibrated("text_encoder", "int8-dynamic")) + ".again.pt")
+    assert r.exit_code == 0, r.output
+    assert "13 quantized at run time" in r.output and "nothing to calibrate" in r.output
+    data = torch.load(calibrated("text_encoder", "int8-dynamic"), weights_only=True)
+    summary = data["calibration"]
+    assert len(summary["dynamic"]) == 13 and all(n.endswith("input_quantizer") for n in summary["dynamic"])
+    assert summary["quantizers_calibrated"] == 13  # the weights
+    assert all(data["quantizers"][n]["amax"] is None for n in summary["dynamic"])
+
+
+def test_text_encoder_layers_match_onnxruntime(text_dynamic):
+    ck, onnx_path = text_dynamic
+    from sample_models import text_encoder as te
+
+    model = load_calibrated(ck).model
+    for batch in te.evaluation_batches()[:2]:
+        _check_layers_against_pytorch(onnx_path, model, batch)
+
+
+def test_text_encoder_graph_is_the_fusable_pattern(text_dynamic):
+    _, onnx_path = text_dynamic
+    m = onnx.load(str(onnx_path))
+    ops = collections.Counter(n.op_type for n in m.graph.node)
+    assert ops["DynamicQuantizeLinear"] == 13 and ops["MatMulInteger"] == 13
+    assert ops["QuantizeLinear"] == 0 and ops["DequantizeLinear"] == 0
+    inits = {t.name: t for t in m.graph.initializer}
+    for d in dynamic_layers(m):
+        assert inits[d.weight].data_type == T.INT8  # weight codes stored, (in, out)
+        assert d.weight_scale is not None and d.weight_scale.size == inits[d.weight].dims[1]
+    qmap = json.loads(next(p.value for p in m.metadata_props if p.key == "quantcli.quantizers"))
+    assert sum(v.endswith("input_quantizer") for v in qmap.values()) == 13
+
+
+def test_onnxruntime_runs_dynamic_integer_kernels(text_dynamic):
+    _, onnx_path = text_dynamic
+    ops = collections.Counter(n.op_type for n in optimized_graph(onnx_path).graph.node)
+    assert ops["DynamicQuantizeMatMul"] + ops["MatMulIntegerToFloat"] == 13, ops
+    assert ops["MatMulInteger"] == 0 and ops["MatMul"] == 2  # the two attention products stay float
+    rep = inspect_fusion(onnx_path)
+    assert len(rep.layers) == 13 and not rep.unfused
+    assert {r.kernel for r in rep.layers} <= {"DynamicQuantizeMatMul", "MatMulIntegerToFloat"}
+
+
+def test_verify_checks_dynamic_quantizers(text_dynamic):
+    ck, onnx_path = text_dynamic
+    rep = verify_onnx(onnx_path, ck, provider="cpu")
+    assert rep.passed, rep.structure
+    assert rep.structure["quantizers_found"] == rep.structure["quantizers_expected"] == 26
+    codes = rep.fidelity["quantizers"]
+    dyn = [n for n in codes if n.endswith("input_quantizer")]
+    assert len(dyn) == 13 and all(codes[n]["identical_codes"] == 1.0 for n in dyn)
+    assert rep.quality["outputs"]["output_0"]["cosine"] > 0.9999
+
+
+def test_dynamo_exports_the_same_pattern(text_dynamic, tmp_path):
+    ck, _ = text_dynamic
+    out = tmp_path / "dyn.onnx"
+    r = cli("export", ck, "--onnx", out, "--exporter", "dynamo", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["dynamic_layers"] == 13 and res["weights_stored_quantized"] == 13 and res["unfused_layers"] == 0
+    from sample_models import text_encoder as te
+
+    _check_layers_against_pytorch(out, load_calibrated(ck).model, te.evaluation_batches()[0])
+
+
+def test_convolutions_stay_float(calibrated, exported):
+    from sample_models import digits_cnn
+
+    ck = calibrated("digits_cnn", "int8-dynamic")
+    data = torch.load(ck, weights_only=True)
+    kinds = {n: type(m) for n, m in digits_cnn.build().named_modules()}
+    conv = {n: v for n, v in data["quantizers"].items() if kinds[n.rsplit(".", 1)[0]] is torch.nn.Conv2d}
+    assert len(conv) == 4 and not any(v["enabled"] for v in conv.values())
+    lin = {n: v for n, v in data["quantizers"].items() if kinds[n.rsplit(".", 1)[0]] is torch.nn.Linear}
+    assert len(lin) == 4 and all(v["enabled"] for v in lin.values())
+    path = exported("digits_cnn", "int8-dynamic")
+    m = onnx.load(str(path))
+    ops = collections.Counter(n.op_type for n in m.graph.node)
+    assert ops["Conv"] >= 1 and ops["ConvInteger"] == 0 and ops["MatMulInteger"] == len(lin) // 2
+    assert verify_onnx(path, ck, provider="cpu").passed
+
+
+def test_unexportable_dynamic_layer_is_a_clear_error(tmp_path):
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("preset: int8-dynamic\nrules:\n  - pattern: classifier.weight_quantizer\n    enable: false\n")
+    ck = tmp_path / "te.calib.pt"
+    r = cli("calibrate", "text_encoder", "--config", cfg, "--num-samples", "32", "--out", ck)
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "te.onnx"
+    assert_clean_error(cli("export", ck, "--onnx", out), "classifier.input_quantizer", "weight quantizer is disabled")
+    assert not out.exists()
+
+
+def test_deep_encoder_layers_match(tmp_path):
+    pytest.importorskip("transformers")
+    from exporters import export_onnx
+    from quantcli import calibrate, quantize_model
+    from sample_models.structured import deep_encoder, deep_encoder_batches
+
+    model = quantize_model(deep_encoder(layers=2), "int8-dynamic")
+    batches = deep_encoder_batches("calib", 8)
+    summary = calibrate(model, batches, device="cpu")
+    assert len(summary.dynamic) == 2 * 6 + 1  # and the pooler, which runs (its output is unused)
+    path = tmp_path / "deep.onnx"
+    export_onnx(model, batches[0], path)
+    _check_layers_against_pytorch(path, model, deep_encoder_batches("eval", 8)[0])
+    ops = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
+    assert ops["DynamicQuantizeMatMul"] + ops["MatMulIntegerToFloat"] == 12, ops
+
+
+def test_dynamic_quantizer_outside_a_linear_does_not_export():
+    q = _quantizer()
+    with pytest.raises(ExportError, match="input of a Linear"):
+        torch.onnx.export(q, (torch.randn(3),), "/dev/null", dynamo=False)
+
+
+class _Unused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(8, 4)
+        self.head = torch.nn.Linear(4, 2)  # never called
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_dynamic_layer_that_never_runs_is_left_out():
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(_Unused(), "int8-dynamic")
+    summary = calibrate(model, [{"x": torch.randn(4, 8)}], device="cpu")
+    assert summary.not_called == ["head.input_quantizer", "head.weight_quantizer"]
+    assert summary.dynamic == ["used.input_quantizer"]
+    assert not model.head.input_quantizer.enabled and model.used.input_quantizer.enabled
+
+
+def test_checkpoint_reload_is_bit_identical(text_dynamic):
+    ck, _ = text_dynamic
+    from quantcli import calibrate, quantize_model
+    from sample_models import text_encoder as te
+
+    model = quantize_model(te.build(), "int8-dynamic")
+    calibrate(model, te.calibration_batches(), device="cpu")
+    batch = te.evaluation_batches()[0]
+    with torch.no_grad():
+        assert torch.equal(model(**batch), load_calibrated(ck).model(**batch))
