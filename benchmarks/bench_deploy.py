@@ -95,7 +95,10 @@ def quantize_with_onnxruntime(fp32: Path, work: Path, calib, dynamic: bool) -> P
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     pre = work / "pre.onnx"
-    quant_pre_process(str(fp32), str(pre))
+    try:
+        quant_pre_process(str(fp32), str(pre))
+    except Exception:  # its symbolic shape inference gives up on some graphs (text_encoder): the ONNX one then
+        quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
     out = work / ("dynamic.onnx" if dynamic else "static.onnx")
     if dynamic:
         quantize_dynamic(str(pre), str(out), per_channel=True)

@@ -241,13 +241,18 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
 
 def _placement_summary(placement, target: str) -> dict:
     """What the target's placement did (quantcli.nn.placement), as JSON data and one line of text."""
-    if target != "onnxruntime" or placement is None:
-        return {"analysed": True, "text": "quantized inputs and weights of every layer, no output quantizers "
-                "(NVIDIA's placement)"}
+    if placement is None:
+        return {"analysed": False, "text": "no placement analysis"}
     d = placement.to_dict()
-    if not placement.analysed:
-        d["text"] = (f"{placement.note}: today's placement (inputs and weights of every layer, int32 biases); "
-                     "layers whose output no quantized layer reads may stay in float in onnxruntime")
+    if target == "tensorrt":
+        d["text"] = ("quantized inputs and weights of every layer, no output quantizers, "
+                     f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's placement)")
+        if not placement.analysed:
+            d["text"] = f"{placement.note}: quantized inputs and weights of every layer, skip inputs not quantized"
+    elif not placement.analysed:
+        d["text"] = (f"{placement.note}: per-layer placement (inputs and weights of every layer, int32 biases); "
+                     "post-ReLU inputs and Convs that need an output quantizer are not detected, so such Convs "
+                     "may stay in float in onnxruntime")
     else:
         d["text"] = (f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
                      f"{len(placement.output_quantized)} Conv output quantizers, int32 biases")

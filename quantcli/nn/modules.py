@@ -54,7 +54,8 @@ class QuantMixin:
         self._export_bias = (codes.detach(), scale.detach(), torch.zeros_like(scale))
         from quantcli.tensor_quant import Int32BiasFunction
 
-        return Int32BiasFunction.apply(codes, scale).to(self.bias.dtype)
+        bias = Int32BiasFunction.apply(codes, scale)
+        return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)  # no Cast node between DQ and op
 
     def quantize_output(self, y: torch.Tensor) -> torch.Tensor:
         q = getattr(self, "output_quantizer", None)

@@ -13,14 +13,24 @@ onnxruntime's QDQ fusions need (``onnxruntime/core/optimizer/qdq_transformer/sel
   a graph output: ``QLinearConv`` needs a Q on its output.
 * **int32 biases** on Conv and 2-D Linear layers (``QLinearConv``/``QGemm``), see :mod:`quantcli.nn.modules`.
 
-The tensorrt target keeps the inputs-of-weighted-layers placement NVIDIA recommends, with no output quantizers.
-A model ``torch.fx`` cannot trace (data-dependent control flow, shapes unpacked in Python) keeps that placement
-too for the onnxruntime target, minus the two structural additions; :class:`Placement` says why.
+The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ Layer-Placement
+Recommendations"): the inputs of weighted layers quantized, no output quantizers, ops that commute with
+quantization (MaxPool) left to TensorRT, which moves Q/DQ across them itself, and **the skip input of a residual
+Add quantized** (a ``residual_quantizer`` in the module whose ``forward`` adds): TensorRT fuses the Add into the
+Conv that produces the other operand only when that operand is quantized. The Add is functional (``x + y`` in a
+``forward``), so the module's ``forward`` is replaced by its ``torch.fx`` trace with the quantizer inserted
+(the same code otherwise; parameters, buffers and ``state_dict`` keys stay, plus the quantizer's ``amax``).
+
+A model ``torch.fx`` cannot trace (data-dependent control flow, shapes unpacked in Python) keeps the per-layer
+placement (quantized inputs and weights, int32 biases for onnxruntime) without the structural additions;
+:class:`Placement` says why.
 """
 
 from __future__ import annotations
 
 import operator
+import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +62,7 @@ class Placement:
     note: str | None = None  # why the structure could not be analysed
     unsigned_inputs: list[str] = field(default_factory=list)  # inputs >= 0 by construction: uint8 grid
     output_quantized: list[str] = field(default_factory=list)  # Conv layers that get an output quantizer
+    residual_quantized: list[str] = field(default_factory=list)  # tensorrt: quantizers on residual skip inputs
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -138,8 +149,6 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
     quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels).
     """
     placement = Placement(target)
-    if target != "onnxruntime":
-        return placement
     try:
         graph = trace(model, layers)
     except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
@@ -148,6 +157,8 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
         placement.note = f"torch.fx could not trace the model ({type(e).__name__}: {first})"
         return placement
     modules = dict(model.named_modules())
+    if target == "tensorrt":
+        return placement
     quantized_inputs = {n for n, on in input_enabled.items() if on}
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in layers:
@@ -160,3 +171,96 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
                 and not _reaches_quantized_layers_only(node, modules, quantized_inputs):
             placement.output_quantized.append(name)
     return placement
+
+
+# ------------------------------------------------------------------------------------------- residual Adds
+
+_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+_PASS_THROUGH = (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)  # between a Conv and its Add in a block
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or \
+        (node.op == "call_method" and node.target in ("add", "add_", "__add__"))
+
+
+def _quantized_conv_behind(node, modules: dict[str, nn.Module], layers: dict[str, nn.Module]) -> nn.Module | None:
+    """The quantized Conv whose output ``node`` is, through BatchNorm/Identity/Dropout (None if there is none)."""
+    while isinstance(node, fx.Node) and node.op == "call_module":
+        m = modules.get(node.target)
+        if m is not None and id(m) in {id(v) for v in layers.values()}:
+            return m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
+        if not isinstance(m, _PASS_THROUGH) or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def residual_skips(graph: fx.Graph, modules: dict[str, nn.Module], layers: dict[str, nn.Module]):
+    """``(add node, skip operand, branch Conv)`` for each Add of a quantized Conv's output and another tensor.
+
+    The branch is the operand computed last (the block's main path, as in torchvision's and NVIDIA's blocks; a
+    projection shortcut is computed first), and it must come from a quantized Conv (through BatchNorm).
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    out = []
+    for n in graph.nodes:
+        if not _is_add(n) or len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+            continue
+        a, b = n.args[:2]
+        branch, skip = (a, b) if order[a] > order[b] else (b, a)
+        conv = _quantized_conv_behind(branch, modules, layers)
+        if conv is not None:
+            out.append((n, skip, conv))
+    return out
+
+
+def residual_owners(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
+    """Names of the modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the model)."""
+    graph = trace(model, layers)
+    owners = []
+    for n, _, _ in residual_skips(graph, dict(model.named_modules()), layers):
+        stack = list((n.meta.get("nn_module_stack") or {}).keys())
+        owner = stack[-1] if stack else ""
+        if owner not in owners:
+            owners.append(owner)
+    return owners
+
+
+def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module],
+                               make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
+    """Quantize the skip input of every residual Add (tensorrt placement); returns the new quantizers' names.
+
+    ``make(name, branch_conv)`` builds the quantizer. Each owning module gets ``residual_quantizer`` (then
+    ``residual_quantizer_1``, ...) and its ``forward`` becomes its fx trace with the quantizer on the skip operand.
+    """
+    names = []
+    for owner in residual_owners(model, layers):
+        mod = model.get_submodule(owner) if owner else model
+        graph = trace(mod, layers)
+        own = [(n, skip, conv) for n, skip, conv in residual_skips(graph, dict(mod.named_modules()), layers)
+               if not n.meta.get("nn_module_stack")]  # the module's own Adds, not those of modules inside it
+        if any(n.op == "get_attr" and not _resolves(mod, n.target) for n in graph.nodes):
+            continue  # the trace made constants of its own: keep the module's code rather than guess
+        for k, (n, skip, conv) in enumerate(own):
+            attr = "residual_quantizer" if k == 0 else f"residual_quantizer_{k}"
+            qname = f"{owner}.{attr}" if owner else attr
+            mod.add_module(attr, make(qname, conv))
+            with graph.inserting_before(n):
+                qnode = graph.call_module(attr, (skip,))
+            n.replace_input_with(skip, qnode)
+            names.append(qname)
+        graph.lint()
+        traced = fx.GraphModule(mod, graph)
+        # the generated forward reads only ``self.<path>`` attributes, which ``mod`` has (checked above)
+        mod.forward = types.MethodType(type(traced).forward, mod)
+    return names
+
+
+def _resolves(mod: nn.Module, target: str) -> bool:
+    obj = mod
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True

@@ -9,7 +9,7 @@ from torch import nn
 from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.modules import QUANT_CLASSES
-from quantcli.nn.placement import Placement, analyse
+from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 
 # rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
@@ -61,6 +61,8 @@ def quantize_model(model: nn.Module, config=None) -> nn.Module:
         layers[name] = module
     if cfg.target == "onnxruntime" and not getattr(cfg, "legacy_placement", False):
         used.update(_place_for_onnxruntime(model, cfg, layers, own_grid, report))
+    elif cfg.target == "tensorrt":
+        used.update(_place_for_tensorrt(model, cfg, layers, report))
     report.unmatched_patterns = [r["pattern"] for i, r in enumerate(cfg.rules) if i not in used]
     model.quantcli_config = cfg
     model.quantcli_report = report
@@ -100,5 +102,21 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
         if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
             module.int32_bias = True
+    report.placement = placement
+    return used
+
+
+def _place_for_tensorrt(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module],
+                        report: QuantizeReport) -> set[int]:
+    """NVIDIA's placement: the per-layer quantizers plus the skip inputs of residual Adds."""
+    used: set[int] = set()
+    placement = analyse(model, layers, cfg.target, {}, {})
+    if placement.analysed:
+        def make(qname: str, conv: nn.Module) -> TensorQuantizer:
+            enabled, desc, matched = cfg.resolve(qname, "input", conv)
+            used.update(matched)
+            return TensorQuantizer(desc, name=qname, enabled=enabled)
+
+        placement.residual_quantized = insert_residual_quantizers(model, layers, make)
     report.placement = placement
     return used
