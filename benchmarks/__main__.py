@@ -5,6 +5,7 @@ import argparse
 from benchmarks import (
     bench_calibration,
     bench_calibrators,
+    bench_deploy,
     bench_distributed,
     bench_end_to_end,
     bench_ort_fp8,
@@ -25,5 +26,7 @@ if a.device == "cpu":
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
+    print()
+    bench_deploy.main([])
 print()
 bench_distributed.main(["--device", a.device])
