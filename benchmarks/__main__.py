@@ -8,6 +8,7 @@ from benchmarks import (
     bench_deploy,
     bench_distributed,
     bench_end_to_end,
+    bench_opset,
     bench_ort_fp8,
     bench_reduce_range,
 )
@@ -26,6 +27,8 @@ if a.device == "cpu":
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
+    print()
+    bench_opset.main([])
     print()
     bench_deploy.main([])
 print()

@@ -29,6 +29,7 @@ from exporters import formats as fm
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import QUANTIZERS_KEY, qdq_pairs
+from exporters.opset import OpProbe, format_opset, ops_opset
 from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
@@ -61,6 +62,8 @@ class ExportResult:
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
     target: str = "onnxruntime"
     placement: dict[str, int] = field(default_factory=dict)  # onnxruntime target: what exporters.ort_placement did
+    opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
+    opset_note: str = ""  # an explicit opset below what the model's ops are best expressed in: what that costs
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -68,16 +71,7 @@ class ExportResult:
 
 def required_opset(model: nn.Module) -> tuple[int, str]:
     """(lowest opset the model's quantizers need, the format that needs it)."""
-    need, why = fm.MIN_OPSET, "int8"
-    for q in quantizers(model).values():
-        if not q.enabled:
-            continue
-        blocked = q._block is not None
-        unsigned = q.desc.unsigned or q.desc.asymmetric
-        op = fm.required_opset(q.desc.num_bits, unsigned, blocked)
-        if op > need:
-            need, why = op, fm.format_name(q.desc.num_bits, unsigned, blocked)
-    return need, why
+    return format_opset(model)
 
 
 def check_exportable(model: nn.Module) -> None:
@@ -151,11 +145,26 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         if scoped in known:
             mapping[n.output[0]] = scoped
             continue
+        scoped = _scope_path(parts[:-1])
+        if scoped in known:
+            mapping[n.output[0]] = scoped
+            continue
         flat = n.name.replace("/", ".")
         hits = [q for q in known if q in flat]
         if hits:
             mapping[n.output[0]] = max(hits, key=len)
     return mapping
+
+
+def _scope_path(parts: list[str]) -> str:
+    """The module path of a TorchScript node scope: a child of a Sequential or ModuleList is named
+    ``<container>.<index>`` in the scope (``/layer2/layer2.0/downsample/downsample.0/...`` is module
+    ``layer2.0.downsample.0``)."""
+    path: list[str] = []
+    for part in parts:
+        head, dot, rest = part.partition(".")
+        path.append(rest if dot and path and head == path[-1] else part)
+    return ".".join(path)
 
 
 def export_onnx(
@@ -173,7 +182,9 @@ def export_onnx(
 
     Args:
         example_inputs: keyword inputs for ``model(**example_inputs)``; their names become the graph's inputs.
-        opset: default: the lowest the formats need (13 int8, 19 fp8, 21 int4/blocked).
+        opset: default: the lowest that the formats need (13 int8, 19 fp8, 21 int4/blocked; 18 with dynamo) and
+            the model's ops are best expressed in (17 with a LayerNorm: :mod:`exporters.opset`). Lower than the
+            formats need is an error; lower than the ops prefer is allowed (``ExportResult.opset_note``).
         exporter: ``torchscript`` or ``dynamo``.
         dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic.
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
@@ -189,12 +200,10 @@ def export_onnx(
     need, why = required_opset(model)
     if exporter == "dynamo" and need < DYNAMO_MIN_OPSET:
         need, why = DYNAMO_MIN_OPSET, "the dynamo exporter"
-    if opset is None:
-        opset = need
-    elif opset < need:
-        what = why if why == "the dynamo exporter" else f"{why} quantization"
+    what = why if why == "the dynamo exporter" else f"{why} quantization"
+    if opset is not None and opset < need:
         raise ExportError(f"{what} needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out")
-    if opset > 21:
+    if opset is not None and opset > 21:
         raise ExportError(f"opset {opset} is not supported; use 13..21")
     path = Path(path)
     parent = path.parent if str(path.parent) else Path(".")
@@ -207,8 +216,19 @@ def export_onnx(
 
     model = model.eval().cpu()
     example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
-    with torch.no_grad():
+    probe = OpProbe()
+    with torch.no_grad(), probe:
         outputs = model(**example)
+    best, best_why = ops_opset(model, probe)
+    note = ""
+    if opset is None:
+        opset = max(need, best)
+        reason = f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else "")
+    else:
+        reason = "--opset"
+        if opset < best:
+            note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}, and "
+                    f"onnxruntime then forms no SkipLayerNormalization; leave --opset out for {best}")
     output_names = _output_names(outputs)
     input_names = list(example)
     axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
@@ -281,6 +301,7 @@ def export_onnx(
     if exporter == "dynamo":  # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
         inits = {t.name for t in onnx_model.graph.initializer}
         res.weights_stored_quantized += sum(1 for d in dyn if d.weight in inits)
+    res.opset_reason, res.opset_note = reason, note
     if target == "onnxruntime":
         fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)

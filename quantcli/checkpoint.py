@@ -3,7 +3,8 @@
 Keys: ``format`` (``"quantcli.calibrated"``), ``format_version``, ``quantcli_version``, ``model`` (spec; the
 factory file's source for file specs; ``extra``: a pickled module's bytes and sha256, or a Hugging Face folder's
 config, class and outputs), ``state_dict`` (weights and every quantizer's amax),
-``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``inputs`` (names, dtypes,
+``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``batchnorm_folds`` (the
+``{layer, batchnorm}`` pairs folded: the state dict describes the folded model), ``inputs`` (names, dtypes,
 shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing`` (text/image data).
 Written atomically.
 """
@@ -25,10 +26,11 @@ from quantcli.data import Batch
 from quantcli.errors import CheckpointError, QuantCliError
 from quantcli.loading import ModelSpec, build_model
 from quantcli.nn.config import QuantConfig, _plain
+from quantcli.nn.fold_bn import restore_folds
 from quantcli.nn.replace import quantize_model, quantizers
 
 FORMAT = "quantcli.calibrated"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: batchnorm_folds (a folded state dict does not fit the unfolded model)
 EXAMPLE_SAMPLES = 8
 
 
@@ -80,6 +82,7 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
         "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
         "quant_config": cfg.to_plain(),
         "quantizers": qs,
+        "batchnorm_folds": list(getattr(model, "quantcli_folded_batchnorm", [])),
         "inputs": {
             "names": list(example),
             "dtypes": [str(v.dtype).replace("torch.", "") for v in example.values()],
@@ -161,7 +164,14 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     if "target" not in data["quant_config"]:
         cfg.legacy_placement = True  # written before targets existed: rebuild the placement it was calibrated with
     model = build_model(spec, trust_code=trust_code, origin=str(path))
-    quantize_model(model, cfg)
+    if "batchnorm_folds" not in data:  # written before BatchNorm folding existed: nothing was folded
+        cfg.fold_batchnorm = False
+    try:
+        # the stored state dict holds the folded weights; rebuild the folded structure, recompute nothing
+        restore_folds(model, data.get("batchnorm_folds", []))
+    except QuantCliError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    quantize_model(model, cfg, fold=False)
     try:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:

@@ -126,17 +126,18 @@ def calibrate(
     image_size: Optional[str] = typer.Option(None, "--image-size", help="Image --data: N or HxW pixels (default: preprocessor_config.json, else 224)."),
     mean: Optional[str] = typer.Option(None, "--mean", help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: preprocessor_config.json, else ImageNet's)."),
     std: Optional[str] = typer.Option(None, "--std", help="Image --data: per-channel std (default: preprocessor_config.json, else ImageNet's)."),
+    fold_bn: Optional[bool] = typer.Option(None, "--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true)."),
 ) -> None:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.data import DataOptions
 
     _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size, num_samples,
            device, out_path, as_json, trust_pickle, pooling,
-           DataOptions(tokenizer, max_length, image_size, mean, std), target)
+           DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, target)
 
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
-               out_path, as_json, trust_pickle, pooling="none", data_options=None, target=None):
+               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, target=None):
     """One process, or (under ``torchrun``) one rank: each rank reads its own share of the data, the
     statistics are merged, rank 0 writes the checkpoint and prints; every rank ends with the same outcome."""
     global _quiet
@@ -146,14 +147,14 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     _quiet = job is not None and job.rank != 0
     try:
         _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
-                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, target)
+                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn, target)
     finally:
         if job is not None:
             leave()
 
 
 def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples,
-                    device, out_path, as_json, trust_pickle, pooling, data_options, target=None):
+                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, target=None):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
@@ -168,6 +169,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         if batch_size is not None and batch_size <= 0:
             raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
         cfg = load_config(config)
+        if fold_bn is not None:
+            cfg.fold_batchnorm = fold_bn
         if target is not None:
             cfg = dataclasses.replace(cfg, target=target)  # validated like a config file's target
         if job is None:
@@ -189,7 +192,7 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
                 batches = strided(batches, job.rank, job.world_size)
         else:
             raise DataError(f"{model_spec} is not a sample model, so it needs calibration data: pass --data FILE")
-        quantize_model(model, cfg)
+        quantize_model(model, cfg, example=batches[0] if batches else None)
         report = model.quantcli_report
         if not report.layers:
             raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
@@ -203,6 +206,7 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     info["config"] = cfg.source
     info["target"] = cfg.target
     info["placement"] = _placement_summary(report.placement, cfg.target)
+    info["batchnorm"] = {"fold_batchnorm": cfg.fold_batchnorm, **report.batchnorm.to_dict()}
     if prep is not None:
         info["preprocessing"] = describe_preprocessing(prep)
     with one_outcome():  # rank 0 writes (atomically); the others write nothing and learn whether it worked
@@ -219,6 +223,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         err.print(f"warning: config pattern {p!r} matched no quantizer")
     if summary.not_called:
         err.print(f"warning: never called during calibration, left unquantized: {', '.join(summary.not_called)}")
+    for bn, reason in report.batchnorm.skipped:
+        err.print(f"warning: BatchNorm {bn} not folded: {reason}")
     t = Table(title=f"quantcli calibrate {model_spec}", show_header=False)
     t.add_row("method", f"{summary.method} ({cfg.source})")
     t.add_row("device", summary.device if job is None else f"{summary.device} ({job.backend}, one per rank)")
@@ -227,6 +233,12 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     if prep is not None:
         t.add_row("preprocessing", describe_preprocessing(prep))
     t.add_row("target", f"{cfg.target}: {info['placement']['text']}")
+    bn = report.batchnorm
+    if bn.folded or bn.skipped:
+        t.add_row("BatchNorm folded", f"{len(bn.folded)} of {len(bn.folded) + len(bn.skipped)}: "
+                  + (", ".join(f"{f.batchnorm} into {f.layer}" for f in bn.folded) or "none"))
+    elif not cfg.fold_batchnorm:
+        t.add_row("BatchNorm folded", "off (--no-fold-bn / fold_batchnorm: false)")
     t.add_row("quantizers calibrated", str(len(summary.calibrated)))
     t.add_row("quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)")
     if summary.dynamic:
@@ -275,7 +287,7 @@ class Exporter(str, Enum):
 def export(
     calibrated: Path = typer.Argument(..., help="Calibrated checkpoint written by `quantcli calibrate`."),
     onnx_path: Path = typer.Option(..., "--onnx", help="ONNX file to write."),
-    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need: 13 int8, 19 fp8, 21 int4; 18 at least with dynamo)."),
+    opset: Optional[int] = typer.Option(None, "--opset", help="ONNX opset (default: the lowest the formats need, 13 int8, 19 fp8, 21 int4, 18 at least with dynamo, and at least 17 where the model has a LayerNorm)."),
     exporter: Exporter = typer.Option(Exporter.torchscript, "--exporter", help="torch exporter: torchscript or dynamo (torch.export)."),
     dynamic_axes: bool = typer.Option(True, "--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions."),
     weights_qdq: bool = typer.Option(False, "--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
@@ -306,7 +318,9 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     if res.dynamic_layers:
         t.add_row("dynamic layers", f"{res.dynamic_layers} (DynamicQuantizeLinear -> MatMulInteger, int8 weights)")
     t.add_row("weights stored quantized", str(res.weights_stored_quantized))
-    t.add_row("opset", str(res.opset))
+    t.add_row("opset", f"{res.opset} ({res.opset_reason})")
+    if res.opset_note:
+        t.add_row("opset note", res.opset_note)
     t.add_row("exporter", res.exporter)
     t.add_row("inputs", ", ".join(res.input_names))
     t.add_row("outputs", ", ".join(res.output_names))

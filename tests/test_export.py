@@ -343,3 +343,13 @@ def test_graph_inputs_are_named_in_forward_order_whatever_the_batch_key_order(tm
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"a": a.numpy(), "b": b.numpy()})[0]
     np.testing.assert_allclose(got, model(a, b).detach().numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_torchscript_scopes_of_nested_containers_name_the_module():
+    from exporters.onnx_export import _scope_path
+
+    # torch names a Sequential/ModuleList child "<container>.<index>" in node scopes
+    assert _scope_path(["layer2", "layer2.0", "downsample", "downsample.0", "input_quantizer"]) == \
+        "layer2.0.downsample.0.input_quantizer"
+    assert _scope_path(["features", "features.3", "weight_quantizer"]) == "features.3.weight_quantizer"
+    assert _scope_path(["fc1", "input_quantizer"]) == "fc1.input_quantizer"

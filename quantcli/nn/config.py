@@ -8,6 +8,7 @@ or the same content as a dict::
     preset: int8            # the starting point (default int8)
     block_size: 128         # int4-weight-only's block along the input dimension
     reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
+    fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it (quantcli.nn.fold_bn)
     target: onnxruntime     # the runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
@@ -89,6 +90,7 @@ class QuantConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     source: str = "int8"
     reduce_range: bool = False
+    fold_batchnorm: bool = True
     target: str = DEFAULT_TARGET
 
     def __post_init__(self):
@@ -100,6 +102,8 @@ class QuantConfig:
             raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
         if not isinstance(self.reduce_range, bool):
             raise ConfigError(f"reduce_range must be true or false, got {self.reduce_range!r}")
+        if not isinstance(self.fold_batchnorm, bool):
+            raise ConfigError(f"fold_batchnorm must be true or false, got {self.fold_batchnorm!r}")
         for i, r in enumerate(self.rules):
             if not isinstance(r, dict) or "pattern" not in r or not isinstance(r["pattern"], str):
                 raise ConfigError(f"rule {i} must be a mapping with a 'pattern' string, got {r!r}")
@@ -113,19 +117,21 @@ class QuantConfig:
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
         return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
-                "reduce_range": self.reduce_range, "target": self.target}
+                "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm, "target": self.target}
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "target"})
+        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm",
+                                      "target"})
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown} in {source}; "
-                              "known: preset, block_size, reduce_range, target, rules")
+                              "known: preset, block_size, reduce_range, fold_batchnorm, target, rules")
         return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
                    block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source),
-                   reduce_range=data.get("reduce_range", False), target=data.get("target", DEFAULT_TARGET))
+                   reduce_range=data.get("reduce_range", False), fold_batchnorm=data.get("fold_batchnorm", True),
+                   target=data.get("target", DEFAULT_TARGET))
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""

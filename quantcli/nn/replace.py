@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
+from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.modules import QUANT_CLASSES
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
 from quantcli.nn.tensor_quantizer import TensorQuantizer
@@ -20,6 +23,7 @@ _GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dy
 class QuantizeReport:
     layers: list[str] = field(default_factory=list)
     unmatched_patterns: list[str] = field(default_factory=list)
+    batchnorm: FoldReport = field(default_factory=FoldReport)  # the BatchNorms folded, and those left alone
     placement: Placement | None = None
 
 
@@ -28,20 +32,31 @@ def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
     return {name: m for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}
 
 
-def quantize_model(model: nn.Module, config=None) -> nn.Module:
+def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch.Tensor] | None = None,
+                   fold: bool | None = None) -> nn.Module:
     """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd`` (exact types).
 
-    Module names, parameters, hooks and ``state_dict`` keys are kept (quantizer ``amax`` buffers are added).
+    First, when the config's ``fold_batchnorm`` is on (the default), every BatchNorm that only its preceding
+    Conv/ConvTranspose/Linear feeds is folded into that layer (:func:`quantcli.nn.fold_bn.fold_batchnorm`), so
+    weights are calibrated as they will run; the BatchNorm becomes ``nn.Identity``. Otherwise module names,
+    parameters, hooks and ``state_dict`` keys are kept (quantizer ``amax`` buffers are added).
     ``config`` is anything :func:`quantcli.nn.config.load_config` takes (default: the ``int8`` preset). The
-    report (layers converted, rule patterns that matched nothing, the target's placement) is at
+    report (layers converted, rule patterns that matched nothing, BatchNorms folded and not) is at
     ``model.quantcli_report``.
 
-    The config's ``target`` decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``, inputs
-    that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer reads
-    directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes.
+    Args:
+        example: one keyword batch for ``model(**example)``; only a BatchNorm after a Linear needs it to fold.
+        fold: overrides the config's ``fold_batchnorm`` (``load_calibrated`` restores stored folds instead).
+
+    The config's ``target`` then decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``,
+    inputs that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer reads
+    directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes; for ``tensorrt``,
+    the skip inputs of residual Adds get a ``residual_quantizer``.
     """
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
+    if cfg.fold_batchnorm if fold is None else fold:
+        report.batchnorm = fold_batchnorm(model, example)
     used: set[int] = set()
     layers: dict[str, nn.Module] = {}
     own_grid: set[str] = set()  # input quantizers whose grid a rule chose

@@ -1,0 +1,134 @@
+"""Opset 13 vs 17 for transformers: what onnxruntime's optimizer makes of each graph, and how fast it runs.
+
+    python -m benchmarks.bench_opset [--repeat 15] [--models text_encoder,deep_encoder]
+
+Per model (int8 preset, max calibration): the same calibrated model exported at opset 13 (LayerNorm decomposed)
+and at the default opset (17 for a model with a LayerNorm: ``LayerNormalization``). Both graphs load in onnxruntime
+with default session options and 1 intra-op thread; op counts come from the optimized graph onnxruntime saves
+(``SessionOptions.optimized_model_filepath``). Latency: four held-out batches, best of interleaved runs in one
+process; the ratio is each variant's time over opset 13's. A third variant loads the opset-17 graph with
+``disabled_optimizers=["SkipLayerNormFusion"]``: onnxruntime's CPU SkipLayerNormalization kernel is a scalar
+loop per row, and that separates its cost from the rest of the opset change. Each graph's largest output
+difference from the fake-quant PyTorch model is printed beside it. Targets (computed): SkipLayerNormalization
+forms at 17; 17 is not slower than 13 (ratio <= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from benchmarks.common import machine, setup_threads, table
+from exporters import export_onnx
+from quantcli import calibrate, quantize_model
+
+OPS = ("SkipLayerNormalization", "LayerNormalization", "ReduceMean", "Add", "BiasGelu", "Gelu",
+       "MatMulIntegerToFloat", "QuantizeLinear")
+
+
+def _options(optimized_path: Path | None = None) -> ort.SessionOptions:
+    so = ort.SessionOptions()  # default graph optimizations
+    so.intra_op_num_threads = 1
+    so.log_severity_level = 3
+    if optimized_path is not None:
+        so.optimized_model_filepath = str(optimized_path)
+    return so
+
+
+def _session(path: Path, disabled: list[str], optimized_path: Path | None = None) -> ort.InferenceSession:
+    kwargs = {"disabled_optimizers": disabled} if disabled else {}
+    return ort.InferenceSession(str(path), _options(optimized_path), providers=["CPUExecutionProvider"], **kwargs)
+
+
+def _model_and_batches(name: str):
+    if name == "text_encoder":
+        from sample_models import SAMPLES
+
+        s = SAMPLES[name]
+        return s.build().eval(), s.calibration_batches(), s.evaluation_batches()[:4]
+    if name == "deep_encoder":
+        from sample_models import structured
+
+        return (structured.deep_encoder(), structured.deep_encoder_batches("calib", 64),
+                structured.deep_encoder_batches("eval")[:4])
+    raise SystemExit(f"unknown model {name!r}; use text_encoder or deep_encoder")
+
+
+def measure(name: str, workdir: Path, repeat: int) -> list[dict]:
+    model, calib, evals = _model_and_batches(name)
+    quantize_model(model, "int8")
+    calibrate(model, calib, "max", device="cpu")
+    graphs = {}
+    for label, opset in (("13", 13), ("default", None)):
+        path = workdir / f"{name}-{label}.onnx"
+        res = export_onnx(model, evals[0], path, opset=opset)
+        graphs[res.opset] = path
+    feeds = [{k: v.numpy() for k, v in b.items()} for b in evals]
+    with torch.inference_mode():
+        want = [model(**b).numpy() for b in evals]
+    top = max(graphs)
+    variants = {"13": (graphs[13], []), str(top): (graphs[top], []),
+                f"{top}, SkipLayerNormFusion off": (graphs[top], ["SkipLayerNormFusion"])}
+    sessions, counts, diffs = {}, {}, {}
+    for i, (label, (path, disabled)) in enumerate(variants.items()):
+        optimized = workdir / f"{path.stem}-{i}.opt.onnx"
+        _session(path, disabled, optimized)
+        counts[label] = collections.Counter(n.op_type for n in onnx.load(str(optimized)).graph.node)
+        sessions[label] = _session(path, disabled)
+        diffs[label] = max(float(np.abs(sessions[label].run(None, f)[0] - w).max()) for f, w in zip(feeds, want))
+    scale = max(float(np.abs(w).max()) for w in want)
+    best = dict.fromkeys(sessions, float("inf"))
+    for _ in range(repeat):
+        for label, s in sessions.items():  # interleaved: every variant sees the same machine state
+            t = time.perf_counter()
+            for f in feeds:
+                s.run(None, f)
+            best[label] = min(best[label], time.perf_counter() - t)
+    rows = []
+    ref = best["13"]
+    for label in sessions:
+        c = counts[label]
+        row = {"model": name, "opset": label, "nodes (optimized)": str(sum(c.values()))}
+        row.update({op: str(c.get(op, 0)) for op in OPS})
+        row["ms (4 batches)"] = f"{best[label] * 1e3:.1f}"
+        row["vs opset 13"] = f"{best[label] / ref:.3f}x"
+        row["max|ort - fake-quant| / max|out|"] = f"{diffs[label] / scale:.2g}"
+        rows.append(row)
+    skip_ok = counts[str(top)].get("SkipLayerNormalization", 0) > 0
+    ratio = best[str(top)] / ref
+    rows[1]["targets"] = (f"SkipLayerNormalization at {top}: {'MET' if skip_ok else 'MISSED'}; "
+                          f"<= 1.0x opset 13: {'MET' if ratio <= 1.0 else 'MISSED'} ({ratio:.3f}x)")
+    return rows
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--models", default="text_encoder,deep_encoder")
+    a = p.parse_args(argv)
+    setup_threads(1)
+    print(f"opset 13 vs default (17 with LayerNorm), onnxruntime {ort.__version__}: {machine()}; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for name in a.models.split(","):
+            try:
+                rows += measure(name, Path(d), a.repeat)
+            except ImportError as e:  # deep_encoder needs transformers (the test extra)
+                print(f"{name}: skipped ({e})")
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    print(table(rows, cols))
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The default ONNX opset: the lowest that the quantization formats need and the model's own ops are best
+expressed in.
+
+Formats set a hard minimum (an int8 per-axis QuantizeLinear needs 13, float8 19, int4 and blocked 21): below it the
+graph cannot be written. The model's ops set a preference: ``LayerNormalization`` exists from opset 17; below it
+the exporter decomposes a LayerNorm into ReduceMean/Sub/Pow/Sqrt/Div/Mul/Add. onnxruntime (1.31) fuses that pattern
+back into ``LayerNormalization``, but its ``SkipLayerNormalization`` fusion (the residual Add absorbed into the
+LayerNorm) then does not form; at opset 17 it does (``python -m benchmarks.bench_opset`` counts both and times
+them). An explicit opset below the preference is allowed (the LayerNorm is decomposed, and the export says so).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from exporters import formats as fm
+from quantcli.nn.replace import quantizers
+
+LAYER_NORM_OPSET = 17  # ONNX LayerNormalization
+
+
+def format_opset(model: nn.Module) -> tuple[int, str]:
+    """(lowest opset the model's enabled quantizers need, the format that needs it)."""
+    need, why = fm.MIN_OPSET, "int8"
+    for q in quantizers(model).values():
+        if not q.enabled:
+            continue
+        blocked = q._block is not None
+        unsigned = q.desc.unsigned or q.desc.asymmetric
+        op = fm.required_opset(q.desc.num_bits, unsigned, blocked)
+        if op > need:
+            need, why = op, fm.format_name(q.desc.num_bits, unsigned, blocked)
+    return need, why
+
+
+_LAYER_NORM_FUNCTIONS = (torch.nn.functional.layer_norm, torch.layer_norm, torch.native_layer_norm)
+
+
+class OpProbe(TorchFunctionMode):
+    """Records, during one forward pass, whether the model calls a layer norm (``nn.LayerNorm`` or
+    ``F.layer_norm`` called directly): module scans miss the functional form."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer_norm = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _LAYER_NORM_FUNCTIONS:
+            self.layer_norm = True
+        return func(*args, **(kwargs or {}))
+
+
+def ops_opset(model: nn.Module, probe: OpProbe | None = None) -> tuple[int, str]:
+    """(opset the model's own ops are best expressed in, why); ``probe``: an :class:`OpProbe` that watched a
+    forward pass of the model."""
+    if (probe is not None and probe.layer_norm) or any(isinstance(m, nn.LayerNorm) for m in model.modules()):
+        return LAYER_NORM_OPSET, "LayerNorm (LayerNormalization)"
+    return fm.MIN_OPSET, ""

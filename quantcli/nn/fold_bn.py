@@ -1,0 +1,374 @@
+"""BatchNorm folding: a BatchNorm that directly follows a Conv/ConvTranspose/Linear becomes part of that layer.
+
+In eval mode a BatchNorm is a per-channel affine map of its input ``z``::
+
+    y = gamma * (z - mean) / sqrt(var + eps) + beta = s * z + t,   s = gamma / sqrt(var + eps),  t = beta - mean * s
+
+so when ``z = W x + b`` comes straight from a layer, ``y = (s W) x + (s b + t)``: the layer with weight ``s W``
+(scaled along its output channels) and bias ``s b + t`` computes the same thing, and the BatchNorm becomes an
+``nn.Identity``. Folding happens before quantizers are inserted (``quantize_model``), so the weights are
+calibrated and quantized as they will run, and the exported graph has no BatchNormalization after a quantized
+layer (onnxruntime cannot fuse a Conv into an integer kernel across one).
+
+A BatchNorm is folded only when nothing else reads its layer's output. Where the model traces with ``torch.fx``
+the graph says so (the layer's output node has exactly one user, the BatchNorm, and both modules are called once).
+Where it does not trace, only the plain ``nn.Sequential`` pattern (the layer and its BatchNorm adjacent children of
+an unmodified ``nn.Sequential``) is folded; every other BatchNorm is left alone and reported with the reason.
+
+Folding an already calibrated model (``fold_batchnorm(quantized_model)``): the input quantizers keep their amax
+(the layer's input does not change, and neither, up to float rounding, does the BatchNorm's output that the next
+layer reads). A symmetric weight quantizer per output channel gets ``amax * |s|`` per channel: ``s W / (amax |s| /
+bound) = sign(s) W / (amax / bound)``, so every integer code stays the same, or flips sign where gamma < 0, up
+to float rounding at exact ties. Any other weight quantizer (per tensor, blocked, asymmetric) is recalibrated
+with max from the folded weights; a weight quantizer calibrated from a histogram is not, and its layer is not
+folded (calibrate again with folding on).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from quantcli.errors import DataError, QuantCliError
+from quantcli.nn.modules import QUANT_CLASSES
+from quantcli.nn.tensor_quantizer import TensorQuantizer
+
+#: layer types a BatchNorm folds into (exact types, and their quantized wrappers)
+FOLDABLE: tuple[type, ...] = (*QUANT_CLASSES, *QUANT_CLASSES.values())
+_TRANSPOSED = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
+@dataclass
+class Fold:
+    """One folded pair. ``weight_amax``: for a calibrated layer, ``"scaled"`` (per-channel amax times |s|) or
+    ``"recalibrated"``; empty when the layer had no calibrated weight quantizer."""
+
+    layer: str
+    batchnorm: str
+    weight_amax: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        d = {"layer": self.layer, "batchnorm": self.batchnorm}
+        if self.weight_amax:
+            d["weight_amax"] = self.weight_amax
+        return d
+
+
+@dataclass
+class FoldReport:
+    """What :func:`fold_batchnorm` did. ``detection``: ``"fx"`` (traced) or ``"sequential"`` (the model does not
+    trace; ``trace_error`` says why) or ``"none"`` (no BatchNorm)."""
+
+    folded: list[Fold] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (batchnorm, reason)
+    detection: str = "none"
+    trace_error: str = ""
+
+    def to_dict(self) -> dict:
+        return {"folded": [f.to_dict() for f in self.folded],
+                "not_folded": [{"batchnorm": b, "reason": r} for b, r in self.skipped],
+                "detection": self.detection}
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+
+
+def batchnorm_affine(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eval-mode BatchNorm as ``y = s * z + t`` per channel: ``(s, t)``, float64, shape ``(C,)``.
+
+    Float64 so that the folded float32 parameters are the correctly rounded values of the exact fold.
+    """
+    var = bn.running_var.detach().double()
+    mean = bn.running_mean.detach().double()
+    gamma = bn.weight.detach().double() if bn.weight is not None else torch.ones_like(var)
+    beta = bn.bias.detach().double() if bn.bias is not None else torch.zeros_like(var)
+    s = gamma / torch.sqrt(var + bn.eps)
+    return s, beta - mean * s
+
+
+def _channel_view(s: torch.Tensor, weight_shape: torch.Size, axis: int, groups: int) -> torch.Tensor:
+    """``s`` (one value per output channel) broadcastable against the weight.
+
+    Conv/Linear weights are ``(Cout, Cin / groups, *kernel)``: output channel = axis 0. ConvTranspose weights are
+    ``(Cin, Cout / groups, *kernel)``: output channel ``g * Cout/groups + j`` for input rows of group ``g``.
+    """
+    if axis == 0:
+        return s.view(-1, *([1] * (len(weight_shape) - 1)))
+    cin, per_group = weight_shape[0], weight_shape[1]
+    ones = [1] * (len(weight_shape) - 2)
+    s = s.view(groups, 1, per_group, *ones).expand(groups, cin // groups, per_group, *ones)
+    return s.reshape(cin, per_group, *ones)
+
+
+def fold_parameters(weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor, t: torch.Tensor,
+                    axis: int = 0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s W, s b + t)`` in the weight's dtype, computed in float64.
+
+    Args:
+        weight: the layer's weight; ``axis`` its output-channel axis (1 for ConvTranspose), ``groups`` its groups.
+        bias: the layer's bias ``(Cout,)`` or None (zero).
+        s, t: :func:`batchnorm_affine` of the BatchNorm, ``(Cout,)``.
+    """
+    w = weight.detach().double() * _channel_view(s, weight.shape, axis, groups)
+    b = bias.detach().double() if bias is not None else torch.zeros_like(s)
+    return w.to(weight.dtype), (s * b + t).to(weight.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- detection
+
+
+def _out_channels(layer: nn.Module) -> int:
+    return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
+
+
+def _batchnorm_problem(bn: _BatchNorm, layer: nn.Module) -> str:
+    """Why ``bn`` cannot fold into ``layer`` whatever the data flow, or ''."""
+    if bn.running_mean is None or bn.running_var is None:
+        return "it normalises with batch statistics (track_running_stats=False), which no weight can express"
+    if isinstance(bn.running_var, nn.parameter.UninitializedBuffer):
+        return "it is an uninitialised lazy BatchNorm"
+    if bn.num_features != _out_channels(layer):
+        return f"its {bn.num_features} features are not the {_out_channels(layer)} output channels of the layer"
+    return ""
+
+
+class _LeafTracer(torch.fx.Tracer):
+    """Keeps layers, BatchNorms and quantizers as single ``call_module`` nodes (a quantized layer is a subclass
+    outside ``torch.nn``, which fx would otherwise trace into)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if isinstance(m, (*FOLDABLE, _BatchNorm, TensorQuantizer)):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def _bn_input_ranks(model: nn.Module, names: list[str], example: Mapping[str, torch.Tensor] | None) -> dict[str, int]:
+    """The rank of each named BatchNorm's input on one forward of ``example`` (empty without one)."""
+    if example is None or not names:
+        return {}
+    ranks: dict[str, int] = {}
+
+    def record(name: str):
+        def hook(module, args):  # returns None: the input is left alone
+            ranks.setdefault(name, args[0].dim())
+        return hook
+
+    hooks = [model.get_submodule(n).register_forward_pre_hook(record(n)) for n in names]
+    try:
+        with torch.no_grad():
+            model(**example)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"forward() failed on the example batch while checking BatchNorm folding: {msg}") from None
+    finally:
+        for h in hooks:
+            h.remove()
+    return ranks
+
+
+def _linear_problem(bn_name: str, ranks: dict[str, int], have_example: bool) -> str:
+    """A Linear's output ``(N, ..., F)`` has its features last; a BatchNorm normalises dim 1, so the pair folds
+    only when the BatchNorm sees ``(N, F)``."""
+    if bn_name not in ranks:
+        return ("a Linear's BatchNorm folds only when its input is (N, features), which needs an example batch to "
+                "check" if not have_example else "it did not run on the example batch")
+    if ranks[bn_name] != 2:
+        return f"it normalises dim 1 of a {ranks[bn_name]}-D Linear output, not the Linear's features"
+    return ""
+
+
+def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None = None) -> FoldReport:
+    """Which BatchNorms of ``model`` fold into the layer before them (nothing is changed).
+
+    ``example``: one keyword batch for ``model(**example)``; needed only to fold a BatchNorm after a Linear.
+    """
+    report = FoldReport()
+    modules = dict(model.named_modules())
+    bns = [n for n, m in modules.items() if isinstance(m, _BatchNorm)]
+    if not bns:
+        return report
+    try:
+        graph = _LeafTracer().trace(model)
+    except Exception as e:  # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
+        report.detection, report.trace_error = "sequential", str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        candidates, reasons = _sequential_candidates(model, modules)
+    else:
+        report.detection = "fx"
+        candidates, reasons = _traced_candidates(graph, modules)
+    linear_bns = [bn for layer, bn in candidates if isinstance(modules[layer], nn.Linear)]
+    ranks = _bn_input_ranks(model, linear_bns, example)
+    for layer, bn in candidates:
+        problem = _batchnorm_problem(modules[bn], modules[layer])
+        if not problem and isinstance(modules[layer], nn.Linear):
+            problem = _linear_problem(bn, ranks, example is not None)
+        if problem:
+            reasons[bn] = problem
+        else:
+            report.folded.append(Fold(layer, bn))
+    for bn in bns:
+        if bn in reasons:
+            report.skipped.append((bn, reasons[bn]))
+    return report
+
+
+def _traced_candidates(graph: torch.fx.Graph, modules: dict[str, nn.Module]):
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    seen = {n.target for n in graph.nodes if n.op == "call_module"}
+    candidates, reasons = [], {}
+    for name, m in modules.items():
+        if isinstance(m, _BatchNorm) and name not in seen:
+            reasons[name] = "forward never calls it"
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(modules[node.target], _BatchNorm):
+            continue
+        bn = node.target
+        src = node.args[0] if node.args else None
+        if calls[bn] > 1:
+            reasons[bn] = "forward calls it more than once"
+        elif not (isinstance(src, torch.fx.Node) and src.op == "call_module"
+                  and isinstance(modules[src.target], FOLDABLE)):
+            reasons[bn] = "its input is not the output of a Conv, ConvTranspose or Linear"
+        elif calls[src.target] > 1:
+            reasons[bn] = f"forward calls {src.target} more than once, and only one call is followed by it"
+        elif len(src.users) > 1:
+            others = [u.name for u in src.users if u is not node]
+            reasons[bn] = f"the output of {src.target} is also used by {', '.join(others)}"
+        else:
+            candidates.append((src.target, bn))
+    return candidates, reasons
+
+
+def _sequential_candidates(model: nn.Module, modules: dict[str, nn.Module]):
+    """Without a trace: a layer and a BatchNorm that are adjacent children of an unmodified ``nn.Sequential``
+    (its forward feeds each child's output to the next child only), each module registered once."""
+    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    candidates, reasons = [], {}
+    for name, seq in modules.items():
+        if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
+            continue
+        children = list(seq.named_children())
+        for (ln, layer), (bn_n, bn) in zip(children, children[1:]):
+            if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm) and uses[id(layer)] == uses[id(bn)] == 1:
+                prefix = f"{name}." if name else ""
+                candidates.append((prefix + ln, prefix + bn_n))
+    found = {bn for _, bn in candidates}
+    for name, m in modules.items():
+        if isinstance(m, _BatchNorm) and name not in found:
+            reasons[name] = ("the model does not trace with torch.fx, and without a trace only a BatchNorm right "
+                             "after its layer in an nn.Sequential is known to be its only reader")
+    return candidates, reasons
+
+
+# ---------------------------------------------------------------------------------------------- folding
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _ensure_bias(layer: nn.Module) -> None:
+    if layer.bias is None:
+        layer.bias = nn.Parameter(torch.zeros(_out_channels(layer), dtype=layer.weight.dtype,
+                                              device=layer.weight.device), requires_grad=layer.weight.requires_grad)
+
+
+def _weight_axis_and_groups(layer: nn.Module) -> tuple[int, int]:
+    if isinstance(layer, _TRANSPOSED):
+        return 1, layer.groups
+    return 0, getattr(layer, "groups", 1)
+
+
+def _calibrated_weight_quantizer(layer: nn.Module) -> TensorQuantizer | None:
+    q = getattr(layer, "weight_quantizer", None)
+    return q if isinstance(q, TensorQuantizer) and q.enabled and q.amax is not None and not q.desc.dynamic else None
+
+
+def _amax_scales(q: TensorQuantizer, layer: nn.Module) -> bool:
+    """Whether ``amax * |s|`` per channel is exact for this weight quantizer (module docstring)."""
+    axis, groups = _weight_axis_and_groups(layer)
+    return (q.desc.axis == axis and q._block is None and not q.desc.asymmetric and not q.desc.unsigned
+            and _groups_ok(axis, groups) and q.amax.numel() == _out_channels(layer))
+
+
+def _groups_ok(axis: int, groups: int) -> bool:
+    """A ConvTranspose with groups has ``Cout / groups`` weight columns per output-channel index: its per-axis
+    amax is not one per output channel."""
+    return axis == 0 or groups == 1
+
+
+def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None = None) -> FoldReport:
+    """Fold every foldable BatchNorm of ``model`` into the layer before it, in place (see the module docstring).
+
+    The BatchNorm is replaced by ``nn.Identity`` (its name stays, its ``state_dict`` keys go); a layer without a
+    bias gets one. Works on a float model and on a quantized one, calibrated or not.
+
+    Args:
+        example: one keyword batch for ``model(**example)``; needed only for a BatchNorm after a Linear.
+
+    Returns:
+        the :class:`FoldReport`: folded pairs, and every BatchNorm left alone with the reason. The pairs folded
+        so far are also listed in ``model.quantcli_folded_batchnorm``, which the calibrated checkpoint stores.
+    """
+    report = find_foldable(model, example)
+    done = []
+    for fold in report.folded:
+        layer, bn = model.get_submodule(fold.layer), model.get_submodule(fold.batchnorm)
+        q = _calibrated_weight_quantizer(layer)
+        if q is not None and not _amax_scales(q, layer) and q.desc.calib_method == "histogram":
+            report.skipped.append((fold.batchnorm, f"{q.name} was calibrated from a histogram; calibrate again with "
+                                   "BatchNorm folding on"))
+            continue
+        s, t = batchnorm_affine(bn)
+        axis, groups = _weight_axis_and_groups(layer)
+        w, b = fold_parameters(layer.weight, layer.bias, s, t, axis, groups)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            _ensure_bias(layer)
+            layer.bias.copy_(b)
+        if q is not None:
+            fold.weight_amax = _refit_weight_amax(q, layer, s)
+        _set_module(model, fold.batchnorm, nn.Identity())
+        done.append(fold)
+    report.folded = done
+    report.skipped.sort()
+    # what a checkpoint stores to rebuild this structure (quantcli.checkpoint), over every call
+    model.quantcli_folded_batchnorm = [*getattr(model, "quantcli_folded_batchnorm", []),
+                                       *({"layer": f.layer, "batchnorm": f.batchnorm} for f in done)]
+    return report
+
+
+def _refit_weight_amax(q: TensorQuantizer, layer: nn.Module, s: torch.Tensor) -> str:
+    if _amax_scales(q, layer):
+        amax = (q.amax.double() * s.abs().view(q.amax.shape)).to(torch.float32)
+        q.set_amax(amax)
+        return "scaled"
+    mode = q.mode
+    q.start_calibration("max")
+    q.collect(layer.weight.detach())
+    q.load_calib_amax("max")
+    q.set_mode(mode)
+    return "recalibrated"
+
+
+def restore_folds(model: nn.Module, folds: list[Mapping[str, str]]) -> None:
+    """Give a freshly built ``model`` the structure of the folded one (BatchNorms replaced by ``nn.Identity``,
+    biases added), so that the folded model's ``state_dict`` loads into it. The folded values come from that
+    state dict: nothing is recomputed, so the reload is bit-identical.
+
+    Raises :class:`QuantCliError` when a stored pair does not name a layer and a BatchNorm of ``model``.
+    """
+    modules = dict(model.named_modules())
+    for f in folds:
+        layer, bn = modules.get(f["layer"]), modules.get(f["batchnorm"])
+        if not isinstance(layer, FOLDABLE) or not isinstance(bn, _BatchNorm):
+            raise QuantCliError(f"the checkpoint folded BatchNorm {f['batchnorm']} into {f['layer']}, but the model "
+                                "built from its spec has no such layer and BatchNorm")
+        _ensure_bias(layer)
+        _set_module(model, f["batchnorm"], nn.Identity())
+    model.quantcli_folded_batchnorm = [{"layer": f["layer"], "batchnorm": f["batchnorm"]} for f in folds]

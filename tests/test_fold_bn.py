@@ -1,0 +1,390 @@
+"""BatchNorm folding (quantcli.nn.fold_bn): exact float folding, which BatchNorms fold, the calibrated path,
+checkpoint reload, and ONNX graphs without BatchNormalization that still agree with the fake-quant model."""
+
+import copy
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+from exporters import export_onnx
+from quantcli import load_calibrated, quantize_model, tensor_quant
+from quantcli.calibration import calibrate
+from quantcli.checkpoint import save_calibrated
+from quantcli.loading import parse_spec
+from quantcli.nn.fold_bn import batchnorm_affine, find_foldable, fold_batchnorm, fold_parameters
+from quantcli.verify import verify_onnx
+from sample_models import structured
+from tests.helpers import cli
+
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def _randomise_bn(bn: nn.modules.batchnorm._BatchNorm, g: torch.Generator, negative: bool = True) -> None:
+    """Statistics far from identity: small variances (so eps matters), means and betas that a missing bias term
+    would lose, and some negative gammas."""
+    n = bn.num_features
+    with torch.no_grad():
+        bn.running_var.copy_(0.01 + 0.05 * torch.rand(n, generator=g))
+        bn.running_mean.copy_(torch.randn(n, generator=g))
+        if bn.affine:
+            gamma = 0.5 + torch.rand(n, generator=g)
+            if negative:
+                gamma[::3] *= -1
+            bn.weight.copy_(gamma)
+            bn.bias.copy_(torch.randn(n, generator=g))
+
+
+LAYERS = {
+    # name: (layer, BatchNorm, input shape)
+    "conv1d": (lambda: nn.Conv1d(6, 8, 5, padding=2), lambda: nn.BatchNorm1d(8, eps=1e-3), (4, 6, 20)),
+    "conv2d_nobias": (lambda: nn.Conv2d(6, 8, 3, bias=False), lambda: nn.BatchNorm2d(8), (4, 6, 9, 9)),
+    "conv2d_groups": (lambda: nn.Conv2d(6, 8, 3, groups=2), lambda: nn.BatchNorm2d(8, eps=1e-3), (4, 6, 9, 9)),
+    "conv3d": (lambda: nn.Conv3d(3, 4, 3), lambda: nn.BatchNorm3d(4, eps=1e-3), (2, 3, 5, 5, 5)),
+    "convT1d": (lambda: nn.ConvTranspose1d(6, 8, 4, stride=2), lambda: nn.BatchNorm1d(8, eps=1e-3), (4, 6, 10)),
+    "convT2d_groups": (lambda: nn.ConvTranspose2d(6, 9, 3, stride=2, groups=3, bias=False),
+                       lambda: nn.BatchNorm2d(9, eps=1e-3), (4, 6, 5, 5)),
+    "linear": (lambda: nn.Linear(12, 7), lambda: nn.BatchNorm1d(7, eps=1e-3), (16, 12)),
+    "linear_bn_no_affine": (lambda: nn.Linear(12, 7), lambda: nn.BatchNorm1d(7, eps=1e-3, affine=False), (16, 12)),
+}
+
+
+class Pair(nn.Module):
+    def __init__(self, layer, bn):
+        super().__init__()
+        self.layer, self.bn = layer, bn
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.layer(x)))
+
+
+def _pair(kind: str, seed: int = 0):
+    make_layer, make_bn, shape = LAYERS[kind]
+    torch.manual_seed(seed)
+    m = Pair(make_layer(), make_bn()).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    _randomise_bn(m.bn, g)
+    return m, torch.randn(*shape, generator=g)
+
+
+def _magnitude(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """|W| * |x| + |b| in float64 for each output: the scale of float32 rounding in the folded layer."""
+    a = copy.deepcopy(layer).double()
+    with torch.no_grad():
+        a.weight.abs_()
+        if a.bias is not None:
+            a.bias.abs_()
+        return a(x.double().abs())
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_folded_layer_equals_layer_then_batchnorm_to_float_rounding(kind):
+    model, x = _pair(kind)
+    ref = copy.deepcopy(model).double()  # the unfolded model in float64: an independent reference
+    with torch.no_grad():
+        want = ref(x.double())
+    bn = copy.deepcopy(model.bn)
+    folded = copy.deepcopy(model)
+    report = fold_batchnorm(folded, {"x": x})
+    assert [(f.layer, f.batchnorm) for f in report.folded] == [("layer", "bn")]
+    assert isinstance(folded.bn, nn.Identity) and folded.layer.bias is not None
+    assert "bn.running_var" not in folded.state_dict()
+    with torch.no_grad():
+        got = folded(x).double()
+    fan_in = folded.layer.weight[0].numel() if not isinstance(folded.layer, nn.ConvTranspose1d | nn.ConvTranspose2d) \
+        else folded.layer.weight.shape[0] * int(np.prod(folded.layer.weight.shape[2:]))
+    # worst-case float32 error of a sum of fan_in products plus a bias, each factor rounded once
+    tol = (fan_in + 3) * U * _magnitude(folded.layer, x)
+    assert bool(((got - want).abs() <= tol).all()), float(((got - want).abs() - tol).max())
+
+    # the tolerance is tight: the fold without eps, or without the mean/bias term, falls outside it
+    def folded_with(s, t):
+        w, b = fold_parameters(model.layer.weight, model.layer.bias, s, t,
+                               1 if "convT" in kind else 0, getattr(model.layer, "groups", 1))
+        m2 = copy.deepcopy(folded)
+        with torch.no_grad():
+            m2.layer.weight.copy_(w)
+            m2.layer.bias.copy_(b)
+            return m2(x).double()
+
+    s, t = batchnorm_affine(bn)
+    gamma = bn.weight.double() if bn.affine else torch.ones_like(s)
+    s_no_eps = gamma / bn.running_var.double().sqrt()
+    beta = bn.bias.double() if bn.affine else torch.zeros_like(s)
+    for wrong in (folded_with(s_no_eps, beta - bn.running_mean.double() * s_no_eps), folded_with(s, beta)):
+        assert bool(((wrong - want).abs() > tol).any())
+
+
+def test_negative_gamma_flips_the_folded_weights():
+    model, x = _pair("conv2d_nobias")
+    w0 = model.layer.weight.detach().clone()
+    neg = model.bn.weight.detach() < 0
+    assert neg.any() and (~neg).any()
+    fold_batchnorm(model)
+    w1 = model.layer.weight.detach()
+    assert bool((torch.sign(w1[neg]) == -torch.sign(w0[neg])).all())
+    assert bool((torch.sign(w1[~neg]) == torch.sign(w0[~neg])).all())
+
+
+class TwoReaders(nn.Module):
+    """conv1's output feeds bn1 and a side branch; conv2 is called twice; bn3 follows a ReLU, not a layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv2, self.bn2 = nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.bn3 = nn.BatchNorm2d(4)
+        self.conv4, self.bn4 = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+        self.unused = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        y = self.conv1(x)
+        z = self.bn1(y) + y.mean(1, keepdim=True)  # a second reader of conv1's output
+        z = self.bn2(self.conv2(z)) + self.conv2(z)
+        z = self.bn3(torch.relu(z))
+        return self.bn4(self.conv4(z))
+
+
+def test_batchnorm_whose_layer_output_has_another_reader_is_not_folded():
+    torch.manual_seed(0)
+    m = TwoReaders().eval()
+    g = torch.Generator().manual_seed(0)
+    for bn in (m.bn1, m.bn2, m.bn3, m.bn4):
+        _randomise_bn(bn, g)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        want = m(x)
+    report = fold_batchnorm(m, {"x": x})
+    assert report.detection == "fx"
+    assert [(f.layer, f.batchnorm) for f in report.folded] == [("conv4", "bn4")]
+    reasons = dict(report.skipped)
+    assert set(reasons) == {"bn1", "bn2", "bn3", "unused"}
+    assert "also used by" in reasons["bn1"]
+    assert "more than once" in reasons["bn2"]
+    assert "not the output of a Conv" in reasons["bn3"]
+    assert "never calls" in reasons["unused"]
+    assert isinstance(m.bn1, nn.BatchNorm2d) and isinstance(m.bn4, nn.Identity)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+
+
+class Untraceable(nn.Module):
+    """Data-dependent control flow: torch.fx cannot trace it."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.ReLU())
+        self.conv, self.bn = nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        y = self.features(x)
+        if y.sum() > 0:
+            y = y * 2
+        return self.bn(self.conv(y))
+
+
+def test_untraceable_model_folds_only_the_sequential_pattern():
+    m = Untraceable().eval()
+    g = torch.Generator().manual_seed(0)
+    _randomise_bn(m.features[1], g)
+    _randomise_bn(m.bn, g)
+    x = torch.randn(3, 2, 10)
+    with torch.no_grad():
+        want = m(x)
+    report = fold_batchnorm(m, {"x": x})
+    assert report.detection == "sequential" and report.trace_error
+    assert [(f.layer, f.batchnorm) for f in report.folded] == [("features.0", "features.1")]
+    assert [b for b, _ in report.skipped] == ["bn"] and "does not trace" in report.skipped[0][1]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+
+
+class LinearBN(nn.Module):
+    def __init__(self, seq_first: bool):
+        super().__init__()
+        self.fc = nn.Linear(5, 5)
+        self.bn = nn.BatchNorm1d(5)  # on (N, 5, 5) it normalises dim 1, the positions, not the Linear's features
+        self.seq_first = seq_first
+
+    def forward(self, x):
+        return self.bn(self.fc(x))
+
+
+def test_linear_batchnorm_folds_only_on_two_dimensional_outputs():
+    flat = LinearBN(False).eval()
+    assert fold_batchnorm(copy.deepcopy(flat), {"x": torch.randn(4, 5)}).folded
+    report = fold_batchnorm(copy.deepcopy(flat))  # no example: cannot check the rank
+    assert not report.folded and "example batch" in report.skipped[0][1]
+    seq = LinearBN(True).eval()
+    _randomise_bn(seq.bn, torch.Generator().manual_seed(0))
+    x = torch.randn(4, 5, 5)
+    report = fold_batchnorm(seq, {"x": x})
+    assert not report.folded and "3-D" in report.skipped[0][1]
+
+
+def test_batch_statistics_batchnorm_is_not_folded():
+    m = Pair(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4, track_running_stats=False)).eval()
+    report = find_foldable(m)
+    assert not report.folded and "batch statistics" in report.skipped[0][1]
+
+
+# ------------------------------------------------------------------------------ after calibration
+
+
+def _calibrated_unfolded(config: str):
+    model, x = _pair("conv2d_groups")
+    q = quantize_model(model, config, fold=False)
+    calibrate(q, [{"x": x}], "max", device="cpu")
+    return q, x
+
+
+def test_folding_a_calibrated_model_scales_per_channel_amax_and_keeps_the_codes():
+    model, x = _calibrated_unfolded("int8")
+    wq = model.layer.weight_quantizer
+    w0 = model.layer.weight.detach().clone()
+    codes0, _ = tensor_quant(w0, wq.amax, 8)
+    s0 = wq.amax / 127
+    sign = torch.sign(model.bn.weight.detach()).view(-1, 1, 1, 1)
+    report = fold_batchnorm(model, {"x": x})
+    assert [f.weight_amax for f in report.folded] == ["scaled"]
+    codes1, _ = tensor_quant(model.layer.weight.detach(), wq.amax, 8)
+    assert model.layer.weight_quantizer.mode == "quantize"
+    # same codes, sign-flipped where gamma < 0. Float rounding of s*W and amax*|s| moves w/scale by a few ulp
+    # (|w/scale| <= 127: < 1e-4), which can change a code only where w/scale sat that close to a rounding tie
+    r0 = (w0.double() / s0.double()).abs()
+    near_tie = ((r0 - r0.floor()) - 0.5).abs() < 1e-4
+    diff = codes1 != sign * codes0
+    assert not bool((diff & ~near_tie).any())
+    flipped = (sign < 0).expand_as(codes0) & (codes0 != 0)
+    assert int(flipped.sum()) > 50 and bool((codes1[flipped] == -codes0[flipped]).all())
+
+
+def test_per_channel_amax_after_folding_equals_max_calibration_of_the_folded_weights():
+    # the amax-scaling path and folding before calibration give bitwise the same amax for max calibration
+    after, x = _calibrated_unfolded("int8")
+    fold_batchnorm(after, {"x": x})
+    before, _ = _pair("conv2d_groups")
+    before = quantize_model(before, "int8", example={"x": x})
+    calibrate(before, [{"x": x}], "max", device="cpu")
+    assert torch.equal(after.layer.weight, before.layer.weight)
+    assert torch.equal(after.layer.weight_quantizer.amax, before.layer.weight_quantizer.amax)
+    want = before.layer.weight.detach().abs().amax(dim=(1, 2, 3), keepdim=True)
+    assert torch.equal(after.layer.weight_quantizer.amax, want)
+
+
+def test_per_tensor_weights_are_recalibrated_after_folding():
+    model, x = _calibrated_unfolded("int8-per-tensor")
+    old = model.layer.weight_quantizer.amax.clone()
+    report = fold_batchnorm(model, {"x": x})
+    assert [f.weight_amax for f in report.folded] == ["recalibrated"]
+    new = model.layer.weight_quantizer.amax
+    assert float(new) == float(model.layer.weight.detach().abs().max()) != float(old)
+    assert model.layer.weight_quantizer.mode == "quantize"
+
+
+# ------------------------------------------------------------------------------ checkpoint and ONNX
+
+
+@pytest.fixture(scope="module")
+def folded_checkpoints(tmp_path_factory):
+    """resnet_cnn and conv1d_bn, calibrated (8 samples) through the library and saved; small inputs."""
+    root = tmp_path_factory.mktemp("folded")
+    made = {}
+    for name, batches in (("resnet_cnn", structured.resnet_batches(16, 8)),
+                          ("conv1d_bn", structured.conv1d_batches(16, 8, length=64))):
+        spec = parse_spec(f"sample_models.structured:{name}")
+        model = getattr(structured, name)()
+        unfolded = copy.deepcopy(model)
+        quantize_model(model, "int8", example=batches[0])
+        calibrate(model, batches, "max", device="cpu")
+        path = root / f"{name}.calib.pt"
+        save_calibrated(path, model, spec, batches[0], {})
+        made[name] = (path, model, unfolded, batches)
+    return made
+
+
+@pytest.mark.parametrize("name, n_bn", [("resnet_cnn", 10), ("conv1d_bn", 6)])
+def test_structured_models_fold_every_batchnorm_and_reload_bit_identically(name, n_bn, folded_checkpoints):
+    path, model, unfolded, batches = folded_checkpoints[name]
+    report = model.quantcli_report.batchnorm
+    assert len(report.folded) == n_bn and not report.skipped
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    ck = load_calibrated(path)
+    x = batches[1]["x"]
+    with torch.no_grad():
+        assert torch.equal(ck.model(x=x), model(x=x))
+        # the float model of the checkpoint is the folded one: the unfolded model to float rounding
+        ref = copy.deepcopy(unfolded).double()(x.double())
+        got = ck.float_model()(x=x).double()
+    assert float((got - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
+    assert torch.load(path, weights_only=True)["batchnorm_folds"] == [
+        {"layer": f.layer, "batchnorm": f.batchnorm} for f in report.folded]
+
+
+@pytest.mark.parametrize("name", ["resnet_cnn", "conv1d_bn"])
+def test_folded_graph_has_no_batchnorm_and_matches_the_fake_quant_model(name, folded_checkpoints, tmp_path):
+    path, _, _, batches = folded_checkpoints[name]
+    ck = load_calibrated(path)
+    out = tmp_path / f"{name}.onnx"
+    export_onnx(ck.model, batches[0], out)
+    graph = onnx.load(str(out))
+    assert not [n for n in graph.graph.node if n.op_type == "BatchNormalization"]
+    report = verify_onnx(out, ck, batches[1:], provider="cpu", per_layer=True, deployment=False)
+    assert report.passed, (report.checks, report.structure)
+    # every quantizer, given onnxruntime's own input to its QuantizeLinear, gives onnxruntime's codes, all of them
+    assert report.layers and all(r["identical_codes"] == 1.0 for r in report.layers), report.layers
+    # end to end, the float convolutions of two libraries may put a value on the other side of a rounding tie
+    # now and then (a one-code flip that then propagates): almost every code still agrees
+    e2e = [r["identical_codes_end_to_end"] for r in report.layers if r["identical_codes_end_to_end"] is not None]
+    assert e2e and min(e2e) >= 0.99, report.layers
+
+
+def test_cli_reports_folding_and_no_fold_bn_keeps_batchnorm(tmp_path):
+    r = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "a.pt", "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)["batchnorm"]
+    assert info["fold_batchnorm"] is True
+    assert info["folded"] == [{"layer": "conv1", "batchnorm": "bn1"}, {"layer": "conv2", "batchnorm": "bn2"}]
+    r = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "b.pt", "--json", "--no-fold-bn")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["batchnorm"] == {"fold_batchnorm": False, "folded": [], "not_folded": [],
+                                                 "detection": "none"}
+    unfolded = load_calibrated(tmp_path / "b.pt")
+    assert isinstance(unfolded.model.bn1, nn.BatchNorm2d) and not unfolded.config.fold_batchnorm
+    assert isinstance(load_calibrated(tmp_path / "a.pt").model.bn1, nn.Identity)
+    text = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "c.pt").stdout
+    assert "BatchNorm folded" in text and "bn1 into conv1" in text
+
+
+def test_checkpoint_fold_list_that_does_not_fit_the_model_is_a_clean_error(folded_checkpoints, tmp_path):
+    from quantcli.errors import CheckpointError
+
+    path = folded_checkpoints["conv1d_bn"][0]
+    data = torch.load(path, weights_only=True)
+    data["batchnorm_folds"][0] = {"layer": "features.0", "batchnorm": "features.2"}  # a ReLU, not a BatchNorm
+    bad = tmp_path / "bad.calib.pt"
+    torch.save(data, bad)
+    with pytest.raises(CheckpointError, match="features.2"):
+        load_calibrated(bad)
+
+
+def test_checkpoint_from_before_folding_loads_unfolded(tmp_path):
+    # a checkpoint written before folding existed has no batchnorm_folds and an unfolded state dict
+    model = structured.conv1d_bn()
+    batches = structured.conv1d_batches(8, 8, length=64)
+    quantize_model(model, "int8", fold=False)
+    calibrate(model, batches, "max", device="cpu")
+    path = tmp_path / "old.calib.pt"
+    save_calibrated(path, model, parse_spec("sample_models.structured:conv1d_bn"), batches[0], {})
+    data = torch.load(path, weights_only=True)
+    del data["batchnorm_folds"]
+    data["format_version"] = 1
+    data["quant_config"].pop("fold_batchnorm")
+    torch.save(data, path)
+    ck = load_calibrated(path)
+    assert isinstance(ck.model.features[1], nn.BatchNorm1d) and not ck.config.fold_batchnorm
+    with torch.no_grad():
+        assert torch.equal(ck.model(x=batches[0]["x"]), model(x=batches[0]["x"]))

@@ -1,0 +1,94 @@
+"""The default opset: the lowest the formats need and the model's ops are best expressed in (exporters.opset)."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exporters import export_onnx
+from exporters.opset import OpProbe, ops_opset
+from quantcli import quantize_model
+from quantcli.calibration import calibrate
+from tests.helpers import assert_clean_error, cli
+from tests.ort_util import run_model
+
+
+def _opset(m):
+    return next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def _ops(m):
+    return {n.op_type for n in m.graph.node}
+
+
+class FunctionalNorm(nn.Module):
+    """LayerNorm called as F.layer_norm, not as an nn.LayerNorm module."""
+
+    def __init__(self, functional: bool = True):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+        self.gain = nn.Parameter(1 + torch.rand(16))
+        self.functional = functional
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = F.layer_norm(h + x, (16,), self.gain) if self.functional else torch.relu(h + x)
+        return self.fc2(h)
+
+
+def _calibrated(model, config="int8"):
+    torch.manual_seed(0)
+    q = quantize_model(model.eval(), config)
+    calibrate(q, [{"x": torch.randn(8, 5, 16)} for _ in range(2)], "max", device="cpu")
+    return q
+
+
+def test_probe_sees_functional_and_module_layer_norm():
+    probe = OpProbe()
+    with probe:
+        FunctionalNorm()(torch.randn(2, 3, 16))
+    assert probe.layer_norm and ops_opset(FunctionalNorm(), probe)[0] == 17
+    probe = OpProbe()
+    with probe:
+        FunctionalNorm(functional=False)(torch.randn(2, 3, 16))
+    assert not probe.layer_norm and ops_opset(FunctionalNorm(False), probe)[0] == 13
+    assert ops_opset(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))[0] == 17  # modules: no forward needed
+
+
+@pytest.mark.parametrize("functional, config, want", [(True, "int8", 17), (False, "int8", 13), (True, "fp8", 19)])
+def test_default_opset_is_the_highest_of_formats_and_ops(functional, config, want, tmp_path):
+    m = _calibrated(FunctionalNorm(functional), config)
+    x = torch.randn(3, 7, 16)
+    res = export_onnx(m, {"x": x}, tmp_path / "m.onnx")
+    graph = onnx.load(str(tmp_path / "m.onnx"))
+    assert res.opset == _opset(graph) == want and not res.opset_note
+    assert ("LayerNormalization" in _ops(graph)) == functional
+    assert "ReduceMean" not in _ops(graph)
+    if config == "int8":  # the opset-17 graph computes what the fake-quant model does
+        got = run_model(graph, {"x": x.numpy()})[0]
+        with torch.inference_mode():
+            ref = m(x=x).numpy()
+        assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+
+
+def test_text_encoder_defaults_to_17_and_explicit_13_decomposes_with_a_note(calibrated, exported, tmp_path):
+    graph = onnx.load(str(exported("text_encoder", "int8")))
+    assert _opset(graph) == 17 and "LayerNormalization" in _ops(graph)
+    out = tmp_path / "t13.onnx"
+    r = cli("export", calibrated("text_encoder", "int8"), "--onnx", out, "--opset", "13", "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["opset"] == 13 and info["opset_reason"] == "--opset" and "SkipLayerNormalization" in info["opset_note"]
+    g13 = onnx.load(str(out))
+    assert "LayerNormalization" not in _ops(g13) and "ReduceMean" in _ops(g13)
+    text = cli("export", calibrated("text_encoder", "int8"), "--onnx", out).stdout
+    assert "LayerNorm" in text and "17" in text
+
+
+def test_explicit_opset_below_the_format_minimum_is_still_an_error(calibrated, tmp_path):
+    assert_clean_error(cli("export", calibrated("text_encoder", "fp8"), "--onnx", tmp_path / "o.onnx", "--opset", "17"),
+                       "fp8-e4m3", ">= 19")
