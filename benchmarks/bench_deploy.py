@@ -130,17 +130,22 @@ def _feeds(sess, batch) -> dict[str, np.ndarray]:
 # ------------------------------------------------------------------------------------------- measuring
 
 
-def best_latency(sessions: dict[str, ort.InferenceSession], batch, repeat: int) -> dict[str, float]:
-    """Best of ``repeat`` runs each (seconds), the sessions interleaved run by run after one warm-up each."""
+def best_latency(sessions: dict[str, ort.InferenceSession], batch, repeat: int,
+                 min_seconds: float = 3.0, max_rounds: int = 400) -> dict[str, float]:
+    """Best run of each session (seconds), the sessions interleaved run by run after one warm-up each: at least
+    ``repeat`` rounds, and more (up to ``max_rounds``) until ``min_seconds`` have passed, so that millisecond graphs
+    get enough runs for one not to be pre-empted on a shared machine."""
     feeds = {k: _feeds(s, batch) for k, s in sessions.items()}
     for k, s in sessions.items():
         s.run(None, feeds[k])
     best = {k: float("inf") for k in sessions}
-    for _ in range(repeat):
+    start, rounds = time.perf_counter(), 0
+    while rounds < repeat or (time.perf_counter() - start < min_seconds and rounds < max_rounds):
         for k, s in sessions.items():
             t = time.perf_counter()
             s.run(None, feeds[k])
             best[k] = min(best[k], time.perf_counter() - t)
+        rounds += 1
     return best
 
 

@@ -191,6 +191,40 @@ def test_residual_add_convs_get_an_output_quantizer(tmp_path):
     assert_exact(m, path, shape)
 
 
+class ConvPoolMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(-1))
+
+
+def test_conv_relu_pool_before_a_float_op_quantizes_after_the_pool(tmp_path):
+    shape = (4, 4, 16)
+    m = _quantized(ConvPoolMean(), shape)
+    # the mean reads the Conv's output: its output quantizer goes after ReLU and MaxPool, on the uint8 grid
+    assert m.quantcli_report.placement.output_after == {"features.0": ("features.3", True)}
+    assert m.features[0].output_quantizer.desc.unsigned
+    path = _export(m, shape, tmp_path)
+    ops = [n.op_type for n in optimized_graph(path).graph.node]
+    assert "Relu" not in ops and "QLinearConv" in ops and "MaxPool" not in ops  # the pool runs on the codes
+    assert ops.index("DequantizeLinear") > ops.index("QLinearConv")
+    assert_exact(m, path, shape)
+    # a deep copy quantizes with its own quantizer (the float reference disables the copy's quantizers)
+    import copy
+
+    f = copy.deepcopy(m)
+    for q in quantizers(f).values():
+        q.set_mode("disabled")
+    x = _batches(shape, 1, seed=4)[0]["x"]
+    with torch.inference_mode():
+        assert torch.equal(f.features(x), f.features[3](f.features[2](f.features[1](
+            torch.nn.functional.conv1d(x, f.features[0].weight, f.features[0].bias, padding=1)))))
+        assert not torch.equal(m.features(x), f.features(x))
+
+
 def test_linear_with_bias_is_qgemm_with_an_int32_bias(tmp_path):
     shape = (6, 12)
     m = _quantized(Mlp(), shape)

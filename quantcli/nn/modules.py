@@ -59,7 +59,25 @@ class QuantMixin:
 
     def quantize_output(self, y: torch.Tensor) -> torch.Tensor:
         q = getattr(self, "output_quantizer", None)
-        return y if q is None else q(y)
+        if q is None or self.__dict__.get("_output_quantized_after") is not None:
+            return y  # none, or applied by the ReLU/pooling module after this layer (apply_output_quantizer_after)
+        return q(y)
+
+
+def _output_quantizer_hook(module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
+    return module.__dict__["_quantcli_output_of"].output_quantizer(output)
+
+
+def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
+    """Apply ``layer.output_quantizer`` to the output of ``after`` (a ReLU or pooling module that only ``layer``'s
+    output reaches) instead of to ``layer``'s own output.
+
+    The references are plain attributes (not submodules: ``state_dict`` keys stay), which ``copy.deepcopy`` maps to
+    the copies, and the hook is a module-level function, so a copied model quantizes with its own quantizer.
+    """
+    object.__setattr__(after, "_quantcli_output_of", layer)
+    object.__setattr__(layer, "_output_quantized_after", after)
+    after.register_forward_hook(_output_quantizer_hook)
 
 
 class QuantLinear(nn.Linear, QuantMixin):

@@ -62,6 +62,8 @@ class Placement:
     note: str | None = None  # why the structure could not be analysed
     unsigned_inputs: list[str] = field(default_factory=list)  # inputs >= 0 by construction: uint8 grid
     output_quantized: list[str] = field(default_factory=list)  # Conv layers that get an output quantizer
+    # a Conv's output quantizer applied after the ReLU/pooling after it: layer -> (module applying it, unsigned)
+    output_after: dict[str, tuple[str, bool]] = field(default_factory=dict)
     residual_quantized: list[str] = field(default_factory=list)  # tensorrt: quantizers on residual skip inputs
 
     def to_dict(self) -> dict:
@@ -170,7 +172,34 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
         if conv and name in quantized_inputs and weight_integer.get(name) \
                 and not _reaches_quantized_layers_only(node, modules, quantized_inputs):
             placement.output_quantized.append(name)
+            after = _output_point(node, graph, modules, quantized_inputs)
+            if after is not None:
+                placement.output_after[name] = after
     return placement
+
+
+def _output_point(node: fx.Node, graph: fx.Graph, modules, quantized_inputs: set[str]) -> tuple[str, bool] | None:
+    """Where a Conv's output quantizer goes when a ReLU or ops that commute with quantization follow it alone:
+    after the last of them (a module called once), so that onnxruntime absorbs the ReLU (unsigned grid) and runs
+    the pooling on codes. ``(module name, unsigned)``, or None to quantize right after the Conv."""
+    calls = {}
+    for n in graph.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    chain, end = [], node
+    while len(end.users) == 1:
+        (user,) = end.users
+        if _kind(user, modules) not in ("relu", "commuting") or not user.args or user.args[0] is not end:
+            break
+        chain.append(user)
+        end = user
+    if any(u.op == "call_module" and u.target in quantized_inputs for u in end.users):
+        return None  # a quantized layer reads it: its own input quantizer is there already
+    for i in range(len(chain) - 1, -1, -1):
+        n = chain[i]
+        if n.op == "call_module" and calls.get(n.target) == 1:
+            return n.target, any(_kind(c, modules) == "relu" for c in chain[: i + 1])
+    return None
 
 
 # ------------------------------------------------------------------------------------------- residual Adds

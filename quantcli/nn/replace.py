@@ -11,7 +11,7 @@ from torch import nn
 from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
-from quantcli.nn.modules import QUANT_CLASSES
+from quantcli.nn.modules import QUANT_CLASSES, apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 
@@ -88,6 +88,10 @@ def _qname(layer: str, kind: str) -> str:
     return f"{layer}.{kind}_quantizer" if layer else f"{kind}_quantizer"
 
 
+def _integer8_desc(d: QuantDescriptor) -> bool:
+    return not d.is_fp8 and not d.dynamic and not d.block_sizes and d.num_bits <= 8
+
+
 def _integer8(q: TensorQuantizer) -> bool:
     d = q.desc
     return q.enabled and not d.is_fp8 and not d.dynamic and q._block is None and d.num_bits <= 8
@@ -107,12 +111,19 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
             placement.unsigned_inputs.remove(name)
             continue
         q.desc = QuantDescriptor(**{**d.dict(), "unsigned": True})
+    modules = dict(model.named_modules())
     for name in placement.output_quantized:
         module = layers[name]
         qname = _qname(name, "output")
         enabled, desc, matched = cfg.resolve(qname, "input", module)
         used.update(matched)
+        after = placement.output_after.get(name)
+        if after is not None and not any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
+            if after[1] and _integer8_desc(desc) and not desc.unsigned and not desc.asymmetric and desc.axis is None:
+                desc = QuantDescriptor(**{**desc.dict(), "unsigned": True})  # after a ReLU: >= 0
         module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
+        if after is not None:
+            apply_output_quantizer_after(modules[after[0]], module)
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
         if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
