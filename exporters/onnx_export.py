@@ -129,6 +129,7 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
     module path is in the node name.
     """
     known = set(quantizers(module))
+    aliases = _hook_scopes(module)
     mapping = {}
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":
@@ -149,11 +150,30 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         if scoped in known:
             mapping[n.output[0]] = scoped
             continue
+        if scoped in aliases:
+            mapping[n.output[0]] = aliases[scoped]
+            continue
         flat = n.name.replace("/", ".")
         hits = [q for q in known if q in flat]
         if hits:
             mapping[n.output[0]] = max(hits, key=len)
     return mapping
+
+
+def _hook_scopes(module: nn.Module) -> dict[str, str]:
+    """TorchScript scope -> quantizer name for output quantizers run by a forward hook of a later module
+    (:func:`quantcli.nn.modules.apply_output_quantizer_after`): the hook runs in the scope of that module's parent,
+    so the node is named ``<parent>/output_quantizer/...``. quantize_model puts at most one such quantizer under a
+    parent, so the scope names one quantizer."""
+    names = {id(m): n for n, m in module.named_modules()}
+    out: dict[str, str] = {}
+    for name, layer in module.named_modules():
+        after = layer.__dict__.get("_output_quantized_after")
+        if after is None or id(after) not in names:
+            continue
+        parent = names[id(after)].rsplit(".", 1)[0] if "." in names[id(after)] else ""
+        out[f"{parent}.output_quantizer" if parent else "output_quantizer"] = f"{name}.output_quantizer"
+    return out
 
 
 def _scope_path(parts: list[str]) -> str:

@@ -112,6 +112,10 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
             continue
         q.desc = QuantDescriptor(**{**d.dict(), "unsigned": True})
     modules = dict(model.named_modules())
+    # the exported node of a hook-run quantizer is named after the hook module's parent: one per parent
+    parents = [a.rsplit(".", 1)[0] if "." in a else "" for a, _ in placement.output_after.values()]
+    placement.output_after = {k: v for k, v in placement.output_after.items()
+                              if parents.count(v[0].rsplit(".", 1)[0] if "." in v[0] else "") == 1}
     for name in placement.output_quantized:
         module = layers[name]
         qname = _qname(name, "output")
