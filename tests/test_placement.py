@@ -386,3 +386,23 @@ def _npz(tmp_path):
 @pytest.fixture(autouse=True)
 def _one_thread():
     torch.set_num_threads(1)
+
+
+def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
+    # digits_cnn under the tensorrt target has the per-layer placement every checkpoint had before targets existed
+    ck = tmp_path / "t.calib.pt"
+    assert cli("calibrate", "digits_cnn", "--target", "tensorrt", "--out", ck, "--json").exit_code == 0
+    raw = torch.load(ck, weights_only=True)
+    del raw["quant_config"]["target"]
+    old = tmp_path / "old.calib.pt"
+    torch.save(raw, old)
+    a, b = load_calibrated(ck), load_calibrated(old)
+    assert b.config.target == "onnxruntime"
+    assert not any(hasattr(m, "output_quantizer") or getattr(m, "int32_bias", False) for m in b.model.modules())
+    assert not any(q.desc.unsigned for q in quantizers(b.model).values())
+    batch = b.evaluation_batches()[0]
+    with torch.inference_mode():
+        assert torch.equal(a.model(**batch), b.model(**batch))
+    out = tmp_path / "old.onnx"
+    assert cli("export", old, "--onnx", out).exit_code == 0
+    assert cli("verify", out, "--reference", old).exit_code == 0
