@@ -8,27 +8,36 @@ from benchmarks import (
     bench_deploy,
     bench_distributed,
     bench_end_to_end,
+    bench_int8_transformers,
     bench_opset,
     bench_ort_fp8,
     bench_reduce_range,
+    bench_startup,
+    bench_verify,
 )
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--device", default="cpu")
-p.add_argument("--quick", action="store_true", help="skip the minutes-long per-candidate loop references")
+p.add_argument("--quick", action="store_true",
+               help="skip the minutes-long per-candidate loop references; one run per row against onnxruntime")
 a = p.parse_args()
+bench_startup.main([])
+print()
 bench_calibration.main(["--device", a.device])
 print()
 bench_calibrators.main(["--device", a.device] + (["--quick"] if a.quick else []))
 if a.device == "cpu":
     print()
-    bench_end_to_end.main([])
+    bench_end_to_end.main(["--quick"] if a.quick else [])
     print()
     bench_reduce_range.main([])
     print()
     bench_ort_fp8.main([])
     print()
+    bench_verify.main([])
     bench_opset.main([])
+    print()
+    bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
     print()
     bench_deploy.main([])
 print()

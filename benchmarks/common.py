@@ -74,3 +74,13 @@ def table(rows: list[dict], columns: list[str]) -> str:
     for r in rows:
         out.append("  ".join(str(r.get(c, "")).ljust(widths[c]) for c in columns))
     return "\n".join(out)
+
+
+def verdict(met: bool) -> str:
+    """What a benchmark prints for each target it states: computed from the measurement, never fixed."""
+    return "MET" if met else "MISSED"
+
+
+def load_line(text: str, key: str) -> float:
+    """The number after ``key`` on the line of ``text`` that starts with it."""
+    return float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(key)))

@@ -16,6 +16,7 @@ from quantcli.errors import VerifyError
 QUANTIZERS_KEY = "quantcli.quantizers"
 #: in the names of the Q/DQ copies :mod:`exporters.ort_placement` puts in front of ops that commute with quantization
 PROPAGATED_MARK = "quantcli_propagated"
+PRUNED_KEY = "quantcli.pruned_quantizers"  # JSON list: quantizers removed as dead code (their output is unused)
 
 
 def read_onnx(path: str | Path) -> onnx.ModelProto:
@@ -89,6 +90,12 @@ def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
 def is_int32_bias(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
     """A DequantizeLinear of stored int32 codes: the bias of an integer kernel (onnxruntime target)."""
     return n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == onnx.TensorProto.INT32
+def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
+    """Quantizers the exporter recorded as removed because nothing uses their output (empty for older files)."""
+    for p in model.metadata_props:
+        if p.key == PRUNED_KEY:
+            return list(json.loads(p.value))
+    return []
 
 
 def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:

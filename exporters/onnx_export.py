@@ -28,7 +28,7 @@ from torch import nn
 from exporters import formats as fm
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
-from exporters.graph import QUANTIZERS_KEY, qdq_pairs
+from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
 from exporters.opset import OpProbe, format_opset, ops_opset
 from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
@@ -36,6 +36,7 @@ from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli.errors import ExportError
 from quantcli.nn.replace import quantizers
+from quantcli.nn.usage import unused_quantizers
 
 EXPORTERS = ("torchscript", "dynamo")
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
@@ -62,6 +63,8 @@ class ExportResult:
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
     target: str = "onnxruntime"
     placement: dict[str, int] = field(default_factory=dict)  # onnxruntime target: what exporters.ort_placement did
+    # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their result
+    pruned_quantizers: list[str] = field(default_factory=list)
     opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
     opset_note: str = ""  # an explicit opset below what the model's ops are best expressed in: what that costs
 
@@ -281,11 +284,13 @@ def export_onnx(
             del node.metadata_props[:]
         guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
         ort_needs = list(session_needs(onnx_model).disabled_optimizers)
+        pruned = _pruned(model, example, mapping)
         meta = {
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
             QUANTIZERS_KEY: json.dumps(mapping),
             "quantcli.target": target,
+            PRUNED_KEY: json.dumps(pruned),
             **(metadata or {}),
         }
         del onnx_model.metadata_props[:]
@@ -316,6 +321,7 @@ def export_onnx(
                        input_names, output_names, external)
     res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
     res.target, res.placement = target, placed
+    res.pruned_quantizers = pruned
     dyn = dynamic_layers(onnx_model)
     res.dynamic_layers = len(dyn)
     if exporter == "dynamo":  # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
@@ -328,6 +334,18 @@ def export_onnx(
         res.fusion_error = fusion.load_error
         res.seconds = time.perf_counter() - t0
     return res
+
+
+def _pruned(model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str]) -> list[str]:
+    """Enabled quantizers without a DequantizeLinear whose output reaches no model output (traced by autograd).
+
+    A quantizer that is absent and *is* used stays out of this list: verify reports it as missing.
+    """
+    absent = {n for n, q in quantizers(model).items() if q.enabled} - set(mapping.values())
+    if not absent:
+        return []
+    unused = unused_quantizers(model, example) or set()
+    return sorted(absent & unused)
 
 
 def _small_enough_to_size(model: onnx.ModelProto) -> bool:

@@ -28,6 +28,7 @@ from quantcli.loading import ModelSpec, build_model
 from quantcli.nn.config import QuantConfig, _plain
 from quantcli.nn.fold_bn import restore_folds
 from quantcli.nn.replace import quantize_model, quantizers
+from quantcli.nn.smooth import restore as restore_smoothing
 
 FORMAT = "quantcli.calibrated"
 FORMAT_VERSION = 2  # 2: batchnorm_folds (a folded state dict does not fit the unfolded model)
@@ -172,6 +173,7 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     except QuantCliError as e:
         raise CheckpointError(f"{path}: {e}") from None
     quantize_model(model, cfg, fold=False)
+    restore_smoothing(model, data["state_dict"])  # SmoothQuant's explicit Muls, if any, before their weights load
     try:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:

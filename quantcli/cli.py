@@ -127,17 +127,18 @@ def calibrate(
     mean: Optional[str] = typer.Option(None, "--mean", help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: preprocessor_config.json, else ImageNet's)."),
     std: Optional[str] = typer.Option(None, "--std", help="Image --data: per-channel std (default: preprocessor_config.json, else ImageNet's)."),
     fold_bn: Optional[bool] = typer.Option(None, "--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true)."),
+    smoothquant: Optional[float] = typer.Option(None, "--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul."),
 ) -> None:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.data import DataOptions
 
     _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size, num_samples,
            device, out_path, as_json, trust_pickle, pooling,
-           DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, target)
+           DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, smoothquant, target)
 
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
-               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, target=None):
+               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, smoothquant=None, target=None):
     """One process, or (under ``torchrun``) one rank: each rank reads its own share of the data, the
     statistics are merged, rank 0 writes the checkpoint and prints; every rank ends with the same outcome."""
     global _quiet
@@ -147,14 +148,15 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     _quiet = job is not None and job.rank != 0
     try:
         _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
-                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn, target)
+                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn,
+                        smoothquant, target)
     finally:
         if job is not None:
             leave()
 
 
 def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples,
-                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, target=None):
+                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, smoothquant=None, target=None):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
@@ -168,6 +170,10 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     with one_outcome():  # every rank loads; a failure on any rank stops all of them here
         if batch_size is not None and batch_size <= 0:
             raise QuantCliError(f"--batch-size must be positive, got {batch_size}")
+        if smoothquant is not None and job is not None:
+            raise QuantCliError("--smoothquant runs in one process; run calibrate without torchrun to smooth")
+        if smoothquant is not None and not 0.0 <= smoothquant <= 1.0:
+            raise QuantCliError(f"--smoothquant alpha must be in [0, 1], got {smoothquant}")
         cfg = load_config(config)
         if fold_bn is not None:
             cfg.fold_batchnorm = fold_bn
@@ -197,6 +203,11 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         if not report.layers:
             raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
     target = out_path or Path(f"{spec.stem}.calib.pt")
+    smoothed = None
+    if smoothquant is not None:  # before calibration: the quantizers calibrate the smoothed tensors
+        from quantcli.smoothquant import smooth_quant
+
+        smoothed = smooth_quant(model, batches, smoothquant, device=device)
     ctx, advance = _progress(len(batches), "calibrating", not as_json and not _quiet)
     with ctx:
         summary = run_calibration(model, batches, method, percentile=percentile, num_bins=num_bins,
@@ -207,6 +218,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     info["target"] = cfg.target
     info["placement"] = _placement_summary(report.placement, cfg.target)
     info["batchnorm"] = {"fold_batchnorm": cfg.fold_batchnorm, **report.batchnorm.to_dict()}
+    if smoothed is not None:
+        info["smoothquant"] = smoothed.to_dict()
     if prep is not None:
         info["preprocessing"] = describe_preprocessing(prep)
     with one_outcome():  # rank 0 writes (atomically); the others write nothing and learn whether it worked
@@ -244,6 +257,11 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     if summary.dynamic:
         t.add_row("dynamic activations", f"{len(summary.dynamic)} quantized at run time (uint8 from each tensor's "
                   "min and max, as DynamicQuantizeLinear): nothing to calibrate")
+    if smoothed is not None:
+        n = smoothed.counts()
+        t.add_row("smoothquant", f"alpha {smoothed.alpha}: {len(smoothed.groups)} inputs smoothed; 1/s folded into "
+                  f"{n['layernorm']} LayerNorm(s) and {n['linear']} Linear(s), {n['mul']} explicit Mul(s)"
+                  + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else ""))
     if summary.amax_min is not None:
         t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
     t.add_row("time", f"{summary.seconds:.2f} s")
@@ -329,6 +347,9 @@ def _export(calibrated, onnx_path, opset, exporter, dynamic_axes, weights_qdq, a
     if res.onnxruntime_disabled_optimizers:
         t.add_row("onnxruntime", "fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
                   f"InferenceSession(path, disabled_optimizers={res.onnxruntime_disabled_optimizers})")
+    if res.pruned_quantizers:
+        t.add_row("pruned (output unused)", f"{len(res.pruned_quantizers)} quantizer(s) whose output reaches no model "
+                  f"output: {', '.join(res.pruned_quantizers[:4])}" + (" ..." if len(res.pruned_quantizers) > 4 else ""))
     if res.fusion_error:
         t.add_row("onnxruntime", f"does not load with default options: {res.fusion_error}")
     elif res.quantized_layers is not None:
@@ -355,9 +376,11 @@ def verify(
     reference: Path = typer.Option(..., "--reference", help="The calibrated checkpoint it was exported from."),
     data: Optional[Path] = typer.Option(None, "--data", help="Inputs (calibrate's formats). Default: the sample model's held-out set, else the checkpoint's example batch."),
     provider: Provider = typer.Option(Provider.auto, "--provider", help="onnxruntime execution provider."),
-    max_abs_diff: Optional[float] = typer.Option(None, "--max-abs-diff", help="Fidelity: largest |onnx - fake-quant| allowed (default: 2% of the largest |output|)."),
-    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Quality: smallest cosine similarity to the float model allowed."),
-    min_snr: Optional[float] = typer.Option(None, "--min-snr", help="Quality: smallest SNR (dB) against the float model allowed."),
+    max_abs_diff: Optional[float] = typer.Option(None, "--max-abs-diff", help="Fidelity, optional: largest |onnxruntime - fake-quant| allowed per output, in the output's units (optimizations off)."),
+    max_rms_ratio: Optional[float] = typer.Option(None, "--max-rms-ratio", help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed per output, optimizations off (default 0.5)."),
+    max_deploy_ratio: Optional[float] = typer.Option(None, "--max-deploy-ratio", help="Deployment, optional: the same ratio for the deployed session (default options)."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Quality of the deployed session: smallest cosine similarity to the float model allowed."),
+    min_snr: Optional[float] = typer.Option(None, "--min-snr", help="Quality of the deployed session: smallest SNR (dB) against the float model allowed."),
     per_layer: bool = typer.Option(False, "--per-layer", help="Rank quantized layers by their local quantization error."),
     report_path: Optional[Path] = typer.Option(None, "--report", help="Write every metric as JSON to this file."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays from --data (default 32)."),
@@ -373,7 +396,9 @@ def verify(
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
     from quantcli.data import DataOptions
 
-    code = _guard(_verify, onnx_path, reference, data, provider.value, max_abs_diff, min_cosine, min_snr, per_layer,
+    thresholds = {"max_abs_diff": max_abs_diff, "max_rms_ratio": max_rms_ratio, "max_deploy_ratio": max_deploy_ratio,
+                  "min_cosine": min_cosine, "min_snr": min_snr}
+    code = _guard(_verify, onnx_path, reference, data, provider.value, thresholds, per_layer,
                   report_path, batch_size, num_samples, as_json, trust_code,
                   DataOptions(tokenizer, max_length, image_size, mean, std))
     raise typer.Exit(code)
@@ -387,12 +412,16 @@ def _fmt(v) -> str:
     return str(v)
 
 
-def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_snr, per_layer, report_path,
+def _verify(onnx_path, reference, data, provider, thresholds, per_layer, report_path,
             batch_size, num_samples, as_json, trust_code=False, data_options=None) -> int:
     from quantcli.checkpoint import atomic_write, load_calibrated
     from quantcli.data import DataOptions, cap_samples, load_data
+    from quantcli.errors import QuantCliError
     from quantcli.verify import verify_onnx
 
+    for name in ("max_abs_diff", "max_rms_ratio", "max_deploy_ratio"):
+        if thresholds[name] is not None and not thresholds[name] >= 0:
+            raise QuantCliError(f"--{name.replace('_', '-')} must be a number >= 0, got {thresholds[name]}")
     ckpt = load_calibrated(reference, trust_code=trust_code)
     batches = None
     if data is not None:
@@ -402,8 +431,8 @@ def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_
         batches, _ = load_data(data, ckpt.model, batch_size or 32, num_samples, opts)
     elif num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
-    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider, max_abs_diff=max_abs_diff, min_cosine=min_cosine,
-                      min_snr=min_snr, per_layer=per_layer)
+    given = {k: v for k, v in thresholds.items() if v is not None or k != "max_rms_ratio"}  # None: the default
+    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider, per_layer=per_layer, **given)
     d = rep.to_dict()
     if report_path is not None:
         atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n"))
@@ -414,32 +443,44 @@ def _verify(onnx_path, reference, data, provider, max_abs_diff, min_cosine, min_
     if rep.provider_note:
         err.print(f"warning: {rep.provider_note}")
     t = Table(title="checks")
-    for col in ("check", "threshold", "measured", "result"):
+    for col in ("check", "threshold", "measured", "result", "where"):
         t.add_column(col)
     st = rep.structure
-    t.add_row("structure", f"{st['quantizers_expected']} quantizers", f"{st['quantizers_found']} found, {len(st['problems'])} problem(s)",
-              "pass" if st["passed"] else "FAIL")
+    pruned = f", {len(st['pruned'])} pruned (unused)" if st["pruned"] else ""
+    t.add_row("structure", f"{st['quantizers_expected']} quantizers",
+              f"{st['quantizers_found']} found{pruned}, {len(st['problems'])} problem(s)",
+              "pass" if st["passed"] else "FAIL", ", ".join(st["layers_with_problems"][:3]) or "")
     for c in rep.checks:
-        t.add_row(c.name, ("<= " if c.kind == "max" else ">= ") + _fmt(c.threshold), _fmt(c.value), "pass" if c.passed else "FAIL")
+        t.add_row(c.name, ("<= " if c.kind == "max" else ">= ") + _fmt(c.threshold), _fmt(c.value),
+                  "pass" if c.passed else "FAIL", "" if c.passed or not c.detail else c.detail[:120])
     out.print(t)
     for p in st["problems"][:20]:
         out.print(f"  structure: {p}")
-    q = Table(title="quality vs the float model (and deployment: onnxruntime optimizations on)")
-    for col in ("output", "cosine", "SNR dB", "max abs err", "mean abs err", "top-1 agree", "deploy max diff"):
+    for note in st["notes"]:
+        out.print(f"  structure (info): {note}")
+    for c in rep.checks:
+        if not c.passed and c.detail and len(c.detail) > 120:
+            out.print(f"  {c.name}: {c.detail}")
+    q = Table(title=f"quality vs the float model ({rep.quality['session']} session), deployment vs fake-quant")
+    for col in ("output", "cosine", "SNR dB", "max abs err", "top-1 agree", "exact rms ratio", "deployed rms ratio"):
         q.add_column(col)
     dep = rep.deployment.get("outputs", {})
     for name, m in rep.quality["outputs"].items():
-        q.add_row(name, _fmt(m["cosine"]), _fmt(m["snr_db"]), _fmt(m["max_abs_error"]), _fmt(m["mean_abs_error"]),
-                  _fmt(m.get("top1_agreement")), _fmt(dep.get(name, {}).get("max_abs_diff")))
+        q.add_row(name, _fmt(m["cosine"]), _fmt(m["snr_db"]), _fmt(m["max_abs_error"]), _fmt(m.get("top1_agreement")),
+                  _fmt(rep.fidelity["outputs"][name]["rms_ratio"]), _fmt(dep.get(name, {}).get("rms_ratio")))
     out.print(q)
     if rep.deployment.get("error"):
         out.print(f"  deployment: {rep.deployment['error']}")
+    for note in rep.deployment.get("notes", []):
+        out.print(f"  deployment: {note}")
+    out.print(f"  per-quantizer evidence on {rep.fidelity['sample_size']} samples; {rep.seconds:.1f} s")
     if rep.layers:
         lt = Table(title="layers, worst local quantization error first")
-        for col in ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes"):
+        for col in ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes", "end to end", "replay steps"):
             lt.add_column(col)
         for r in rep.layers:
-            lt.add_row(str(r["rank"]), r["quantizer"], r["kind"], _fmt(r["snr_db"]), _fmt(r["max_abs_error"]), _fmt(r["identical_codes"]))
+            lt.add_row(str(r["rank"]), r["quantizer"], r["kind"], _fmt(r["snr_db"]), _fmt(r["max_abs_error"]),
+                       _fmt(r["identical_codes"]), _fmt(r["identical_codes_end_to_end"]), _fmt(r.get("replay_steps")))
         out.print(lt)
     out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
     return 0 if rep.passed else 1
@@ -529,6 +570,8 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
         t.add_row(r["name"], "yes" if r["enabled"] else "no", r["format"], str(r["axis"]), str(r["block_sizes"] or ""),
                   r["amax"])
     out.print(t)
+    if rows["batchnorm_folds"]:
+        out.print("BatchNorm folded: " + ", ".join(f"{f['batchnorm']} into {f['layer']}" for f in rows["batchnorm_folds"]))
     code = rows["model_code"]
     loads = rows["model_loads"]
     if loads is not None:
@@ -539,6 +582,31 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
                   "export and verify run it only with --trust-code (inspect --trust-code checks that it loads)")
 
 
+#: options whose value may be left out, and the value they then take (typer has no optional-value options)
+OPTIONAL_VALUES = {"--smoothquant": "0.5"}
+
+
+def optional_values(args: list[str]) -> list[str]:
+    """Give ``--smoothquant`` its default value where it is followed by nothing, another option or a word that
+    is not a number (``calibrate M --smoothquant`` == ``calibrate M --smoothquant 0.5``)."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a in OPTIONAL_VALUES:
+            nxt = args[i + 1] if i + 1 < len(args) else None
+            if nxt is None or not _is_number(nxt):
+                out.append(OPTIONAL_VALUES[a])
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
 def main() -> None:
     """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
     try:  # recent typer vendors its own click; older ones use the click package
@@ -547,7 +615,7 @@ def main() -> None:
         from click import exceptions as click_exc
 
     try:
-        code = app(prog_name="quantcli", standalone_mode=False)
+        code = app(args=optional_values(sys.argv[1:]), prog_name="quantcli", standalone_mode=False)
     except click_exc.UsageError as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank got the same arguments: rank 0 tells

@@ -54,6 +54,7 @@ def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, 
         "inputs": {"names": data["inputs"]["names"], "dtypes": data["inputs"]["dtypes"], "shapes": data["inputs"]["shapes"]},
         "calibration": {k: v for k, v in data["calibration"].items() if k not in ("calibrated", "skipped")},
         "quantizers": rows,
+        "batchnorm_folds": list(data.get("batchnorm_folds", [])),
         "model_loads": _model_loads(path) if trust_code else None,
     }
 

@@ -25,12 +25,16 @@ def cli_subprocess(*args, cwd=None, env=None):
 
 
 def assert_clean_error(result, *fragments):
-    """Exit 2, one line mentioning every fragment, no traceback."""
-    text = result.output if hasattr(result, "output") else result.stdout + result.stderr
-    code = result.exit_code if hasattr(result, "exit_code") else result.returncode
-    assert code == 2, text
-    assert "Traceback" not in text, text
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1, text
+    """Exit 2 and exactly one line on STDERR mentioning every fragment; no traceback anywhere, and nothing on
+    stdout (a ``--json`` consumer reading stdout must not mistake an error for output)."""
+    if hasattr(result, "exit_code"):  # click's Result keeps the two streams apart
+        code, out, err = result.exit_code, result.stdout, result.stderr
+    else:
+        code, out, err = result.returncode, result.stdout, result.stderr
+    assert code == 2, out + err
+    assert "Traceback" not in out + err, out + err
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, f"stderr: {err!r} stdout: {out!r}"
+    assert out.strip() == "", f"stdout should be empty on error: {out!r}"
     for f in fragments:
-        assert f in text, (f, text)
+        assert f in lines[0], (f, err)

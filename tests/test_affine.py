@@ -95,11 +95,17 @@ def test_torchao_block_size_table():
         assert (dq - x).abs().max() <= scale.max() / 2 + 1e-6
 
 
-def test_torchao_symmetric_scale_is_amax_over_bound():
+def test_symmetric_scale_is_amax_over_127_where_torchao_divides_by_127_5():
+    # A documented difference from torchao (README, Python API): its choose_qparams_affine divides max|x| by
+    # (qmax - qmin) / 2 = 127.5 for int8; quantcli divides by 127, DESIGN's symmetric scale, so that +-amax
+    # land on codes +-127 exactly as in the rest of quantcli and in the exported graph.
     x = torch.tensor([[-2.54, 1.0]])
     scale, zp = choose_qparams_affine(x, MappingType.SYMMETRIC, (1, 2), torch.int8)
-    assert scale.item() == pytest.approx(2.54 / 127)
+    assert scale.item() == (torch.tensor(2.54) / 127).item()
+    assert scale.item() != pytest.approx(2.54 / 127.5, rel=1e-4)
     assert zp.item() == 0
+    q = quantize_affine(x, (1, 2), scale, zp, torch.int8)
+    assert q.tolist() == [[-127, 50]]  # -amax on -127; torchao's scale would put it at about -127.5, the grid's edge
 
 
 def test_torchao_asymmetric_uint8_zero_exact():

@@ -1,5 +1,7 @@
 """The one arithmetic (DESIGN.md 'Numerics'), hand-worked."""
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -37,11 +39,15 @@ def test_ties_round_half_to_even():
 
 
 def test_divide_not_reciprocal_multiply():
-    # 0.3 / 0.1 and 0.3 * (1 / 0.1) differ in float32; ONNX divides.
-    x = torch.tensor([3.5 * 0.1], dtype=torch.float32)
-    s = torch.tensor(0.1, dtype=torch.float32)
-    by_div = torch.round(x / s)
-    assert torch.equal(ar.quantize_linear(x, s, 0, -128, 127), by_div)
+    # ONNX's QuantizeLinear divides. float32(0.3) = 0.300000011920928955078125 lies above 0.3, so 2.25 / s is
+    # 7.49999970..., just below the tie: correctly rounded float32 division gives 7.4999995, code 7. The
+    # reciprocal route rounds 1/s first and lands exactly on the tie 7.5, which rounds half to even: code 8.
+    x = torch.tensor([2.25], dtype=torch.float32)
+    s = torch.tensor(0.3, dtype=torch.float32)
+    exact = Fraction(2.25) / Fraction(float(s))  # exact rational arithmetic, independent of torch
+    assert exact < Fraction(15, 2)
+    assert (x * (1 / s)).item() == 7.5  # the two routes really differ on this value
+    assert ar.quantize_linear(x, s, 0, -128, 127).item() == 7.0
 
 
 def test_saturation():

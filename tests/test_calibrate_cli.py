@@ -54,16 +54,35 @@ def test_sample_model_needs_nothing_else(tmp_path, monkeypatch):
     assert set(data["quantizers"]) >= {"conv1.input_quantizer", "fc2.weight_quantizer"}
 
 
-def test_reload_is_bit_exact(calibrated):
-    ck = calibrated("text_encoder", "int8", "entropy")
-    a, b = load_calibrated(ck), load_calibrated(ck)
+def test_reload_is_bit_identical_to_the_calibrated_model(tmp_path):
+    # the README: load_calibrated's outputs are bit-identical to the calibrated model's (the one in memory)
+    from quantcli.calibration import calibrate
+    from quantcli.checkpoint import save_calibrated
+    from quantcli.loading import load_model
+    from quantcli.nn import quantize_model, quantizers
     from sample_models import text_encoder
 
+    model, spec = load_model("text_encoder")
+    quantize_model(model, "int8")
+    batches = text_encoder.calibration_batches()[:3]
+    calibrate(model, batches, "entropy", device="cpu")
+    ck = tmp_path / "te.calib.pt"
+    save_calibrated(ck, model, spec, batches[0])
+    reloaded = load_calibrated(ck).model
+    for name, q in quantizers(model).items():
+        r = quantizers(reloaded)[name]
+        assert r.enabled == q.enabled, name
+        assert (q.amax is None and r.amax is None) or torch.equal(r.amax, q.amax), name
     for batch in text_encoder.evaluation_batches()[:3]:
         with torch.inference_mode():
-            assert torch.equal(a.model(**batch), b.model(**batch))
-    # and equal to quantizing the same weights with the stored amax by hand
-    q = a.model.layers[0].attention.query
+            want = model(**batch)
+            assert torch.equal(reloaded(**batch), want)
+    # ...and not because quantization is a no-op here: the float model gives other outputs
+    float_model, _ = load_model("text_encoder")
+    with torch.inference_mode():
+        assert not torch.equal(float_model(**batch), want)
+    # the weights are quantized with the stored amax, as by hand
+    q = reloaded.layers[0].attention.query
     from quantcli import fake_tensor_quant
 
     assert torch.equal(q.weight_quantizer(q.weight), fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False))

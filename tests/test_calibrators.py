@@ -12,7 +12,7 @@ from calibrators import (
     compute_amax_percentile,
 )
 from quantcli.errors import CalibrationError
-from tests.reference_amax import ref_entropy, ref_mse
+from tests.reference_amax import ref_entropy, ref_entropy_vectorized, ref_mse
 
 
 def random_hist(rng, bins=512):
@@ -90,21 +90,42 @@ def test_entropy_clips_far_outlier():
 
 def test_mse_many_255_one_256():
     x = torch.cat([torch.full((10_000,), 255.0), torch.tensor([256.0])])
-    # bins are 0.25 wide over [0, 512): the values sit at bin centres 255.125 and 256.125
-    c = HistogramCalibrator(unsigned=True)
-    c.collect(x)
-    assert c.compute_amax("mse").item() == pytest.approx(255, abs=1.5)
+    # bins are 0.25 wide over [0, 512): the values sit at bin centres 255.125 (10,000) and 256.125 (1); the
+    # candidates are bin edges. Hand-computed squared errors, err(a) = 10000 * d_bulk^2 + d_outlier^2:
+    # signed (bound 127): a=255.0 clips both, 156.25 + 1.27 = 157.5; a=255.25 (scale 2.0098) puts the bulk on code
+    # 127 = 255.25, 156.25 + 0.77 = 157.0; a=256.25 (scale 2.0177) puts it on code 126 = 254.23, about 8,000.
+    # -> 255.25, below both the max (256) and the 100th percentile (256.25).
     c8 = HistogramCalibrator()
     c8.collect(x)
-    assert c8.compute_amax("mse").item() == pytest.approx(255, abs=1.5)
+    assert c8.compute_amax("mse").item() == 255.25
+    assert c8.compute_amax("percentile", percentile=100).item() == 256.25
+    # unsigned (bound 255): a=255.25 gives 157.0 as above; a=255.5 puts the bulk on code 255 = 255.5: 1406;
+    # a=256.0 on code 254 = 254.996: 166; a=256.25 (scale 1.00490) on code 254 = 255.245: 143.5 + 0.016.
+    # -> 256.25 (here the same as the 100th percentile, and above the max 256.0)
+    c = HistogramCalibrator(unsigned=True)
+    c.collect(x)
+    assert c.compute_amax("mse").item() == 256.25
+    m = MaxCalibrator()
+    m.collect(x)
+    assert m.compute_amax().item() == 256.0
 
 
-def test_mse_fp8_finds_range_near_max():
+def test_mse_fp8_lowers_the_error_below_the_max():
     g = torch.Generator().manual_seed(0)
+    x = torch.randn(50_000, generator=g)
     c = HistogramCalibrator(num_bits=(4, 3))
-    c.collect(torch.randn(50_000, generator=g))
-    amax = c.compute_amax("mse").item()
-    assert 1.0 < amax < 8.0
+    c.collect(x)
+    amax = c.compute_amax("mse")
+    m = MaxCalibrator()
+    m.collect(x)
+
+    def sq_error(a):  # E4M3 fake quant by torch's own float8 cast, independent of quantcli's arithmetic
+        s = a / 448.0
+        q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).to(torch.float32) * s
+        return float(((x - q).double() ** 2).sum())
+
+    assert amax.item() != m.compute_amax().item()
+    assert sq_error(amax) < sq_error(m.compute_amax())  # what mse is for: a smaller error than the max gives
 
 
 def test_skip_zeros():
@@ -126,9 +147,11 @@ def test_skip_zeros():
     "fast, slow, cases",
     [
         (compute_amax_entropy, ref_entropy, [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
+        (ref_entropy_vectorized, ref_entropy,
+         [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
         (compute_amax_mse, ref_mse, [{"start_bin": 64}, {"num_bits": 4, "unsigned": True, "stride": 2, "start_bin": 16}]),
     ],
-    ids=["entropy", "mse"],
+    ids=["entropy", "fair-entropy-reference", "mse"],
 )
 def test_vectorized_equals_reference_loop(seed, fast, slow, cases):
     rng = np.random.default_rng(seed)

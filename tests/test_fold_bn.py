@@ -171,22 +171,24 @@ def test_batchnorm_whose_layer_output_has_another_reader_is_not_folded():
         torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
 
+class Gate(nn.Module):
+    def forward(self, y):
+        return y * 2 if y.sum() > 0 else y  # data-dependent control flow: torch.fx cannot trace it
+
+
 class Untraceable(nn.Module):
-    """Data-dependent control flow: torch.fx cannot trace it."""
+    """Neither the model nor its Sequential traces (the Gate inside it does not)."""
 
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.ReLU())
+        self.features = nn.Sequential(nn.Conv1d(2, 4, 3), nn.BatchNorm1d(4), nn.ReLU(), Gate())
         self.conv, self.bn = nn.Conv1d(4, 4, 1), nn.BatchNorm1d(4)
 
     def forward(self, x):
-        y = self.features(x)
-        if y.sum() > 0:
-            y = y * 2
-        return self.bn(self.conv(y))
+        return self.bn(self.conv(self.features(x)))
 
 
-def test_untraceable_model_folds_only_the_sequential_pattern():
+def test_untraceable_sequential_folds_its_adjacent_pairs_only():
     m = Untraceable().eval()
     g = torch.Generator().manual_seed(0)
     _randomise_bn(m.features[1], g)
@@ -195,9 +197,52 @@ def test_untraceable_model_folds_only_the_sequential_pattern():
     with torch.no_grad():
         want = m(x)
     report = fold_batchnorm(m, {"x": x})
-    assert report.detection == "sequential" and report.trace_error
+    assert report.detection == "fx per submodule" and report.trace_error
     assert [(f.layer, f.batchnorm) for f in report.folded] == [("features.0", "features.1")]
     assert [b for b, _ in report.skipped] == ["bn"] and "does not trace" in report.skipped[0][1]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+
+
+class ConvLayer(nn.Module):
+    """The attribute pattern of e.g. Hugging Face's ResNetConvLayer: conv, norm, activation."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.convolution, self.normalization = nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)
+
+    def forward(self, x):
+        return torch.relu(self.normalization(self.convolution(x)))
+
+
+class UntraceableBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = ConvLayer(3, 4)
+        self.stages = nn.ModuleList([ConvLayer(4, 4), ConvLayer(4, 4)])
+        self.shared = self.stages[1]  # registered under two names: untraced code could call it anywhere
+
+    def forward(self, x):
+        x = self.stem(x)
+        for stage in self.stages:
+            if x.mean() > -1e9:  # data-dependent: torch.fx cannot trace this forward
+                x = stage(x)
+        return x
+
+
+def test_untraceable_model_folds_inside_submodules_that_trace():
+    m = UntraceableBlocks().eval()
+    g = torch.Generator().manual_seed(0)
+    for layer in (m.stem, *m.stages):
+        _randomise_bn(layer.normalization, g)
+    x = torch.randn(2, 3, 6, 6)
+    with torch.no_grad():
+        want = m(x)
+    report = fold_batchnorm(m, {"x": x})
+    assert report.detection == "fx per submodule"
+    assert sorted((f.layer, f.batchnorm) for f in report.folded) == [
+        ("stages.0.convolution", "stages.0.normalization"), ("stem.convolution", "stem.normalization")]
+    assert [b for b, _ in report.skipped] == ["stages.1.normalization"] and "two names" in report.skipped[0][1]
     with torch.no_grad():
         torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
@@ -357,6 +402,9 @@ def test_cli_reports_folding_and_no_fold_bn_keeps_batchnorm(tmp_path):
     assert isinstance(load_calibrated(tmp_path / "a.pt").model.bn1, nn.Identity)
     text = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "c.pt").stdout
     assert "BatchNorm folded" in text and "bn1 into conv1" in text
+    shown = cli("inspect", tmp_path / "a.pt").stdout
+    assert "BatchNorm folded: bn1 into conv1, bn2 into conv2" in shown
+    assert json.loads(cli("inspect", tmp_path / "b.pt", "--json").stdout)["batchnorm_folds"] == []
 
 
 def test_checkpoint_fold_list_that_does_not_fit_the_model_is_a_clean_error(folded_checkpoints, tmp_path):
@@ -388,3 +436,26 @@ def test_checkpoint_from_before_folding_loads_unfolded(tmp_path):
     assert isinstance(ck.model.features[1], nn.BatchNorm1d) and not ck.config.fold_batchnorm
     with torch.no_grad():
         assert torch.equal(ck.model(x=batches[0]["x"]), model(x=batches[0]["x"]))
+
+
+class Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+        self.alias = self.bn  # forward calls it by this second name; fx names it by the first
+
+    def forward(self, x):
+        return self.alias(self.conv(x))
+
+
+def test_batchnorm_registered_under_two_names_is_not_folded():
+    m = Aliased().eval()
+    _randomise_bn(m.bn, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 3, 4, 4)
+    with torch.no_grad():
+        want = m(x)
+    report = fold_batchnorm(m, {"x": x})
+    assert report.detection == "fx" and not report.folded
+    assert report.skipped == [("bn", "the layer or the BatchNorm is registered under two names")]
+    with torch.no_grad():
+        assert torch.equal(m(x), want)

@@ -159,9 +159,13 @@ def test_learn_amax_is_a_parameter():
 
 def test_dynamic_quantizer_computes_amax_per_call():
     q = TensorQuantizer(QuantDescriptor(dynamic=True, axis=0), name="q")
-    x = torch.tensor([[1.0, -2.0], [0.5, 0.25]])
+    x = torch.tensor([[0.7, -2.0], [0.5, 0.1]])
     y = q(x)
-    assert torch.allclose(y, x, atol=2.0 / 127)
+    # row 0: amax 2, scale 2/127: 0.7 -> code round(44.45) = 44; row 1: amax 0.5, scale 0.5/127: 0.1 -> round(25.4)
+    # = 25. An identity gives 0.7 and 0.1; one amax for the whole tensor (2) gives 0.1 -> 6 * 2/127 = 0.0945.
+    want = torch.tensor([[44 * 2.0 / 127, -2.0], [0.5, 25 * 0.5 / 127]])
+    assert torch.allclose(y, want, rtol=0, atol=1e-6)
+    assert q(x * 4)[1, 1].item() == pytest.approx(4 * 25 * 0.5 / 127, abs=1e-6)  # amax follows each call's input
 
 
 def test_histogram_methods_recompute_without_new_data():

@@ -12,8 +12,10 @@ layer (onnxruntime cannot fuse a Conv into an integer kernel across one).
 
 A BatchNorm is folded only when nothing else reads its layer's output. Where the model traces with ``torch.fx``
 the graph says so (the layer's output node has exactly one user, the BatchNorm, and both modules are called once).
-Where it does not trace, only the plain ``nn.Sequential`` pattern (the layer and its BatchNorm adjacent children of
-an unmodified ``nn.Sequential``) is folded; every other BatchNorm is left alone and reported with the reason.
+Where it does not trace (data-dependent control flow, say), each largest submodule that traces is judged by its own
+graph (a block's ``conv -> bn`` inside it is private to it), and an unmodified ``nn.Sequential`` that does not
+trace folds its adjacent layer and BatchNorm children. A layer or BatchNorm registered under two names is never
+folded (the other name would still reach it). Every other BatchNorm is left alone and reported with the reason.
 
 Folding an already calibrated model (``fold_batchnorm(quantized_model)``): the input quantizers keep their amax
 (the layer's input does not change, and neither, up to float rounding, does the BatchNorm's output that the next
@@ -61,8 +63,8 @@ class Fold:
 
 @dataclass
 class FoldReport:
-    """What :func:`fold_batchnorm` did. ``detection``: ``"fx"`` (traced) or ``"sequential"`` (the model does not
-    trace; ``trace_error`` says why) or ``"none"`` (no BatchNorm)."""
+    """What :func:`fold_batchnorm` did. ``detection``: ``"fx"`` (the model traced), ``"fx per submodule"`` (it
+    does not; ``trace_error`` says why) or ``"none"`` (no BatchNorm)."""
 
     folded: list[Fold] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (batchnorm, reason)
@@ -195,11 +197,13 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
     try:
         graph = _LeafTracer().trace(model)
     except Exception as e:  # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
-        report.detection, report.trace_error = "sequential", str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-        candidates, reasons = _sequential_candidates(model, modules)
+        report.detection = "fx per submodule"
+        report.trace_error = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        candidates, reasons = _untraced_candidates(model)
     else:
         report.detection = "fx"
-        candidates, reasons = _traced_candidates(graph, modules)
+        candidates, reasons = _traced_candidates(graph, model)
+    candidates = _registered_once(model, candidates, reasons)
     linear_bns = [bn for layer, bn in candidates if isinstance(modules[layer], nn.Linear)]
     ranks = _bn_input_ranks(model, linear_bns, example)
     for layer, bn in candidates:
@@ -210,58 +214,93 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
             reasons[bn] = problem
         else:
             report.folded.append(Fold(layer, bn))
+    found = {bn for _, bn in candidates}
     for bn in bns:
+        if bn not in found and bn not in reasons:
+            reasons[bn] = ("the model does not trace with torch.fx, and no submodule that traces (or plain "
+                           "nn.Sequential) holds both it and the layer before it")
         if bn in reasons:
             report.skipped.append((bn, reasons[bn]))
     return report
 
 
-def _traced_candidates(graph: torch.fx.Graph, modules: dict[str, nn.Module]):
+def _traced_candidates(graph: torch.fx.Graph, root: nn.Module, prefix: str = ""):
+    """(layer, BatchNorm) pairs and reasons from the fx graph of ``root`` (a submodule named ``prefix``)."""
+    modules = dict(root.named_modules())
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     seen = {n.target for n in graph.nodes if n.op == "call_module"}
+    where = f"{prefix}'s forward" if prefix else "forward"
     candidates, reasons = [], {}
     for name, m in modules.items():
-        if isinstance(m, _BatchNorm) and name not in seen:
+        if isinstance(m, _BatchNorm) and name not in seen and not prefix:
             reasons[name] = "forward never calls it"
     for node in graph.nodes:
         if node.op != "call_module" or not isinstance(modules[node.target], _BatchNorm):
             continue
-        bn = node.target
+        bn = prefix + node.target
         src = node.args[0] if node.args else None
-        if calls[bn] > 1:
-            reasons[bn] = "forward calls it more than once"
+        if calls[node.target] > 1:
+            reasons[bn] = f"{where} calls it more than once"
         elif not (isinstance(src, torch.fx.Node) and src.op == "call_module"
                   and isinstance(modules[src.target], FOLDABLE)):
             reasons[bn] = "its input is not the output of a Conv, ConvTranspose or Linear"
         elif calls[src.target] > 1:
-            reasons[bn] = f"forward calls {src.target} more than once, and only one call is followed by it"
+            reasons[bn] = f"{where} calls {prefix + src.target} more than once, and only one call is followed by it"
         elif len(src.users) > 1:
             others = [u.name for u in src.users if u is not node]
-            reasons[bn] = f"the output of {src.target} is also used by {', '.join(others)}"
+            reasons[bn] = f"the output of {prefix + src.target} is also used by {', '.join(others)}"
         else:
-            candidates.append((src.target, bn))
+            candidates.append((prefix + src.target, bn))
     return candidates, reasons
 
 
-def _sequential_candidates(model: nn.Module, modules: dict[str, nn.Module]):
-    """Without a trace: a layer and a BatchNorm that are adjacent children of an unmodified ``nn.Sequential``
-    (its forward feeds each child's output to the next child only), each module registered once."""
-    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+def _untraced_candidates(model: nn.Module):
+    """The model does not trace: each largest submodule that does is traced on its own. Inside it, a layer output
+    that only its BatchNorm reads is read by nothing outside either (the submodule does not return it). A
+    submodule that does not trace is searched further down; if it is an unmodified ``nn.Sequential``, its adjacent
+    layer and BatchNorm children fold as well (its forward feeds each child's output to the next child only).
+    """
     candidates, reasons = [], {}
-    for name, seq in modules.items():
-        if not isinstance(seq, nn.Sequential) or type(seq).forward is not nn.Sequential.forward:
-            continue
-        children = list(seq.named_children())
-        for (ln, layer), (bn_n, bn) in zip(children, children[1:]):
-            if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm) and uses[id(layer)] == uses[id(bn)] == 1:
-                prefix = f"{name}." if name else ""
-                candidates.append((prefix + ln, prefix + bn_n))
-    found = {bn for _, bn in candidates}
-    for name, m in modules.items():
-        if isinstance(m, _BatchNorm) and name not in found:
-            reasons[name] = ("the model does not trace with torch.fx, and without a trace only a BatchNorm right "
-                             "after its layer in an nn.Sequential is known to be its only reader")
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}{child_name}"
+            if isinstance(child, (_BatchNorm, *FOLDABLE)) or not any(isinstance(m, _BatchNorm) for m in child.modules()):
+                continue
+            try:
+                graph = _LeafTracer().trace(child)
+            except Exception:
+                if isinstance(child, nn.Sequential) and type(child).forward is nn.Sequential.forward:
+                    kids = list(child.named_children())
+                    for (ln, layer), (bn_n, bn) in zip(kids, kids[1:]):
+                        if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm):
+                            candidates.append((f"{name}.{ln}", f"{name}.{bn_n}"))
+                visit(f"{name}.", child)
+                continue
+            c, r = _traced_candidates(graph, child, f"{name}.")
+            candidates.extend(c)
+            reasons.update(r)
+
+    if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
+        kids = list(model.named_children())
+        candidates += [(ln, bn_n) for (ln, layer), (bn_n, bn) in zip(kids, kids[1:])
+                       if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm)]
+    visit("", model)
     return candidates, reasons
+
+
+def _registered_once(model: nn.Module, candidates: list[tuple[str, str]], reasons: dict[str, str]):
+    """Drop pairs whose layer or BatchNorm is registered under two names: replacing one name would leave the
+    BatchNorm reachable (and applied again) under the other."""
+    uses = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    modules = dict(model.named_modules(remove_duplicate=False))
+    kept = []
+    for layer, bn in candidates:
+        if uses[id(modules[layer])] > 1 or uses[id(modules[bn])] > 1:
+            reasons[bn] = "the layer or the BatchNorm is registered under two names"
+        else:
+            kept.append((layer, bn))
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- folding

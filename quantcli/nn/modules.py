@@ -82,6 +82,9 @@ def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
 
 class QuantLinear(nn.Linear, QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
+        if smooth is not None:
+            input = smooth(input)
         if self.input_quantizer.dynamic_uint8 and self.input_quantizer.mode == "quantize":
             from quantcli.nn.dynamic import dynamic_linear, exporting
 

@@ -1,0 +1,114 @@
+"""onnxruntime sessions for verify: which provider, the exact session (optimizations off) and the deployed one
+(``InferenceSession(path)`` with default options), feeding batches, and what to tell a user when the deployed
+session does not load.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import torch
+
+from quantcli.data import Batch
+from quantcli.errors import VerifyError
+
+
+def choose_provider(provider: str = "auto") -> str:
+    """``auto``/``cpu``/``cuda`` -> an onnxruntime execution provider name (``auto``: CUDA if usable)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    cuda_ok = "CUDAExecutionProvider" in available and torch.cuda.is_available()
+    if provider == "auto":
+        return "CUDAExecutionProvider" if cuda_ok else "CPUExecutionProvider"
+    if provider == "cpu":
+        return "CPUExecutionProvider"
+    if provider == "cuda":
+        if not cuda_ok:
+            raise VerifyError("--provider cuda: onnxruntime's CUDAExecutionProvider or a CUDA GPU is not available "
+                              "here; use --provider cpu or auto")
+        return "CUDAExecutionProvider"
+    raise VerifyError(f"unknown --provider {provider!r}; use auto, cpu or cuda")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:240] if text else type(e).__name__
+
+
+def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool):
+    """An ``InferenceSession`` on ``provider``.
+
+    ``optimize=False``: every graph optimization off, so each node computes exactly its ONNX definition (the
+    session the fake-quant model is compared with). ``optimize=True``: onnxruntime's default level
+    (``ORT_ENABLE_ALL``), the session a user deploys. Besides the level, only the log level (no warnings about
+    CUDA libraries on CPU machines) and the thread count (torch's, so that timings compare) are set; neither
+    changes which graph onnxruntime builds.
+    """
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 3
+    so.intra_op_num_threads = max(1, torch.get_num_threads())
+    data = model if isinstance(model, bytes) else model.SerializeToString()
+    try:
+        return ort.InferenceSession(data, so, providers=[provider])
+    except Exception as e:
+        raise VerifyError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
+
+
+def deployment_advice(model: onnx.ModelProto) -> str:
+    """What to do when the graph does not load with default session options."""
+    from exporters.ort_compat import session_needs
+
+    needs = session_needs(model)
+    if needs.disabled_optimizers:
+        return ("re-export it for the onnxruntime target (`target: onnxruntime` in the config, the default), which "
+                "guards float8 pairs, or deploy it with InferenceSession(path, disabled_optimizers="
+                f"{list(needs.disabled_optimizers)}) ({needs.reasons[0]})")
+    return ("`quantcli inspect MODEL.onnx --runtime onnxruntime` shows what onnxruntime does with it; a different "
+            "--config or --opset, or another onnxruntime version, may avoid the failing fusion")
+
+
+_ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
+              "tensor(bool)": np.bool_, "tensor(double)": np.float64, "tensor(float16)": np.float16}
+
+
+def feeds(sess, batch: Batch, where: str) -> dict[str, np.ndarray]:
+    """The batch as onnxruntime inputs, with one-line errors for missing inputs, wrong dtypes and shapes."""
+    out = {}
+    for i in sess.get_inputs():
+        if i.name not in batch:
+            raise VerifyError(f"{where}: the ONNX input {i.name!r} has no data (data has {', '.join(batch)})")
+        v = batch[i.name].detach().cpu()
+        want = _ORT_TYPES.get(i.type)
+        if want is not None and np.issubdtype(want, np.integer) and v.dtype.is_floating_point:
+            raise VerifyError(f"{where}: input {i.name!r} is {str(v.dtype).replace('torch.', '')} but the graph "
+                              f"expects {i.type}")
+        arr = v.numpy()
+        out[i.name] = arr.astype(want, copy=False) if want is not None else arr
+        if len(i.shape) != arr.ndim or any(isinstance(d, int) and d != s for d, s in zip(i.shape, arr.shape)):
+            raise VerifyError(f"{where}: input {i.name!r} has shape {list(arr.shape)} but the graph expects {i.shape}")
+    return out
+
+
+def run(sess, inputs: dict[str, np.ndarray], where: str, names: list[str] | None = None) -> list[np.ndarray]:
+    try:
+        return sess.run(names, inputs)
+    except Exception as e:
+        raise VerifyError(f"onnxruntime failed on {where}: {_first_line(e)}") from None
+
+
+def cpu_has_vnni() -> bool | None:
+    """Whether this x86 CPU has VNNI (``avx512_vnni`` or ``avx_vnni`` in /proc/cpuinfo); None if unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool({"avx512_vnni", "avx_vnni"} & flags)
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,95 @@
+"""Streaming comparison of two output tensors over many batches: a handful of sums per output, so memory does
+not depend on the number of samples, and every update is a few vectorised numpy reductions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from quantcli.errors import VerifyError
+
+
+class PairStats:
+    """Running statistics of ``got`` against ``ref`` (same shapes), e.g. onnxruntime vs the fake-quant model.
+
+    ``top1``: also count how often the row-wise argmax agrees (2-D ``(batch, classes)`` outputs only).
+    """
+
+    def __init__(self, top1: bool = False):
+        self.top1 = top1
+        self.count = 0
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.sum_abs = 0.0
+        self.err2 = 0.0  # sum (got - ref)^2
+        self.n_got = 0.0  # sum got^2
+        self.n_ref = 0.0  # sum ref^2
+        self.dot = 0.0
+        self.identical = 0
+        self.nonfinite = 0
+        self.top1_same = 0
+        self.top1_total = 0
+
+    def add(self, got: np.ndarray, ref: np.ndarray) -> None:
+        if got.shape != ref.shape:
+            raise VerifyError(f"output shapes differ: onnxruntime {list(got.shape)} vs PyTorch {list(ref.shape)}")
+        g = np.asarray(got, np.float64).ravel()
+        r = np.asarray(ref, np.float64).ravel()
+        finite = np.isfinite(g) & np.isfinite(r)
+        if not finite.all():  # rare: only then pay for masking
+            self.nonfinite += int(g.size - np.count_nonzero(finite))
+            g, r = g[finite], r[finite]
+        d = g - r
+        a = np.abs(d)
+        if a.size:
+            self.max_abs = max(self.max_abs, float(a.max()))
+            self.max_rel = max(self.max_rel, float((a / np.maximum(np.abs(r), 1e-12)).max()))
+        self.sum_abs += float(a.sum())
+        self.count += d.size
+        self.identical += int(d.size - np.count_nonzero(d))
+        self.err2 += float(d @ d)
+        self.n_got += float(g @ g)
+        self.n_ref += float(r @ r)
+        self.dot += float(g @ r)
+        if self.top1 and got.ndim == 2 and got.shape[1] > 1:
+            self.top1_same += int(np.count_nonzero(got.argmax(1) == ref.argmax(1)))
+            self.top1_total += got.shape[0]
+
+    @property
+    def rms(self) -> float:
+        """Root mean square of ``got - ref``."""
+        return math.sqrt(self.err2 / self.count) if self.count else 0.0
+
+    @property
+    def cosine(self) -> float | None:
+        den = math.sqrt(self.n_got * self.n_ref)
+        return self.dot / den if den > 0 else None
+
+    @property
+    def snr_db(self) -> float | None:
+        if self.n_ref == 0:
+            return None
+        return math.inf if self.err2 == 0 else 10 * math.log10(self.n_ref / self.err2)
+
+    def deviation(self) -> dict[str, Any]:
+        """How far ``got`` is from ``ref`` (fidelity, deployment)."""
+        return {"max_abs_diff": self.max_abs, "max_rel_diff": self.max_rel,
+                "mean_abs_diff": self.sum_abs / max(self.count, 1), "rms_diff": self.rms, "nonfinite": self.nonfinite}
+
+    def quality(self) -> dict[str, Any]:
+        """How close ``got`` is to the float model ``ref``."""
+        out = {"cosine": self.cosine, "snr_db": self.snr_db, "max_abs_error": self.max_abs,
+               "mean_abs_error": self.sum_abs / max(self.count, 1), "rms_error": self.rms}
+        if self.top1_total:
+            out["top1_agreement"] = self.top1_same / self.top1_total
+        return out
+
+
+def ratio(num: float, den: float) -> float:
+    """``num / den`` for non-negative RMS values: 0 when both are 0, inf when only ``den`` is."""
+    if num == 0:
+        return 0.0
+    return num / den if den > 0 else math.inf

@@ -1,0 +1,187 @@
+"""The structure check: the graph holds every quantizer the checkpoint has, with exactly the numbers its amax implies.
+
+Per enabled quantizer: its Q/DQ pair is in the graph (found through the exporter's quantizer map), its float32
+scale and its zero point are the ones its amax implies, and stored weight codes decode to the checkpoint's
+fake-quant weights. A quantizer without a pair is *pruned* (information, not a failure) when its output reaches
+none of the model's outputs -- the exporter removed it as dead code, like a ``BertModel``'s pooler under mean
+pooling -- and *missing* (a failure) otherwise. Which one is decided from the checkpoint's model, traced by
+autograd (:func:`quantcli.nn.usage.unused_quantizers`), not from what the file claims.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx
+import torch
+
+from exporters.dynamic_linear import dynamic_layers
+from exporters.graph import QdqPair, pruned_quantizers, qdq_pairs, to_numpy
+from quantcli import arithmetic as ar
+from quantcli.checkpoint import Calibrated
+from quantcli.errors import VerifyError
+from quantcli.granularity import broadcast_onnx_param
+from quantcli.nn.replace import quantizers
+from quantcli.nn.usage import unused_quantizers
+from quantcli.verify.stats import PairStats
+
+
+def expected_scale(q) -> tuple[np.ndarray, np.ndarray]:
+    """(scale, zero point) a calibrated quantizer implies, flattened, float32."""
+    d = q.desc
+    a = q.amax.detach().cpu().to(torch.float32)
+    if d.asymmetric:
+        from quantcli.tensor_quant import affine_qparams
+
+        s, zp = affine_qparams(q.amin if q.amin is not None else torch.zeros(()), a, d.num_bits)
+        return s.reshape(-1).numpy(), zp.reshape(-1).to(torch.float32).numpy()
+    bound = ar.FP8_E4M3_MAX if d.is_fp8 else ar.symmetric_bound(d.num_bits, d.unsigned)
+    s = ar.symmetric_scale(a, bound).reshape(-1).numpy()
+    return s, np.zeros(1, np.float32)
+
+
+def expected_scales(ckpt: Calibrated) -> dict[str, np.ndarray]:
+    """Scale each enabled, calibrated quantizer implies (for tests and tools)."""
+    return {name: expected_scale(q)[0] for name, q in quantizers(ckpt.model).items()
+            if q.enabled and q.amax is not None and not q.dynamic_uint8}
+
+
+def dequantize(codes, scale, zp, axis, block) -> np.ndarray:
+    """ONNX DequantizeLinear of codes with the parameters in ONNX layout."""
+    shape = tuple(np.shape(codes))
+    s = broadcast_onnx_param(torch.from_numpy(np.asarray(scale, np.float32)), shape, axis, block)
+    z = broadcast_onnx_param(torch.from_numpy(np.asarray(zp, np.float32)), shape, axis, block)
+    return ar.dequantize_linear(torch.from_numpy(np.asarray(codes, np.float32)), s, z).numpy()
+
+
+def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray | None:
+    """The dequantized weight as the graph computes it (stored codes, or a float initializer through its Q)."""
+    if p.tensor not in inits:
+        return None
+    values = to_numpy(inits[p.tensor]).astype(np.float32)
+    if p.stored == "runtime":
+        from exporters.fold import quantize_codes
+        from exporters.formats import BY_NAME
+
+        values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
+    return dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
+
+
+def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any] | None, str | None]:
+    """Per-layer row of a weight quantizer and a problem, if its stored codes differ from the checkpoint's."""
+    module = name.rsplit(".", 1)[0]
+    w = params.get(f"{module}.weight" if module else "weight")
+    got = graph_weight(p, inits)
+    if w is None or got is None:
+        return None, None
+    with torch.no_grad():
+        want = q(w.detach()).cpu().numpy()
+    if got.shape != want.shape:
+        return None, f"stored weight has shape {list(got.shape)}, the checkpoint's {list(want.shape)}"
+    local = PairStats()
+    local.add(want, w.detach().cpu().numpy())
+    bad = int(np.count_nonzero(got != want))
+    row = {"quantizer": name, "module": module, "kind": "weight", "snr_db": local.snr_db,
+           "max_abs_error": local.max_abs, "identical_codes": 1.0 - bad / max(got.size, 1)}
+    row["identical_codes_end_to_end"] = row["identical_codes"]
+    return row, (f"{bad} stored weight code(s) differ from the checkpoint's weights" if bad else None)
+
+
+def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, problems: dict[str, list[str]],
+                          rows: list[dict[str, Any]]) -> set[str]:
+    """Structure of the ``DynamicQuantizeLinear -> MatMulInteger`` layers (:mod:`exporters.dynamic_linear`).
+
+    The input quantizer has no scale to compare (it is computed at run time; ``fidelity.codes`` checks it on the
+    sample); the weight's float32 scale must be ``amax / bound`` exactly, its zero point 0 and its stored codes
+    the checkpoint's. Returns the quantizer names found in such layers; appends the weights' per-layer rows."""
+    found: set[str] = set()
+    inits = {t.name: t for t in model.graph.initializer}
+    weights = dict(ckpt.model.named_parameters())
+    for layer in dynamic_layers(model):
+        found |= {n for n in (layer.input_quantizer, layer.weight_quantizer) if n is not None}
+        wname = layer.weight_quantizer
+        if wname not in qs:
+            continue
+        q = qs[wname]
+        want, _ = expected_scale(q)
+        got = layer.weight_scale
+        if got is None or got.reshape(-1).shape != want.shape or not np.array_equal(got.reshape(-1), want):
+            problems.setdefault(wname, []).append("weight scale (in the Mul after MatMulInteger) differs from amax/bound")
+            continue
+        if layer.weight_zero_point is not None and np.any(layer.weight_zero_point != 0):
+            problems.setdefault(wname, []).append("weight zero point is not 0")
+        module = wname.rsplit(".", 1)[0]
+        w = weights.get(f"{module}.weight")
+        if layer.weight in inits and w is not None:
+            with torch.no_grad():
+                want_w = q(w.detach()).cpu().numpy()
+            codes = to_numpy(inits[layer.weight]).astype(np.float32)  # (K, N)
+            deq = (codes * want.reshape(1, -1) if want.size > 1 else codes * want.reshape(())).T.astype(np.float32)
+            bad = int(np.count_nonzero(deq != want_w)) if deq.shape == want_w.shape else want_w.size
+            if bad:
+                problems.setdefault(wname, []).append(f"{bad} stored weight code(s) differ from the checkpoint's weights")
+            local = PairStats()
+            local.add(want_w, w.detach().cpu().numpy())
+            same = 1.0 - bad / max(want_w.size, 1)
+            rows.append({"quantizer": wname, "module": module, "kind": "weight", "snr_db": local.snr_db,
+                         "max_abs_error": local.max_abs, "identical_codes": same, "identical_codes_end_to_end": same})
+    return found
+
+
+def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the structure section of the report, per-layer rows of the weight quantizers)."""
+    graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    if graph_inputs != ckpt.input_names:
+        raise VerifyError(f"the ONNX inputs {graph_inputs} do not match the checkpoint's inputs {ckpt.input_names}; "
+                          "export this checkpoint with `quantcli export` or pass the matching --reference")
+    all_pairs = qdq_pairs(model)
+    pairs: dict[str, QdqPair] = {}
+    for p in all_pairs:
+        if p.quantizer:
+            pairs.setdefault(p.quantizer, p)
+    qs = {n: q for n, q in quantizers(ckpt.model).items() if q.enabled}
+    inits = {t.name: t for t in model.graph.initializer}
+    params = dict(ckpt.model.named_parameters())
+    problems: dict[str, list[str]] = {}
+    rows: list[dict[str, Any]] = []
+    dynamic = _check_dynamic_layers(model, ckpt, qs, problems, rows)
+    absent = sorted(set(qs) - set(pairs) - dynamic)
+    one = {k: v[:1] for k, v in ckpt.example.items()}  # connectivity does not depend on the batch size
+    unused = (unused_quantizers(ckpt.model, one) or set()) if absent else set()
+    pruned = [n for n in absent if n in unused]
+    for name in absent:
+        if name not in unused:
+            problems.setdefault(name, []).append("Q/DQ pair missing from the graph (its output is used)")
+    for name, q in qs.items():
+        p = pairs.get(name)
+        if p is None:
+            continue
+        want, want_zp = expected_scale(q)
+        got = p.scale.reshape(-1).astype(np.float32)
+        if got.shape != want.shape or not np.array_equal(got, want):
+            idx = int(np.argmax(got != want)) if got.shape == want.shape else 0
+            shown = got.flat[idx] if got.size else "none"
+            problems.setdefault(name, []).append(
+                f"scale differs from amax/bound (e.g. index {idx}: {shown} vs {want.flat[idx]:.9g})")
+        zp = p.zero_point.reshape(-1).astype(np.float32)
+        if not (zp.shape == want_zp.shape or want_zp.size == 1) or not np.array_equal(zp, np.broadcast_to(want_zp, zp.shape)):
+            problems.setdefault(name, []).append(
+                f"zero point differs from the calibrated range ({zp.flat[0] if zp.size else 'none'} vs {want_zp.flat[0]:g})")
+        if name.endswith("weight_quantizer"):
+            row, problem = _weight_row(name, q, p, inits, params)
+            if row is not None:
+                rows.append(row)
+            if problem:
+                problems.setdefault(name, []).append(problem)
+    flat = [f"{name}: {x}" for name, probs in problems.items() for x in probs]
+    recorded = pruned_quantizers(model)
+    return {
+        "passed": not flat, "problems": flat, "layers_with_problems": sorted(problems),
+        "quantizers_expected": len(qs), "quantizers_found": len((set(pairs) | dynamic) & set(qs)),
+        "pruned": pruned,
+        "notes": [f"{n}: pruned by the exporter, its output reaches no model output" for n in pruned],
+        "pruned_recorded_at_export": recorded,
+        "unmapped_pairs": sum(1 for p in all_pairs if not p.quantizer),
+        "unexpected_quantizers": sorted((set(pairs) | dynamic) - set(qs)),
+    }, rows

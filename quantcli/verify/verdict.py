@@ -1,0 +1,82 @@
+"""The verdict: the checks, their default thresholds, and the report they go into.
+
+Every fidelity threshold is scale-free -- a deviation measured in units of the quantization error itself -- so
+one default holds for a 4-layer CNN and a 6-layer transformer (README, ``verify``: why these numbers):
+
+* ``fidelity.codes`` >= 1.0: the pair arithmetic, exact.
+* ``fidelity.replay_steps`` <= :data:`MAX_REPLAY_STEPS`: each float segment, fed onnxruntime's own quantized
+  values, reaches the next quantizer within a quarter of a quantization step of onnxruntime (correct graphs:
+  float rounding, at most 4e-4 steps on the 6-layer encoder; a changed bias or weight, a replaced op: whole
+  steps). A quarter leaves room for runtimes that round more coarsely (TF32 on GPUs) and still catches a
+  change that would move a quarter of the codes.
+* ``fidelity.replay_outputs`` <= :data:`MAX_REPLAY_OUTPUT`: the same for the graph outputs, in RMS
+  quantization errors of that output (RMS(fake-quant - float)), since no quantization step exists there.
+* ``fidelity.rms_ratio`` <= :data:`MAX_RMS_RATIO`: over all the data, RMS(onnxruntime - fake-quant) against
+  RMS(fake-quant - float): the runtime may differ from the simulation (codes flipped by float rounding, carried
+  through a deep network) by a fraction of what quantization itself changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_REPLAY_STEPS = 0.25
+MAX_REPLAY_OUTPUT = 0.1
+MAX_RMS_RATIO = 0.5
+# deployed vs exact session: a gap this many times the exact session's (and above DEPLOY_GAP_FLOOR) gets a note
+DEPLOY_GAP_FACTOR = 3.0
+DEPLOY_GAP_FLOOR = 0.05
+
+
+@dataclass
+class Check:
+    name: str
+    threshold: float
+    value: float
+    passed: bool
+    kind: str  # "max" (value must be <= threshold) or "min"
+    detail: str | None = None  # what failed, by name (a quantizer, an output), or why it could not be measured
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "threshold": self.threshold, "value": self.value, "passed": self.passed,
+                "kind": self.kind, "detail": self.detail}
+
+
+def at_most(name: str, threshold: float, value: float, detail: str | None = None) -> Check:
+    return Check(name, threshold, value, value <= threshold, "max", detail)
+
+
+def at_least(name: str, threshold: float, value: float, detail: str | None = None) -> Check:
+    return Check(name, threshold, value, value >= threshold, "min", detail)
+
+
+@dataclass
+class VerifyReport:
+    onnx: str
+    checkpoint: str
+    provider: str
+    num_batches: int
+    num_samples: int
+    checks: list[Check] = field(default_factory=list)
+    structure: dict[str, Any] = field(default_factory=dict)
+    fidelity: dict[str, Any] = field(default_factory=dict)
+    quality: dict[str, Any] = field(default_factory=dict)
+    deployment: dict[str, Any] = field(default_factory=dict)
+    layers: list[dict[str, Any]] | None = None
+    seconds: float = 0.0
+    provider_note: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.structure.get("passed", False) and all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed, "onnx": self.onnx, "checkpoint": self.checkpoint, "provider": self.provider,
+            "provider_note": self.provider_note,
+            "num_batches": self.num_batches, "num_samples": self.num_samples,
+            "checks": [c.to_dict() for c in self.checks], "structure": self.structure, "fidelity": self.fidelity,
+            "quality": self.quality, "deployment": self.deployment, "layers": self.layers,
+            "seconds": round(self.seconds, 3),
+        }

@@ -1,0 +1,42 @@
+"""Fake-quant weights quantized once per verify instead of once per batch.
+
+A quantized layer quantizes its weight on every forward (``weight_quantizer(self.weight)``); over a verify run
+the weights do not change, so each weight quantizer's output is computed once and handed back for that very
+parameter afterwards -- the same tensor, bit for bit, without a round, a clamp and a scale per layer and batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from quantcli.nn.replace import quantizers
+
+
+@contextlib.contextmanager
+def constant_weights(model: nn.Module) -> Iterator[None]:
+    """Within the block, every enabled ``<layer>.weight_quantizer`` returns its first result for ``<layer>.weight``."""
+    modules = dict(model.named_modules())
+    patched = []
+    for name, q in quantizers(model).items():
+        if not name.endswith("weight_quantizer") or not q.enabled:
+            continue
+        weight = getattr(modules.get(name.rsplit(".", 1)[0] if "." in name else ""), "weight", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        with torch.no_grad():
+            cached = q(weight.detach())
+
+        def forward(x, _q=q, _w=weight, _c=cached):
+            return _c if x is _w else type(_q).forward(_q, x)
+
+        q.forward = forward  # an instance attribute: nn.Module.__call__ looks it up first
+        patched.append(q)
+    try:
+        yield
+    finally:
+        for q in patched:
+            del q.forward

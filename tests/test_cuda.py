@@ -1,0 +1,128 @@
+"""The CUDA path end to end: calibrate() never waits on the GPU between batches, and the fake-quant ops give the
+CPU's codes. Marked ``cuda``: skipped without a GPU (conftest.py)."""
+
+import numpy as np
+import pytest
+import torch
+
+from quantcli import arithmetic as ar
+from quantcli import fake_tensor_quant, quantize_model, tensor_quant
+from quantcli.calibration import calibrate
+from quantcli.nn import TensorQuantizer, quantizers
+from quantcli.tensor_quant import fake_affine_tensor_quant
+
+pytestmark = pytest.mark.cuda
+
+
+def _sample(name: str):
+    from quantcli.loading import load_model
+    from sample_models import digits_cnn, text_encoder
+
+    model, _ = load_model(name)
+    batches = (digits_cnn.calibration_batches() if name == "digits_cnn" else text_encoder.calibration_batches())[:4]
+    return model, [{k: v.cuda() for k, v in b.items()} for b in batches]
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
+@pytest.mark.parametrize("method", ["max", "entropy"])
+@pytest.mark.parametrize("config", ["int8", {"preset": "int8", "rules": [{"pattern": "*.input_quantizer", "axis": -1}]}],
+                         ids=["per-tensor", "per-channel-activations"])
+def test_calibrate_never_synchronizes_between_batches(name, method, config):
+    # the whole observing pass over a quantized model (TensorQuantizers in calibrate mode, their Max or Histogram
+    # calibrators, q/k/v sharing one observation) must queue work without a host synchronisation: sync-debug
+    # mode "error" raises on any. The first batch (state is allocated) and the amax search after the last batch
+    # may synchronise; every batch in between may not. The batches already live on the GPU.
+    if name == "digits_cnn" and not isinstance(config, str):
+        pytest.skip("conv activations are NCHW: a per-channel axis -1 would be per column")
+    model, batches = _sample(name)
+    quantize_model(model, config)
+    model.cuda()
+    torch.cuda.synchronize()
+    last = len(batches) - 1
+
+    def progress(i):  # called after each batch
+        torch.cuda.set_sync_debug_mode("error" if i < last else "default")
+
+    try:
+        summary = calibrate(model, batches, method, device="cuda", progress=progress)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert summary.num_batches == len(batches)
+    qs = {n: q for n, q in quantizers(model).items() if n.endswith("input_quantizer") and q.enabled}
+    assert qs and all(q.amax is not None and q.amax.device.type == "cuda" for q in qs.values())
+    assert all(torch.isfinite(q.amax).all() and (q.amax > 0).all() for q in qs.values())
+    if method == "max":
+        # the same amax as on the CPU: exactly where the quantizer reads the data itself, within the GPU's own
+        # float rounding elsewhere (cuDNN convolutions may use TF32, about 1e-3 relative)
+        cpu_model, _ = _sample(name)
+        quantize_model(cpu_model, config)
+        calibrate(cpu_model, [{k: v.cpu() for k, v in b.items()} for b in batches], method, device="cpu")
+        for n, q in quantizers(cpu_model).items():
+            if n in qs:
+                exact = n == "conv1.input_quantizer"
+                torch.testing.assert_close(qs[n].amax.cpu(), q.amax, rtol=0 if exact else 2e-2, atol=0, msg=n)
+
+
+def _values(scale: float, n: int = 100_000) -> torch.Tensor:
+    """Normal values plus exact ties (k + 0.5) * scale for a power-of-two ``scale``, and far out-of-range values."""
+    g = torch.Generator().manual_seed(0)
+    ties = (torch.arange(-140, 140, dtype=torch.float64) + 0.5) * scale
+    return torch.cat([torch.randn(n, generator=g) * 80 * scale, ties.float(), torch.tensor([1e6, -1e6, 0.0, -0.0])])
+
+
+@pytest.mark.parametrize("num_bits, unsigned, narrow", [(8, False, False), (8, False, True), (4, False, False),
+                                                         (8, True, False), (6, False, True)])
+def test_integer_codes_equal_the_cpus(num_bits, unsigned, narrow):
+    bound = ar.symmetric_bound(num_bits, unsigned)
+    amax = torch.tensor(bound * 2.0**-4)  # scale 2**-4 exactly
+    x = _values(2.0**-4)
+    if unsigned:
+        x = x.abs()
+    cpu, _ = tensor_quant(x, amax, num_bits, unsigned, narrow)
+    gpu, _ = tensor_quant(x.cuda(), amax.cuda(), num_bits, unsigned, narrow)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(fake_tensor_quant(x.cuda(), amax.cuda(), num_bits, unsigned, narrow).cpu(),
+                       fake_tensor_quant(x, amax, num_bits, unsigned, narrow))
+
+
+def test_per_channel_and_blocked_codes_equal_the_cpus():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 256, generator=g)
+    w[:, :8] = (torch.arange(8) + 0.5) * 0.25  # ties: amax 127 * 0.25 in channel 0 gives scale 0.25
+    amax = w.abs().amax(1, keepdim=True)
+    amax[0] = 127 * 0.25
+    cpu, _ = tensor_quant(w, amax, 8)
+    gpu, _ = tensor_quant(w.cuda(), amax.cuda(), 8)
+    assert torch.equal(gpu.cpu(), cpu)
+    blocked = w.abs().reshape(64, 8, 32).amax(-1)  # int4, blocks of 32 along the input dimension
+    cpu4, _ = tensor_quant(w, blocked, 4)
+    gpu4, _ = tensor_quant(w.cuda(), blocked.cuda(), 4)
+    assert torch.equal(gpu4.cpu(), cpu4)
+
+
+def test_fp8_and_affine_equal_the_cpus():
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64)
+    grid = grid[torch.isfinite(grid)].unique()
+    mids = ((grid[:-1] + grid[1:]) / 2).float()  # every E4M3 tie, at scale 1 (amax 448)
+    x = torch.cat([_values(1.0), mids, torch.tensor([464.0, 1e4])])
+    scale = torch.tensor(1.0)
+    cpu = ar.quantize_e4m3(x, scale).to(torch.float32)
+    gpu = ar.quantize_e4m3(x.cuda(), scale.cuda()).to(torch.float32)
+    assert torch.equal(gpu.cpu(), cpu)
+    assert torch.equal(ar.fake_quant_e4m3(x.cuda(), torch.tensor(448.0, device="cuda")).cpu(),
+                       ar.fake_quant_e4m3(x, torch.tensor(448.0)))
+    y = torch.linspace(-3, 5, 100_001)
+    assert torch.equal(fake_affine_tensor_quant(y.cuda(), -1.3, 4.1, 8).cpu(), fake_affine_tensor_quant(y, -1.3, 4.1, 8))
+
+
+def test_tensor_quantizer_on_cuda_equals_cpu():
+    from quantcli import QuantDescriptor
+
+    q = TensorQuantizer(QuantDescriptor(num_bits=8, axis=0, amax=None), name="q")
+    x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(2))
+    q.set_amax(x.abs().amax(1, keepdim=True) * 0.7)  # 30% clipped: saturation exercised
+    want = q(x)
+    got = q.cuda()(x.cuda())
+    assert torch.equal(got.cpu(), want)
+    assert not torch.equal(want, x)
+    np.testing.assert_array_equal(got.cpu().numpy(), want.numpy())
