@@ -60,7 +60,9 @@ def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
             lo = np.minimum(q.amin.detach().numpy().astype(np.float32), np.float32(0))
             out[name] = ((hi - lo) / np.float32(255)).astype(np.float32).reshape(-1)
         else:
-            out[name] = (q.amax.detach().numpy().astype(np.float32) / np.float32(bound)).astype(np.float32).reshape(-1)
+            # post-ReLU inputs use the unsigned grid [0, 255] under the onnxruntime target (quantcli.nn.placement)
+            b = 255 if q.desc.unsigned else bound
+            out[name] = (q.amax.detach().numpy().astype(np.float32) / np.float32(b)).astype(np.float32).reshape(-1)
     return out
 
 
