@@ -5,6 +5,7 @@ import argparse
 from benchmarks import (
     bench_calibration,
     bench_calibrators,
+    bench_deploy,
     bench_distributed,
     bench_end_to_end,
     bench_int8_transformers,
@@ -37,5 +38,7 @@ if a.device == "cpu":
     bench_opset.main([])
     print()
     bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
+    print()
+    bench_deploy.main([])
 print()
 bench_distributed.main(["--device", a.device])
