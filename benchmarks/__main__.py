@@ -6,6 +6,7 @@ from benchmarks import (
     bench_accuracy,
     bench_calibration,
     bench_calibrators,
+    bench_deploy,
     bench_distributed,
     bench_end_to_end,
     bench_int8_transformers,
@@ -38,6 +39,8 @@ if a.device == "cpu":
     bench_opset.main([])
     print()
     bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
+    print()
+    bench_deploy.main([])
     print()
     bench_accuracy.main(["--quick"] if a.quick else [])
 print()

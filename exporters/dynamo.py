@@ -71,6 +71,35 @@ def call(x: torch.Tensor, spec: QdqSpec) -> torch.Tensor:
                                   spec.qtype.elem_type, clip)
 
 
+@torch.library.custom_op("quantcli::int32_bias", mutates_args=())
+def int32_bias(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """ONNX ``DequantizeLinear`` of int32 bias codes (held as float32) with a per-channel scale (zero point 0)."""
+    return ar.dequantize_linear(codes, scale)
+
+
+@int32_bias.register_fake
+def _int32_bias_fake(codes, scale, zero_point):
+    return torch.empty_like(codes)
+
+
+def call_int32_bias(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+    """``codes``, ``scale``, ``zero_point``: real tensors computed before tracing, so torch.export lifts them as
+    constants (the graph holds the codes, not the arithmetic that made them)."""
+    return torch.ops.quantcli.int32_bias(codes, scale, zero_point)
+
+
+def _bias_translation(opset: int):
+    import onnxscript
+
+    op = getattr(onnxscript, f"opset{opset}")
+
+    def int32_bias_onnx(codes, scale, zero_point):
+        return op.DequantizeLinear(op.Cast(codes, to=fm.INT32.elem_type), scale,
+                                   op.Cast(zero_point, to=fm.INT32.elem_type), axis=0)
+
+    return int32_bias_onnx
+
+
 @torch.library.custom_op("quantcli::dynamic_linear", mutates_args=())
 def dynamic_linear_op(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
                       bias: torch.Tensor, has_bias: bool) -> torch.Tensor:
@@ -204,6 +233,7 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
             prog = torch.onnx.export(
                 model, (), kwargs=dict(example), dynamo=True, opset_version=opset,
                 custom_translation_table={torch.ops.quantcli.qdq.default: _translation(opset),
+                                          torch.ops.quantcli.int32_bias.default: _bias_translation(opset),
                                           torch.ops.quantcli.dynamic_linear.default:
                                               _dynamic_linear_translation(opset)},
                 input_names=input_names, output_names=output_names, dynamic_shapes=dynamic_shapes,

@@ -23,8 +23,9 @@ UINT4 = OnnxQuantType("uint4", onnx.TensorProto.UINT4, 21, 0, 15)
 INT16 = OnnxQuantType("int16", onnx.TensorProto.INT16, 21, -32768, 32767)
 UINT16 = OnnxQuantType("uint16", onnx.TensorProto.UINT16, 21, 0, 65535)
 FP8_E4M3 = OnnxQuantType("fp8-e4m3", onnx.TensorProto.FLOAT8E4M3FN, 19, -448.0, 448.0)
+INT32 = OnnxQuantType("int32", onnx.TensorProto.INT32, 13, -(1 << 31), (1 << 31) - 1)  # biases of integer kernels
 
-ALL = (INT8, UINT8, INT4, UINT4, INT16, UINT16, FP8_E4M3)
+ALL = (INT8, UINT8, INT4, UINT4, INT16, UINT16, FP8_E4M3, INT32)
 BY_ELEM_TYPE = {t.elem_type: t for t in ALL}
 BY_NAME = {t.name: t for t in ALL}
 

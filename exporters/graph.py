@@ -14,6 +14,8 @@ from exporters import formats as fm
 from quantcli.errors import VerifyError
 
 QUANTIZERS_KEY = "quantcli.quantizers"
+#: in the names of the Q/DQ copies :mod:`exporters.ort_placement` puts in front of ops that commute with quantization
+PROPAGATED_MARK = "quantcli_propagated"
 PRUNED_KEY = "quantcli.pruned_quantizers"  # JSON list: quantizers removed as dead code (their output is unused)
 
 
@@ -85,6 +87,9 @@ def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
     return {}
 
 
+def is_int32_bias(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
+    """A DequantizeLinear of stored int32 codes: the bias of an integer kernel (onnxruntime target)."""
+    return n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == onnx.TensorProto.INT32
 def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
     """Quantizers the exporter recorded as removed because nothing uses their output (empty for older files)."""
     for p in model.metadata_props:
@@ -94,13 +99,15 @@ def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
 
 
 def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
+    """Every quantizer's Q/DQ pair; int32 bias DequantizeLinears and the copies that only move a quantizer's Q
+    across commuting ops (:data:`PROPAGATED_MARK`) are not quantizers of their own and are left out."""
     g = model.graph
     inits = initializer_map(g)
     producers = {o: n for n in g.node for o in n.output}
     names = quantizer_map(model)
     pairs = []
     for n in g.node:
-        if n.op_type != "DequantizeLinear":
+        if n.op_type != "DequantizeLinear" or PROPAGATED_MARK in n.name or is_int32_bias(n, inits):
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         src = producers.get(n.input[0])

@@ -31,6 +31,7 @@ from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
 from exporters.opset import OpProbe, format_opset, ops_opset
 from exporters.ort_compat import guard_fp8, session_needs
+from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli.errors import ExportError
@@ -60,6 +61,8 @@ class ExportResult:
     unfused_layers: int | None = None
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
+    target: str = "onnxruntime"
+    placement: dict[str, int] = field(default_factory=dict)  # onnxruntime target: what exporters.ort_placement did
     # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their result
     pruned_quantizers: list[str] = field(default_factory=list)
     opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
@@ -129,6 +132,7 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
     module path is in the node name.
     """
     known = set(quantizers(module))
+    aliases = _hook_scopes(module)
     mapping = {}
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":
@@ -149,11 +153,30 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         if scoped in known:
             mapping[n.output[0]] = scoped
             continue
+        if scoped in aliases:
+            mapping[n.output[0]] = aliases[scoped]
+            continue
         flat = n.name.replace("/", ".")
         hits = [q for q in known if q in flat]
         if hits:
             mapping[n.output[0]] = max(hits, key=len)
     return mapping
+
+
+def _hook_scopes(module: nn.Module) -> dict[str, str]:
+    """TorchScript scope -> quantizer name for output quantizers run by a forward hook of a later module
+    (:func:`quantcli.nn.modules.apply_output_quantizer_after`): the hook runs in the scope of that module's parent,
+    so the node is named ``<parent>/output_quantizer/...``. quantize_model puts at most one such quantizer under a
+    parent, so the scope names one quantizer."""
+    names = {id(m): n for n, m in module.named_modules()}
+    out: dict[str, str] = {}
+    for name, layer in module.named_modules():
+        after = layer.__dict__.get("_output_quantized_after")
+        if after is None or id(after) not in names:
+            continue
+        parent = names[id(after)].rsplit(".", 1)[0] if "." in names[id(after)] else ""
+        out[f"{parent}.output_quantizer" if parent else "output_quantizer"] = f"{name}.output_quantizer"
+    return out
 
 
 def _scope_path(parts: list[str]) -> str:
@@ -254,10 +277,11 @@ def export_onnx(
             if not d.is_fp8 and d.num_bits <= 4:
                 narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
         narrow_types(onnx_model, narrow)
+        target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
+        placed = place_for_onnxruntime(onnx_model) if target == "onnxruntime" else {}
         drop_unused_initializers(onnx_model)
         for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
             del node.metadata_props[:]
-        target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
         guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
         ort_needs = list(session_needs(onnx_model).disabled_optimizers)
         pruned = _pruned(model, example, mapping)
@@ -265,6 +289,7 @@ def export_onnx(
             "quantcli.version": __version__,
             "quantcli.exporter": exporter,
             QUANTIZERS_KEY: json.dumps(mapping),
+            "quantcli.target": target,
             PRUNED_KEY: json.dumps(pruned),
             **(metadata or {}),
         }
@@ -295,6 +320,7 @@ def export_onnx(
     res = ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
                        input_names, output_names, external)
     res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
+    res.target, res.placement = target, placed
     res.pruned_quantizers = pruned
     dyn = dynamic_layers(onnx_model)
     res.dynamic_layers = len(dyn)

@@ -204,3 +204,13 @@ def e4m3_qdq(g, x, amax=None, E=4, M=3):
     if amax is None or (hasattr(amax, "node") and amax.node().mustBeNone()):
         return emit(g, x, e4m3_spec(None, None))
     return emit(g, x, e4m3_spec(constant_value(amax, "amax"), _input_shape(x)))
+
+
+def int32_bias_dq(g, codes, scale):
+    """``Int32BiasFunction.symbolic``: ``DequantizeLinear`` of int32 bias codes, per output channel (axis 0)."""
+    c = constant_value(codes, "bias codes").to(torch.float32)
+    s = constant_value(scale, "bias scale").to(torch.float32).reshape(-1)
+    codes_c = g.op("Constant", value_t=c.to(torch.int32))
+    scale_c = g.op("Constant", value_t=s)
+    zp_c = g.op("Constant", value_t=torch.zeros(s.shape, dtype=torch.int32))
+    return g.op("DequantizeLinear", codes_c, scale_c, zp_c, axis_i=0)

@@ -183,3 +183,22 @@ def fake_quant_e4m3(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
     if dead.any():
         xin = torch.where(dead, torch.zeros((), device=x.device), xin)
     return dequantize_linear(quantize_e4m3(xin, scale), scale).to(x.dtype)
+
+
+INT32_MIN = -(1 << 31)
+INT32_MAX_F32 = float((1 << 31) - 128)  # the largest float32 below 2**31: codes stay exact in float32 and int32
+
+
+def bias_scale(input_scale: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """float32 scale of an int32 bias: ``input_scale * weight_scale`` (one per output channel).
+
+    The integer kernels (QLinearConv, QGemm) add the bias codes to the int32 accumulator of
+    ``x_code * w_code`` products, whose unit is exactly this scale.
+    """
+    return (input_scale.to(torch.float32) * weight_scale.to(torch.float32)).reshape(-1)
+
+
+def int32_bias_codes(bias: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``saturate_int32(round_half_even(bias / scale))`` as float32 (integer-valued, exact in int32)."""
+    q = torch.round(bias.detach().to(torch.float32) / scale.to(torch.float32))
+    return torch.clamp(q, float(INT32_MIN), INT32_MAX_F32)

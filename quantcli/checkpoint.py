@@ -162,6 +162,8 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     data = read_checkpoint(path)
     spec = ModelSpec.from_plain(data["model"])
     cfg = QuantConfig.from_plain(data["quant_config"])
+    if "target" not in data["quant_config"]:
+        cfg.legacy_placement = True  # written before targets existed: rebuild the placement it was calibrated with
     model = build_model(spec, trust_code=trust_code, origin=str(path))
     if "batchnorm_folds" not in data:  # written before BatchNorm folding existed: nothing was folded
         cfg.fold_batchnorm = False

@@ -7,6 +7,7 @@ the commands so that ``quantcli --help`` starts fast.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -110,6 +111,7 @@ def calibrate(
     weights: Optional[Path] = typer.Option(None, "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."),
     data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG images. Sample models bring their own."),
     config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or a YAML/JSON file."),
+    target: Optional[str] = typer.Option(None, "--target", help="Runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt. Overrides the config file's target."),
     method: Method = typer.Option(Method.max, "--method", help="Activation amax method; auto: per quantizer, the candidate (max, percentile, mse, entropy) with the smallest error of its layer's output."),
     percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
     num_bins: int = typer.Option(2048, "--num-bins", help="Histogram bins for entropy/mse/percentile."),
@@ -135,16 +137,16 @@ def calibrate(
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.data import DataOptions
 
-    target = (min_cosine, min_snr, holdout, max_float_layers)
+    goal = (min_cosine, min_snr, holdout, max_float_layers)
     code = _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size,
                   num_samples, device, out_path, as_json, trust_pickle, pooling,
-                  DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, smoothquant, target)
+                  DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, smoothquant, target, goal)
     raise typer.Exit(code or 0)
 
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
                out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, smoothquant=None,
-               target=(None,) * 4):
+               target=None, goal=(None,) * 4):
     """One process, or (under ``torchrun``) one rank: each rank reads its own share of the data, the
     statistics are merged, rank 0 writes the checkpoint and prints; every rank ends with the same outcome."""
     global _quiet
@@ -155,7 +157,7 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     try:
         return _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
                                num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn,
-                               smoothquant, target)
+                               smoothquant, target, goal)
     finally:
         if job is not None:
             leave()
@@ -163,7 +165,7 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
 
 def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples,
                     device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, smoothquant=None,
-                    goal=(None,) * 4):
+                    target=None, goal=(None,) * 4):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
@@ -184,6 +186,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         cfg = load_config(config)
         if fold_bn is not None:
             cfg.fold_batchnorm = fold_bn
+        if target is not None:
+            cfg = dataclasses.replace(cfg, target=target)  # validated like a config file's target
         if job is None:
             resolve_device(device)
         model, spec = load_model(model_spec, weights, trust_pickle, pooling=pooling)
@@ -232,6 +236,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
     if mixed is not None:
         info["mixed_precision"] = mixed.to_dict()
     info["config"] = cfg.source
+    info["target"] = cfg.target
+    info["placement"] = _placement_summary(report.placement, cfg.target)
     info["batchnorm"] = {"fold_batchnorm": cfg.fold_batchnorm, **report.batchnorm.to_dict()}
     if smoothed is not None:
         info["smoothquant"] = smoothed.to_dict()
@@ -262,6 +268,7 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
               + (f" over {summary.ranks} ranks" if summary.ranks > 1 else ""))
     if prep is not None:
         t.add_row("preprocessing", describe_preprocessing(prep))
+    t.add_row("target", f"{cfg.target}: {info['placement']['text']}")
     bn = report.batchnorm
     if bn.folded or bn.skipped:
         t.add_row("BatchNorm folded", f"{len(bn.folded)} of {len(bn.folded) + len(bn.skipped)}: "
@@ -287,7 +294,7 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         t.add_row("auto choices", ", ".join(f"{n} {m}" for m, n in picks.most_common())
                   + " (smallest layer-output MSE; per quantizer in --json)")
     if mixed is not None:
-        t.add_row("target", _target_text(mixed))
+        t.add_row("quality target", _target_text(mixed))
         t.add_row("kept in float", ", ".join(mixed.kept_float) or "none")
     t.add_row("time", f"{summary.seconds:.2f} s" + (f" + {mixed.seconds:.2f} s target search" if mixed else ""))
     t.add_row("written", str(target))
@@ -340,6 +347,26 @@ def _holdout(goal, job, spec, model, batches, batch_size, data_options):
         return batches, (held, f"{spec.spec}'s held-out split")
     calib, held = split_holdout(batches)
     return calib, (held, f"the last {num_samples(held)} samples of --data")
+
+
+def _placement_summary(placement, target: str) -> dict:
+    """What the target's placement did (quantcli.nn.placement), as JSON data and one line of text."""
+    if placement is None:
+        return {"analysed": False, "text": "no placement analysis"}
+    d = placement.to_dict()
+    if target == "tensorrt":
+        d["text"] = ("quantized inputs and weights of every layer, no output quantizers, "
+                     f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's placement)")
+        if not placement.analysed:
+            d["text"] = f"{placement.note}: quantized inputs and weights of every layer, skip inputs not quantized"
+    elif not placement.analysed:
+        d["text"] = (f"{placement.note}: per-layer placement (inputs and weights of every layer, int32 biases); "
+                     "post-ReLU inputs and Convs that need an output quantizer are not detected, so such Convs "
+                     "may stay in float in onnxruntime")
+    else:
+        d["text"] = (f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
+                     f"{len(placement.output_quantized)} Conv output quantizers, int32 biases")
+    return d
 
 
 # --------------------------------------------------------------------------------------------- export
@@ -603,7 +630,8 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
         if as_json:
             _print_json(rows)
             return
-        t = Table(title=f"{path} — {len(rows['pairs'])} Q/DQ pairs, opset {rows['opset']}")
+        target = f", target {rows['target']}" if rows["target"] else ""
+        t = Table(title=f"{path} — {len(rows['pairs'])} Q/DQ pairs, opset {rows['opset']}{target}")
         for col in ("quantizer", "format", "axis", "block", "scale", "zero point", "stored"):
             t.add_column(col)
         for r in rows["pairs"]:
@@ -615,7 +643,7 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
     if as_json:
         _print_json(rows)
         return
-    t = Table(title=f"{path} — {rows['model']} ({rows['config']})")
+    t = Table(title=f"{path} — {rows['model']} ({rows['config']}, target {rows['target']})")
     for col in ("quantizer", "enabled", "num_bits", "axis", "block", "amax"):
         t.add_column(col)
     for r in rows["quantizers"]:

@@ -49,6 +49,8 @@ def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, 
         "model": data["model"]["spec"],
         "model_code": model_code(ModelSpec.from_plain(data["model"])),
         "config": data["quant_config"].get("source", data["quant_config"].get("preset")),
+        # checkpoints from before targets existed were placed as the tensorrt target places (no output quantizers)
+        "target": data["quant_config"].get("target", "onnxruntime (legacy placement)"),
         "inputs": {"names": data["inputs"]["names"], "dtypes": data["inputs"]["dtypes"], "shapes": data["inputs"]["shapes"]},
         "calibration": {k: v for k, v in data["calibration"].items() if k not in ("calibrated", "skipped")},
         "quantizers": rows,
@@ -73,7 +75,8 @@ def inspect_onnx(path: str | Path) -> dict[str, Any]:
     model = read_onnx(path)
     pairs = qdq_pairs(model)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    return {"opset": opset, "pairs": [p.to_row() for p in pairs],
+    meta = {p.key: p.value for p in model.metadata_props}
+    return {"opset": opset, "target": meta.get("quantcli.target"), "pairs": [p.to_row() for p in pairs],
             "metadata": {p.key: p.value for p in model.metadata_props}}
 
 

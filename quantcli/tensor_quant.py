@@ -254,6 +254,29 @@ class ScaledE4M3Function(torch.autograd.Function):
         return e4m3_qdq(g, inputs, amax, E, M)
 
 
+class Int32BiasFunction(torch.autograd.Function):
+    """Dequantize int32 bias codes: ``codes * scale`` (float32), ONNX ``DequantizeLinear`` of int32 codes.
+
+    ``codes`` come from :func:`quantcli.arithmetic.int32_bias_codes`, ``scale`` from
+    :func:`quantcli.arithmetic.bias_scale` (per output channel, axis 0). ``backward``: straight-through to
+    nothing (the codes are constants).
+    """
+
+    @staticmethod
+    def forward(ctx, codes, scale):
+        return ar.dequantize_linear(codes, scale)
+
+    @staticmethod
+    def backward(ctx, grad_outputs):
+        return None, None
+
+    @staticmethod
+    def symbolic(g, codes, scale):
+        from exporters.qdq import int32_bias_dq
+
+        return int32_bias_dq(g, codes, scale)
+
+
 tensor_quant = TensorQuantFunction.apply
 fake_tensor_quant = FakeTensorQuantFunction.apply
 legacy_fake_tensor_quant = LegacyFakeTensorQuantFunction.apply

@@ -12,7 +12,14 @@ import torch
 from exporters.graph import qdq_pairs
 from quantcli.verify import REPLAY_SAMPLES
 from tests.helpers import assert_clean_error, cli
-from tests.mutations import add_to_initializer, replace_op, scale_times_two, variant, zero_point_plus_one
+from tests.mutations import (
+    add_to_initializer,
+    initializer_values,
+    replace_op,
+    scale_times_two,
+    variant,
+    zero_point_plus_one,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -254,18 +261,24 @@ def _failed(rep):
 
 
 def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrated, exported, tmp_path):
-    """The issue's cases: +0.4 on one element of fc2.bias, a Relu -> Identity (BatchNorm is folded into the convs,
-    so digits_cnn has no float layer without quantizers: text_encoder's LayerNorm below is that case)."""
+    """The issue's cases: +0.4 on one element of fc2's bias (int32 codes under the onnxruntime target), a Relu ->
+    Identity (BatchNorm is folded into the convs, so digits_cnn has no float layer without quantizers:
+    text_encoder's LayerNorm below is that case)."""
     from quantcli.checkpoint import load_calibrated
 
     ck = load_calibrated(calibrated("digits_cnn"))
     model = onnx.load(str(exported("digits_cnn")))
     batches = [ck.evaluation_batches()[0]]
     assert _verify(tmp_path, model, ck, batches).passed
-    bias = variant(model, add_to_initializer, "fc2.bias", 3, 0.4)
+    gemm = next(n for n in model.graph.node if n.op_type == "Gemm" and "fc2" in n.name)
+    bias_dq = next(n for n in model.graph.node if n.output[0] == gemm.input[2])
+    step = float(initializer_values(model, bias_dq.input[1]).reshape(-1)[3])
+    bias = variant(model, add_to_initializer, bias_dq.input[0], 3, round(0.4 / step))
     rep = _verify(tmp_path, bias, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_outputs" in _failed(rep), _failed(rep)
-    relu = variant(model, replace_op, "Relu", 0)
+    # every Relu of digits_cnn feeds an unsigned (uint8, zero point 0) QuantizeLinear, which clamps negative values
+    # to 0 itself: removing one changes nothing (onnxruntime removes them too); a Relu -> Exp does change values
+    relu = variant(model, replace_op, "Relu", 0, "Exp")
     rep = _verify(tmp_path, relu, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)
     assert rep.fidelity["failing_quantizers"][0] == "conv2.input_quantizer"

@@ -9,6 +9,7 @@ or the same content as a dict::
     block_size: 128         # int4-weight-only's block along the input dimension
     reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
     fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it (quantcli.nn.fold_bn)
+    target: onnxruntime     # the runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
         enable: false
@@ -75,6 +76,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 #: into a float Conv on dequantized weights), so a dynamic Conv costs a min/max pass and gains no integer kernel
 LINEAR_ONLY_PRESETS = ("int8-dynamic",)
 DEFAULT_BLOCK_SIZE = 128
+#: deployment targets: which runtime's fusions decide where quantizers go (:mod:`quantcli.nn.placement`)
+TARGETS = ("onnxruntime", "tensorrt")
+DEFAULT_TARGET = "onnxruntime"
 REDUCED_WEIGHT_BITS = 7  # reduce_range: |code| <= 63, so a uint8 x int8 pair sum fits in 16 bits
 _RULE_KEYS = {"pattern", "enable", *FIELDS}
 
@@ -87,8 +91,11 @@ class QuantConfig:
     source: str = "int8"
     reduce_range: bool = False
     fold_batchnorm: bool = True
+    target: str = DEFAULT_TARGET
 
     def __post_init__(self):
+        if self.target not in TARGETS:
+            raise ConfigError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -110,19 +117,21 @@ class QuantConfig:
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
         return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
-                "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm}
+                "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm, "target": self.target}
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm"})
+        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm",
+                                      "target"})
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown} in {source}; "
-                              "known: preset, block_size, reduce_range, fold_batchnorm, rules")
+                              "known: preset, block_size, reduce_range, fold_batchnorm, target, rules")
         return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
                    block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source),
-                   reduce_range=data.get("reduce_range", False), fold_batchnorm=data.get("fold_batchnorm", True))
+                   reduce_range=data.get("reduce_range", False), fold_batchnorm=data.get("fold_batchnorm", True),
+                   target=data.get("target", DEFAULT_TARGET))
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""

@@ -2,22 +2,82 @@
 
 They subclass the torch layers, so :func:`quantcli.nn.replace.quantize_model` converts a layer in place by
 changing its class and adding two ``TensorQuantizer`` children: parameters, hooks and ``state_dict`` keys stay.
+
+Two more pieces exist where the deployment target's placement asks for them (:mod:`quantcli.nn.placement`):
+
+* ``output_quantizer``: quantizes the layer's output (onnxruntime's ``QLinearConv`` needs a Q on the output of
+  every Conv, and no quantized layer reads this one's output directly).
+* ``int32_bias``: the bias is rounded to int32 codes of scale ``input_scale * weight_scale`` (per output
+  channel), as onnxruntime's ``QLinearConv``/``QGemm`` add it to their int32 accumulators; the exported graph
+  holds those codes in a ``DequantizeLinear``, so the fake-quant model and the graph compute the same bias.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantcli import arithmetic as ar
 
 
 class QuantMixin:
     """Adds ``input_quantizer`` and ``weight_quantizer``; ``weight_axis`` is the output-channel axis."""
 
     weight_axis = 0
+    int32_bias = False  # set per layer by quantize_model (onnxruntime target)
 
     def quantized_weight(self) -> torch.Tensor:
         return self.weight_quantizer(self.weight)
+
+    def quantized_bias(self) -> torch.Tensor | None:
+        """The bias as the integer kernel adds it: int32 codes of ``x_scale * w_scale``, or the float bias where
+        the layer has no int32 bias (other targets, formats without one integer scale, during calibration)."""
+        if self.bias is None or not self.int32_bias:
+            return self.bias
+        dynamo = sys.modules.get("exporters.dynamo")  # not imported: not exporting with it either
+        if dynamo is not None and dynamo.active():  # torch.export traces with fake tensors: use the codes of the real forward before it
+            cached = getattr(self, "_export_bias", None)
+            return self.bias if cached is None else dynamo.call_int32_bias(*cached)
+        self._export_bias = None
+        sx, sw = self.input_quantizer.integer_scale(), self.weight_quantizer.integer_scale()
+        if sx is None or sw is None or sx.numel() != 1:
+            return self.bias
+        scale = ar.bias_scale(sx, sw).to(self.bias.device).expand(self.bias.shape[0]).contiguous()
+        codes = ar.int32_bias_codes(self.bias, scale)
+        if torch.onnx.is_in_onnx_export():
+            from exporters.custom_ops import export_amax
+
+            codes, scale = export_amax(codes), export_amax(scale)  # graph constants, not traced arithmetic
+        self._export_bias = (codes.detach(), scale.detach(), torch.zeros_like(scale))
+        from quantcli.tensor_quant import Int32BiasFunction
+
+        bias = Int32BiasFunction.apply(codes, scale)
+        return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)  # no Cast node between DQ and op
+
+    def quantize_output(self, y: torch.Tensor) -> torch.Tensor:
+        q = getattr(self, "output_quantizer", None)
+        if q is None or self.__dict__.get("_output_quantized_after") is not None:
+            return y  # none, or applied by the ReLU/pooling module after this layer (apply_output_quantizer_after)
+        return q(y)
+
+
+def _output_quantizer_hook(module: nn.Module, _inputs, output: torch.Tensor) -> torch.Tensor:
+    return module.__dict__["_quantcli_output_of"].output_quantizer(output)
+
+
+def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
+    """Apply ``layer.output_quantizer`` to the output of ``after`` (a ReLU or pooling module that only ``layer``'s
+    output reaches) instead of to ``layer``'s own output.
+
+    The references are plain attributes (not submodules: ``state_dict`` keys stay), which ``copy.deepcopy`` maps to
+    the copies, and the hook is a module-level function, so a copied model quantizes with its own quantizer.
+    """
+    object.__setattr__(after, "_quantcli_output_of", layer)
+    object.__setattr__(layer, "_output_quantized_after", after)
+    after.register_forward_hook(_output_quantizer_hook)
 
 
 class QuantLinear(nn.Linear, QuantMixin):
@@ -30,12 +90,16 @@ class QuantLinear(nn.Linear, QuantMixin):
 
             if exporting():  # DynamicQuantizeLinear -> MatMulInteger
                 return dynamic_linear(self, input)
-        return F.linear(self.input_quantizer(input), self.quantized_weight(), self.bias)
+        # only a 2-D input exports as Gemm (QGemm takes an int32 bias); 3-D is MatMul + Add, whose
+        # MatMulIntegerToFloat adds a float bias
+        bias = self.quantized_bias() if input.dim() == 2 else self.bias
+        return self.quantize_output(F.linear(self.input_quantizer(input), self.quantized_weight(), bias))
 
 
 class _QuantConvNd(QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(self.input_quantizer(input), self.quantized_weight(), self.bias)
+        return self.quantize_output(
+            self._conv_forward(self.input_quantizer(input), self.quantized_weight(), self.quantized_bias()))
 
 
 class QuantConv1d(_QuantConvNd, nn.Conv1d):
@@ -59,10 +123,10 @@ class _QuantConvTransposeNd(QuantMixin):
         output_padding = self._output_padding(
             input, output_size, self.stride, self.padding, self.kernel_size, self._dims, self.dilation
         )
-        return type(self)._fn(
+        return self.quantize_output(type(self)._fn(
             self.input_quantizer(input), self.quantized_weight(), self.bias, self.stride, self.padding,
             output_padding, self.groups, self.dilation,
-        )
+        ))
 
 
 class QuantConvTranspose1d(_QuantConvTransposeNd, nn.ConvTranspose1d):

@@ -8,10 +8,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
-from quantcli.nn.modules import QUANT_CLASSES
+from quantcli.nn.modules import QUANT_CLASSES, apply_output_quantizer_after
+from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
 from quantcli.nn.tensor_quantizer import TensorQuantizer
+
+# rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
+_GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dynamic")
 
 
 @dataclass
@@ -19,6 +24,7 @@ class QuantizeReport:
     layers: list[str] = field(default_factory=list)
     unmatched_patterns: list[str] = field(default_factory=list)
     batchnorm: FoldReport = field(default_factory=FoldReport)  # the BatchNorms folded, and those left alone
+    placement: Placement | None = None
 
 
 def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
@@ -41,24 +47,106 @@ def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch
     Args:
         example: one keyword batch for ``model(**example)``; only a BatchNorm after a Linear needs it to fold.
         fold: overrides the config's ``fold_batchnorm`` (``load_calibrated`` restores stored folds instead).
+
+    The config's ``target`` then decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``,
+    inputs that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer reads
+    directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes; for ``tensorrt``,
+    the skip inputs of residual Adds get a ``residual_quantizer``.
     """
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
     if cfg.fold_batchnorm if fold is None else fold:
         report.batchnorm = fold_batchnorm(model, example)
     used: set[int] = set()
+    layers: dict[str, nn.Module] = {}
+    own_grid: set[str] = set()  # input quantizers whose grid a rule chose
     for name, module in list(model.named_modules()):
         qcls = QUANT_CLASSES.get(type(module))
         if qcls is None:
             continue
         module.__class__ = qcls
         for kind in ("input", "weight"):
-            qname = f"{name}.{kind}_quantizer" if name else f"{kind}_quantizer"
+            qname = _qname(name, kind)
             enabled, desc, matched = cfg.resolve(qname, kind, module)
             used.update(matched)
+            if kind == "input" and any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
+                own_grid.add(name)
             module.add_module(f"{kind}_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         report.layers.append(name)
+        layers[name] = module
+    if cfg.target == "onnxruntime" and not getattr(cfg, "legacy_placement", False):
+        used.update(_place_for_onnxruntime(model, cfg, layers, own_grid, report))
+    elif cfg.target == "tensorrt":
+        used.update(_place_for_tensorrt(model, cfg, layers, report))
     report.unmatched_patterns = [r["pattern"] for i, r in enumerate(cfg.rules) if i not in used]
     model.quantcli_config = cfg
     model.quantcli_report = report
     return model
+
+
+def _qname(layer: str, kind: str) -> str:
+    return f"{layer}.{kind}_quantizer" if layer else f"{kind}_quantizer"
+
+
+def _integer8_desc(d: QuantDescriptor) -> bool:
+    return not d.is_fp8 and not d.dynamic and not d.block_sizes and d.num_bits <= 8
+
+
+def _integer8(q: TensorQuantizer) -> bool:
+    d = q.desc
+    return q.enabled and not d.is_fp8 and not d.dynamic and q._block is None and d.num_bits <= 8
+
+
+def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module], own_grid: set[str],
+                           report: QuantizeReport) -> set[int]:
+    """Unsigned post-ReLU inputs, output quantizers, int32 biases; returns the indices of rules that matched."""
+    used: set[int] = set()
+    placement = analyse(model, layers, cfg.target,
+                        {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic for n, m in layers.items()},
+                        {n: _integer8(m.weight_quantizer) for n, m in layers.items()})
+    for name in list(placement.unsigned_inputs):
+        q = layers[name].input_quantizer
+        d = q.desc
+        if name in own_grid or not _integer8(q) or d.unsigned or d.asymmetric or d.axis is not None:
+            placement.unsigned_inputs.remove(name)
+            continue
+        q.desc = QuantDescriptor(**{**d.dict(), "unsigned": True})
+    modules = dict(model.named_modules())
+    # the exported node of a hook-run quantizer is named after the hook module's parent: one per parent
+    parents = [a.rsplit(".", 1)[0] if "." in a else "" for a, _ in placement.output_after.values()]
+    placement.output_after = {k: v for k, v in placement.output_after.items()
+                              if parents.count(v[0].rsplit(".", 1)[0] if "." in v[0] else "") == 1}
+    for name in placement.output_quantized:
+        module = layers[name]
+        qname = _qname(name, "output")
+        enabled, desc, matched = cfg.resolve(qname, "input", module)
+        used.update(matched)
+        after = placement.output_after.get(name)
+        if after is not None and not any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
+            if after[1] and _integer8_desc(desc) and not desc.unsigned and not desc.asymmetric and desc.axis is None:
+                desc = QuantDescriptor(**{**desc.dict(), "unsigned": True})  # after a ReLU: >= 0
+        module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
+        if after is not None:
+            apply_output_quantizer_after(modules[after[0]], module)
+    for module in layers.values():
+        # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
+        if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+            module.int32_bias = True
+    report.placement = placement
+    return used
+
+
+def _place_for_tensorrt(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module],
+                        report: QuantizeReport) -> set[int]:
+    """NVIDIA's placement: the per-layer quantizers plus the skip inputs of residual Adds."""
+    used: set[int] = set()
+    placement = analyse(model, layers, cfg.target, {}, {})
+    if placement.analysed:
+        def make(qname: str, conv: nn.Module) -> TensorQuantizer:
+            enabled, desc, matched = cfg.resolve(qname, "input", conv)
+            used.update(matched)
+            return TensorQuantizer(desc, name=qname, enabled=enabled)
+
+        placement.residual_quantized = insert_residual_quantizers(model, layers, make)
+    report.placement = placement
+    return used

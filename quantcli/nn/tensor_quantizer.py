@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError, ExportError
 from quantcli.tensor_quant import (
@@ -207,6 +208,22 @@ class TensorQuantizer(nn.Module):
         if self.desc.is_fp8:
             return ScaledE4M3Function.apply(x, amax, 4, 3)
         return FakeTensorQuantFunction.apply(x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range)
+
+    def integer_scale(self) -> torch.Tensor | None:
+        """The float32 ONNX scale of an enabled, calibrated integer quantizer of at most 8 bits that is per tensor or
+        per axis (flattened to 1-D); None for other formats (fp8, blocked, dynamic, wider) or before calibration."""
+        d = self.desc
+        if self.mode != "quantize" or d.is_fp8 or d.dynamic or self._block is not None or self.amax is None \
+                or d.num_bits > 8:
+            return None
+        if d.asymmetric:
+            from quantcli.tensor_quant import affine_qparams
+
+            amin = self.amin if self.amin is not None else torch.zeros_like(self.amax)
+            scale = affine_qparams(amin, self.amax, d.num_bits)[0]
+        else:
+            scale = ar.symmetric_scale(self.amax, ar.symmetric_bound(d.num_bits, d.unsigned))
+        return scale.detach().to(torch.float32).reshape(-1)
 
     def extra_repr(self) -> str:
         d = self.desc

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from exporters.graph import read_onnx
+from exporters.ort_placement import strip_propagated
 from quantcli.checkpoint import Calibrated, load_calibrated
 from quantcli.data import Batch, describe, num_samples, run_model
 from quantcli.errors import VerifyError
@@ -85,7 +86,10 @@ def verify_onnx(
     qmodel, fmodel = ckpt.model, ckpt.float_model()
 
     out_names = [o.name for o in model.graph.output]
-    sess, prov, provider_note = _open_exact(rp.with_outputs(model, rp.evidence_outputs(model)), prov, provider)
+    # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the same
+    # values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not already-quantized values
+    exact = strip_propagated(model)
+    sess, prov, provider_note = _open_exact(rp.with_outputs(exact, rp.evidence_outputs(exact)), prov, provider)
     dsess, deploy_error = None, None
     if deployment:
         try:
@@ -97,7 +101,7 @@ def verify_onnx(
     # model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
     # explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer
     sample, rest = rp.split_sample(batches)
-    evidence_names = rp.evidence_quantizers(model)
+    evidence_names = rp.evidence_quantizers(exact)
     fid: dict[str, PairStats] = {}  # exact session vs fake-quant
     qerr: dict[str, PairStats] = {}  # fake-quant vs float: the quantization error, the unit of fidelity
     qerr_exact: dict[str, PairStats] = {}  # the same, on the inputs the exact session ran
@@ -129,7 +133,7 @@ def verify_onnx(
                     fid[n], qerr[n], qerr_exact[n] = PairStats(), PairStats(), PairStats()
                     qual[n] = PairStats(top1=k in logits)
                     dep[n], dqual[n] = PairStats(), PairStats(top1=k in logits)
-                evidence, got = rp.replay(sess, model, out_names, qmodel, batch, seen)
+                evidence, got = rp.replay(sess, exact, out_names, qmodel, batch, seen)
                 del seen
             else:
                 with torch.inference_mode():

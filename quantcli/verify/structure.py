@@ -26,6 +26,13 @@ from quantcli.nn.replace import quantizers
 from quantcli.nn.usage import unused_quantizers
 from quantcli.verify.stats import PairStats
 
+UINT8_OFFSET = 128  # int8 codes q in [-128, 127] are uint8 codes q + 128 with zero point 128
+
+
+def _signed_symmetric(q) -> bool:
+    d = q.desc
+    return not (d.is_fp8 or d.asymmetric or d.unsigned) and isinstance(d.num_bits, int) and d.num_bits <= 8
+
 
 def expected_scale(q) -> tuple[np.ndarray, np.ndarray]:
     """(scale, zero point) a calibrated quantizer implies, flattened, float32."""
@@ -165,6 +172,9 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
             problems.setdefault(name, []).append(
                 f"scale differs from amax/bound (e.g. index {idx}: {shown} vs {want.flat[idx]:.9g})")
         zp = p.zero_point.reshape(-1).astype(np.float32)
+        if p.format == "uint8" and _signed_symmetric(q):
+            # the onnxruntime target stores a signed symmetric grid's codes as uint8 + 128 (exporters.ort_placement)
+            want_zp = want_zp + np.float32(UINT8_OFFSET)
         if not (zp.shape == want_zp.shape or want_zp.size == 1) or not np.array_equal(zp, np.broadcast_to(want_zp, zp.shape)):
             problems.setdefault(name, []).append(
                 f"zero point differs from the calibrated range ({zp.flat[0] if zp.size else 'none'} vs {want_zp.flat[0]:g})")

@@ -1,0 +1,207 @@
+"""Graph passes for the onnxruntime target: the exported Q/DQ graph in the form onnxruntime's QDQ fusions take.
+
+None of them changes a value the graph computes (the fake-quant model stays bit-exact with the graph run with
+optimizations off); they change only how the same codes are expressed:
+
+1. :func:`uint8_activations`: a signed int8 activation grid with zero point 0 is emitted as uint8 with zero
+   point 128. ``saturate(round(x / s) + 128)`` over ``[0, 255]`` is ``saturate(round(x / s))`` over ``[-128, 127]``
+   plus 128 (same scale, same rounding, same saturation), and dequantization subtracts the 128 again. On x86
+   onnxruntime's Conv/MatMul/Gemm selectors take only uint8 activations (``QDQIsInt8Allowed`` is false off
+   ARM); its own int8 -> uint8 rewrite (``qdq_s8_to_u8.cc``) skips a Q that feeds several nodes, so emitting
+   uint8 directly avoids that trap.
+2. :func:`share_quantize`: QuantizeLinear nodes with the same input and the same scale and zero point (q/k/v
+   projections reading one tensor, a branch and its shortcut) become one Q; every quantizer keeps its own
+   DequantizeLinear (``EnsureUniqueDQForNodeUnit`` wants one DQ per consumer anyway, and verify maps quantizers
+   by DQ output).
+3. :func:`propagate_quantize`: a Q after ops that commute with quantization (MaxPool, Flatten, Reshape,
+   Transpose, Squeeze, Unsqueeze) gets an identical Q -> DQ in front of each of them, up to the producer, so a
+   Conv -> Relu -> MaxPool -> Flatten -> Q chain becomes Conv -> Relu -> Q -> DQ -> MaxPool -> Q -> DQ -> ...:
+   onnxruntime then fuses the Conv (with the Relu) into QLinearConv and runs MaxPool/Flatten on the codes.
+   Exact: ``DQ(Q(.))`` is monotone and elementwise, so it commutes with max pooling and with moving elements,
+   and ``Q(DQ(Q(x))) == Q(x)``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from exporters.fold import make_initializer
+from exporters.graph import PROPAGATED_MARK, to_numpy
+
+COMMUTING_OPS = ("MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
+UINT8_ZERO_POINT = "quantcli_uint8_zero_point_128"
+_EIGHT_BIT = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
+
+
+def _inits(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
+    return {t.name: t for t in model.graph.initializer}
+
+
+def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
+def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
+    keep = [v for v in model.graph.value_info if v.name not in names]  # re-inferred by shape inference
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(keep)
+
+
+def uint8_activations(model: onnx.ModelProto) -> int:
+    """Emit int8 activation Q/DQ pairs with a scalar zero point 0 as uint8 with zero point 128; returns how many Qs."""
+    g = model.graph
+    inits = _inits(model)
+    consumers = _consumers(model)
+    changed: set[str] = set()
+    count = 0
+    for n in g.node:
+        if n.op_type != "QuantizeLinear" or len(n.input) < 3 or n.input[0] in inits:
+            continue
+        zp = inits.get(n.input[2])
+        if zp is None or zp.data_type != onnx.TensorProto.INT8 or to_numpy(zp).size != 1 or to_numpy(zp).item() != 0:
+            continue
+        readers = consumers.get(n.output[0], [])
+        if not all(r.op_type == "DequantizeLinear" and r.input[2] == n.input[2] for r in readers):
+            continue
+        if UINT8_ZERO_POINT not in inits:
+            t = make_initializer(UINT8_ZERO_POINT, np.array(128.0, np.float32), onnx.TensorProto.UINT8)
+            g.initializer.append(t)
+            inits[UINT8_ZERO_POINT] = t
+        n.input[2] = UINT8_ZERO_POINT
+        for r in readers:
+            r.input[2] = UINT8_ZERO_POINT
+        changed.add(n.output[0])
+        count += 1
+    _drop_value_info(model, changed)
+    return count
+
+
+def _source(name: str, producers: dict[str, onnx.NodeProto]) -> str:
+    """The tensor behind float Casts: a Q reads float, so a Cast to float of its input is the same values (the
+    TorchScript exporter reads q/k/v's shared input through such Casts)."""
+    n = producers.get(name)
+    while n is not None and n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT
+                                                           for a in n.attribute):
+        name = n.input[0]
+        n = producers.get(name)
+    return name
+
+
+def _key(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto], producers=None):
+    vals = []
+    for name in n.input[1:]:
+        t = inits.get(name)
+        if t is None:
+            return None
+        vals.append((t.data_type, tuple(t.dims), to_numpy(t).tobytes()))
+    attrs = tuple(sorted((a.name, str(helper.get_attribute_value(a))) for a in n.attribute))
+    return (_source(n.input[0], producers) if producers is not None else n.input[0]), tuple(vals), attrs
+
+
+def share_quantize(model: onnx.ModelProto) -> int:
+    """One QuantizeLinear per (input, scale, zero point, attributes); returns how many Qs were removed."""
+    g = model.graph
+    inits = _inits(model)
+    outputs = {o.name for o in g.output}
+    producers = {o: n for n in g.node for o in n.output}
+    first: dict = {}
+    rename: dict[str, str] = {}
+    keep = []
+    for n in g.node:
+        if n.op_type == "QuantizeLinear" and n.input[0] not in inits and n.output[0] not in outputs:
+            k = _key(n, inits, producers)
+            if k is not None and k in first:
+                rename[n.output[0]] = first[k].output[0]
+                continue
+            if k is not None:
+                first[k] = n
+        keep.append(n)
+    if not rename:
+        return 0
+    for n in keep:
+        for i, name in enumerate(n.input):
+            if name in rename:
+                n.input[i] = rename[name]
+    del g.node[:]
+    g.node.extend(keep)
+    _drop_value_info(model, set(rename))
+    return len(rename)
+
+
+def propagate_quantize(model: onnx.ModelProto) -> int:
+    """Copy each activation Q (with its DQ) backwards across ops that commute with quantization; returns copies."""
+    g = model.graph
+    inits = _inits(model)
+    outputs = {o.name for o in g.output}
+    added = 0
+    changed = True
+    while changed:
+        changed = False
+        producers = {o: n for n in g.node for o in n.output}
+        consumers = _consumers(model)
+        for q in list(g.node):
+            if q.op_type != "QuantizeLinear" or q.input[0] in inits or len(q.input) < 3 \
+                    or q.input[2] not in inits or inits[q.input[2]].data_type not in _EIGHT_BIT:
+                continue  # float8 has no MaxPool/Transpose kernels in onnxruntime: leave it
+            op = producers.get(q.input[0])
+            if op is None or op.op_type not in COMMUTING_OPS or op.output[0] in outputs:
+                continue
+            if op.input[0] in inits or any(c.op_type != "QuantizeLinear" or _key(c, inits) is None
+                                           or _key(c, inits)[1:] != _key(q, inits)[1:]
+                                           for c in consumers.get(op.output[0], [])):
+                continue  # a float reader of the op's output would see quantized values: not exact any more
+            src = op.input[0]
+            src_producer = producers.get(src)
+            if src_producer is not None and src_producer.op_type == "DequantizeLinear":
+                continue  # already fed by a DQ (an earlier copy)
+            base = f"{op.name or op.output[0]}/{PROPAGATED_MARK}"
+            q_new = helper.make_node("QuantizeLinear", [src, *q.input[1:]], [base + "_q"], name=base + "/Q")
+            q_new.attribute.extend(q.attribute)
+            dq_new = helper.make_node("DequantizeLinear", [base + "_q", *q.input[1:]], [base + "_dq"],
+                                      name=base + "/DQ")
+            dq_new.attribute.extend(a for a in q.attribute if a.name in ("axis", "block_size"))
+            op.input[0] = base + "_dq"
+            nodes = list(g.node)
+            at = nodes.index(op)
+            del g.node[:]
+            g.node.extend(nodes[:at] + [q_new, dq_new] + nodes[at:])
+            added += 1
+            changed = True
+            break
+    return added
+
+
+def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` without the Q/DQ copies :func:`propagate_quantize` added: the same values, with every
+    quantizer's own QuantizeLinear reading the float tensor it quantizes (for local error measurements)."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name}
+    producers = {o: n for n in g.node for o in n.output}
+    source = {}
+    for out, dq in dqs.items():
+        q = producers[dq.input[0]]
+        source[out] = q.input[0]
+    for n in g.node:
+        for i, name in enumerate(n.input):
+            if name in source:
+                n.input[i] = source[name]
+    keep = [n for n in g.node if PROPAGATED_MARK not in n.name]
+    del g.node[:]
+    g.node.extend(keep)
+    return m
+
+
+def place_for_onnxruntime(model: onnx.ModelProto) -> dict[str, int]:
+    """Passes 1-3 in order; returns what each did."""
+    u8 = uint8_activations(model)
+    shared = share_quantize(model)
+    copies = propagate_quantize(model)
+    return {"uint8_activation_quantizers": u8, "shared_quantizers": shared, "propagated_quantizers": copies}

@@ -1,0 +1,295 @@
+"""Where quantizers go for a deployment target: what the model's structure says, read with ``torch.fx``.
+
+Every quantized layer quantizes its input and its weight whatever the target. The onnxruntime target adds what
+onnxruntime's QDQ fusions need (``onnxruntime/core/optimizer/qdq_transformer/selectors_actions/qdq_selectors.cc``):
+
+* **unsigned inputs after a ReLU.** A ``Relu`` before a ``QuantizeLinear`` disappears into the fused kernel only
+  when the Q's zero point is its type's lowest code (``relu_quantizelinear.cc``); a signed grid centred on 0 keeps
+  the Relu, and the Conv stays in float. A layer input that is non-negative by construction (a ReLU/ReLU6 output,
+  possibly through pooling, flattening, reshaping) is quantized on the unsigned grid ``[0, 255]`` (uint8, zero
+  point 0): the same tensor, twice the resolution.
+* **an output quantizer on a Conv** whose output does not reach quantized layers only (through ReLU and ops that
+  commute with quantization: max pooling, flattening, reshaping), e.g. a Conv feeding a residual Add, a mean or
+  a graph output: ``QLinearConv`` needs a Q on its output.
+* **int32 biases** on Conv and 2-D Linear layers (``QLinearConv``/``QGemm``), see :mod:`quantcli.nn.modules`.
+
+The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ Layer-Placement
+Recommendations"): the inputs of weighted layers quantized, no output quantizers, ops that commute with
+quantization (MaxPool) left to TensorRT, which moves Q/DQ across them itself, and **the skip input of a residual
+Add quantized** (a ``residual_quantizer`` in the module whose ``forward`` adds): TensorRT fuses the Add into the
+Conv that produces the other operand only when that operand is quantized. The Add is functional (``x + y`` in a
+``forward``), so the module's ``forward`` is replaced by its ``torch.fx`` trace with the quantizer inserted
+(the same code otherwise; parameters, buffers and ``state_dict`` keys stay, plus the quantizer's ``amax``).
+
+A model ``torch.fx`` cannot trace (data-dependent control flow, shapes unpacked in Python) keeps the per-layer
+placement (quantized inputs and weights, int32 biases for onnxruntime) without the structural additions;
+:class:`Placement` says why.
+"""
+
+from __future__ import annotations
+
+import operator
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+# ops whose output is >= 0 whatever their input
+_RELU_MODULES = (nn.ReLU, nn.ReLU6)
+_RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6, torch.relu_}
+# ops that keep a non-negative tensor non-negative, and commute with quantization where marked
+_COMMUTING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
+                      nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Unflatten)
+_COMMUTING_FUNCTIONS = {torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.dropout, torch.reshape,
+                        torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute}
+_COMMUTING_METHODS = {"view", "reshape", "flatten", "permute", "transpose", "contiguous", "squeeze", "unsqueeze"}
+_SIGN_KEEPING_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
+                         nn.AdaptiveAvgPool3d)
+_SIGN_KEEPING_FUNCTIONS = {F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
+                           torch.mean}
+_SIGN_KEEPING_METHODS = {"mean"}
+
+
+@dataclass
+class Placement:
+    """The structural part of a target's placement, by layer (module) name."""
+
+    target: str
+    analysed: bool = True
+    note: str | None = None  # why the structure could not be analysed
+    unsigned_inputs: list[str] = field(default_factory=list)  # inputs >= 0 by construction: uint8 grid
+    output_quantized: list[str] = field(default_factory=list)  # Conv layers that get an output quantizer
+    # a Conv's output quantizer applied after the ReLU/pooling after it: layer -> (module applying it, unsigned)
+    output_after: dict[str, tuple[str, bool]] = field(default_factory=dict)
+    residual_quantized: list[str] = field(default_factory=list)  # tensorrt: quantizers on residual skip inputs
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class _Tracer(fx.Tracer):
+    def __init__(self, leaves: set[int]):
+        super().__init__()
+        self._leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return id(m) in self._leaves or super().is_leaf_module(m, qualname)
+
+
+def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
+    """The fx graph of ``model`` with the quantized ``layers`` as leaves (raises what fx raises)."""
+    from quantcli.nn.tensor_quantizer import TensorQuantizer
+
+    leaves = {id(m) for m in layers.values()} | {id(m) for m in model.modules() if isinstance(m, TensorQuantizer)}
+    return _Tracer(leaves).trace(model)
+
+
+def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> str:
+    """relu, commuting (max pooling, reshaping), sign-keeping (average pooling, mean), or other."""
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        if isinstance(m, _RELU_MODULES):
+            return "relu"
+        if isinstance(m, _COMMUTING_MODULES):
+            return "commuting"
+        if isinstance(m, _SIGN_KEEPING_MODULES):
+            return "sign-keeping"
+    elif node.op == "call_function":
+        if node.target in _RELU_FUNCTIONS:
+            return "relu"
+        if node.target in _COMMUTING_FUNCTIONS:
+            return "commuting"
+        if node.target in _SIGN_KEEPING_FUNCTIONS:
+            return "sign-keeping"
+        if node.target is operator.getitem:
+            return "commuting"
+    elif node.op == "call_method":
+        if node.target == "relu":
+            return "relu"
+        if node.target in _COMMUTING_METHODS:
+            return "commuting"
+        if node.target in _SIGN_KEEPING_METHODS:
+            return "sign-keeping"
+    return "other"
+
+
+def _nonnegative(node, modules: dict[str, nn.Module]) -> bool:
+    """True if ``node``'s value is >= 0 by construction (a ReLU, possibly through sign-keeping ops)."""
+    while isinstance(node, fx.Node):
+        kind = _kind(node, modules)
+        if kind == "relu":
+            return True
+        if kind not in ("commuting", "sign-keeping") or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _reaches_quantized_layers_only(node: fx.Node, modules, quantized_inputs: set[str]) -> bool:
+    """True if every path from ``node`` through ReLUs and commuting ops ends at a quantized layer's input."""
+    if not node.users:
+        return False
+    for user in node.users:
+        if user.op == "call_module" and user.target in quantized_inputs and user.args and user.args[0] is node \
+                and node not in user.args[1:]:
+            continue
+        if _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
+            if _reaches_quantized_layers_only(user, modules, quantized_inputs):
+                continue
+        return False
+    return True
+
+
+def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
+            input_enabled: dict[str, bool], weight_integer: dict[str, bool]) -> Placement:
+    """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``.
+
+    ``input_enabled``: layers whose input quantizer is on; ``weight_integer``: layers with an integer weight
+    quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels).
+    """
+    placement = Placement(target)
+    try:
+        graph = trace(model, layers)
+    except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
+        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        placement.analysed = False
+        placement.note = f"torch.fx could not trace the model ({type(e).__name__}: {first})"
+        return placement
+    modules = dict(model.named_modules())
+    if target == "tensorrt":
+        return placement
+    quantized_inputs = {n for n, on in input_enabled.items() if on}
+    for node in graph.nodes:
+        if node.op != "call_module" or node.target not in layers:
+            continue
+        name = node.target
+        if name in quantized_inputs and node.args and _nonnegative(node.args[0], modules):
+            placement.unsigned_inputs.append(name)
+        conv = isinstance(layers[name], (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+        if conv and name in quantized_inputs and weight_integer.get(name) \
+                and not _reaches_quantized_layers_only(node, modules, quantized_inputs):
+            placement.output_quantized.append(name)
+            after = _output_point(node, graph, modules, quantized_inputs)
+            if after is not None:
+                placement.output_after[name] = after
+    return placement
+
+
+def _output_point(node: fx.Node, graph: fx.Graph, modules, quantized_inputs: set[str]) -> tuple[str, bool] | None:
+    """Where a Conv's output quantizer goes when a ReLU or ops that commute with quantization follow it alone:
+    after the last of them (a module called once), so that onnxruntime absorbs the ReLU (unsigned grid) and runs
+    the pooling on codes. ``(module name, unsigned)``, or None to quantize right after the Conv."""
+    calls = {}
+    for n in graph.nodes:
+        if n.op == "call_module":
+            calls[n.target] = calls.get(n.target, 0) + 1
+    chain, end = [], node
+    while len(end.users) == 1:
+        (user,) = end.users
+        if _kind(user, modules) not in ("relu", "commuting") or not user.args or user.args[0] is not end:
+            break
+        chain.append(user)
+        end = user
+    if any(u.op == "call_module" and u.target in quantized_inputs for u in end.users):
+        return None  # a quantized layer reads it: its own input quantizer is there already
+    for i in range(len(chain) - 1, -1, -1):
+        n = chain[i]
+        if n.op == "call_module" and calls.get(n.target) == 1:
+            return n.target, any(_kind(c, modules) == "relu" for c in chain[: i + 1])
+    return None
+
+
+# ------------------------------------------------------------------------------------------- residual Adds
+
+_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+_PASS_THROUGH = (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)  # between a Conv and its Add in a block
+
+
+def _is_add(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or \
+        (node.op == "call_method" and node.target in ("add", "add_", "__add__"))
+
+
+def _quantized_conv_behind(node, modules: dict[str, nn.Module], layers: dict[str, nn.Module]) -> nn.Module | None:
+    """The quantized Conv whose output ``node`` is, through BatchNorm/Identity/Dropout (None if there is none)."""
+    while isinstance(node, fx.Node) and node.op == "call_module":
+        m = modules.get(node.target)
+        if m is not None and id(m) in {id(v) for v in layers.values()}:
+            return m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
+        if not isinstance(m, _PASS_THROUGH) or not node.args:
+            return None
+        node = node.args[0]
+    return None
+
+
+def residual_skips(graph: fx.Graph, modules: dict[str, nn.Module], layers: dict[str, nn.Module]):
+    """``(add node, skip operand, branch Conv)`` for each Add of a quantized Conv's output and another tensor.
+
+    The branch is the operand computed last (the block's main path, as in torchvision's and NVIDIA's blocks; a
+    projection shortcut is computed first), and it must come from a quantized Conv (through BatchNorm).
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    out = []
+    for n in graph.nodes:
+        if not _is_add(n) or len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+            continue
+        a, b = n.args[:2]
+        branch, skip = (a, b) if order[a] > order[b] else (b, a)
+        conv = _quantized_conv_behind(branch, modules, layers)
+        if conv is not None:
+            out.append((n, skip, conv))
+    return out
+
+
+def residual_owners(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
+    """Names of the modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the model)."""
+    graph = trace(model, layers)
+    owners = []
+    for n, _, _ in residual_skips(graph, dict(model.named_modules()), layers):
+        stack = list((n.meta.get("nn_module_stack") or {}).keys())
+        owner = stack[-1] if stack else ""
+        if owner not in owners:
+            owners.append(owner)
+    return owners
+
+
+def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module],
+                               make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
+    """Quantize the skip input of every residual Add (tensorrt placement); returns the new quantizers' names.
+
+    ``make(name, branch_conv)`` builds the quantizer. Each owning module gets ``residual_quantizer`` (then
+    ``residual_quantizer_1``, ...) and its ``forward`` becomes its fx trace with the quantizer on the skip operand.
+    """
+    names = []
+    for owner in residual_owners(model, layers):
+        mod = model.get_submodule(owner) if owner else model
+        graph = trace(mod, layers)
+        own = [(n, skip, conv) for n, skip, conv in residual_skips(graph, dict(mod.named_modules()), layers)
+               if not n.meta.get("nn_module_stack")]  # the module's own Adds, not those of modules inside it
+        if any(n.op == "get_attr" and not _resolves(mod, n.target) for n in graph.nodes):
+            continue  # the trace made constants of its own: keep the module's code rather than guess
+        for k, (n, skip, conv) in enumerate(own):
+            attr = "residual_quantizer" if k == 0 else f"residual_quantizer_{k}"
+            qname = f"{owner}.{attr}" if owner else attr
+            mod.add_module(attr, make(qname, conv))
+            with graph.inserting_before(n):
+                qnode = graph.call_module(attr, (skip,))
+            n.replace_input_with(skip, qnode)
+            names.append(qname)
+        graph.lint()
+        traced = fx.GraphModule(mod, graph)
+        # the generated forward reads only ``self.<path>`` attributes, which ``mod`` has (checked above)
+        mod.forward = types.MethodType(type(traced).forward, mod)
+    return names
+
+
+def _resolves(mod: nn.Module, target: str) -> bool:
+    obj = mod
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True

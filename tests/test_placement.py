@@ -1,0 +1,408 @@
+"""Q/DQ placement per deployment target.
+
+onnxruntime: per pattern (Conv+BN+ReLU, Conv -> residual Add, Linear with bias, q/k/v sharing an input, Gemm and
+MatMul) the integer kernels onnxruntime's optimizer makes of the exported graph (read from
+``SessionOptions.optimized_model_filepath``), and exact parity of the optimizations-off graph with the fake-quant
+model: every quantizer's DequantizeLinear output equals the PyTorch quantizer's output on the same run.
+tensorrt: the placement NVIDIA recommends, checked on the graph's structure (no TensorRT here).
+"""
+
+import collections
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from exporters import export_onnx
+from exporters.graph import PROPAGATED_MARK, quantizer_map
+from exporters.runtime_fusion import inspect_fusion, optimized_graph
+from quantcli import load_calibrated, quantize_model
+from quantcli.calibration import calibrate
+from quantcli.nn import quantizers
+from tests.helpers import assert_clean_error, cli
+
+T = onnx.TensorProto
+
+
+# ------------------------------------------------------------------------------------------- models
+
+
+class ConvBnRelu(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.relu, self.pool = nn.ReLU(), nn.MaxPool2d(2)
+        self.fc = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.pool(self.relu(self.bn2(self.conv2(x))))
+        return self.fc(torch.flatten(x, 1))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.head = nn.Conv2d(8, 4, 1)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        y = self.conv2(torch.relu(self.conv1(x)))
+        return self.head(torch.relu(y + x)).mean((2, 3))
+
+
+class Mlp(nn.Module):  # Linear with bias on 2-D inputs: Gemm
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Qkv(nn.Module):  # q/k/v read one tensor; 3-D inputs: MatMul
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.norm(x)
+        att = torch.softmax(self.q(h) @ self.k(h).transpose(1, 2) / 4.0, -1)
+        return att @ self.v(h)
+
+
+def _batches(shape, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": torch.randn(*shape, generator=g)} for _ in range(n)]
+
+
+def _with_stats(model):
+    """Non-trivial BatchNorm statistics (folding or not, the parity must hold)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.copy_(0.5 + torch.rand(m.num_features, generator=g))
+                m.bias.copy_(0.2 * torch.randn(m.num_features, generator=g))
+                m.running_mean.copy_(0.2 * torch.randn(m.num_features, generator=g))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=g))
+    return model.eval()
+
+
+def _quantized(model, shape, config="int8", seed=0):
+    torch.manual_seed(seed)
+    m = quantize_model(_with_stats(model), config)
+    calibrate(m, _batches(shape), "max", device="cpu")
+    return m
+
+
+def _export(m, shape, tmp_path, name="m.onnx"):
+    path = tmp_path / name
+    export_onnx(m, _batches(shape, 1, seed=9)[0], path)
+    return path
+
+
+def _kernels(path) -> collections.Counter:
+    return collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
+
+
+def assert_exact(m, path, shape):
+    """Optimizations off, every quantizer's DequantizeLinear output == the PyTorch quantizer's output."""
+    model = onnx.load(str(path))
+    qmap = quantizer_map(model)
+    for name in qmap:
+        model.graph.output.append(onnx.helper.make_tensor_value_info(name, T.FLOAT, None))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    captured = {}
+    qs = quantizers(m)
+    def keep(q):
+        def hook(_mod, _args, out):
+            captured.setdefault(q, out.detach().numpy())
+        return hook
+
+    hooks = [qs[q].register_forward_hook(keep(q)) for q in set(qmap.values())]
+    batch = _batches(shape, 1, seed=11)[0]
+    try:
+        with torch.inference_mode():
+            want = m(**batch).numpy()
+    finally:
+        for h in hooks:
+            h.remove()
+    got = sess.run(None, {"x": batch["x"].numpy()})
+    outs = dict(zip([o.name for o in model.graph.output], got))
+    for dq, q in qmap.items():
+        assert np.array_equal(outs[dq], captured[q]), q
+    np.testing.assert_allclose(outs[model.graph.output[0].name], want, rtol=0, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------- onnxruntime
+
+
+def test_conv_bn_relu_fuses_into_qlinearconv_and_is_exact(tmp_path):
+    shape = (4, 3, 8, 8)
+    m = _quantized(ConvBnRelu(), shape)
+    # post-ReLU inputs use the unsigned grid (uint8, zero point 0): the Relu disappears into the kernel
+    assert m.conv2.input_quantizer.desc.unsigned and m.fc.input_quantizer.desc.unsigned
+    assert not m.conv1.input_quantizer.desc.unsigned
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearConv"] == 2 and k["QGemm"] == 1 and k["Conv"] == 0 and k["Gemm"] == 0
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+def test_maxpool_and_flatten_run_on_codes(tmp_path):
+    shape = (4, 3, 8, 8)
+    m = ConvBnRelu().eval()
+    m.bn1, m.bn2 = nn.Identity(), nn.Identity()  # so conv2 -> relu -> pool -> flatten -> fc.input_quantizer
+    m = quantize_model(m, "int8")
+    assert not any(hasattr(mod, "output_quantizer") for mod in m.modules())
+    calibrate(m, _batches(shape), "max", device="cpu")
+    path = _export(m, shape, tmp_path)
+    graph = onnx.load(str(path))
+    # the fc input quantizer's Q copied in front of Flatten and MaxPool, same scale and zero point
+    copies = [n for n in graph.graph.node if n.op_type == "QuantizeLinear" and PROPAGATED_MARK in n.name]
+    assert len(copies) == 2
+    opt = [n.op_type for n in optimized_graph(path).graph.node]
+    assert "Relu" not in opt and "DequantizeLinear" not in opt[: opt.index("QGemm")]
+    assert_exact(m, path, shape)
+
+
+def test_residual_add_convs_get_an_output_quantizer(tmp_path):
+    shape = (2, 3, 8, 8)
+    m = _quantized(Residual(), shape)
+    # conv2 feeds the Add, head feeds a mean: QLinearConv needs a Q on their outputs; stem and conv1 feed
+    # quantized layers (through ReLU) only
+    have = {n for n, mod in m.named_modules() if hasattr(mod, "output_quantizer")}
+    assert have == {"stem", "conv2", "head"}
+    path = _export(m, shape, tmp_path)
+    assert _kernels(path)["QLinearConv"] == 4 and inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+class ConvPoolMean(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(2))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.features(x).mean(-1))
+
+
+def test_conv_relu_pool_before_a_float_op_quantizes_after_the_pool(tmp_path):
+    shape = (4, 4, 16)
+    m = _quantized(ConvPoolMean(), shape)
+    # the mean reads the Conv's output: its output quantizer goes after ReLU and MaxPool, on the uint8 grid
+    assert m.quantcli_report.placement.output_after == {"features.0": ("features.3", True)}
+    assert m.features[0].output_quantizer.desc.unsigned
+    path = _export(m, shape, tmp_path)
+    ops = [n.op_type for n in optimized_graph(path).graph.node]
+    assert "Relu" not in ops and "QLinearConv" in ops and "MaxPool" not in ops  # the pool runs on the codes
+    assert ops.index("DequantizeLinear") > ops.index("QLinearConv")
+    assert_exact(m, path, shape)
+    # a deep copy quantizes with its own quantizer (the float reference disables the copy's quantizers)
+    import copy
+
+    f = copy.deepcopy(m)
+    for q in quantizers(f).values():
+        q.set_mode("disabled")
+    x = _batches(shape, 1, seed=4)[0]["x"]
+    with torch.inference_mode():
+        assert torch.equal(f.features(x), f.features[3](f.features[2](f.features[1](
+            torch.nn.functional.conv1d(x, f.features[0].weight, f.features[0].bias, padding=1)))))
+        assert not torch.equal(m.features(x), f.features(x))
+
+
+def test_linear_with_bias_is_qgemm_with_an_int32_bias(tmp_path):
+    shape = (6, 12)
+    m = _quantized(Mlp(), shape)
+    path = _export(m, shape, tmp_path)
+    assert _kernels(path)["QGemm"] == 2
+    graph = onnx.load(str(path))
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in graph.graph.initializer}
+    gemm = next(n for n in graph.graph.node if n.op_type == "Gemm" and "fc1" in n.name)
+    bias_dq = next(n for n in graph.graph.node if n.output[0] == gemm.input[2])
+    codes, scale = inits[bias_dq.input[0]], inits[bias_dq.input[1]]
+    assert codes.dtype == np.int32
+    # independent: x_scale * w_scale per output channel, numpy's round-half-even of bias / scale
+    sx = np.float32(m.fc1.input_quantizer.amax.item()) / np.float32(127)
+    sw = m.fc1.weight_quantizer.amax.numpy().reshape(-1).astype(np.float32) / np.float32(127)
+    want_scale = (sx * sw).astype(np.float32)
+    assert np.array_equal(scale, want_scale)
+    assert np.array_equal(codes, np.round(m.fc1.bias.detach().numpy() / want_scale).astype(np.int32))
+    # the fake-quant layer adds exactly that bias
+    x = _batches(shape, 1, seed=5)[0]["x"]
+    with torch.inference_mode():
+        xq = m.fc1.input_quantizer(x)
+        wq = m.fc1.weight_quantizer(m.fc1.weight)
+        want = xq @ wq.T + torch.from_numpy(codes.astype(np.float32) * want_scale)
+        assert torch.equal(m.fc1(x), want)
+    assert_exact(m, path, shape)
+
+
+def test_qkv_share_one_quantizelinear_and_matmul_fuses(tmp_path):
+    shape = (2, 5, 16)
+    m = _quantized(Qkv(), shape)
+    path = _export(m, shape, tmp_path)
+    graph = onnx.load(str(path))
+    qs = [n for n in graph.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(qs) == 1  # one Q of the LayerNorm output; three DequantizeLinear, one per projection's quantizer
+    assert sorted(quantizer_map(graph).values()).count("q.input_quantizer") == 1
+    zp = {t.name: t for t in graph.graph.initializer}[qs[0].input[2]]
+    assert zp.data_type == T.UINT8 and onnx.numpy_helper.to_array(zp) == 128  # int8 codes as uint8 + 128
+    k = _kernels(path)
+    assert k["MatMulIntegerToFloat"] == 3 and inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+def test_untraceable_model_keeps_the_per_layer_placement(tmp_path):
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = torch.relu(self.a(x))
+            if h.sum() > 0:  # data-dependent control flow: torch.fx cannot trace it
+                h = h * 2
+            return self.b(h)
+
+    m = quantize_model(Branchy().eval(), "int8")
+    p = m.quantcli_report.placement
+    assert not p.analysed and "torch.fx" in p.note and p.unsigned_inputs == []
+    assert not m.b.input_quantizer.desc.unsigned
+
+
+# ------------------------------------------------------------------------------------------- tensorrt
+
+
+def test_tensorrt_quantizes_the_skip_input_and_no_outputs(tmp_path):
+    from sample_models.structured import resnet_batches, resnet_cnn
+
+    m = quantize_model(resnet_cnn(), {"target": "tensorrt"})
+    p = m.quantcli_report.placement
+    assert p.residual_quantized == [f"layer{i}.{j}.residual_quantizer" for i in (1, 2) for j in (0, 1)]
+    assert not any(hasattr(mod, "output_quantizer") for mod in m.modules())
+    assert not any(q.desc.unsigned for q in quantizers(m).values())  # TensorRT's int8 is symmetric, signed
+    calibrate(m, resnet_batches(64, 32), "max", device="cpu")
+    path = tmp_path / "trt.onnx"
+    export_onnx(m, resnet_batches(8, 8)[0], path)
+    g = onnx.load(str(path)).graph
+    producers = {o: n for n in g.node for o in n.output}
+    qmap = quantizer_map(onnx.load(str(path)))
+    adds = [n for n in g.node if n.op_type == "Add"]
+    assert len(adds) == 4
+    for add in adds:  # one operand from a Conv (through BatchNormalization), the other a DequantizeLinear
+        kinds = sorted(producers[i].op_type for i in add.input)
+        assert kinds == ["BatchNormalization", "DequantizeLinear"] or kinds == ["Conv", "DequantizeLinear"], kinds
+        dq = next(producers[i] for i in add.input if producers[i].op_type == "DequantizeLinear")
+        assert qmap[dq.output[0]].endswith("residual_quantizer")
+    for conv in (n for n in g.node if n.op_type == "Conv"):  # no Q on a Conv output, a DQ on both inputs
+        assert all(producers[i].op_type == "DequantizeLinear" for i in conv.input[:2])
+    for n in g.node:  # MaxPool left to TensorRT: it reads float, no Q/DQ copies around it
+        if n.op_type == "MaxPool":
+            assert producers[n.input[0]].op_type != "DequantizeLinear"
+    zps = {t.data_type for t in g.initializer if any(t.name == n.input[2] for n in g.node
+                                                     if n.op_type in ("QuantizeLinear", "DequantizeLinear"))}
+    assert zps == {T.INT8}  # no uint8 activations and no int32 biases for TensorRT
+    # the inserted quantizers survive a checkpoint round trip and the graph stays exact
+    got = onnx_run(path, resnet_batches(8, 8, split="eval")[0])
+    with torch.inference_mode():
+        want = m(**resnet_batches(8, 8, split="eval")[0]).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
+def onnx_run(path, batch):
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, {k: v.numpy() for k, v in batch.items()})[0]
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_target_is_stored_exported_and_shown(tmp_path):
+    ck = tmp_path / "trt.calib.pt"
+    r = cli("calibrate", "sample_models.structured:resnet_cnn", "--data", _npz(tmp_path), "--target", "tensorrt",
+            "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["target"] == "tensorrt" and len(info["placement"]["residual_quantized"]) == 4
+    loaded = load_calibrated(ck)
+    assert loaded.config.target == "tensorrt"
+    assert sum(n.endswith("residual_quantizer") for n in loaded.quantizer_info) == 4
+    assert all(quantizers(loaded.model)[n].amax is not None for n in loaded.quantizer_info)
+    out = tmp_path / "trt.onnx"
+    r = cli("export", ck, "--onnx", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["target"] == "tensorrt"
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    assert meta["quantcli.target"] == "tensorrt"
+    r = cli("inspect", ck, "--json")
+    assert json.loads(r.stdout)["target"] == "tensorrt"
+    r = cli("verify", out, "--reference", ck, "--data", _npz(tmp_path), "--json")
+    assert r.exit_code == 0, r.output
+
+
+def test_cli_default_target_is_onnxruntime_and_fully_fused(calibrated, tmp_path):
+    ck = calibrated("digits_cnn", "int8")
+    assert load_calibrated(ck).config.target == "onnxruntime"
+    r = cli("export", ck, "--onnx", tmp_path / "d.onnx", "--json")
+    info = json.loads(r.stdout)
+    assert info["target"] == "onnxruntime" and info["unfused_layers"] == 0 and info["quantized_layers"] == 4
+
+
+def test_cli_bad_target(tmp_path):
+    assert_clean_error(cli("calibrate", "digits_cnn", "--target", "coreml", "--out", tmp_path / "x.pt"),
+                       "unknown target", "onnxruntime, tensorrt")
+    assert not (tmp_path / "x.pt").exists()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("target: tflite\n")
+    assert_clean_error(cli("calibrate", "digits_cnn", "--config", cfg, "--out", tmp_path / "x.pt"), "unknown target")
+
+
+def _npz(tmp_path):
+    path = tmp_path / "imgs.npz"
+    if not path.exists():
+        from sample_models.structured import resnet_batches
+
+        np.savez(path, x=torch.cat([b["x"] for b in resnet_batches(64, 32)]).numpy())
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)
+
+
+def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
+    # digits_cnn under the tensorrt target has the per-layer placement every checkpoint had before targets existed
+    ck = tmp_path / "t.calib.pt"
+    assert cli("calibrate", "digits_cnn", "--target", "tensorrt", "--out", ck, "--json").exit_code == 0
+    raw = torch.load(ck, weights_only=True)
+    del raw["quant_config"]["target"]
+    old = tmp_path / "old.calib.pt"
+    torch.save(raw, old)
+    a, b = load_calibrated(ck), load_calibrated(old)
+    assert b.config.target == "onnxruntime"
+    assert not any(hasattr(m, "output_quantizer") or getattr(m, "int32_bias", False) for m in b.model.modules())
+    assert not any(q.desc.unsigned for q in quantizers(b.model).values())
+    batch = b.evaluation_batches()[0]
+    with torch.inference_mode():
+        assert torch.equal(a.model(**batch), b.model(**batch))
+    out = tmp_path / "old.onnx"
+    assert cli("export", old, "--onnx", out).exit_code == 0
+    assert cli("verify", out, "--reference", old).exit_code == 0
