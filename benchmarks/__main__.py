@@ -3,6 +3,7 @@
 import argparse
 
 from benchmarks import (
+    bench_accuracy,
     bench_calibration,
     bench_calibrators,
     bench_deploy,
@@ -40,5 +41,7 @@ if a.device == "cpu":
     bench_int8_transformers.main(["--rounds", "10"] if a.quick else [])
     print()
     bench_deploy.main([])
+    print()
+    bench_accuracy.main(["--quick"] if a.quick else [])
 print()
 bench_distributed.main(["--device", a.device])

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from calibrators import MaxCalibrator
+from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
@@ -24,7 +26,7 @@ from quantcli.nn.dynamic import count_calls
 from quantcli.nn.replace import quantizers
 from quantcli.process_group import one_outcome, sum_over_ranks
 
-METHODS = ("max", "entropy", "mse", "percentile")
+METHODS = ("max", "entropy", "mse", "percentile", "auto")
 
 
 @dataclass
@@ -42,6 +44,7 @@ class CalibrationSummary:
     seconds: float = 0.0
     settings: dict = field(default_factory=dict)
     ranks: int = 1  # torch.distributed ranks whose batches were merged
+    auto: dict = field(default_factory=dict)  # --method auto: quantizer -> chosen method, amax, local errors
 
     def to_dict(self) -> dict:
         return {
@@ -60,6 +63,7 @@ class CalibrationSummary:
             "seconds": round(self.seconds, 4),
             "settings": self.settings,
             "ranks": self.ranks,
+            **({"auto": self.auto} if self.auto else {}),
         }
 
 
@@ -103,7 +107,9 @@ def calibrate(
 
     Args:
         batches: keyword batches for ``model(**batch)`` (this rank's share under ``torch.distributed``).
-        method: activation amax method: ``max``, ``entropy``, ``mse`` or ``percentile``.
+        method: activation amax method: ``max``, ``entropy``, ``mse``, ``percentile``, or ``auto`` (per
+            quantizer the candidate of those four with the smallest error of its layer's output against the
+            float layer's, on a bounded sample of the calibration inputs: :mod:`calibrators.auto`).
         percentile: for ``percentile``, in percent.
         num_bins: histogram bins (a power of two keeps histograms exactly order-invariant).
         device: ``auto``, ``cpu``, ``cuda[:i]`` or a ``torch.device``.
@@ -112,8 +118,11 @@ def calibrate(
     """
     ranks = world_size(group)
     t0 = time.perf_counter()
+    if method == "auto" and ranks > 1:
+        raise CalibrationError("--method auto chooses from each rank's own input sample; run it in one process")
     with one_outcome(group):
         qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
+    auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
     kwargs = {"percentile": percentile}
     # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
     # so the pass costs a forward plus the observers and nothing else
@@ -138,13 +147,15 @@ def calibrate(
                                      settings={"percentile": percentile, "num_bins": num_bins}, ranks=ranks)
         merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
         with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
-            _load_activation_amax(qs, acts, method, kwargs, summary)
+            _load_activation_amax(qs, acts, method, kwargs, summary, auto)
         for name, n_calls in zip(calls, dynamic_calls):
             if n_calls == 0:
                 _leave_out(qs, name, summary)
             else:
                 summary.dynamic.append(name)
     finally:
+        for st in auto.values():
+            st.hook.remove()
         for q in paused:
             q.mode = "quantize"
         for q in acts.values():
@@ -193,7 +204,7 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
         if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
             continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        wmethod = method if q.desc.calib_method == "histogram" else "max"
+        wmethod = (method if method != "auto" else "mse") if q.desc.calib_method == "histogram" else "max"
         q.start_calibration(wmethod, num_bins)
         q.collect(parent.weight.detach())
         q.load_calib_amax(wmethod, **kwargs)
@@ -201,11 +212,80 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
     # activations: one observing pass
     acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
     for q in acts.values():
-        q.start_calibration(method, num_bins)
+        q.start_calibration("entropy" if method == "auto" else method, num_bins)  # auto: a histogram
     return qs, dev, acts
 
 
-def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary) -> None:
+@dataclass
+class _AutoState:
+    """What ``--method auto`` observes of one activation quantizer besides its histogram."""
+
+    layer: nn.Module
+    max_calibrator: MaxCalibrator
+    sample: InputSample
+    hook: object = None
+
+    def observe(self, _module, args) -> None:
+        self.max_calibrator.collect(args[0])
+        self.sample.collect(args[0])
+
+
+def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _AutoState]:
+    """Observers for the input quantizers of quantized layers. Others (asymmetric: min/max by definition;
+    blocked; a quantizer outside a layer) have no auto choice and get the histogram's mse amax."""
+    states = {}
+    for name, q in acts.items():
+        layer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if (not name.endswith("input_quantizer") or q.desc.asymmetric or q._block is not None
+                or getattr(layer, "input_quantizer", None) is not q or not hasattr(layer, "weight_quantizer")):
+            continue
+        nb = q.desc.num_bits
+        st = _AutoState(layer, MaxCalibrator(nb if isinstance(nb, int) else tuple(nb), q.desc.axis, q.desc.unsigned,
+                                             name=name),
+                        InputSample(num_batches, rows_last=isinstance(layer, nn.Linear)))
+        st.hook = q.register_forward_pre_hook(st.observe)
+        states[name] = st
+    return states
+
+
+def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
+    """Set ``q``'s amax to the candidate whose layer output is closest (MSE) to the float layer's output on
+    the input sample, the layer's weights quantized as deployed. Returns the choice and every error."""
+    hist = q.calibrator
+    cands = {}
+    q.calibrator = st.max_calibrator
+    cands["max"] = q.load_calib_amax("max").clone()
+    for m in ("percentile", "mse", "entropy"):
+        if m == "entropy" and q.desc.is_fp8:
+            continue  # KL search is defined for integer grids
+        q.calibrator = hist
+        cands[m] = q.load_calib_amax(m, **kwargs).clone()
+    x = st.sample.tensor()
+    errors: dict[str, float] = {}
+    if x is not None:
+        layer, wq = st.layer, st.layer.weight_quantizer
+        modes = (q.mode, wq.mode)
+        x = x.to(device=layer.weight.device, dtype=layer.weight.dtype)
+        try:
+            with torch.inference_mode():
+                q.mode, wq.mode = "disabled", "disabled"
+                ref = layer(x).to(torch.float64)
+                q.set_mode("quantize")
+                wq.set_mode("quantize")
+                for m, a in cands.items():
+                    q.set_amax(a)
+                    errors[m] = float(((layer(x).to(torch.float64) - ref) ** 2).mean())
+        finally:
+            q.mode, wq.mode = modes
+    pick = choose(errors) if errors else "max"
+    q.set_amax(cands[pick])
+    q.histogram = hist
+    return {"method": pick, "amax": float(cands[pick].max()),
+            "errors": {m: errors.get(m) for m in cands}, "candidates": {m: float(a.max()) for m, a in cands.items()}}
+
+
+def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary,
+                          auto: dict | None = None) -> None:
     """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and reported."""
     for name, q in acts.items():
         if q.calibrator is not None and q.calibrator.num_batches == 0:
@@ -214,7 +294,10 @@ def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summa
             _leave_out(qs, name, summary)
             q.calibrator = None
             continue
-        q.load_calib_amax(method, **kwargs)
+        if auto and name in auto:
+            summary.auto[name] = _choose_auto(q, auto[name], kwargs)
+        else:
+            q.load_calib_amax("mse" if method == "auto" else method, **kwargs)
 
 
 def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:

@@ -38,6 +38,7 @@ class Method(str, Enum):
     entropy = "entropy"
     mse = "mse"
     percentile = "percentile"
+    auto = "auto"
 
 
 def _version(value: bool) -> None:
@@ -111,7 +112,7 @@ def calibrate(
     data: Optional[Path] = typer.Option(None, "--data", help="Calibration data: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG images. Sample models bring their own."),
     config: str = typer.Option("int8", "--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or a YAML/JSON file."),
     target: Optional[str] = typer.Option(None, "--target", help="Runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt. Overrides the config file's target."),
-    method: Method = typer.Option(Method.max, "--method", help="Activation amax method."),
+    method: Method = typer.Option(Method.max, "--method", help="Activation amax method; auto: per quantizer, the candidate (max, percentile, mse, entropy) with the smallest error of its layer's output."),
     percentile: float = typer.Option(99.99, "--percentile", help="Percentile for --method percentile."),
     num_bins: int = typer.Option(2048, "--num-bins", help="Histogram bins for entropy/mse/percentile."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays into batches of N (default 32)."),
@@ -126,19 +127,26 @@ def calibrate(
     image_size: Optional[str] = typer.Option(None, "--image-size", help="Image --data: N or HxW pixels (default: preprocessor_config.json, else 224)."),
     mean: Optional[str] = typer.Option(None, "--mean", help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: preprocessor_config.json, else ImageNet's)."),
     std: Optional[str] = typer.Option(None, "--std", help="Image --data: per-channel std (default: preprocessor_config.json, else ImageNet's)."),
+    min_cosine: Optional[float] = typer.Option(None, "--min-cosine", help="Keep the fewest layers in float needed for this cosine to the float model on held-out data."),
+    min_snr: Optional[float] = typer.Option(None, "--min-snr", help="The same for an SNR target in dB."),
+    holdout: Optional[Path] = typer.Option(None, "--holdout", help="Held-out data for --min-cosine/--min-snr (default: a sample model's held-out split, else the last quarter of --data's batches)."),
+    max_float_layers: Optional[int] = typer.Option(None, "--max-float-layers", help="With a target: at most N layers kept in float (default a quarter of the quantized layers); beyond it, exit 1."),
     fold_bn: Optional[bool] = typer.Option(None, "--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true)."),
     smoothquant: Optional[float] = typer.Option(None, "--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul."),
 ) -> None:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.data import DataOptions
 
-    _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size, num_samples,
-           device, out_path, as_json, trust_pickle, pooling,
-           DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, smoothquant, target)
+    goal = (min_cosine, min_snr, holdout, max_float_layers)
+    code = _guard(_calibrate, model, weights, data, config, method.value, percentile, num_bins, batch_size,
+                  num_samples, device, out_path, as_json, trust_pickle, pooling,
+                  DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn, smoothquant, target, goal)
+    raise typer.Exit(code or 0)
 
 
 def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples, device,
-               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, smoothquant=None, target=None):
+               out_path, as_json, trust_pickle, pooling="none", data_options=None, fold_bn=None, smoothquant=None,
+               target=None, goal=(None,) * 4):
     """One process, or (under ``torchrun``) one rank: each rank reads its own share of the data, the
     statistics are merged, rank 0 writes the checkpoint and prints; every rank ends with the same outcome."""
     global _quiet
@@ -147,16 +155,17 @@ def _calibrate(model_spec, weights, data, config, method, percentile, num_bins, 
     job = join_from_environment(device)
     _quiet = job is not None and job.rank != 0
     try:
-        _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
-                        num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn,
-                        smoothquant, target)
+        return _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size,
+                               num_samples, device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn,
+                               smoothquant, target, goal)
     finally:
         if job is not None:
             leave()
 
 
 def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, num_bins, batch_size, num_samples,
-                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, smoothquant=None, target=None):
+                    device, out_path, as_json, trust_pickle, pooling, data_options, fold_bn=None, smoothquant=None,
+                    target=None, goal=(None,) * 4):
     from quantcli.calibration import calibrate as run_calibration
     from quantcli.calibration import resolve_device
     from quantcli.checkpoint import save_calibrated
@@ -202,6 +211,8 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         report = model.quantcli_report
         if not report.layers:
             raise QuantCliError(f"{model_spec} has no Linear/Conv/ConvTranspose layers to quantize")
+        batches, holdout = _holdout(goal, job, spec, model, batches, batch_size, data_options)
+    min_cosine, min_snr, _, max_float_layers = goal
     target = out_path or Path(f"{spec.stem}.calib.pt")
     smoothed = None
     if smoothquant is not None:  # before calibration: the quantizers calibrate the smoothed tensors
@@ -213,7 +224,17 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         summary = run_calibration(model, batches, method, percentile=percentile, num_bins=num_bins,
                                   device=device if job is None else job.device, progress=advance)
     model.to("cpu")
+    mixed = None
+    if holdout is not None:
+        from quantcli.mixed_precision import meet_target
+
+        mixed = meet_target(model, holdout[0], min_cosine=min_cosine, min_snr=min_snr,
+                            max_float_layers=max_float_layers, holdout_name=holdout[1])
+        summary.calibrated = [n for n in summary.calibrated if n not in mixed.quantizers_disabled]
+        summary.skipped += mixed.quantizers_disabled
     info = summary.to_dict()
+    if mixed is not None:
+        info["mixed_precision"] = mixed.to_dict()
     info["config"] = cfg.source
     info["target"] = cfg.target
     info["placement"] = _placement_summary(report.placement, cfg.target)
@@ -226,12 +247,14 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
         if job is None or job.rank == 0:
             save_calibrated(target, model, spec, batches[0], info, prep)
     if _quiet:
-        return
+        return None
     info["out"] = str(target)
     info["unmatched_patterns"] = report.unmatched_patterns
+    code = 1 if mixed is not None and not mixed.met else 0
     if as_json:
         _print_json(info)
-        return
+        _target_missed(mixed)
+        return code
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
     if summary.not_called:
@@ -264,9 +287,66 @@ def _calibrate_rank(job, model_spec, weights, data, config, method, percentile, 
                   + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else ""))
     if summary.amax_min is not None:
         t.add_row("amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}")
-    t.add_row("time", f"{summary.seconds:.2f} s")
+    if summary.auto:
+        from collections import Counter
+
+        picks = Counter(a["method"] for a in summary.auto.values())
+        t.add_row("auto choices", ", ".join(f"{n} {m}" for m, n in picks.most_common())
+                  + " (smallest layer-output MSE; per quantizer in --json)")
+    if mixed is not None:
+        t.add_row("quality target", _target_text(mixed))
+        t.add_row("kept in float", ", ".join(mixed.kept_float) or "none")
+    t.add_row("time", f"{summary.seconds:.2f} s" + (f" + {mixed.seconds:.2f} s target search" if mixed else ""))
     t.add_row("written", str(target))
     out.print(t)
+    _target_missed(mixed)
+    return code
+
+
+def _target_missed(mixed) -> None:
+    """Exit 1's explanation (stderr, also with --json): what the target needs and what the cap allowed."""
+    if mixed is None or mixed.met:
+        return
+    err.print(f"target not met: it needs {mixed.needed} of {mixed.layers_total} layers in float, more than "
+              f"--max-float-layers {mixed.cap}; the checkpoint keeps the {mixed.cap} most sensitive in float "
+              f"(cosine {_fmt(mixed.after.cosine)}, SNR {_fmt(mixed.after.snr_db)} dB)")
+
+
+def _target_text(mixed) -> str:
+    goal = " and ".join(x for x in (f"cosine >= {mixed.min_cosine}" if mixed.min_cosine is not None else "",
+                                    f"SNR >= {mixed.min_snr} dB" if mixed.min_snr is not None else "") if x)
+    return (f"{goal} on {mixed.holdout_samples} held-out samples ({mixed.holdout}): "
+            f"{'met' if mixed.met else 'NOT met'}; cosine {_fmt(mixed.before.cosine)} -> {_fmt(mixed.after.cosine)}, "
+            f"SNR {_fmt(mixed.before.snr_db)} -> {_fmt(mixed.after.snr_db)} dB with {len(mixed.kept_float)} of "
+            f"{mixed.layers_total} layers in float")
+
+
+def _holdout(goal, job, spec, model, batches, batch_size, data_options):
+    """``(calibration batches, (held-out batches, where they came from) or None)`` for --min-cosine/--min-snr."""
+    from quantcli.data import DataOptions, load_data, num_samples
+    from quantcli.errors import QuantCliError
+    from quantcli.mixed_precision import check_target, split_holdout
+
+    min_cosine, min_snr, holdout, max_float_layers = goal
+    if min_cosine is None and min_snr is None:
+        if holdout is not None or max_float_layers is not None:
+            raise QuantCliError("--holdout and --max-float-layers go with --min-cosine or --min-snr")
+        return batches, None
+    check_target(min_cosine, min_snr)
+    if job is not None:
+        raise QuantCliError("--min-cosine/--min-snr search in one process; run calibrate without torchrun")
+    if holdout is not None:
+        opts = data_options or DataOptions()
+        opts.model_folder = spec.path if spec.kind == "hf" else None
+        held, _ = load_data(holdout, model, batch_size or 32, None, opts)
+        return batches, (held, str(holdout))
+    if spec.kind == "sample":
+        from sample_models import SAMPLES
+
+        held = SAMPLES[spec.spec].evaluation_batches()
+        return batches, (held, f"{spec.spec}'s held-out split")
+    calib, held = split_holdout(batches)
+    return calib, (held, f"the last {num_samples(held)} samples of --data")
 
 
 def _placement_summary(placement, target: str) -> dict:
@@ -580,6 +660,74 @@ def _inspect(path: Path, as_json: bool, runtime=None, provider: str = "cpu", tru
     elif code["needs_trust_code"]:
         out.print(f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
                   "export and verify run it only with --trust-code (inspect --trust-code checks that it loads)")
+
+
+# --------------------------------------------------------------------------------------------- analyze
+
+
+@app.command()
+def analyze(
+    calibrated: Path = typer.Argument(..., help="Calibrated checkpoint written by `quantcli calibrate`."),
+    data: Optional[Path] = typer.Option(None, "--data", help="Inputs (calibrate's formats). Default: the sample model's held-out set, else the checkpoint's example batch."),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="Folder for report.html and analysis.json (default <checkpoint>.analysis)."),
+    num_samples: int = typer.Option(64, "--num-samples", help="Samples the sensitivity passes use (two passes per quantizer); statistics use all the data."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="Re-batch whole arrays from --data (default 32)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON."),
+    trust_code: bool = typer.Option(False, "--trust-code", help=TRUST_CODE_HELP),
+) -> None:
+    """Rank quantizers by sensitivity, with statistics and plots: an HTML report and JSON."""
+    _guard(_analyze, calibrated, data, out_dir, num_samples, batch_size, as_json, trust_code)
+
+
+def _analyze(calibrated, data, out_dir, sample_samples, batch_size, as_json, trust_code) -> None:
+    from quantcli.analyze import analyze as run_analysis
+    from quantcli.checkpoint import atomic_write, load_calibrated
+    from quantcli.data import DataOptions, load_data
+    from quantcli.errors import QuantCliError
+    from quantcli.report_html import render
+
+    ckpt = load_calibrated(calibrated, trust_code=trust_code)
+    out_dir = out_dir or Path(f"{calibrated.with_suffix('').name}.analysis")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise QuantCliError(f"--out {out_dir} is a file; give a folder")
+    if not out_dir.parent.is_dir():
+        raise QuantCliError(f"cannot write {out_dir}: directory {out_dir.parent} does not exist")
+    if data is not None:
+        opts = DataOptions(model_folder=ckpt.spec.path if ckpt.spec.kind == "hf" else None,
+                           stored=ckpt.data.get("preprocessing"))
+        batches, _ = load_data(data, ckpt.model, batch_size or 32, None, opts)
+    else:
+        batches = ckpt.evaluation_batches() or [ckpt.example]
+    ctx, advance = _progress(100, "analyzing", not as_json)
+    with ctx:
+        rep = run_analysis(ckpt, batches, sample_samples=sample_samples,
+                           progress=None if advance is None else (lambda stage, k, n: advance(int(99 * k / n))))
+    d = rep.to_dict()
+    out_dir.mkdir(exist_ok=True)
+    html_path, json_path = out_dir / "report.html", out_dir / "analysis.json"
+    atomic_write(json_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1) + "\n"))
+    atomic_write(html_path, lambda tmp: Path(tmp).write_text(render(d), encoding="utf-8"))
+    if as_json:
+        _print_json({**d, "report": str(html_path), "json": str(json_path)})
+        return
+    ov = d["overall"]
+    t = Table(title=f"quantcli analyze {calibrated}: {d['num_samples']} samples, sensitivity on "
+                    f"{d['sensitivity_samples']}; all on: cosine {_fmt(ov['cosine'])}, SNR {_fmt(ov['snr_db'])} dB")
+    for col in ("rank", "quantizer", "cos only on", "SNR only on", "cos only off", "outlier ratio", "amax",
+                "max", "percentile", "mse", "entropy"):
+        t.add_column(col)
+    for r in d["quantizers"][:20]:
+        ma = r["method_amax"] or {}
+        t.add_row(str(r["rank"]), r["quantizer"], _fmt(r["only_enabled"]["cosine"]), _fmt(r["only_enabled"]["snr_db"]),
+                  _fmt((r["only_disabled"] or {}).get("cosine")), _fmt(r["outlier_ratio"]), _fmt(r["amax"]),
+                  *(_fmt(ma.get(m)) for m in ("max", "percentile", "mse", "entropy")))
+    out.print(t)
+    if len(d["quantizers"]) > 20:
+        out.print(f"... {len(d['quantizers']) - 20} more in the report")
+    sec = d["seconds"]
+    out.print(f"time {sec['total']:.2f} s (statistics {sec['statistics']:.2f} s, sensitivity {sec['sensitivity']:.2f} s, "
+              f"{sec['passes']} forward passes)")
+    out.print(f"written {html_path} and {json_path}")
 
 
 #: options whose value may be left out, and the value they then take (typer has no optional-value options)

@@ -80,3 +80,28 @@ def test_own_model_quick_starts_run_as_written(tmp_path, monkeypatch):
             r = cli(*argv[1:])
             assert r.exit_code == 0, (line, r.output)
         assert "PASS" in r.stdout and (tmp_path / made).is_file()
+
+
+def test_transformers_quick_start_runs_as_written(tmp_path, monkeypatch):
+    """The four lines of "Quick start: transformers", on a tiny BERT folder and text files."""
+    import shlex
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from tests.helpers import cli
+    from tests.test_user_models_data import TEXTS, make_bert_folder
+
+    make_bert_folder(tmp_path / "my-encoder")
+    (tmp_path / "texts.txt").write_text("\n".join(TEXTS * 10) + "\n")  # 80 lines: 3 batches, the last held out
+    (tmp_path / "held-out.txt").write_text("\n".join(reversed(TEXTS)) + "\n")
+    monkeypatch.chdir(tmp_path)
+    lines = _blocks_after("## Quick start: transformers")[0].splitlines()
+    assert len(lines) == 4
+    for line in lines:
+        argv = shlex.split(line.split("#")[0])
+        assert argv[0] == "quantcli", line
+        r = cli(*argv[1:])
+        assert r.exit_code == 0, (line, r.output)
+    assert "PASS" in r.stdout
+    assert (tmp_path / "my-encoder.calib.analysis" / "report.html").is_file()

@@ -1,0 +1,178 @@
+"""Mixed precision to a quality target: keep the fewest layers in float needed to reach ``min_cosine`` /
+``min_snr`` against the float model on held-out data.
+
+The unit is a layer (its input and weight quantizers together): onnxruntime and TensorRT run a layer in
+integer arithmetic only when both its input and its weight are quantized, so keeping one of the two in float
+costs the layer's speed-up anyway and buys less accuracy than keeping both.
+
+Search (every quality below is measured on the whole held-out set, in PyTorch with quantcli's fake
+quantization, which gives the same integer codes as the exported graph in onnxruntime):
+
+1. the calibrated model as it is; done if it meets the target;
+2. rank the layers by sensitivity (:mod:`quantcli.sensitivity`, only that layer quantized) on a bounded
+   sample of the held-out data (``sample_samples``), worst first;
+3. bisect the smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (all layers
+   in float is the float model and always meets it; quality is assumed to grow with ``k`` along the ranking,
+   and every accepted step is measured, never assumed);
+4. prune: try to re-quantize each kept layer, least sensitive first, and keep it quantized if the target is
+   still met.
+
+``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one).
+If the target needs more, the result keeps the cap's worth of the worst layers in float, reports
+``met=False`` with the quality reached and how many layers the target would need (the command exits 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from quantcli.data import Batch, cap_samples, num_samples
+from quantcli.errors import CalibrationError
+from quantcli.nn.replace import quantizers
+from quantcli.quality import Quality
+from quantcli.sensitivity import layer_units, measure, quantizing, rank, reference_outputs
+
+SENSITIVITY_SAMPLES = 64  # held-out samples the ranking passes use (one pass per layer)
+
+
+def default_cap(num_layers: int) -> int:
+    """A quarter of the quantized layers (rounded up), at least one."""
+    return max(1, math.ceil(num_layers / 4))
+
+
+@dataclass
+class MixedPrecisionResult:
+    min_cosine: float | None
+    min_snr: float | None
+    before: Quality
+    after: Quality
+    met: bool
+    kept_float: list[str] = field(default_factory=list)  # layers, most sensitive first
+    quantizers_disabled: list[str] = field(default_factory=list)
+    layers_total: int = 0
+    cap: int = 0
+    needed: int | None = None  # layers the target needs along the ranking, when the cap was hit
+    holdout: str = ""
+    holdout_samples: int = 0
+    ranking: list[dict] = field(default_factory=list)
+    evaluations: int = 0  # full held-out passes
+    sensitivity_passes: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "min_cosine": self.min_cosine, "min_snr": self.min_snr, "met": self.met,
+            "before": self.before.to_dict(), "after": self.after.to_dict(),
+            "kept_float": self.kept_float, "layers_kept_float": len(self.kept_float),
+            "quantizers_disabled": self.quantizers_disabled, "layers_total": self.layers_total, "cap": self.cap,
+            "needed": self.needed, "holdout": self.holdout, "holdout_samples": self.holdout_samples,
+            "ranking": self.ranking, "evaluations": self.evaluations,
+            "sensitivity_passes": self.sensitivity_passes, "seconds": round(self.seconds, 3),
+        }
+
+
+def split_holdout(batches: list[Batch]) -> tuple[list[Batch], list[Batch]]:
+    """``(calibration, held-out)``: the last quarter of the batches (at least one) is held out."""
+    if len(batches) < 2:
+        raise CalibrationError("--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data with at "
+                               "least 2 batches (the last quarter of them is held out)")
+    k = max(1, len(batches) // 4)
+    return batches[:-k], batches[-k:]
+
+
+def check_target(min_cosine: float | None, min_snr: float | None) -> None:
+    if min_cosine is None and min_snr is None:
+        raise CalibrationError("give a target: --min-cosine C and/or --min-snr DB")
+    if min_cosine is not None and not (-1.0 <= min_cosine <= 1.0):
+        raise CalibrationError(f"--min-cosine must be in [-1, 1], got {min_cosine}")
+    if min_snr is not None and not math.isfinite(min_snr):
+        raise CalibrationError(f"--min-snr must be a finite number of dB, got {min_snr}")
+
+
+def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | None = None,
+                min_snr: float | None = None, max_float_layers: int | None = None,
+                sample_samples: int = SENSITIVITY_SAMPLES, holdout_name: str = "",
+                progress: Callable[[str], None] | None = None) -> MixedPrecisionResult:
+    """Disable (keep in float) the fewest layers of a calibrated ``model`` needed to meet the target on
+    ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers)."""
+    check_target(min_cosine, min_snr)
+    if not holdout:
+        raise CalibrationError("no held-out batches to measure the target on")
+    t0 = time.perf_counter()
+    units = layer_units(model)
+    if not units:
+        raise CalibrationError("the model has no enabled quantizers to keep in float")
+    cap = default_cap(len(units)) if max_float_layers is None else max_float_layers
+    if cap < 0:
+        raise CalibrationError(f"--max-float-layers must be >= 0, got {cap}")
+    refs = reference_outputs(model, holdout)
+    res = MixedPrecisionResult(min_cosine, min_snr, Quality(None, None), Quality(None, None), False,
+                               layers_total=len(units), cap=cap, holdout=holdout_name,
+                               holdout_samples=num_samples(holdout))
+
+    def quality_without(layers: list[str]) -> Quality:
+        res.evaluations += 1
+        off = [q for u in layers for q in units[u]]
+        with quantizing(model, inactive=off):
+            return measure(model, holdout, refs)
+
+    def meets(q: Quality) -> bool:
+        return q.meets(min_cosine, min_snr)
+
+    res.before = quality_without([])
+    if meets(res.before):
+        res.after, res.met = res.before, True
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    if progress is not None:
+        progress(f"ranking {len(units)} layers by sensitivity")
+    sample = cap_samples(holdout, sample_samples)
+    by = "snr" if min_cosine is None else "cosine"
+    ranked = rank(model, sample, units, by=by)
+    res.sensitivity_passes = len(units)
+    res.ranking = [r.to_dict() for r in ranked]
+    order = [r.unit for r in ranked]
+
+    # bisect k: quality[k] = quality with the k worst layers in float; k = len(order) is the float model
+    known: dict[int, Quality] = {0: res.before}
+    lo, hi = 0, len(order)  # lo fails, hi meets
+    limit = min(cap, len(order))
+    if progress is not None:
+        progress("searching the fewest layers to keep in float")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        known[mid] = quality_without(order[:mid])
+        if meets(known[mid]):
+            hi = mid
+        else:
+            lo = mid
+    if hi > limit:  # the cap is hit: the best within it, and what the target would need
+        res.needed = hi
+        kept = order[:limit]
+        res.after = known.get(limit) or quality_without(kept)
+        res.met = False
+    else:
+        kept = order[:hi]
+        after = known.get(hi) or quality_without(kept)
+        # prune: re-quantize kept layers the target does not need, least sensitive first
+        for u in reversed(list(kept)):
+            trial = [k for k in kept if k != u]
+            q = quality_without(trial)
+            if meets(q):
+                kept, after = trial, q
+        res.after, res.met = after, True
+    res.kept_float = kept
+    qs = quantizers(model)
+    for u in kept:
+        for name in units[u]:
+            qs[name].enabled = False
+            qs[name].set_mode("disabled")
+            res.quantizers_disabled.append(name)
+    res.seconds = time.perf_counter() - t0
+    return res

@@ -1,0 +1,97 @@
+"""``--method auto``: per activation quantizer, the candidate amax with the smallest layer-output MSE.
+
+The criterion is recomputed here independently: every layer's calibration inputs captured with a forward
+hook on the float model, quantized with a hand-written int8 fake quantization (round half to even, scale
+``amax / 127``), through ``F.linear`` with the per-channel int8 weight, against the float ``F.linear``. With 64
+samples every input row fits in the bounded sample, so this is the very criterion auto minimises.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from calibrators.auto import CANDIDATES, choose
+from tests.helpers import cli
+
+
+def _fq(x, amax, bound=127):
+    s = amax.to(torch.float32) / bound
+    return torch.clamp(torch.round(x / s), -bound - 1, bound) * s
+
+
+@pytest.fixture(scope="module")
+def auto_run():
+    from quantcli.calibration import calibrate
+    from quantcli.data import cap_samples
+    from quantcli.nn import quantize_model
+    from quantcli.nn.replace import quantizers
+    from sample_models import text_encoder
+
+    batches = cap_samples(text_encoder.calibration_batches(), 64)
+    model = quantize_model(text_encoder.build())
+    summary = calibrate(model, batches, "auto", device="cpu")
+    ref = {}
+    for method in ("max", "percentile"):
+        m = quantize_model(text_encoder.build())
+        calibrate(m, batches, method, device="cpu")
+        ref[method] = {n: q.amax.clone() for n, q in quantizers(m).items()}
+    return model, summary, batches, ref
+
+
+def test_every_layer_input_gets_a_choice_with_its_errors(auto_run):
+    from quantcli.nn.replace import quantizers
+
+    model, summary, _, ref = auto_run
+    inputs = [n for n in quantizers(model) if n.endswith("input_quantizer")]
+    assert sorted(summary.auto) == sorted(inputs)
+    for name, a in summary.auto.items():
+        assert a["method"] in CANDIDATES
+        assert set(a["errors"]) == set(CANDIDATES)
+        assert float(quantizers(model)[name].amax) == pytest.approx(a["candidates"][a["method"]])
+        # the candidates are what the plain methods give
+        assert a["candidates"]["max"] == pytest.approx(float(ref["max"][name]))
+        assert a["candidates"]["percentile"] == pytest.approx(float(ref["percentile"][name]))
+
+
+def test_choice_minimises_the_independent_layer_output_error(auto_run):
+    from sample_models import text_encoder
+
+    model, summary, batches, _ = auto_run
+    flt = text_encoder.build()
+    layers = {n: m for n, m in flt.named_modules() if isinstance(m, torch.nn.Linear)}
+    seen = {n: [] for n in layers}
+    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
+             for n, m in layers.items()]
+    with torch.inference_mode():
+        for b in batches:
+            flt(**b)
+    for h in hooks:
+        h.remove()
+    picked_not_max = 0
+    for name, a in summary.auto.items():
+        layer = name.rsplit(".", 1)[0]
+        lin = layers[layer]
+        x = torch.cat(seen[layer])
+        w, bias = lin.weight.detach(), lin.bias.detach()
+        wq = _fq(w, w.abs().amax(dim=1, keepdim=True))
+        y = F.linear(x, w, bias).double()
+        err = {m: float(((F.linear(_fq(x, torch.tensor(v)), wq, bias).double() - y) ** 2).mean())
+               for m, v in a["candidates"].items()}
+        for m in CANDIDATES:  # the reported errors are these errors (to 0.2%: float rounding of the two passes)
+            assert a["errors"][m] == pytest.approx(err[m], rel=2e-3, abs=1e-12), (name, m)
+        assert err[a["method"]] <= err["max"] * (1 + 1e-6), name  # never worse than max
+        assert a["method"] == choose(err), name
+        picked_not_max += a["method"] != "max"
+    assert picked_not_max >= 1  # the choice is made per quantizer, not a fixed one
+
+
+def test_cli_reports_auto_choices(tmp_path):
+    r = cli("calibrate", "text_encoder", "--method", "auto", "--num-samples", "64", "--out", tmp_path / "a.pt",
+            "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.stdout)
+    assert d["method"] == "auto" and len(d["auto"]) == 13
+    r = cli("calibrate", "text_encoder", "--method", "auto", "--num-samples", "64", "--out", tmp_path / "a.pt")
+    assert "auto choices" in r.output

@@ -1,0 +1,97 @@
+"""``calibrate --min-cosine/--min-snr``: the fewest layers kept in float to meet a target on held-out data."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tests.helpers import assert_clean_error, cli
+
+pytest.importorskip("transformers")
+
+TOKENS = 16  # short sequences keep the 6-layer encoder's many passes cheap
+
+
+def _tokens(split: str, n: int) -> dict[str, np.ndarray]:
+    from sample_models import structured
+
+    ids, mask = [], []
+    for b in structured.deep_encoder_batches(split, n):
+        pad = max(0, TOKENS - b["input_ids"].shape[1])
+        ids.append(torch.nn.functional.pad(b["input_ids"], (0, pad))[:, :TOKENS])
+        mask.append(torch.nn.functional.pad(b["attention_mask"], (0, pad))[:, :TOKENS])
+    return {"input_ids": torch.cat(ids).numpy(), "attention_mask": torch.cat(mask).numpy()}
+
+
+def _cosine(model, ref, batch) -> float:
+    with torch.inference_mode():
+        a, b = model(**batch).double().reshape(-1), ref(**batch).double().reshape(-1)
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
+    from quantcli.checkpoint import load_calibrated
+
+    np.savez(tmp_path / "calib.npz", **_tokens("calib", 16))
+    hold = _tokens("eval", 16)
+    np.savez(tmp_path / "hold.npz", **hold)
+    out = tmp_path / "enc.calib.pt"
+    r = cli("calibrate", "sample_models.structured:deep_encoder", "--data", tmp_path / "calib.npz",
+            "--holdout", tmp_path / "hold.npz", "--method", "auto", "--min-cosine", "0.995", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    mp = json.loads(r.stdout)["mixed_precision"]
+    assert mp["met"] and mp["before"]["cosine"] < 0.995 <= mp["after"]["cosine"]
+    assert 1 <= mp["layers_kept_float"] <= mp["cap"]
+    assert mp["holdout_samples"] == 16
+
+    # independently: the checkpoint, rebuilt, against a freshly built float model on the held-out data
+    ck = load_calibrated(out)
+    ref = ck.float_model()  # the same weights with every quantizer passing through
+    batch = {k: torch.from_numpy(v) for k, v in hold.items()}
+    kept = mp["kept_float"]
+    assert ck.data["calibration"]["mixed_precision"]["kept_float"] == kept  # the checkpoint says which
+    stored = ck.data["quantizers"]
+    assert sorted(n for n, q in stored.items() if not q["enabled"]) == sorted(
+        f"{layer}.{kind}_quantizer" for layer in kept for kind in ("input", "weight"))
+    assert _cosine(ck.model, ref, batch) >= 0.995
+    # the fewest along the search: re-quantizing any one kept layer misses the target
+    from quantcli.nn.replace import quantizers
+
+    qs = quantizers(ck.model)
+    for layer in kept:
+        for kind in ("input", "weight"):
+            qs[f"{layer}.{kind}_quantizer"].enabled = True
+            qs[f"{layer}.{kind}_quantizer"].set_mode("quantize")
+        assert _cosine(ck.model, ref, batch) < 0.995, layer
+        for kind in ("input", "weight"):
+            qs[f"{layer}.{kind}_quantizer"].enabled = False
+            qs[f"{layer}.{kind}_quantizer"].set_mode("disabled")
+
+
+def test_cap_hit_exits_1_with_the_best_reached_and_exports_and_verifies(tmp_path):
+    out = tmp_path / "te.calib.pt"
+    r = cli("calibrate", "text_encoder", "--min-cosine", "0.99999999", "--max-float-layers", "1", "--out", out,
+            "--json")
+    assert r.exit_code == 1, r.output
+    assert "target not met" in r.stderr and "--max-float-layers 1" in r.stderr
+    mp = json.loads(r.stdout)["mixed_precision"]
+    assert not mp["met"] and mp["needed"] > 1 and mp["layers_kept_float"] == 1
+    assert mp["after"]["cosine"] >= mp["before"]["cosine"]
+    # the checkpoint with one layer in float exports and verifies: its pair is absent, as the structure check expects
+    assert cli("export", out, "--onnx", tmp_path / "te.onnx").exit_code == 0
+    v = cli("verify", tmp_path / "te.onnx", "--reference", out, "--json")
+    assert v.exit_code == 0, v.output
+    rep = json.loads(v.stdout)
+    assert rep["structure"]["quantizers_expected"] == 24  # 26 quantizers less the kept layer's two
+    assert rep["quality"]["outputs"][next(iter(rep["quality"]["outputs"]))]["cosine"] == pytest.approx(
+        mp["after"]["cosine"], abs=1e-6)
+
+
+def test_target_options_errors(tmp_path):
+    assert_clean_error(cli("calibrate", "text_encoder", "--holdout", tmp_path / "h.npz"), "--min-cosine")
+    assert_clean_error(cli("calibrate", "text_encoder", "--min-cosine", "1.5"), "--min-cosine must be in")
+    np.savez(tmp_path / "one.npz", x=np.zeros((4, 1, 8, 8), np.float32))
+    assert_clean_error(cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "one.npz",
+                           "--min-cosine", "0.99", "--out", tmp_path / "o.pt"), "--holdout")
+    assert not (tmp_path / "o.pt").exists()
