@@ -346,3 +346,16 @@ def test_a_large_deployment_gap_is_explained(monkeypatch):
     assert len(section["notes"]) == 1 and "reduce_range" in section["notes"][0] and "no VNNI" in section["notes"][0]
     close = {"y": stats([0.012, 0, 0, 0])}  # as close to the simulation as the exact session: nothing to explain
     assert driver._deployment(None, ["y"], close, exact, qerr, None)["notes"] == []
+
+
+def test_non_finite_data_is_bad_input_not_a_numerical_failure(calibrated, exported, tmp_path):
+    """NaN in the data used to give exit 1 and a FAIL table (NaN != NaN in every comparison): bad input, exit 2,
+    and no report file written."""
+    ref = calibrated("digits_cnn")
+    x = np.random.default_rng(0).random((5, 1, 8, 8), dtype=np.float32)
+    x[3, 0, 2, 2] = np.nan
+    np.savez(tmp_path / "nan.npz", x=x)
+    report = tmp_path / "report.json"
+    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", ref, "--data", tmp_path / "nan.npz",
+                           "--report", report), "'x'", "non-finite")
+    assert not report.exists()

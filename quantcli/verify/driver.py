@@ -51,6 +51,17 @@ def _numpy(out) -> list[np.ndarray]:
     return [t.detach().cpu().numpy() for t in flat_outputs(out)]
 
 
+def _check_finite(batches: list[Batch]) -> None:
+    """Refuse NaN/inf in floating-point inputs: they make every comparison meaningless (NaN != NaN), so
+    verify would report a numerical FAIL (exit 1) for what is bad input data."""
+    for i, batch in enumerate(batches):
+        for name, v in batch.items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad = int((~torch.isfinite(v)).sum())
+                raise VerifyError(f"verification batch {i}: input {name!r} has {bad} non-finite value(s) (NaN or "
+                                  f"inf); verify needs finite inputs: clean the data")
+
+
 def verify_onnx(
     onnx_path: str | Path,
     calibrated: Calibrated | str | Path,
@@ -82,6 +93,7 @@ def verify_onnx(
         batches = ckpt.evaluation_batches() or [ckpt.example]
     if not batches:
         raise VerifyError("no verification data")
+    _check_finite(batches)
     structure, weight_rows = check_structure(model, ckpt)
     qmodel, fmodel = ckpt.model, ckpt.float_model()
 
