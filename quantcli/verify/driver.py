@@ -103,9 +103,12 @@ def verify_onnx(
     exact = strip_propagated(model)
     sess, prov, provider_note = _open_exact(rp.with_outputs(exact, rp.evidence_outputs(exact)), prov, provider)
     dsess, deploy_error = None, None
+    # a TensorRT-target graph is not made for onnxruntime's CPU fusions: its float8 pairs are unguarded (TensorRT
+    # needs the DequantizeLinear right before the op), so it is deployed here with the options it needs to load
+    deploy_options = _deploy_options(model)
     if deployment:
         try:
-            dsess = sessions.open_session(model, prov, optimize=True)
+            dsess = sessions.open_session(model, prov, optimize=True, disabled_optimizers=deploy_options)
         except VerifyError as e:
             deploy_error = str(e)
 
@@ -218,6 +221,10 @@ def verify_onnx(
                       "exact_outputs": {n: qual[n].quality() for n in out_names}}
     if deployment:
         report.deployment = _deployment(model, out_names, dep, fid, qerr, deploy_error)
+        if deploy_options:
+            report.deployment["disabled_optimizers"] = list(deploy_options)
+            report.deployment["notes"].insert(0, "target tensorrt: the deployed session leaves out onnxruntime's "
+                                                 f"{', '.join(deploy_options)}, which this graph needs to load there")
         report.checks.append(at_least("deployment.loads", 1, 0 if deploy_error else 1,
                                       deploy_error and f"{deploy_error}; {sessions.deployment_advice(model)}"))
         if max_deploy_ratio is not None and deploy_error is None:
@@ -238,6 +245,17 @@ def verify_onnx(
         report.layers = [{**r, "rank": k} for k, r in enumerate(ranked, start=1)]
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _deploy_options(model) -> tuple[str, ...]:
+    """The optimizers the deployed session leaves out: none for the onnxruntime target (its graphs load with
+    default options, or fail ``deployment.loads``), what the graph needs for a TensorRT-target graph."""
+    meta = {p.key: p.value for p in model.metadata_props}
+    if meta.get("quantcli.target") != "tensorrt":
+        return ()
+    from exporters.ort_compat import session_needs
+
+    return tuple(session_needs(model).disabled_optimizers)
 
 
 def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:
