@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import os
+import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +144,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint (cannot read it: "
-                              f"{str(e).splitlines()[0][:120]}); create one with `quantcli calibrate`") from None
+        # a file torch.save did not write fails deep in the unpickler (a KeyError naming a byte, or torch's
+        # weights_only advice), neither of which says what is wrong: say it, and what the file looks like
+        with open(path, "rb") as f:
+            head = f.read(2)
+        if head == b"\x08\x07" or path.suffix.lower() == ".onnx":  # an ONNX ModelProto starts with ir_version
+            why = "it looks like an ONNX graph; pass the .calib.pt file that `quantcli calibrate` wrote"
+        elif isinstance(e, (KeyError, pickle.UnpicklingError, EOFError)):
+            why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
+        else:
+            why = f"cannot read it: {str(e).splitlines()[0][:120]}; create one with `quantcli calibrate`"
+        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
     if data.get("format_version", 0) > FORMAT_VERSION:
