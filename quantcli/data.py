@@ -10,6 +10,7 @@ float64 becomes float32; integer and bool arrays (token ids, masks) pass through
 from __future__ import annotations
 
 import inspect
+import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,7 +87,14 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"cannot read {where}: {str(e).splitlines()[0]}") from None
+        # a file that is not what its suffix says fails deep in numpy's or torch's readers, whose messages
+        # (pickle advice, a KeyError naming a byte) do not say so
+        kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
+                ".pt": "a file written by torch.save"}[suffix]
+        detail = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, (KeyError, pickle.UnpicklingError, EOFError)) or "pickled" in detail:
+            raise DataError(f"cannot read {where}: it is not {kind}") from None
+        raise DataError(f"cannot read {where}: {detail}") from None
     if isinstance(obj, torch.Tensor):
         return [{names[0]: _tensor(obj, where)}] if names else [], True
     if isinstance(obj, dict):

@@ -347,3 +347,14 @@ def test_console_script_imports_a_model_module_from_the_working_directory(tmp_pa
                        cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o.pt").is_file()
+
+
+def test_data_file_that_is_not_its_format_says_so(tmp_path):
+    """A text file named .pt/.npz/.npy used to give the reader's internals ("cannot read junk.pt: 174812789",
+    numpy's allow_pickle advice): the message says the file is not the format its suffix names."""
+    out = tmp_path / "o.pt"
+    for suffix, kind in ((".pt", "torch.save"), (".npz", ".npz archive"), (".npy", ".npy array")):
+        (tmp_path / f"junk{suffix}").write_text("this is not data\n")
+        assert_clean_error(cli("calibrate", "digits_cnn", "--data", tmp_path / f"junk{suffix}", "--out", out),
+                           f"junk{suffix}: it is not", kind)
+    assert not out.exists()
