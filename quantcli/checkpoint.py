@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import os
-import pickle
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,10 +146,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         # a file torch.save did not write fails deep in the unpickler (a KeyError naming a byte, or torch's
         # weights_only advice), neither of which says what is wrong: say it, and what the file looks like
         with open(path, "rb") as f:
-            head = f.read(2)
-        if head == b"\x08\x07" or path.suffix.lower() == ".onnx":  # an ONNX ModelProto starts with ir_version
+            head = f.read(4)
+        if head[:2] == b"\x08\x07" or path.suffix.lower() == ".onnx":  # an ONNX ModelProto starts with ir_version
             why = "it looks like an ONNX graph; pass the .calib.pt file that `quantcli calibrate` wrote"
-        elif isinstance(e, (KeyError, pickle.UnpicklingError, EOFError)):
+        elif not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # torch.save: a zip, or a legacy pickle
             why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
         else:
             why = f"cannot read it: {str(e).splitlines()[0][:120]}; create one with `quantcli calibrate`"
