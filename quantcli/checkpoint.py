@@ -143,8 +143,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint (cannot read it: "
-                              f"{str(e).splitlines()[0][:120]}); create one with `quantcli calibrate`") from None
+        # a file torch.save did not write fails deep in the unpickler (a KeyError naming a byte, or torch's
+        # weights_only advice), neither of which says what is wrong: say it, and what the file looks like
+        with open(path, "rb") as f:
+            head = f.read(4)
+        if head[:2] == b"\x08\x07" or path.suffix.lower() == ".onnx":  # an ONNX ModelProto starts with ir_version
+            why = "it looks like an ONNX graph; pass the .calib.pt file that `quantcli calibrate` wrote"
+        elif not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # torch.save: a zip, or a legacy pickle
+            why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
+        else:
+            why = f"cannot read it: {str(e).splitlines()[0][:120]}; create one with `quantcli calibrate`"
+        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
     if data.get("format_version", 0) > FORMAT_VERSION:

@@ -762,6 +762,11 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         from click import exceptions as click_exc
 
+    # `python -m quantcli` has the working directory on sys.path, so MODEL `mymodule:make` and a torch.save(model)
+    # file whose class is defined beside it load; the console script's sys.path[0] is its bin/ folder instead.
+    # Appended (not prepended): a file in the working directory never shadows an installed package.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     try:
         code = app(args=optional_values(sys.argv[1:]), prog_name="quantcli", standalone_mode=False)
     except click_exc.UsageError as e:

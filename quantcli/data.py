@@ -86,7 +86,14 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"cannot read {where}: {str(e).splitlines()[0]}") from None
+        # a file that is not what its suffix says fails deep in numpy's or torch's readers, whose messages
+        # (pickle advice, a KeyError naming a byte) do not say so
+        detail = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if not _has_signature(path, suffix):
+            kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
+                    ".pt": "a file written by torch.save"}[suffix]
+            raise DataError(f"cannot read {where}: it is not {kind}") from None
+        raise DataError(f"cannot read {where}: {detail}") from None
     if isinstance(obj, torch.Tensor):
         return [{names[0]: _tensor(obj, where)}] if names else [], True
     if isinstance(obj, dict):
@@ -102,6 +109,16 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
                 raise DataError(f"{where}[{i}]: a batch must be a tensor or a dict of tensors, got {type(b).__name__}")
         return batches, False
     raise DataError(f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}")
+
+
+def _has_signature(path: Path, suffix: str) -> bool:
+    """Whether the file starts as its format does: a zip (.npz; .pt since torch 1.6), numpy's magic (.npy), a
+    pickle protocol 2+ opcode (a legacy torch.save .pt)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if suffix == ".npy":
+        return head == b"\x93NUMPY"
+    return head.startswith(b"PK\x03\x04") or (suffix == ".pt" and head[:1] == b"\x80")
 
 
 def _load_pt(path: Path, mmap: bool):

@@ -1,6 +1,10 @@
 """`quantcli calibrate` end to end: sample models, user models, every data format, and bad input."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -326,3 +330,31 @@ def test_usage_errors_are_one_line_from_the_real_cli(tmp_path):
     ok = cli_subprocess("--help")
     assert ok.returncode == 0 and "calibrate" in ok.stdout
     assert cli_subprocess("--version").stdout.startswith("quantcli ")
+
+
+def test_console_script_imports_a_model_module_from_the_working_directory(tmp_path):
+    """README: `python -m quantcli` works as well as `quantcli`. The console script's sys.path[0] is its bin/
+    folder, so `quantcli calibrate mymodel:make` in the folder holding mymodel.py failed ("No module named
+    'mymodel'") where `python -m quantcli` worked."""
+    script = Path(sys.executable).parent / "quantcli"
+    assert script.exists(), script
+    (tmp_path / "mymodel_qa.py").write_text(
+        "import torch\n\ndef make():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(4, 3))\n")
+    np.savez(tmp_path / "d.npz", np.random.default_rng(0).random((8, 4), dtype=np.float32))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONPATH", None)
+    r = subprocess.run([str(script), "calibrate", "mymodel_qa:make", "--data", "d.npz", "--out", "o.pt", "--json"],
+                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "o.pt").is_file()
+
+
+def test_data_file_that_is_not_its_format_says_so(tmp_path):
+    """A text file named .pt/.npz/.npy used to give the reader's internals ("cannot read junk.pt: 174812789",
+    numpy's allow_pickle advice): the message says the file is not the format its suffix names."""
+    out = tmp_path / "o.pt"
+    for suffix, kind in ((".pt", "torch.save"), (".npz", ".npz archive"), (".npy", ".npy array")):
+        (tmp_path / f"junk{suffix}").write_text("this is not data\n")
+        assert_clean_error(cli("calibrate", "digits_cnn", "--data", tmp_path / f"junk{suffix}", "--out", out),
+                           f"junk{suffix}: it is not", kind)
+    assert not out.exists()

@@ -252,6 +252,17 @@ def test_not_a_checkpoint(tmp_path):
     assert not (tmp_path / "o.onnx").exists()
 
 
+def test_not_a_checkpoint_says_what_the_file_is(exported, tmp_path):
+    """The message used to be torch's unpickler detail ("cannot read it: 174812789", or torch's weights_only
+    advice, cut mid-word for an ONNX file passed where the checkpoint goes): say what the file is."""
+    (tmp_path / "t.pt").write_text("hello")
+    assert_clean_error(cli("export", tmp_path / "t.pt", "--onnx", tmp_path / "o.onnx"), "not a file written by torch.save")
+    assert_clean_error(cli("export", exported("digits_cnn"), "--onnx", tmp_path / "o.onnx"), "looks like an ONNX graph")
+    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", exported("digits_cnn")),
+                       "looks like an ONNX graph", ".calib.pt")
+    assert not (tmp_path / "o.onnx").exists()
+
+
 def test_opset_too_low_names_format(calibrated, tmp_path):
     out = tmp_path / "o.onnx"
     assert_clean_error(cli("export", calibrated("digits_cnn", "fp8"), "--onnx", out, "--opset", "17"), "fp8-e4m3", ">= 19")

@@ -346,3 +346,32 @@ def test_a_large_deployment_gap_is_explained(monkeypatch):
     assert len(section["notes"]) == 1 and "reduce_range" in section["notes"][0] and "no VNNI" in section["notes"][0]
     close = {"y": stats([0.012, 0, 0, 0])}  # as close to the simulation as the exact session: nothing to explain
     assert driver._deployment(None, ["y"], close, exact, qerr, None)["notes"] == []
+
+
+def test_non_finite_data_is_bad_input_not_a_numerical_failure(calibrated, exported, tmp_path):
+    """NaN in the data used to give exit 1 and a FAIL table (NaN != NaN in every comparison): bad input, exit 2,
+    and no report file written."""
+    ref = calibrated("digits_cnn")
+    x = np.random.default_rng(0).random((5, 1, 8, 8), dtype=np.float32)
+    x[3, 0, 2, 2] = np.nan
+    np.savez(tmp_path / "nan.npz", x=x)
+    report = tmp_path / "report.json"
+    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", ref, "--data", tmp_path / "nan.npz",
+                           "--report", report), "'x'", "non-finite")
+    assert not report.exists()
+
+
+def test_fp8_graph_for_tensorrt_passes_with_the_options_it_needs_in_onnxruntime(tmp_path):
+    """A correct FP8 export for the TensorRT target (float8 pairs unguarded, as TensorRT needs them) used to fail
+    verify (exit 1): its deployed session used onnxruntime's default optimizers, which cannot load it. It is
+    deployed with the optimizers it needs left out, and the report says so."""
+    ck, onnx_path = tmp_path / "fp8.pt", tmp_path / "fp8.onnx"
+    assert cli("calibrate", "digits_cnn", "--config", "fp8", "--target", "tensorrt", "--num-samples", "64",
+               "--out", ck).exit_code == 0
+    assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
+    r = cli("verify", onnx_path, "--reference", ck, "--num-samples", "32", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    assert rep["quality"]["session"] == "deployed"
+    assert "QDQSelectorActionTransformer" in rep["deployment"]["disabled_optimizers"]
+    assert "ReluQuantRewrite" in rep["deployment"]["notes"][0]

@@ -51,6 +51,17 @@ def _numpy(out) -> list[np.ndarray]:
     return [t.detach().cpu().numpy() for t in flat_outputs(out)]
 
 
+def _check_finite(batches: list[Batch]) -> None:
+    """Refuse NaN/inf in floating-point inputs: they make every comparison meaningless (NaN != NaN), so
+    verify would report a numerical FAIL (exit 1) for what is bad input data."""
+    for i, batch in enumerate(batches):
+        for name, v in batch.items():
+            if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+                bad = int((~torch.isfinite(v)).sum())
+                raise VerifyError(f"verification batch {i}: input {name!r} has {bad} non-finite value(s) (NaN or "
+                                  f"inf); verify needs finite inputs: clean the data")
+
+
 def verify_onnx(
     onnx_path: str | Path,
     calibrated: Calibrated | str | Path,
@@ -82,6 +93,7 @@ def verify_onnx(
         batches = ckpt.evaluation_batches() or [ckpt.example]
     if not batches:
         raise VerifyError("no verification data")
+    _check_finite(batches)
     structure, weight_rows = check_structure(model, ckpt)
     qmodel, fmodel = ckpt.model, ckpt.float_model()
 
@@ -91,9 +103,12 @@ def verify_onnx(
     exact = strip_propagated(model)
     sess, prov, provider_note = _open_exact(rp.with_outputs(exact, rp.evidence_outputs(exact)), prov, provider)
     dsess, deploy_error = None, None
+    # a TensorRT-target graph is not made for onnxruntime's CPU fusions: its float8 pairs are unguarded (TensorRT
+    # needs the DequantizeLinear right before the op), so it is deployed here with the options it needs to load
+    deploy_options = _deploy_options(model)
     if deployment:
         try:
-            dsess = sessions.open_session(model, prov, optimize=True)
+            dsess = sessions.open_session(model, prov, optimize=True, disabled_optimizers=deploy_options)
         except VerifyError as e:
             deploy_error = str(e)
 
@@ -206,6 +221,10 @@ def verify_onnx(
                       "exact_outputs": {n: qual[n].quality() for n in out_names}}
     if deployment:
         report.deployment = _deployment(model, out_names, dep, fid, qerr, deploy_error)
+        if deploy_options:
+            report.deployment["disabled_optimizers"] = list(deploy_options)
+            report.deployment["notes"].insert(0, "target tensorrt: the deployed session leaves out onnxruntime's "
+                                                 f"{', '.join(deploy_options)}, which this graph needs to load there")
         report.checks.append(at_least("deployment.loads", 1, 0 if deploy_error else 1,
                                       deploy_error and f"{deploy_error}; {sessions.deployment_advice(model)}"))
         if max_deploy_ratio is not None and deploy_error is None:
@@ -226,6 +245,17 @@ def verify_onnx(
         report.layers = [{**r, "rank": k} for k, r in enumerate(ranked, start=1)]
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _deploy_options(model) -> tuple[str, ...]:
+    """The optimizers the deployed session leaves out: none for the onnxruntime target (its graphs load with
+    default options, or fail ``deployment.loads``), what the graph needs for a TensorRT-target graph."""
+    meta = {p.key: p.value for p in model.metadata_props}
+    if meta.get("quantcli.target") != "tensorrt":
+        return ()
+    from exporters.ort_compat import session_needs
+
+    return tuple(session_needs(model).disabled_optimizers)
 
 
 def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:

@@ -36,7 +36,8 @@ def _first_line(e: Exception) -> str:
     return text.splitlines()[0][:240] if text else type(e).__name__
 
 
-def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool):
+def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
+                 disabled_optimizers: tuple[str, ...] = ()):
     """An ``InferenceSession`` on ``provider``.
 
     ``optimize=False``: every graph optimization off, so each node computes exactly its ONNX definition (the
@@ -44,6 +45,8 @@ def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool):
     (``ORT_ENABLE_ALL``), the session a user deploys. Besides the level, only the log level (no warnings about
     CUDA libraries on CPU machines) and the thread count (torch's, so that timings compare) are set; neither
     changes which graph onnxruntime builds.
+    ``disabled_optimizers``: onnxruntime optimizers left out (what a graph not made for onnxruntime's CPU
+    fusions, e.g. a TensorRT-target float8 graph, needs to load there).
     """
     import onnxruntime as ort
 
@@ -54,6 +57,8 @@ def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool):
     so.intra_op_num_threads = max(1, torch.get_num_threads())
     data = model if isinstance(model, bytes) else model.SerializeToString()
     try:
+        if disabled_optimizers:
+            return ort.InferenceSession(data, so, providers=[provider], disabled_optimizers=list(disabled_optimizers))
         return ort.InferenceSession(data, so, providers=[provider])
     except Exception as e:
         raise VerifyError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
