@@ -77,22 +77,14 @@ class DynamicLayer:
     weight_quantizer: str | None = None
 
 
-def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
-    out: dict[str, list[onnx.NodeProto]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            out.setdefault(i, []).append(n)
-    return out
-
-
 def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
     """Every MatMulInteger fed by a DynamicQuantizeLinear, with the tensors verify and inspect need."""
-    from exporters.graph import quantizer_map, to_numpy
+    from exporters.graph import consumer_map, quantizer_map, to_numpy
 
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
-    consumers = _consumers(model)
+    consumers = consumer_map(model)
     qmap = quantizer_map(model)
     layers = []
     for n in g.node:

@@ -37,6 +37,15 @@ def initializer_map(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer}
 
 
+def consumer_map(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
+    """Tensor name -> the nodes that read it, in graph order."""
+    out: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            out.setdefault(i, []).append(n)
+    return out
+
+
 def to_numpy(t: onnx.TensorProto) -> np.ndarray:
     """Tensor values as numpy; int4/uint4 unpacked to int8/uint8, fp8 as float32."""
     if t.data_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):

@@ -28,7 +28,7 @@ import onnx
 from onnx import helper
 
 from exporters.fold import make_initializer
-from exporters.graph import PROPAGATED_MARK, to_numpy
+from exporters.graph import PROPAGATED_MARK, consumer_map, to_numpy
 
 COMMUTING_OPS = ("MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
 UINT8_ZERO_POINT = "quantcli_uint8_zero_point_128"
@@ -37,14 +37,6 @@ _EIGHT_BIT = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
 
 def _inits(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in model.graph.initializer}
-
-
-def _consumers(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
-    out: dict[str, list[onnx.NodeProto]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            out.setdefault(i, []).append(n)
-    return out
 
 
 def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
@@ -57,7 +49,7 @@ def uint8_activations(model: onnx.ModelProto) -> int:
     """Emit int8 activation Q/DQ pairs with a scalar zero point 0 as uint8 with zero point 128; returns how many Qs."""
     g = model.graph
     inits = _inits(model)
-    consumers = _consumers(model)
+    consumers = consumer_map(model)
     changed: set[str] = set()
     count = 0
     for n in g.node:
@@ -144,7 +136,7 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
     while changed:
         changed = False
         producers = {o: n for n in g.node for o in n.output}
-        consumers = _consumers(model)
+        consumers = consumer_map(model)
         for q in list(g.node):
             if q.op_type != "QuantizeLinear" or q.input[0] in inits or len(q.input) < 3 \
                     or q.input[2] not in inits or inits[q.input[2]].data_type not in _EIGHT_BIT:

@@ -213,6 +213,15 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def flat_outputs(out) -> list[torch.Tensor]:
+    """The tensors of a model's output in the exporter's order (a tensor, a tuple/list, or a dict)."""
+    if isinstance(out, dict):
+        return [v for v in out.values() if isinstance(v, torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [v for v in out if isinstance(v, torch.Tensor)]
+    return [out]
+
+
 def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     """``model(**batch)`` with errors turned into a DataError that names the inputs and their shapes."""
     try:

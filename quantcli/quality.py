@@ -13,15 +13,6 @@ from dataclasses import dataclass
 import torch
 
 
-def flat_outputs(out) -> list[torch.Tensor]:
-    """The tensors of a model's output (a tensor, a tuple/list, or a dict such as a ModelOutput), in order."""
-    if isinstance(out, dict):
-        return [v for v in out.values() if isinstance(v, torch.Tensor)]
-    if isinstance(out, (tuple, list)):
-        return [v for v in out if isinstance(v, torch.Tensor)]
-    return [out]
-
-
 @dataclass(frozen=True)
 class Quality:
     """The worst output's cosine (``None``: an output is all zeros) and SNR in dB (``inf``: identical)."""

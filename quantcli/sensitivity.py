@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantcli.data import Batch, run_model
+from quantcli.data import Batch, flat_outputs, run_model
 from quantcli.nn.replace import quantizers
-from quantcli.quality import Quality, QualityMeter, flat_outputs
+from quantcli.quality import Quality, QualityMeter
 
 
 @contextlib.contextmanager

@@ -16,11 +16,11 @@ import torch
 from exporters.graph import read_onnx
 from exporters.ort_placement import strip_propagated
 from quantcli.checkpoint import Calibrated, load_calibrated
-from quantcli.data import Batch, describe, num_samples, run_model
+from quantcli.data import Batch, describe, flat_outputs, num_samples, run_model
 from quantcli.errors import VerifyError
 from quantcli.verify import replay as rp
 from quantcli.verify import sessions
-from quantcli.verify.outputs import flat_outputs, logit_outputs
+from quantcli.verify.outputs import logit_outputs
 from quantcli.verify.stats import PairStats, ratio
 from quantcli.verify.structure import check_structure
 from quantcli.verify.verdict import (

@@ -5,16 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantcli.data import Batch, run_model
-
-
-def flat_outputs(out) -> list[torch.Tensor]:
-    """Tensors of a model's output in the exporter's order (a tensor, a tuple/list, or a dict)."""
-    if isinstance(out, dict):
-        return [v for v in out.values() if isinstance(v, torch.Tensor)]
-    if isinstance(out, (tuple, list)):
-        return [v for v in out if isinstance(v, torch.Tensor)]
-    return [out]
+from quantcli.data import Batch, flat_outputs, run_model
 
 
 def logit_outputs(model: nn.Module, batch: Batch) -> tuple[list[torch.Tensor], set[int]]:

@@ -37,10 +37,9 @@ import torch
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
 from exporters.graph import QdqPair, qdq_pairs
 from quantcli import arithmetic as ar
-from quantcli.data import Batch, run_model
+from quantcli.data import Batch, flat_outputs, run_model
 from quantcli.nn.replace import quantizers
 from quantcli.verify import sessions
-from quantcli.verify.outputs import flat_outputs
 
 REPLAY_SAMPLES = 16  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
 FP8_MANTISSA_BITS = 3
