@@ -6,6 +6,14 @@ Every message is one line that says what is wrong and, where there is one, how t
 from __future__ import annotations
 
 
+def first_line(e: BaseException, limit: int | None = None) -> str:
+    """The first non-blank line of ``str(e)`` (at most ``limit`` characters), or the exception's type name when
+    the message is empty: how a foreign exception is quoted inside a one-line error."""
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line[:limit] if limit is not None else line
+
+
 class QuantCliError(Exception):
     """Base class: bad usage or bad input (exit code 2 on the command line)."""
 
