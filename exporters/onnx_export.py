@@ -250,8 +250,9 @@ def export_onnx(
     else:
         reason = "--opset"
         if opset < best:
-            note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}, and "
-                    f"onnxruntime then forms no SkipLayerNormalization; leave --opset out for {best}")
+            note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}, "
+                    f"which onnxruntime fuses back into LayerNormalization (other runtimes may not; the onnxruntime "
+                    f"target forms no SkipLayerNormalization at either opset); leave --opset out for {best}")
     output_names = _output_names(outputs)
     input_names = list(example)
     axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
