@@ -30,8 +30,8 @@ import onnx
 
 from exporters.graph import consumer_map
 
-#: ops that scale a GELU's input before its Erf: the exporters write x * 0.5 * (1 + erf(x / sqrt(2))) (Div) or
-#: with x * (1 / sqrt(2)) (Mul)
+#: ops that scale a GELU's input before its Erf: torch's exporters write x * 0.5 * (1 + erf(x / sqrt(2))) (Div);
+#: other writers multiply by 1 / sqrt(2) (Mul)
 _ERF_SCALES = ("Div", "Mul")
 
 
