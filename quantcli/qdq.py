@@ -1,4 +1,4 @@
-"""The quantize ops' ONNX definition: one :class:`QdqSpec` per op, and the nodes their ``symbolic`` functions build.
+"""The quantize ops' ONNX definition: a :class:`QdqSpec` per op, and the nodes their ``symbolic`` functions build.
 
 A spec holds the float32 scale, the zero point, the storage type, the granularity and optional clip bounds,
 all computed here in PyTorch with :mod:`quantcli.arithmetic`, so the graph holds exactly the numbers the

@@ -9,7 +9,8 @@ or blocked), and ``num_bits``/``unsigned``/``narrow_range`` decide the integer g
 Where the reference differs from ONNX (it multiplies by ``bound / amax``), quantcli divides by the float32
 scale ``amax / bound`` as ``QuantizeLinear`` does.
 
-Each op's ``symbolic`` builds its ONNX nodes with :mod:`quantcli.qdq`, imported only when exporting (it loads onnx).
+Each op's ``symbolic`` builds its ONNX nodes with :mod:`quantcli.qdq`, imported only when exporting (it loads
+onnx).
 """
 
 from __future__ import annotations

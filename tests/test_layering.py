@@ -279,3 +279,24 @@ def test_readme_layout_names_every_module():
         if not any(f"`{path}`" in row or (f"`{folder}/`" in row and f"`{name}`" in row) for row in rows):
             missing.append(path)
     assert missing == []
+
+
+def test_moved_names_still_import_from_their_old_modules():
+    """What moved down a layer is re-exported where it was, as the same object."""
+    import importlib
+
+    moved = {
+        "exporters.qdq": ("quantcli.qdq", ["QdqSpec", "constant_value", "symmetric_spec", "affine_spec", "e4m3_spec",
+                                           "check_opset", "emit", "symmetric_qdq", "symmetric_quantize", "affine_qdq",
+                                           "e4m3_qdq", "int32_bias_dq"]),
+        "exporters.formats": ("quantcli.formats", ["OnnxQuantType", "INT8", "UINT8", "INT4", "UINT4", "INT16", "UINT16",
+                                                   "FP8_E4M3", "INT32", "ALL", "BY_ELEM_TYPE", "BY_NAME",
+                                                   "BLOCKED_MIN_OPSET", "MIN_OPSET", "integer_type", "emitted_type",
+                                                   "format_name", "required_opset"]),
+        "exporters.custom_ops": ("quantcli.qdq", ["export_amax"]),
+        "exporters.dynamic_linear": ("quantcli.nn.dynamic", ["weight_spec", "dynamic_linear_symbolic"]),
+        "quantcli.tensor_quant": ("quantcli.arithmetic", ["affine_qparams"]),
+    }
+    for old, (new, names) in moved.items():
+        a, b = importlib.import_module(old), importlib.import_module(new)
+        assert [n for n in names if getattr(a, n, None) is not getattr(b, n)] == [], old

@@ -32,7 +32,8 @@ def export_hooks(hooks: Iterable[tuple[nn.Module, str, Callable]]) -> Iterator[N
     try:
         for module, name, fn in hooks:
             if name not in HOOKS or not hasattr(type(module), name):
-                raise ValueError(f"{type(module).__name__} has no export hook {name!r} (hooks: {', '.join(HOOKS)})")
+                raise ValueError(f"{type(module).__name__} has no export hook {name!r} "
+                                 f"(hooks: {', '.join(HOOKS)})")
             object.__setattr__(module, name, fn)  # an instance attribute over the class's None
             installed.append((module, name))
         yield
