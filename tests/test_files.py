@@ -1,6 +1,7 @@
 """quantcli.files: the one atomic write and destination check every output file goes through."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +12,7 @@ from quantcli.files import atomic_write, staging_directory, writable_directory
 def test_atomic_write_replaces_the_file_whole(tmp_path):
     out = tmp_path / "report.json"
     out.write_text("old")
-    atomic_write(out, lambda tmp: open(tmp, "w").write("new"))
+    atomic_write(out, lambda tmp: Path(tmp).write_text("new"))
     assert out.read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json"]
 
