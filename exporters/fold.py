@@ -16,9 +16,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from exporters import formats as fm
 from exporters.graph import to_numpy
 from quantcli import arithmetic as ar
+from quantcli import formats as fm
 from quantcli.granularity import broadcast_onnx_param
 
 

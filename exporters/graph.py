@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from exporters import formats as fm
+from quantcli import formats as fm
 from quantcli.errors import VerifyError
 
 QUANTIZERS_KEY = "quantcli.quantizers"

@@ -23,7 +23,6 @@ import onnx
 import torch
 from torch import nn
 
-from exporters import formats as fm
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
@@ -32,6 +31,7 @@ from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
+from quantcli import formats as fm
 from quantcli.errors import ExportError
 from quantcli.files import staging_directory, writable_directory
 from quantcli.nn.replace import quantizers

@@ -1,6 +1,6 @@
 """``QuantDescriptor`` (alias ``ScaledQuantDescriptor``): how one tensor is quantized.
 
-Fields and semantics follow NVIDIA's ``ScaledQuantDescriptor`` (``shared/seeds/003``, ``004``). A descriptor is
+Fields and semantics follow NVIDIA pytorch-quantization's ``tensor_quant.ScaledQuantDescriptor``. A descriptor is
 immutable; ``dict()`` returns only the fields that differ from their defaults and ``QuantDescriptor(**d.dict())``
 rebuilds an equal descriptor; ``to_yaml``/``from_yaml`` round-trip through human-readable YAML.
 """

@@ -69,7 +69,7 @@ def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray |
     values = to_numpy(inits[p.tensor]).astype(np.float32)
     if p.stored == "runtime":
         from exporters.fold import quantize_codes
-        from exporters.formats import BY_NAME
+        from quantcli.formats import BY_NAME
 
         values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
     return dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
