@@ -462,12 +462,15 @@ def verify(
     std: StdOpt = None,
 ) -> int:
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
-    from quantcli.checkpoint import atomic_write, load_calibrated
+    from quantcli.checkpoint import load_calibrated
     from quantcli.data import DataOptions, cap_samples
+    from quantcli.files import atomic_write, writable_directory
     from quantcli.verify import verify_onnx
 
     thresholds = _thresholds(max_abs_diff=max_abs_diff, max_rms_ratio=max_rms_ratio,
                              max_deploy_ratio=max_deploy_ratio, min_cosine=min_cosine, min_snr=min_snr)
+    if report_path is not None:
+        writable_directory(report_path)  # before the work, not after it
     ckpt = load_calibrated(reference, trust_code=trust_code)
     batches = _checkpoint_inputs(ckpt, data, batch_size, num_samples,
                                  DataOptions(tokenizer, max_length, image_size, mean, std))
@@ -646,7 +649,8 @@ def analyze(
 ) -> None:
     """Rank quantizers by sensitivity, with statistics and plots: an HTML report and JSON."""
     from quantcli.analyze import analyze as run_analysis
-    from quantcli.checkpoint import atomic_write, load_calibrated
+    from quantcli.checkpoint import load_calibrated
+    from quantcli.files import atomic_write
     from quantcli.report_html import render
 
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
