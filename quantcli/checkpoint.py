@@ -22,7 +22,7 @@ from torch import nn
 from quantcli import __version__
 from quantcli.data import Batch
 from quantcli.errors import CheckpointError, QuantCliError
-from quantcli.files import atomic_write  # also imported from here by quantcli.cli
+from quantcli.files import atomic_write
 from quantcli.loading import ModelSpec, build_model
 from quantcli.nn.config import QuantConfig, _plain
 from quantcli.nn.fold_bn import restore_folds

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("inputs", ("quantcli.loading", "quantcli.data", "quantcli.hf_model", "quantcli.whole_module", "quantcli.trust",
                 "quantcli.text_data", "quantcli.image_data")),
     ("exporters", ("exporters", "exporters.*")),
-    ("workflows", ("quantcli.calibration", "quantcli.checkpoint", "quantcli.smoothquant", "quantcli.process_group",
+    ("workflows", ("quantcli.calibration", "quantcli.calibrate_job", "quantcli.checkpoint", "quantcli.smoothquant", "quantcli.process_group",
                    "quantcli.shard", "quantcli.quality", "quantcli.sensitivity", "quantcli.mixed_precision",
                    "quantcli.analyze", "quantcli.report_html", "quantcli.inspect", "quantcli.verify",
                    "quantcli.verify.*")),
