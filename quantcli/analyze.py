@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from calibrators import HistogramCalibrator
-from calibrators.histogram import compute_amax_entropy, compute_amax_mse, compute_amax_percentile
+from calibrators.histogram import METHODS, compute_amax_percentile
+from calibrators.methods import HISTOGRAM_METHODS
 from calibrators.shared import shared_observations
 from quantcli.checkpoint import Calibrated
 from quantcli.data import Batch, cap_samples, num_samples, run_model
@@ -73,9 +74,10 @@ def _method_amax(hist: torch.Tensor, edges: torch.Tensor, absmax: float, desc, p
     h, e = hist[0].to(torch.float64), edges[0]
     bits = tuple(desc.num_bits) if desc.is_fp8 else desc.num_bits
     unsigned = bool(desc.unsigned)
-    out = {"max": absmax, "percentile": float(compute_amax_percentile(h, e, percentile))}
-    out["mse"] = float(compute_amax_mse(h, e, bits, unsigned))
-    out["entropy"] = None if desc.is_fp8 else float(compute_amax_entropy(h, e, bits, unsigned))
+    out = {"max": absmax}
+    for m in HISTOGRAM_METHODS:
+        kw = {"percentile": percentile} if m == "percentile" else {"num_bits": bits, "unsigned": unsigned}
+        out[m] = None if m == "entropy" and desc.is_fp8 else float(METHODS[m](h, e, **kw))  # KL: integer grids
     return out
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+from calibrators.methods import HISTOGRAM_METHODS
 from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError, ExportError
@@ -64,7 +65,7 @@ class TensorQuantizer(nn.Module):
         """Attach a fresh calibrator and switch to observing."""
         if not self.enabled or self.desc.dynamic:
             return
-        use_hist = method in ("entropy", "mse", "percentile")
+        use_hist = method in HISTOGRAM_METHODS
         axis = None if self._block is not None else self.desc.axis  # blocks: collect() sets the block axes
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
