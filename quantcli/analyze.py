@@ -27,6 +27,7 @@ from calibrators.methods import HISTOGRAM_METHODS
 from calibrators.shared import shared_observations
 from quantcli.checkpoint import Calibrated
 from quantcli.data import Batch, cap_samples, num_samples, run_model
+from quantcli.descriptor import format_name
 from quantcli.errors import CalibrationError
 from quantcli.nn.replace import quantizers
 from quantcli.sensitivity import measure, quantizing, rank, reference_outputs
@@ -90,7 +91,7 @@ def _stats(name: str, q, hist: torch.Tensor, edges: torch.Tensor, lo: float, hi:
     plot = hist[0].reshape(PLOT_BINS, group).sum(1)
     amax = q.amax.detach().to(torch.float32) if q.amax is not None else None
     d = q.desc
-    fmt = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
+    fmt = format_name(d.num_bits, d.unsigned or d.asymmetric)  # the grid's name: no " asymmetric" here
     return {
         "min": lo, "max": hi, "absmax": absmax,
         "p99_99": p, "outlier_ratio": absmax / p if p > 0 else None,

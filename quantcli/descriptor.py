@@ -50,6 +50,16 @@ def _num_bits(v: Any) -> int | tuple[int, int]:
     return v
 
 
+def format_name(num_bits, unsigned: bool = False, blocked: bool = False, asymmetric: bool = False) -> str:
+    """Human name of a quantization format, as summaries, errors, ``inspect`` and module reprs print it:
+    ``int8``, ``uint4``, ``fp8-e4m3``; an asymmetric grid (unsigned, with a zero point) adds `` asymmetric`` and
+    a blocked integer grid `` blocked``. ``num_bits``: an int, or ``(E, M)`` (FP8 E4M3, the only float format)."""
+    if isinstance(num_bits, (list, tuple)):
+        return "fp8-e4m3"
+    name = f"{'uint' if unsigned or asymmetric else 'int'}{num_bits}"
+    return name + (" asymmetric" if asymmetric else "") + (" blocked" if blocked else "")
+
+
 def _axis(v: Any) -> int | tuple[int, ...] | None:
     if v is None:
         return None
@@ -202,6 +212,11 @@ class ScaledQuantDescriptor:
     @property
     def is_fp8(self) -> bool:
         return self._num_bits == (4, 3)
+
+    @property
+    def format_name(self) -> str:
+        """``int8``, ``uint4``, ``fp8-e4m3``, ``uint8 asymmetric``...: see :func:`format_name`."""
+        return format_name(self._num_bits, self._unsigned, asymmetric=self._asymmetric)
 
     @staticmethod
     def get_block_quant_axes_and_sizes(block_sizes: dict | None) -> dict[int, int]:

@@ -228,9 +228,7 @@ class TensorQuantizer(nn.Module):
 
     def extra_repr(self) -> str:
         d = self.desc
-        bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
-        if d.asymmetric:
-            bits += " asymmetric"
+        bits = d.format_name
         if self.dynamic_uint8:
             return f"{bits} dynamic per-tensor (DynamicQuantizeLinear) mode={self.mode}"
         gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")
