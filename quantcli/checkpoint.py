@@ -23,9 +23,10 @@ from torch import nn
 
 from quantcli import __version__
 from quantcli.data import Batch
+from quantcli.descriptor import to_plain
 from quantcli.errors import CheckpointError, QuantCliError
 from quantcli.loading import ModelSpec, build_model
-from quantcli.nn.config import QuantConfig, _plain
+from quantcli.nn.config import QuantConfig
 from quantcli.nn.fold_bn import restore_folds
 from quantcli.nn.replace import quantize_model, quantizers
 from quantcli.nn.smooth import restore as restore_smoothing
@@ -70,7 +71,7 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
     qs = {}
     for name, q in quantizers(model).items():
         qs[name] = {
-            "descriptor": _plain(q.desc.dict()),
+            "descriptor": to_plain(q.desc.dict()),
             "enabled": q.enabled,
             "amax": None if q.amax is None else q.amax.detach().cpu().clone(),
         }

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantcli.descriptor import FIELDS, QuantDescriptor
+from quantcli.descriptor import FIELDS, QuantDescriptor, to_plain
 from quantcli.errors import ConfigError
 
 OUTPUT_CHANNEL = "output_channel"
@@ -116,7 +116,7 @@ class QuantConfig:
 
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
-        return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
+        return {"preset": self.preset, "block_size": self.block_size, "rules": to_plain(self.rules), "source": self.source,
                 "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm, "target": self.target}
 
     @classmethod
@@ -171,16 +171,6 @@ def _is_linear(layer) -> bool:
     from torch import nn
 
     return isinstance(layer, nn.Linear)
-
-
-def _plain(x):
-    if isinstance(x, tuple):
-        return [_plain(i) for i in x]
-    if isinstance(x, list):
-        return [_plain(i) for i in x]
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
 
 
 def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantConfig:
