@@ -21,7 +21,7 @@ from torch import nn
 from exporters import formats as fm
 from exporters.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
 from quantcli import arithmetic as ar
-from quantcli.errors import ExportError
+from quantcli.errors import ExportError, first_line
 from quantcli.granularity import broadcast_onnx_param
 
 _ACTIVE = False
@@ -245,7 +245,7 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     except ExportError:
         raise
     except Exception as e:
-        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {str(e).strip().splitlines()[0][:200]}") from None
+        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}") from None
     finally:
         torch_onnx_log.setLevel(level)
         _clear_specs(model)

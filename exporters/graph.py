@@ -11,7 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from exporters import formats as fm
-from quantcli.errors import VerifyError
+from quantcli.errors import VerifyError, first_line
 
 QUANTIZERS_KEY = "quantcli.quantizers"
 #: in the names of the Q/DQ copies :mod:`exporters.ort_placement` puts in front of ops that commute with quantization
@@ -28,7 +28,7 @@ def read_onnx(path: str | Path) -> onnx.ModelProto:
         model = onnx.load(str(path))
         onnx.checker.check_model(model)
     except Exception as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        first = first_line(e, 160)
         raise VerifyError(f"{path} is not a valid ONNX model ({first}); re-export it with `quantcli export`") from None
     return model
 

@@ -34,7 +34,7 @@ from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
-from quantcli.errors import ExportError
+from quantcli.errors import ExportError, first_line
 from quantcli.nn.replace import quantizers
 from quantcli.nn.usage import unused_quantizers
 
@@ -302,7 +302,7 @@ def export_onnx(
             onnx_model = onnx.shape_inference.infer_shapes(onnx_model, check_type=True)
             onnx.checker.check_model(onnx_model)
         except Exception as e:
-            raise ExportError(f"the exported graph failed the ONNX checker: {str(e).splitlines()[0][:200]}") from None
+            raise ExportError(f"the exported graph failed the ONNX checker: {first_line(e, 200)}") from None
         external = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES if _small_enough_to_size(onnx_model) else True
         final = workdir / path.name
         if external:
@@ -403,4 +403,4 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                 if isinstance(nxt, ExportError):
                     raise nxt from None
                 cause = nxt
-            raise ExportError(f"torch.onnx.export failed: {str(e).strip().splitlines()[0][:200]}") from None
+            raise ExportError(f"torch.onnx.export failed: {first_line(e, 200)}") from None

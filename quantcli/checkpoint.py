@@ -24,7 +24,7 @@ from torch import nn
 from quantcli import __version__
 from quantcli.data import Batch
 from quantcli.descriptor import to_plain
-from quantcli.errors import CheckpointError, QuantCliError
+from quantcli.errors import CheckpointError, QuantCliError, first_line
 from quantcli.loading import ModelSpec, build_model
 from quantcli.nn.config import QuantConfig
 from quantcli.nn.fold_bn import restore_folds
@@ -153,7 +153,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         elif not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # torch.save: a zip, or a legacy pickle
             why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
         else:
-            why = f"cannot read it: {str(e).splitlines()[0][:120]}; create one with `quantcli calibrate`"
+            why = f"cannot read it: {first_line(e, 120)}; create one with `quantcli calibrate`"
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
@@ -188,7 +188,7 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
-                              f"{str(e).splitlines()[0]}") from None
+                              f"{first_line(e)}") from None
     stored = data["quantizers"]
     for name, q in quantizers(model).items():
         if name in stored and not stored[name]["enabled"]:

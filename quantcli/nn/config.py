@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from quantcli.descriptor import FIELDS, QuantDescriptor, to_plain
-from quantcli.errors import ConfigError
+from quantcli.errors import ConfigError, first_line
 
 OUTPUT_CHANNEL = "output_channel"
 INPUT_CHANNEL_BLOCKS = "input_channel_blocks"
@@ -200,7 +200,7 @@ def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantC
 
             data = yaml.safe_load(raw)
     except Exception as e:  # yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(f"cannot parse {text}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"cannot parse {text}: {first_line(e)}") from None
     if isinstance(data, list):
         return QuantConfig(rules=data, source=str(path))
     if data is None:
