@@ -29,6 +29,7 @@ import numpy as np
 import onnx
 import torch
 
+from exporters.graph import initializer_map
 from exporters.qdq import constant_value, emit, symmetric_spec
 
 
@@ -82,7 +83,7 @@ def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
     from exporters.graph import consumer_map, quantizer_map, to_numpy
 
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     producers = {o: n for n in g.node for o in n.output}
     consumers = consumer_map(model)
     qmap = quantizer_map(model)

@@ -34,6 +34,7 @@ def read_onnx(path: str | Path) -> onnx.ModelProto:
 
 
 def initializer_map(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializer name -> its TensorProto (the proto itself: editing it edits the graph)."""
     return {t.name: t for t in graph.initializer}
 
 

@@ -41,6 +41,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from exporters.graph import initializer_map
+
 FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
                        onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
 GUARD_OP = "Max"
@@ -89,7 +91,7 @@ class Fp8Exposure:
 def fp8_exposure(model: onnx.ModelProto) -> Fp8Exposure:
     """The float8 patterns of ``model`` that onnxruntime's default optimizer breaks (empty: none, or guarded)."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     producers = {o: n for n in g.node for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
@@ -116,7 +118,7 @@ def guard_fp8(model: onnx.ModelProto) -> int:
     quantizer map in ``metadata_props`` still names every pair.
     """
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     producers = {o: n for n in g.node for o in n.output}
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
@@ -219,7 +221,7 @@ _BLOCKED_TYPES = frozenset({onnx.TensorProto.INT4, onnx.TensorProto.UINT4})
 def _matmulnbits_candidates(model: onnx.ModelProto) -> int:
     """Weight DequantizeLinear (int4, or blocked) read by a MatMul/Gemm: what becomes MatMulNBits."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     consumers: dict[str, list[onnx.NodeProto]] = {}
     for n in g.node:
         for i in n.input:
