@@ -39,6 +39,7 @@ from exporters.graph import QdqPair, qdq_pairs
 from quantcli import arithmetic as ar
 from quantcli.data import Batch, flat_outputs, run_model
 from quantcli.nn.replace import quantizers
+from quantcli.quality import snr_db
 from quantcli.verify import sessions
 
 REPLAY_SAMPLES = 16  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
@@ -270,7 +271,7 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
                 e2e_total += dq.size
         rep.rows.append({
             "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
-            "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
+            "snr_db": snr_db(ref2, err2),
             "max_abs_error": max_abs,
             "identical_codes": same / total if total else None,
             "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
@@ -290,7 +291,7 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
         ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
         rep.rows.append({
             "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation (dynamic)",
-            "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
+            "snr_db": snr_db(ref2, err2),
             "max_abs_error": float(np.abs(diff).max(initial=0.0)),
             "identical_codes": same / codes.size if codes.size else None,
             "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size if e2e is not None else None,
