@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import torch
 
-from exporters.graph import initializer_map
+from exporters.graph import initializer_map, producer_map
 from exporters.qdq import constant_value, emit, symmetric_spec
 
 
@@ -84,7 +84,7 @@ def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
 
     g = model.graph
     inits = initializer_map(g)
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     consumers = consumer_map(model)
     qmap = quantizer_map(model)
     layers = []

@@ -17,7 +17,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from exporters import formats as fm
-from exporters.graph import initializer_map, to_numpy
+from exporters.graph import initializer_map, producer_map, to_numpy
 from quantcli import arithmetic as ar
 from quantcli.granularity import broadcast_onnx_param
 
@@ -96,7 +96,7 @@ def fold_weight_quantization(model: onnx.ModelProto) -> int:
     """Replace QuantizeLinear of constant weights by stored codes. Returns how many were folded."""
     g = model.graph
     inits = initializer_map(g)
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     drop_q: set[int] = set()
     drop_clip: set[int] = set()
     folded = 0

@@ -38,6 +38,11 @@ def initializer_map(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     return {t.name: t for t in graph.initializer}
 
 
+def producer_map(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Tensor name -> the node that writes it (graph inputs and initializers have none)."""
+    return {o: n for n in graph.node for o in n.output}
+
+
 def consumer_map(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
     """Tensor name -> the nodes that read it, in graph order."""
     out: dict[str, list[onnx.NodeProto]] = {}
@@ -113,7 +118,7 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
     across commuting ops (:data:`PROPAGATED_MARK`) are not quantizers of their own and are left out."""
     g = model.graph
     inits = initializer_map(g)
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     names = quantizer_map(model)
     pairs = []
     for n in g.node:

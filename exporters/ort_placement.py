@@ -28,7 +28,7 @@ import onnx
 from onnx import helper
 
 from exporters.fold import make_initializer
-from exporters.graph import PROPAGATED_MARK, consumer_map, initializer_map, to_numpy
+from exporters.graph import PROPAGATED_MARK, consumer_map, initializer_map, producer_map, to_numpy
 
 COMMUTING_OPS = ("MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
 UINT8_ZERO_POINT = "quantcli_uint8_zero_point_128"
@@ -97,7 +97,7 @@ def share_quantize(model: onnx.ModelProto) -> int:
     g = model.graph
     inits = initializer_map(model.graph)
     outputs = {o.name for o in g.output}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     first: dict = {}
     rename: dict[str, str] = {}
     keep = []
@@ -131,7 +131,7 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
     changed = True
     while changed:
         changed = False
-        producers = {o: n for n in g.node for o in n.output}
+        producers = producer_map(g)
         consumers = consumer_map(model)
         for q in list(g.node):
             if q.op_type != "QuantizeLinear" or q.input[0] in inits or len(q.input) < 3 \
@@ -172,7 +172,7 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     m.CopyFrom(model)
     g = m.graph
     dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     source = {}
     for out, dq in dqs.items():
         q = producers[dq.input[0]]

@@ -23,7 +23,7 @@ import onnx
 from onnx import helper
 
 from exporters import ort_compat
-from exporters.graph import initializer_map, quantizer_map, read_onnx
+from exporters.graph import initializer_map, producer_map, quantizer_map, read_onnx
 from quantcli.errors import VerifyError, first_line
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
@@ -81,7 +81,7 @@ class _Graph:
     def __init__(self, model: onnx.ModelProto):
         g = model.graph
         self.inits = initializer_map(g)
-        self.producers = {o: n for n in g.node for o in n.output}
+        self.producers = producer_map(g)
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for n in g.node:
             for i in n.input:

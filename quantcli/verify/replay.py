@@ -35,7 +35,7 @@ import onnx
 import torch
 
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
-from exporters.graph import QdqPair, qdq_pairs
+from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli import arithmetic as ar
 from quantcli.data import Batch, flat_outputs, run_model
 from quantcli.nn.replace import quantizers
@@ -62,7 +62,7 @@ def source_tensors(model: onnx.ModelProto, names: list[str]) -> dict[str, str]:
     narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does internally."""
     g = model.graph
     constants = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     out = {}
     for start in names:
         name = start
