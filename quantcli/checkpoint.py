@@ -12,8 +12,6 @@ Written atomically.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,35 +23,17 @@ from quantcli import __version__
 from quantcli.data import Batch
 from quantcli.descriptor import to_plain
 from quantcli.errors import CheckpointError, QuantCliError, first_line
+from quantcli.files import atomic_write  # also imported from here by quantcli.cli
 from quantcli.loading import ModelSpec, build_model
 from quantcli.nn.config import QuantConfig
 from quantcli.nn.fold_bn import restore_folds
+from quantcli.nn.modes import keep_float
 from quantcli.nn.replace import quantize_model, quantizers
 from quantcli.nn.smooth import restore as restore_smoothing
 
 FORMAT = "quantcli.calibrated"
 FORMAT_VERSION = 2  # 2: batchnorm_folds (a folded state dict does not fit the unfolded model)
 EXAMPLE_SAMPLES = 8
-
-
-def atomic_write(path: str | Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: no half-written file on failure."""
-    path = Path(path)
-    if path.is_dir():
-        raise QuantCliError(f"cannot write {path}: it is a directory; give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise QuantCliError(f"cannot write {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise QuantCliError(f"cannot write {path}: directory {parent} is not writable")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _example(batch: Batch) -> Batch:
@@ -125,7 +105,6 @@ class Calibrated:
         m = copy.deepcopy(self.model)
         for q in quantizers(m).values():
             q.set_mode("disabled")
-            q.mode = "disabled"
         return m
 
     def evaluation_batches(self) -> list[Batch] | None:
@@ -192,6 +171,7 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     stored = data["quantizers"]
     for name, q in quantizers(model).items():
         if name in stored and not stored[name]["enabled"]:
-            q.enabled = False  # e.g. a layer that never ran during calibration
-        q.set_mode("quantize")
+            keep_float(q)  # e.g. a layer that never ran during calibration
+        else:
+            q.set_mode("quantize")
     return Calibrated(model.eval(), spec, cfg, data, str(path))

@@ -281,6 +281,13 @@ def test_unwritable_output(calibrated, tmp_path):
     assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "o.txt"), ".onnx")
 
 
+def test_directory_as_output_is_refused_before_exporting(calibrated, tmp_path):
+    target = tmp_path / "o.onnx"
+    target.mkdir()
+    assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", target), "is a directory", "file name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx"] and not any(target.iterdir())
+
+
 def test_uncalibrated_quantizers_listed(tmp_path):
     from quantcli.checkpoint import save_calibrated
     from quantcli.loading import load_model
