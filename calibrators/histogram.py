@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from calibrators.methods import HISTOGRAM_METHODS
 from quantcli import arithmetic as ar
 from quantcli.errors import CalibrationError
 
@@ -336,4 +337,6 @@ def compute_amax_percentile(hist, bin_edges, percentile: float = 99.99):
     return _finish(amax, squeeze, was_numpy)
 
 
-METHODS = {"entropy": compute_amax_entropy, "mse": compute_amax_mse, "percentile": compute_amax_percentile}
+#: the search behind each name of :data:`calibrators.methods.HISTOGRAM_METHODS` (``compute_amax_<method>``, a
+#: name the registry has and this module lacks fails at import), in the registry's order
+METHODS = {m: globals()[f"compute_amax_{m}"] for m in HISTOGRAM_METHODS}

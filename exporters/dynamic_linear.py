@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
+from exporters.graph import initializer_map, producer_map
 from quantcli.nn.dynamic import dynamic_linear_symbolic, weight_spec
 
 __all__ = ["DynamicLayer", "dynamic_layers", "dynamic_quantizer_map", "dynamic_linear_symbolic", "weight_spec"]
@@ -59,8 +60,8 @@ def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
     from exporters.graph import consumer_map, quantizer_map, to_numpy
 
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    inits = initializer_map(g)
+    producers = producer_map(g)
     consumers = consumer_map(model)
     qmap = quantizer_map(model)
     layers = []

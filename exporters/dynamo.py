@@ -23,7 +23,7 @@ from torch import nn
 
 from quantcli import arithmetic as ar
 from quantcli import formats as fm
-from quantcli.errors import ExportError
+from quantcli.errors import ExportError, first_line
 from quantcli.granularity import broadcast_onnx_param
 from quantcli.nn.dynamic import weight_spec
 from quantcli.nn.export_hooks import export_hooks
@@ -246,6 +246,6 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     except ExportError:
         raise
     except Exception as e:
-        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {str(e).strip().splitlines()[0][:200]}") from None
+        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}") from None
     finally:
         torch_onnx_log.setLevel(level)

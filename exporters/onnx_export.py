@@ -32,7 +32,7 @@ from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
 from quantcli import formats as fm
-from quantcli.errors import ExportError
+from quantcli.errors import ExportError, first_line
 from quantcli.files import staging_directory, writable_directory
 from quantcli.nn.replace import quantizers
 from quantcli.nn.usage import unused_quantizers
@@ -342,7 +342,7 @@ def _checked(onnx_model: onnx.ModelProto) -> onnx.ModelProto:
         onnx_model = onnx.shape_inference.infer_shapes(onnx_model, check_type=True)
         onnx.checker.check_model(onnx_model)
     except Exception as e:
-        raise ExportError(f"the exported graph failed the ONNX checker: {str(e).splitlines()[0][:200]}") from None
+        raise ExportError(f"the exported graph failed the ONNX checker: {first_line(e, 200)}") from None
     return onnx_model
 
 
@@ -448,4 +448,4 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                 if isinstance(nxt, ExportError):
                     raise nxt from None
                 cause = nxt
-            raise ExportError(f"torch.onnx.export failed: {str(e).strip().splitlines()[0][:200]}") from None
+            raise ExportError(f"torch.onnx.export failed: {first_line(e, 200)}") from None

@@ -23,10 +23,12 @@ import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator
-from calibrators.histogram import compute_amax_entropy, compute_amax_mse, compute_amax_percentile
+from calibrators.histogram import METHODS, compute_amax_percentile
+from calibrators.methods import HISTOGRAM_METHODS
 from calibrators.shared import shared_observations
 from quantcli.checkpoint import Calibrated
 from quantcli.data import Batch, cap_samples, num_samples, run_model
+from quantcli.descriptor import format_name
 from quantcli.errors import CalibrationError
 from quantcli.nn.replace import quantizers
 from quantcli.sensitivity import measure, quantizing, rank, reference_outputs
@@ -74,9 +76,10 @@ def _method_amax(hist: torch.Tensor, edges: torch.Tensor, absmax: float, desc, p
     h, e = hist[0].to(torch.float64), edges[0]
     bits = tuple(desc.num_bits) if desc.is_fp8 else desc.num_bits
     unsigned = bool(desc.unsigned)
-    out = {"max": absmax, "percentile": float(compute_amax_percentile(h, e, percentile))}
-    out["mse"] = float(compute_amax_mse(h, e, bits, unsigned))
-    out["entropy"] = None if desc.is_fp8 else float(compute_amax_entropy(h, e, bits, unsigned))
+    out = {"max": absmax}
+    for m in HISTOGRAM_METHODS:
+        kw = {"percentile": percentile} if m == "percentile" else {"num_bits": bits, "unsigned": unsigned}
+        out[m] = None if m == "entropy" and desc.is_fp8 else float(METHODS[m](h, e, **kw))  # KL: integer grids
     return out
 
 
@@ -89,7 +92,7 @@ def _stats(name: str, q, hist: torch.Tensor, edges: torch.Tensor, lo: float, hi:
     plot = hist[0].reshape(PLOT_BINS, group).sum(1)
     amax = q.amax.detach().to(torch.float32) if q.amax is not None else None
     d = q.desc
-    fmt = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
+    fmt = format_name(d.num_bits, d.unsigned or d.asymmetric)  # the grid's name: no " asymmetric" here
     return {
         "min": lo, "max": hi, "absmax": absmax,
         "p99_99": p, "outlier_ratio": absmax / p if p > 0 else None,

@@ -19,6 +19,7 @@ from torch import nn
 from calibrators import MaxCalibrator
 from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
+from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS
 from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
@@ -27,7 +28,7 @@ from quantcli.nn.modes import keep_float, quantizer_modes
 from quantcli.nn.replace import quantizers
 from quantcli.process_group import one_outcome, sum_over_ranks
 
-METHODS = ("max", "entropy", "mse", "percentile", "auto")
+METHODS = CALIBRATION_METHODS  # kept importable under its old name
 
 
 @dataclass
@@ -282,7 +283,7 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
     cands = {}
     q.calibrator = st.max_calibrator
     cands["max"] = q.load_calib_amax("max").clone()
-    for m in ("percentile", "mse", "entropy"):
+    for m in HISTOGRAM_METHODS:
         if m == "entropy" and q.desc.is_fp8:
             continue  # KL search is defined for integer grids
         q.calibrator = hist
@@ -335,7 +336,7 @@ def recompute_amax(model: nn.Module, method: str, *, percentile: float = 99.99) 
     """Recompute every activation amax with another histogram method from the histograms the last
     ``calibrate(..., method in {entropy, mse, percentile})`` collected: no second pass over the data.
     Returns the quantizers updated."""
-    if method not in ("entropy", "mse", "percentile"):
+    if method not in HISTOGRAM_METHODS:
         raise CalibrationError(f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}")
     done = []
     with shared_searches():

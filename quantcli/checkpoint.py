@@ -21,10 +21,11 @@ from torch import nn
 
 from quantcli import __version__
 from quantcli.data import Batch
-from quantcli.errors import CheckpointError, QuantCliError
+from quantcli.descriptor import to_plain
+from quantcli.errors import CheckpointError, QuantCliError, first_line
 from quantcli.files import atomic_write
 from quantcli.loading import ModelSpec, build_model
-from quantcli.nn.config import QuantConfig, _plain
+from quantcli.nn.config import QuantConfig
 from quantcli.nn.fold_bn import restore_folds
 from quantcli.nn.modes import keep_float
 from quantcli.nn.replace import quantize_model, quantizers
@@ -50,7 +51,7 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
     qs = {}
     for name, q in quantizers(model).items():
         qs[name] = {
-            "descriptor": _plain(q.desc.dict()),
+            "descriptor": to_plain(q.desc.dict()),
             "enabled": q.enabled,
             "amax": None if q.amax is None else q.amax.detach().cpu().clone(),
         }
@@ -131,7 +132,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         elif not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # torch.save: a zip, or a legacy pickle
             why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
         else:
-            why = f"cannot read it: {str(e).splitlines()[0][:120]}; create one with `quantcli calibrate`"
+            why = f"cannot read it: {first_line(e, 120)}; create one with `quantcli calibrate`"
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
@@ -166,7 +167,7 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
-                              f"{str(e).splitlines()[0]}") from None
+                              f"{first_line(e)}") from None
     stored = data["quantizers"]
     for name, q in quantizers(model).items():
         if name in stored and not stored[name]["enabled"]:

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantcli.errors import DataError
+from quantcli.errors import DataError, first_line
 
 Batch = dict[str, torch.Tensor]
 _SUFFIXES = (".npz", ".npy", ".pt")
@@ -88,7 +88,7 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
     except Exception as e:
         # a file that is not what its suffix says fails deep in numpy's or torch's readers, whose messages
         # (pickle advice, a KeyError naming a byte) do not say so
-        detail = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        detail = first_line(e)
         if not _has_signature(path, suffix):
             kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
                     ".pt": "a file written by torch.save"}[suffix]
@@ -227,7 +227,7 @@ def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     try:
         return model(**batch)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None
 
 

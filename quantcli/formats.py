@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import onnx
 
+from quantcli.descriptor import format_name as format_name  # the format names, defined once; re-exported
+
 
 @dataclass(frozen=True)
 class OnnxQuantType:
@@ -53,14 +55,6 @@ def emitted_type(num_bits: int, unsigned: bool) -> OnnxQuantType:
     if unsigned:
         raise ValueError(f"unsigned {num_bits}-bit quantization has no ONNX type quantcli exports; use signed")
     return INT16
-
-
-def format_name(num_bits, unsigned: bool, blocked: bool = False) -> str:
-    """Human name of a quantizer's format, as used in summaries and errors."""
-    if num_bits == (4, 3) or num_bits == [4, 3]:
-        return "fp8-e4m3"
-    base = f"{'uint' if unsigned else 'int'}{num_bits}"
-    return base + (" blocked" if blocked else "")
 
 
 def required_opset(num_bits, unsigned: bool, blocked: bool) -> int:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+from calibrators.methods import HISTOGRAM_METHODS
 from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError, ExportError
@@ -69,7 +70,7 @@ class TensorQuantizer(nn.Module):
         """Attach a fresh calibrator and switch to observing."""
         if not self.enabled or self.desc.dynamic:
             return
-        use_hist = method in ("entropy", "mse", "percentile")
+        use_hist = method in HISTOGRAM_METHODS
         axis = None if self._block is not None else self.desc.axis  # blocks: collect() sets the block axes
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
@@ -226,9 +227,7 @@ class TensorQuantizer(nn.Module):
 
     def extra_repr(self) -> str:
         d = self.desc
-        bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
-        if d.asymmetric:
-            bits += " asymmetric"
+        bits = d.format_name
         if self.dynamic_uint8:
             return f"{bits} dynamic per-tensor (DynamicQuantizeLinear) mode={self.mode}"
         gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")

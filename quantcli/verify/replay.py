@@ -35,10 +35,11 @@ import onnx
 import torch
 
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
-from exporters.graph import QdqPair, qdq_pairs
+from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli import arithmetic as ar
 from quantcli.data import Batch, flat_outputs, run_model
 from quantcli.nn.replace import quantizers
+from quantcli.quality import snr_db
 from quantcli.verify import sessions
 
 REPLAY_SAMPLES = 16  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
@@ -62,7 +63,7 @@ def source_tensors(model: onnx.ModelProto, names: list[str]) -> dict[str, str]:
     narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does internally."""
     g = model.graph
     constants = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     out = {}
     for start in names:
         name = start
@@ -296,7 +297,7 @@ def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[st
             e2e_total += dq.size
     return {
         "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
-        "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
+        "snr_db": snr_db(ref2, err2),
         "max_abs_error": max_abs,
         "identical_codes": same / total if total else None,
         "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
@@ -318,7 +319,7 @@ def _dynamic_row(name: str, d: DynamicLayer, named: dict[str, np.ndarray], deq: 
     ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
     return {
         "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation (dynamic)",
-        "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
+        "snr_db": snr_db(ref2, err2),
         "max_abs_error": float(np.abs(diff).max(initial=0.0)),
         "identical_codes": same / codes.size if codes.size else None,
         "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size if e2e is not None else None,
