@@ -7,6 +7,8 @@ the method names ``quantcli --help`` lists, imports without torch.
 
 from __future__ import annotations
 
+from quantcli.lazy import lazy_getattr
+
 _LAZY = {
     "MaxCalibrator": "calibrators.max",
     "MinMaxCalibrator": "calibrators.max",
@@ -19,12 +21,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'calibrators' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr("calibrators", _LAZY)

@@ -18,7 +18,7 @@ PACKAGES = ("quantcli", "calibrators", "exporters")
 
 #: bottom-up; a module may import from its own layer and the ones before it. ``pkg.*`` places a whole package.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("quantcli", "quantcli.arithmetic", "quantcli.errors", "quantcli.files")),
+    ("foundation", ("quantcli", "quantcli.lazy", "quantcli.arithmetic", "quantcli.errors", "quantcli.files")),
     ("calibrators", ("calibrators", "calibrators.*")),
     ("descriptors", ("quantcli.descriptor", "quantcli.granularity", "quantcli.formats")),
     ("quantize ops", ("quantcli.tensor_quant", "quantcli.qdq", "quantcli.affine")),
