@@ -24,7 +24,7 @@ from torch import nn
 
 from calibrators import HistogramCalibrator
 from calibrators.histogram import METHODS, compute_amax_percentile
-from calibrators.methods import HISTOGRAM_METHODS
+from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations
 from quantcli.checkpoint import Calibrated
 from quantcli.data import Batch, cap_samples, num_samples, run_model
@@ -79,7 +79,7 @@ def _method_amax(hist: torch.Tensor, edges: torch.Tensor, absmax: float, desc, p
     out = {"max": absmax}
     for m in HISTOGRAM_METHODS:
         kw = {"percentile": percentile} if m == "percentile" else {"num_bits": bits, "unsigned": unsigned}
-        out[m] = None if m == "entropy" and desc.is_fp8 else float(METHODS[m](h, e, **kw))  # KL: integer grids
+        out[m] = float(METHODS[m](h, e, **kw)) if defined_for(m, desc.is_fp8) else None
     return out
 
 

@@ -19,7 +19,7 @@ from torch import nn
 from calibrators import MaxCalibrator
 from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
-from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS
+from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
@@ -284,8 +284,8 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
     q.calibrator = st.max_calibrator
     cands["max"] = q.load_calib_amax("max").clone()
     for m in HISTOGRAM_METHODS:
-        if m == "entropy" and q.desc.is_fp8:
-            continue  # KL search is defined for integer grids
+        if not defined_for(m, q.desc.is_fp8):
+            continue
         q.calibrator = hist
         cands[m] = q.load_calib_amax(m, **kwargs).clone()
     x = st.sample.tensor()

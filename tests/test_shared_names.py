@@ -87,3 +87,26 @@ def test_the_html_report_lists_the_methods_in_registry_order():
     header = page[page.index("<th>amax</th>"):]
     assert header.startswith("<th>amax</th><th>max</th><th>percentile</th><th>mse</th><th>entropy</th></tr>")
     assert AMAX_METHODS == ("max", "percentile", "mse", "entropy")
+
+
+def test_entropy_is_undefined_for_fp8_only():
+    from calibrators.methods import AMAX_METHODS, defined_for
+
+    assert [m for m in AMAX_METHODS if not defined_for(m, is_fp8=True)] == ["entropy"]
+    assert all(defined_for(m, is_fp8=False) for m in AMAX_METHODS)
+
+
+def test_fp8_quantizer_refuses_entropy_but_takes_mse():
+    import pytest
+    import torch
+
+    from quantcli.descriptor import QuantDescriptor
+    from quantcli.errors import CalibrationError
+    from quantcli.nn.tensor_quantizer import TensorQuantizer
+
+    q = TensorQuantizer(QuantDescriptor(num_bits=(4, 3)), name="q")
+    q.start_calibration("entropy")
+    q(torch.linspace(-3.0, 3.0, 1000))
+    with pytest.raises(CalibrationError, match="entropy calibration is for integer formats"):
+        q.load_calib_amax("entropy")
+    assert 0.0 < float(q.load_calib_amax("mse")) <= 3.0 + 1e-6

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
-from calibrators.methods import HISTOGRAM_METHODS
+from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError, ExportError
@@ -116,7 +116,7 @@ class TensorQuantizer(nn.Module):
         if isinstance(self.calibrator, HistogramCalibrator):
             if method == "max":
                 method = "entropy"
-            if method == "entropy" and self.desc.is_fp8:
+            if not defined_for(method, self.desc.is_fp8):
                 raise CalibrationError(f"{self.name}: entropy calibration is for integer formats; use mse or percentile for FP8")
             kw = {k: v for k, v in kwargs.items() if k != "num_bins"}
             if method != "percentile":
