@@ -66,3 +66,17 @@ def test_keep_float_is_permanent():
     assert not q.enabled and q.mode == "disabled"
     q.set_mode("quantize")
     assert q.mode == "disabled"
+
+
+def test_keep_float_inside_the_block_outlasts_the_restore():
+    # calibrate() pauses quantizers, then switches off those of layers that never ran: they must stay off, not come
+    # back in the mode they had before the pause
+    m, qs = _model()
+    q = qs["2.weight_quantizer"]
+    assert q.mode == "quantize"
+    with quantizer_modes(m, "disabled"):
+        keep_float(q)
+    assert (q.enabled, q.mode) == (False, "disabled")
+    assert qs["0.weight_quantizer"].mode == "quantize"
+    x = torch.linspace(-3, 3, 4)
+    assert torch.equal(q(x), x)  # passes values through: no clipping to amax 1.0

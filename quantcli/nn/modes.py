@@ -19,7 +19,8 @@ from quantcli.nn.tensor_quantizer import TensorQuantizer
 @contextlib.contextmanager
 def quantizer_modes(target: nn.Module | Iterable[TensorQuantizer], mode: str | Mapping[str, str]) -> Iterator[None]:
     """Within the block, the quantizers of ``target`` are in ``mode``; afterwards each has its previous mode
-    back exactly (also when the block raises).
+    back exactly (also when the block raises), unless the block switched it off for good (:func:`keep_float`):
+    that one stays ``"disabled"``.
 
     Args:
         target: a model (all its quantizers, by name as :func:`quantcli.nn.replace.quantizers` names them) or
@@ -45,7 +46,7 @@ def quantizer_modes(target: nn.Module | Iterable[TensorQuantizer], mode: str | M
         yield
     finally:
         for n, q in chosen.items():
-            q.mode = saved[n]
+            q.set_mode(saved[n])  # a quantizer keep_float() switched off inside the block stays disabled
 
 
 def keep_float(quantizer: TensorQuantizer) -> None:
