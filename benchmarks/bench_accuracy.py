@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import best_interleaved, machine, setup_threads, table
 
 TARGET_COSINE = 0.995
 NO_SKIP = "(info) quantize_dynamic, SkipLayerNormFusion off"
@@ -257,12 +257,7 @@ def analyze_vs_verify(repeat: int = 3) -> dict:
         def run_verify():
             verify_onnx(d / "te.onnx", d / "te.calib.pt", data)
 
-        best = {"analyze": math.inf, "verify": math.inf}
-        for _ in range(repeat):
-            for k, fn in (("analyze", run_analyze), ("verify", run_verify)):
-                t = time.perf_counter()
-                fn()
-                best[k] = min(best[k], time.perf_counter() - t)
+        best = best_interleaved({"analyze": run_analyze, "verify": run_verify}, repeat)
         best["samples"] = sum(int(b["input_ids"].shape[0]) for b in data)
     return best
 

@@ -59,7 +59,6 @@ def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samp
     import torch.distributed as dist
 
     import quantcli.calibration as calibration
-    from quantcli.calibration import calibrate
 
     torch.set_num_threads(1)
     cuda = device == "cuda"
@@ -69,10 +68,24 @@ def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samp
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     solo = dist.new_group([0])  # rank 0 alone: the one-process reference, in the same warmed-up process
     batches = [{k: v.to(dev) for k, v in b.items()} for b in workload(model, samples, batch_size)]
-    mine = batches[rank::world]
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    merge = calibration.merge_calibrators
-    timing = {}
+    timing: dict = {}
+    calibration.merge_calibrators = _timed_merge(calibration.merge_calibrators, timing)
+    rows = []
+    try:
+        for method in methods:
+            row = _measure(method, rank, world, model, dev, batches, repeat, solo, sync, timing)
+            if row is not None:
+                rows.append(row)
+    finally:
+        if rank == 0:
+            torch.save(rows, out_file)
+        dist.destroy_process_group()
+
+
+def _timed_merge(merge, timing: dict):
+    """``merge_calibrators`` timed: the wait at a barrier first (load imbalance), then the merge itself."""
+    import torch.distributed as dist
 
     def timed_merge(cals, group=None):
         t0 = time.perf_counter()
@@ -81,43 +94,48 @@ def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samp
         merge(cals, group)
         timing.update(wait=t1 - t0, merge=time.perf_counter() - t1, quantizers=len(cals))
 
-    calibration.merge_calibrators = timed_merge
-    rows = []
-    try:
-        for method in methods:
-            alone, together, together_cpu = [], [], []
-            for i in range(repeat + 1):  # the first run of each side warms up
-                m = _fresh(model).to(dev)
-                dist.barrier()
-                if rank == 0:
-                    sync()
-                    t, c = time.perf_counter(), time.process_time()
-                    calibrate(m, batches, method, device=dev, group=solo)
-                    sync()
-                    if i:
-                        alone.append((time.perf_counter() - t, time.process_time() - c))
-                m = _fresh(model).to(dev)
-                dist.barrier()
-                sync()
-                t, c = time.perf_counter(), time.process_time()
-                calibrate(m, mine, method, device=dev)
-                sync()
-                wall, cpu = time.perf_counter() - t, time.process_time() - c
-                runs: list = [None] * world
-                dist.all_gather_object(runs, (wall, timing["merge"], timing["wait"], cpu))
-                if i:
-                    together.append(max(runs))  # the job takes as long as its slowest rank
-                    together_cpu.append(max(r[3] for r in runs))
-            if rank == 0:
-                t1, cpu1 = min(alone)
-                tn, t_merge, t_wait, _ = min(together)
-                rows.append({"method": method, "quantizers": timing["quantizers"], "t1": t1, "tn": tn,
-                             "merge": t_merge, "wait": t_wait, "cpu1": min(a[1] for a in alone),
-                             "cpun": min(together_cpu)})
-    finally:
+    return timed_merge
+
+
+def _timed_calibrate(model: torch.nn.Module, batches, method: str, dev: torch.device, group, sync) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``calibrate`` call, the device synchronised on both sides."""
+    from quantcli.calibration import calibrate
+
+    sync()
+    t, c = time.perf_counter(), time.process_time()
+    calibrate(model, batches, method, device=dev, group=group)
+    sync()
+    return time.perf_counter() - t, time.process_time() - c
+
+
+def _measure(method: str, rank: int, world: int, model: str, dev: torch.device, batches: list, repeat: int, solo,
+             sync, timing: dict) -> dict | None:
+    """One method, both sides interleaved: rank 0 alone on every batch, then every rank on its strided share
+    (the job as slow as its slowest rank). Fastest of ``repeat`` runs after a warm-up; the row on rank 0."""
+    import torch.distributed as dist
+
+    alone, together, together_cpu = [], [], []
+    for i in range(repeat + 1):  # the first run of each side warms up
+        m = _fresh(model).to(dev)
+        dist.barrier()
         if rank == 0:
-            torch.save(rows, out_file)
-        dist.destroy_process_group()
+            wall_cpu = _timed_calibrate(m, batches, method, dev, solo, sync)
+            if i:
+                alone.append(wall_cpu)
+        m = _fresh(model).to(dev)
+        dist.barrier()
+        wall, cpu = _timed_calibrate(m, batches[rank::world], method, dev, None, sync)
+        runs: list = [None] * world
+        dist.all_gather_object(runs, (wall, timing["merge"], timing["wait"], cpu))
+        if i:
+            together.append(max(runs))  # the job takes as long as its slowest rank
+            together_cpu.append(max(r[3] for r in runs))
+    if rank != 0:
+        return None
+    t1 = min(alone)[0]
+    tn, t_merge, t_wait, _ = min(together)
+    return {"method": method, "quantizers": timing["quantizers"], "t1": t1, "tn": tn, "merge": t_merge, "wait": t_wait,
+            "cpu1": min(a[1] for a in alone), "cpun": min(together_cpu)}
 
 
 def run(model: str = "resnet_cnn", samples: int = 4096, batch_size: int = 64, ranks: int = 2,

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import best_interleaved, machine, rows_per_model, setup_threads, table
 from exporters import export_onnx
 from quantcli import calibrate, quantize_model
 from quantcli.smoothquant import smooth_quant
@@ -49,20 +49,16 @@ class Subject:
     evals: list[dict[str, torch.Tensor]]
 
 
-def subjects(names: list[str]) -> list[Subject]:
-    out = []
-    for name in names:
-        if name == "text_encoder":
-            from sample_models import text_encoder as te
+def subject(name: str) -> Subject:
+    if name == "text_encoder":
+        from sample_models import text_encoder as te
 
-            out.append(Subject(name, te.build().eval(), te.calibration_batches(), te.evaluation_batches()))
-        elif name == "deep_encoder":
-            from sample_models.structured import deep_encoder, deep_encoder_batches
+        return Subject(name, te.build().eval(), te.calibration_batches(), te.evaluation_batches())
+    if name == "deep_encoder":
+        from sample_models.structured import deep_encoder, deep_encoder_batches
 
-            out.append(Subject(name, deep_encoder(), deep_encoder_batches("calib"), deep_encoder_batches("eval")))
-        else:
-            raise SystemExit(f"unknown model {name!r}; choose text_encoder, deep_encoder")
-    return out
+        return Subject(name, deep_encoder(), deep_encoder_batches("calib"), deep_encoder_batches("eval"))
+    raise SystemExit(f"unknown model {name!r}; choose text_encoder, deep_encoder")
 
 
 def export_float(model: torch.nn.Module, example: dict[str, torch.Tensor], path: Path, opset: int) -> None:
@@ -92,17 +88,8 @@ def cosine(got: np.ndarray, ref: np.ndarray) -> float:
 
 
 def best_latencies(sessions: dict[str, ort.InferenceSession], batch: dict[str, np.ndarray], rounds: int) -> dict[str, float]:
-    """Best-of-``rounds`` seconds per session, the sessions interleaved within each round."""
-    for s in sessions.values():  # warm up: first runs allocate and pick kernels
-        s.run(None, batch)
-        s.run(None, batch)
-    best = dict.fromkeys(sessions, float("inf"))
-    for _ in range(rounds):
-        for name, s in sessions.items():
-            t = time.perf_counter()
-            s.run(None, batch)
-            best[name] = min(best[name], time.perf_counter() - t)
-    return best
+    """Best-of-``rounds`` seconds per session, the sessions interleaved within each round, after 2 warm-up runs."""
+    return best_interleaved({name: functools.partial(s.run, None, batch) for name, s in sessions.items()}, rounds, 2)
 
 
 def latency_batch(subject: Subject) -> dict[str, np.ndarray]:
@@ -169,12 +156,8 @@ def main(argv=None) -> None:
     setup_threads(1)
     print(f"int8-dynamic / smoothquant vs onnxruntime quantize_dynamic: {machine()}; onnxruntime {ort.__version__}; "
           f"opset {a.opset}; latency batch {LATENCY_SHAPE[0]}x{LATENCY_SHAPE[1]} tokens, 1 thread, best of {a.rounds}")
-    rows = []
-    with tempfile.TemporaryDirectory() as d:
-        for subject in subjects(a.models.split(",")):
-            rows += measure(subject, Path(d), a.opset, a.rounds)
-            print(f"  {subject.name} done; load average {os.getloadavg()[0]:.2f}", flush=True)
-    print(table(rows, list(rows[0])))
+    rows = rows_per_model(a.models.split(","), lambda name, d: measure(subject(name), d, a.opset, a.rounds))
+    print(table(rows))
     print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
           "(2 cores shared: latency ratios are interleaved in one process, absolute ms are noisy)")
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
-import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +29,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import best_interleaved, machine, rows_per_model, run_all, setup_threads, table
 from exporters import export_onnx
 from quantcli import calibrate, quantize_model
 
@@ -100,13 +99,7 @@ def measure(name: str, workdir: Path, repeat: int) -> list[dict]:
         sessions[label] = _session(path, disabled)
         diffs[label] = max(float(np.abs(sessions[label].run(None, f)[0] - w).max()) for f, w in zip(feeds, want))
     scale = max(float(np.abs(w).max()) for w in want)
-    best = dict.fromkeys(sessions, float("inf"))
-    for _ in range(repeat):
-        for label, s in sessions.items():  # interleaved: every variant sees the same machine state
-            t = time.perf_counter()
-            for f in feeds:
-                s.run(None, f)
-            best[label] = min(best[label], time.perf_counter() - t)
+    best = best_interleaved({label: functools.partial(run_all, s, feeds) for label, s in sessions.items()}, repeat)
     rows = []
     ref = best["13"]
     for label in sessions:
@@ -151,12 +144,7 @@ def kernel_rows(repeat: int = 200) -> list[dict]:
         rng = np.random.default_rng(1)
         feeds = {n: rng.random((50, 30, hidden), dtype=np.float32) for n in ("x", "s")}
         sessions = {"Add + LayerNormalization": session(hidden, False), "SkipLayerNormalization": session(hidden, True)}
-        best = dict.fromkeys(sessions, float("inf"))
-        for _ in range(repeat):
-            for label, s in sessions.items():
-                t = time.perf_counter()
-                s.run(None, feeds)
-                best[label] = min(best[label], time.perf_counter() - t)
+        best = best_interleaved({label: functools.partial(s.run, None, feeds) for label, s in sessions.items()}, repeat)
         a, b = best["Add + LayerNormalization"], best["SkipLayerNormalization"]
         rows.append({"hidden": str(hidden), "Add + LayerNormalization us": f"{a * 1e6:.0f}",
                      "SkipLayerNormalization us": f"{b * 1e6:.0f}", "fused / unfused": f"{b / a:.2f}x"})
@@ -171,18 +159,10 @@ def main(argv=None) -> None:
     setup_threads(1)
     print(f"opset 13 vs default (17 with LayerNorm), onnxruntime {ort.__version__}: {machine()}; "
           f"load average {os.getloadavg()[0]:.2f}")
-    rows = []
-    with tempfile.TemporaryDirectory() as d:
-        for name in a.models.split(","):
-            try:
-                rows += measure(name, Path(d), a.repeat)
-            except ImportError as e:  # deep_encoder needs transformers (the test extra)
-                print(f"{name}: skipped ({e})")
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    print(table(rows, cols))
+    rows = rows_per_model(a.models.split(","), lambda name, d: measure(name, d, a.repeat))
+    print(table(rows))
     print("\nthe residual Add + LayerNorm of one layer, (50, 30, hidden), best of 200 interleaved runs:")
-    krows = kernel_rows()
-    print(table(krows, list(krows[0])))
+    print(table(kernel_rows()))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

@@ -12,15 +12,15 @@ optimizations off; and each one's largest output difference from the optimizatio
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import best_interleaved, machine, run_all, setup_threads, table
 from exporters import export_onnx
 from exporters.ort_compat import session_needs, unguard_fp8
 from quantcli import calibrate, quantize_model
@@ -55,13 +55,7 @@ def measure(name: str, workdir: Path, repeat: int) -> dict:
     ref = sessions["guarded, optimizations off"]
     diff = {label: max(float(np.abs(s.run(None, f)[0] - ref.run(None, f)[0]).max()) for f in feeds)
             for label, s in sessions.items()}
-    best = dict.fromkeys(sessions, float("inf"))
-    for _ in range(repeat):
-        for label, s in sessions.items():
-            t = time.perf_counter()
-            for f in feeds:
-                s.run(None, f)
-            best[label] = min(best[label], time.perf_counter() - t)
+    best = best_interleaved({label: functools.partial(run_all, s, feeds) for label, s in sessions.items()}, repeat)
     ref_t = best["guarded, default options"]
     row = {"model": name, "guards": str(guards), "guarded default ms": f"{ref_t * 1e3:.1f}"}
     row["guarded default max|diff|"] = f"{diff['guarded, default options']:.2g}"

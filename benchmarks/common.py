@@ -7,8 +7,10 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 
 def setup_threads(n: int = 1) -> None:
@@ -33,6 +35,44 @@ def median_time(fn: Callable[..., object], repeat: int = 5, warmup: int = 1, syn
     for _ in range(warmup):
         once()
     return statistics.median(once() for _ in range(repeat))
+
+
+def best_interleaved(runs: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
+    """Best-of-``rounds`` wall time (seconds) of each callable, the callables interleaved within each round so
+    that every one sees the same machine state; ``warmup`` untimed calls of each first (first runs allocate and
+    pick kernels)."""
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    best = dict.fromkeys(runs, float("inf"))
+    for _ in range(rounds):
+        for label, fn in runs.items():
+            t = time.perf_counter()
+            fn()
+            best[label] = min(best[label], time.perf_counter() - t)
+    return best
+
+
+def run_all(session, feeds: list[dict]) -> None:
+    """One run of an onnxruntime ``session`` on each feed dict: what a latency figure over several batches times."""
+    for f in feeds:
+        session.run(None, f)
+
+
+def rows_per_model(names: Iterable[str], measure: Callable[[str, Path], list[dict]]) -> list[dict]:
+    """The rows ``measure(name, folder)`` returns for each model, every file written to one temporary folder
+    (removed afterwards). A model whose optional dependency is missing (ImportError) is skipped with a line saying
+    so; after each model the 1-minute load average is printed (latency figures are read beside it)."""
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as d:
+        for name in names:
+            try:
+                rows += measure(name, Path(d))
+            except ImportError as e:  # deep_encoder needs transformers (the test extra)
+                print(f"{name}: skipped ({e})")
+                continue
+            print(f"  {name} done; load average {os.getloadavg()[0]:.2f}", flush=True)
+    return rows
 
 
 PEAK_RSS_SNIPPET = (
@@ -67,7 +107,10 @@ def machine() -> str:
     return f"{platform.system()} {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s), {gpu}"
 
 
-def table(rows: list[dict], columns: list[str]) -> str:
+def table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """Rows as aligned text columns; ``columns`` defaults to every key of the rows, in first-seen order."""
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) for c in columns}
     line = "  ".join(c.ljust(widths[c]) for c in columns)
     out = [line, "  ".join("-" * widths[c] for c in columns)]

@@ -1,15 +1,24 @@
 """Calibrators fill ``amax``: :class:`MaxCalibrator`, :class:`HistogramCalibrator`, and the amax methods
-(entropy, mse, percentile) as pure functions of a histogram in :mod:`calibrators.histogram`."""
+(entropy, mse, percentile) as pure functions of a histogram in :mod:`calibrators.histogram`.
 
-from calibrators.histogram import compute_amax_entropy, compute_amax_mse, compute_amax_percentile
-from calibrators.histogram_calibrator import HistogramCalibrator
-from calibrators.max import MaxCalibrator, MinMaxCalibrator
+The calibrators load on first use of an attribute (as :mod:`quantcli` does), so that :mod:`calibrators.methods`,
+the method names ``quantcli --help`` lists, imports without torch.
+"""
 
-__all__ = [
-    "MaxCalibrator",
-    "MinMaxCalibrator",
-    "HistogramCalibrator",
-    "compute_amax_entropy",
-    "compute_amax_mse",
-    "compute_amax_percentile",
-]
+from __future__ import annotations
+
+from quantcli.lazy import lazy_getattr
+
+_LAZY = {
+    "MaxCalibrator": "calibrators.max",
+    "MinMaxCalibrator": "calibrators.max",
+    "HistogramCalibrator": "calibrators.histogram_calibrator",
+    "compute_amax_entropy": "calibrators.histogram",
+    "compute_amax_mse": "calibrators.histogram",
+    "compute_amax_percentile": "calibrators.histogram",
+}
+
+__all__ = list(_LAZY)
+
+
+__getattr__ = lazy_getattr("calibrators", _LAZY)

@@ -17,8 +17,10 @@ import math
 
 import torch
 
+from calibrators.methods import AMAX_METHODS
+
 #: candidate methods, in tie-breaking order (a tie keeps the earlier one: max clips nothing)
-CANDIDATES = ("max", "percentile", "mse", "entropy")
+CANDIDATES = AMAX_METHODS
 
 #: the sample of one layer's inputs is at most this many elements (float32: 2 MiB), at least MIN_ROWS rows
 SAMPLE_ELEMENTS = 1 << 19

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from calibrators.methods import HISTOGRAM_METHODS
 from quantcli import arithmetic as ar
 from quantcli.errors import CalibrationError
 
@@ -193,42 +194,47 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     all_cand, all_bounds, all_last = _range_bounds(start, num_bins + 1, stride, nq, str(h.device))
     stop = _data_end(h)
     per_row = max(1, _chunk_elements(h.device) // (all_cand.numel() * nq))
-    best = []
-    for r in range(0, h.shape[0], per_row):
-        hr, st = h[r : r + per_row], stop[r : r + per_row]
-        # candidates past the data clip nothing: the first n of the range are those up to the chunk's data end
-        n = max(0, (int(st.max()) - start) // stride + 1)
-        if n == 0:
-            best.append(st)
-            continue
-        cr, bounds, k_last = all_cand[:n], all_bounds[: n * (nq + 1)], all_last[:n]
-        # a candidate whose last bin is empty while mass lies beyond it has infinite divergence: skip it
-        # (the data end itself clips nothing and always stays)
-        alive = (hr.index_select(1, cr - 1) > 0).any(0) | (cr.view(1, -1) == st.view(-1, 1)).any(0)
-        if int(alive.sum()) < 0.75 * n:  # worth an indexing pass
-            cr, k_last = cr[alive], k_last[alive]
-            bounds = bounds.view(n, nq + 1)[alive].reshape(-1)
-            if cr.numel() == 0:
-                best.append(st)
-                continue
-        tables = _entropy_tables(hr)
-        kl = _entropy_divergences(hr, tables, cr, *_bin_terms(tables, bounds, k_last, nq, torch.float32))
-        valid = cr.view(1, -1) <= st.view(-1, 1) if hr.shape[0] > 1 else None  # one row: every candidate is
-        if valid is not None:
-            kl = torch.where(valid, kl, float("inf"))
-        low = kl.amin(dim=1, keepdim=True)
-        near = torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
-        # rescore the near-best exactly, unless each row has a single one (the float32 choice is then certain)
-        if bool((near.sum(1) > 1).any()):
-            cols = near.any(0)
-            terms = _bin_terms(tables, bounds.view(-1, nq + 1)[cols].reshape(-1), k_last[cols], nq, torch.float64)
-            exact = _entropy_divergences(hr, tables, cr[cols], *terms)
-            kl = torch.full_like(kl, float("inf"))
-            kl[:, cols] = torch.where(near[:, cols], exact, float("inf"))
-        best.append(_pick(cr, kl, st, last=True, valid=valid))
+    best = [_entropy_best(h[r : r + per_row], stop[r : r + per_row], start, stride, nq, all_cand, all_bounds, all_last)
+            for r in range(0, h.shape[0], per_row)]
     idx = torch.cat(best) if len(best) > 1 else best[0]
     amax = e.gather(1, idx.view(-1, 1)).squeeze(1)
     return _finish(amax, squeeze, was_numpy)
+
+
+def _entropy_best(hr: torch.Tensor, st: torch.Tensor, start: int, stride: int, nq: int, all_cand: torch.Tensor,
+                  all_bounds: torch.Tensor, all_last: torch.Tensor) -> torch.Tensor:
+    """The entropy search for one chunk of histogram rows ``hr`` ``(rows, bins)`` whose data ends at bins ``st``:
+    per row, the index of the bin edge with the smallest KL divergence (see :func:`compute_amax_entropy`).
+    ``all_cand``, ``all_bounds``, ``all_last``: every candidate of the range and its quantization bins
+    (:func:`_range_bounds`)."""
+    # candidates past the data clip nothing: the first n of the range are those up to the chunk's data end
+    n = max(0, (int(st.max()) - start) // stride + 1)
+    if n == 0:
+        return st
+    cr, bounds, k_last = all_cand[:n], all_bounds[: n * (nq + 1)], all_last[:n]
+    # a candidate whose last bin is empty while mass lies beyond it has infinite divergence: skip it
+    # (the data end itself clips nothing and always stays)
+    alive = (hr.index_select(1, cr - 1) > 0).any(0) | (cr.view(1, -1) == st.view(-1, 1)).any(0)
+    if int(alive.sum()) < 0.75 * n:  # worth an indexing pass
+        cr, k_last = cr[alive], k_last[alive]
+        bounds = bounds.view(n, nq + 1)[alive].reshape(-1)
+        if cr.numel() == 0:
+            return st
+    tables = _entropy_tables(hr)
+    kl = _entropy_divergences(hr, tables, cr, *_bin_terms(tables, bounds, k_last, nq, torch.float32))
+    valid = cr.view(1, -1) <= st.view(-1, 1) if hr.shape[0] > 1 else None  # one row: every candidate is
+    if valid is not None:
+        kl = torch.where(valid, kl, float("inf"))
+    low = kl.amin(dim=1, keepdim=True)
+    near = torch.isfinite(kl) & (kl <= low + 1e-4 * (1 + low.abs()))
+    # rescore the near-best exactly, unless each row has a single one (the float32 choice is then certain)
+    if bool((near.sum(1) > 1).any()):
+        cols = near.any(0)
+        terms = _bin_terms(tables, bounds.view(-1, nq + 1)[cols].reshape(-1), k_last[cols], nq, torch.float64)
+        exact = _entropy_divergences(hr, tables, cr[cols], *terms)
+        kl = torch.full_like(kl, float("inf"))
+        kl[:, cols] = torch.where(near[:, cols], exact, float("inf"))
+    return _pick(cr, kl, st, last=True, valid=valid)
 
 
 def _fake_quant_positive(centers: torch.Tensor, amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor:
@@ -331,4 +337,6 @@ def compute_amax_percentile(hist, bin_edges, percentile: float = 99.99):
     return _finish(amax, squeeze, was_numpy)
 
 
-METHODS = {"entropy": compute_amax_entropy, "mse": compute_amax_mse, "percentile": compute_amax_percentile}
+#: the search behind each name of :data:`calibrators.methods.HISTOGRAM_METHODS` (``compute_amax_<method>``, a
+#: name the registry has and this module lacks fails at import), in the registry's order
+METHODS = {m: globals()[f"compute_amax_{m}"] for m in HISTOGRAM_METHODS}

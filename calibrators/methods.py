@@ -18,3 +18,9 @@ AMAX_METHODS: tuple[str, ...] = ("max", *HISTOGRAM_METHODS)
 #: what ``quantcli calibrate --method`` accepts: an amax method for every quantizer, or ``auto`` (chosen per
 #: activation quantizer among :data:`AMAX_METHODS`)
 CALIBRATION_METHODS: tuple[str, ...] = (*AMAX_METHODS, "auto")
+
+
+def defined_for(method: str, is_fp8: bool) -> bool:
+    """Whether ``method`` can choose an amax for the grid: the entropy (KL divergence) search quantizes the
+    histogram onto integer levels, so it is defined for integer formats only, not FP8."""
+    return not (method == "entropy" and is_fp8)

@@ -1,10 +1,6 @@
-"""Export-time helpers shared by both exporters."""
+"""Kept for compatibility: :func:`export_amax` lives in :mod:`quantcli.qdq` (``quantcli.nn`` calls it, and
+``quantcli.nn`` sits below the exporters); re-exported here."""
 
-from __future__ import annotations
+from quantcli.qdq import export_amax
 
-import torch
-
-
-def export_amax(amax: torch.Tensor) -> torch.Tensor:
-    """amax as a graph constant: the TorchScript exporter hands constants (not parameters) to ``symbolic``."""
-    return torch.tensor(amax.detach().cpu().tolist(), dtype=torch.float32)
+__all__ = ["export_amax"]

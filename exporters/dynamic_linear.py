@@ -13,8 +13,9 @@ a Mul of the two scales, then an Add of a constant 1-D bias) and ``DynamicQuanti
 codes and scale) match. Each layer gets its own ``DynamicQuantizeLinear``, so q/k/v projections of one tensor
 each fuse into a ``DynamicQuantizeMatMul`` (which quantizes its input itself).
 
-The weight codes are emitted as ``QuantizeLinear(Transpose(W))``; the TorchScript exporter folds the Transpose
-and :mod:`exporters.fold` stores the codes as an int8 initializer, computed with quantcli's arithmetic.
+The layer builds the pattern itself (:mod:`quantcli.nn.dynamic`: ``DynamicLinearFunction.symbolic``, whose
+``weight_spec`` and ``dynamic_linear_symbolic`` are re-exported here); the weight codes are emitted as
+``QuantizeLinear(Transpose(W))``, and :mod:`exporters.fold` stores them as an int8 initializer.
 
 :func:`dynamic_quantizer_map` adds the dynamic quantizers to the quantizer map in ``metadata_props``:
 the ``DynamicQuantizeLinear`` codes output -> the input quantizer, the weight codes -> the weight quantizer.
@@ -27,34 +28,11 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-import torch
 
-from exporters.qdq import constant_value, emit, symmetric_spec
+from exporters.graph import initializer_map, producer_map
+from quantcli.nn.dynamic import dynamic_linear_symbolic, weight_spec
 
-
-def weight_spec(amax: torch.Tensor, weight_shape: tuple[int, int], num_bits: int, narrow_range: bool):
-    """The Q spec of the transposed weight ``(K, N)``: per output channel is ONNX axis 1 there."""
-    n, k = weight_shape
-    a = amax.detach().cpu().to(torch.float32)
-    a_t = a.reshape(1, n) if a.numel() > 1 else a.reshape(())
-    return symmetric_spec(a_t, (k, n), num_bits, False, narrow_range)
-
-
-def dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_range=False):
-    """``DynamicLinearFunction.symbolic`` (TorchScript exporter)."""
-    amax = constant_value(weight_amax, "weight amax")
-    sizes = weight.type().sizes()
-    spec = weight_spec(amax, (sizes[0], sizes[1]), num_bits, narrow_range)
-    xq, xs, xzp = g.op("DynamicQuantizeLinear", x, outputs=3)
-    w_t = g.op("Transpose", weight, perm_i=[1, 0])
-    w_codes = emit(g, w_t, spec, dequantize=False)
-    w_zp = g.op("Constant", value_t=spec.zero_point.to(torch.int8))
-    acc = g.op("MatMulInteger", xq, w_codes, xzp, w_zp)
-    w_scale = g.op("Constant", value_t=spec.scale.to(torch.float32))
-    y = g.op("Mul", g.op("Cast", acc, to_i=onnx.TensorProto.FLOAT), g.op("Mul", xs, w_scale))
-    if bias is not None and not (hasattr(bias, "node") and bias.node().mustBeNone()):
-        y = g.op("Add", y, bias)
-    return y
+__all__ = ["DynamicLayer", "dynamic_layers", "dynamic_quantizer_map", "dynamic_linear_symbolic", "weight_spec"]
 
 
 # ------------------------------------------------------------------------------------------- reading graphs
@@ -82,8 +60,8 @@ def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
     from exporters.graph import consumer_map, quantizer_map, to_numpy
 
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    inits = initializer_map(g)
+    producers = producer_map(g)
     consumers = consumer_map(model)
     qmap = quantizer_map(model)
     layers = []

@@ -1,45 +1,35 @@
 """The torch.export-based exporter: quantize ops as ``torch.library`` custom ops with ONNX translations.
 
-Before tracing, every enabled quantizer gets its :class:`~exporters.qdq.QdqSpec`, computed from its real amax
+Before tracing, every enabled quantizer gets its :class:`~quantcli.qdq.QdqSpec`, computed from its real amax
 and the shape of the tensor it sees (torch.export traces with fake tensors, so values are read first).
-While exporting, quantizers call ``quantcli::qdq`` with the spec's tensors; the op's eager kernel is ONNX's
-Q/DQ arithmetic (:mod:`quantcli.arithmetic`), and its onnxscript translation emits the same
-``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path.
+While exporting, each quantizer's export hook (:mod:`quantcli.nn.export_hooks`, set for the trace and removed
+after it) calls ``quantcli::qdq`` with the spec's tensors; the op's eager kernel is ONNX's Q/DQ arithmetic
+(:mod:`quantcli.arithmetic`), and its onnxscript translation emits the same
+``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path. Int32 biases and Linear
+layers with dynamic inputs get hooks that call ``quantcli::int32_bias`` and ``quantcli::dynamic_linear``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import warnings
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from exporters import formats as fm
-from exporters.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
 from quantcli import arithmetic as ar
-from quantcli.errors import ExportError
+from quantcli import formats as fm
+from quantcli.errors import ExportError, first_line
 from quantcli.granularity import broadcast_onnx_param
-
-_ACTIVE = False
-
-
-def active() -> bool:
-    """True while :func:`export_dynamo` traces the model."""
-    return _ACTIVE
-
-
-@contextmanager
-def _activated():
-    global _ACTIVE
-    _ACTIVE = True
-    try:
-        yield
-    finally:
-        _ACTIVE = False
+from quantcli.nn.dynamic import weight_spec
+from quantcli.nn.export_hooks import export_hooks
+from quantcli.nn.modules import QuantMixin
+from quantcli.nn.replace import quantizers
+from quantcli.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
 
 
 @torch.library.custom_op("quantcli::qdq", mutates_args=())
@@ -119,8 +109,6 @@ def _dynamic_linear_fake(x, w_codes, w_scale, w_zero_point, bias, has_bias):
 def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(int8 weight codes (K, N), float32 scale, int8 zero point) of a dynamic Linear, computed before tracing
     (torch.export traces with fake tensors, so values are read first)."""
-    from exporters.dynamic_linear import weight_spec
-
     wq = layer.weight_quantizer
     w = layer.weight.detach().cpu()
     spec = weight_spec(wq.amax, tuple(w.shape), wq.desc.num_bits, wq.desc.narrow_range)
@@ -132,9 +120,10 @@ def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Ten
     return codes, spec.scale, spec.zero_point.to(torch.int8)
 
 
-def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A QuantLinear with a dynamic input quantizer, while torch.export traces."""
-    codes, scale, zp = layer._dynamic_export
+def dynamic_linear(layer: nn.Module, x: torch.Tensor, constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """A QuantLinear with a dynamic input quantizer, while torch.export traces (its export hook);
+    ``constants``: :func:`_dynamic_linear_constants`."""
+    codes, scale, zp = constants
     bias = layer.bias if layer.bias is not None else scale
     return torch.ops.quantcli.dynamic_linear(x, codes, scale, zp, bias, layer.bias is not None)
 
@@ -183,9 +172,8 @@ def quantizer_spec(q, x_shape) -> QdqSpec:
     return symmetric_spec(q.amax, x_shape, d.num_bits, d.unsigned, d.narrow_range)
 
 
-def _prepare_specs(model: nn.Module, example: dict[str, torch.Tensor], opset: int) -> None:
-    from quantcli.nn.replace import quantizers
-
+def _input_shapes(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """The shape of the tensor each static quantizer sees, from one eager forward."""
     shapes: dict[str, tuple[int, ...]] = {}
     hooks = [q.register_forward_pre_hook(lambda m, a, n=n: shapes.__setitem__(n, tuple(a[0].shape)))
              for n, q in quantizers(model).items() if q.mode == "quantize" and not q.dynamic_uint8]
@@ -195,38 +183,51 @@ def _prepare_specs(model: nn.Module, example: dict[str, torch.Tensor], opset: in
     finally:
         for h in hooks:
             h.remove()
+    return shapes
+
+
+def _bias_hook(layer: nn.Module) -> Callable[[], torch.Tensor]:
+    """The int32 bias as a constant op (its codes read now), or the float bias where the layer adds that."""
+    with torch.no_grad():
+        constants = layer.int32_bias_constants()
+    if constants is None:
+        return lambda: layer.bias
+    codes, scale = (t.detach() for t in constants)
+    return functools.partial(call_int32_bias, codes, scale, torch.zeros_like(scale))
+
+
+def export_hooks_for(model: nn.Module, example: dict[str, torch.Tensor],
+                     opset: int) -> list[tuple[nn.Module, str, Callable]]:
+    """Every module's export hook (:mod:`quantcli.nn.export_hooks`), with the constants it carries read from real
+    values before tracing; raises :class:`ExportError` where a quantizer's format needs a newer opset."""
+    shapes = _input_shapes(model, example)
+    hooks: list[tuple[nn.Module, str, Callable]] = []
     for module in model.modules():
         q = getattr(module, "input_quantizer", None)
         if isinstance(module, nn.Linear) and q is not None and q.mode == "quantize" and q.dynamic_uint8:
-            module._dynamic_export = _dynamic_linear_constants(module)
+            hooks.append((module, "export_hook",
+                          functools.partial(dynamic_linear, module, constants=_dynamic_linear_constants(module))))
+        if isinstance(module, QuantMixin) and module.int32_bias and module.bias is not None:
+            hooks.append((module, "bias_export_hook", _bias_hook(module)))
     for n, q in quantizers(model).items():
         if n in shapes:
             spec = quantizer_spec(q, shapes[n])
             check_opset(opset, spec)
-            q._export_spec = spec
-
-
-def _clear_specs(model: nn.Module) -> None:
-    from quantcli.nn.replace import quantizers
-
-    for q in quantizers(model).values():
-        q._export_spec = None
-    for module in model.modules():
-        if hasattr(module, "_dynamic_export"):
-            del module._dynamic_export
+            hooks.append((q, "export_hook", functools.partial(call, spec=spec)))
+    return hooks
 
 
 def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names,
                   axes) -> None:
     """``torch.onnx.export(..., dynamo=True)`` with the quantize ops translated to Q/DQ nodes."""
-    _prepare_specs(model, example, opset)
+    hooks = export_hooks_for(model, example, opset)
     dynamic_shapes = None
     if axes:
         dynamic_shapes = {k: {d: torch.export.Dim.DYNAMIC for d in axes.get(k, {})} or None for k in example}
     torch_onnx_log = logging.getLogger("torch.onnx")
     level = torch_onnx_log.level
     try:
-        with _activated(), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+        with export_hooks(hooks), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
                 contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
@@ -245,7 +246,6 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     except ExportError:
         raise
     except Exception as e:
-        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {str(e).strip().splitlines()[0][:200]}") from None
+        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}") from None
     finally:
         torch_onnx_log.setLevel(level)
-        _clear_specs(model)

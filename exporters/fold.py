@@ -16,9 +16,9 @@ import onnx
 import torch
 from onnx import helper, numpy_helper
 
-from exporters import formats as fm
-from exporters.graph import to_numpy
+from exporters.graph import initializer_map, producer_map, to_numpy
 from quantcli import arithmetic as ar
+from quantcli import formats as fm
 from quantcli.granularity import broadcast_onnx_param
 
 
@@ -60,7 +60,7 @@ def _representable(vals: np.ndarray, elem_type: int) -> bool:
 
 def fold_casts(model: onnx.ModelProto) -> None:
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     keep = []
     for n in g.node:
         if n.op_type == "Cast" and n.input[0] in inits:
@@ -95,8 +95,8 @@ def quantize_codes(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem_type: 
 def fold_weight_quantization(model: onnx.ModelProto) -> int:
     """Replace QuantizeLinear of constant weights by stored codes. Returns how many were folded."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    inits = initializer_map(g)
+    producers = producer_map(g)
     drop_q: set[int] = set()
     drop_clip: set[int] = set()
     folded = 0
@@ -148,7 +148,7 @@ def narrow_types(model: onnx.ModelProto, targets: dict[str, int]) -> int:
     any stored codes changes no value. Returns the number of pairs narrowed.
     """
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     retype: dict[str, int] = {}
     for n in g.node:
         if n.op_type == "DequantizeLinear" and n.output[0] in targets:
@@ -184,7 +184,7 @@ def drop_unused_initializers(model: onnx.ModelProto) -> None:
 def align_zero_points(model: onnx.ModelProto) -> None:
     """Give every Q/DQ zero point its scale's shape (ONNX requires it; torch.export may lift a 0-d zero as [1])."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = initializer_map(g)
     for n in g.node:
         if n.op_type not in ("QuantizeLinear", "DequantizeLinear") or len(n.input) < 3:
             continue

@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from exporters import formats as fm
-from quantcli.errors import VerifyError
+from quantcli import formats as fm
+from quantcli.errors import VerifyError, first_line
 
 QUANTIZERS_KEY = "quantcli.quantizers"
 #: in the names of the Q/DQ copies :mod:`exporters.ort_placement` puts in front of ops that commute with quantization
@@ -28,13 +28,19 @@ def read_onnx(path: str | Path) -> onnx.ModelProto:
         model = onnx.load(str(path))
         onnx.checker.check_model(model)
     except Exception as e:
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        first = first_line(e, 160)
         raise VerifyError(f"{path} is not a valid ONNX model ({first}); re-export it with `quantcli export`") from None
     return model
 
 
 def initializer_map(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """Initializer name -> its TensorProto (the proto itself: editing it edits the graph)."""
     return {t.name: t for t in graph.initializer}
+
+
+def producer_map(graph: onnx.GraphProto) -> dict[str, onnx.NodeProto]:
+    """Tensor name -> the node that writes it (graph inputs and initializers have none)."""
+    return {o: n for n in graph.node for o in n.output}
 
 
 def consumer_map(model: onnx.ModelProto) -> dict[str, list[onnx.NodeProto]]:
@@ -112,7 +118,7 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
     across commuting ops (:data:`PROPAGATED_MARK`) are not quantizers of their own and are left out."""
     g = model.graph
     inits = initializer_map(g)
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     names = quantizer_map(model)
     pairs = []
     for n in g.node:

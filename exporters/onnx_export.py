@@ -14,8 +14,6 @@ import contextlib
 import io
 import json
 import os
-import shutil
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -25,7 +23,6 @@ import onnx
 import torch
 from torch import nn
 
-from exporters import formats as fm
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
@@ -34,7 +31,9 @@ from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
-from quantcli.errors import ExportError
+from quantcli import formats as fm
+from quantcli.errors import ExportError, first_line
+from quantcli.files import staging_directory, writable_directory
 from quantcli.nn.replace import quantizers
 from quantcli.nn.usage import unused_quantizers
 
@@ -217,6 +216,34 @@ def export_onnx(
     quantized layers onnxruntime leaves in float (:func:`exporters.runtime_fusion.inspect_fusion`).
     """
     t0 = time.perf_counter()
+    need, what = _required_opset(model, exporter, opset)
+    path = Path(path)
+    parent = _check_destination(path)
+    model = model.eval().cpu()
+    example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
+    probe = OpProbe()
+    with torch.no_grad(), probe:
+        outputs = model(**example)
+    opset, reason, note = _resolve_opset(model, probe, opset, need, what)
+    output_names = _output_names(outputs)
+    res = ExportResult(str(path), opset, exporter, input_names=list(example), output_names=output_names,
+                       opset_reason=reason, opset_note=note)
+    axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
+    with staging_directory(parent, prefix=".quantcli-export-") as workdir:
+        onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
+        mapping = _post_process(onnx_model, model, example, res, weights_qdq)
+        _stamp_metadata(onnx_model, mapping, res, metadata)
+        onnx_model = _checked(onnx_model)
+        res.external_data = _save(onnx_model, path, parent, workdir)
+    _describe_saved(onnx_model, path, res)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _required_opset(model: nn.Module, exporter: str, opset: int | None) -> tuple[int, str]:
+    """Check the exporter, the model and an explicit ``opset`` before any work is done.
+
+    Returns (the lowest opset the formats and the exporter need, what needs it, worded for messages)."""
     if exporter not in EXPORTERS:
         raise ExportError(f"unknown exporter {exporter!r}; choose torchscript or dynamo")
     check_exportable(model)
@@ -228,113 +255,130 @@ def export_onnx(
         raise ExportError(f"{what} needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out")
     if opset is not None and opset > 21:
         raise ExportError(f"opset {opset} is not supported; use 13..21")
-    path = Path(path)
-    parent = path.parent if str(path.parent) else Path(".")
+    return need, what
+
+
+def _check_destination(path: Path) -> Path:
+    """The directory the ``.onnx`` file goes to, checked writable before the export runs."""
     if path.suffix.lower() != ".onnx":
         raise ExportError(f"output {path} must end in .onnx")
-    if not parent.is_dir():
-        raise ExportError(f"cannot write {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise ExportError(f"cannot write {path}: directory {parent} is not writable")
+    return writable_directory(path, ExportError)
 
-    model = model.eval().cpu()
-    example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
-    probe = OpProbe()
-    with torch.no_grad(), probe:
-        outputs = model(**example)
+
+def _resolve_opset(model: nn.Module, probe: OpProbe, opset: int | None, need: int, what: str) -> tuple[int, str, str]:
+    """(the opset to export, why that one, what an explicit opset below the ops' best costs) from the formats'
+    minimum ``need`` and the ops ``probe`` saw in a forward pass (:func:`exporters.opset.ops_opset`)."""
     best, best_why = ops_opset(model, probe)
-    note = ""
     if opset is None:
-        opset = max(need, best)
-        reason = f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else "")
+        return max(need, best), f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else ""), ""
+    note = ""
+    if opset < best:
+        note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}, and "
+                f"onnxruntime then forms no SkipLayerNormalization; leave --opset out for {best}")
+    return opset, "--opset", note
+
+
+def _export_graph(model: nn.Module, example: dict[str, torch.Tensor], raw: Path, res: ExportResult,
+                  axes: dict[str, dict[int, str]] | None) -> onnx.ModelProto:
+    """Run the chosen torch exporter into ``raw`` and load what it wrote."""
+    if res.exporter == "torchscript":
+        _export_torchscript(model, example, raw, res.opset, res.input_names, res.output_names, axes)
     else:
-        reason = "--opset"
-        if opset < best:
-            note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}, "
-                    f"which onnxruntime fuses back into LayerNormalization (other runtimes may not; the onnxruntime "
-                    f"target forms no SkipLayerNormalization at either opset); leave --opset out for {best}")
-    output_names = _output_names(outputs)
-    input_names = list(example)
-    axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
+        from exporters.dynamo import export_dynamo
 
-    workdir = Path(tempfile.mkdtemp(prefix=".quantcli-export-", dir=parent))
+        export_dynamo(model, example, raw, res.opset, res.input_names, res.output_names, axes)
+    return onnx.load(str(raw))
+
+
+def _post_process(onnx_model: onnx.ModelProto, model: nn.Module, example: dict[str, torch.Tensor],
+                  res: ExportResult, weights_qdq: bool) -> dict[str, str]:
+    """The graph passes, in place: fold weights, name each DequantizeLinear's quantizer, narrow 4-bit types,
+    place Q/DQ for onnxruntime, drop dead initializers and node stack traces, guard float8 pairs. Records what
+    each did in ``res``; returns DequantizeLinear output -> quantizer name."""
+    res.weights_stored_quantized = prepare(onnx_model, fold_weights=not weights_qdq)
+    _set_opset(onnx_model, res.opset)
+    qs = quantizers(model)
+    mapping = _namequantizers(onnx_model, model)
+    mapping.update(dynamic_quantizer_map(onnx_model, qs))
+    narrow = {}
+    for out_name, qname in mapping.items():
+        d = qs[qname].desc
+        if not d.is_fp8 and d.num_bits <= 4:
+            narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
+    narrow_types(onnx_model, narrow)
+    res.target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
+    res.placement = place_for_onnxruntime(onnx_model) if res.target == "onnxruntime" else {}
+    drop_unused_initializers(onnx_model)
+    for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
+        del node.metadata_props[:]
+    res.fp8_guards = guard_fp8(onnx_model) if res.target == "onnxruntime" else 0
+    res.onnxruntime_disabled_optimizers = list(session_needs(onnx_model).disabled_optimizers)
+    res.pruned_quantizers = _pruned(model, example, mapping)
+    return mapping
+
+
+def _stamp_metadata(onnx_model: onnx.ModelProto, mapping: dict[str, str], res: ExportResult,
+                    metadata: dict[str, str] | None) -> None:
+    """The model's ``metadata_props`` (quantcli version, exporter, quantizer map, target, pruned quantizers and
+    the caller's ``metadata``) and producer."""
+    meta = {
+        "quantcli.version": __version__,
+        "quantcli.exporter": res.exporter,
+        QUANTIZERS_KEY: json.dumps(mapping),
+        "quantcli.target": res.target,
+        PRUNED_KEY: json.dumps(res.pruned_quantizers),
+        **(metadata or {}),
+    }
+    del onnx_model.metadata_props[:]
+    for k, v in meta.items():
+        onnx_model.metadata_props.add(key=k, value=v)
+    onnx_model.producer_name = "quantcli"
+    onnx_model.producer_version = __version__
+
+
+def _checked(onnx_model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with inferred shapes, after ``onnx.checker``; a failure is an :class:`ExportError`."""
     try:
-        raw = workdir / "raw.onnx"
-        if exporter == "torchscript":
-            _export_torchscript(model, example, raw, opset, input_names, output_names, axes)
-        else:
-            from exporters.dynamo import export_dynamo
+        onnx_model = onnx.shape_inference.infer_shapes(onnx_model, check_type=True)
+        onnx.checker.check_model(onnx_model)
+    except Exception as e:
+        raise ExportError(f"the exported graph failed the ONNX checker: {first_line(e, 200)}") from None
+    return onnx_model
 
-            export_dynamo(model, example, raw, opset, input_names, output_names, axes)
-        onnx_model = onnx.load(str(raw))
-        folded = prepare(onnx_model, fold_weights=not weights_qdq)
-        _set_opset(onnx_model, opset)
-        mapping = _namequantizers(onnx_model, model)
-        mapping.update(dynamic_quantizer_map(onnx_model, quantizers(model)))
-        qs = quantizers(model)
-        narrow = {}
-        for out_name, qname in mapping.items():
-            d = qs[qname].desc
-            if not d.is_fp8 and d.num_bits <= 4:
-                narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
-        narrow_types(onnx_model, narrow)
-        target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
-        placed = place_for_onnxruntime(onnx_model) if target == "onnxruntime" else {}
-        drop_unused_initializers(onnx_model)
-        for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
-            del node.metadata_props[:]
-        guards = guard_fp8(onnx_model) if target == "onnxruntime" else 0
-        ort_needs = list(session_needs(onnx_model).disabled_optimizers)
-        pruned = _pruned(model, example, mapping)
-        meta = {
-            "quantcli.version": __version__,
-            "quantcli.exporter": exporter,
-            QUANTIZERS_KEY: json.dumps(mapping),
-            "quantcli.target": target,
-            PRUNED_KEY: json.dumps(pruned),
-            **(metadata or {}),
-        }
-        del onnx_model.metadata_props[:]
-        for k, v in meta.items():
-            onnx_model.metadata_props.add(key=k, value=v)
-        onnx_model.producer_name = "quantcli"
-        onnx_model.producer_version = __version__
-        try:
-            onnx_model = onnx.shape_inference.infer_shapes(onnx_model, check_type=True)
-            onnx.checker.check_model(onnx_model)
-        except Exception as e:
-            raise ExportError(f"the exported graph failed the ONNX checker: {str(e).splitlines()[0][:200]}") from None
-        external = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES if _small_enough_to_size(onnx_model) else True
-        final = workdir / path.name
-        if external:
-            onnx.save_model(onnx_model, str(final), save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=path.name + ".data")
-            os.replace(workdir / (path.name + ".data"), parent / (path.name + ".data"))
-        else:
-            onnx.save_model(onnx_model, str(final))
-        os.replace(final, path)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+
+def _save(onnx_model: onnx.ModelProto, path: Path, parent: Path, workdir: Path) -> bool:
+    """Write the model in ``workdir`` and rename it (and its external data, past protobuf's limit) into place.
+    Returns whether the weights went to an external ``<name>.data`` file."""
+    external = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES if _small_enough_to_size(onnx_model) else True
+    final = workdir / path.name
+    if external:
+        onnx.save_model(onnx_model, str(final), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data")
+        os.replace(workdir / (path.name + ".data"), parent / (path.name + ".data"))
+    else:
+        onnx.save_model(onnx_model, str(final))
+    os.replace(final, path)
+    return external
+
+
+def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) -> None:
+    """Fill ``res`` with what the saved graph holds: Q/DQ pairs by format, file size, dynamic layers and, for the
+    onnxruntime target, the quantized layers onnxruntime fuses (loading the file)."""
     counts: dict[str, int] = {}
     for p in qdq_pairs(onnx_model):
-        counts[p.format + (" blocked" if p.block_size else "")] = counts.get(p.format + (" blocked" if p.block_size else ""), 0) + 1
-    res = ExportResult(str(path), opset, exporter, counts, folded, path.stat().st_size, time.perf_counter() - t0,
-                       input_names, output_names, external)
-    res.fp8_guards, res.onnxruntime_disabled_optimizers = guards, ort_needs
-    res.target, res.placement = target, placed
-    res.pruned_quantizers = pruned
+        key = p.format + (" blocked" if p.block_size else "")
+        counts[key] = counts.get(key, 0) + 1
+    res.pairs_by_format = counts
+    res.file_bytes = path.stat().st_size
     dyn = dynamic_layers(onnx_model)
     res.dynamic_layers = len(dyn)
-    if exporter == "dynamo":  # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
+    if res.exporter == "dynamo":  # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
         inits = {t.name for t in onnx_model.graph.initializer}
         res.weights_stored_quantized += sum(1 for d in dyn if d.weight in inits)
-    res.opset_reason, res.opset_note = reason, note
-    if target == "onnxruntime":
+    if res.target == "onnxruntime":
         fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)
         res.fusion_error = fusion.load_error
-        res.seconds = time.perf_counter() - t0
-    return res
 
 
 def _pruned(model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str]) -> list[str]:
@@ -404,4 +448,4 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                 if isinstance(nxt, ExportError):
                     raise nxt from None
                 cause = nxt
-            raise ExportError(f"torch.onnx.export failed: {str(e).strip().splitlines()[0][:200]}") from None
+            raise ExportError(f"torch.onnx.export failed: {first_line(e, 200)}") from None

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from exporters import formats as fm
+from quantcli import formats as fm
 from quantcli.nn.replace import quantizers
 
 LAYER_NORM_OPSET = 17  # ONNX LayerNormalization

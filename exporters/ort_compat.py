@@ -41,6 +41,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from exporters.graph import consumer_map, initializer_map, producer_map
+
 FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
                        onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
 GUARD_OP = "Max"
@@ -89,12 +91,9 @@ class Fp8Exposure:
 def fp8_exposure(model: onnx.ModelProto) -> Fp8Exposure:
     """The float8 patterns of ``model`` that onnxruntime's default optimizer breaks (empty: none, or guarded)."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    inits = initializer_map(g)
+    producers = producer_map(g)
+    consumers = consumer_map(model)
     out = Fp8Exposure()
     for n in g.node:
         if _is_fp8_dq(n, inits) and n.input[0] not in inits:  # activation: codes computed at run time
@@ -116,12 +115,9 @@ def guard_fp8(model: onnx.ModelProto) -> int:
     quantizer map in ``metadata_props`` still names every pair.
     """
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    inits = initializer_map(g)
+    producers = producer_map(g)
+    consumers = consumer_map(model)
     taken = {o for n in g.node for o in n.output} | set(inits) | {i.name for i in g.input}
 
     def fresh(base: str) -> str:
@@ -219,11 +215,8 @@ _BLOCKED_TYPES = frozenset({onnx.TensorProto.INT4, onnx.TensorProto.UINT4})
 def _matmulnbits_candidates(model: onnx.ModelProto) -> int:
     """Weight DequantizeLinear (int4, or blocked) read by a MatMul/Gemm: what becomes MatMulNBits."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    inits = initializer_map(g)
+    consumers = consumer_map(model)
     count = 0
     for n in g.node:
         if n.op_type != "DequantizeLinear" or n.input[0] not in inits:

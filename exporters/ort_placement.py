@@ -29,15 +29,11 @@ from onnx import helper
 
 from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.fold import make_initializer
-from exporters.graph import PROPAGATED_MARK, consumer_map, to_numpy
+from exporters.graph import PROPAGATED_MARK, consumer_map, initializer_map, producer_map, to_numpy
 
 COMMUTING_OPS = ("MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
 UINT8_ZERO_POINT = "quantcli_uint8_zero_point_128"
 _EIGHT_BIT = (onnx.TensorProto.INT8, onnx.TensorProto.UINT8)
-
-
-def _inits(model: onnx.ModelProto) -> dict[str, onnx.TensorProto]:
-    return {t.name: t for t in model.graph.initializer}
 
 
 def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
@@ -49,7 +45,7 @@ def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
 def uint8_activations(model: onnx.ModelProto) -> int:
     """Emit int8 activation Q/DQ pairs with a scalar zero point 0 as uint8 with zero point 128; returns how many Qs."""
     g = model.graph
-    inits = _inits(model)
+    inits = initializer_map(model.graph)
     consumers = consumer_map(model)
     changed: set[str] = set()
     count = 0
@@ -100,9 +96,9 @@ def _key(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto], producers=None):
 def share_quantize(model: onnx.ModelProto) -> int:
     """One QuantizeLinear per (input, scale, zero point, attributes); returns how many Qs were removed."""
     g = model.graph
-    inits = _inits(model)
+    inits = initializer_map(model.graph)
     outputs = {o.name for o in g.output}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     first: dict = {}
     rename: dict[str, str] = {}
     keep = []
@@ -130,13 +126,13 @@ def share_quantize(model: onnx.ModelProto) -> int:
 def propagate_quantize(model: onnx.ModelProto) -> int:
     """Copy each activation Q (with its DQ) backwards across ops that commute with quantization; returns copies."""
     g = model.graph
-    inits = _inits(model)
+    inits = initializer_map(model.graph)
     outputs = {o.name for o in g.output}
     added = 0
     changed = True
     while changed:
         changed = False
-        producers = {o: n for n in g.node for o in n.output}
+        producers = producer_map(g)
         consumers = consumer_map(model)
         for q in list(g.node):
             if q.op_type != "QuantizeLinear" or q.input[0] in inits or len(q.input) < 3 \
@@ -177,7 +173,7 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     m.CopyFrom(model)
     g = m.graph
     dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     source = {}
     for out, dq in dqs.items():
         q = producers[dq.input[0]]

@@ -23,8 +23,8 @@ import onnx
 from onnx import helper
 
 from exporters import ort_compat
-from exporters.graph import quantizer_map, read_onnx
-from quantcli.errors import VerifyError
+from exporters.graph import initializer_map, producer_map, quantizer_map, read_onnx
+from quantcli.errors import VerifyError, first_line
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
 INTEGER_KERNELS = frozenset({
@@ -80,8 +80,8 @@ class FusionReport:
 class _Graph:
     def __init__(self, model: onnx.ModelProto):
         g = model.graph
-        self.inits = {t.name: t for t in g.initializer}
-        self.producers = {o: n for n in g.node for o in n.output}
+        self.inits = initializer_map(g)
+        self.producers = producer_map(g)
         self.consumers: dict[str, list[onnx.NodeProto]] = {}
         for n in g.node:
             for i in n.input:
@@ -406,7 +406,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     try:
         optimized = optimized_graph(path, provider)
     except Exception as e:  # onnxruntime's own errors: the report says what a user would see
-        report.load_error = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        report.load_error = first_line(e, 300)
         optimized = None
     for layer, node, names in layers:
         if optimized is None:

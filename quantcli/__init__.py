@@ -5,6 +5,8 @@ Heavy modules (torch, onnx) load on first use of an attribute, so ``quantcli --h
 
 from __future__ import annotations
 
+from quantcli.lazy import lazy_getattr
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -23,16 +25,12 @@ _LAZY = {
 __all__ = ["__version__", "tensor_quant", *_LAZY]
 
 
+_lazy_getattr = lazy_getattr("quantcli", _LAZY)
+
+
 def __getattr__(name: str):
     if name == "tensor_quant":  # the module, callable as TensorQuantFunction.apply
         import importlib
 
         return importlib.import_module("quantcli.tensor_quant")
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'quantcli' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(mod), name)
-    globals()[name] = value
-    return value
+    return _lazy_getattr(name)

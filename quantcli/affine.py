@@ -2,9 +2,9 @@
 
 Two reference APIs live here, with quantcli's one arithmetic underneath (:mod:`quantcli.arithmetic`):
 
-* torchao (``shared/seeds/000``, ``002``): :func:`quantize_affine`, :func:`dequantize_affine`,
+* torchao (``torchao.quantization``): :func:`quantize_affine`, :func:`dequantize_affine`,
   :func:`choose_qparams_affine`, :class:`ZeroPointDomain`, :class:`MappingType`, :class:`FakeQuantizeConfig`.
-* AIMET (``shared/seeds/001``): :func:`quantize`, :func:`dequantize`, :func:`quantize_dequantize` with
+* AIMET (``aimet_torch.quantization.affine``): :func:`quantize`, :func:`dequantize`, :func:`quantize_dequantize` with
   ``bitwidth`` / ``num_steps`` / ``qmin, qmax`` overloads.
 
 Where those libraries' implementations differ from ONNX, quantcli follows ONNX ``QuantizeLinear``:
@@ -196,7 +196,7 @@ def choose_qparams_affine(
     """``(scale, zero_point)`` per block, each of shape ``input.shape // block_size``.
 
     SYMMETRIC: ``zp = (qmin + qmax + 1) // 2`` (0 for signed types) and ``scale = max|x| / (qmax - zp)``:
-    for int8 that is ``amax / 127``, DESIGN.md's symmetric scale (torchao divides by 127.5 instead).
+    for int8 that is ``amax / 127``, quantcli's symmetric scale ``amax / bound`` (torchao divides by 127.5 instead).
     ASYMMETRIC: the block's ``[min(x, 0), max(x, 0)]`` spread over ``[qmin, qmax]``, with the zero point
     (INT domain) the code of 0.0, or (FLOAT domain) the float value of code 0 offset so that ``min -> qmin``.
     ``eps`` floors the scale (default: the float32 machine epsilon); a dead block gets scale ``eps``.
@@ -336,7 +336,7 @@ _GRANULARITY_STRINGS = {"per_token", "per_channel", "per_group", "per_tensor"}
 
 
 class FakeQuantizeConfig:
-    """torchao's ``FakeQuantizeConfig`` (``shared/seeds/002``): how to fake-quantize weights or activations.
+    """torchao's ``FakeQuantizeConfig`` (``torchao.quantization.qat``): how to fake-quantize weights or activations.
 
     ``granularity`` may be a string (``"per_token"``, ``"per_channel"`` = ``PerAxis(0)``, ``"per_group"`` with
     ``group_size``, ``"per_tensor"``) or an object; setting only ``group_size`` means per-group. Symmetric by

@@ -20,12 +20,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from calibrators import HistogramCalibrator
-from calibrators.histogram import compute_amax_entropy, compute_amax_mse, compute_amax_percentile
+from calibrators.histogram import METHODS, compute_amax_percentile
+from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations
 from quantcli.checkpoint import Calibrated
 from quantcli.data import Batch, cap_samples, num_samples, run_model
+from quantcli.descriptor import format_name
 from quantcli.errors import CalibrationError
 from quantcli.nn.replace import quantizers
 from quantcli.sensitivity import measure, quantizing, rank, reference_outputs
@@ -73,9 +76,10 @@ def _method_amax(hist: torch.Tensor, edges: torch.Tensor, absmax: float, desc, p
     h, e = hist[0].to(torch.float64), edges[0]
     bits = tuple(desc.num_bits) if desc.is_fp8 else desc.num_bits
     unsigned = bool(desc.unsigned)
-    out = {"max": absmax, "percentile": float(compute_amax_percentile(h, e, percentile))}
-    out["mse"] = float(compute_amax_mse(h, e, bits, unsigned))
-    out["entropy"] = None if desc.is_fp8 else float(compute_amax_entropy(h, e, bits, unsigned))
+    out = {"max": absmax}
+    for m in HISTOGRAM_METHODS:
+        kw = {"percentile": percentile} if m == "percentile" else {"num_bits": bits, "unsigned": unsigned}
+        out[m] = float(METHODS[m](h, e, **kw)) if defined_for(m, desc.is_fp8) else None
     return out
 
 
@@ -88,7 +92,7 @@ def _stats(name: str, q, hist: torch.Tensor, edges: torch.Tensor, lo: float, hi:
     plot = hist[0].reshape(PLOT_BINS, group).sum(1)
     amax = q.amax.detach().to(torch.float32) if q.amax is not None else None
     d = q.desc
-    fmt = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
+    fmt = format_name(d.num_bits, d.unsigned or d.asymmetric)  # the grid's name: no " asymmetric" here
     return {
         "min": lo, "max": hi, "absmax": absmax,
         "p99_99": p, "outlier_ratio": absmax / p if p > 0 else None,
@@ -117,8 +121,27 @@ def analyze(ckpt: Calibrated, batches: list[Batch], *, sample_samples: int = SAM
         raise CalibrationError(f"{ckpt.path} has no enabled quantizers to analyze")
     percentile = float(ckpt.data.get("calibration", {}).get("settings", {}).get("percentile", 99.99))
     t0 = time.perf_counter()
+    stats = _statistics(model, qs, batches, percentile, progress)
+    t_stats = time.perf_counter() - t0
+    # sensitivity on the bounded sample
+    t1 = time.perf_counter()
+    sample = cap_samples(batches, sample_samples)
+    refs = reference_outputs(model, sample)
+    overall = measure(model, sample, refs)
+    names = [n for n in qs if n in stats]
+    total = len(names) * (2 if only_disabled else 1)
+    rows = _ranked_rows(model, sample, refs, names, stats, only_disabled,
+                        None if progress is None else (lambda k: progress("sensitivity", k, total)))
+    t_sens = time.perf_counter() - t1
+    return AnalysisReport(ckpt.path, num_samples(batches), num_samples(sample), overall.to_dict(), rows,
+                          {"statistics": round(t_stats, 3), "sensitivity": round(t_sens, 3),
+                           "passes": 1 + total + 2, "total": round(time.perf_counter() - t0, 3)})
 
-    # statistics: one float pass over every batch, observers on the activation quantizers
+
+def _statistics(model: nn.Module, qs: dict, batches: list[Batch], percentile: float,
+                progress: Callable[[str, int, int], None] | None) -> dict[str, dict]:
+    """Per quantizer: activations from one float pass over every batch (observers on the activation
+    quantizers; a layer the data never reaches has none), weights from the weights themselves."""
     acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer")}
     observers = {n: _Observer(n) for n in acts}
     hooks = [acts[n].register_forward_pre_hook(o) for n, o in observers.items()]
@@ -146,17 +169,14 @@ def analyze(ckpt: Calibrated, batches: list[Batch], *, sample_samples: int = SAM
         h.collect(w)
         lo, hi = torch.aminmax(w.to(torch.float32))
         stats[n] = _stats(n, q, h.hist, h.bin_edges, float(lo), float(hi), percentile, methods=False)
-    t_stats = time.perf_counter() - t0
+    return stats
 
-    # sensitivity on the bounded sample
-    t1 = time.perf_counter()
-    sample = cap_samples(batches, sample_samples)
-    refs = reference_outputs(model, sample)
-    overall = measure(model, sample, refs)
-    names = [n for n in qs if n in stats]
-    total = len(names) * (2 if only_disabled else 1)
+
+def _ranked_rows(model: nn.Module, sample: list[Batch], refs, names: list[str], stats: dict[str, dict],
+                 only_disabled: bool, progress: Callable[[int], None] | None) -> list[dict]:
+    """Sensitivity of each quantizer on the bounded sample, worst first, each row with its statistics."""
     ranked = rank(model, sample, {n: [n] for n in names}, refs, only_disabled=only_disabled, by="snr",
-                  progress=None if progress is None else (lambda k: progress("sensitivity", k, total)))
+                  progress=progress)
     rows = []
     for i, r in enumerate(ranked, 1):
         row = {"rank": i, "quantizer": r.unit, "kind": "weight" if r.unit.endswith("weight_quantizer") else "input",
@@ -164,8 +184,4 @@ def analyze(ckpt: Calibrated, batches: list[Batch], *, sample_samples: int = SAM
                "only_disabled": None if r.only_disabled is None else r.only_disabled.to_dict()}
         row.update(stats[r.unit])
         rows.append(row)
-    t_sens = time.perf_counter() - t1
-    return AnalysisReport(ckpt.path, num_samples(batches), num_samples(sample), overall.to_dict(), rows,
-                          {"statistics": round(t_stats, 3), "sensitivity": round(t_sens, 3),
-                           "passes": 1 + total + 2, "total": round(time.perf_counter() - t0, 3)})
-
+    return rows

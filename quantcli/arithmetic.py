@@ -108,6 +108,23 @@ DYNAMIC_QMAX = 255
 """ONNX ``DynamicQuantizeLinear`` quantizes to uint8 only: the grid ``[0, 255]``."""
 
 
+def affine_qparams(min_range, max_range, num_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemmlowp parameters for an unsigned grid ``[0, 2**num_bits-1]`` covering ``[min, max]`` (0 included).
+
+    Returns ``(scale float32, zero_point float32 integer-valued)``; the zero point is the code of 0.0.
+    """
+    check_num_bits(num_bits)
+    lo = torch.as_tensor(min_range, dtype=torch.float32).clamp(max=0.0)
+    hi = torch.as_tensor(max_range, dtype=torch.float32).clamp(min=0.0)
+    if (lo > hi).any():
+        raise ValueError(f"min_range {min_range} > max_range {max_range}")
+    qmax = float((1 << num_bits) - 1)
+    scale = (hi - lo) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero_point = torch.clamp(torch.round(-lo / scale), 0.0, qmax)
+    return scale, zero_point
+
+
 def dynamic_qparams(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(scale, zero_point)`` of ONNX ``DynamicQuantizeLinear`` for the whole tensor ``x``, as 0-d float32.
 

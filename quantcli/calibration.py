@@ -19,14 +19,16 @@ from torch import nn
 from calibrators import MaxCalibrator
 from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
+from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations, shared_searches
 from quantcli.data import Batch, num_samples, run_model, to_device
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.nn.dynamic import count_calls
+from quantcli.nn.modes import keep_float, quantizer_modes
 from quantcli.nn.replace import quantizers
 from quantcli.process_group import one_outcome, sum_over_ranks
 
-METHODS = ("max", "entropy", "mse", "percentile", "auto")
+METHODS = CALIBRATION_METHODS  # kept importable under its old name
 
 
 @dataclass
@@ -123,46 +125,70 @@ def calibrate(
     with one_outcome(group):
         qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
     auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
-    kwargs = {"percentile": percentile}
-    # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
-    # so the pass costs a forward plus the observers and nothing else
-    paused = [q for q in qs.values() if q.mode == "quantize"]
     dynamic = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8}
-    for q in paused:
-        q.mode = "disabled"
     try:
-        seen = [0, 0]  # batches, samples
-        with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
-            for i, batch in enumerate(batches):
-                with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
-                    run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
-                seen[0] += 1
-                seen[1] += num_samples([batch])
-                if progress is not None:
-                    progress(i)
-        total_batches, total_samples, *dynamic_calls = sum_over_ranks(seen + list(calls.values()), group)
-        if total_batches == 0:
-            raise CalibrationError("no calibration batches on any rank")
-        summary = CalibrationSummary(method, str(dev), total_batches, total_samples,
-                                     settings={"percentile": percentile, "num_bins": num_bins}, ranks=ranks)
-        merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
-        with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
-            _load_activation_amax(qs, acts, method, kwargs, summary, auto)
-        for name, n_calls in zip(calls, dynamic_calls):
-            if n_calls == 0:
-                _leave_out(qs, name, summary)
-            else:
-                summary.dynamic.append(name)
+        # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
+        # so the pass costs a forward plus the observers and nothing else
+        with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
+            total_batches, total_samples, calls = _observe_activations(model, batches, dev, dynamic, progress, group)
+            summary = CalibrationSummary(method, str(dev), total_batches, total_samples,
+                                         settings={"percentile": percentile, "num_bins": num_bins}, ranks=ranks)
+            _activation_amax(qs, acts, calls, method, {"percentile": percentile}, summary, auto, group)
     finally:
-        for st in auto.values():
-            st.hook.remove()
-        for q in paused:
-            q.mode = "quantize"
-        for q in acts.values():
-            if q.mode == "calibrate":
-                q.calibrator = None
-                q.set_mode("quantize")
+        _stop_observers(acts, auto)
+    _summarise(qs, summary)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    summary.seconds = time.perf_counter() - t0
+    return summary
 
+
+def _observe_activations(model: nn.Module, batches: Sequence[Batch], dev: torch.device, dynamic: dict,
+                         progress: Callable[[int], None] | None, group) -> tuple[int, int, dict[str, int]]:
+    """The observing pass over this rank's batches. Returns (batches, samples, calls of each dynamic quantizer),
+    summed over every rank."""
+    seen = [0, 0]  # batches, samples
+    with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
+        for i, batch in enumerate(batches):
+            with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
+                run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
+            seen[0] += 1
+            seen[1] += num_samples([batch])
+            if progress is not None:
+                progress(i)
+    total_batches, total_samples, *dynamic_calls = sum_over_ranks(seen + list(calls.values()), group)
+    if total_batches == 0:
+        raise CalibrationError("no calibration batches on any rank")
+    return total_batches, total_samples, dict(zip(calls, dynamic_calls))
+
+
+def _activation_amax(qs: dict, acts: dict, calls: dict[str, int], method: str, kwargs: dict,
+                     summary: CalibrationSummary, auto: dict, group) -> None:
+    """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
+    dynamic one never called, or an observer that saw nothing) are left out and reported."""
+    merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
+    with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
+        _load_activation_amax(qs, acts, method, kwargs, summary, auto)
+    for name, n_calls in calls.items():
+        if n_calls == 0:
+            _leave_out(qs, name, summary)
+        else:
+            summary.dynamic.append(name)
+
+
+def _stop_observers(acts: dict, auto: dict) -> None:
+    """Remove ``--method auto``'s hooks and the calibrators of quantizers still observing (after an error):
+    every activation quantizer quantizes again."""
+    for st in auto.values():
+        st.hook.remove()
+    for q in acts.values():
+        if q.mode == "calibrate":
+            q.calibrator = None
+            q.set_mode("quantize")
+
+
+def _summarise(qs: dict, summary: CalibrationSummary) -> None:
+    """Which quantizers were calibrated (and the range of their amax) and which skipped."""
     for name, q in qs.items():
         if name in summary.not_called:
             continue
@@ -173,10 +199,6 @@ def calibrate(
             summary.amax_max = hi if summary.amax_max is None else max(summary.amax_max, hi)
         else:
             summary.skipped.append(name)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    summary.seconds = time.perf_counter() - t0
-    return summary
 
 
 def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):
@@ -197,9 +219,13 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
     model.eval()
     if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
         model.to(dev)  # (moving walks every module even when nothing moves)
-    kwargs = {"percentile": percentile}
+    _calibrate_weights(model, qs, method, num_bins, {"percentile": percentile})
+    return qs, dev, _start_observers(qs, method, num_bins)
 
-    # weights: from the weights themselves (the same on every rank: nothing to merge)
+
+def _calibrate_weights(model: nn.Module, qs: dict, method: str, num_bins: int, kwargs: dict) -> None:
+    """Every enabled weight quantizer's amax from the weights themselves (the same on every rank: nothing to
+    merge): max, or the descriptor's histogram method (``mse`` under ``--method auto``)."""
     for name, q in qs.items():
         if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
             continue
@@ -209,11 +235,13 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
         q.collect(parent.weight.detach())
         q.load_calib_amax(wmethod, **kwargs)
 
-    # activations: one observing pass
+
+def _start_observers(qs: dict, method: str, num_bins: int) -> dict:
+    """Switch every enabled, static activation quantizer to observing; returns them by name."""
     acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
     for q in acts.values():
         q.start_calibration("entropy" if method == "auto" else method, num_bins)  # auto: a histogram
-    return qs, dev, acts
+    return acts
 
 
 @dataclass
@@ -255,28 +283,23 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
     cands = {}
     q.calibrator = st.max_calibrator
     cands["max"] = q.load_calib_amax("max").clone()
-    for m in ("percentile", "mse", "entropy"):
-        if m == "entropy" and q.desc.is_fp8:
-            continue  # KL search is defined for integer grids
+    for m in HISTOGRAM_METHODS:
+        if not defined_for(m, q.desc.is_fp8):
+            continue
         q.calibrator = hist
         cands[m] = q.load_calib_amax(m, **kwargs).clone()
     x = st.sample.tensor()
     errors: dict[str, float] = {}
     if x is not None:
         layer, wq = st.layer, st.layer.weight_quantizer
-        modes = (q.mode, wq.mode)
         x = x.to(device=layer.weight.device, dtype=layer.weight.dtype)
-        try:
-            with torch.inference_mode():
-                q.mode, wq.mode = "disabled", "disabled"
-                ref = layer(x).to(torch.float64)
-                q.set_mode("quantize")
-                wq.set_mode("quantize")
-                for m, a in cands.items():
-                    q.set_amax(a)
-                    errors[m] = float(((layer(x).to(torch.float64) - ref) ** 2).mean())
-        finally:
-            q.mode, wq.mode = modes
+        with quantizer_modes([q, wq], "disabled"), torch.inference_mode():
+            ref = layer(x).to(torch.float64)
+            q.set_mode("quantize")
+            wq.set_mode("quantize")
+            for m, a in cands.items():
+                q.set_amax(a)
+                errors[m] = float(((layer(x).to(torch.float64) - ref) ** 2).mean())
     pick = choose(errors) if errors else "max"
     q.set_amax(cands[pick])
     q.histogram = hist
@@ -305,8 +328,7 @@ def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
     layer = name.rsplit(".", 1)[0]
     for qn in (name, f"{layer}.weight_quantizer"):
         if qn in qs:
-            qs[qn].enabled = False
-            qs[qn].set_mode("disabled")
+            keep_float(qs[qn])
             summary.not_called.append(qn)
 
 
@@ -314,7 +336,7 @@ def recompute_amax(model: nn.Module, method: str, *, percentile: float = 99.99) 
     """Recompute every activation amax with another histogram method from the histograms the last
     ``calibrate(..., method in {entropy, mse, percentile})`` collected: no second pass over the data.
     Returns the quantizers updated."""
-    if method not in ("entropy", "mse", "percentile"):
+    if method not in HISTOGRAM_METHODS:
         raise CalibrationError(f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}")
     done = []
     with shared_searches():

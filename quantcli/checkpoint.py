@@ -12,8 +12,6 @@ Written atomically.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,36 +21,19 @@ from torch import nn
 
 from quantcli import __version__
 from quantcli.data import Batch
-from quantcli.errors import CheckpointError, QuantCliError
+from quantcli.descriptor import to_plain
+from quantcli.errors import CheckpointError, QuantCliError, first_line
+from quantcli.files import atomic_write
 from quantcli.loading import ModelSpec, build_model
-from quantcli.nn.config import QuantConfig, _plain
+from quantcli.nn.config import QuantConfig
 from quantcli.nn.fold_bn import restore_folds
+from quantcli.nn.modes import keep_float
 from quantcli.nn.replace import quantize_model, quantizers
 from quantcli.nn.smooth import restore as restore_smoothing
 
 FORMAT = "quantcli.calibrated"
 FORMAT_VERSION = 2  # 2: batchnorm_folds (a folded state dict does not fit the unfolded model)
 EXAMPLE_SAMPLES = 8
-
-
-def atomic_write(path: str | Path, write) -> None:
-    """Call ``write(tmp_path)`` then rename over ``path``: no half-written file on failure."""
-    path = Path(path)
-    if path.is_dir():
-        raise QuantCliError(f"cannot write {path}: it is a directory; give a file name")
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        raise QuantCliError(f"cannot write {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK):
-        raise QuantCliError(f"cannot write {path}: directory {parent} is not writable")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _example(batch: Batch) -> Batch:
@@ -70,7 +51,7 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
     qs = {}
     for name, q in quantizers(model).items():
         qs[name] = {
-            "descriptor": _plain(q.desc.dict()),
+            "descriptor": to_plain(q.desc.dict()),
             "enabled": q.enabled,
             "amax": None if q.amax is None else q.amax.detach().cpu().clone(),
         }
@@ -124,7 +105,6 @@ class Calibrated:
         m = copy.deepcopy(self.model)
         for q in quantizers(m).values():
             q.set_mode("disabled")
-            q.mode = "disabled"
         return m
 
     def evaluation_batches(self) -> list[Batch] | None:
@@ -152,7 +132,7 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         elif not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # torch.save: a zip, or a legacy pickle
             why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
         else:
-            why = f"cannot read it: {str(e).splitlines()[0][:120]}; create one with `quantcli calibrate`"
+            why = f"cannot read it: {first_line(e, 120)}; create one with `quantcli calibrate`"
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
@@ -187,10 +167,11 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
-                              f"{str(e).splitlines()[0]}") from None
+                              f"{first_line(e)}") from None
     stored = data["quantizers"]
     for name, q in quantizers(model).items():
         if name in stored and not stored[name]["enabled"]:
-            q.enabled = False  # e.g. a layer that never ran during calibration
-        q.set_mode("quantize")
+            keep_float(q)  # e.g. a layer that never ran during calibration
+        else:
+            q.set_mode("quantize")
     return Calibrated(model.eval(), spec, cfg, data, str(path))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantcli.errors import DataError
+from quantcli.errors import DataError, first_line
 
 Batch = dict[str, torch.Tensor]
 _SUFFIXES = (".npz", ".npy", ".pt")
@@ -88,7 +88,7 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
     except Exception as e:
         # a file that is not what its suffix says fails deep in numpy's or torch's readers, whose messages
         # (pickle advice, a KeyError naming a byte) do not say so
-        detail = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        detail = first_line(e)
         if not _has_signature(path, suffix):
             kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
                     ".pt": "a file written by torch.save"}[suffix]
@@ -227,7 +227,7 @@ def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     try:
         return model(**batch)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None
 
 
@@ -268,43 +268,11 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
     if not path.exists():
         raise DataError(f"data {path} does not exist")
     batch_size = batch_size or 32
-    stored = opts.stored or {}
     names, _, var_kw = forward_parameters(model)
     if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
-        from quantcli.text_data import load_tokenizer, read_texts, text_batches, tokenizer_files
-
-        texts = read_texts(path)
-        if num_samples is not None:
-            texts = texts[:_positive_samples(num_samples)]
-        max_length = opts.max_length or (stored.get("max_length") if stored.get("kind") == "text" else None) \
-            or DEFAULT_MAX_LENGTH
-        folder = opts.tokenizer or opts.model_folder
-        kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
-        if opts.tokenizer is None and kept:
-            tok = load_tokenizer(None, {k: v.numpy().tobytes() for k, v in kept.items()})
-            source, files = stored.get("tokenizer", "stored in the checkpoint"), kept
-        else:
-            tok = load_tokenizer(folder)
-            source = str(folder)
-            files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
-                     for k, v in tokenizer_files(folder).items()}
-        batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
-        if shard is not None:
-            batches = batches[shard[0]::shard[1]]
-        prep = {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
+        batches, prep = _text_data(path, names, var_kw, batch_size, num_samples, opts, shard)
     elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
-        from quantcli.image_data import image_batches, image_settings, parse_floats, parse_size
-
-        if not names:
-            raise DataError(f"{path}: forward takes no arguments")
-        settings = image_settings(opts.model_folder, parse_size(opts.image_size), parse_floats(opts.mean, "--mean"),
-                                  parse_floats(opts.std, "--std"),
-                                  stored if stored.get("kind") == "image" else None)
-        if num_samples is not None:
-            _positive_samples(num_samples)
-        batches = image_batches(path, model, names[0], settings, batch_size, num_samples, shard)
-        prep = settings.to_plain()
-        prep["summary"] = settings.describe()
+        batches, prep = _image_data(path, model, names, batch_size, num_samples, opts, shard)
     else:
         batches = load_batches(path, model, batch_size, num_samples, mmap=shard is not None)
         return (batches if shard is None else batches[shard[0]::shard[1]]), None
@@ -313,6 +281,53 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = 32, n
     batches = [{**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}} for b in batches]
     for b in batches:
         check_names(b, model, str(path))
+    return batches, prep
+
+
+def _text_data(path: Path, names: list[str], var_kw: bool, batch_size: int, num_samples: int | None,
+               opts: DataOptions, shard: tuple[int, int] | None) -> tuple[list[Batch], dict[str, Any]]:
+    """A text file tokenized (the tokenizer stored in a checkpoint, unless ``--tokenizer`` names one): batches,
+    and the preprocessing to store (tokenizer files, max length)."""
+    from quantcli.text_data import load_tokenizer, read_texts, text_batches, tokenizer_files
+
+    stored = opts.stored or {}
+    texts = read_texts(path)
+    if num_samples is not None:
+        texts = texts[:_positive_samples(num_samples)]
+    max_length = opts.max_length or (stored.get("max_length") if stored.get("kind") == "text" else None) \
+        or DEFAULT_MAX_LENGTH
+    folder = opts.tokenizer or opts.model_folder
+    kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
+    if opts.tokenizer is None and kept:
+        tok = load_tokenizer(None, {k: v.numpy().tobytes() for k, v in kept.items()})
+        source, files = stored.get("tokenizer", "stored in the checkpoint"), kept
+    else:
+        tok = load_tokenizer(folder)
+        source = str(folder)
+        files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
+                 for k, v in tokenizer_files(folder).items()}
+    batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
+    if shard is not None:
+        batches = batches[shard[0]::shard[1]]
+    return batches, {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
+
+
+def _image_data(path: Path, model: nn.Module, names: list[str], batch_size: int, num_samples: int | None,
+                opts: DataOptions, shard: tuple[int, int] | None) -> tuple[list[Batch], dict[str, Any]]:
+    """A folder of images decoded and normalised (the checkpoint's settings unless options override them):
+    batches, and the preprocessing to store (size, mean, std)."""
+    from quantcli.image_data import image_batches, image_settings, parse_floats, parse_size
+
+    stored = opts.stored or {}
+    if not names:
+        raise DataError(f"{path}: forward takes no arguments")
+    settings = image_settings(opts.model_folder, parse_size(opts.image_size), parse_floats(opts.mean, "--mean"),
+                              parse_floats(opts.std, "--std"), stored if stored.get("kind") == "image" else None)
+    if num_samples is not None:
+        _positive_samples(num_samples)
+    batches = image_batches(path, model, names[0], settings, batch_size, num_samples, shard)
+    prep = settings.to_plain()
+    prep["summary"] = settings.describe()
     return batches, prep
 
 

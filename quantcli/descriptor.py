@@ -1,6 +1,6 @@
 """``QuantDescriptor`` (alias ``ScaledQuantDescriptor``): how one tensor is quantized.
 
-Fields and semantics follow NVIDIA's ``ScaledQuantDescriptor`` (``shared/seeds/003``, ``004``). A descriptor is
+Fields and semantics follow NVIDIA pytorch-quantization's ``tensor_quant.ScaledQuantDescriptor``. A descriptor is
 immutable; ``dict()`` returns only the fields that differ from their defaults and ``QuantDescriptor(**d.dict())``
 rebuilds an equal descriptor; ``to_yaml``/``from_yaml`` round-trip through human-readable YAML.
 """
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 from typing import Any
+
+from quantcli.arithmetic import check_num_bits
 
 _DEFAULTS: dict[str, Any] = {
     "num_bits": 8,
@@ -45,9 +47,27 @@ def _num_bits(v: Any) -> int | tuple[int, int]:
         return (4, 3)
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"num_bits must be an int or an (E, M) tuple, got {v!r}")
-    if not 2 <= v <= 16:
-        raise ValueError(f"num_bits must be between 2 and 16, got {v}")
-    return v
+    return check_num_bits(v)
+
+
+def format_name(num_bits, unsigned: bool = False, blocked: bool = False, asymmetric: bool = False) -> str:
+    """Human name of a quantization format, as summaries, errors, ``inspect`` and module reprs print it:
+    ``int8``, ``uint4``, ``fp8-e4m3``; an asymmetric grid (unsigned, with a zero point) adds `` asymmetric`` and
+    a blocked integer grid `` blocked``. ``num_bits``: an int, or ``(E, M)`` (FP8 E4M3, the only float format)."""
+    if isinstance(num_bits, (list, tuple)):
+        return "fp8-e4m3"
+    name = f"{'uint' if unsigned or asymmetric else 'int'}{num_bits}"
+    return name + (" asymmetric" if asymmetric else "") + (" blocked" if blocked else "")
+
+
+def to_plain(x: Any) -> Any:
+    """``x`` with every tuple turned into a list, through nested dicts, lists and tuples: what YAML
+    ``safe_dump``, JSON and a ``weights_only`` checkpoint hold (``num_bits: (4, 3)``, axis tuples...)."""
+    if isinstance(x, (tuple, list)):
+        return [to_plain(i) for i in x]
+    if isinstance(x, dict):
+        return {k: to_plain(v) for k, v in x.items()}
+    return x
 
 
 def _axis(v: Any) -> int | tuple[int, ...] | None:
@@ -203,6 +223,11 @@ class ScaledQuantDescriptor:
     def is_fp8(self) -> bool:
         return self._num_bits == (4, 3)
 
+    @property
+    def format_name(self) -> str:
+        """``int8``, ``uint4``, ``fp8-e4m3``, ``uint8 asymmetric``...: see :func:`format_name`."""
+        return format_name(self._num_bits, self._unsigned, asymmetric=self._asymmetric)
+
     @staticmethod
     def get_block_quant_axes_and_sizes(block_sizes: dict | None) -> dict[int, int]:
         """The ``{axis: size}`` part of ``block_sizes`` (special string keys dropped)."""
@@ -229,14 +254,7 @@ class ScaledQuantDescriptor:
         """Human-readable YAML of :meth:`dict` (tuples as lists)."""
         import yaml
 
-        def plain(x):
-            if isinstance(x, tuple):
-                return [plain(i) for i in x]
-            if isinstance(x, dict):
-                return {k: plain(i) for k, i in x.items()}
-            return x
-
-        return yaml.safe_dump(plain(self.dict()), sort_keys=False, default_flow_style=None)
+        return yaml.safe_dump(to_plain(self.dict()), sort_keys=False, default_flow_style=None)
 
     @classmethod
     def from_yaml(cls, yaml_str: str) -> ScaledQuantDescriptor:

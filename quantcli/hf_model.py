@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcli.errors import MissingExtraError, ModelLoadError
+from quantcli.errors import MissingExtraError, ModelLoadError, first_line
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 POOLINGS = ("none", "mean")
@@ -49,7 +49,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
     try:
         cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{folder}/config.json is not valid JSON: {str(e).splitlines()[0]}") from None
+        raise ModelLoadError(f"{folder}/config.json is not valid JSON: {first_line(e)}") from None
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise ModelLoadError(f"{folder}/config.json has no model_type; it is not a transformers model config")
     if cfg.get("auto_map"):
@@ -64,7 +64,7 @@ def _config_object(cfg: dict[str, Any], where: str):
         return tf.AutoConfig.for_model(**cfg)
     except (ValueError, KeyError) as e:
         raise ModelLoadError(f"{where}: model_type {cfg.get('model_type')!r} is unknown to transformers "
-                             f"{tf.__version__} ({str(e).splitlines()[0][:120]}); upgrade transformers") from None
+                             f"{tf.__version__} ({first_line(e, 120)}); upgrade transformers") from None
 
 
 def _model_class(cfg: dict[str, Any], config, where: str):
@@ -132,7 +132,7 @@ def _check_bin_weights(folder: Path) -> None:
             torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:
             raise ModelLoadError(f"{f} does not read as plain weights (weights_only=True): "
-                                 f"{str(e).strip().splitlines()[0][:160]}") from None
+                                 f"{first_line(e, 160)}") from None
 
 
 class _Outputs:
@@ -204,7 +204,7 @@ def load_hf_folder(spec) -> nn.Module:
         model, info = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
                                           attn_implementation="eager", output_loading_info=True)
     except Exception as e:
-        raise ModelLoadError(f"cannot load {folder} as {cls.__name__}: {str(e).strip().splitlines()[0][:200]}") from None
+        raise ModelLoadError(f"cannot load {folder} as {cls.__name__}: {first_line(e, 200)}") from None
     missing = sorted(info.get("missing_keys") or [])
     mismatched = sorted(str(k) for k in info.get("mismatched_keys") or [])
     if missing or mismatched:
@@ -224,5 +224,5 @@ def build_hf_model(spec, from_folder: bool = False) -> nn.Module:
     try:
         model = cls._from_config(config, attn_implementation="eager")
     except Exception as e:
-        raise ModelLoadError(f"cannot build {cls.__name__} from the stored config: {str(e).strip().splitlines()[0][:200]}") from None
+        raise ModelLoadError(f"cannot build {cls.__name__} from the stored config: {first_line(e, 200)}") from None
     return _deployable(model.float().eval(), extra)

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from quantcli.errors import DataError, MissingExtraError
+from quantcli.errors import DataError, MissingExtraError, first_line
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -131,7 +131,7 @@ def image_settings(model_folder: str | Path | None, size: tuple[int, int] | None
             try:
                 cfg = json.loads(pre.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise DataError(f"{pre} is not valid JSON: {str(e).splitlines()[0]}") from None
+                raise DataError(f"{pre} is not valid JSON: {first_line(e)}") from None
             s, shorter, m, sd, rescale = _from_preprocessor(cfg)
             base = ImageSettings(s or IMAGENET_SIZE, m, sd, shorter, rescale, f"from {pre.name}")
     given = [n for n, v in (("--image-size", size), ("--mean", mean), ("--std", std)) if v is not None]
@@ -171,7 +171,7 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
     except DataError:
         raise
     except Exception as e:
-        raise DataError(f"cannot decode image {path}: {str(e).strip().splitlines()[0][:160]}") from None
+        raise DataError(f"cannot decode image {path}: {first_line(e, 160)}") from None
     h, w = settings.size
     if settings.resize_shorter:
         s = settings.resize_shorter

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from quantcli.descriptor import format_name
+
 
 def _amax_text(amax) -> str:
     if amax is None:
@@ -15,12 +17,8 @@ def _amax_text(amax) -> str:
 
 
 def _format(desc: dict[str, Any]) -> str:
-    nb = desc.get("num_bits", 8)
-    if isinstance(nb, (list, tuple)):
-        return "fp8-e4m3"
-    if desc.get("asymmetric"):
-        return f"uint{nb} asymmetric"
-    return f"{'uint' if desc.get('unsigned') else 'int'}{nb}"
+    """The format name of a descriptor as the checkpoint stores it (a dict of the non-default fields)."""
+    return format_name(desc.get("num_bits", 8), bool(desc.get("unsigned")), asymmetric=bool(desc.get("asymmetric")))
 
 
 def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError
+from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError, first_line
 from quantcli.trust import require_trust, sha256_hex
 
 
@@ -186,7 +186,7 @@ def read_state_dict(path: str | Path, trust_pickle: bool = False) -> dict[str, t
 
             return load_file(str(path))
         except Exception as e:
-            raise ModelLoadError(f"cannot read {path} as safetensors: {str(e).splitlines()[0]}") from None
+            raise ModelLoadError(f"cannot read {path} as safetensors: {first_line(e)}") from None
     if suffix not in (".pt", ".pth", ".bin"):
         raise ModelLoadError(f"weights {path}: unknown format {suffix!r}; use .safetensors, .pt or .pth")
     try:

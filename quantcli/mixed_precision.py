@@ -33,6 +33,7 @@ from torch import nn
 
 from quantcli.data import Batch, cap_samples, num_samples
 from quantcli.errors import CalibrationError
+from quantcli.nn.modes import keep_float
 from quantcli.nn.replace import quantizers
 from quantcli.quality import Quality
 from quantcli.sensitivity import layer_units, measure, quantizing, rank, reference_outputs
@@ -114,65 +115,97 @@ def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | N
     res = MixedPrecisionResult(min_cosine, min_snr, Quality(None, None), Quality(None, None), False,
                                layers_total=len(units), cap=cap, holdout=holdout_name,
                                holdout_samples=num_samples(holdout))
-
-    def quality_without(layers: list[str]) -> Quality:
-        res.evaluations += 1
-        off = [q for u in layers for q in units[u]]
-        with quantizing(model, inactive=off):
-            return measure(model, holdout, refs)
-
-    def meets(q: Quality) -> bool:
-        return q.meets(min_cosine, min_snr)
-
-    res.before = quality_without([])
-    if meets(res.before):
+    search = _Search(model, holdout, refs, units, res)
+    res.before = search.quality_without([])
+    if search.meets(res.before):
         res.after, res.met = res.before, True
-        res.seconds = time.perf_counter() - t0
-        return res
+    else:
+        order = _rank_layers(model, holdout, units, sample_samples, res, progress)
+        if progress is not None:
+            progress("searching the fewest layers to keep in float")
+        res.kept_float = _fewest_float_layers(search, order, cap)
+        _keep_in_float(model, units, res)
+    res.seconds = time.perf_counter() - t0
+    return res
 
+
+@dataclass
+class _Search:
+    """The quality of ``model`` with some layers kept in float, on the whole held-out set (each measurement
+    counted in ``res.evaluations``), and whether it meets the target."""
+
+    model: nn.Module
+    holdout: list[Batch]
+    refs: list
+    units: dict[str, list[str]]
+    res: MixedPrecisionResult
+
+    def quality_without(self, layers: list[str]) -> Quality:
+        self.res.evaluations += 1
+        off = [q for u in layers for q in self.units[u]]
+        with quantizing(self.model, inactive=off):
+            return measure(self.model, self.holdout, self.refs)
+
+    def meets(self, q: Quality) -> bool:
+        return q.meets(self.res.min_cosine, self.res.min_snr)
+
+
+def _rank_layers(model: nn.Module, holdout: list[Batch], units: dict[str, list[str]], sample_samples: int,
+                 res: MixedPrecisionResult, progress: Callable[[str], None] | None) -> list[str]:
+    """Step 2: the layers by sensitivity on a bounded sample of the held-out data, worst first."""
     if progress is not None:
         progress(f"ranking {len(units)} layers by sensitivity")
     sample = cap_samples(holdout, sample_samples)
-    by = "snr" if min_cosine is None else "cosine"
+    by = "snr" if res.min_cosine is None else "cosine"
     ranked = rank(model, sample, units, by=by)
     res.sensitivity_passes = len(units)
     res.ranking = [r.to_dict() for r in ranked]
-    order = [r.unit for r in ranked]
+    return [r.unit for r in ranked]
 
-    # bisect k: quality[k] = quality with the k worst layers in float; k = len(order) is the float model
-    known: dict[int, Quality] = {0: res.before}
-    lo, hi = 0, len(order)  # lo fails, hi meets
+
+def _fewest_float_layers(search: _Search, order: list[str], cap: int) -> list[str]:
+    """Steps 3 and 4: bisect the fewest of the worst layers to keep in float, then prune; within ``cap``.
+    Sets ``after``, ``met`` and (the cap hit) ``needed`` of the result; returns the layers kept in float."""
+    res = search.res
+    hi, known = _bisect(search, order)
     limit = min(cap, len(order))
-    if progress is not None:
-        progress("searching the fewest layers to keep in float")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        known[mid] = quality_without(order[:mid])
-        if meets(known[mid]):
-            hi = mid
-        else:
-            lo = mid
     if hi > limit:  # the cap is hit: the best within it, and what the target would need
         res.needed = hi
         kept = order[:limit]
-        res.after = known.get(limit) or quality_without(kept)
+        res.after = known.get(limit) or search.quality_without(kept)
         res.met = False
-    else:
-        kept = order[:hi]
-        after = known.get(hi) or quality_without(kept)
-        # prune: re-quantize kept layers the target does not need, least sensitive first
-        for u in reversed(list(kept)):
-            trial = [k for k in kept if k != u]
-            q = quality_without(trial)
-            if meets(q):
-                kept, after = trial, q
-        res.after, res.met = after, True
-    res.kept_float = kept
+        return kept
+    kept = order[:hi]
+    after = known.get(hi) or search.quality_without(kept)
+    # prune: re-quantize kept layers the target does not need, least sensitive first
+    for u in reversed(list(kept)):
+        trial = [k for k in kept if k != u]
+        q = search.quality_without(trial)
+        if search.meets(q):
+            kept, after = trial, q
+    res.after, res.met = after, True
+    return kept
+
+
+def _bisect(search: _Search, order: list[str]) -> tuple[int, dict[int, Quality]]:
+    """The smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (``k = len(order)``
+    is the float model), and every quality measured on the way, by ``k``."""
+    known: dict[int, Quality] = {0: search.res.before}
+    lo, hi = 0, len(order)  # lo fails, hi meets
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        known[mid] = search.quality_without(order[:mid])
+        if search.meets(known[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return hi, known
+
+
+def _keep_in_float(model: nn.Module, units: dict[str, list[str]], res: MixedPrecisionResult) -> None:
+    """Switch off, for good, the quantizers of the layers the search keeps in float."""
     qs = quantizers(model)
-    for u in kept:
+    for u in res.kept_float:
         for name in units[u]:
-            qs[name].enabled = False
-            qs[name].set_mode("disabled")
+            keep_float(qs[name])
             res.quantizers_disabled.append(name)
-    res.seconds = time.perf_counter() - t0
-    return res

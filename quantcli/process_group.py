@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from calibrators.distributed import comm_device, world_size
 from quantcli import errors
-from quantcli.errors import QuantCliError
+from quantcli.errors import QuantCliError, first_line
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def join_from_environment(device: str = "auto") -> Rank | None:
                                     **({"device_id": dev} if dev.type == "cuda" else {}))
         except Exception as e:  # a rendezvous that cannot be reached, a port in use, ...
             raise QuantCliError(f"rank {rank}: cannot join the torch.distributed job ({backend}): "
-                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+                                f"{first_line(e)}") from None
     return Rank(rank, size, local, dev, backend)
 
 
@@ -94,7 +94,7 @@ class RankFailed(QuantCliError):
 def _describe(e: BaseException | None) -> tuple[str, str] | None:
     if e is None:
         return None
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    msg = first_line(e) if str(e).strip() else ""
     if isinstance(e, QuantCliError):
         return type(e).__name__, msg
     return "", f"{type(e).__name__}: {msg}"

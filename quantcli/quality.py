@@ -13,6 +13,21 @@ from dataclasses import dataclass
 import torch
 
 
+def cosine(dot: float, n_got: float, n_ref: float) -> float | None:
+    """Cosine similarity ``<g, r> / (|g| |r|)`` from the sums ``<g, r>``, ``|g|^2`` and ``|r|^2``; ``None`` when
+    either vector is all zeros."""
+    den = math.sqrt(n_got * n_ref)
+    return dot / den if den > 0 else None
+
+
+def snr_db(n_ref: float, err2: float) -> float | None:
+    """Signal-to-noise ratio ``10 log10(|r|^2 / |g - r|^2)`` in dB from the sums ``|r|^2`` and ``|g - r|^2``:
+    ``inf`` when ``g == r``, ``None`` when the reference is all zeros."""
+    if n_ref == 0:
+        return None
+    return math.inf if err2 == 0 else 10 * math.log10(n_ref / err2)
+
+
 @dataclass(frozen=True)
 class Quality:
     """The worst output's cosine (``None``: an output is all zeros) and SNR in dB (``inf``: identical)."""
@@ -50,9 +65,9 @@ class QualityMeter:
             return Quality(None, None)
         cosines, snrs = [], []
         for dot, gg, rr, err in self.sums:
-            den = math.sqrt(gg * rr)
-            cosines.append(None if den == 0 else min(1.0, dot / den))
-            snrs.append(None if rr == 0 else (math.inf if err == 0 else 10 * math.log10(rr / err)))
+            c = cosine(dot, gg, rr)
+            cosines.append(None if c is None else min(1.0, c))  # float64 rounding can pass 1
+            snrs.append(snr_db(rr, err))
         cos = None if any(c is None for c in cosines) else min(cosines)
         snr = None if any(s is None for s in snrs) else min(snrs)
         return Quality(cos, snr)

@@ -12,7 +12,10 @@ from __future__ import annotations
 import html
 import math
 
-METHOD_COLORS = {"max": "#1f77b4", "percentile": "#2ca02c", "mse": "#9467bd", "entropy": "#ff7f0e"}
+from calibrators.methods import AMAX_METHODS
+
+#: one plot colour per amax method, in :data:`calibrators.methods.AMAX_METHODS` order
+METHOD_COLORS = dict(zip(AMAX_METHODS, ("#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e"), strict=True))
 CHOSEN_COLOR = "#d62728"
 _LOSS_FLOOR = 1e-7  # 1 - cosine below this is drawn as the floor (float rounding)
 
@@ -111,8 +114,8 @@ def render(report: dict) -> str:
             f"Time: statistics {_f(sec.get('statistics'), 3)} s, sensitivity {_f(sec.get('sensitivity'), 3)} s "
             f"({sec.get('passes', '-')} forward passes).</p>")
     table = ["<table><tr><th>rank</th><th>quantizer</th><th>format</th><th>cos only on</th><th>SNR only on</th>"
-             "<th>cos only off</th><th>range</th><th>outlier ratio</th><th>amax</th><th>max</th><th>percentile</th>"
-             "<th>mse</th><th>entropy</th></tr>"]
+             "<th>cos only off</th><th>range</th><th>outlier ratio</th><th>amax</th>"
+             + "".join(f"<th>{m}</th>" for m in AMAX_METHODS) + "</tr>"]
     for r in rows:
         ma = r.get("method_amax") or {}
         od = r.get("only_disabled") or {}
@@ -122,7 +125,7 @@ def render(report: dict) -> str:
             f"<td>{_f(r['only_enabled']['cosine'], 6)}</td><td>{_f(r['only_enabled']['snr_db'], 4)}</td>"
             f"<td>{_f(od.get('cosine'), 6)}</td><td>[{_f(r['min'])}, {_f(r['max'])}]</td>"
             f"<td>{_f(r['outlier_ratio'], 3)}</td><td>{_f(r['amax'])}</td>"
-            + "".join(f"<td>{_f(ma.get(m))}</td>" for m in ("max", "percentile", "mse", "entropy")) + "</tr>")
+            + "".join(f"<td>{_f(ma.get(m))}</td>" for m in AMAX_METHODS) + "</tr>")
     table.append("</table>")
     cards = []
     for r in rows:

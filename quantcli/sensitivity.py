@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from quantcli.data import Batch, flat_outputs, run_model
+from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.replace import quantizers
 from quantcli.quality import Quality, QualityMeter
 
@@ -33,14 +34,8 @@ def quantizing(model: nn.Module, active: Iterable[str] | None = None, inactive: 
     qs = quantizers(model)
     on = set(qs) if active is None else set(active)
     off = set(inactive)
-    saved = {n: q.mode for n, q in qs.items()}
-    try:
-        for n, q in qs.items():
-            q.mode = "quantize" if q.enabled and n in on and n not in off else "disabled"
+    with quantizer_modes(model, {n: "quantize" if n in on and n not in off else "disabled" for n in qs}):
         yield
-    finally:
-        for n, q in qs.items():
-            q.mode = saved[n]
 
 
 def reference_outputs(model: nn.Module, batches: list[Batch]) -> list[list[torch.Tensor]]:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -37,8 +36,8 @@ from torch import nn
 from quantcli.calibration import resolve_device
 from quantcli.data import Batch, run_model, to_device
 from quantcli.errors import CalibrationError
+from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.modules import QuantLinear
-from quantcli.nn.replace import quantizers
 from quantcli.nn.smooth import attach, smoothed_layers
 
 DEFAULT_ALPHA = 0.5
@@ -121,7 +120,7 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
     if not layers:
         raise CalibrationError("no Linear layer with an enabled input quantizer: nothing to smooth")
     check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batches[0], dev).items()}
-    with _float(model), torch.inference_mode():
+    with quantizer_modes(model, "disabled"), torch.inference_mode():  # observe the float model
         obs = _observe(model, layers, batches, dev)
         reference = _outputs(run_model(model, check, where="calibration batch 0"))
         plans = []
@@ -297,17 +296,3 @@ def _outputs(out) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [t for o in out for t in _outputs(o)]
     return []
-
-
-@contextmanager
-def _float(model: nn.Module):
-    """Every quantizer stands aside (the float model), then comes back as it was."""
-    paused = [q for q in quantizers(model).values() if q.mode != "disabled"]
-    modes = [q.mode for q in paused]
-    for q in paused:
-        q.mode = "disabled"
-    try:
-        yield
-    finally:
-        for q, m in zip(paused, modes):
-            q.mode = m

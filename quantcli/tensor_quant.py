@@ -1,12 +1,16 @@
 """The quantize ops, as ``torch.autograd.Function``s with ``forward``, ``backward`` and ONNX ``symbolic``.
 
-Semantics follow NVIDIA's ``tensor_quant`` (see ``shared/seeds/003``, ``004``): ``amax`` is given instead of
-a scale, its shape decides the granularity (per-tensor, per-axis with the rank kept, or blocked), and
-``num_bits``/``unsigned``/``narrow_range`` decide the integer grid. The arithmetic is ONNX's, from
+Semantics follow NVIDIA's ``tensor_quant`` (pytorch-quantization's ``TensorQuantFunction``,
+``FakeTensorQuantFunction``, ``FakeAffineTensorQuantFunction``; TensorRT Model Optimizer's ``ScaledE4M3Function``):
+``amax`` is given instead of a scale, its shape decides the granularity (per-tensor, per-axis with the rank kept,
+or blocked), and ``num_bits``/``unsigned``/``narrow_range`` decide the integer grid. The arithmetic is ONNX's, from
 :mod:`quantcli.arithmetic`: the fake-quant output and onnxruntime's ``QuantizeLinear`` give the same codes.
 
 Where the reference differs from ONNX (it multiplies by ``bound / amax``), quantcli divides by the float32
 scale ``amax / bound`` as ``QuantizeLinear`` does.
+
+Each op's ``symbolic`` builds its ONNX nodes with :mod:`quantcli.qdq`, imported only when exporting (it loads
+onnx).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from quantcli import arithmetic as ar
+from quantcli.arithmetic import affine_qparams  # pure arithmetic; still importable from this module
 from quantcli.descriptor import QuantDescriptor, ScaledQuantDescriptor
 from quantcli.granularity import expand_amax
 
@@ -102,7 +107,7 @@ class TensorQuantFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
-        from exporters.qdq import symmetric_quantize
+        from quantcli.qdq import symmetric_quantize
 
         return symmetric_quantize(g, inputs, amax, num_bits, unsigned, narrow_range)
 
@@ -134,7 +139,7 @@ class FakeTensorQuantFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
-        from exporters.qdq import symmetric_qdq
+        from quantcli.qdq import symmetric_qdq
 
         return symmetric_qdq(g, inputs, amax, num_bits, unsigned, narrow_range)
 
@@ -153,26 +158,9 @@ class LegacyFakeTensorQuantFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
-        from exporters.qdq import symmetric_qdq
+        from quantcli.qdq import symmetric_qdq
 
         return symmetric_qdq(g, inputs, amax, num_bits, unsigned, narrow_range)
-
-
-def affine_qparams(min_range, max_range, num_bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """gemmlowp parameters for an unsigned grid ``[0, 2**num_bits-1]`` covering ``[min, max]`` (0 included).
-
-    Returns ``(scale float32, zero_point float32 integer-valued)``; the zero point is the code of 0.0.
-    """
-    ar.check_num_bits(num_bits)
-    lo = torch.as_tensor(min_range, dtype=torch.float32).clamp(max=0.0)
-    hi = torch.as_tensor(max_range, dtype=torch.float32).clamp(min=0.0)
-    if (lo > hi).any():
-        raise ValueError(f"min_range {min_range} > max_range {max_range}")
-    qmax = float((1 << num_bits) - 1)
-    scale = (hi - lo) / qmax
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero_point = torch.clamp(torch.round(-lo / scale), 0.0, qmax)
-    return scale, zero_point
 
 
 class FakeAffineTensorQuantFunction(torch.autograd.Function):
@@ -199,7 +187,7 @@ class FakeAffineTensorQuantFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, inputs, min_range, max_range, num_bits=8):
-        from exporters.qdq import affine_qdq
+        from quantcli.qdq import affine_qdq
 
         return affine_qdq(g, inputs, min_range, max_range, num_bits)
 
@@ -249,7 +237,7 @@ class ScaledE4M3Function(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, inputs, amax=None, E=4, M=3):
-        from exporters.qdq import e4m3_qdq
+        from quantcli.qdq import e4m3_qdq
 
         return e4m3_qdq(g, inputs, amax, E, M)
 
@@ -272,7 +260,7 @@ class Int32BiasFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, codes, scale):
-        from exporters.qdq import int32_bias_dq
+        from quantcli.qdq import int32_bias_dq
 
         return int32_bias_dq(g, codes, scale)
 

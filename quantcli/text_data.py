@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from quantcli.errors import DataError
+from quantcli.errors import DataError, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -96,7 +96,7 @@ def _from_folder(folder: Path):
     try:
         return tf.AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     except Exception as e:
-        raise DataError(f"cannot load the tokenizer in {folder}: {str(e).strip().splitlines()[0][:200]}") from None
+        raise DataError(f"cannot load the tokenizer in {folder}: {first_line(e, 200)}") from None
 
 
 def text_batches(texts: list[str], tokenizer: Any, max_length: int, batch_size: int,
@@ -113,7 +113,7 @@ def text_batches(texts: list[str], tokenizer: Any, max_length: int, batch_size: 
             enc = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length,
                             return_tensors="pt")
         except Exception as e:
-            raise DataError(f"the tokenizer failed: {str(e).strip().splitlines()[0][:200]}") from None
+            raise DataError(f"the tokenizer failed: {first_line(e, 200)}") from None
         batch = {k: v.to(torch.int64) for k, v in enc.items() if isinstance(v, torch.Tensor) and (var_kw or k in accepted)}
         if "input_ids" not in batch:
             raise DataError(f"text data gives input_ids, but forward takes ({', '.join(accepted)})")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantcli.errors import ModelLoadError
+from quantcli.errors import ModelLoadError, first_line
 
 STATE_DICT_HINT = "pass the model's code as package.module:factory or path/to/file.py:factory with --weights {p}"
 
@@ -87,7 +87,7 @@ def unpickle_module(data: bytes, where: str) -> nn.Module:
     try:
         obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)
     except (AttributeError, ModuleNotFoundError, ImportError, pickle.UnpicklingError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         m = re.search(r"Can't get attribute '([^']+)' on <module '([^']+)'", msg)
         if m:
             msg = (f"its class {m.group(2)}.{m.group(1)} cannot be imported here (a class defined in the script "

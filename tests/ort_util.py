@@ -1,17 +1,30 @@
-"""One-node ONNX models built with onnx.helper, run in onnxruntime with optimizations off."""
+"""ONNX graphs run in onnxruntime with optimizations off: exported files next to their PyTorch model, and
+one-node models built with onnx.helper."""
 
 import numpy as np
 import onnx
 import onnxruntime as ort
+import torch
 from onnx import TensorProto, helper, numpy_helper
 
 
-def run_model(model: onnx.ModelProto, feeds: dict) -> list:
+def run_model(model, feeds: dict) -> list:
+    """Every output of ``model`` (a ModelProto, or the path of an ONNX file) on numpy ``feeds``."""
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    src = model.SerializeToString() if isinstance(model, onnx.ModelProto) else str(model)
+    sess = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)
+
+
+def onnx_and_torch(model, module: torch.nn.Module, batch: dict) -> tuple[np.ndarray, np.ndarray]:
+    """The first output of the ONNX ``model`` (ModelProto or path) in onnxruntime and of the PyTorch ``module`` on
+    one ``batch`` of tensors: the two sides of a parity check."""
+    got = run_model(model, {k: v.numpy() for k, v in batch.items()})[0]
+    with torch.inference_mode():
+        want = module(**batch).numpy()
+    return got, want
 
 
 def _zp_tensor(zp: np.ndarray, elem_type: int) -> onnx.TensorProto:

@@ -11,7 +11,11 @@ import math
 import numpy as np
 
 
-def ref_entropy(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
+def _entropy_search(hist, edges, num_bits, unsigned, stride, start_bin, divergence):
+    """The candidate loop both entropy references share (TensorRT's description): for each candidate ``i`` (the
+    first ``i`` bins kept, the outliers folded into the last), the reference distribution ``p``, and
+    ``divergence(bins, i, nq, p)``, the KL divergence of the ``nq``-level quantized ``q`` from it. Ties: the last
+    (largest) candidate."""
     bins = np.array(hist, dtype=np.float64)
     bins[0] = bins[1]
     total = bins.sum()
@@ -22,50 +26,52 @@ def ref_entropy(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128
         p = bins[:i].copy()
         p[-1] += bins[i:].sum()
         p /= total
-        quant = [(j * nq) // i for j in range(i)]
-        sums = np.zeros(nq)
-        nnz = np.zeros(nq)
-        for j in range(i):
-            if bins[j] > 0:
-                sums[quant[j]] += bins[j]
-                nnz[quant[j]] += 1
-        q = np.zeros(i)
-        for j in range(i):
-            if bins[j] > 0:
-                q[j] = sums[quant[j]] / nnz[quant[j]]
-        q /= q.sum()
-        kl = 0.0
-        for j in range(i):
-            if p[j] > 0:
-                kl = math.inf if q[j] == 0 else kl + p[j] * math.log(p[j] / q[j])
-        if kl <= best_kl:  # ties: the last (largest) candidate
+        kl = divergence(bins, i, nq, p)
+        if kl <= best_kl:
             best_i, best_kl = i, kl
     return edges[best_i]
+
+
+def _kl_loops(bins, i, nq, p) -> float:
+    """KL(p || q), every step a Python loop over the ``i`` bins."""
+    quant = [(j * nq) // i for j in range(i)]
+    sums = np.zeros(nq)
+    nnz = np.zeros(nq)
+    for j in range(i):
+        if bins[j] > 0:
+            sums[quant[j]] += bins[j]
+            nnz[quant[j]] += 1
+    q = np.zeros(i)
+    for j in range(i):
+        if bins[j] > 0:
+            q[j] = sums[quant[j]] / nnz[quant[j]]
+    q /= q.sum()
+    kl = 0.0
+    for j in range(i):
+        if p[j] > 0:
+            kl = math.inf if q[j] == 0 else kl + p[j] * math.log(p[j] / q[j])
+    return kl
+
+
+def _kl_vectorized(bins, i, nq, p) -> float:
+    """KL(p || q) as :func:`_kl_loops`, the loops over bins done by numpy (bincount, masks, one sum)."""
+    quant = (np.arange(i) * nq) // i
+    nz = bins[:i] > 0
+    sums = np.bincount(quant, weights=np.where(nz, bins[:i], 0.0), minlength=nq)
+    nnz = np.bincount(quant, weights=nz.astype(np.float64), minlength=nq)
+    q = np.where(nz, sums[quant] / np.maximum(nnz[quant], 1.0), 0.0)
+    q /= q.sum()
+    m = p > 0
+    return math.inf if np.any(q[m] == 0) else float(np.sum(p[m] * np.log(p[m] / q[m])))
+
+
+def ref_entropy(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
+    return _entropy_search(hist, edges, num_bits, unsigned, stride, start_bin, _kl_loops)
 
 
 def ref_entropy_vectorized(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
     """``ref_entropy`` with each candidate's loops over bins done by numpy (bincount, masks, one sum)."""
-    bins = np.array(hist, dtype=np.float64)
-    bins[0] = bins[1]
-    total = bins.sum()
-    nq = 1 << (num_bits - 1 + int(unsigned))
-    best_i, best_kl = None, math.inf
-    stop = int(np.nonzero(np.asarray(hist))[0].max()) + 1
-    for i in range(start_bin, stop + 1, stride):
-        p = bins[:i].copy()
-        p[-1] += bins[i:].sum()
-        p /= total
-        quant = (np.arange(i) * nq) // i
-        nz = bins[:i] > 0
-        sums = np.bincount(quant, weights=np.where(nz, bins[:i], 0.0), minlength=nq)
-        nnz = np.bincount(quant, weights=nz.astype(np.float64), minlength=nq)
-        q = np.where(nz, sums[quant] / np.maximum(nnz[quant], 1.0), 0.0)
-        q /= q.sum()
-        m = p > 0
-        kl = math.inf if np.any(q[m] == 0) else float(np.sum(p[m] * np.log(p[m] / q[m])))
-        if kl <= best_kl:  # ties: the last (largest) candidate
-            best_i, best_kl = i, kl
-    return edges[best_i]
+    return _entropy_search(hist, edges, num_bits, unsigned, stride, start_bin, _kl_vectorized)
 
 
 def ref_mse(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):

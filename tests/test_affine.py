@@ -1,4 +1,5 @@
-"""Affine quantization (seeds 000, 001, 002): torchao and AIMET signatures on ONNX arithmetic."""
+"""Affine quantization: torchao (``quantize_affine``, ``FakeQuantizeConfig``) and AIMET (``quantize``) signatures
+on ONNX arithmetic."""
 
 import pytest
 import torch
@@ -97,7 +98,7 @@ def test_torchao_block_size_table():
 
 def test_symmetric_scale_is_amax_over_127_where_torchao_divides_by_127_5():
     # A documented difference from torchao (README, Python API): its choose_qparams_affine divides max|x| by
-    # (qmax - qmin) / 2 = 127.5 for int8; quantcli divides by 127, DESIGN's symmetric scale, so that +-amax
+    # (qmax - qmin) / 2 = 127.5 for int8; quantcli divides by 127, its symmetric scale amax / bound, so that +-amax
     # land on codes +-127 exactly as in the rest of quantcli and in the exported graph.
     x = torch.tensor([[-2.54, 1.0]])
     scale, zp = choose_qparams_affine(x, MappingType.SYMMETRIC, (1, 2), torch.int8)

@@ -1,4 +1,4 @@
-"""The one arithmetic (DESIGN.md 'Numerics'), hand-worked."""
+"""The one arithmetic (ONNX QuantizeLinear / DequantizeLinear), hand-worked."""
 
 from fractions import Fraction
 

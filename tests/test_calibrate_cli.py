@@ -358,3 +358,12 @@ def test_data_file_that_is_not_its_format_says_so(tmp_path):
         assert_clean_error(cli("calibrate", "digits_cnn", "--data", tmp_path / f"junk{suffix}", "--out", out),
                            f"junk{suffix}: it is not", kind)
     assert not out.exists()
+
+
+def test_method_choices_come_from_the_registry():
+    """--method offers exactly calibrators.methods.CALIBRATION_METHODS, in its order, and refuses anything else."""
+    from calibrators.methods import CALIBRATION_METHODS
+
+    assert f"<{'|'.join(CALIBRATION_METHODS)}>" in cli("calibrate", "--help").stdout
+    bad = cli("calibrate", "digits_cnn", "--method", "minmax")
+    assert bad.exit_code == 2 and "minmax" in bad.stderr

@@ -1,4 +1,5 @@
-"""QuantDescriptor (seeds 003, 004): fields, validation, dict()/YAML round trips."""
+"""QuantDescriptor (NVIDIA pytorch-quantization's ``ScaledQuantDescriptor``): fields, validation, dict()/YAML
+round trips."""
 
 import pytest
 

@@ -3,13 +3,12 @@
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from exporters.graph import qdq_pairs
 from quantcli import load_calibrated
 from quantcli.verify import verify_onnx
 from tests.helpers import assert_clean_error, cli
-from tests.ort_util import run_model
+from tests.ort_util import onnx_and_torch, run_model
 
 
 def _pairs(path):
@@ -51,7 +50,5 @@ def test_dynamo_dynamic_sequence(calibrated, tmp_path):
     from sample_models.text_encoder import tokenize
 
     batch = tokenize(["x = 1", "a much longer line of plain english prose here", "return None"])
-    got = run_model(onnx.load(str(out)), {k: v.numpy() for k, v in batch.items()})[0]
-    with torch.inference_mode():
-        want = load_calibrated(calibrated("text_encoder")).model(**batch).numpy()
+    got, want = onnx_and_torch(out, load_calibrated(calibrated("text_encoder")).model, batch)
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())

@@ -15,7 +15,7 @@ from quantcli.calibration import calibrate
 from quantcli.nn import quantizers
 from quantcli.verify import verify_onnx
 from tests.helpers import assert_clean_error, cli
-from tests.ort_util import run_model
+from tests.ort_util import onnx_and_torch
 
 T = onnx.TensorProto
 FORMATS = {
@@ -127,9 +127,7 @@ def test_text_encoder_dynamic_batch_and_sequence(calibrated, exported):
     lines = ["def f(x): return x + 1  # a line of code", "A sentence of prose that", "print('hi')"]
     batch = tokenize(lines)
     assert batch["input_ids"].shape[1] not in {ck.example["input_ids"].shape[1]}
-    got = run_model(model, {k: v.numpy() for k, v in batch.items()})[0]
-    with torch.inference_mode():
-        want = ck.model(**batch).numpy()
+    got, want = onnx_and_torch(model, ck.model, batch)
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
     assert len(seen) > 1
 
@@ -179,10 +177,7 @@ class Two(nn.Module):
 def _export_and_compare(model, x, tmp_path, opset=None):
     path = tmp_path / "m.onnx"
     export_onnx(model, {"x": x}, path, opset=opset)
-    got = run_model(onnx.load(str(path)), {"x": x.numpy()})[0]
-    with torch.inference_mode():
-        want = model(x=x).numpy()
-    return got, want, onnx.load(str(path))
+    return (*onnx_and_torch(path, model, {"x": x}), onnx.load(str(path)))
 
 
 @pytest.mark.parametrize("num_bits", [8, 6, 4])
@@ -284,6 +279,13 @@ def test_unwritable_output(calibrated, tmp_path):
     finally:
         ro.chmod(0o700)
     assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "o.txt"), ".onnx")
+
+
+def test_directory_as_output_is_refused_before_exporting(calibrated, tmp_path):
+    target = tmp_path / "o.onnx"
+    target.mkdir()
+    assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", target), "is a directory", "file name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx"] and not any(target.iterdir())
 
 
 def test_uncalibrated_quantizers_listed(tmp_path):
@@ -396,9 +398,7 @@ def test_every_layer_type_exports_per_channel_and_matches_onnxruntime(config, ex
         assert np.array_equal(got, (np.asarray(amax, np.float32) / bound).reshape(-1)), layer  # one scale per channel
         assert pairs[f"{layer}.weight_quantizer"].axis == (None if axis is None else axis), layer
     feeds = batch(5)
-    got = run_model(graph, {k: v.numpy() for k, v in feeds.items()})[0]
-    with torch.inference_mode():
-        want = m(**feeds).numpy()
+    got, want = onnx_and_torch(graph, m, feeds)
     # not bit-exact: onnxruntime's convolutions sum in another order than torch's, and a sum that lands next to a
     # rounding boundary of the next quantizer flips that code by one step
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())

@@ -1,4 +1,4 @@
-"""Integer codes equal onnxruntime's QuantizeLinear on the same float32 scale (DESIGN.md 'Numerics')."""
+"""Integer codes equal onnxruntime's QuantizeLinear on the same float32 scale (ONNX QuantizeLinear)."""
 
 import numpy as np
 import pytest

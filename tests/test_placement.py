@@ -24,6 +24,7 @@ from quantcli import load_calibrated, quantize_model
 from quantcli.calibration import calibrate
 from quantcli.nn import quantizers
 from tests.helpers import assert_clean_error, cli
+from tests.ort_util import onnx_and_torch
 
 T = onnx.TensorProto
 
@@ -318,17 +319,8 @@ def test_tensorrt_quantizes_the_skip_input_and_no_outputs(tmp_path):
                                                      if n.op_type in ("QuantizeLinear", "DequantizeLinear"))}
     assert zps == {T.INT8}  # no uint8 activations and no int32 biases for TensorRT
     # the inserted quantizers survive a checkpoint round trip and the graph stays exact
-    got = onnx_run(path, resnet_batches(8, 8, split="eval")[0])
-    with torch.inference_mode():
-        want = m(**resnet_batches(8, 8, split="eval")[0]).numpy()
+    got, want = onnx_and_torch(path, m, resnet_batches(8, 8, split="eval")[0])
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
-
-
-def onnx_run(path, batch):
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, {k: v.numpy() for k, v in batch.items()})[0]
 
 
 # ------------------------------------------------------------------------------------------- CLI

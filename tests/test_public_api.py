@@ -1,4 +1,4 @@
-"""The Python names DESIGN.md fixes resolve to what they promise, whatever was imported first."""
+"""The public Python names (the README's Python API) resolve to what they promise, whatever was imported first."""
 
 import importlib
 import inspect

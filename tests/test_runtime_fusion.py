@@ -70,6 +70,17 @@ def _layer_graph(op, *, act_type=T.UINT8, out_type=T.UINT8, out_zp=0, relu=True,
     return model
 
 
+def _without_output_q(model, op):
+    """``model`` with the layer's output Q/DQ pair removed: the float output ``y0`` is the graph's output."""
+    g = model.graph
+    keep = [n for n in g.node if n.name not in ("out0_q", "out0_dq")]
+    del g.node[:]
+    g.node.extend(keep)
+    del g.output[:]
+    g.output.append(helper.make_tensor_value_info("y0", T.FLOAT, YSHAPE[op]))
+    return model
+
+
 def _save(model, tmp_path, name="g.onnx"):
     path = tmp_path / name
     onnx.save(model, str(path))
@@ -89,13 +100,7 @@ def test_a_graph_in_the_fusable_form_is_reported_fused(op, kernel, tmp_path):
 
 
 def test_matmul_without_output_q_is_matmulintegertofloat(tmp_path):
-    m = _layer_graph("MatMul", relu=False)
-    g = m.graph
-    keep = [n for n in g.node if n.name not in ("out0_q", "out0_dq")]
-    del g.node[:]
-    g.node.extend(keep)
-    del g.output[:]
-    g.output.append(helper.make_tensor_value_info("y0", T.FLOAT, YSHAPE["MatMul"]))
+    m = _without_output_q(_layer_graph("MatMul", relu=False), "MatMul")
     (layer,) = inspect_fusion(_save(m, tmp_path)).layers
     assert (layer.kernel, layer.fused) == ("MatMulIntegerToFloat", True)
 
@@ -109,13 +114,8 @@ def test_signed_grid_after_relu_blocks_the_fusion_and_says_why(op, tmp_path):
 
 
 def test_float_bias_without_output_q_is_diagnosed(tmp_path):
-    m = _layer_graph("Conv", bias="float", relu=False)
-    g = m.graph  # the conv output goes straight to the graph output: no Q, so onnxruntime keeps the float bias
-    keep = [n for n in g.node if n.name not in ("out0_q", "out0_dq")]
-    del g.node[:]
-    g.node.extend(keep)
-    del g.output[:]
-    g.output.append(helper.make_tensor_value_info("y0", T.FLOAT, YSHAPE["Conv"]))
+    # the conv output goes straight to the graph output: no Q, so onnxruntime keeps the float bias
+    m = _without_output_q(_layer_graph("Conv", bias="float", relu=False), "Conv")
     (layer,) = inspect_fusion(_save(m, tmp_path)).layers
     assert layer.fused is False
     assert any(r.startswith("float bias") for r in layer.reasons) and any("QLinearConv needs" in r for r in layer.reasons)

@@ -19,8 +19,9 @@ from quantcli.checkpoint import load_calibrated, save_calibrated
 from quantcli.cli import optional_values
 from quantcli.errors import CalibrationError
 from quantcli.loading import ModelSpec
+from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.smooth import SmoothMul, smoothed_layers
-from quantcli.smoothquant import _apply, _float, smooth_quant, smoothing_scales
+from quantcli.smoothquant import _apply, smooth_quant, smoothing_scales
 from tests.helpers import assert_clean_error, cli, cli_subprocess
 
 U = 2.0**-24  # float32 unit roundoff
@@ -64,7 +65,7 @@ def deep():
 
 
 def _float_outputs(model, batches):
-    with _float(model), torch.no_grad():
+    with quantizer_modes(model, "disabled"), torch.no_grad():
         return [model(**b) for b in batches]
 
 
@@ -179,7 +180,7 @@ def test_without_float_outputs_only_muls():
     quantize_model(model, "int8")
     report = smooth_quant(model, [{"x": x}], 0.5, device="cpu")
     assert {g.fold for g in report.groups} == {"mul"}
-    with _float(model), torch.no_grad():
+    with quantizer_modes(model, "disabled"), torch.no_grad():
         out = PreLN.forward(model, x)
     assert (out - ref).abs().max() <= _rounding_bound(ref, depth=3, k=32)
 

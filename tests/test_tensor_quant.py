@@ -1,4 +1,4 @@
-"""NVIDIA-style quantize ops (seeds 003, 004): forward, backward, validation."""
+"""NVIDIA-style quantize ops (pytorch-quantization's ``tensor_quant``): forward, backward, validation."""
 
 import pytest
 import torch

@@ -375,3 +375,11 @@ def test_fp8_graph_for_tensorrt_passes_with_the_options_it_needs_in_onnxruntime(
     assert rep["quality"]["session"] == "deployed"
     assert "QDQSelectorActionTransformer" in rep["deployment"]["disabled_optimizers"]
     assert "ReluQuantRewrite" in rep["deployment"]["notes"][0]
+
+
+def test_report_destination_is_checked_before_verifying(calibrated, tmp_path):
+    """--report in a folder that does not exist is bad input found before any work: the ONNX file is not even
+    opened (a missing graph would otherwise be the error reported)."""
+    report = tmp_path / "no" / "report.json"
+    assert_clean_error(cli("verify", tmp_path / "missing.onnx", "--reference", calibrated("digits_cnn"),
+                           "--report", report), f"cannot write {report}", "does not exist")

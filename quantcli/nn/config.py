@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantcli.descriptor import FIELDS, QuantDescriptor
-from quantcli.errors import ConfigError
+from quantcli.descriptor import FIELDS, QuantDescriptor, to_plain
+from quantcli.errors import ConfigError, first_line
 
 OUTPUT_CHANNEL = "output_channel"
 INPUT_CHANNEL_BLOCKS = "input_channel_blocks"
@@ -116,7 +116,7 @@ class QuantConfig:
 
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
-        return {"preset": self.preset, "block_size": self.block_size, "rules": _plain(self.rules), "source": self.source,
+        return {"preset": self.preset, "block_size": self.block_size, "rules": to_plain(self.rules), "source": self.source,
                 "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm, "target": self.target}
 
     @classmethod
@@ -173,16 +173,6 @@ def _is_linear(layer) -> bool:
     return isinstance(layer, nn.Linear)
 
 
-def _plain(x):
-    if isinstance(x, tuple):
-        return [_plain(i) for i in x]
-    if isinstance(x, list):
-        return [_plain(i) for i in x]
-    if isinstance(x, dict):
-        return {k: _plain(v) for k, v in x.items()}
-    return x
-
-
 def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantConfig:
     """A preset name, a ``.yaml``/``.yml``/``.json`` path, a dict, a list of rules, or a QuantConfig."""
     if config is None:
@@ -210,7 +200,7 @@ def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantC
 
             data = yaml.safe_load(raw)
     except Exception as e:  # yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(f"cannot parse {text}: {str(e).splitlines()[0]}") from None
+        raise ConfigError(f"cannot parse {text}: {first_line(e)}") from None
     if isinstance(data, list):
         return QuantConfig(rules=data, source=str(path))
     if data is None:

@@ -12,6 +12,10 @@ through its dynamic integer kernels (its ``quantize_dynamic`` writes the same)::
 which onnxruntime's ``MatMulIntegerToFloatFusion`` and ``DynamicQuantizeMatMulFusion`` turn into one
 ``DynamicQuantizeMatMul``. The integer codes are the fake-quant model's; the outputs differ only by float
 accumulation order (the graph sums the integer products exactly and scales once).
+
+:class:`DynamicLinearFunction` builds that pattern in its ``symbolic`` (TorchScript exporter); the dynamo exporter
+sets the layer's export hook instead (:mod:`quantcli.nn.export_hooks`). :mod:`exporters.dynamic_linear` reads the
+pattern back from a graph.
 """
 
 from __future__ import annotations
@@ -41,9 +45,40 @@ class DynamicLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_range=False):
-        from exporters.dynamic_linear import dynamic_linear_symbolic
-
         return dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits, narrow_range)
+
+
+def weight_spec(amax: torch.Tensor, weight_shape: tuple[int, int], num_bits: int, narrow_range: bool):
+    """The Q spec of the transposed weight ``(K, N)``: per output channel is ONNX axis 1 there."""
+    from quantcli.qdq import symmetric_spec  # (loads onnx: only when exporting)
+
+    n, k = weight_shape
+    a = amax.detach().cpu().to(torch.float32)
+    a_t = a.reshape(1, n) if a.numel() > 1 else a.reshape(())
+    return symmetric_spec(a_t, (k, n), num_bits, False, narrow_range)
+
+
+def dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_range=False):
+    """``DynamicLinearFunction.symbolic`` (TorchScript exporter): the pattern of the module docstring. The weight
+    codes are ``QuantizeLinear(Transpose(W))``; the exporter folds the Transpose and :mod:`exporters.fold` stores
+    the codes as an int8 initializer, computed with quantcli's arithmetic."""
+    import onnx
+
+    from quantcli.qdq import constant_value, emit
+
+    amax = constant_value(weight_amax, "weight amax")
+    sizes = weight.type().sizes()
+    spec = weight_spec(amax, (sizes[0], sizes[1]), num_bits, narrow_range)
+    xq, xs, xzp = g.op("DynamicQuantizeLinear", x, outputs=3)
+    w_t = g.op("Transpose", weight, perm_i=[1, 0])
+    w_codes = emit(g, w_t, spec, dequantize=False)
+    w_zp = g.op("Constant", value_t=spec.zero_point.to(torch.int8))
+    acc = g.op("MatMulInteger", xq, w_codes, xzp, w_zp)
+    w_scale = g.op("Constant", value_t=spec.scale.to(torch.float32))
+    y = g.op("Mul", g.op("Cast", acc, to_i=onnx.TensorProto.FLOAT), g.op("Mul", xs, w_scale))
+    if bias is not None and not (hasattr(bias, "node") and bias.node().mustBeNone()):
+        y = g.op("Add", y, bias)
+    return y
 
 
 def exportable(layer: nn.Module) -> str | None:
@@ -61,27 +96,17 @@ def exportable(layer: nn.Module) -> str | None:
     return None
 
 
-def exporting() -> bool:
-    """True while either torch exporter traces the model."""
-    from exporters import dynamo
-
-    return torch.onnx.is_in_onnx_export() or dynamo.active()
-
-
 def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The export path of a QuantLinear whose input quantizer is dynamic (eager mode gives the same values)."""
+    """The TorchScript export path of a QuantLinear whose input quantizer is dynamic (eager mode gives the same
+    values)."""
     why = exportable(layer)
     if why is not None:
         raise ExportError(f"{layer.input_quantizer.name}: a dynamic activation quantizer exports as "
                           f"DynamicQuantizeLinear -> MatMulInteger, but {why}")
-    from exporters import dynamo
+    from quantcli.qdq import export_amax
 
-    if dynamo.active():
-        return dynamo.dynamic_linear(layer, x)
     d = layer.weight_quantizer.desc
     amax = layer.weight_quantizer.amax.detach()
-    from exporters.custom_ops import export_amax
-
     return DynamicLinearFunction.apply(x, layer.weight, export_amax(amax), layer.bias, d.num_bits, d.narrow_range)
 
 

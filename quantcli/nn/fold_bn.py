@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from quantcli.errors import DataError, QuantCliError
+from quantcli.errors import DataError, QuantCliError, first_line
 from quantcli.nn.modules import QUANT_CLASSES
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 
@@ -165,7 +165,7 @@ def _bn_input_ranks(model: nn.Module, names: list[str], example: Mapping[str, to
         with torch.no_grad():
             model(**example)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = first_line(e)
         raise DataError(f"forward() failed on the example batch while checking BatchNorm folding: {msg}") from None
     finally:
         for h in hooks:
@@ -198,7 +198,7 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
         graph = _LeafTracer().trace(model)
     except Exception as e:  # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
         report.detection = "fx per submodule"
-        report.trace_error = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        report.trace_error = first_line(e, 160)
         candidates, reasons = _untraced_candidates(model)
     else:
         report.detection = "fx"

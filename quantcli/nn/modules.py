@@ -14,7 +14,7 @@ Two more pieces exist where the deployment target's placement asks for them (:mo
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,30 +28,40 @@ class QuantMixin:
 
     weight_axis = 0
     int32_bias = False  # set per layer by quantize_model (onnxruntime target)
+    #: while an exporter traces, the bias it adds in place of the int32 codes' DequantizeLinear
+    #: (:mod:`quantcli.nn.export_hooks`)
+    bias_export_hook: Callable[[], torch.Tensor] | None = None
 
     def quantized_weight(self) -> torch.Tensor:
         return self.weight_quantizer(self.weight)
+
+    def int32_bias_constants(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(codes, scale)`` of the int32 bias, float32 tensors of shape ``(out_channels,)``: the codes
+        (integer-valued) of ``bias / (x_scale * w_scale)``; None where the layer adds its float bias (no bias, no
+        int32 bias on this target, or formats without one integer scale, e.g. during calibration)."""
+        if self.bias is None or not self.int32_bias:
+            return None
+        sx, sw = self.input_quantizer.integer_scale(), self.weight_quantizer.integer_scale()
+        if sx is None or sw is None or sx.numel() != 1:
+            return None
+        scale = ar.bias_scale(sx, sw).to(self.bias.device).expand(self.bias.shape[0]).contiguous()
+        return ar.int32_bias_codes(self.bias, scale), scale
 
     def quantized_bias(self) -> torch.Tensor | None:
         """The bias as the integer kernel adds it: int32 codes of ``x_scale * w_scale``, or the float bias where
         the layer has no int32 bias (other targets, formats without one integer scale, during calibration)."""
         if self.bias is None or not self.int32_bias:
             return self.bias
-        dynamo = sys.modules.get("exporters.dynamo")  # not imported: not exporting with it either
-        if dynamo is not None and dynamo.active():  # torch.export traces with fake tensors: use the codes of the real forward before it
-            cached = getattr(self, "_export_bias", None)
-            return self.bias if cached is None else dynamo.call_int32_bias(*cached)
-        self._export_bias = None
-        sx, sw = self.input_quantizer.integer_scale(), self.weight_quantizer.integer_scale()
-        if sx is None or sw is None or sx.numel() != 1:
+        if self.bias_export_hook is not None:
+            return self.bias_export_hook()
+        constants = self.int32_bias_constants()
+        if constants is None:
             return self.bias
-        scale = ar.bias_scale(sx, sw).to(self.bias.device).expand(self.bias.shape[0]).contiguous()
-        codes = ar.int32_bias_codes(self.bias, scale)
+        codes, scale = constants
         if torch.onnx.is_in_onnx_export():
-            from exporters.custom_ops import export_amax
+            from quantcli.qdq import export_amax  # (loads onnx: only when exporting)
 
             codes, scale = export_amax(codes), export_amax(scale)  # graph constants, not traced arithmetic
-        self._export_bias = (codes.detach(), scale.detach(), torch.zeros_like(scale))
         from quantcli.tensor_quant import Int32BiasFunction
 
         bias = Int32BiasFunction.apply(codes, scale)
@@ -81,14 +91,20 @@ def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
 
 
 class QuantLinear(nn.Linear, QuantMixin):
+    #: while an exporter traces, the op it computes this layer's output with when the input quantizer is dynamic
+    #: (:mod:`quantcli.nn.export_hooks`)
+    export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
         if smooth is not None:
             input = smooth(input)
         if self.input_quantizer.dynamic_uint8 and self.input_quantizer.mode == "quantize":
-            from quantcli.nn.dynamic import dynamic_linear, exporting
+            if self.export_hook is not None:
+                return self.export_hook(input)
+            if torch.onnx.is_in_onnx_export():  # DynamicQuantizeLinear -> MatMulInteger
+                from quantcli.nn.dynamic import dynamic_linear
 
-            if exporting():  # DynamicQuantizeLinear -> MatMulInteger
                 return dynamic_linear(self, input)
         # only a 2-D input exports as Gemm (QGemm takes an int32 bias); 3-D is MatMul + Add, whose
         # MatMulIntegerToFloat adds a float bias

@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from quantcli.errors import first_line
+
 # ops whose output is >= 0 whatever their input
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
 _RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6, torch.relu_}
@@ -154,7 +156,7 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
     try:
         graph = trace(model, layers)
     except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
-        first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+        first = first_line(e, 160)
         placement.analysed = False
         placement.note = f"torch.fx could not trace the model ({type(e).__name__}: {first})"
         return placement

@@ -6,10 +6,13 @@ Modes: ``"calibrate"`` (observe only: collect statistics, return the input uncha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError, ExportError
@@ -29,6 +32,9 @@ class TensorQuantizer(nn.Module):
     ``amax`` is a buffer (``None`` until calibrated) and appears in ``state_dict`` once set; its shape keeps
     the rank of the tensor for per-axis (``(C, 1, 1, 1)``) and is ``shape // block`` along the blocked axis.
     """
+
+    #: while an exporter traces, the op it computes this quantizer's output with (:mod:`quantcli.nn.export_hooks`)
+    export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, desc: QuantDescriptor | None = None, name: str | None = None, enabled: bool = True):
         super().__init__()
@@ -64,7 +70,7 @@ class TensorQuantizer(nn.Module):
         """Attach a fresh calibrator and switch to observing."""
         if not self.enabled or self.desc.dynamic:
             return
-        use_hist = method in ("entropy", "mse", "percentile")
+        use_hist = method in HISTOGRAM_METHODS
         axis = None if self._block is not None else self.desc.axis  # blocks: collect() sets the block axes
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
@@ -110,7 +116,7 @@ class TensorQuantizer(nn.Module):
         if isinstance(self.calibrator, HistogramCalibrator):
             if method == "max":
                 method = "entropy"
-            if method == "entropy" and self.desc.is_fp8:
+            if not defined_for(method, self.desc.is_fp8):
                 raise CalibrationError(f"{self.name}: entropy calibration is for integer formats; use mse or percentile for FP8")
             kw = {k: v for k, v in kwargs.items() if k != "num_bins"}
             if method != "percentile":
@@ -183,25 +189,21 @@ class TensorQuantizer(nn.Module):
                 raise ExportError(f"{self.name}: a dynamic (DynamicQuantizeLinear) activation quantizer exports only as "
                                   "the input of a Linear layer with 8-bit integer weights")
             return FakeDynamicQuantFunction.apply(x)
-        spec = getattr(self, "_export_spec", None)
-        if spec is not None:
-            from exporters import dynamo
-
-            if dynamo.active():
-                return dynamo.call(x, spec)
+        if self.export_hook is not None:
+            return self.export_hook(x)
         amax = self._dynamic_amax(x) if self.desc.dynamic else self.amax
         if amax is None:
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
         amax = amax.to(x.device)
         if torch.onnx.is_in_onnx_export():  # learned or calibrated, amax is a constant in the graph
-            from exporters.custom_ops import export_amax
+            from quantcli.qdq import export_amax  # (loads onnx: only when exporting)
 
             amax = export_amax(amax)
         if self.desc.asymmetric:
             amin = self.amin if self.amin is not None else torch.zeros_like(amax)
             amin = amin.to(x.device)
             if torch.onnx.is_in_onnx_export():
-                from exporters.custom_ops import export_amax
+                from quantcli.qdq import export_amax
 
                 amin = export_amax(amin)
             return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)
@@ -217,19 +219,15 @@ class TensorQuantizer(nn.Module):
                 or d.num_bits > 8:
             return None
         if d.asymmetric:
-            from quantcli.tensor_quant import affine_qparams
-
             amin = self.amin if self.amin is not None else torch.zeros_like(self.amax)
-            scale = affine_qparams(amin, self.amax, d.num_bits)[0]
+            scale = ar.affine_qparams(amin, self.amax, d.num_bits)[0]
         else:
             scale = ar.symmetric_scale(self.amax, ar.symmetric_bound(d.num_bits, d.unsigned))
         return scale.detach().to(torch.float32).reshape(-1)
 
     def extra_repr(self) -> str:
         d = self.desc
-        bits = "fp8-e4m3" if d.is_fp8 else f"{'u' if d.unsigned or d.asymmetric else ''}int{d.num_bits}"
-        if d.asymmetric:
-            bits += " asymmetric"
+        bits = d.format_name
         if self.dynamic_uint8:
             return f"{bits} dynamic per-tensor (DynamicQuantizeLinear) mode={self.mode}"
         gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 
 from exporters.graph import read_onnx
@@ -89,96 +91,163 @@ def verify_onnx(
     model = read_onnx(onnx_path)
     ckpt = calibrated if isinstance(calibrated, Calibrated) else load_calibrated(calibrated)
     prov = sessions.choose_provider(provider)
+    batches = _verification_batches(ckpt, batches)
+    structure, weight_rows = check_structure(model, ckpt)
+    ss = _open_sessions(model, prov, provider, deployment)
+    cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
+    report = VerifyReport(str(onnx_path), ckpt.path, ss.provider, len(batches), num_samples(batches),
+                          structure=structure, provider_note=ss.provider_note)
+    rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
+    use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
+    report.quality = {"session": "deployed" if use is cmp.dqual else "exact",
+                      "outputs": {n: use[n].quality() for n in cmp.out_names},
+                      "exact_outputs": {n: cmp.qual[n].quality() for n in cmp.out_names}}
+    if deployment:
+        _deployment_checks(report, model, ss, cmp, max_deploy_ratio)
+    _quality_checks(report, use, cmp.out_names, min_cosine, min_snr)
+    if per_layer:
+        ranked = sorted(rows.values(), key=lambda r: r["snr_db"] if r["snr_db"] is not None else math.inf)
+        report.layers = [{**r, "rank": k} for k, r in enumerate(ranked, start=1)]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _verification_batches(ckpt: Calibrated, batches: list[Batch] | None) -> list[Batch]:
+    """The batches to verify on: the given ones, else the sample model's held-out data or the checkpoint's
+    example batch; checked non-empty and finite."""
     if batches is None:
         batches = ckpt.evaluation_batches() or [ckpt.example]
     if not batches:
         raise VerifyError("no verification data")
     _check_finite(batches)
-    structure, weight_rows = check_structure(model, ckpt)
-    qmodel, fmodel = ckpt.model, ckpt.float_model()
+    return batches
 
-    out_names = [o.name for o in model.graph.output]
+
+@dataclass
+class _Sessions:
+    """The onnxruntime sessions verify compares: the exact one (optimizations off, with the replay's extra
+    outputs) and the deployed one (default options; ``None`` when not asked for or when it failed, with
+    ``deploy_error`` saying why)."""
+
+    graph: onnx.ModelProto  # the exact session's graph, without the onnxruntime target's propagated Q/DQ copies
+    exact: Any
+    provider: str
+    provider_note: str | None
+    deployed: Any = None
+    deploy_error: str | None = None
+    deploy_options: tuple[str, ...] = ()
+
+
+def _open_sessions(model: onnx.ModelProto, prov: str, provider: str, deployment: bool) -> _Sessions:
     # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the same
     # values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not already-quantized values
     exact = strip_propagated(model)
     sess, prov, provider_note = _open_exact(rp.with_outputs(exact, rp.evidence_outputs(exact)), prov, provider)
-    dsess, deploy_error = None, None
+    ss = _Sessions(exact, sess, prov, provider_note)
     # a TensorRT-target graph is not made for onnxruntime's CPU fusions: its float8 pairs are unguarded (TensorRT
     # needs the DequantizeLinear right before the op), so it is deployed here with the options it needs to load
-    deploy_options = _deploy_options(model)
+    ss.deploy_options = _deploy_options(model)
     if deployment:
         try:
-            dsess = sessions.open_session(model, prov, optimize=True, disabled_optimizers=deploy_options)
+            ss.deployed = sessions.open_session(model, prov, optimize=True, disabled_optimizers=ss.deploy_options)
         except VerifyError as e:
-            deploy_error = str(e)
+            ss.deploy_error = str(e)
+    return ss
 
-    # one pass over the data: the deployed session (what a user ships) against the fake-quant and the float
-    # model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
-    # explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer
+
+@dataclass
+class _Comparison:
+    """Streaming statistics per graph output, and the per-quantizer evidence of the sample."""
+
+    out_names: list[str]
+    fid: dict[str, PairStats] = field(default_factory=dict)  # exact session vs fake-quant
+    qerr: dict[str, PairStats] = field(default_factory=dict)  # fake-quant vs float: the quantization error
+    qerr_exact: dict[str, PairStats] = field(default_factory=dict)  # the same, on the inputs the exact session ran
+    qual: dict[str, PairStats] = field(default_factory=dict)  # exact session vs float
+    dep: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs fake-quant
+    dqual: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs float
+    evidence: rp.Replay | None = None
+    exact_samples: int = 0
+
+    def start(self, logits: set[int]) -> None:
+        """Fresh statistics; ``logits``: the outputs (by index) whose top-1 agreement is counted."""
+        for k, n in enumerate(self.out_names):
+            self.fid[n], self.qerr[n], self.qerr_exact[n] = PairStats(), PairStats(), PairStats()
+            self.qual[n] = PairStats(top1=k in logits)
+            self.dep[n], self.dqual[n] = PairStats(), PairStats(top1=k in logits)
+
+    def add(self, batch: Batch, ref: list[np.ndarray], flt: list[np.ndarray], got: list[np.ndarray] | None,
+            deployed: list[np.ndarray] | None) -> None:
+        """One batch: fake-quant ``ref``, float ``flt``, exact session ``got``, deployed session ``deployed``."""
+        if got is not None:
+            self.exact_samples += int(next(iter(batch.values())).shape[0])
+        if len(ref) != len(self.out_names):
+            raise VerifyError(f"the graph has {len(self.out_names)} outputs, the model {len(ref)}")
+        for k, n in enumerate(self.out_names):
+            self.qerr[n].add(ref[k], flt[k])
+            if got is not None:
+                self.qerr_exact[n].add(ref[k], flt[k])
+                self.fid[n].add(got[k], ref[k])
+                self.qual[n].add(got[k], flt[k])
+            if deployed is not None:
+                self.dep[n].add(deployed[k], ref[k])
+                self.dqual[n].add(deployed[k], flt[k])
+
+
+def _compare_outputs(ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_names: list[str],
+                     max_abs_diff: float | None) -> _Comparison:
+    """One pass over the data: the deployed session (what a user ships) against the fake-quant and the float
+    model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
+    explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer."""
+    qmodel, fmodel = ckpt.model, ckpt.float_model()
+    cmp = _Comparison(out_names)
     sample, rest = rp.split_sample(batches)
-    evidence_names = rp.evidence_quantizers(exact)
-    fid: dict[str, PairStats] = {}  # exact session vs fake-quant
-    qerr: dict[str, PairStats] = {}  # fake-quant vs float: the quantization error, the unit of fidelity
-    qerr_exact: dict[str, PairStats] = {}  # the same, on the inputs the exact session ran
-    qual: dict[str, PairStats] = {}  # exact session vs float
-    dep: dict[str, PairStats] = {}  # deployed session vs fake-quant
-    dqual: dict[str, PairStats] = {}  # deployed session vs float
-    logits: set[int] = set()
-    evidence, exact_samples = None, 0
     with constant_weights(qmodel), constant_weights(fmodel):
         for i, batch in enumerate([sample] + rest):
             where = "the first batch" if i == 0 else f"batch {i} ({describe(batch)})"
-            inputs = sessions.feeds(sess, batch, where)
+            inputs = sessions.feeds(ss.exact, batch, where)
             deployed = None
-            if dsess is not None:
+            if ss.deployed is not None:
                 try:
-                    deployed = sessions.run(dsess, inputs, where)
+                    deployed = sessions.run(ss.deployed, inputs, where)
                 except VerifyError as e:
-                    dsess, deploy_error = None, str(e)
-            with torch.inference_mode():
-                if i == 0:
-                    with rp.capture(qmodel, evidence_names) as seen:
-                        ref = _numpy(run_model(qmodel, batch, where))
-                else:
-                    ref = _numpy(run_model(qmodel, batch, where))
+                    ss.deployed, ss.deploy_error = None, str(e)
             if i == 0:
-                flt_t, logits = logit_outputs(fmodel, batch)
-                flt = [t.detach().cpu().numpy() for t in flt_t]
-                for k, n in enumerate(out_names):
-                    fid[n], qerr[n], qerr_exact[n] = PairStats(), PairStats(), PairStats()
-                    qual[n] = PairStats(top1=k in logits)
-                    dep[n], dqual[n] = PairStats(), PairStats(top1=k in logits)
-                evidence, got = rp.replay(sess, exact, out_names, qmodel, batch, seen)
-                del seen
+                ref, flt, got = _sample_pass(ss, cmp, qmodel, fmodel, batch, where)
             else:
                 with torch.inference_mode():
+                    ref = _numpy(run_model(qmodel, batch, where))
                     flt = _numpy(run_model(fmodel, batch, where))
-                full_exact = dsess is None or max_abs_diff is not None
-                got = sessions.run(sess, inputs, where, out_names) if full_exact else None
-            if got is not None:
-                exact_samples += int(next(iter(batch.values())).shape[0])
-            if len(ref) != len(out_names):
-                raise VerifyError(f"the graph has {len(out_names)} outputs, the model {len(ref)}")
-            for k, n in enumerate(out_names):
-                qerr[n].add(ref[k], flt[k])
-                if got is not None:
-                    qerr_exact[n].add(ref[k], flt[k])
-                    fid[n].add(got[k], ref[k])
-                    qual[n].add(got[k], flt[k])
-                if deployed is not None:
-                    dep[n].add(deployed[k], ref[k])
-                    dqual[n].add(deployed[k], flt[k])
+                full_exact = ss.deployed is None or max_abs_diff is not None
+                got = sessions.run(ss.exact, inputs, where, cmp.out_names) if full_exact else None
+            cmp.add(batch, ref, flt, got, deployed)
+    return cmp
 
-    report = VerifyReport(str(onnx_path), ckpt.path, prov, len(batches), num_samples(batches), structure=structure,
-                          provider_note=provider_note)
-    sample = evidence
-    # fidelity: the exact session against the fake-quant model
+
+def _sample_pass(ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch,
+                 where: str) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+    """The sample batch: the fake-quant model with its quantizers' outputs captured, the float model (which
+    outputs are logits), and the replay against the exact session. Returns (fake-quant, float, exact) outputs."""
+    with torch.inference_mode(), rp.capture(qmodel, rp.evidence_quantizers(ss.graph)) as seen:
+        ref = _numpy(run_model(qmodel, batch, where))
+    flt_t, logits = logit_outputs(fmodel, batch)
+    flt = [t.detach().cpu().numpy() for t in flt_t]
+    cmp.start(logits)
+    cmp.evidence, got = rp.replay(ss.exact, ss.graph, cmp.out_names, qmodel, batch, seen)
+    return ref, flt, got
+
+
+def _fidelity(report: VerifyReport, cmp: _Comparison, weight_rows: list[dict[str, Any]], max_rms_ratio: float,
+              max_abs_diff: float | None) -> dict[str, dict[str, Any]]:
+    """The exact session against the fake-quant model: ``report.fidelity`` and the ``fidelity.*`` checks.
+    Returns every quantizer's row (weights and activations), by name."""
+    sample, out_names = cmp.evidence, cmp.out_names
     outputs: dict[str, Any] = {}
     for n in out_names:
-        outputs[n] = {**fid[n].deviation(), "quantization_rms": qerr[n].rms,
-                      "rms_ratio": ratio(fid[n].rms, qerr_exact[n].rms),
+        outputs[n] = {**cmp.fid[n].deviation(), "quantization_rms": cmp.qerr[n].rms,
+                      "rms_ratio": ratio(cmp.fid[n].rms, cmp.qerr_exact[n].rms),
                       "replay_max_abs_diff": sample.output_deviation.get(n),
-                      "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), qerr[n].rms)}
+                      "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), cmp.qerr[n].rms)}
     rows = {r["quantizer"]: r for r in weight_rows + sample.rows}
     replayed = [r for r in sample.rows if r["replay_steps"] is not None]
     failing = sorted((r for r in replayed if r["replay_steps"] > MAX_REPLAY_STEPS), key=lambda r: -r["replay_steps"])
@@ -188,7 +257,7 @@ def verify_onnx(
                            "identical_codes_end_to_end": r["identical_codes_end_to_end"],
                            "replay_steps": r.get("replay_steps")} for n, r in rows.items()},
         "sample_size": sample.samples,
-        "exact_samples": exact_samples,  # inputs the exact session's output statistics cover
+        "exact_samples": cmp.exact_samples,  # inputs the exact session's output statistics cover
         "not_replayed": sample.not_replayed,
         "failing_quantizers": [r["quantizer"] for r in failing],
     }
@@ -205,32 +274,38 @@ def verify_onnx(
     report.checks.append(at_most("fidelity.replay_outputs", MAX_REPLAY_OUTPUT, outputs[worst_out]["replay_ratio"],
                                  worst_out))
     worst_out = max(out_names, key=lambda n: outputs[n]["rms_ratio"])
-    nonfinite = sum(s.nonfinite for s in fid.values())
+    nonfinite = sum(s.nonfinite for s in cmp.fid.values())
     check = at_most("fidelity.rms_ratio", max_rms_ratio, outputs[worst_out]["rms_ratio"], worst_out)
     if nonfinite:
         check.passed, check.detail = False, f"{nonfinite} non-finite value(s) in one session but not the other"
     report.checks.append(check)
     if max_abs_diff is not None:
-        worst_out = max(out_names, key=lambda n: fid[n].max_abs)
-        report.checks.append(at_most("fidelity.max_abs_diff", max_abs_diff, fid[worst_out].max_abs, worst_out))
+        worst_out = max(out_names, key=lambda n: cmp.fid[n].max_abs)
+        report.checks.append(at_most("fidelity.max_abs_diff", max_abs_diff, cmp.fid[worst_out].max_abs, worst_out))
+    return rows
 
-    # deployment: what a user ships, InferenceSession(path) with default options
-    use = dqual if deployment and deploy_error is None else qual
-    report.quality = {"session": "deployed" if use is dqual else "exact",
-                      "outputs": {n: use[n].quality() for n in out_names},
-                      "exact_outputs": {n: qual[n].quality() for n in out_names}}
-    if deployment:
-        report.deployment = _deployment(model, out_names, dep, fid, qerr, deploy_error)
-        if deploy_options:
-            report.deployment["disabled_optimizers"] = list(deploy_options)
-            report.deployment["notes"].insert(0, "target tensorrt: the deployed session leaves out onnxruntime's "
-                                                 f"{', '.join(deploy_options)}, which this graph needs to load there")
-        report.checks.append(at_least("deployment.loads", 1, 0 if deploy_error else 1,
-                                      deploy_error and f"{deploy_error}; {sessions.deployment_advice(model)}"))
-        if max_deploy_ratio is not None and deploy_error is None:
-            worst_out = max(out_names, key=lambda n: report.deployment["outputs"][n]["rms_ratio"])
-            report.checks.append(at_most("deployment.rms_ratio", max_deploy_ratio,
-                                         report.deployment["outputs"][worst_out]["rms_ratio"], worst_out))
+
+def _deployment_checks(report: VerifyReport, model: onnx.ModelProto, ss: _Sessions, cmp: _Comparison,
+                       max_deploy_ratio: float | None) -> None:
+    """What a user ships, ``InferenceSession(path)`` with default options: ``report.deployment`` and the
+    ``deployment.*`` checks."""
+    out_names = cmp.out_names
+    report.deployment = _deployment(model, out_names, cmp.dep, cmp.fid, cmp.qerr, ss.deploy_error)
+    if ss.deploy_options:
+        report.deployment["disabled_optimizers"] = list(ss.deploy_options)
+        report.deployment["notes"].insert(0, "target tensorrt: the deployed session leaves out onnxruntime's "
+                                             f"{', '.join(ss.deploy_options)}, which this graph needs to load there")
+    report.checks.append(at_least("deployment.loads", 1, 0 if ss.deploy_error else 1,
+                                  ss.deploy_error and f"{ss.deploy_error}; {sessions.deployment_advice(model)}"))
+    if max_deploy_ratio is not None and ss.deploy_error is None:
+        worst_out = max(out_names, key=lambda n: report.deployment["outputs"][n]["rms_ratio"])
+        report.checks.append(at_most("deployment.rms_ratio", max_deploy_ratio,
+                                     report.deployment["outputs"][worst_out]["rms_ratio"], worst_out))
+
+
+def _quality_checks(report: VerifyReport, use: dict[str, PairStats], out_names: list[str],
+                    min_cosine: float | None, min_snr: float | None) -> None:
+    """``--min-cosine`` / ``--min-snr`` on the judged session (deployed, else exact) against the float model."""
     for flag, metric, name in ((min_cosine, "cosine", "quality.min_cosine"), (min_snr, "snr_db", "quality.min_snr_db")):
         if flag is None:
             continue
@@ -240,11 +315,6 @@ def verify_onnx(
                               "evaluated: an output is all zeros")
         worst_out = min(values, key=values.get)
         report.checks.append(at_least(name, flag, values[worst_out], worst_out))
-    if per_layer:
-        ranked = sorted(rows.values(), key=lambda r: r["snr_db"] if r["snr_db"] is not None else math.inf)
-        report.layers = [{**r, "rank": k} for k, r in enumerate(ranked, start=1)]
-    report.seconds = time.perf_counter() - t0
-    return report
 
 
 def _deploy_options(model) -> tuple[str, ...]:

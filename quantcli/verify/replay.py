@@ -35,13 +35,15 @@ import onnx
 import torch
 
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
-from exporters.graph import QdqPair, qdq_pairs
+from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli import arithmetic as ar
 from quantcli.data import Batch, flat_outputs, run_model
 from quantcli.nn.replace import quantizers
+from quantcli.quality import snr_db
 from quantcli.verify import sessions
 
 REPLAY_SAMPLES = 16  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
+_WHERE = "the per-quantizer sample"  # how errors name the sample
 FP8_MANTISSA_BITS = 3
 FP8_MIN_EXPONENT = -6
 
@@ -61,7 +63,7 @@ def source_tensors(model: onnx.ModelProto, names: list[str]) -> dict[str, str]:
     narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does internally."""
     g = model.graph
     constants = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     out = {}
     for start in names:
         name = start
@@ -189,111 +191,137 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
     dyn = {n: d for n, d in dynamic_inputs(model).items() if n not in pairs}
     extra = [t for ps in pairs.values() for p in ps for t in (sources[p.output], p.output)]
     extra += [t for d in dyn.values() for t, _ in _dynamic_outputs(d)]
-    where = "the per-quantizer sample"
-    values = sessions.run(sess, sessions.feeds(sess, batch, where), where, out_names + extra)
+    values = sessions.run(sess, sessions.feeds(sess, batch, _WHERE), _WHERE, out_names + extra)
     ort_out, named = values[: len(out_names)], dict(zip(out_names + extra, values))
     qs = quantizers(qmodel)
     rep = Replay(samples=int(next(iter(batch.values())).shape[0]))
     # dynamic layers: onnxruntime's codes dequantized with its own run-time scale and zero point
     dyn_deq = {n: ((named[d.codes].astype(np.float32) - named[d.zero_point].astype(np.float32))
                    * named[d.scale].astype(np.float32)).astype(np.float32) for n, d in dyn.items()}
-
-    # replay: every quantizer reads PyTorch's segment output, and hands on onnxruntime's DequantizeLinear output
-    deviation: dict[str, float] = {}
-    calls: dict[str, int] = {}
-    not_replayed: set[str] = set()
-
-    def force(name):
-        def hook(_m, inputs, out):
-            k = calls.get(name, 0)
-            calls[name] = k + 1
-            if name in dyn:
-                return force_dynamic(name, inputs, out, k)
-            ps = pairs[name]
-            if k >= len(ps):
-                not_replayed.add(name)
-                return None
-            p = ps[k]
-            x_ort, dq = named[sources[p.output]], named[p.output]
-            x = inputs[0].detach().cpu().numpy()
-            if x.shape != x_ort.shape or dq.shape != tuple(out.shape):
-                not_replayed.add(name)
-                return None
-            d = _steps(x.astype(np.float64) - x_ort, x_ort, p)
-            deviation[name] = max(deviation.get(name, 0.0), d if math.isfinite(d) else math.inf)
-            return torch.from_numpy(np.ascontiguousarray(dq)).to(out.dtype)
-
-        return hook
-
-    def force_dynamic(name, inputs, out, k):
-        d, deq = dyn[name], dyn_deq[name]
-        x_ort, x = named[d.input], inputs[0].detach().cpu().numpy()
-        if k > 0 or x.shape != x_ort.shape or deq.shape != tuple(out.shape):
-            not_replayed.add(name)
-            return None
-        step = max(float(named[d.scale]), float(np.finfo(np.float32).tiny))  # the run-time scale: one step
-        diff = float(np.abs(x.astype(np.float64) - x_ort).max(initial=0.0)) / step
-        deviation[name] = diff if math.isfinite(diff) else math.inf
-        return torch.from_numpy(np.ascontiguousarray(deq)).to(out.dtype)
-
-    handles = [qs[n].register_forward_hook(force(n)) for n in list(pairs) + list(dyn) if n in qs]
-    try:
-        with torch.inference_mode():
-            forced = [t.detach().cpu().numpy() for t in flat_outputs(run_model(qmodel, batch, where))]
-    finally:
-        for h in handles:
-            h.remove()
+    forcing = _Forcing(pairs, sources, dyn, named, dyn_deq)
+    forced = forcing.run(qmodel, qs, batch)
     for n, g, r in zip(out_names, ort_out, forced):
         if g.shape == r.shape:
             d = np.abs(g.astype(np.float64) - r)
             rep.output_deviation[n] = float(np.nan_to_num(d, nan=np.inf).max(initial=0.0))
-    rep.not_replayed = sorted(not_replayed)
-
+    rep.not_replayed = sorted(forcing.not_replayed)
     for name, ps in pairs.items():
-        if name not in qs:
-            continue
-        err2 = ref2 = max_abs = 0.0
-        same = e2e = total = e2e_total = 0
-        for k, p in enumerate(ps):
-            x, dq = named[sources[p.output]], named[p.output]
-            d = dq - x
-            err2 += float(np.square(d, dtype=np.float64).sum())  # float64: float32 sums overflow on wild values
-            ref2 += float(np.square(x, dtype=np.float64).sum())
-            max_abs = max(max_abs, float(np.abs(d).max(initial=0.0)))
-            with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
-                mine = qs[name].forward(torch.from_numpy(np.ascontiguousarray(x))).numpy()
-            same += int(np.count_nonzero(mine == dq))
-            total += dq.size
-            own = seen.get(name, [])
-            if k < len(own) and own[k].shape == dq.shape:
-                e2e += int(np.count_nonzero(own[k] == dq))
-                e2e_total += dq.size
-        rep.rows.append({
-            "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
-            "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
-            "max_abs_error": max_abs,
-            "identical_codes": same / total if total else None,
-            "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
-            "replay_steps": deviation.get(name),
-        })
+        if name in qs:
+            rep.rows.append(_pair_row(name, ps, qs[name], sources, named, seen, forcing.deviation.get(name)))
     for name, d in dyn.items():
-        if name not in qs:
-            continue
-        x, codes, deq = np.ascontiguousarray(named[d.input]), named[d.codes], dyn_deq[name]
-        ps, pz = ar.dynamic_qparams(torch.from_numpy(x))
-        mine = ar.quantize_linear(torch.from_numpy(x), ps, pz, 0, ar.DYNAMIC_QMAX).numpy()
-        params_equal = float(ps) == float(named[d.scale]) and float(pz) == float(named[d.zero_point])
-        same = int(np.count_nonzero(mine == codes)) if params_equal else 0
-        own = seen.get(name, [])
-        e2e = own[0] if own and own[0].shape == deq.shape else None
-        diff = deq.astype(np.float64) - x
-        ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
-        rep.rows.append({
-            "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation (dynamic)",
-            "snr_db": None if ref2 == 0 else math.inf if err2 == 0 else 10 * math.log10(ref2 / err2),
-            "max_abs_error": float(np.abs(diff).max(initial=0.0)),
-            "identical_codes": same / codes.size if codes.size else None,
-            "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size if e2e is not None else None,
-            "replay_steps": deviation.get(name),
-        })
+        if name in qs:
+            rep.rows.append(_dynamic_row(name, d, named, dyn_deq[name], seen, forcing.deviation.get(name)))
     return rep, ort_out
+
+
+@dataclass
+class _Forcing:
+    """The replay: every quantizer reads PyTorch's segment output, and hands on onnxruntime's DequantizeLinear
+    output (forward hooks); records how far each quantizer's input is from onnxruntime's, in steps."""
+
+    pairs: dict[str, list[QdqPair]]
+    sources: dict[str, str]  # DequantizeLinear output -> the tensor its QuantizeLinear reads
+    dyn: dict[str, DynamicLayer]
+    named: dict[str, np.ndarray]  # the exact session's tensors
+    dyn_deq: dict[str, np.ndarray]
+    deviation: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    not_replayed: set[str] = field(default_factory=set)
+
+    def run(self, qmodel: torch.nn.Module, qs: dict, batch: Batch) -> list[np.ndarray]:
+        """The fake-quant model's outputs on ``batch`` with every quantizer's output replaced."""
+        handles = [qs[n].register_forward_hook(self._hook(n)) for n in list(self.pairs) + list(self.dyn) if n in qs]
+        try:
+            with torch.inference_mode():
+                return [t.detach().cpu().numpy() for t in flat_outputs(run_model(qmodel, batch, _WHERE))]
+        finally:
+            for h in handles:
+                h.remove()
+
+    def _hook(self, name: str):
+        def hook(_m, inputs, out):
+            k = self.calls.get(name, 0)
+            self.calls[name] = k + 1
+            if name in self.dyn:
+                return self._force_dynamic(name, inputs, out, k)
+            return self._force(name, inputs, out, k)
+
+        return hook
+
+    def _force(self, name: str, inputs, out: torch.Tensor, k: int) -> torch.Tensor | None:
+        ps = self.pairs[name]
+        if k >= len(ps):
+            self.not_replayed.add(name)
+            return None
+        p = ps[k]
+        x_ort, dq = self.named[self.sources[p.output]], self.named[p.output]
+        x = inputs[0].detach().cpu().numpy()
+        if x.shape != x_ort.shape or dq.shape != tuple(out.shape):
+            self.not_replayed.add(name)
+            return None
+        d = _steps(x.astype(np.float64) - x_ort, x_ort, p)
+        self.deviation[name] = max(self.deviation.get(name, 0.0), d if math.isfinite(d) else math.inf)
+        return torch.from_numpy(np.ascontiguousarray(dq)).to(out.dtype)
+
+    def _force_dynamic(self, name: str, inputs, out: torch.Tensor, k: int) -> torch.Tensor | None:
+        d, deq = self.dyn[name], self.dyn_deq[name]
+        x_ort, x = self.named[d.input], inputs[0].detach().cpu().numpy()
+        if k > 0 or x.shape != x_ort.shape or deq.shape != tuple(out.shape):
+            self.not_replayed.add(name)
+            return None
+        step = max(float(self.named[d.scale]), float(np.finfo(np.float32).tiny))  # the run-time scale: one step
+        diff = float(np.abs(x.astype(np.float64) - x_ort).max(initial=0.0)) / step
+        self.deviation[name] = diff if math.isfinite(diff) else math.inf
+        return torch.from_numpy(np.ascontiguousarray(deq)).to(out.dtype)
+
+
+def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[str, str],
+              named: dict[str, np.ndarray], seen: dict[str, list[np.ndarray]], steps: float | None) -> dict[str, Any]:
+    """One activation quantizer's evidence over its pairs: SNR and max error of onnxruntime's Q/DQ, the same-input
+    and end-to-end code agreement, and its replay deviation ``steps``."""
+    err2 = ref2 = max_abs = 0.0
+    same = e2e = total = e2e_total = 0
+    for k, p in enumerate(ps):
+        x, dq = named[sources[p.output]], named[p.output]
+        d = dq - x
+        err2 += float(np.square(d, dtype=np.float64).sum())  # float64: float32 sums overflow on wild values
+        ref2 += float(np.square(x, dtype=np.float64).sum())
+        max_abs = max(max_abs, float(np.abs(d).max(initial=0.0)))
+        with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
+            mine = q.forward(torch.from_numpy(np.ascontiguousarray(x))).numpy()
+        same += int(np.count_nonzero(mine == dq))
+        total += dq.size
+        own = seen.get(name, [])
+        if k < len(own) and own[k].shape == dq.shape:
+            e2e += int(np.count_nonzero(own[k] == dq))
+            e2e_total += dq.size
+    return {
+        "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
+        "snr_db": snr_db(ref2, err2),
+        "max_abs_error": max_abs,
+        "identical_codes": same / total if total else None,
+        "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
+        "replay_steps": steps,
+    }
+
+
+def _dynamic_row(name: str, d: DynamicLayer, named: dict[str, np.ndarray], deq: np.ndarray,
+                 seen: dict[str, list[np.ndarray]], steps: float | None) -> dict[str, Any]:
+    """One dynamic layer's input quantizer: onnxruntime's run-time qparams and codes against quantcli's."""
+    x, codes = np.ascontiguousarray(named[d.input]), named[d.codes]
+    ps, pz = ar.dynamic_qparams(torch.from_numpy(x))
+    mine = ar.quantize_linear(torch.from_numpy(x), ps, pz, 0, ar.DYNAMIC_QMAX).numpy()
+    params_equal = float(ps) == float(named[d.scale]) and float(pz) == float(named[d.zero_point])
+    same = int(np.count_nonzero(mine == codes)) if params_equal else 0
+    own = seen.get(name, [])
+    e2e = own[0] if own and own[0].shape == deq.shape else None
+    diff = deq.astype(np.float64) - x
+    ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
+    return {
+        "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation (dynamic)",
+        "snr_db": snr_db(ref2, err2),
+        "max_abs_error": float(np.abs(diff).max(initial=0.0)),
+        "identical_codes": same / codes.size if codes.size else None,
+        "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size if e2e is not None else None,
+        "replay_steps": steps,
+    }

@@ -10,7 +10,7 @@ import onnx
 import torch
 
 from quantcli.data import Batch
-from quantcli.errors import VerifyError
+from quantcli.errors import VerifyError, first_line
 
 
 def choose_provider(provider: str = "auto") -> str:
@@ -29,11 +29,6 @@ def choose_provider(provider: str = "auto") -> str:
                               "here; use --provider cpu or auto")
         return "CUDAExecutionProvider"
     raise VerifyError(f"unknown --provider {provider!r}; use auto, cpu or cuda")
-
-
-def _first_line(e: Exception) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:240] if text else type(e).__name__
 
 
 def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
@@ -61,7 +56,7 @@ def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
             return ort.InferenceSession(data, so, providers=[provider], disabled_optimizers=list(disabled_optimizers))
         return ort.InferenceSession(data, so, providers=[provider])
     except Exception as e:
-        raise VerifyError(f"onnxruntime cannot load the model: {_first_line(e)}") from None
+        raise VerifyError(f"onnxruntime cannot load the model: {first_line(e, 240)}") from None
 
 
 def deployment_advice(model: onnx.ModelProto) -> str:
@@ -103,7 +98,7 @@ def run(sess, inputs: dict[str, np.ndarray], where: str, names: list[str] | None
     try:
         return sess.run(names, inputs)
     except Exception as e:
-        raise VerifyError(f"onnxruntime failed on {where}: {_first_line(e)}") from None
+        raise VerifyError(f"onnxruntime failed on {where}: {first_line(e, 240)}") from None
 
 
 def cpu_has_vnni() -> bool | None:

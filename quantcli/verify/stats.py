@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from quantcli import quality
 from quantcli.errors import VerifyError
 
 
@@ -65,14 +66,11 @@ class PairStats:
 
     @property
     def cosine(self) -> float | None:
-        den = math.sqrt(self.n_got * self.n_ref)
-        return self.dot / den if den > 0 else None
+        return quality.cosine(self.dot, self.n_got, self.n_ref)
 
     @property
     def snr_db(self) -> float | None:
-        if self.n_ref == 0:
-            return None
-        return math.inf if self.err2 == 0 else 10 * math.log10(self.n_ref / self.err2)
+        return quality.snr_db(self.n_ref, self.err2)
 
     def deviation(self) -> dict[str, Any]:
         """How far ``got`` is from ``ref`` (fidelity, deployment)."""

@@ -17,7 +17,7 @@ import onnx
 import torch
 
 from exporters.dynamic_linear import dynamic_layers
-from exporters.graph import QdqPair, pruned_quantizers, qdq_pairs, to_numpy
+from exporters.graph import QdqPair, initializer_map, pruned_quantizers, qdq_pairs, to_numpy
 from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated
 from quantcli.errors import VerifyError
@@ -69,7 +69,7 @@ def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray |
     values = to_numpy(inits[p.tensor]).astype(np.float32)
     if p.stored == "runtime":
         from exporters.fold import quantize_codes
-        from exporters.formats import BY_NAME
+        from quantcli.formats import BY_NAME
 
         values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
     return dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
@@ -103,7 +103,7 @@ def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, pr
     sample); the weight's float32 scale must be ``amax / bound`` exactly, its zero point 0 and its stored codes
     the checkpoint's. Returns the quantizer names found in such layers; appends the weights' per-layer rows."""
     found: set[str] = set()
-    inits = {t.name: t for t in model.graph.initializer}
+    inits = initializer_map(model.graph)
     weights = dict(ckpt.model.named_parameters())
     for layer in dynamic_layers(model):
         found |= {n for n in (layer.input_quantizer, layer.weight_quantizer) if n is not None}
@@ -148,7 +148,7 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
         if p.quantizer:
             pairs.setdefault(p.quantizer, p)
     qs = {n: q for n, q in quantizers(ckpt.model).items() if q.enabled}
-    inits = {t.name: t for t in model.graph.initializer}
+    inits = initializer_map(model.graph)
     params = dict(ckpt.model.named_parameters())
     problems: dict[str, list[str]] = {}
     rows: list[dict[str, Any]] = []
