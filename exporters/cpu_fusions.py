@@ -21,14 +21,15 @@ bit-identical (onnxruntime with optimizations off, as ``verify`` runs it for exa
 computes what the unfused ops compute, where before the fused kernels summed in their own order); both fusions
 match only an ``Add``, so onnxruntime keeps its ``LayerNormalization``
 and ``Gelu`` kernels and runs the addition as an elementwise ``Sum`` (as fast as ``Add`` here).
-Applied for the onnxruntime target only (TensorRT fuses residual Adds into its own kernels).
+Applied for the onnxruntime target's CPU provider only (``export --provider cpu``, the default): onnxruntime's
+CUDA provider has fast fused kernels for both, and TensorRT fuses residual Adds into its own kernels.
 """
 
 from __future__ import annotations
 
 import onnx
 
-from exporters.graph import consumer_map
+from exporters.graph import consumer_map, producer_map
 
 #: ops that scale a GELU's input before its Erf: torch's exporters write x * 0.5 * (1 + erf(x / sqrt(2))) (Div);
 #: other writers multiply by 1 / sqrt(2) (Mul)
@@ -70,7 +71,7 @@ def keep_cpu_kernels(model: onnx.ModelProto) -> dict[str, int]:
     stays an ``Add``: onnxruntime folds it into ``MatMulIntegerToFloat`` (which needs an ``Add``), after which
     neither fusion can take it."""
     consumers = consumer_map(model)
-    producers = {o: n for n in model.graph.node for o in n.output}
+    producers = producer_map(model.graph)
     counts = {"skip_layer_norm_avoided": 0, "bias_gelu_avoided": 0}
     for n in model.graph.node:
         if n.op_type != "Add" or n.domain not in ("", "ai.onnx") or len(n.input) != 2 or _dynamic_bias(n, producers):

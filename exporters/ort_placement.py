@@ -27,7 +27,6 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.fold import make_initializer
 from exporters.graph import PROPAGATED_MARK, consumer_map, initializer_map, producer_map, to_numpy
 
@@ -189,9 +188,8 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def place_for_onnxruntime(model: onnx.ModelProto) -> dict[str, int]:
-    """Passes 1-3 in order, then :func:`exporters.cpu_fusions.keep_cpu_kernels`; returns what each did."""
+    """Passes 1-3 in order; returns what each did."""
     u8 = uint8_activations(model)
     shared = share_quantize(model)
     copies = propagate_quantize(model)
-    return {"uint8_activation_quantizers": u8, "shared_quantizers": shared, "propagated_quantizers": copies,
-            **keep_cpu_kernels(model)}
+    return {"uint8_activation_quantizers": u8, "shared_quantizers": shared, "propagated_quantizers": copies}

@@ -151,18 +151,52 @@ class _Block(torch.nn.Module):
         return self.fc3(torch.nn.functional.gelu(self.fc2(h)))
 
 
-@pytest.mark.parametrize("target", ["onnxruntime", "tensorrt"])
-def test_only_the_onnxruntime_target_gets_the_sums(target, tmp_path):
-    from exporters import export_onnx
+def _block(target: str):
     from quantcli import calibrate, quantize_model
 
     torch.manual_seed(0)
     m = quantize_model(_Block().eval(), {"target": target})
     calibrate(m, [{"x": torch.randn(4, 5, HIDDEN)} for _ in range(2)], "max", device="cpu")
-    res = export_onnx(m, {"x": torch.randn(2, 5, HIDDEN)}, tmp_path / "b.onnx")
-    ops = collections.Counter(n.op_type for n in onnx.load(str(tmp_path / "b.onnx")).graph.node)
-    if target == "onnxruntime":
+    return m
+
+
+@pytest.mark.parametrize("target, provider", [("onnxruntime", None), ("onnxruntime", "cpu"), ("onnxruntime", "cuda"),
+                                              ("tensorrt", None)])
+def test_only_the_onnxruntime_cpu_provider_gets_the_sums(target, provider, tmp_path):
+    from exporters import export_onnx
+
+    res = export_onnx(_block(target), {"x": torch.randn(2, 5, HIDDEN)}, tmp_path / "b.onnx", provider=provider)
+    graph = onnx.load(str(tmp_path / "b.onnx"))
+    ops = collections.Counter(n.op_type for n in graph.graph.node)
+    meta = {p.key: p.value for p in graph.metadata_props}
+    if target == "onnxruntime" and provider != "cuda":  # cpu is the default
+        assert res.provider == meta["quantcli.provider"] == "cpu"
         assert ops["Sum"] == 2 and res.placement["skip_layer_norm_avoided"] == 1
         assert res.placement["bias_gelu_avoided"] == 1
     else:
-        assert ops["Sum"] == 0 and res.placement == {}
+        assert ops["Sum"] == 0 and "skip_layer_norm_avoided" not in res.placement
+        assert res.provider == meta.get("quantcli.provider") == provider
+
+
+def test_provider_errors(tmp_path):
+    from exporters import export_onnx
+    from quantcli.errors import ExportError
+
+    example = {"x": torch.randn(2, 5, HIDDEN)}
+    with pytest.raises(ExportError, match="applies to the onnxruntime target; this model is calibrated for tensorrt"):
+        export_onnx(_block("tensorrt"), example, tmp_path / "t.onnx", provider="cpu")
+    with pytest.raises(ExportError, match="unknown provider 'tpu'; choose cpu or cuda"):
+        export_onnx(_block("onnxruntime"), example, tmp_path / "t.onnx", provider="tpu")
+    assert not list(tmp_path.iterdir())  # checked before anything is written
+
+
+def test_cli_provider_cuda_keeps_the_adds(calibrated, tmp_path):
+    out = tmp_path / "cuda.onnx"
+    r = cli("export", calibrated("text_encoder", "int8"), "--onnx", out, "--provider", "cuda", "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["provider"] == "cuda" and "skip_layer_norm_avoided" not in info["placement"]
+    ops = _optimized_ops(onnx.load(str(out)), tmp_path, "cuda")  # what onnxruntime's CPU provider would then form
+    assert ops["Sum"] == 0 and ops["SkipLayerNormalization"] == 2 and ops["BiasGelu"] == 2
+    text = cli("export", calibrated("text_encoder", "int8"), "--onnx", tmp_path / "cpu.onnx").stdout
+    assert "onnxruntime provider" in text and "written as Sum" in text
