@@ -23,6 +23,7 @@ import onnx
 import torch
 from torch import nn
 
+from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
@@ -38,6 +39,7 @@ from quantcli.nn.replace import quantizers
 from quantcli.nn.usage import unused_quantizers
 
 EXPORTERS = ("torchscript", "dynamo")
+PROVIDERS = ("cpu", "cuda")  # onnxruntime execution providers an onnxruntime-target graph is shaped for
 EXTERNAL_DATA_BYTES = 1_800_000_000  # protobuf's 2 GB limit, with margin
 DYNAMO_MIN_OPSET = 18  # torch's torch.export-based exporter builds opset 18 and newer
 
@@ -61,7 +63,9 @@ class ExportResult:
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
     target: str = "onnxruntime"
-    placement: dict[str, int] = field(default_factory=dict)  # onnxruntime target: what exporters.ort_placement did
+    provider: str | None = None  # onnxruntime target: the execution provider the graph is shaped for (cpu, cuda)
+    # onnxruntime target: what exporters.ort_placement did, and for the CPU provider exporters.cpu_fusions
+    placement: dict[str, int] = field(default_factory=dict)
     # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their result
     pruned_quantizers: list[str] = field(default_factory=list)
     opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
@@ -199,6 +203,7 @@ def export_onnx(
     dynamic_axes: bool = True,
     weights_qdq: bool = False,
     metadata: dict[str, str] | None = None,
+    provider: str | None = None,
 ) -> ExportResult:
     """Export a calibrated, quantized ``model`` to a standard Q/DQ ONNX file.
 
@@ -210,6 +215,11 @@ def export_onnx(
         exporter: ``torchscript`` or ``dynamo``.
         dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic.
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
+        provider: onnxruntime target only: the execution provider the graph is for, ``cpu`` (default) or
+            ``cuda``. For ``cpu`` the residual and GELU-bias Adds are written as ``Sum``
+            (:mod:`exporters.cpu_fusions`), so onnxruntime's CPU provider forms no ``SkipLayerNormalization`` or
+            ``BiasGelu`` (slower there than what they replace); ``cuda`` leaves them to onnxruntime's fusions.
+            Naming it for another target is an error.
 
     For the onnxruntime target (the config's ``target``, default) float8 pairs get the guards of
     :mod:`exporters.ort_compat`, so the graph loads with default session options, and the result counts the
@@ -217,6 +227,8 @@ def export_onnx(
     """
     t0 = time.perf_counter()
     need, what = _required_opset(model, exporter, opset)
+    target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
+    provider = _check_provider(provider, target)
     path = Path(path)
     parent = _check_destination(path)
     model = model.eval().cpu()
@@ -227,7 +239,7 @@ def export_onnx(
     opset, reason, note = _resolve_opset(model, probe, opset, need, what)
     output_names = _output_names(outputs)
     res = ExportResult(str(path), opset, exporter, input_names=list(example), output_names=output_names,
-                       opset_reason=reason, opset_note=note)
+                       opset_reason=reason, opset_note=note, target=target, provider=provider)
     axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
         onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
@@ -258,6 +270,20 @@ def _required_opset(model: nn.Module, exporter: str, opset: int | None) -> tuple
     return need, what
 
 
+def _check_provider(provider: str | None, target: str) -> str | None:
+    """The onnxruntime execution provider to shape the graph for: ``cpu`` by default for the onnxruntime target
+    (its integer kernels are CPU kernels: the CUDA provider runs Q/DQ int8 graphs in float, GPU int8 goes through
+    TensorRT), none for other targets."""
+    if provider is not None and provider not in PROVIDERS:
+        raise ExportError(f"unknown provider {provider!r}; choose cpu or cuda")
+    if target != "onnxruntime":
+        if provider is not None:
+            raise ExportError(f"--provider applies to the onnxruntime target; this model is calibrated for {target} "
+                              f"(leave --provider out, or calibrate with --target onnxruntime)")
+        return None
+    return provider or "cpu"
+
+
 def _check_destination(path: Path) -> Path:
     """The directory the ``.onnx`` file goes to, checked writable before the export runs."""
     if path.suffix.lower() != ".onnx":
@@ -273,8 +299,9 @@ def _resolve_opset(model: nn.Module, probe: OpProbe, opset: int | None, need: in
         return max(need, best), f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else ""), ""
     note = ""
     if opset < best:
-        note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}, and "
-                f"onnxruntime then forms no SkipLayerNormalization; leave --opset out for {best}")
+        note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}: "
+                f"onnxruntime fuses it back into LayerNormalization (forming no SkipLayerNormalization), other "
+                f"runtimes may not; leave --opset out for {best}")
     return opset, "--opset", note
 
 
@@ -306,8 +333,9 @@ def _post_process(onnx_model: onnx.ModelProto, model: nn.Module, example: dict[s
         if not d.is_fp8 and d.num_bits <= 4:
             narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
     narrow_types(onnx_model, narrow)
-    res.target = getattr(getattr(model, "quantcli_config", None), "target", "onnxruntime")
     res.placement = place_for_onnxruntime(onnx_model) if res.target == "onnxruntime" else {}
+    if res.provider == "cpu":
+        res.placement.update(keep_cpu_kernels(onnx_model))
     drop_unused_initializers(onnx_model)
     for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
         del node.metadata_props[:]
@@ -326,6 +354,7 @@ def _stamp_metadata(onnx_model: onnx.ModelProto, mapping: dict[str, str], res: E
         "quantcli.exporter": res.exporter,
         QUANTIZERS_KEY: json.dumps(mapping),
         "quantcli.target": res.target,
+        **({"quantcli.provider": res.provider} if res.provider else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
         **(metadata or {}),
     }

@@ -4,9 +4,11 @@ expressed in.
 Formats set a hard minimum (an int8 per-axis QuantizeLinear needs 13, float8 19, int4 and blocked 21): below it the
 graph cannot be written. The model's ops set a preference: ``LayerNormalization`` exists from opset 17; below it
 the exporter decomposes a LayerNorm into ReduceMean/Sub/Pow/Sqrt/Div/Mul/Add. onnxruntime (1.31) fuses that pattern
-back into ``LayerNormalization``, but its ``SkipLayerNormalization`` fusion (the residual Add absorbed into the
-LayerNorm) then does not form; at opset 17 it does (``python -m benchmarks.bench_opset`` counts both and times
-them). An explicit opset below the preference is allowed (the LayerNorm is decomposed, and the export says so).
+back into ``LayerNormalization`` (and loses the static shapes after it, so its ``SkipLayerNormalization`` fusion
+does not form); other runtimes may not. At 17 the onnxruntime target's export keeps ``SkipLayerNormalization``
+away itself (:mod:`exporters.cpu_fusions`: its CPU kernel is slower than what it replaces); ``python -m
+benchmarks.bench_opset`` counts and times both opsets. An explicit opset below the preference is allowed (the
+LayerNorm is decomposed, and the export says so).
 """
 
 from __future__ import annotations

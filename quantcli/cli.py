@@ -56,6 +56,11 @@ class Provider(str, Enum):
     cuda = "cuda"
 
 
+class ExportProvider(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
 class Runtime(str, Enum):
     onnxruntime = "onnxruntime"
 
@@ -377,6 +382,7 @@ def export(
     exporter: Annotated[Exporter, typer.Option("--exporter", help="torch exporter: torchscript or dynamo (torch.export).")] = Exporter.torchscript,
     dynamic_axes: Annotated[bool, typer.Option("--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions.")] = True,
     weights_qdq: Annotated[bool, typer.Option("--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized.")] = False,
+    provider: Annotated[Optional[ExportProvider], typer.Option("--provider", help="onnxruntime target: the execution provider the graph is for, cpu (default: residual and GELU-bias Adds written as Sum, so onnxruntime's CPU provider forms no slow SkipLayerNormalization/BiasGelu) or cuda (left to onnxruntime's fusions).")] = None,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
 ) -> None:
@@ -391,7 +397,7 @@ def export(
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
     res = export_onnx(ckpt.model, ckpt.example, onnx_path, opset, exporter.value, dynamic_axes=dynamic_axes,
-                      weights_qdq=weights_qdq, metadata=meta)
+                      weights_qdq=weights_qdq, metadata=meta, provider=provider.value if provider else None)
     if as_json:
         _print_json(res.to_dict())
     else:
@@ -412,6 +418,11 @@ def _export_rows(res):
     if res.opset_note:
         yield "opset note", res.opset_note
     yield "exporter", res.exporter
+    if res.provider:
+        kept = res.placement.get("skip_layer_norm_avoided", 0) + res.placement.get("bias_gelu_avoided", 0)
+        yield "onnxruntime provider", res.provider + (
+            f" ({kept} residual/GELU-bias Adds written as Sum: no SkipLayerNormalization/BiasGelu, slower on CPU; "
+            "--provider cuda leaves them)" if kept else "")
     yield "inputs", ", ".join(res.input_names)
     yield "outputs", ", ".join(res.output_names)
     if res.fp8_guards:
