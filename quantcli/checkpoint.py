@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from quantcli import __version__
-from quantcli.data import Batch
+from quantcli.data import Batch, has_signature
 from quantcli.descriptor import to_plain
 from quantcli.errors import CheckpointError, QuantCliError, first_line
 from quantcli.files import atomic_write
@@ -126,10 +126,10 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         # a file torch.save did not write fails deep in the unpickler (a KeyError naming a byte, or torch's
         # weights_only advice), neither of which says what is wrong: say it, and what the file looks like
         with open(path, "rb") as f:
-            head = f.read(4)
-        if head[:2] == b"\x08\x07" or path.suffix.lower() == ".onnx":  # an ONNX ModelProto starts with ir_version
+            head = f.read(2)
+        if head == b"\x08\x07" or path.suffix.lower() == ".onnx":  # an ONNX ModelProto starts with ir_version
             why = "it looks like an ONNX graph; pass the .calib.pt file that `quantcli calibrate` wrote"
-        elif not (head == b"PK\x03\x04" or head[:1] == b"\x80"):  # torch.save: a zip, or a legacy pickle
+        elif not has_signature(path, ".pt"):  # torch.save: a zip, or a legacy pickle
             why = "it is not a file written by torch.save; create one with `quantcli calibrate`"
         else:
             why = f"cannot read it: {first_line(e, 120)}; create one with `quantcli calibrate`"

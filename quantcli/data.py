@@ -89,7 +89,7 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
         # a file that is not what its suffix says fails deep in numpy's or torch's readers, whose messages
         # (pickle advice, a KeyError naming a byte) do not say so
         detail = first_line(e)
-        if not _has_signature(path, suffix):
+        if not has_signature(path, suffix):
             kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
                     ".pt": "a file written by torch.save"}[suffix]
             raise DataError(f"cannot read {where}: it is not {kind}") from None
@@ -111,7 +111,7 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
     raise DataError(f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}")
 
 
-def _has_signature(path: Path, suffix: str) -> bool:
+def has_signature(path: Path, suffix: str) -> bool:
     """Whether the file starts as its format does: a zip (.npz; .pt since torch 1.6), numpy's magic (.npy), a
     pickle protocol 2+ opcode (a legacy torch.save .pt)."""
     with open(path, "rb") as f:

@@ -387,11 +387,12 @@ def _refit_weight_amax(q: TensorQuantizer, layer: nn.Module, s: torch.Tensor) ->
         amax = (q.amax.double() * s.abs().view(q.amax.shape)).to(torch.float32)
         q.set_amax(amax)
         return "scaled"
-    mode = q.mode
-    q.start_calibration("max")
-    q.collect(layer.weight.detach())
-    q.load_calib_amax("max")
-    q.set_mode(mode)
+    from quantcli.nn.modes import quantizer_modes  # here: modes imports replace, which imports this module
+
+    with quantizer_modes([q], q.mode):  # calibrating switches modes; give back the one it had, whatever happens
+        q.start_calibration("max")
+        q.collect(layer.weight.detach())
+        q.load_calib_amax("max")
     return "recalibrated"
 
 

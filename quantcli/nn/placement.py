@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import operator
 import types
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -164,6 +165,7 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
     if target == "tensorrt":
         return placement
     quantized_inputs = {n for n, on in input_enabled.items() if on}
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in layers:
             continue
@@ -174,20 +176,17 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
         if conv and name in quantized_inputs and weight_integer.get(name) \
                 and not _reaches_quantized_layers_only(node, modules, quantized_inputs):
             placement.output_quantized.append(name)
-            after = _output_point(node, graph, modules, quantized_inputs)
+            after = _output_point(node, calls, modules, quantized_inputs)
             if after is not None:
                 placement.output_after[name] = after
     return placement
 
 
-def _output_point(node: fx.Node, graph: fx.Graph, modules, quantized_inputs: set[str]) -> tuple[str, bool] | None:
+def _output_point(node: fx.Node, calls: Counter, modules, quantized_inputs: set[str]) -> tuple[str, bool] | None:
     """Where a Conv's output quantizer goes when a ReLU or ops that commute with quantization follow it alone:
     after the last of them (a module called once), so that onnxruntime absorbs the ReLU (unsigned grid) and runs
-    the pooling on codes. ``(module name, unsigned)``, or None to quantize right after the Conv."""
-    calls = {}
-    for n in graph.nodes:
-        if n.op == "call_module":
-            calls[n.target] = calls.get(n.target, 0) + 1
+    the pooling on codes. ``calls``: how many times the graph calls each module. ``(module name, unsigned)``, or
+    None to quantize right after the Conv."""
     chain, end = [], node
     while len(end.users) == 1:
         (user,) = end.users
@@ -199,7 +198,7 @@ def _output_point(node: fx.Node, graph: fx.Graph, modules, quantized_inputs: set
         return None  # a quantized layer reads it: its own input quantizer is there already
     for i in range(len(chain) - 1, -1, -1):
         n = chain[i]
-        if n.op == "call_module" and calls.get(n.target) == 1:
+        if n.op == "call_module" and calls[n.target] == 1:
             return n.target, any(_kind(c, modules) == "relu" for c in chain[: i + 1])
     return None
 
@@ -215,11 +214,12 @@ def _is_add(node: fx.Node) -> bool:
         (node.op == "call_method" and node.target in ("add", "add_", "__add__"))
 
 
-def _quantized_conv_behind(node, modules: dict[str, nn.Module], layers: dict[str, nn.Module]) -> nn.Module | None:
-    """The quantized Conv whose output ``node`` is, through BatchNorm/Identity/Dropout (None if there is none)."""
+def _quantized_conv_behind(node, modules: dict[str, nn.Module], layer_ids: set[int]) -> nn.Module | None:
+    """The quantized Conv (``id`` in ``layer_ids``) whose output ``node`` is, through BatchNorm/Identity/Dropout
+    (None if there is none)."""
     while isinstance(node, fx.Node) and node.op == "call_module":
         m = modules.get(node.target)
-        if m is not None and id(m) in {id(v) for v in layers.values()}:
+        if m is not None and id(m) in layer_ids:
             return m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
         if not isinstance(m, _PASS_THROUGH) or not node.args:
             return None
@@ -234,13 +234,14 @@ def residual_skips(graph: fx.Graph, modules: dict[str, nn.Module], layers: dict[
     projection shortcut is computed first), and it must come from a quantized Conv (through BatchNorm).
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
+    layer_ids = {id(v) for v in layers.values()}
     out = []
     for n in graph.nodes:
         if not _is_add(n) or len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
             continue
         a, b = n.args[:2]
         branch, skip = (a, b) if order[a] > order[b] else (b, a)
-        conv = _quantized_conv_behind(branch, modules, layers)
+        conv = _quantized_conv_behind(branch, modules, layer_ids)
         if conv is not None:
             out.append((n, skip, conv))
     return out
