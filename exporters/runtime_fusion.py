@@ -23,7 +23,7 @@ import onnx
 from onnx import helper
 
 from exporters import ort_compat
-from exporters.graph import initializer_map, producer_map, quantizer_map, read_onnx
+from exporters.graph import consumer_map, initializer_map, producer_map, quantizer_map, read_onnx
 from quantcli.errors import VerifyError, first_line
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
@@ -82,10 +82,7 @@ class _Graph:
         g = model.graph
         self.inits = initializer_map(g)
         self.producers = producer_map(g)
-        self.consumers: dict[str, list[onnx.NodeProto]] = {}
-        for n in g.node:
-            for i in n.input:
-                self.consumers.setdefault(i, []).append(n)
+        self.consumers = consumer_map(model)
         self.outputs = {o.name for o in g.output}
         self.qmap = quantizer_map(model)
 

@@ -180,7 +180,7 @@ class _Comparison:
             deployed: list[np.ndarray] | None) -> None:
         """One batch: fake-quant ``ref``, float ``flt``, exact session ``got``, deployed session ``deployed``."""
         if got is not None:
-            self.exact_samples += int(next(iter(batch.values())).shape[0])
+            self.exact_samples += num_samples([batch])
         if len(ref) != len(self.out_names):
             raise VerifyError(f"the graph has {len(self.out_names)} outputs, the model {len(ref)}")
         for k, n in enumerate(self.out_names):

@@ -37,7 +37,7 @@ import torch
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
 from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli import arithmetic as ar
-from quantcli.data import Batch, flat_outputs, run_model
+from quantcli.data import Batch, flat_outputs, num_samples, run_model
 from quantcli.nn.replace import quantizers
 from quantcli.quality import snr_db
 from quantcli.verify import sessions
@@ -106,7 +106,8 @@ def _dynamic_outputs(d: DynamicLayer) -> list[tuple[str, int]]:
 
 def evidence_quantizers(model: onnx.ModelProto) -> list[str]:
     """The activation quantizers the sample covers: Q/DQ pairs and dynamic layers."""
-    return list(activation_pairs(model)) + [n for n in dynamic_inputs(model) if n not in activation_pairs(model)]
+    pairs = activation_pairs(model)
+    return list(pairs) + [n for n in dynamic_inputs(model) if n not in pairs]
 
 
 def evidence_outputs(model: onnx.ModelProto) -> list[tuple[str, int]]:
@@ -122,7 +123,7 @@ def evidence_outputs(model: onnx.ModelProto) -> list[tuple[str, int]]:
 def split_sample(batches: list[Batch]) -> tuple[Batch, list[Batch]]:
     """(the first :data:`REPLAY_SAMPLES` inputs of the first batch, every other input in batches)."""
     first = batches[0]
-    n = int(next(iter(first.values())).shape[0])
+    n = num_samples([first])
     sample = {k: v[:REPLAY_SAMPLES] for k, v in first.items()}
     rest = [{k: v[REPLAY_SAMPLES:] for k, v in first.items()}] if n > REPLAY_SAMPLES else []
     return sample, rest + list(batches[1:])
@@ -194,7 +195,7 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
     values = sessions.run(sess, sessions.feeds(sess, batch, _WHERE), _WHERE, out_names + extra)
     ort_out, named = values[: len(out_names)], dict(zip(out_names + extra, values))
     qs = quantizers(qmodel)
-    rep = Replay(samples=int(next(iter(batch.values())).shape[0]))
+    rep = Replay(samples=num_samples([batch]))
     # dynamic layers: onnxruntime's codes dequantized with its own run-time scale and zero point
     dyn_deq = {n: ((named[d.codes].astype(np.float32) - named[d.zero_point].astype(np.float32))
                    * named[d.scale].astype(np.float32)).astype(np.float32) for n, d in dyn.items()}
