@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx
 
-from exporters.graph import initializer_map, producer_map
+from exporters.graph import initializer_map, name_scopes, producer_map, scope_module_path
 from quantcli.nn.dynamic import dynamic_linear_symbolic, weight_spec
 
 __all__ = ["DynamicLayer", "dynamic_layers", "dynamic_quantizer_map", "dynamic_linear_symbolic", "weight_spec"]
@@ -104,10 +104,10 @@ def dynamic_quantizer_map(model: onnx.ModelProto, quantizer_names) -> dict[str, 
     quantizer. The layer's module is found from the MatMulInteger's node scope (``/layers.0/attention/query/...``)
     or, for the dynamo exporter, its name-scope metadata."""
     known = set(quantizer_names)
+    nodes = {n.name: n for n in model.graph.node}
     out = {}
     for layer in dynamic_layers(model):
-        node = next(n for n in model.graph.node if n.name == layer.node)
-        module = _module_of(node, known)
+        module = _module_of(nodes[layer.node], known)
         if module is None:
             continue
         out[layer.codes] = f"{module}.input_quantizer" if module else "input_quantizer"
@@ -116,15 +116,18 @@ def dynamic_quantizer_map(model: onnx.ModelProto, quantizer_names) -> dict[str, 
 
 
 def _module_of(node: onnx.NodeProto, known: set[str]) -> str | None:
-    meta = {p.key: p.value for p in node.metadata_props}
-    if "pkg.torch.onnx.name_scopes" in meta:
-        scopes = [s.strip(" '\"") for s in meta["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
-        hits = [s for s in scopes if f"{s}.input_quantizer" in known]
-        if hits:
-            return hits[-1]
+    """The module whose ``input_quantizer`` (a name in ``known``) the layer node belongs to: the dynamo name
+    scopes, else the TorchScript node scope with Sequential/ModuleList children resolved, else its enclosing
+    modules outward."""
+    def has_input_quantizer(module: str) -> bool:
+        return (f"{module}.input_quantizer" if module else "input_quantizer") in known
+
+    hits = [s for s in name_scopes(node) if has_input_quantizer(s)]
+    if hits:
+        return hits[-1]
     parts = node.name.strip("/").split("/")
     for cut in range(len(parts) - 1, -1, -1):
-        module = ".".join(parts[:cut])
-        if f"{module}.input_quantizer" in known or (not module and "input_quantizer" in known):
-            return module
+        for module in (".".join(parts[:cut]), scope_module_path(parts[:cut])):
+            if has_input_quantizer(module):
+                return module
     return None

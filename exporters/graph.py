@@ -33,6 +33,30 @@ def read_onnx(path: str | Path) -> onnx.ModelProto:
     return model
 
 
+def name_scopes(node: onnx.NodeProto) -> list[str]:
+    """The module paths the dynamo exporter records for ``node`` (``pkg.torch.onnx.name_scopes`` metadata:
+    ``['', 'fc1', 'fc1.input_quantizer', 'qdq_3']``), outermost first; ``[]`` for TorchScript nodes."""
+    for p in node.metadata_props:
+        if p.key == "pkg.torch.onnx.name_scopes":
+            return [s.strip(" '\"") for s in p.value.strip("[]").split(",")]
+    return []
+
+
+def scope_module_path(parts: list[str]) -> str:
+    """The module path of a TorchScript node scope. A child of a Sequential or ModuleList is named
+    ``<container scope>.<index>`` (``/layer2/layer2.0/downsample/downsample.0/...`` is module
+    ``layer2.0.downsample.0``; nested containers: ``/layers.0/layers.0.1/...`` is ``layers.0.1``)."""
+    path: list[str] = []
+    previous = None
+    for part in parts:
+        if previous is not None and part.startswith(previous + "."):
+            path.append(part[len(previous) + 1:])
+        else:
+            path.append(part)
+        previous = part
+    return ".".join(path)
+
+
 def initializer_map(graph: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
     """Initializer name -> its TensorProto (the proto itself: editing it edits the graph)."""
     return {t.name: t for t in graph.initializer}

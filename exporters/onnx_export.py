@@ -26,7 +26,7 @@ from torch import nn
 from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
-from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, qdq_pairs
+from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, name_scopes, qdq_pairs, scope_module_path
 from exporters.opset import OpProbe, format_opset, ops_opset
 from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
@@ -140,19 +140,16 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":
             continue
-        meta = {p.key: p.value for p in n.metadata_props}
-        if "pkg.torch.onnx.name_scopes" in meta:  # dynamo: ['', 'fc1', 'fc1.input_quantizer', 'qdq_3']
-            scopes = [s.strip(" '\"") for s in meta["pkg.torch.onnx.name_scopes"].strip("[]").split(",")]
-            hits = [s for s in scopes if s in known]
-            if hits:
-                mapping[n.output[0]] = hits[-1]
-                continue
+        hits = [s for s in name_scopes(n) if s in known]  # dynamo
+        if hits:
+            mapping[n.output[0]] = hits[-1]
+            continue
         parts = n.name.strip("/").split("/")
         scoped = ".".join(parts[:-1])
         if scoped in known:
             mapping[n.output[0]] = scoped
             continue
-        scoped = _scope_path(parts[:-1])
+        scoped = scope_module_path(parts[:-1])
         if scoped in known:
             mapping[n.output[0]] = scoped
             continue
@@ -180,17 +177,6 @@ def _hook_scopes(module: nn.Module) -> dict[str, str]:
         parent = names[id(after)].rsplit(".", 1)[0] if "." in names[id(after)] else ""
         out[f"{parent}.output_quantizer" if parent else "output_quantizer"] = f"{name}.output_quantizer"
     return out
-
-
-def _scope_path(parts: list[str]) -> str:
-    """The module path of a TorchScript node scope: a child of a Sequential or ModuleList is named
-    ``<container>.<index>`` in the scope (``/layer2/layer2.0/downsample/downsample.0/...`` is module
-    ``layer2.0.downsample.0``)."""
-    path: list[str] = []
-    for part in parts:
-        head, dot, rest = part.partition(".")
-        path.append(rest if dot and path and head == path[-1] else part)
-    return ".".join(path)
 
 
 def export_onnx(

@@ -429,10 +429,13 @@ def test_graph_inputs_are_named_in_forward_order_whatever_the_batch_key_order(tm
 
 
 def test_torchscript_scopes_of_nested_containers_name_the_module():
-    from exporters.onnx_export import _scope_path
+    from exporters.graph import scope_module_path
 
-    # torch names a Sequential/ModuleList child "<container>.<index>" in node scopes
-    assert _scope_path(["layer2", "layer2.0", "downsample", "downsample.0", "input_quantizer"]) == \
+    # torch names a Sequential/ModuleList child "<container scope>.<index>" in node scopes
+    assert scope_module_path(["layer2", "layer2.0", "downsample", "downsample.0", "input_quantizer"]) == \
         "layer2.0.downsample.0.input_quantizer"
-    assert _scope_path(["features", "features.3", "weight_quantizer"]) == "features.3.weight_quantizer"
-    assert _scope_path(["fc1", "input_quantizer"]) == "fc1.input_quantizer"
+    assert scope_module_path(["features", "features.3", "weight_quantizer"]) == "features.3.weight_quantizer"
+    assert scope_module_path(["fc1", "input_quantizer"]) == "fc1.input_quantizer"
+    # a container inside a container: ModuleList "layers" of Sequentials -> scopes "layers.1", "layers.1.0"
+    assert scope_module_path(["layers.1", "layers.1.0"]) == "layers.1.0"
+    assert scope_module_path(["a.0", "a.0.1", "a.0.1.2", "fc"]) == "a.0.1.2.fc"

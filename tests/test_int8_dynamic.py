@@ -273,6 +273,39 @@ def test_deep_encoder_layers_match(tmp_path):
     assert ops["DynamicQuantizeMatMul"] + ops["MatMulIntegerToFloat"] == 12, ops
 
 
+class _Nested(torch.nn.Module):
+    """Linears inside Sequentials inside a ModuleList: TorchScript scopes them "/layers.1/layers.1.0/..."."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_dynamic_layers_in_nested_containers_are_mapped(tmp_path, exporter):
+    from exporters import export_onnx
+    from exporters.graph import quantizer_map
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(_Nested(), "int8-dynamic")
+    batch = {"x": torch.randn(4, 8)}
+    calibrate(model, [batch], device="cpu")
+    path = tmp_path / "nested.onnx"
+    export_onnx(model, batch, path, exporter=exporter)
+    graph = onnx.load(path)
+    layers = dynamic_layers(graph)
+    qmap = quantizer_map(graph)
+    assert sorted(qmap[d.codes] for d in layers) == ["layers.0.0.input_quantizer", "layers.1.0.input_quantizer"]
+    assert sorted(qmap[d.weight] for d in layers) == ["layers.0.0.weight_quantizer", "layers.1.0.weight_quantizer"]
+
+
 def test_dynamic_quantizer_outside_a_linear_does_not_export():
     q = _quantizer()
     with pytest.raises(ExportError, match="input of a Linear"):
