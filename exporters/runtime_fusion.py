@@ -335,11 +335,11 @@ def _dynamic_output(g: _Graph, node: onnx.NodeProto) -> list[str]:
     return chain
 
 
-def _find_dynamic(optimized: onnx.ModelProto, g: _Graph, node: onnx.NodeProto) -> onnx.NodeProto | None:
-    """The node that computes a dynamic layer in onnxruntime's graph: the one writing the last tensor of its
-    chain (``MatMulIntegerToFloatFusion`` and ``DynamicQuantizeMatMulFusion`` keep the Add's or Mul's output)."""
+def _find_dynamic(by_output: dict[str, onnx.NodeProto], g: _Graph, node: onnx.NodeProto) -> onnx.NodeProto | None:
+    """The node that computes a dynamic layer in onnxruntime's graph (``by_output``: its producer map): the one
+    writing the last tensor of its chain (``MatMulIntegerToFloatFusion`` and ``DynamicQuantizeMatMulFusion`` keep
+    the Add's or Mul's output)."""
     chain = _dynamic_output(g, node)
-    by_output = {o: n for n in optimized.graph.node for o in n.output}
     for t in reversed(chain):
         n = by_output.get(t)
         if n is not None and (n.op_type in INTEGER_KERNELS or t == chain[0]):
@@ -402,6 +402,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     g, int8_allowed = _Graph(model), _int8_allowed()
     try:
         optimized = optimized_graph(path, provider)
+        optimized_producers = producer_map(optimized.graph)
     except Exception as e:  # onnxruntime's own errors: the report says what a user would see
         report.load_error = first_line(e, 300)
         optimized = None
@@ -410,7 +411,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
             report.layers.append(LayerFusion(layer, node.name, node.op_type, names, None, False,
                                              ["the session did not load with default options"]))
             continue
-        got = _find_dynamic(optimized, g, node) if node.op_type in DYNAMIC_OPS else _find(optimized, node)
+        got = _find_dynamic(optimized_producers, g, node) if node.op_type in DYNAMIC_OPS else _find(optimized, node)
         kernel = got.op_type if got is not None else None
         fused = None if got is None else kernel in INTEGER_KERNELS
         if fused or provider != "cpu":

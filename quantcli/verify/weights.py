@@ -18,11 +18,12 @@ from quantcli.nn.replace import quantizers
 
 @contextlib.contextmanager
 def constant_weights(model: nn.Module) -> Iterator[None]:
-    """Within the block, every enabled ``<layer>.weight_quantizer`` returns its first result for ``<layer>.weight``."""
+    """Within the block, every quantizing ``<layer>.weight_quantizer`` returns its first result for ``<layer>.weight``
+    (a disabled one, as in the float model, passes the weight through already: nothing to cache)."""
     modules = dict(model.named_modules())
     patched = []
     for name, q in quantizers(model).items():
-        if not name.endswith("weight_quantizer") or not q.enabled:
+        if not name.endswith("weight_quantizer") or q.mode != "quantize":
             continue
         weight = getattr(modules.get(name.rsplit(".", 1)[0] if "." in name else ""), "weight", None)
         if not isinstance(weight, torch.Tensor):
