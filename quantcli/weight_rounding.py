@@ -5,7 +5,10 @@ Both data-driven methods need, per weight-only Linear, only ``H = 2 X.T X`` of i
 ``|x|`` per input channel), accumulated streaming over the calibration batches on the model's device: memory is
 one ``in x in`` float64 matrix per layer, whatever the number of samples. Under ``torch.distributed`` every rank
 accumulates its own batches and the statistics are summed over the ranks (``all_reduce(SUM)`` in float64, where
-every product of two float32 inputs is exact): each rank then holds the statistics of all the batches.
+every product of two float32 inputs is exact): each rank then holds the statistics of all the batches. The sums
+are associated differently than in one process (a difference of about 1e-16 of the sum, float64 rounding), far
+below the float32 precision GPTQ's updates run in; on the sample decoder two ranks give one process's weights
+bit for bit (``tests/test_weight_rounding_distributed.py``), but that is not guaranteed for every input.
 
 ``awq`` runs before calibration (it rescales weights; their amax is then calibrated on the scaled weights),
 ``gptq`` after it (it keeps the calibrated amax and moves the weights within that grid).
