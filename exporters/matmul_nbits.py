@@ -1,19 +1,23 @@
 """Weight-only blocked layers in the form onnxruntime runs as its N-bit kernel ``MatMulNBits``.
 
 Both torch exporters write a Linear with a blocked weight quantizer as ``DequantizeLinear(axis=1, block_size)`` on
-the ``[out, in]`` codes (per output channel, ``axis=0``, where the input dimension is one block), then ``Gemm(transB=1)`` (2-D input) or ``Transpose -> MatMul -> Add`` (3-D input).
-onnxruntime's rule ``DQMatMulToMatMulNBits`` (``qdq_selectors.cc``, ``DQMatMulNodeGroupSelector`` and
-``ValidateDQForMatMulNBits``) takes neither: it wants the DequantizeLinear to feed MatMul's input B directly, with
-one consumer, no QuantizeLinear after the MatMul, the weight stored ``[K, N]`` (``[in, out]``) with ``axis=0``,
-a power-of-two ``block_size >= 16``, 2-, 4- or 8-bit integer codes, a float scale, and weight, scale and zero point
-constant rank-2 initializers with the scale shaped ``[ceil(K / block), N]``.
+the ``[out, in]`` codes (per output channel, ``axis=0``, where the input dimension is one block), then
+``Gemm(transB=1)`` (2-D input) or ``Transpose -> MatMul -> Add`` (3-D input). onnxruntime's rule
+``DQMatMulToMatMulNBits`` (``qdq_selectors.cc``, ``DQMatMulNodeGroupSelector`` and ``ValidateDQForMatMulNBits``)
+takes neither: it wants the DequantizeLinear to feed MatMul's input B directly, with one consumer, no
+QuantizeLinear after the MatMul, the weight stored ``[K, N]`` (``[in, out]``) with ``axis=0``, a power-of-two
+``block_size >= 16``, 2-, 4- or 8-bit integer codes, a float scale, and weight, scale and zero point constant
+rank-2 initializers with the scale shaped ``[ceil(K / block), N]``.
 
 :func:`to_matmul_nbits` rewrites each weight-only blocked layer into that form: the stored codes, scale and zero
-point are transposed (the same numbers: every code keeps its own scale; a per-channel scale becomes one block
-of the power of two >= K), the ``Transpose`` goes, and a ``Gemm``
-becomes ``MatMul``; the bias is added by ``Sum`` (:func:`_bias_as_sum` says why). The DequantizeLinear keeps its output name, so the quantizer map
-still names its quantizer; the rewritten pairs are listed in the model's metadata (:data:`KN_WEIGHTS_KEY`) so
-readers know the codes are stored transposed.
+point are transposed (the same numbers: every code keeps its own scale; a per-channel scale becomes one block of
+the power of two >= K) and the ``Transpose`` goes. A ``Gemm`` becomes ``MatMul`` and a ``Sum`` with its bias:
+onnxruntime's level-1 ``MatMulAddFusion`` turns ``MatMul -> Add`` on a 2-D input into a ``Gemm``, and a Relu after
+that into a ``FusedGemm``, before the level-2 MatMulNBits rule runs, so the layer would stay in float; it matches
+``Add`` only. A 3-D layer keeps the exporter's ``Add`` (the fusion leaves dynamic 3-D shapes alone), which
+onnxruntime then folds into MatMulNBits' bias input. The DequantizeLinear keeps its output name, so the quantizer
+map still names its quantizer; the rewritten pairs are listed in the model's metadata (:data:`KN_WEIGHTS_KEY`)
+so readers know the codes are stored transposed.
 """
 
 from __future__ import annotations
@@ -101,6 +105,10 @@ def _transpose_initializer(t: onnx.TensorProto, inits: dict, graph: onnx.GraphPr
 def _rewrite(g: onnx.GraphProto, dq: onnx.NodeProto, node: onnx.NodeProto, transpose, inits: dict) -> list:
     """Rewrite one layer in place; returns the nodes that replace ``node`` (and drop ``transpose``)."""
     k = inits[dq.input[0]].dims[1]
+    if len(dq.input) > 2 and dq.input[2] and not np.any(to_numpy(inits[dq.input[2]])):
+        # a symmetric grid: no zero point (0 is ONNX's default), so MatMulNBits gets none and runs its
+        # symmetric kernels; the codes keep their type
+        del dq.input[2]
     for i in range(min(len(dq.input), 3)):
         if dq.input[i]:
             dq.input[i] = _transpose_initializer(inits[dq.input[i]], inits, g)
@@ -119,21 +127,6 @@ def _rewrite(g: onnx.GraphProto, dq: onnx.NodeProto, node: onnx.NodeProto, trans
     if bias is None:
         return [mm]
     return [mm, helper.make_node("Sum", [mm.output[0], bias], [out], name=f"{node.name}/bias")]
-
-
-def _bias_as_sum(node: onnx.NodeProto, consumers: dict, inits: dict) -> None:
-    """The ``Add`` of a constant bias after the layer becomes ``Sum`` (the same sum of two tensors).
-
-    onnxruntime's level-1 ``MatMulAddFusion`` turns ``MatMul -> Add`` on a 2-D input (or a static 3-D one) into a
-    ``Gemm``, and a Relu after it then into a ``FusedGemm``, before the level-2 MatMulNBits rule runs: the layer
-    would stay in float. It matches ``Add`` only (as :mod:`exporters.cpu_fusions` uses for the residual Adds).
-    """
-    readers = consumers.get(node.output[0], [])
-    if len(readers) == 1 and readers[0].op_type == "Add":
-        add = readers[0]
-        other = add.input[1] if add.input[0] == node.output[0] else add.input[0]
-        if other in inits and len(inits[other].dims) == 1:
-            add.op_type = "Sum"
 
 
 def _keep_activation_apart(node: onnx.NodeProto, n: int, consumers: dict, g: onnx.GraphProto, inits: dict) -> list:
@@ -176,8 +169,6 @@ def to_matmul_nbits(model: onnx.ModelProto) -> list[str]:
             continue
         node, transpose = found
         replace[id(node)] = _rewrite(g, dq, node, transpose, inits)
-        if node.op_type == "MatMul":
-            _bias_as_sum(node, consumers, inits)
         n = inits[dq.input[0]].dims[1]
         replace[id(node)] += _keep_activation_apart(replace[id(node)][-1], n, consumers, g, inits)
         if transpose is not None:
