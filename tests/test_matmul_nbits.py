@@ -170,3 +170,34 @@ def test_a_stored_code_changed_after_the_rewrite_fails_verify(model_file, tmp_pa
     report = verify_onnx(bad, load_calibrated(ck_path), deployment=False)
     assert not report.structure["passed"]
     assert any("fc_c.weight_quantizer" in p and "1 stored weight code" in p for p in report.structure["problems"])
+
+
+@pytest.mark.parametrize("n, blocks, want", [(200, 2, 128), (256, 2, 128), (300, 3, 128), (130, 2, 128),
+                                             (12, 4, 3), (64, 1, 64), (6, 3, 2)])
+def test_a_blocked_amax_shape_reads_as_the_power_of_two_block_that_fits(n, blocks, want):
+    from quantcli.granularity import block_of, granularity_of
+
+    assert block_of(n, blocks) == want
+    assert -(-n // want) == blocks
+    if blocks > 1:
+        assert granularity_of((4, blocks), (4, n)).block_size == want
+
+
+def test_partial_last_block_calibrates_with_zero_padding_and_refuses_ambiguous_sizes():
+    from quantcli.errors import ConfigError
+    from quantcli.nn import quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(torch.nn.Sequential(torch.nn.Linear(200, 8)), {"preset": "int4-weight-only"})
+    q = model[0].weight_quantizer
+    q.start_calibration("max")
+    q.collect(model[0].weight.detach())
+    q.load_calib_amax("max")
+    w = model[0].weight.detach().numpy()
+    want = np.stack([np.abs(w[:, :128]).max(1), np.abs(w[:, 128:]).max(1)], 1)  # the last block: 72 channels
+    assert np.array_equal(q.amax.numpy(), want)
+    # blocks of 100 over 300 channels would read back as blocks of 128 (3 blocks either way): refused
+    odd = quantize_model(torch.nn.Sequential(torch.nn.Linear(300, 8)), {"preset": "int4-weight-only", "block_size": 100})
+    odd[0].weight_quantizer.start_calibration("max")
+    with pytest.raises(ConfigError, match="power-of-two"):
+        odd[0].weight_quantizer.collect(odd[0].weight.detach())
