@@ -71,17 +71,17 @@ def _export(root, ck, exporter: str):
     return out, json.loads(r.stdout)
 
 
-def _hand_codes(w: np.ndarray, bits: int, block: int = 128) -> np.ndarray:
+def _hand_codes(w: np.ndarray, bits: int, block: int = 128, unsigned: bool = False) -> np.ndarray:
     """Symmetric blocked codes of an ``[out, in]`` weight along ``in``, by numpy: the last block padded with zeros
-    for its max, scale = amax / bound in float32, round half to even."""
+    for its max, scale = amax / bound in float32, round half to even (unsigned: the grid [0, 2**bits - 1])."""
     n, k = w.shape
     blocks = -(-k // block)
     padded = np.zeros((n, blocks * block), np.float32)
     padded[:, :k] = w
     amax = np.abs(padded.reshape(n, blocks, block)).max(-1).astype(np.float32)
-    bound = np.float32(2 ** (bits - 1) - 1)
+    bound = np.float32(2 ** bits - 1 if unsigned else 2 ** (bits - 1) - 1)
     scale = np.repeat(amax / bound, block, axis=1)[:, :k]
-    return np.clip(np.round(w / scale), -bound - 1, bound)
+    return np.clip(np.round(w / scale), 0 if unsigned else -bound - 1, bound)
 
 
 def _optimized(path, tmp_path) -> onnx.ModelProto:
@@ -92,7 +92,7 @@ def _optimized(path, tmp_path) -> onnx.ModelProto:
     return onnx.load(str(tmp_path / "optimized.onnx"))
 
 
-def _check_form(graph: onnx.ModelProto, ck, bits: int) -> None:
+def _check_form(graph: onnx.ModelProto, ck, bits: int, unsigned: bool = False) -> None:
     inits, consumers = initializer_map(graph.graph), consumer_map(graph)
     assert not [n.op_type for n in graph.graph.node if n.op_type in ("Gemm", "Transpose")]
     pairs = {p.quantizer: p for p in qdq_pairs(graph)}
@@ -105,9 +105,10 @@ def _check_form(graph: onnx.ModelProto, ck, bits: int) -> None:
         assert [(r.op_type, list(r.input).index(p.output)) for r in readers] == [("MatMul", 1)], layer
         w = dict(ck.model.named_parameters())[f"{layer}.weight"].detach().numpy()
         codes = inits[p.tensor]
-        assert codes.data_type == (T.INT4 if bits == 4 else T.INT8) and list(codes.dims) == [w.shape[1], w.shape[0]]
+        elem = {(4, False): T.INT4, (8, False): T.INT8, (4, True): T.UINT4}[(bits, unsigned)]
+        assert codes.data_type == elem and list(codes.dims) == [w.shape[1], w.shape[0]]
         assert list(inits[dq.input[1]].dims) == [-(-w.shape[1] // 128), w.shape[0]]
-        assert np.array_equal(to_numpy(codes).T.astype(np.float32), _hand_codes(w, bits)), layer
+        assert np.array_equal(to_numpy(codes).T.astype(np.float32), _hand_codes(w, bits, unsigned=unsigned)), layer
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -143,14 +144,15 @@ def test_int4_layers_export_as_matmul_nbits(model_file, exporter, rank, tmp_path
     assert report.passed
 
 
-def test_8bit_weight_only_blocked_is_matmul_nbits_too(model_file, tmp_path):
-    config = model_file / "w8.json"
-    config.write_text(json.dumps({"preset": "int4-weight-only",
-                                  "rules": [{"pattern": "*.weight_quantizer", "num_bits": 8}]}))
+@pytest.mark.parametrize("bits, unsigned", [(8, False)], ids=["int8"])
+def test_8bit_and_uint4_weight_only_blocked_are_matmul_nbits_too(model_file, tmp_path, bits, unsigned):
+    config = model_file / f"w{bits}{unsigned}.json"
+    config.write_text(json.dumps({"preset": "int4-weight-only", "rules": [
+        {"pattern": "*.weight_quantizer", "num_bits": bits, "unsigned": unsigned}]}))
     ck_path = _calibrate(model_file, 3, str(config))
     path, res = _export(model_file, ck_path, "torchscript")
     assert res["matmul_nbits_layers"] == 3 and res["unfused_layers"] == 0
-    _check_form(onnx.load(str(path)), load_calibrated(ck_path), bits=8)
+    _check_form(onnx.load(str(path)), load_calibrated(ck_path), bits=bits, unsigned=unsigned)
     assert [n.op_type for n in _optimized(path, tmp_path).graph.node].count("MatMulNBits") == 3
     assert verify_onnx(path, load_calibrated(ck_path), deployment=False).passed
 
@@ -201,3 +203,47 @@ def test_partial_last_block_calibrates_with_zero_padding_and_refuses_ambiguous_s
     odd[0].weight_quantizer.start_calibration("max")
     with pytest.raises(ConfigError, match="power-of-two"):
         odd[0].weight_quantizer.collect(odd[0].weight.detach())
+
+
+@pytest.mark.parametrize("op", ["Gemm", "TransposeMatMul"])
+def test_uint4_with_zero_points_rewrites_to_the_same_function(op, rng, tmp_path):
+    """The pass on a hand-built graph: uint4 codes with non-zero zero points, K = 200 (a partial block): the
+    rewritten graph computes what the original computes (optimizations off) and onnxruntime fuses it."""
+    from onnx import helper, numpy_helper
+
+    from exporters.fold import make_initializer
+    from exporters.matmul_nbits import to_matmul_nbits
+
+    n, k = 24, 200
+    codes = rng.integers(0, 16, size=(n, k))
+    zp = rng.integers(0, 16, size=(n, 2))
+    scale = (rng.random((n, 2)) * 0.1 + 0.01).astype(np.float32)
+    inits = [make_initializer("w", codes, T.UINT4), make_initializer("zp", zp, T.UINT4),
+             numpy_helper.from_array(scale, "s"), numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")]
+    nodes = [helper.make_node("DequantizeLinear", ["w", "s", "zp"], ["wd"], axis=1, block_size=128, name="dq")]
+    if op == "Gemm":
+        nodes.append(helper.make_node("Gemm", ["x", "wd", "b"], ["y"], transB=1, name="fc"))
+        x_shape, y_shape = ["batch", k], ["batch", n]
+    else:
+        nodes += [helper.make_node("Transpose", ["wd"], ["wt"], perm=[1, 0]),
+                  helper.make_node("MatMul", ["x", "wt"], ["m"], name="fc"), helper.make_node("Add", ["m", "b"], ["y"])]
+        x_shape, y_shape = ["batch", 5, k], ["batch", 5, n]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", T.FLOAT, y_shape)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+    before = tmp_path / "before.onnx"
+    onnx.save(model, str(before))
+    assert to_matmul_nbits(model) == ["wd"]
+    onnx.checker.check_model(model, full_check=True)
+    after = tmp_path / "after.onnx"
+    onnx.save(model, str(after))
+    dq = next(nd for nd in model.graph.node if nd.op_type == "DequantizeLinear")
+    assert len(dq.input) == 3  # a zero point that is not all zero stays
+    assert np.array_equal(to_numpy(initializer_map(model.graph)[dq.input[2]]), zp.T)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    x = rng.standard_normal([2] + x_shape[1:]).astype(np.float32)
+    want = ort.InferenceSession(str(before), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(after), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert [nd.op_type for nd in _optimized(after, tmp_path).graph.node].count("MatMulNBits") == 1
