@@ -31,6 +31,7 @@ from quantcli.errors import CalibrationError
 from quantcli.gptq import DEFAULT_DAMP, HessianAccumulator, gptq_weights
 from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.modules import QuantLinear
+from quantcli.nn.replace import quantizers
 
 WEIGHT_METHODS = ("rtn", "gptq", "awq")
 
@@ -67,9 +68,11 @@ def weight_only_layers(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[s
 
 
 def accumulate_hessians(model: nn.Module, layers: dict[str, nn.Linear], batches: Sequence[Batch],
-                        device: torch.device, extra=None, group=None) -> dict[str, HessianAccumulator]:
-    """One pass of the float model (every quantizer disabled) over ``batches``: each layer's
-    :class:`~quantcli.gptq.HessianAccumulator`, summed over the ranks. ``extra(name, x)`` sees every input too."""
+                        device: torch.device, extra=None, group=None,
+                        modes: str | dict[str, str] = "disabled") -> dict[str, HessianAccumulator]:
+    """One pass of the model over ``batches`` with its quantizers in ``modes`` (default: all disabled, the float
+    model): each layer's :class:`~quantcli.gptq.HessianAccumulator`, summed over the ranks. ``extra(name, x)``
+    sees every input too."""
     acc = {n: HessianAccumulator(m.in_features, m.weight.device) for n, m in layers.items()}
 
     def hook(name):
@@ -81,7 +84,7 @@ def accumulate_hessians(model: nn.Module, layers: dict[str, nn.Linear], batches:
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
     try:
-        with quantizer_modes(model, "disabled"), torch.inference_mode():
+        with quantizer_modes(model, modes), torch.inference_mode():
             for i, batch in enumerate(batches):
                 run_model(model, to_device(batch, device), where=f"calibration batch {i}")
     finally:
@@ -110,9 +113,15 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def gptq(model: nn.Module, batches: Sequence[Batch], *, damp: float = DEFAULT_DAMP, group=None) -> WeightRoundingReport:
+def gptq(model: nn.Module, batches: Sequence[Batch], *, damp: float = DEFAULT_DAMP, group=None,
+         sequential: bool = True) -> WeightRoundingReport:
     """GPTQ every weight-only layer of a calibrated ``model`` in place (its weight amax stays), on the model's
-    device. Call it on every rank under ``torch.distributed`` with that rank's batches."""
+    device. Call it on every rank under ``torch.distributed`` with that rank's batches.
+
+    ``sequential`` (the paper's order): one pass over the data per layer, in module order, each layer's Hessian
+    taken on the inputs the layers already rounded produce (their weight quantizers on, everything else off), one
+    Hessian in memory at a time. Otherwise one pass of the float model collects every layer's Hessian at once.
+    """
     t0 = time.perf_counter()
     layers, skipped = weight_only_layers(model)
     _need_layers("gptq", layers)
@@ -120,22 +129,31 @@ def gptq(model: nn.Module, batches: Sequence[Batch], *, damp: float = DEFAULT_DA
     missing = [n for n, m in layers.items() if m.weight_quantizer.amax is None]
     if missing:
         raise CalibrationError(f"GPTQ needs calibrated weight quantizers first; no amax: {', '.join(missing[:3])}")
-    acc = accumulate_hessians(model, layers, batches, model_device(model), group=group)
-    for name, m in layers.items():
-        if acc[name].rows == 0:
-            report.skipped[name] = "never called during calibration"
-            continue
-        q = m.weight_quantizer
-        d = q.desc
-        new = gptq_weights(m.weight.detach(), acc[name].hessian, q.amax, d.num_bits, unsigned=d.unsigned,
-                           narrow_range=d.narrow_range, damp=damp)
-        with torch.no_grad():
-            m.weight.copy_(new.to(m.weight.dtype))
-        report.layers.append(name)
-        report.rows = max(report.rows, acc[name].rows)
-    report.details = {"damp": damp}
+    stages = [[n] for n in layers] if sequential else [list(layers)]
+    modes = dict.fromkeys(quantizers(model), "disabled")
+    for stage in stages:
+        acc = accumulate_hessians(model, {n: layers[n] for n in stage}, batches, model_device(model), group=group,
+                                  modes=modes)
+        for name in stage:
+            if acc[name].rows == 0:
+                report.skipped[name] = "never called during calibration"
+                continue
+            _round_layer(layers[name], acc[name], damp)
+            modes[f"{name}.weight_quantizer"] = "quantize"
+            report.layers.append(name)
+            report.rows = max(report.rows, acc[name].rows)
+    report.details = {"damp": damp, "sequential": sequential}
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _round_layer(m: QuantLinear, acc: HessianAccumulator, damp: float) -> None:
+    q = m.weight_quantizer
+    d = q.desc
+    new = gptq_weights(m.weight.detach(), acc.hessian, q.amax, d.num_bits, unsigned=d.unsigned,
+                       narrow_range=d.narrow_range, damp=damp)
+    with torch.no_grad():
+        m.weight.copy_(new.to(m.weight.dtype))
 
 
 def _block_of(q) -> int | None:

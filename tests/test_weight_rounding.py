@@ -135,3 +135,40 @@ def test_weight_rounding_runs_on_the_models_cuda_device(method):
             b = dict(gpu.named_modules())[name]
             b = b.weight_quantizer(b.weight.detach())
             assert (a == b).float().mean() >= 0.99, name
+
+
+def test_sequential_gptq_takes_each_hessian_on_the_rounded_layers_outputs():
+    """Layer 2's Hessian comes from layer 1's output with layer 1 already rounded (GPTQ's order); the one-pass
+    variant takes it from the float layer 1."""
+    from quantcli import calibrate, quantize_model
+    from quantcli.gptq import gptq_weights
+    from quantcli.weight_rounding import gptq
+
+    torch.manual_seed(0)
+    batches = [{"input": torch.randn(32, 64) * torch.linspace(0.2, 3.0, 64)} for _ in range(3)]
+
+    def fresh():
+        m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+        torch.manual_seed(1)
+        for p in m.parameters():
+            torch.nn.init.normal_(p, std=0.1)
+        m = quantize_model(m, {"preset": "int4-weight-only", "block_size": 32})
+        calibrate(m, batches, device="cpu")
+        return m
+
+    for sequential in (True, False):
+        model, ref = fresh(), fresh()
+        gptq(model, batches, sequential=sequential)
+        # by hand: layer 1 from the float inputs, then layer 2 from layer 1's (rounded or float) outputs
+        x = torch.cat([b["input"] for b in batches]).double()
+        h1 = 2 * x.T @ x
+        q1 = ref[0].weight_quantizer
+        w1 = gptq_weights(ref[0].weight.detach(), h1, q1.amax, 4)
+        assert torch.equal(model[0].weight.detach(), w1)
+        with torch.no_grad():
+            original = ref[0].weight.detach().clone()
+            ref[0].weight.copy_(w1)
+            w_used = q1(ref[0].weight) if sequential else original  # rounded layer 1, or the float one
+            x2 = torch.nn.functional.linear(x.float(), w_used, ref[0].bias).double()
+        w2 = gptq_weights(ref[1].weight.detach(), 2 * x2.T @ x2, ref[1].weight_quantizer.amax, 4)
+        assert torch.allclose(model[1].weight.detach(), w2, atol=1e-6), sequential
