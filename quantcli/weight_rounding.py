@@ -1,9 +1,9 @@
 """Weight-rounding PTQ for weight-only layers: ``rtn`` (round to nearest, what calibration alone does), ``gptq``
 (:mod:`quantcli.gptq`) and ``awq`` (:mod:`quantcli.awq`), chosen with ``quantcli calibrate --weight-method``.
 
-Both data-driven methods need, per weight-only Linear, only ``H = 2 X.T X`` of its float inputs (AWQ also the mean
+Both data-driven methods need, per weight-only Linear, only ``H = 2 X.T X`` of its inputs (AWQ also the mean
 ``|x|`` per input channel), accumulated streaming over the calibration batches on the model's device: memory is
-one ``in x in`` float64 matrix per layer, whatever the number of samples. Under ``torch.distributed`` every rank
+one ``in x in`` float64 matrix per layer (GPTQ, layer by layer: one at a time), whatever the number of samples. Under ``torch.distributed`` every rank
 accumulates its own batches and the statistics are summed over the ranks (``all_reduce(SUM)`` in float64, where
 every product of two float32 inputs is exact): each rank then holds the statistics of all the batches. The sums
 are associated differently than in one process (a difference of about 1e-16 of the sum, float64 rounding), far
