@@ -67,3 +67,27 @@ def test_two_ranks_give_the_one_process_weights(ranks, method):
     # and the statistics mattered: one rank's share alone gives other weights
     alone = _state(method, _batches()[0::WORLD])
     assert any(not torch.equal(alone[k], want[k]) for k in want if k.endswith(".weight"))
+
+
+def test_torchrun_cli_gptq_writes_the_one_process_checkpoint(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers import cli
+
+    one, two = tmp_path / "one.calib.pt", tmp_path / "two.calib.pt"
+    args = ["calibrate", "tiny_lm", "--config", "int4-weight-only", "--weight-method", "gptq", "--num-samples", "96",
+            "--json", "--device", "cpu"]
+    r = cli(*args, "--out", one)
+    assert r.exit_code == 0, r.output
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "quantcli", *args, "--out", str(two)],
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["ranks"] == 2 and info["weight_rounding"]["rows"] == 96 * 64
+    a, b = torch.load(one, weights_only=True), torch.load(two, weights_only=True)
+    assert a["state_dict"].keys() == b["state_dict"].keys()
+    assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
