@@ -29,7 +29,12 @@ def make_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.Tens
         raw = torch.from_numpy(np.array(values, dtype=np.float32, order="C")).to(torch.float8_e4m3fn)
         return helper.make_tensor(name, elem_type, dims, raw.view(torch.uint8).numpy().tobytes(), raw=True)
     if elem_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
-        return helper.make_tensor(name, elem_type, dims, values.astype(np.int64).flatten().tolist())
+        # two codes per byte, the first in the low nibble (ONNX's packing): half the bytes of int32_data varints
+        nibbles = (np.asarray(values).astype(np.int64).reshape(-1) & 0xF).astype(np.uint8)
+        if nibbles.size % 2:
+            nibbles = np.append(nibbles, np.uint8(0))
+        packed = nibbles[0::2] | (nibbles[1::2] << 4)
+        return helper.make_tensor(name, elem_type, dims, packed.tobytes(), raw=True)
     np_type = helper.tensor_dtype_to_np_dtype(elem_type)
     return numpy_helper.from_array(np.array(values, dtype=np_type, order="C"), name)  # keeps 0-d shapes
 

@@ -17,6 +17,9 @@ QUANTIZERS_KEY = "quantcli.quantizers"
 #: in the names of the Q/DQ copies :mod:`exporters.ort_placement` puts in front of ops that commute with quantization
 PROPAGATED_MARK = "quantcli_propagated"
 PRUNED_KEY = "quantcli.pruned_quantizers"  # JSON list: quantizers removed as dead code (their output is unused)
+#: JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form onnxruntime
+#: runs as MatMulNBits (:mod:`exporters.matmul_nbits`); their quantizer's tensor is ``[out, in]``
+KN_WEIGHTS_KEY = "quantcli.kn_weights"
 
 
 def read_onnx(path: str | Path) -> onnx.ModelProto:
@@ -104,6 +107,11 @@ class QdqPair:
     stored: str  # "runtime" (Q in the graph) or "initializer" (weights stored quantized)
     q_node: str | None
     dq_node: str
+    transposed: bool = False  # codes stored [in, out] (MatMulNBits form): the quantizer's weight is their transpose
+
+    def quantizer_layout(self, values: np.ndarray) -> np.ndarray:
+        """``values`` in the layout of the quantizer's own tensor (weight codes or scales of this pair)."""
+        return values.T if self.transposed and values.ndim == 2 else values
 
     def to_row(self) -> dict:
         s = self.scale
@@ -129,6 +137,14 @@ def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
 def is_int32_bias(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
     """A DequantizeLinear of stored int32 codes: the bias of an integer kernel (onnxruntime target)."""
     return n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == onnx.TensorProto.INT32
+def kn_weights(model: onnx.ModelProto) -> set[str]:
+    """The DequantizeLinear outputs whose weight codes the exporter stored as ``[in, out]`` (empty: none)."""
+    for p in model.metadata_props:
+        if p.key == KN_WEIGHTS_KEY:
+            return set(json.loads(p.value))
+    return set()
+
+
 def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
     """Quantizers the exporter recorded as removed because nothing uses their output (empty for older files)."""
     for p in model.metadata_props:
@@ -144,6 +160,7 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
     inits = initializer_map(g)
     producers = producer_map(g)
     names = quantizer_map(model)
+    kn = kn_weights(model)
     pairs = []
     for n in g.node:
         if n.op_type != "DequantizeLinear" or PROPAGATED_MARK in n.name or is_int32_bias(n, inits):
@@ -165,6 +182,6 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
             format=fm.BY_ELEM_TYPE[elem].name if elem in fm.BY_ELEM_TYPE else f"type{elem}",
             axis=attrs.get("axis", 1) if scale_rank >= 1 and scale.size > 1 else None,
             block_size=attrs.get("block_size") or None, scale=scale, zero_point=zp, stored=stored,
-            q_node=qn, dq_node=n.name,
+            q_node=qn, dq_node=n.name, transposed=n.output[0] in kn,
         ))
     return pairs

@@ -27,6 +27,7 @@ from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, name_scopes, qdq_pairs, scope_module_path
+from exporters.matmul_nbits import KN_WEIGHTS_KEY, to_matmul_nbits
 from exporters.opset import OpProbe, format_opset, ops_opset
 from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
@@ -60,6 +61,9 @@ class ExportResult:
     fp8_guards: int = 0  # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.ort_compat)
     quantized_layers: int | None = None  # onnxruntime target: layers with Q/DQ, and how many it leaves in float
     unfused_layers: int | None = None
+    # onnxruntime target: weight-only blocked layers written in the MatMulNBits form (exporters.matmul_nbits)
+    matmul_nbits_layers: int = 0
+    kn_weights: list[str] = field(default_factory=list, repr=False)  # their DequantizeLinear outputs (metadata)
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
     target: str = "onnxruntime"
@@ -72,7 +76,7 @@ class ExportResult:
     opset_note: str = ""  # an explicit opset below what the model's ops are best expressed in: what that costs
 
     def to_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "kn_weights"}
 
 
 def required_opset(model: nn.Module) -> tuple[int, str]:
@@ -320,6 +324,9 @@ def _post_process(onnx_model: onnx.ModelProto, model: nn.Module, example: dict[s
             narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
     narrow_types(onnx_model, narrow)
     res.placement = place_for_onnxruntime(onnx_model) if res.target == "onnxruntime" else {}
+    if res.target == "onnxruntime" and not weights_qdq:
+        res.kn_weights = to_matmul_nbits(onnx_model)
+        res.matmul_nbits_layers = len(res.kn_weights)
     if res.provider == "cpu":
         res.placement.update(keep_cpu_kernels(onnx_model))
     drop_unused_initializers(onnx_model)
@@ -342,6 +349,7 @@ def _stamp_metadata(onnx_model: onnx.ModelProto, mapping: dict[str, str], res: E
         "quantcli.target": res.target,
         **({"quantcli.provider": res.provider} if res.provider else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
+        **({KN_WEIGHTS_KEY: json.dumps(res.kn_weights)} if res.kn_weights else {}),
         **(metadata or {}),
     }
     del onnx_model.metadata_props[:]

@@ -31,6 +31,7 @@ from quantcli.shard import load_shard, strided
 
 if TYPE_CHECKING:
     from quantcli.smoothquant import SmoothReport
+    from quantcli.weight_rounding import WeightRoundingReport
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -60,6 +61,7 @@ class CalibrationRequest:
     min_snr: float | None = None  # dB
     holdout: Path | None = None
     max_float_layers: int | None = None
+    weight_method: str = "rtn"  # rtn, gptq or awq (quantcli.weight_rounding)
 
 
 @dataclass
@@ -74,6 +76,7 @@ class CalibrationJob:
     batches: list[Batch]
     holdout: tuple[list[Batch], str] | None  # held-out batches for a quality target, and where they came from
     preprocessing: dict | None  # how text or images became tensors (None for tensor files)
+    weight_rounding: WeightRoundingReport | None = None  # --weight-method gptq/awq: what it did
 
     @classmethod
     def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
@@ -114,8 +117,17 @@ class CalibrationJob:
     def calibrate(self, progress: Callable[[int], None] | None = None) -> CalibrationSummary:
         """Every amax, from this rank's batches merged over the ranks; leaves the model on the CPU."""
         r = self.request
+        device = r.device if self.rank is None else self.rank.device
+        if r.weight_method == "awq":  # rescales weights: before their amax is calibrated
+            from quantcli.weight_rounding import awq
+
+            self.weight_rounding = awq(self.model, self.batches, device=device)
         summary = calibrate_amax(self.model, self.batches, r.method, percentile=r.percentile, num_bins=r.num_bins,
-                                 device=r.device if self.rank is None else self.rank.device, progress=progress)
+                                 device=device, progress=progress)
+        if r.weight_method == "gptq":  # rounds within the calibrated grid, on the device calibration used
+            from quantcli.weight_rounding import gptq
+
+            self.weight_rounding = gptq(self.model, self.batches)
         self.model.to("cpu")
         return summary
 
@@ -142,6 +154,8 @@ class CalibrationJob:
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
+        info["weight_rounding"] = (self.weight_rounding.to_dict() if self.weight_rounding is not None
+                                   else {"method": self.request.weight_method})
         if self.preprocessing is not None:
             info["preprocessing"] = describe_preprocessing(self.preprocessing)
         return info
@@ -184,6 +198,8 @@ def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
         raise QuantCliError(f"--batch-size must be positive, got {request.batch_size}")
     if request.smoothquant is not None and rank is not None:
         raise QuantCliError("--smoothquant runs in one process; run calibrate without torchrun to smooth")
+    if request.weight_method not in ("rtn", "gptq", "awq"):
+        raise QuantCliError(f"--weight-method must be rtn, gptq or awq, got {request.weight_method!r}")
     if request.smoothquant is not None and not 0.0 <= request.smoothquant <= 1.0:
         raise QuantCliError(f"--smoothquant alpha must be in [0, 1], got {request.smoothquant}")
 

@@ -248,6 +248,7 @@ def calibrate(
     max_float_layers: Annotated[Optional[int], typer.Option("--max-float-layers", help="With a target: at most N layers kept in float (default a quarter of the quantized layers); beyond it, exit 1.")] = None,
     fold_bn: Annotated[Optional[bool], typer.Option("--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).")] = None,
     smoothquant: Annotated[Optional[float], typer.Option("--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul.")] = None,
+    weight_method: Annotated[str, typer.Option("--weight-method", help="How weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq (second-order, from the calibration inputs' Hessian) or awq (activation-aware per-channel scales).")] = "rtn",
 ) -> Optional[int]:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.calibrate_job import CalibrationJob, CalibrationRequest
@@ -256,7 +257,7 @@ def calibrate(
     request = CalibrationRequest(
         model, weights, data, config, target, method.value, percentile, num_bins, batch_size, num_samples, device,
         out_path, trust_pickle, pooling, DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn,
-        smoothquant, min_cosine, min_snr, holdout, max_float_layers)
+        smoothquant, min_cosine, min_snr, holdout, max_float_layers, weight_method)
     with _torchrun_rank(device) as rank:
         job = CalibrationJob.load(request, rank)
         smoothed = job.smooth()

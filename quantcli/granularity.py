@@ -20,6 +20,23 @@ class Granularity:
     block_size: int | None = None
 
 
+def block_of(n: int, num_blocks: int) -> int:
+    """The block size that cuts a dimension of ``n`` into ``num_blocks`` blocks, the last one possibly partial.
+
+    ``(n, num_blocks)`` does not name one block size when the last block is partial (200 in 2 blocks: any of
+    100..199; 300 in 3: 100 or 128), so the power of two that fits is taken (128: the block sizes MatMulNBits and most int4 formats
+    use), else the even split ``ceil(n / num_blocks)``. Quantizers check at calibration that this reading gives
+    their configured block size (:meth:`quantcli.nn.TensorQuantizer.collect`).
+    """
+    n, num_blocks = int(n), int(num_blocks)  # (traced shapes are tensors; blocked dims are static)
+    even = -(-n // num_blocks)
+    if num_blocks > 1:
+        p2 = 1 << (even - 1).bit_length()
+        if -(-n // p2) == num_blocks:
+            return p2
+    return even
+
+
 def _dims(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> list[tuple[int, str, int]]:
     if len(amax_shape) == 0 or math.prod(amax_shape) == 1:
         return []
@@ -36,7 +53,7 @@ def _dims(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> list[tuple[i
             if a != 1:
                 out.append((d, "axis", 1))
             continue
-        block = -(-n // a)
+        block = block_of(n, a)
         if a > n or -(-n // block) != a:
             raise ValueError(f"amax size {a} does not divide dimension {d} of size {n} into blocks")
         out.append((d, "block", block))

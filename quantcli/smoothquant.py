@@ -296,3 +296,29 @@ def _outputs(out) -> list[torch.Tensor]:
     if isinstance(out, (list, tuple)):
         return [t for o in out for t in _outputs(o)]
     return []
+
+
+# ------------------------------------------------------------------------------------------ for other scalings
+
+
+def plan_folds(model: nn.Module, layers: dict[str, QuantLinear], batch: Batch, device: torch.device,
+               ) -> tuple[list[tuple[list[str], str, str | None]], dict[str, str]]:
+    """Where a per-input-channel scaling of ``layers`` (any Linear layers, e.g. AWQ's weight-only ones) folds:
+    ``(consumers, fold, into)`` per tensor read (the layers reading it, ``layernorm``/``linear``/``mul``, the
+    module absorbing ``1 / s``), found on one batch by the trials :func:`smooth_quant` runs; and the layers left out
+    with why."""
+    check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batch, device).items()}
+    with quantizer_modes(model, "disabled"), torch.inference_mode():
+        obs = _observe(model, layers, [batch], device)
+        reference = _outputs(run_model(model, check, where="calibration batch 0"))
+        plans = [(consumers, *(_choose_fold(model, check, reference, obs, inp, consumers, layers) if reference
+                               else ("mul", None))) for inp, consumers in obs.groups]
+    return plans, obs.skipped
+
+
+def apply_scales(model: nn.Module, layers: dict[str, QuantLinear], consumers: list[str], fold: str,
+                 into: str | None, s: torch.Tensor) -> None:
+    """Multiply the weight columns of ``consumers`` by ``s`` and divide their input by it (folded into ``into``, or
+    an explicit Mul), as planned by :func:`plan_folds`."""
+    with torch.no_grad():
+        _apply(model, layers, consumers, fold, into, s.detach().clone().to(torch.float32), explicit=True)

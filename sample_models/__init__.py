@@ -34,6 +34,9 @@ SAMPLES = {
     "text_encoder": SampleModel(
         "text_encoder", "sample_models.text_encoder", "BERT-style encoder: Python code vs prose (CPython stdlib)"
     ),
+    "tiny_lm": SampleModel(
+        "tiny_lm", "sample_models.tiny_lm", "GPT-style byte-level causal LM (CPython stdlib source), logits per position"
+    ),
 }
 
 

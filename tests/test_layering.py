@@ -27,6 +27,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "quantcli.text_data", "quantcli.image_data")),
     ("exporters", ("exporters", "exporters.*")),
     ("workflows", ("quantcli.calibration", "quantcli.calibrate_job", "quantcli.checkpoint", "quantcli.smoothquant", "quantcli.process_group",
+                   "quantcli.gptq", "quantcli.awq", "quantcli.weight_rounding",
                    "quantcli.shard", "quantcli.quality", "quantcli.sensitivity", "quantcli.mixed_precision",
                    "quantcli.analyze", "quantcli.report_html", "quantcli.inspect", "quantcli.verify",
                    "quantcli.verify.*")),

@@ -160,7 +160,11 @@ def test_sample_graphs_report_what_onnxruntime_runs(model, config, exported):
     if config == "fp8":
         assert all(r["reasons"][0].startswith("float8") for r in rep["layers"])
     if config == "int4-weight-only":
-        assert all(not r["fused"] for r in rep["layers"])  # convs and transB=1 Gemms: no weight-only kernel
+        # convs have no weight-only kernel; the Linear layers are written in the MatMulNBits form
+        assert {r["op_type"]: (r["fused"], r["kernel"]) for r in rep["layers"] if r["op_type"] == "MatMul"} \
+            == {"MatMul": (True, "MatMulNBits")}
+        assert all(r["fused"] == (r["op_type"] == "MatMul") for r in rep["layers"])
+        assert sum(r["op_type"] == "MatMul" for r in rep["layers"]) == 2  # fc1, fc2
 
 
 def test_export_reports_the_unfused_count(calibrated, tmp_path):

@@ -16,6 +16,7 @@ from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from quantcli import arithmetic as ar
 from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError, ConfigError, ExportError
+from quantcli.granularity import block_of
 from quantcli.tensor_quant import (
     FakeAffineTensorQuantFunction,
     FakeDynamicQuantFunction,
@@ -87,10 +88,18 @@ class TensorQuantizer(nn.Module):
         d = axis % x.dim()
         n = x.shape[d]
         size = min(size, n)
-        if n % size:
-            raise ConfigError(f"{self.name}: dimension {d} of size {n} is not a multiple of the block size {size}; "
-                              "set block_size to a divisor")
-        return x.unflatten(d, (n // size, size)), d
+        blocks = -(-n // size)
+        if block_of(n, blocks) != size:
+            raise ConfigError(f"{self.name}: blocks of {size} along dimension {d} of size {n} cannot be told from "
+                              f"blocks of {block_of(n, blocks)} by amax's shape; use a power-of-two block size or a "
+                              "divisor")
+        if n % size:  # the last block is partial: zeros fill it (they change no block's max |x|)
+            if isinstance(self.calibrator, HistogramCalibrator):
+                raise ConfigError(f"{self.name}: dimension {d} of size {n} is not a multiple of the block size "
+                                  f"{size}; histogram calibration of a partial last block is not supported")
+            pad = [0, 0] * (x.dim() - 1 - d) + [0, blocks * size - n]
+            x = torch.nn.functional.pad(x, pad)
+        return x.unflatten(d, (blocks, size)), d
 
     def collect(self, x: torch.Tensor) -> None:
         if self.calibrator is None:

@@ -63,7 +63,8 @@ def dequantize(codes, scale, zp, axis, block) -> np.ndarray:
 
 
 def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray | None:
-    """The dequantized weight as the graph computes it (stored codes, or a float initializer through its Q)."""
+    """The dequantized weight as the graph computes it (stored codes, or a float initializer through its Q), in the
+    layout of the quantizer's tensor (``[out, in]`` also where the codes are stored ``[in, out]`` for MatMulNBits)."""
     if p.tensor not in inits:
         return None
     values = to_numpy(inits[p.tensor]).astype(np.float32)
@@ -72,7 +73,8 @@ def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray |
         from quantcli.formats import BY_NAME
 
         values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
-    return dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
+    deq = dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
+    return p.quantizer_layout(deq)
 
 
 def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any] | None, str | None]:
@@ -165,13 +167,13 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
         if p is None:
             continue
         want, want_zp = expected_scale(q)
-        got = p.scale.reshape(-1).astype(np.float32)
+        got = p.quantizer_layout(p.scale).reshape(-1).astype(np.float32)
         if got.shape != want.shape or not np.array_equal(got, want):
             idx = int(np.argmax(got != want)) if got.shape == want.shape else 0
             shown = got.flat[idx] if got.size else "none"
             problems.setdefault(name, []).append(
                 f"scale differs from amax/bound (e.g. index {idx}: {shown} vs {want.flat[idx]:.9g})")
-        zp = p.zero_point.reshape(-1).astype(np.float32)
+        zp = p.quantizer_layout(p.zero_point).reshape(-1).astype(np.float32)
         if p.format == "uint8" and _signed_symmetric(q):
             # the onnxruntime target stores a signed symmetric grid's codes as uint8 + 128 (exporters.ort_placement)
             want_zp = want_zp + np.float32(UINT8_OFFSET)
