@@ -116,39 +116,60 @@ def _root(
 # --------------------------------------------------------------------------------------------- errors
 
 _quiet = False  # a torchrun rank other than 0: rank 0 reports for every rank
+_signalled: int | None = None  # the exit code of the SIGINT/SIGTERM received (main's handlers), else None
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2, as_json: bool = False, kind: str = "QuantCliError") -> None:
+    """One line on stderr (with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout), then exit."""
     if _quiet:
         raise typer.Exit(code)
+    if as_json:
+        with contextlib.suppress(OSError):
+            _print_json({"error": message, "exit_code": code, "kind": kind})
     err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False) if err.is_terminal else print(
         f"error: {message}", file=sys.stderr
     )
     raise typer.Exit(code)
 
 
+def _unexpected(e: BaseException) -> str:
+    """The one line for an exception no library code turned into a QuantCliError: named where the cause is
+    known (a full disk), else its type and first line."""
+    from quantcli.errors import first_line
+    from quantcli.files import no_space
+
+    if no_space(e):
+        where = f" writing {e.filename}" if isinstance(e, OSError) and e.filename else ""
+        return (f"no space left on device{where}; free some space or write the output elsewhere (nothing was "
+                "written)")
+    return f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''} (set QUANTCLI_DEBUG=1 for a traceback)"
+
+
 def guarded(command):
     """A command's error guard. The command returns its exit code (``None``: 0). A QuantCliError becomes its
-    first line on stderr and exit 2; Ctrl-C exit 130; anything unexpected (a bug, an input we did not foresee)
-    one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set."""
+    first line on stderr and exit 2; Ctrl-C exit 130 (SIGTERM 143), whatever it interrupted (an import that
+    turns the interrupt into an ImportError included); anything unexpected (a bug, an input we did not foresee)
+    one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set. With ``--json`` the error is
+    also a JSON object on stdout."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
         from quantcli.errors import QuantCliError, first_line
 
+        as_json = bool(kwargs.get("as_json"))
         try:
             code = command(*args, **kwargs)
         except typer.Exit:
             raise
-        except QuantCliError as e:
-            _fail(first_line(e))
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
-        except Exception as e:
-            if os.environ.get("QUANTCLI_DEBUG"):
+        except BaseException as e:
+            if _signalled is not None or isinstance(e, KeyboardInterrupt):
+                code = _signalled or 130
+                _fail("interrupted" if code == 130 else "terminated", code, as_json, "Interrupted")
+            if isinstance(e, QuantCliError):
+                _fail(first_line(e), 2, as_json, type(e).__name__)
+            if not isinstance(e, Exception) or os.environ.get("QUANTCLI_DEBUG"):
                 raise
-            _fail(f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''} "
-                  "(set QUANTCLI_DEBUG=1 for a traceback)")
+            _fail(_unexpected(e), 2, as_json, type(e).__name__)
         if code is not None:
             raise typer.Exit(code)
 
@@ -390,7 +411,9 @@ def export(
     from exporters.onnx_export import export_onnx
     from quantcli.checkpoint import load_calibrated
 
+    _refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
+    _refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)
     meta = {  # read back by verify and inspect
         "quantcli.config": json.dumps(ckpt.config.to_plain()),
         "quantcli.model": ckpt.spec.spec,
@@ -482,7 +505,11 @@ def verify(
                              max_deploy_ratio=max_deploy_ratio, min_cosine=min_cosine, min_snr=min_snr)
     if report_path is not None:
         writable_directory(report_path)  # before the work, not after it
+        _refuse_inputs(report_path, [("the graph", onnx_path), ("the graph's external data", _external(onnx_path)),
+                                     ("the reference checkpoint", reference), ("--data", data)], "--report")
     ckpt = load_calibrated(reference, trust_code=trust_code)
+    if report_path is not None:
+        _refuse_inputs(report_path, [("the model's file", ckpt.spec.path)], "--report")
     batches = _checkpoint_inputs(ckpt, data, batch_size, num_samples,
                                  DataOptions(tokenizer, max_length, image_size, mean, std))
     if batches is None and num_samples is not None:
@@ -562,6 +589,20 @@ def _layers_table(layers: list[dict]) -> Table:
     return _table("layers, worst local quantization error first",
                   ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes", "end to end",
                    "replay steps"), rows)
+
+
+def _external(onnx_path: Path) -> Path:
+    """The external data file quantcli export writes beside a large graph."""
+    return onnx_path.with_name(onnx_path.name + ".data")
+
+
+def _refuse_inputs(out_path: Path, inputs, option: str, external_data: bool = False) -> None:
+    """Exit 2 (before any work) when ``out_path`` (and, for a graph, its ``.data`` file) is a file read."""
+    from quantcli.files import refuse_overwriting_inputs
+
+    refuse_overwriting_inputs(out_path, inputs, option)
+    if external_data:
+        refuse_overwriting_inputs(_external(out_path), inputs, f"{option}'s external data")
 
 
 # --------------------------------------------------------------------------------------------- inspect
@@ -657,40 +698,46 @@ def analyze(
     batch_size: BatchSizeOpt = None,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
 ) -> None:
     """Rank quantizers by sensitivity, with statistics and plots: an HTML report and JSON."""
     from quantcli.analyze import analyze as run_analysis
     from quantcli.checkpoint import load_calibrated
-    from quantcli.files import atomic_write
+    from quantcli.data import DataOptions
+    from quantcli.files import write_together
     from quantcli.report_html import render
 
+    out_dir = _analysis_folder(out_dir or Path(f"{calibrated.with_suffix('').name}.analysis"),
+                               [("the checkpoint", calibrated), ("--data", data)])
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
-    out_dir = _analysis_folder(out_dir or Path(f"{calibrated.with_suffix('').name}.analysis"))
-    batches = _checkpoint_inputs(ckpt, data, batch_size, None)
+    _analysis_folder(out_dir, [("the model's file", ckpt.spec.path)])
+    batches = _checkpoint_inputs(ckpt, data, batch_size, None, DataOptions(mean=mean, std=std))
     if batches is None:
         batches = ckpt.evaluation_batches() or [ckpt.example]
     with _progress(100, "analyzing", not as_json) as advance:
         rep = run_analysis(ckpt, batches, sample_samples=num_samples,
                            progress=None if advance is None else (lambda stage, k, n: advance(int(99 * k / n))))
     d = rep.to_dict()
-    out_dir.mkdir(exist_ok=True)
+    write_together(out_dir, {"analysis.json": json.dumps(d, indent=1) + "\n", "report.html": render(d)})
     html_path, json_path = out_dir / "report.html", out_dir / "analysis.json"
-    atomic_write(json_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1) + "\n"))
-    atomic_write(html_path, lambda tmp: Path(tmp).write_text(render(d), encoding="utf-8"))
     if as_json:
         _print_json({**d, "report": str(html_path), "json": str(json_path)})
     else:
         render_analyze(d, calibrated, html_path, json_path)
 
 
-def _analysis_folder(out_dir: Path) -> Path:
-    """``--out``, checked before the analysis runs: a folder (existing or not) in an existing directory."""
+def _analysis_folder(out_dir: Path, inputs) -> Path:
+    """``--out``, checked before the analysis runs: a writable folder (existing or not) in an existing
+    directory, whose report files are none of the files read."""
     from quantcli.errors import QuantCliError
+    from quantcli.files import writable_directory
 
     if out_dir.exists() and not out_dir.is_dir():
         raise QuantCliError(f"--out {out_dir} is a file; give a folder")
-    if not out_dir.parent.is_dir():
-        raise QuantCliError(f"cannot write {out_dir}: directory {out_dir.parent} does not exist")
+    writable_directory(out_dir / "report.html" if out_dir.is_dir() else out_dir)
+    for name in ("report.html", "analysis.json"):
+        _refuse_inputs(out_dir / name, inputs, "--out")
     return out_dir
 
 
@@ -740,32 +787,74 @@ def _is_number(s: str) -> bool:
     return True
 
 
+def _on_signal(signum, _frame) -> None:
+    """SIGINT/SIGTERM: remember which (exit 128 + signal) and unwind like Ctrl-C, so that every ``finally``
+    removes its temporary files and the destination keeps its previous content."""
+    global _signalled
+    _signalled = 128 + signum
+    raise KeyboardInterrupt
+
+
+def _click_errors() -> tuple[type, type, type]:
+    """``(UsageError, ClickException, Abort)`` of the click this typer uses (its vendored copy in recent typer,
+    the click package in older ones), found from classes every typer exports."""
+    by_name = {c.__name__: c for c in typer.BadParameter.__mro__}
+    return by_name["UsageError"], by_name["ClickException"], typer.Abort
+
+
+def _error_exit(message: str, code: int, argv: list[str], kind: str) -> None:
+    """An error outside any command (usage, aborts, output failures): one line, JSON too with ``--json``."""
+    if "--json" in argv:
+        with contextlib.suppress(OSError):
+            _print_json({"error": message, "exit_code": code, "kind": kind})
+            sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _run(argv: list[str]) -> int:
+    usage_error, click_error, abort = _click_errors()
+    try:
+        code = app(args=optional_values(argv), prog_name="quantcli", standalone_mode=False)
+        sys.stdout.flush()
+    except usage_error as e:
+        hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank got the same arguments: rank 0 tells
+            sys.exit(2)
+        _error_exit(f"{e.format_message()}{hint}", 2, argv, "UsageError")
+    except click_error as e:
+        _error_exit(e.format_message(), e.exit_code, argv, type(e).__name__)
+    except (abort, KeyboardInterrupt):
+        _error_exit("interrupted" if (_signalled or 130) == 130 else "terminated", _signalled or 130, argv,
+                    "Interrupted")
+    except Exception as e:  # outside a command's guard: printing --help or output to a full disk, a closed pipe
+        if os.environ.get("QUANTCLI_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        _error_exit(_unexpected(e), 2, argv, type(e).__name__)
+    return code if isinstance(code, int) else 0
+
+
 def main() -> None:
     """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
-    try:  # recent typer vendors its own click; older ones use the click package
-        from typer._click import exceptions as click_exc
-    except ImportError:  # pragma: no cover
-        from click import exceptions as click_exc
+    import signal
 
     # `python -m quantcli` has the working directory on sys.path, so MODEL `mymodule:make` and a torch.save(model)
     # file whose class is defined beside it load; the console script's sys.path[0] is its bin/ folder instead.
     # Appended (not prepended): a file in the working directory never shadows an installed package.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.append(os.getcwd())
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    code = _run(sys.argv[1:])
     try:
-        code = app(args=optional_values(sys.argv[1:]), prog_name="quantcli", standalone_mode=False)
-    except click_exc.UsageError as e:
-        hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank got the same arguments: rank 0 tells
-            print(f"error: {e.format_message()}{hint}", file=sys.stderr)
-        sys.exit(2)
-    except click_exc.ClickException as e:
-        print(f"error: {e.format_message()}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except click_exc.Abort:
-        print("error: aborted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        sys.stdout.flush()
+    except OSError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        _error_exit(_unexpected(e), 2, [], type(e).__name__)
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover
