@@ -111,6 +111,8 @@ def writable_directory(path: str | Path, error: type[QuantCliError] = QuantCliEr
     path = Path(path)
     if path.is_dir():
         raise error(f"cannot write {path}: it is a directory; give a file name")
+    if path.exists() and not path.is_file():  # a device (/dev/full), a FIFO: renaming over it would replace it
+        raise error(f"cannot write {path}: it is not a regular file; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise error(f"cannot write {path}: directory {parent} does not exist")
