@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -158,7 +159,10 @@ def guarded(command):
 
         as_json = bool(kwargs.get("as_json"))
         try:
-            code = command(*args, **kwargs)
+            with warnings.catch_warnings():  # a library's warnings are not the tool's: stderr stays one line
+                if not os.environ.get("QUANTCLI_DEBUG"):
+                    warnings.simplefilter("ignore")
+                code = command(*args, **kwargs)
         except typer.Exit:
             raise
         except BaseException as e:

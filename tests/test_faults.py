@@ -430,3 +430,103 @@ def test_ctrl_c_inside_a_lazy_import_is_exit_130(tmp_path):
     assert proc.returncode == 130, err
     assert err.strip() == "error: interrupted"
     assert json.loads(out)["exit_code"] == 130
+
+
+# --------------------------------------------------------------------------------------------- stderr stays one line
+
+
+def test_runtime_errors_are_one_line(calibrated, exported, tmp_path):
+    """A graph onnxruntime loads but cannot run: its own coloured [E:onnxruntime:...] lines stay off stderr."""
+    import onnx
+
+    m = onnx.load(exported("digits_cnn"))
+    conv = next(n for n in m.graph.node if n.op_type == "Conv")
+    conv.input[1] = conv.input[0]  # the input as the weight: the kernel shape no longer fits
+    onnx.save(m, tmp_path / "bad.onnx")
+    r = cli_subprocess("verify", tmp_path / "bad.onnx", "--reference", calibrated("digits_cnn"))
+    assert_clean_error(r, "onnxruntime")
+    assert "[E:onnxruntime" not in r.stderr
+
+
+def test_complex_data_is_refused_in_one_line(calibrated, exported, tmp_path):
+    x = tmp_path / "c.npy"
+    np.save(x, (np.ones((8, 1, 8, 8)) + 1j).astype(np.complex64))
+    r = cli_subprocess("verify", exported("digits_cnn"), "--reference", calibrated("digits_cnn"), "--data", x)
+    assert_clean_error(r, "complex")
+
+
+def test_library_warnings_do_not_reach_stderr(calibrated, tmp_path):
+    script = tmp_path / "noisy.py"
+    script.write_text(textwrap.dedent('''
+        import sys, warnings
+        import quantcli.inspect
+        real = quantcli.inspect.inspect_checkpoint
+
+        def noisy(*a, **k):
+            warnings.warn("something a library says", UserWarning, stacklevel=1)
+            return real(*a, **k)
+
+        quantcli.inspect.inspect_checkpoint = noisy
+        sys.argv = ["quantcli", *sys.argv[1:]]
+        from quantcli.cli import main
+        main()
+    '''))
+    r = subprocess.run([sys.executable, str(script), "inspect", str(calibrated("digits_cnn"))], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+
+
+# --------------------------------------------------------------------------------------------- image defaults
+
+
+def _gray_images(folder: Path, n: int = 6) -> np.ndarray:
+    from PIL import Image
+
+    folder.mkdir()
+    pixels = np.random.default_rng(0).integers(0, 256, (n, 8, 8), dtype=np.uint8)
+    for i, p in enumerate(pixels):
+        Image.fromarray(p, mode="L").save(folder / f"{i}.png")
+    return pixels
+
+
+def test_one_channel_model_reads_an_image_folder_without_mean_and_std(tmp_path):
+    pytest.importorskip("PIL")
+    pixels = _gray_images(tmp_path / "imgs")
+    ck = tmp_path / "d.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--data", tmp_path / "imgs", "--image-size", "8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    data = torch.load(ck, weights_only=True)
+    prep = data["preprocessing"]
+    # ImageNet's mean and std as luma, by hand: 0.299 R + 0.587 G + 0.114 B of each
+    mean = 0.299 * 0.485 + 0.587 * 0.456 + 0.114 * 0.406
+    std = 0.299 * 0.229 + 0.587 * 0.224 + 0.114 * 0.225
+    assert prep["mean"] == pytest.approx([mean], abs=1e-4) and prep["std"] == pytest.approx([std], abs=1e-4)
+    x = data["inputs"]["example"]["x"].numpy()
+    want = (pixels[: len(x)].astype(np.float32) / 255 - prep["mean"][0]) / prep["std"][0]
+    np.testing.assert_allclose(x[:, 0], want, rtol=1e-5, atol=1e-5)
+
+
+def test_analyze_takes_mean_and_std(tmp_path, monkeypatch):
+    pytest.importorskip("PIL")
+    _gray_images(tmp_path / "imgs")
+    ck = tmp_path / "d.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--data", tmp_path / "imgs", "--image-size", "8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    import quantcli.analyze
+
+    seen = {}
+    real = quantcli.analyze.analyze
+
+    def spy(ckpt, batches, **k):
+        seen["x"] = batches[0]["x"]
+        return real(ckpt, batches, **k)
+
+    monkeypatch.setattr(quantcli.analyze, "analyze", spy)
+    r = cli("analyze", ck, "--data", tmp_path / "imgs", "--mean", "0.5", "--std", "0.25", "--out", tmp_path / "a",
+            "--num-samples", "4")
+    assert r.exit_code == 0, r.output
+    from PIL import Image
+
+    first = np.asarray(Image.open(tmp_path / "imgs" / "0.png"), np.float32) / 255
+    np.testing.assert_allclose(seen["x"][0, 0].numpy(), (first - 0.5) / 0.25, rtol=1e-5, atol=1e-5)
