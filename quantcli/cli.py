@@ -273,6 +273,7 @@ def calibrate(
     max_float_layers: Annotated[Optional[int], typer.Option("--max-float-layers", help="With a target: at most N layers kept in float (default a quarter of the quantized layers); beyond it, exit 1.")] = None,
     fold_bn: Annotated[Optional[bool], typer.Option("--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).")] = None,
     smoothquant: Annotated[Optional[float], typer.Option("--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul.")] = None,
+    dist_timeout: Annotated[float, typer.Option("--dist-timeout", help="Under torchrun: seconds a rank waits for the others at a step boundary (and to join) before the job stops, naming the rank that stalled.")] = 600.0,
 ) -> Optional[int]:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.calibrate_job import CalibrationJob, CalibrationRequest
@@ -282,7 +283,7 @@ def calibrate(
         model, weights, data, config, target, method.value, percentile, num_bins, batch_size, num_samples, device,
         out_path, trust_pickle, pooling, DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn,
         smoothquant, min_cosine, min_snr, holdout, max_float_layers)
-    with _torchrun_rank(device) as rank:
+    with _torchrun_rank(device, dist_timeout) as rank:
         job = CalibrationJob.load(request, rank)
         smoothed = job.smooth()
         with _progress(len(job.batches), "calibrating", not as_json and not _quiet) as advance:
@@ -292,16 +293,25 @@ def calibrate(
 
 
 @contextlib.contextmanager
-def _torchrun_rank(device: str):
-    """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet, leave at the
-    end. Otherwise yield ``None``."""
+def _torchrun_rank(device: str, timeout: float):
+    """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet (an error every
+    rank has while joining too), name a stalled or dead rank, leave at the end. Otherwise yield ``None``."""
     global _quiet
-    from quantcli.process_group import join_from_environment, leave
+    from quantcli.process_group import JoinError, explain, join_from_environment, leave
 
-    rank = join_from_environment(device)
+    try:
+        rank = join_from_environment(device, timeout)
+    except JoinError as e:
+        _quiet = e.every_rank and e.rank != 0
+        raise
     _quiet = rank is not None and rank.rank != 0
     try:
         yield rank
+    except RuntimeError as e:  # a collective outside a step boundary: a rank died or stalled there
+        why = explain(e) if rank is not None else None
+        if why is None:
+            raise
+        raise why from None
     finally:
         if rank is not None:
             leave()
@@ -852,6 +862,8 @@ def main() -> None:
         sys.path.append(os.getcwd())
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
+    if not os.environ.get("QUANTCLI_DEBUG"):  # torch's C++ log lines (Gloo's errors): quantcli reports them itself
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     code = _run(sys.argv[1:])
     try:
         sys.stdout.flush()
