@@ -82,7 +82,8 @@ NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print as JSON.")]
 TrustCodeOpt = Annotated[bool, typer.Option(
     "--trust-code", help="Run model code stored in the checkpoint (a factory file's source when the file is not "
-    "on disk unchanged, or a pickled whole module). Only for checkpoints you trust.")]
+    "on disk unchanged, or a pickled whole module) or a module it names that is not from the installed "
+    "distribution recorded at calibration. Only for checkpoints you trust.")]
 # how text files and image folders become tensors (quantcli.data.DataOptions); verify repeats calibration's
 TokenizerOpt = Annotated[Optional[Path], typer.Option(
     "--tokenizer", help="Text --data: tokenizer folder (default: the model folder; verify: the one calibration "

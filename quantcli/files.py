@@ -5,8 +5,8 @@ reports) is written under a temporary name in the destination's own directory an
 destination with :func:`os.replace`, which is atomic on one file system: a reader sees the old file or the
 new one, never a part, and an error or interrupt leaves the old file (or nothing) in place.
 
-Temporary names carry the writing process's id (``.x.calib.pt.<pid>-<random>.tmp``,
-``.quantcli-export-<pid>-<random>/``): an interrupt removes them (SIGTERM included, see ``quantcli.cli``), and one
+Temporary names carry the writing host and process id (``.x.calib.pt.<host>-<pid>-<random>.tmp``,
+``.quantcli-export-<host>-<pid>-<random>/``): an interrupt removes them (SIGTERM included, see ``quantcli.cli``), and one
 left by a process that no longer runs (killed with SIGKILL, a power cut) is removed by the next write to the
 same place. Files get the mode the umask gives (0644 with the usual 022), like any other tool's.
 
@@ -20,13 +20,20 @@ import errno
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from quantcli.errors import QuantCliError
 
-_OWNER = re.compile(r"\.(\d+)-[^.]*\.tmp$|^\.quantcli-[a-z]*-?(\d+)-")
+_OWNER = re.compile(r"\.(\w+)-(\d+)-[^.]*\.tmp$|^\.quantcli-(?:[a-z]+-)?(\w+)-(\d+)-")
+
+
+def _writer() -> str:
+    """``<host>-<pid>``: who writes a temporary name (the host: a shared file system sees other hosts' files)."""
+    host = re.sub(r"\W", "_", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}"
 
 
 def _umask() -> int:
@@ -57,9 +64,9 @@ def remove_stale(directory: Path, prefixes: Iterable[str]) -> list[Path]:
         m = _OWNER.search(entry.name)
         if not m or not any(entry.name.startswith(p) for p in prefixes):
             continue
-        pid = int(m.group(1) or m.group(2))
-        if pid == os.getpid() or _alive(pid):
-            continue
+        host, pid = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        if f"{host}-{pid}" == _writer() or host != _writer().rsplit("-", 1)[0] or _alive(int(pid)):
+            continue  # ours, another host's (its process cannot be checked from here), or still running
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
         else:
@@ -132,7 +139,7 @@ def atomic_write(path: str | Path, write: Callable[[str], object],
     path = Path(path)
     parent = writable_directory(path, error)
     remove_stale(parent, [f".{path.name}."])
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer()}-", suffix=".tmp", dir=parent)
     os.close(fd)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
@@ -165,7 +172,7 @@ def staging_directory(directory: str | Path, prefix: str = ".quantcli-") -> Iter
     error before the renames leaves nothing behind.
     """
     remove_stale(Path(directory), [prefix])
-    work = Path(tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-", dir=directory))
+    work = Path(tempfile.mkdtemp(prefix=f"{prefix}{_writer()}-", dir=directory))
     try:
         yield work
     finally:
