@@ -806,6 +806,8 @@ def _on_signal(signum, _frame) -> None:
     """SIGINT/SIGTERM: remember which (exit 128 + signal) and unwind like Ctrl-C, so that every ``finally``
     removes its temporary files and the destination keeps its previous content."""
     global _signalled
+    if _signalled is not None:
+        return  # already unwinding: let the clean-up finish
     _signalled = 128 + signum
     raise KeyboardInterrupt
 
@@ -844,6 +846,8 @@ def _run(argv: list[str]) -> int:
         _error_exit("interrupted" if (_signalled or 130) == 130 else "terminated", _signalled or 130, argv,
                     "Interrupted")
     except Exception as e:  # outside a command's guard: printing --help or output to a full disk, a closed pipe
+        if _signalled is not None:  # an interrupt some import turned into another error
+            _error_exit("interrupted" if _signalled == 130 else "terminated", _signalled, argv, "Interrupted")
         if os.environ.get("QUANTCLI_DEBUG"):
             import traceback
 
