@@ -159,6 +159,11 @@ def _check_layout(path: Path, data: dict[str, Any]) -> None:
                 state = "missing" if key not in d else f"a {type(d[key]).__name__}, not a {kind.__name__}"
                 raise CheckpointError(f"{path} is damaged: its entry {where}{key!r} is {state}; re-create it "
                                       "with `quantcli calibrate`")
+    bad = [name for name, q in data["quantizers"].items()
+           if not (isinstance(q, dict) and isinstance(q.get("descriptor"), dict) and isinstance(q.get("enabled"), bool))]
+    if bad:
+        raise CheckpointError(f"{path} is damaged: quantizer entry {bad[0]!r} lacks its descriptor or enabled flag; "
+                              "re-create it with `quantcli calibrate`")
     model = data["model"]
     if model.get("kind") not in MODEL_KINDS or not isinstance(model.get("spec"), str):
         raise CheckpointError(f"{path} is damaged: its model entry has no kind and spec; re-create it with "
@@ -174,7 +179,11 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     """
     data = read_checkpoint(path)
     spec = ModelSpec.from_plain(data["model"])
-    cfg = QuantConfig.from_plain(data["quant_config"])
+    try:
+        cfg = QuantConfig.from_plain(data["quant_config"])
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise CheckpointError(f"{path} is damaged: its quant_config cannot be read ({type(e).__name__}: "
+                              f"{first_line(e, 120)}); re-create it with `quantcli calibrate`") from None
     if "target" not in data["quant_config"]:
         cfg.legacy_placement = True  # written before targets existed: rebuild the placement it was calibrated with
     model = build_model(spec, trust_code=trust_code, origin=str(path))

@@ -205,21 +205,29 @@ def test_destinations_that_are_not_regular_files_are_refused(tmp_path):
 # --------------------------------------------------------------------------------------------- damaged checkpoints
 
 
-@pytest.mark.parametrize("edit", ["del model", "del state_dict", "model=3", "del inputs.example", "format_version=x"])
+def _first_quantizer_emptied(d):
+    d["quantizers"][next(iter(d["quantizers"]))] = {}
+
+
+MALFORMED = {
+    "no model": lambda d: d.pop("model"),  # was KeyError: 'model'
+    "no state_dict": lambda d: d.pop("state_dict"),
+    "model not a dict": lambda d: d.__setitem__("model", 3),
+    "no example": lambda d: d["inputs"].pop("example"),
+    "format_version text": lambda d: d.__setitem__("format_version", "x"),
+    "quantizer entry empty": _first_quantizer_emptied,  # was KeyError: 'enabled' / 'descriptor'
+    "rules not a list": lambda d: d["quant_config"].__setitem__("rules", 5),  # was TypeError
+}
+
+
+@pytest.mark.parametrize("edit", sorted(MALFORMED))
 def test_malformed_checkpoints_are_named(calibrated, tmp_path, edit):
     data = torch.load(calibrated("digits_cnn"), weights_only=True)
-    key, _, value = edit.partition("=")
-    if key.startswith("del "):
-        parts = key[4:].split(".")
-        target = data
-        for p in parts[:-1]:
-            target = target[p]
-        del target[parts[-1]]
-    else:
-        data[key] = int(value) if value.isdigit() else value
+    MALFORMED[edit](data)
     ck = tmp_path / "c.calib.pt"
     torch.save(data, ck)
-    for args in (("export", ck, "--onnx", tmp_path / "m.onnx"), ("inspect", ck), ("analyze", ck)):
+    for args in (("export", ck, "--onnx", tmp_path / "m.onnx"), ("analyze", ck)) + (
+            () if edit == "rules not a list" else (("inspect", ck),)):  # inspect does not build the config
         assert_clean_error(cli(*args), str(ck), "damaged")
 
 
