@@ -860,11 +860,11 @@ def main() -> None:
     """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
     import signal
 
-    # `python -m quantcli` has the working directory on sys.path, so MODEL `mymodule:make` and a torch.save(model)
-    # file whose class is defined beside it load; the console script's sys.path[0] is its bin/ folder instead.
-    # Appended (not prepended): a file in the working directory never shadows an installed package.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    # The working directory is on sys.path, so MODEL `mymodule:make` and a torch.save(model) file whose class is
+    # defined beside it load; last (`python -m` puts it first): a file or folder in the working directory never
+    # shadows an installed package (quantcli's own `sample_models`, `exporters` included).
+    cwd = os.path.realpath(os.getcwd())
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p) != cwd] + [os.getcwd()]
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
     if not os.environ.get("QUANTCLI_DEBUG"):  # torch's C++ log lines (Gloo's errors): quantcli reports them itself

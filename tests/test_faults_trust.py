@@ -4,6 +4,7 @@ the named code would write is never written."""
 import json
 import os
 import stat
+import subprocess
 import sys
 from pathlib import Path
 
@@ -133,11 +134,19 @@ def test_module_shadowing_an_installed_package_is_not_imported(calibrated, tmp_p
     (work / "sample_models").mkdir(parents=True)
     (work / "sample_models" / "__init__.py").write_text(EVIL)
     (work / "sample_models" / "digits_cnn.py").write_text(EVIL.replace("make", "build"))
-    r = cli_subprocess("export", ck, "--onnx", work / "m.onnx", cwd=work, env={"QUANTCLI_TEST_MARKER": str(marker)})
-    assert_clean_error(r, "working directory", "--trust-code")
+    env = {"QUANTCLI_TEST_MARKER": str(marker)}
+    # the CLI puts the working directory last on sys.path (python -m puts it first): a regular install wins and
+    # loads; an editable one (a meta-path finder, consulted after sys.path) would lose to it, and is refused
+    r = cli_subprocess("export", ck, "--onnx", work / "m.onnx", cwd=work, env=env)
+    assert r.returncode == 0 or "working directory" in r.stderr, r.stderr
     assert not marker.exists()
-    # from anywhere else, the installed package loads without the flag
-    assert cli("export", ck, "--onnx", tmp_path / "m.onnx").exit_code == 0
+    # a script run from that folder has it first: the library refuses before importing anything
+    script = ("import sys; sys.path.insert(0, ''); from quantcli import load_calibrated; "
+              f"load_calibrated({str(ck)!r})")
+    r = subprocess.run([sys.executable, "-c", script], cwd=work, capture_output=True, text=True,
+                       env={**os.environ, **env}, timeout=300)
+    assert r.returncode == 1 and "UntrustedCodeError" in r.stderr and "working directory" in r.stderr, r.stderr
+    assert not marker.exists()
 
 
 def test_standard_library_module_is_not_imported(calibrated, tmp_path):
