@@ -298,7 +298,7 @@ def _torchrun_rank(device: str, timeout: float):
     """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet (an error every
     rank has while joining too), name a stalled or dead rank, leave at the end. Otherwise yield ``None``."""
     global _quiet
-    from quantcli.process_group import JoinError, explain, join_from_environment, leave
+    from quantcli.process_group import JoinError, RankStalled, explain, join_from_environment, leave
 
     try:
         rank = join_from_environment(device, timeout)
@@ -308,6 +308,9 @@ def _torchrun_rank(device: str, timeout: float):
     _quiet = rank is not None and rank.rank != 0
     try:
         yield rank
+    except RankStalled as e:
+        _quiet = _quiet and not e.speak  # rank 0 stalled: another rank says so
+        raise
     except RuntimeError as e:  # a collective outside a step boundary: a rank died or stalled there
         why = explain(e) if rank is not None else None
         if why is None:

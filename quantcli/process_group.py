@@ -126,7 +126,12 @@ def leave() -> None:
 
 
 class RankStalled(QuantCliError):
-    """A rank did not reach a step boundary within the job's timeout, or its process ended."""
+    """A rank did not reach a step boundary within the job's timeout, or its process ended. ``speak``: this rank
+    must report it even if it is not rank 0 (rank 0 is the one that stalled)."""
+
+    def __init__(self, message: str, speak: bool = False):
+        super().__init__(message)
+        self.speak = speak
 
 
 _TEST_STALL = "QUANTCLI_TEST_STALL"  # tests: "<rank>:<marker file>": that rank writes the file, then waits
@@ -166,7 +171,14 @@ def _barrier(group) -> None:
     try:
         dist.monitored_barrier(group=_monitor, timeout=datetime.timedelta(seconds=_timeout), wait_all_ranks=True)
     except RuntimeError as e:
-        raise (explain(e) or e) from None
+        why = explain(e)
+        if dist.get_rank() == 0 or why is None:
+            raise (why or e) from None
+        if "ended without reporting" in str(why):  # rank 0 left: it reports why
+            raise why from None
+        raise RankStalled(f"rank 0 did not answer at the step boundary within --dist-timeout {_timeout:g} s: it "
+                          "stalled; every rank stops. See rank 0's output, or raise --dist-timeout if it is only "
+                          "slow", speak=True) from None
 
 
 class RankFailed(QuantCliError):

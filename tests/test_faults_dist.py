@@ -62,6 +62,20 @@ def test_a_stalled_rank_is_named_after_the_timeout(tmp_path):
     assert not (tmp_path / "out.calib.pt").exists()
 
 
+def test_a_stalled_rank_0_is_named_by_the_others(tmp_path):
+    marker = tmp_path / "stalled"
+    procs = _ranks(tmp_path, "--device", "cpu", "--dist-timeout", "3", stall_rank=0, marker=marker)
+    try:
+        _wait_for(marker, procs)
+        out, err = procs[1].communicate(timeout=300)  # rank 1 gives up by itself and, rank 0 silent, says why
+    finally:
+        procs[0].kill()
+        procs[0].communicate()
+    assert procs[1].returncode == 2, err
+    lines = _error_lines(err)
+    assert len(lines) == 1 and "rank 0 did not answer" in lines[0] and "--dist-timeout 3 s" in lines[0], err
+
+
 def test_a_rank_that_dies_is_reported(tmp_path):
     marker = tmp_path / "stalled"
     procs = _ranks(tmp_path, "--device", "cpu", stall_rank=1, marker=marker)  # the default timeout: 600 s
