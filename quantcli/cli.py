@@ -848,7 +848,10 @@ def _run(argv: list[str]) -> int:
     except (abort, KeyboardInterrupt):
         _error_exit("interrupted" if (_signalled or 130) == 130 else "terminated", _signalled or 130, argv,
                     "Interrupted")
-    except Exception as e:  # outside a command's guard: printing --help or output to a full disk, a closed pipe
+    except BrokenPipeError:  # `quantcli ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    except Exception as e:  # outside a command's guard: printing --help or output to a full disk
         if _signalled is not None:  # an interrupt some import turned into another error
             _error_exit("interrupted" if _signalled == 130 else "terminated", _signalled, argv, "Interrupted")
         if os.environ.get("QUANTCLI_DEBUG"):
@@ -875,6 +878,9 @@ def main() -> None:
     code = _run(sys.argv[1:])
     try:
         sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except OSError as e:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         _error_exit(_unexpected(e), 2, [], type(e).__name__)

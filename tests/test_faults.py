@@ -286,6 +286,26 @@ def test_unexpected_errors_reaching_main_are_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and "no space left on device" in err
 
 
+def test_a_closed_pipe_is_quiet(monkeypatch, capfd):
+    """``quantcli inspect x --json | head -1``: the reader closed the pipe; no error line, exit 141 (SIGPIPE)."""
+    import quantcli.cli as qcli
+
+    def closed(*a, **k):
+        raise BrokenPipeError(errno.EPIPE, "Broken pipe")
+
+    monkeypatch.setattr(sys, "argv", ["quantcli", "inspect", "x.calib.pt", "--json"])
+    monkeypatch.setattr(qcli, "app", closed)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with pytest.raises(SystemExit) as e:
+            qcli.main()
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    assert e.value.code == 141
+    assert capfd.readouterr().err == ""
+
+
 def test_debug_shows_the_real_traceback_then_exit_2():
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
