@@ -43,6 +43,8 @@ def _umask() -> int:
 
 
 def _alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill(pid, 0) sends CTRL_C_EVENT there: assume alive, remove nothing
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
