@@ -370,7 +370,7 @@ def optimized_graph(path: str | Path, provider: str = "cpu",
     work = Path(tempfile.mkdtemp(prefix="quantcli-ort-"))
     try:
         so = ort.SessionOptions()
-        so.log_severity_level = 3
+        so.log_severity_level = 4  # fatal only: a load failure is reported once, by quantcli
         so.intra_op_num_threads = 1
         so.optimized_model_filepath = str(work / "optimized.onnx")
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.onnx.data")
@@ -392,6 +392,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     """
     import onnxruntime as ort
 
+    ort.set_default_logger_severity(4)  # fatal only: load failures are reported in the report, not logged
     if provider not in PROVIDERS:
         raise VerifyError(f"unknown provider {provider!r}; use cpu or cuda")
     if PROVIDERS[provider] not in ort.get_available_providers():

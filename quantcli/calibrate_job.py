@@ -23,6 +23,7 @@ from quantcli.calibration import calibrate as calibrate_amax
 from quantcli.checkpoint import save_calibrated
 from quantcli.data import Batch, DataOptions, cap_samples, describe_preprocessing, load_data, num_samples
 from quantcli.errors import DataError, QuantCliError
+from quantcli.files import refuse_overwriting_inputs
 from quantcli.loading import ModelSpec, load_model
 from quantcli.mixed_precision import MixedPrecisionResult, check_target, meet_target, split_holdout
 from quantcli.nn import QuantConfig, load_config, quantize_model
@@ -87,6 +88,8 @@ class CalibrationJob:
             if rank is None:
                 resolve_device(request.device)
             model, spec = load_model(request.model, request.weights, request.trust_pickle, pooling=request.pooling)
+            if request.out is None:  # the default name: known once the model is
+                refuse_overwriting_inputs(f"{spec.stem}.calib.pt", _inputs(request), "the default --out")
             if request.pooling != "none" and spec.kind != "hf":
                 raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
             batches, prep = _calibration_batches(request, rank, model, spec)
@@ -193,7 +196,19 @@ class CalibrationOutcome:
         return {**self.info, "out": str(self.job.out), "unmatched_patterns": self.job.report.unmatched_patterns}
 
 
+def _inputs(request: CalibrationRequest) -> list[tuple[str, Path | None]]:
+    """Every file or folder calibrate reads, named as the user gave it."""
+    model = request.model.rsplit(":", 1)[0] if ":" in request.model else request.model
+    config = Path(request.config)
+    opts = request.data_options
+    return [("the model", Path(model) if Path(model).exists() else None), ("--weights", request.weights),
+            ("--data", request.data), ("--holdout", request.holdout),
+            ("--config", config if config.is_file() else None), ("--tokenizer", getattr(opts, "tokenizer", None))]
+
+
 def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
+    if request.out is not None:
+        refuse_overwriting_inputs(request.out, _inputs(request), "--out")
     if request.batch_size is not None and request.batch_size <= 0:
         raise QuantCliError(f"--batch-size must be positive, got {request.batch_size}")
     if request.smoothquant is not None and rank is not None:

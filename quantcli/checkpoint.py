@@ -136,9 +136,38 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
-    if data.get("format_version", 0) > FORMAT_VERSION:
+    version = data.get("format_version", 0)
+    if not isinstance(version, int):
+        raise CheckpointError(f"{path} is damaged: format_version is {type(version).__name__}, not a number")
+    if version > FORMAT_VERSION:
         raise CheckpointError(f"{path} was written by a newer quantcli (format {data['format_version']}); upgrade quantcli")
+    _check_layout(path, data)
     return data
+
+
+MODEL_KINDS = ("sample", "file", "module", "pickle", "hf")  # quantcli.loading.ModelSpec.kind
+#: the entries every checkpoint has, and the type of each (``inputs`` also: its names, dtypes and example)
+_LAYOUT = {"model": dict, "state_dict": dict, "quant_config": dict, "quantizers": dict, "inputs": dict}
+_INPUTS = {"names": list, "dtypes": list, "example": dict}
+
+
+def _check_layout(path: Path, data: dict[str, Any]) -> None:
+    """A damaged or hand-edited checkpoint fails here with the entry named, not deep in the loading code."""
+    for where, layout, d in (("", _LAYOUT, data), ("inputs.", _INPUTS, data.get("inputs"))):
+        for key, kind in layout.items():
+            if not isinstance(d.get(key), kind):
+                state = "missing" if key not in d else f"a {type(d[key]).__name__}, not a {kind.__name__}"
+                raise CheckpointError(f"{path} is damaged: its entry {where}{key!r} is {state}; re-create it "
+                                      "with `quantcli calibrate`")
+    bad = [name for name, q in data["quantizers"].items()
+           if not (isinstance(q, dict) and isinstance(q.get("descriptor"), dict) and isinstance(q.get("enabled"), bool))]
+    if bad:
+        raise CheckpointError(f"{path} is damaged: quantizer entry {bad[0]!r} lacks its descriptor or enabled flag; "
+                              "re-create it with `quantcli calibrate`")
+    model = data["model"]
+    if model.get("kind") not in MODEL_KINDS or not isinstance(model.get("spec"), str):
+        raise CheckpointError(f"{path} is damaged: its model entry has no kind and spec; re-create it with "
+                              "`quantcli calibrate`")
 
 
 def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
@@ -150,7 +179,11 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     """
     data = read_checkpoint(path)
     spec = ModelSpec.from_plain(data["model"])
-    cfg = QuantConfig.from_plain(data["quant_config"])
+    try:
+        cfg = QuantConfig.from_plain(data["quant_config"])
+    except (TypeError, ValueError, AttributeError, KeyError) as e:
+        raise CheckpointError(f"{path} is damaged: its quant_config cannot be read ({type(e).__name__}: "
+                              f"{first_line(e, 120)}); re-create it with `quantcli calibrate`") from None
     if "target" not in data["quant_config"]:
         cfg.legacy_placement = True  # written before targets existed: rebuild the placement it was calibrated with
     model = build_model(spec, trust_code=trust_code, origin=str(path))

@@ -15,6 +15,7 @@ import functools
 import json
 import os
 import sys
+import warnings
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
@@ -81,7 +82,8 @@ NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print as JSON.")]
 TrustCodeOpt = Annotated[bool, typer.Option(
     "--trust-code", help="Run model code stored in the checkpoint (a factory file's source when the file is not "
-    "on disk unchanged, or a pickled whole module). Only for checkpoints you trust.")]
+    "on disk unchanged, or a pickled whole module) or a module it names that is not from the installed "
+    "distribution recorded at calibration. Only for checkpoints you trust.")]
 # how text files and image folders become tensors (quantcli.data.DataOptions); verify repeats calibration's
 TokenizerOpt = Annotated[Optional[Path], typer.Option(
     "--tokenizer", help="Text --data: tokenizer folder (default: the model folder; verify: the one calibration "
@@ -116,39 +118,63 @@ def _root(
 # --------------------------------------------------------------------------------------------- errors
 
 _quiet = False  # a torchrun rank other than 0: rank 0 reports for every rank
+_signalled: int | None = None  # the exit code of the SIGINT/SIGTERM received (main's handlers), else None
 
 
-def _fail(message: str, code: int = 2) -> None:
+def _fail(message: str, code: int = 2, as_json: bool = False, kind: str = "QuantCliError") -> None:
+    """One line on stderr (with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout), then exit."""
     if _quiet:
         raise typer.Exit(code)
+    if as_json:
+        with contextlib.suppress(OSError):
+            _print_json({"error": message, "exit_code": code, "kind": kind})
     err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False) if err.is_terminal else print(
         f"error: {message}", file=sys.stderr
     )
     raise typer.Exit(code)
 
 
+def _unexpected(e: BaseException) -> str:
+    """The one line for an exception no library code turned into a QuantCliError: named where the cause is
+    known (a full disk), else its type and first line."""
+    from quantcli.errors import first_line
+    from quantcli.files import no_space
+
+    if no_space(e):
+        where = f" writing {e.filename}" if isinstance(e, OSError) and e.filename else ""
+        return (f"no space left on device{where}; free some space or write the output elsewhere (nothing was "
+                "written)")
+    return f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''} (set QUANTCLI_DEBUG=1 for a traceback)"
+
+
 def guarded(command):
     """A command's error guard. The command returns its exit code (``None``: 0). A QuantCliError becomes its
-    first line on stderr and exit 2; Ctrl-C exit 130; anything unexpected (a bug, an input we did not foresee)
-    one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set."""
+    first line on stderr and exit 2; Ctrl-C exit 130 (SIGTERM 143), whatever it interrupted (an import that
+    turns the interrupt into an ImportError included); anything unexpected (a bug, an input we did not foresee)
+    one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set. With ``--json`` the error is
+    also a JSON object on stdout."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
         from quantcli.errors import QuantCliError, first_line
 
+        as_json = bool(kwargs.get("as_json"))
         try:
-            code = command(*args, **kwargs)
+            with warnings.catch_warnings():  # a library's warnings are not the tool's: stderr stays one line
+                if not os.environ.get("QUANTCLI_DEBUG"):
+                    warnings.simplefilter("ignore")
+                code = command(*args, **kwargs)
         except typer.Exit:
             raise
-        except QuantCliError as e:
-            _fail(first_line(e))
-        except KeyboardInterrupt:
-            _fail("interrupted", 130)
-        except Exception as e:
-            if os.environ.get("QUANTCLI_DEBUG"):
+        except BaseException as e:
+            if _signalled is not None or isinstance(e, KeyboardInterrupt):
+                code = _signalled or 130
+                _fail("interrupted" if code == 130 else "terminated", code, as_json, "Interrupted")
+            if isinstance(e, QuantCliError):
+                _fail(first_line(e), 2, as_json, type(e).__name__)
+            if not isinstance(e, Exception) or os.environ.get("QUANTCLI_DEBUG"):
                 raise
-            _fail(f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''} "
-                  "(set QUANTCLI_DEBUG=1 for a traceback)")
+            _fail(_unexpected(e), 2, as_json, type(e).__name__)
         if code is not None:
             raise typer.Exit(code)
 
@@ -249,6 +275,7 @@ def calibrate(
     fold_bn: Annotated[Optional[bool], typer.Option("--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).")] = None,
     smoothquant: Annotated[Optional[float], typer.Option("--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul.")] = None,
     weight_method: Annotated[str, typer.Option("--weight-method", help="How weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq (second-order, from the calibration inputs' Hessian) or awq (activation-aware per-channel scales).")] = "rtn",
+    dist_timeout: Annotated[float, typer.Option("--dist-timeout", help="Under torchrun: seconds a rank waits for the others at a step boundary (and to join) before the job stops, naming the rank that stalled.")] = 600.0,
 ) -> Optional[int]:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.calibrate_job import CalibrationJob, CalibrationRequest
@@ -258,7 +285,7 @@ def calibrate(
         model, weights, data, config, target, method.value, percentile, num_bins, batch_size, num_samples, device,
         out_path, trust_pickle, pooling, DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn,
         smoothquant, min_cosine, min_snr, holdout, max_float_layers, weight_method)
-    with _torchrun_rank(device) as rank:
+    with _torchrun_rank(device, dist_timeout) as rank:
         job = CalibrationJob.load(request, rank)
         smoothed = job.smooth()
         with _progress(len(job.batches), "calibrating", not as_json and not _quiet) as advance:
@@ -268,16 +295,28 @@ def calibrate(
 
 
 @contextlib.contextmanager
-def _torchrun_rank(device: str):
-    """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet, leave at the
-    end. Otherwise yield ``None``."""
+def _torchrun_rank(device: str, timeout: float):
+    """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet (an error every
+    rank has while joining too), name a stalled or dead rank, leave at the end. Otherwise yield ``None``."""
     global _quiet
-    from quantcli.process_group import join_from_environment, leave
+    from quantcli.process_group import JoinError, RankStalled, explain, join_from_environment, leave
 
-    rank = join_from_environment(device)
+    try:
+        rank = join_from_environment(device, timeout)
+    except JoinError as e:
+        _quiet = e.every_rank and e.rank != 0
+        raise
     _quiet = rank is not None and rank.rank != 0
     try:
         yield rank
+    except RankStalled as e:
+        _quiet = _quiet and not e.speak  # rank 0 stalled: another rank says so
+        raise
+    except RuntimeError as e:  # a collective outside a step boundary: a rank died or stalled there
+        why = explain(e) if rank is not None else None
+        if why is None:
+            raise
+        raise why from None
     finally:
         if rank is not None:
             leave()
@@ -391,7 +430,9 @@ def export(
     from exporters.onnx_export import export_onnx
     from quantcli.checkpoint import load_calibrated
 
+    _refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
+    _refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)
     meta = {  # read back by verify and inspect
         "quantcli.config": json.dumps(ckpt.config.to_plain()),
         "quantcli.model": ckpt.spec.spec,
@@ -483,7 +524,11 @@ def verify(
                              max_deploy_ratio=max_deploy_ratio, min_cosine=min_cosine, min_snr=min_snr)
     if report_path is not None:
         writable_directory(report_path)  # before the work, not after it
+        _refuse_inputs(report_path, [("the graph", onnx_path), ("the graph's external data", _external(onnx_path)),
+                                     ("the reference checkpoint", reference), ("--data", data)], "--report")
     ckpt = load_calibrated(reference, trust_code=trust_code)
+    if report_path is not None:
+        _refuse_inputs(report_path, [("the model's file", ckpt.spec.path)], "--report")
     batches = _checkpoint_inputs(ckpt, data, batch_size, num_samples,
                                  DataOptions(tokenizer, max_length, image_size, mean, std))
     if batches is None and num_samples is not None:
@@ -563,6 +608,20 @@ def _layers_table(layers: list[dict]) -> Table:
     return _table("layers, worst local quantization error first",
                   ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes", "end to end",
                    "replay steps"), rows)
+
+
+def _external(onnx_path: Path) -> Path:
+    """The external data file quantcli export writes beside a large graph."""
+    return onnx_path.with_name(onnx_path.name + ".data")
+
+
+def _refuse_inputs(out_path: Path, inputs, option: str, external_data: bool = False) -> None:
+    """Exit 2 (before any work) when ``out_path`` (and, for a graph, its ``.data`` file) is a file read."""
+    from quantcli.files import refuse_overwriting_inputs
+
+    refuse_overwriting_inputs(out_path, inputs, option)
+    if external_data:
+        refuse_overwriting_inputs(_external(out_path), inputs, f"{option}'s external data")
 
 
 # --------------------------------------------------------------------------------------------- inspect
@@ -658,40 +717,46 @@ def analyze(
     batch_size: BatchSizeOpt = None,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
+    mean: MeanOpt = None,
+    std: StdOpt = None,
 ) -> None:
     """Rank quantizers by sensitivity, with statistics and plots: an HTML report and JSON."""
     from quantcli.analyze import analyze as run_analysis
     from quantcli.checkpoint import load_calibrated
-    from quantcli.files import atomic_write
+    from quantcli.data import DataOptions
+    from quantcli.files import write_together
     from quantcli.report_html import render
 
+    out_dir = _analysis_folder(out_dir or Path(f"{calibrated.with_suffix('').name}.analysis"),
+                               [("the checkpoint", calibrated), ("--data", data)])
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
-    out_dir = _analysis_folder(out_dir or Path(f"{calibrated.with_suffix('').name}.analysis"))
-    batches = _checkpoint_inputs(ckpt, data, batch_size, None)
+    _analysis_folder(out_dir, [("the model's file", ckpt.spec.path)])
+    batches = _checkpoint_inputs(ckpt, data, batch_size, None, DataOptions(mean=mean, std=std))
     if batches is None:
         batches = ckpt.evaluation_batches() or [ckpt.example]
     with _progress(100, "analyzing", not as_json) as advance:
         rep = run_analysis(ckpt, batches, sample_samples=num_samples,
                            progress=None if advance is None else (lambda stage, k, n: advance(int(99 * k / n))))
     d = rep.to_dict()
-    out_dir.mkdir(exist_ok=True)
+    write_together(out_dir, {"analysis.json": json.dumps(d, indent=1) + "\n", "report.html": render(d)})
     html_path, json_path = out_dir / "report.html", out_dir / "analysis.json"
-    atomic_write(json_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=1) + "\n"))
-    atomic_write(html_path, lambda tmp: Path(tmp).write_text(render(d), encoding="utf-8"))
     if as_json:
         _print_json({**d, "report": str(html_path), "json": str(json_path)})
     else:
         render_analyze(d, calibrated, html_path, json_path)
 
 
-def _analysis_folder(out_dir: Path) -> Path:
-    """``--out``, checked before the analysis runs: a folder (existing or not) in an existing directory."""
+def _analysis_folder(out_dir: Path, inputs) -> Path:
+    """``--out``, checked before the analysis runs: a writable folder (existing or not) in an existing
+    directory, whose report files are none of the files read."""
     from quantcli.errors import QuantCliError
+    from quantcli.files import writable_directory
 
     if out_dir.exists() and not out_dir.is_dir():
         raise QuantCliError(f"--out {out_dir} is a file; give a folder")
-    if not out_dir.parent.is_dir():
-        raise QuantCliError(f"cannot write {out_dir}: directory {out_dir.parent} does not exist")
+    writable_directory(out_dir / "report.html" if out_dir.is_dir() else out_dir)
+    for name in ("report.html", "analysis.json"):
+        _refuse_inputs(out_dir / name, inputs, "--out")
     return out_dir
 
 
@@ -741,32 +806,86 @@ def _is_number(s: str) -> bool:
     return True
 
 
+def _on_signal(signum, _frame) -> None:
+    """SIGINT/SIGTERM: remember which (exit 128 + signal) and unwind like Ctrl-C, so that every ``finally``
+    removes its temporary files and the destination keeps its previous content."""
+    global _signalled
+    if _signalled is not None:
+        return  # already unwinding: let the clean-up finish
+    _signalled = 128 + signum
+    raise KeyboardInterrupt
+
+
+def _click_errors() -> tuple[type, type, type]:
+    """``(UsageError, ClickException, Abort)`` of the click this typer uses (its vendored copy in recent typer,
+    the click package in older ones), found from classes every typer exports."""
+    by_name = {c.__name__: c for c in typer.BadParameter.__mro__}
+    return by_name["UsageError"], by_name["ClickException"], typer.Abort
+
+
+def _error_exit(message: str, code: int, argv: list[str], kind: str) -> None:
+    """An error outside any command (usage, aborts, output failures): one line, JSON too with ``--json``."""
+    if "--json" in argv:
+        with contextlib.suppress(OSError):
+            _print_json({"error": message, "exit_code": code, "kind": kind})
+            sys.stdout.flush()
+    with contextlib.suppress(OSError):
+        print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def _run(argv: list[str]) -> int:
+    usage_error, click_error, abort = _click_errors()
+    try:
+        code = app(args=optional_values(argv), prog_name="quantcli", standalone_mode=False)
+        sys.stdout.flush()
+    except usage_error as e:
+        hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
+        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank got the same arguments: rank 0 tells
+            sys.exit(2)
+        _error_exit(f"{e.format_message()}{hint}", 2, argv, "UsageError")
+    except click_error as e:
+        _error_exit(e.format_message(), e.exit_code, argv, type(e).__name__)
+    except (abort, KeyboardInterrupt):
+        _error_exit("interrupted" if (_signalled or 130) == 130 else "terminated", _signalled or 130, argv,
+                    "Interrupted")
+    except BrokenPipeError:  # `quantcli ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    except Exception as e:  # outside a command's guard: printing --help or output to a full disk
+        if _signalled is not None:  # an interrupt some import turned into another error
+            _error_exit("interrupted" if _signalled == 130 else "terminated", _signalled, argv, "Interrupted")
+        if os.environ.get("QUANTCLI_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        _error_exit(_unexpected(e), 2, argv, type(e).__name__)
+    return code if isinstance(code, int) else 0
+
+
 def main() -> None:
     """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
-    try:  # recent typer vendors its own click; older ones use the click package
-        from typer._click import exceptions as click_exc
-    except ImportError:  # pragma: no cover
-        from click import exceptions as click_exc
+    import signal
 
-    # `python -m quantcli` has the working directory on sys.path, so MODEL `mymodule:make` and a torch.save(model)
-    # file whose class is defined beside it load; the console script's sys.path[0] is its bin/ folder instead.
-    # Appended (not prepended): a file in the working directory never shadows an installed package.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.append(os.getcwd())
+    # The working directory is on sys.path, so MODEL `mymodule:make` and a torch.save(model) file whose class is
+    # defined beside it load; last (`python -m` puts it first): a file or folder in the working directory never
+    # shadows an installed package (quantcli's own `sample_models`, `exporters` included).
+    cwd = os.path.realpath(os.getcwd())
+    sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p) != cwd] + [os.getcwd()]
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _on_signal)
+    if not os.environ.get("QUANTCLI_DEBUG"):  # torch's C++ log lines (Gloo's errors): quantcli reports them itself
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+    code = _run(sys.argv[1:])
     try:
-        code = app(args=optional_values(sys.argv[1:]), prog_name="quantcli", standalone_mode=False)
-    except click_exc.UsageError as e:
-        hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank got the same arguments: rank 0 tells
-            print(f"error: {e.format_message()}{hint}", file=sys.stderr)
-        sys.exit(2)
-    except click_exc.ClickException as e:
-        print(f"error: {e.format_message()}", file=sys.stderr)
-        sys.exit(e.exit_code)
-    except click_exc.Abort:
-        print("error: aborted", file=sys.stderr)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    except OSError as e:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
+        _error_exit(_unexpected(e), 2, [], type(e).__name__)
+    sys.exit(code)
 
 
 if __name__ == "__main__":  # pragma: no cover

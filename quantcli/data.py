@@ -46,6 +46,9 @@ def _tensor(x, where: str) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(x))
     if not isinstance(x, torch.Tensor):
         raise DataError(f"{where}: expected an array or tensor, got {type(x).__name__}")
+    if x.is_complex():
+        raise DataError(f"{where}: complex values ({str(x.dtype).replace('torch.', '')}) cannot be model inputs; "
+                        "save the real (or magnitude) part")
     if x.dtype == torch.float64:
         x = x.to(torch.float32)
     return x

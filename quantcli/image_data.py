@@ -2,7 +2,8 @@
 decoded, converted to the model's channel mode, resized and normalised into a float32 ``(N, C, H, W)`` batch.
 
 Settings come from the options, else the model folder's ``preprocessor_config.json``, else ImageNet's (224x224,
-mean 0.485/0.456/0.406, std 0.229/0.224/0.225); the summary says which. Every image is converted to one mode
+mean 0.485/0.456/0.406, std 0.229/0.224/0.225; for a 1-channel model their luma, mean 0.459, std 0.2256); the
+summary says which. Every image is converted to one mode
 (RGB for 3-channel models, L for 1-channel), as torchvision's ImageFolder does; the summary counts conversions.
 16-bit and float images are refused (converting them to 8 bits would clip, not scale).
 """
@@ -24,6 +25,10 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 IMAGENET_SIZE = (224, 224)
+# a 1-channel (L) model: ImageNet's statistics of the luma PIL computes, 0.299 R + 0.587 G + 0.114 B
+LUMA = (0.299, 0.587, 0.114)
+IMAGENET_MEAN_L = (round(sum(w * m for w, m in zip(LUMA, IMAGENET_MEAN)), 4),)
+IMAGENET_STD_L = (round(sum(w * m for w, m in zip(LUMA, IMAGENET_STD)), 4),)
 _CONVERTIBLE = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
 
 
@@ -199,6 +204,8 @@ def image_batches(folder: Path, model: nn.Module, input_name: str, settings: Ima
     if channels not in (1, 3):
         raise DataError(f"the model takes {channels}-channel images; image folders give 1 (L) or 3 (RGB) channels")
     mode = settings.mode = "RGB" if channels == 3 else "L"
+    if channels == 1 and (tuple(settings.mean), tuple(settings.std)) == (IMAGENET_MEAN, IMAGENET_STD):
+        settings.mean, settings.std = IMAGENET_MEAN_L, IMAGENET_STD_L  # the defaults, for one channel
     mean = np.asarray(settings.mean, np.float32)
     std = np.asarray(settings.std, np.float32)
     for name, v in (("--mean", mean), ("--std", std)):

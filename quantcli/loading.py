@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError, first_line
-from quantcli.trust import require_trust, sha256_hex
+from quantcli.trust import module_provenance, require_installed, require_trust, sha256_hex
 
 
 @dataclass
@@ -81,26 +81,35 @@ def parse_spec(spec: str, trust_pickle: bool = False, **hf_options: Any) -> Mode
         path = Path(target)
         if not path.is_file():
             raise ModelLoadError(f"MODEL file {target} does not exist")
-        return ModelSpec("file", spec, str(path.resolve()), path.read_text(encoding="utf-8"))
-    return ModelSpec("module", spec)
+        try:  # the exact bytes (no newline translation): a checkpoint's file is compared byte for byte
+            source = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelLoadError(f"MODEL file {target} is not UTF-8 Python source") from None
+        return ModelSpec("file", spec, str(path.resolve()), source)
+    if not all(part.isidentifier() for part in target.split(".")):
+        raise ModelLoadError(f"MODEL {spec!r}: {target!r} is not a module name (package.module)")
+    return ModelSpec("module", spec, extra=module_provenance(target))
 
 
 def _file_source(spec: ModelSpec, trust_code: bool, origin: str | None) -> str:
-    """The source to run for a file spec: the file on disk when it still holds the stored source; the stored
-    source only with ``trust_code`` (it came inside the checkpoint)."""
+    """The source to run for a file spec: the stored source, run without ``trust_code`` only when the file on
+    disk holds exactly its bytes (the user has that code); otherwise it came inside the checkpoint.
+
+    A spec that stores no source runs nothing, with or without ``trust_code``: the checkpoint would name a file
+    without carrying the code the user approves. Nothing read from the file is quoted in an error."""
+    if not isinstance(spec.source, str):
+        where = f"{origin}: " if origin else ""
+        raise ModelLoadError(f"{where}the checkpoint names the factory file {spec.path} but does not store its "
+                             "source, so nothing is run (quantcli calibrate stores it); re-calibrate the model")
     path = Path(spec.path) if spec.path else None
     on_disk = None
     if path is not None and path.is_file():
         try:
-            on_disk = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError):
+            on_disk = path.read_bytes()
+        except OSError:
             on_disk = None
-    if spec.source is None:
-        if on_disk is None:
-            raise ModelLoadError(f"MODEL file {spec.path} does not exist")
-        return on_disk
-    if on_disk == spec.source:
-        return on_disk
+    if on_disk == spec.source.encode("utf-8"):
+        return spec.source
     state = "changed on disk since calibration" if on_disk is not None else "not on disk"
     require_trust(trust_code, f"the factory source of a file {state}", spec.path, sha256_hex(spec.source), origin)
     return spec.source
@@ -128,15 +137,22 @@ def _factory(spec: ModelSpec, trust_code: bool = False, origin: str | None = Non
     if spec.kind == "sample":
         from sample_models import SAMPLES
 
+        if spec.spec not in SAMPLES:
+            raise ModelLoadError(f"{spec.spec!r} is not a sample model ({', '.join(SAMPLES)})")
         return SAMPLES[spec.spec].build
+    if spec.kind not in ("file", "module") or ":" not in spec.spec:
+        raise ModelLoadError(f"model kind {spec.kind!r} with spec {spec.spec!r} cannot be rebuilt")
     target, name = spec.spec.rsplit(":", 1)
+    if spec.kind == "module" and origin is not None:  # a module a checkpoint names: checked before importing
+        require_installed(trust_code, target, spec.extra, origin)
     try:
         module = (_load_file_module(spec, trust_code, origin) if spec.kind == "file"
                   else importlib.import_module(target))
     except QuantCliError:
         raise
     except Exception as e:
-        raise ModelLoadError(f"cannot import {target}: {type(e).__name__}: {e}") from None
+        detail = f" (line {e.lineno})" if isinstance(e, SyntaxError) else f": {first_line(e, 200)}"
+        raise ModelLoadError(f"cannot import {target}: {type(e).__name__}{detail}") from None
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
         raise ModelLoadError(f"{target} has no callable {name!r}")
@@ -262,19 +278,26 @@ def model_code(spec: ModelSpec) -> dict[str, Any]:
     if spec.kind == "sample":
         return {"source": "sample model", "file": None, "sha256": None, "needs_trust_code": False}
     if spec.kind == "module":
-        return {"source": "installed module", "file": spec.spec.rsplit(":", 1)[0], "sha256": None,
-                "needs_trust_code": False}
-    if spec.kind == "file":
-        digest = sha256_hex(spec.source) if spec.source is not None else None
+        target = spec.spec.rsplit(":", 1)[0]
         try:
-            _file_source(spec, False, None)
+            require_installed(False, target, spec.extra, None)
             needs = False
         except UntrustedCodeError:
             needs = True
-        except QuantCliError:
-            needs = False  # nothing to run at all: load_calibrated reports the missing file
-        return {"source": "factory file source stored in the checkpoint" if needs else "factory file on disk",
-                "file": spec.path, "sha256": digest, "needs_trust_code": needs}
+        return {"source": "module the checkpoint names, not from the installed distribution it recorded" if needs
+                else "installed module", "file": target, "sha256": None, "needs_trust_code": needs,
+                "distribution": (spec.extra or {}).get("distribution")}
+    if spec.kind == "file":
+        stored = isinstance(spec.source, str)
+        try:
+            _file_source(spec, False, None)
+            needs, what = False, "factory file on disk"
+        except UntrustedCodeError:
+            needs, what = True, "factory file source stored in the checkpoint"
+        except QuantCliError:  # no source stored: nothing may run, not even with --trust-code
+            needs, what = True, "a factory file whose source the checkpoint does not store: cannot be rebuilt"
+        return {"source": what, "file": spec.path, "sha256": sha256_hex(spec.source) if stored else None,
+                "needs_trust_code": needs}
     if spec.kind == "pickle":
         return {"source": "pickled whole module stored in the checkpoint", "file": spec.path,
                 "sha256": (spec.extra or {}).get("sha256"), "needs_trust_code": True}

@@ -265,7 +265,7 @@ def _fidelity(report: VerifyReport, cmp: _Comparison, weight_rows: list[dict[str
     worst = min(sample.rows, key=lambda r: r["identical_codes"] if r["identical_codes"] is not None else 1.0,
                 default=None)
     report.checks.append(at_least("fidelity.codes", 1.0, min(codes, default=1.0),
-                                  worst["quantizer"] if worst and min(codes, default=1.0) < 1.0 else None))
+                                  _codes_detail(worst) if worst and min(codes, default=1.0) < 1.0 else None))
     steps = max((r["replay_steps"] for r in replayed), default=0.0)
     report.checks.append(at_most("fidelity.replay_steps", MAX_REPLAY_STEPS, steps,
                                  ", ".join(f"{r['quantizer']} ({r['replay_steps']:.3g} steps)" for r in failing[:5])
@@ -283,6 +283,15 @@ def _fidelity(report: VerifyReport, cmp: _Comparison, weight_rows: list[dict[str
         worst_out = max(out_names, key=lambda n: cmp.fid[n].max_abs)
         report.checks.append(at_most("fidelity.max_abs_diff", max_abs_diff, cmp.fid[worst_out].max_abs, worst_out))
     return rows
+
+
+def _codes_detail(row: dict[str, Any]) -> str:
+    """The quantizer whose codes differ most, and the negative values the graph feeds it if it is unsigned."""
+    neg = row.get("negative_input")
+    if not neg:
+        return row["quantizer"]
+    return (f"{row['quantizer']}: the graph feeds it {neg['count']} negative value(s) (min {neg['min']:.4g}) in "
+            f"tensor {neg['tensor']}, but it is unsigned (non-negative in the model, e.g. after a ReLU)")
 
 
 def _deployment_checks(report: VerifyReport, model: onnx.ModelProto, ss: _Sessions, cmp: _Comparison,

@@ -282,15 +282,22 @@ def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[st
     and end-to-end code agreement, and its replay deviation ``steps``."""
     err2 = ref2 = max_abs = 0.0
     same = e2e = total = e2e_total = 0
+    negative: dict[str, Any] | None = None
     for k, p in enumerate(ps):
         x, dq = named[sources[p.output]], named[p.output]
         d = dq - x
         err2 += float(np.square(d, dtype=np.float64).sum())  # float64: float32 sums overflow on wild values
         ref2 += float(np.square(x, dtype=np.float64).sum())
         max_abs = max(max_abs, float(np.abs(d).max(initial=0.0)))
+        # an unsigned quantizer's input is non-negative in the model (after a ReLU); a negative one in the graph
+        # is evidence (a ReLU removed or replaced): those values count as differing codes, the rest are compared
+        valid = x >= 0 if getattr(q.desc, "unsigned", False) else np.ones(x.shape, bool)
+        if not valid.all():
+            negative = {"tensor": sources[p.output], "count": int(x.size - np.count_nonzero(valid)),
+                        "min": float(x.min())}
         with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
-            mine = q.forward(torch.from_numpy(np.ascontiguousarray(x))).numpy()
-        same += int(np.count_nonzero(mine == dq))
+            mine = q.forward(torch.from_numpy(np.ascontiguousarray(np.where(valid, x, 0).astype(x.dtype)))).numpy()
+        same += int(np.count_nonzero((mine == dq) & valid))
         total += dq.size
         own = seen.get(name, [])
         if k < len(own) and own[k].shape == dq.shape:
@@ -303,6 +310,7 @@ def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[st
         "identical_codes": same / total if total else None,
         "identical_codes_end_to_end": e2e / e2e_total if e2e_total else None,
         "replay_steps": steps,
+        "negative_input": negative,  # {tensor, count, min} where the graph feeds an unsigned quantizer x < 0
     }
 
 

@@ -12,10 +12,22 @@ import torch
 from quantcli.data import Batch
 from quantcli.errors import VerifyError, first_line
 
+#: onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
+#: VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat them.
+RUNTIME_LOG_SEVERITY = 4
+
+
+def runtime():
+    """``onnxruntime``, its default logger limited to :data:`RUNTIME_LOG_SEVERITY`."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(RUNTIME_LOG_SEVERITY)
+    return ort
+
 
 def choose_provider(provider: str = "auto") -> str:
     """``auto``/``cpu``/``cuda`` -> an onnxruntime execution provider name (``auto``: CUDA if usable)."""
-    import onnxruntime as ort
+    ort = runtime()
 
     available = ort.get_available_providers()
     cuda_ok = "CUDAExecutionProvider" in available and torch.cuda.is_available()
@@ -43,12 +55,11 @@ def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
     ``disabled_optimizers``: onnxruntime optimizers left out (what a graph not made for onnxruntime's CPU
     fusions, e.g. a TensorRT-target float8 graph, needs to load there).
     """
-    import onnxruntime as ort
-
+    ort = runtime()
     so = ort.SessionOptions()
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    so.log_severity_level = 3
+    so.log_severity_level = RUNTIME_LOG_SEVERITY
     so.intra_op_num_threads = max(1, torch.get_num_threads())
     data = model if isinstance(model, bytes) else model.SerializeToString()
     try:

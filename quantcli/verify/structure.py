@@ -2,7 +2,7 @@
 
 Per enabled quantizer: its Q/DQ pair is in the graph (found through the exporter's quantizer map), its float32
 scale and its zero point are the ones its amax implies, and stored weight codes decode to the checkpoint's
-fake-quant weights. A quantizer without a pair is *pruned* (information, not a failure) when its output reaches
+fake-quant weights; stored int32 bias codes and scales equal the checkpoint's, exactly. A quantizer without a pair is *pruned* (information, not a failure) when its output reaches
 none of the model's outputs -- the exporter removed it as dead code, like a ``BertModel``'s pooler under mean
 pooling -- and *missing* (a failure) otherwise. Which one is decided from the checkpoint's model, traced by
 autograd (:func:`quantcli.nn.usage.unused_quantizers`), not from what the file claims.
@@ -17,7 +17,18 @@ import onnx
 import torch
 
 from exporters.dynamic_linear import dynamic_layers
-from exporters.graph import QdqPair, initializer_map, pruned_quantizers, qdq_pairs, to_numpy
+from exporters.graph import (
+    QUANTIZERS_KEY,
+    QdqPair,
+    consumer_map,
+    initializer_map,
+    is_int32_bias,
+    producer_map,
+    pruned_quantizers,
+    qdq_pairs,
+    quantizer_map,
+    to_numpy,
+)
 from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated
 from quantcli.errors import VerifyError
@@ -138,6 +149,73 @@ def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, pr
     return found
 
 
+def _bias_layer(node: onnx.NodeProto, producers, dq_quantizer: dict[str, str]) -> str | None:
+    """The module whose int32 bias ``node`` (the bias's consumer: Conv, Gemm, or the Add after a MatMul) adds:
+    the one whose weight quantizer's DequantizeLinear feeds the same op (or the MatMul before the Add)."""
+    for candidate in (node, *(producers.get(i) for i in node.input)):
+        if candidate is None:
+            continue
+        for i in candidate.input:
+            name = dq_quantizer.get(i, "")
+            if name.endswith(".weight_quantizer"):
+                return name.rsplit(".", 1)[0]
+    return None
+
+
+def _check_biases(model: onnx.ModelProto, ckpt: Calibrated, pairs: list[QdqPair],
+                  problems: dict[str, list[str]]) -> int:
+    """Stored int32 bias codes and scales against the checkpoint's (:meth:`QuantMixin.int32_bias_constants`),
+    exactly, as weight codes are. Returns how many biases were compared."""
+    inits, producers, consumers = initializer_map(model.graph), producer_map(model.graph), consumer_map(model)
+    dq_quantizer = {p.output: p.quantizer for p in pairs if p.quantizer}
+    compared = 0
+    for n in model.graph.node:
+        if not is_int32_bias(n, inits) or n.input[1] not in inits:
+            continue
+        layer = next((m for c in consumers.get(n.output[0], []) if (m := _bias_layer(c, producers, dq_quantizer))),
+                     None)
+        module = _submodule(ckpt.model, layer)
+        constants = module.int32_bias_constants() if hasattr(module, "int32_bias_constants") else None
+        if constants is None:
+            continue
+        want_codes, want_scale = (t.detach().cpu().numpy().astype(np.float64) for t in constants)
+        codes = to_numpy(inits[n.input[0]]).astype(np.float64).reshape(-1)
+        scale = to_numpy(inits[n.input[1]]).astype(np.float32).reshape(-1)
+        compared += 1
+        where = f"{layer}.bias"
+        if codes.shape != want_codes.shape:
+            problems.setdefault(where, []).append(
+                f"int32 bias has {codes.size} codes, the checkpoint's {want_codes.size}")
+            continue
+        bad = np.flatnonzero(codes != want_codes)
+        if bad.size:
+            i = int(bad[0])
+            problems.setdefault(where, []).append(
+                f"{bad.size} stored int32 bias code(s) differ from the checkpoint's (e.g. channel {i}: "
+                f"{int(codes[i])} vs {int(want_codes[i])})")
+        if not np.array_equal(np.broadcast_to(scale, want_scale.shape), want_scale.astype(np.float32)):
+            problems.setdefault(where, []).append("int32 bias scale differs from input scale x weight scale")
+    return compared
+
+
+def _submodule(model: torch.nn.Module, path: str | None) -> torch.nn.Module | None:
+    if path is None:
+        return None
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return None
+
+
+def _no_metadata(pairs: int, quantizers: int) -> str:
+    """What a graph without ``quantcli.quantizers`` lacks, and what that costs."""
+    return (f"the graph has no {QUANTIZERS_KEY} metadata (which Q/DQ pair belongs to which quantizer; quantcli "
+            "export writes it, an editor that drops metadata_props loses it), so its "
+            f"{pairs} Q/DQ pair(s) cannot be matched to the checkpoint's {quantizers} quantizer(s): their scales, "
+            "zero points, weight and bias codes are not checked and no quantizer is replayed (only the outputs "
+            "are compared); re-export it with quantcli export, or copy the metadata back")
+
+
 def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the structure section of the report, per-layer rows of the weight quantizers)."""
     graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
@@ -159,9 +237,12 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     one = {k: v[:1] for k, v in ckpt.example.items()}  # connectivity does not depend on the batch size
     unused = (unused_quantizers(ckpt.model, one) or set()) if absent else set()
     pruned = [n for n in absent if n in unused]
-    for name in absent:
-        if name not in unused:
-            problems.setdefault(name, []).append("Q/DQ pair missing from the graph (its output is used)")
+    if absent and all_pairs and not quantizer_map(model):
+        problems["graph metadata"] = [_no_metadata(len(all_pairs), len(qs))]
+    else:
+        for name in absent:
+            if name not in unused:
+                problems.setdefault(name, []).append("Q/DQ pair missing from the graph (its output is used)")
     for name, q in qs.items():
         p = pairs.get(name)
         if p is None:
@@ -186,6 +267,7 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
                 rows.append(row)
             if problem:
                 problems.setdefault(name, []).append(problem)
+    biases = _check_biases(model, ckpt, all_pairs, problems)
     flat = [f"{name}: {x}" for name, probs in problems.items() for x in probs]
     recorded = pruned_quantizers(model)
     return {
@@ -196,4 +278,5 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
         "pruned_recorded_at_export": recorded,
         "unmapped_pairs": sum(1 for p in all_pairs if not p.quantizer),
         "unexpected_quantizers": sorted((set(pairs) | dynamic) - set(qs)),
+        "int32_biases_compared": biases,
     }, rows
