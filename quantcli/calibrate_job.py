@@ -140,6 +140,7 @@ class CalibrationJob:
         info["target"] = self.config.target
         info["placement"] = placement_summary(self.report.placement, self.config.target)
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
+        info["layers"] = layers_summary(self.report)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
         if self.preprocessing is not None:
@@ -158,6 +159,18 @@ class CalibrationJob:
         info = self.summarise(summary, mixed, smoothed)
         self.save(info)
         return CalibrationOutcome(self, summary, info, mixed, smoothed)
+
+
+def layers_summary(report) -> dict:
+    """The layers quantize_model converted, the weighted modules it left float and why, and the parametrized
+    weights it stored as values (:mod:`quantcli.nn.linear_like`), with a one-line ``text``."""
+    floats = report.float_layers
+    text = f"{len(report.layers)} quantized"
+    if floats:
+        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in floats[:3])
+        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (" ..." if len(floats) > 3 else "")
+    return {"quantized": list(report.layers), "float": list(floats),
+            "resolved_parametrizations": list(report.resolved_parametrizations), "text": text}
 
 
 @dataclass
