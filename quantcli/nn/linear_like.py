@@ -16,7 +16,7 @@
   ``x`` and ``W``. The probe uses its own random values, never the module's weights, so the answer is the same
   at calibration and when a checkpoint is rebuilt from freshly initialised modules.
 
-Every other module that owns a floating weight of two or more dimensions stays float with a reason
+Every other module that owns a floating ``*weight`` of two or more dimensions stays float with a reason
 (:func:`float_reason`), listed in the quantize report.
 """
 
@@ -186,7 +186,8 @@ def quant_class(module: nn.Module) -> type | None:
 
 def float_reason(module: nn.Module) -> str | None:
     """Why a module that owns a floating weight of 2+ dimensions stays float (None for other modules)."""
-    ws = [p for p in module.parameters(recurse=False) if p.is_floating_point() and p.dim() >= 2]
+    ws = [p for n, p in module.named_parameters(recurse=False)
+          if n.endswith("weight") and p.is_floating_point() and p.dim() >= 2]
     if not ws or isinstance(module, QuantMixin) or type(module).__name__.startswith("TensorQuantizer"):
         return None
     cls = type(module)
