@@ -10,14 +10,17 @@ of the cumulative sum that follows (over a bool tensor) is corrected (:data:`COR
 :func:`register` adds a translation only where torch has none, once per process; it is called by the export
 driver before ``torch.onnx.export``. Opset 11 and newer (negative axes in ``Slice`` and ``Concat``).
 
-:func:`torchscript_min_opset` is the lowest opset torch's TorchScript exporter translates an aten op at, for the
-error message of an op it cannot translate at the asked-for opset.
+:func:`unsupported_operator` turns either exporter's "no translation for this op" failure into one
+:class:`~quantcli.errors.ExportError` naming the op and what to try (another opset, the other exporter, or
+computing it with other ops), using :func:`torchscript_min_opset`, the lowest opset torch's TorchScript exporter
+translates an op at.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import re
 
 import torch
 
@@ -114,3 +117,45 @@ def register() -> None:
     for op, fn in CORRECTED.items():
         torch.onnx.register_custom_op_symbolic(op, fn, MIN_OPSET)
     _registered = True
+
+
+_TORCHSCRIPT_UNSUPPORTED = re.compile(r"Exporting the operator '([\w:.]+)' to ONNX opset version (\d+) is not supported")
+_DYNAMO_UNSUPPORTED = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)'")
+
+
+def _dynamo_op(e: BaseException) -> str | None:
+    """``aten::cummax`` from torch.export's ``DispatchError`` anywhere in ``e``'s chain of causes."""
+    seen = 0
+    while e is not None and seen < 20:
+        m = _DYNAMO_UNSUPPORTED.search(str(e))
+        if m is not None:
+            return m.group(1).replace(".", "::", 1)
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+def unsupported_operator(e: BaseException, exporter: str, opset: int):
+    """The :class:`~quantcli.errors.ExportError` for an op ``exporter`` has no ONNX translation for at ``opset``
+    (the op's name and what to try, in place of torch's message and IR dump), or None for other failures."""
+    from quantcli.errors import ExportError
+
+    if exporter == "torchscript":
+        m = _TORCHSCRIPT_UNSUPPORTED.search(str(e))
+        op = None if m is None else m.group(1)
+    else:
+        op = _dynamo_op(e)
+    if op is None:
+        return None
+    since = torchscript_min_opset(op)
+    if exporter == "torchscript":
+        if since is not None and opset < since <= 21:
+            fix = f"torch translates it from opset {since}: pass --opset {since}, or try --exporter dynamo"
+        else:
+            fix = ("torch has no ONNX translation for it at any opset: try --exporter dynamo (torch.export "
+                   "translates more ops), or compute it with other ops in the model's forward")
+        return ExportError(f"the TorchScript exporter cannot export operator {op} at opset {opset}; {fix}")
+    if since is not None and since <= 21:
+        fix = f"try --exporter torchscript (it translates {op} from opset {since})"
+    else:
+        fix = "neither torch exporter translates it: compute it with other ops in the model's forward"
+    return ExportError(f"the dynamo exporter has no ONNX translation for operator {op} (opset {opset}); {fix}")

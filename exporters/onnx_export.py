@@ -14,7 +14,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import sys
 import time
 import warnings
@@ -467,27 +466,8 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                 if isinstance(nxt, ExportError):
                     raise nxt from None
                 cause = nxt
-            raise _unsupported_operator(e, opset) or ExportError(
+            raise aten_symbolics.unsupported_operator(e, "torchscript", opset) or ExportError(
                 f"torch.onnx.export failed: {first_line(e, 200)}") from None
-
-
-_UNSUPPORTED = re.compile(r"Exporting the operator '([\w:.]+)' to ONNX opset version (\d+) is not supported")
-
-
-def _unsupported_operator(e: Exception, opset: int) -> ExportError | None:
-    """The error for an op torch's TorchScript exporter has no translation for at ``opset``: the op's name and what
-    to try (the opset torch translates it from, the dynamo exporter), in place of torch's message and IR dump."""
-    m = _UNSUPPORTED.search(str(e))
-    if m is None:
-        return None
-    op = m.group(1)
-    since = aten_symbolics.torchscript_min_opset(op)
-    if since is not None and opset < since <= 21:
-        fix = f"torch translates it from opset {since}: pass --opset {since}, or try --exporter dynamo"
-    else:
-        fix = ("torch has no ONNX translation for it at any opset: try --exporter dynamo (torch.export translates "
-               "more ops), or compute it with other ops in the model's forward")
-    return ExportError(f"the TorchScript exporter cannot export operator {op} at opset {opset}; {fix}")
 
 
 @contextlib.contextmanager

@@ -71,17 +71,18 @@ class RunningMax(nn.Module):
 '''
 
 
-@pytest.mark.parametrize("factory,fragments", [
-    ("Folding", ("aten::col2im", "at opset 13", "--opset 18", "--exporter dynamo")),
-    ("RunningMax", ("aten::cummax", "at opset 13", "--exporter dynamo", "no ONNX translation")),
+@pytest.mark.parametrize("factory,exporter,fragments", [
+    ("Folding", "torchscript", ("aten::col2im", "at opset 13", "--opset 18", "--exporter dynamo")),
+    ("RunningMax", "torchscript", ("aten::cummax", "at opset 13", "--exporter dynamo", "no ONNX translation")),
+    ("RunningMax", "dynamo", ("aten::cummax", "dynamo exporter", "neither torch exporter", "other ops")),
 ])
-def test_an_op_torch_cannot_export_is_named_with_what_to_try(tmp_path, factory, fragments):
+def test_an_op_torch_cannot_export_is_named_with_what_to_try(tmp_path, factory, exporter, fragments):
     (tmp_path / "ops.py").write_text(UNSUPPORTED)
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((8, 1, 12)).astype(np.float32))
     out = tmp_path / "m.calib.pt"
     r = cli("calibrate", f"{tmp_path / 'ops.py'}:{factory}", "--data", tmp_path / "x.npy", "--out", out)
     assert r.exit_code == 0, r.output
-    r = cli("export", out, "--onnx", tmp_path / "m.onnx", "--json")
+    r = cli("export", out, "--onnx", tmp_path / "m.onnx", "--exporter", exporter, "--json")
     assert_clean_error(r, *fragments)  # one line on stderr, nothing on stdout: no IR dump, no traceback
     assert not (tmp_path / "m.onnx").exists()
 
