@@ -149,12 +149,14 @@ def test_decoder_factory_exports_with_torchscript(tmp_path, factory, layers, ops
     _check_runtime(tmp_path / "lm.onnx", layers)
 
 
-def _tokenizer(texts):
-    """A WordLevel tokenizer trained here on the texts: nothing downloaded."""
+def _tokenizer(texts, pad: bool = True):
+    """A WordLevel tokenizer trained here on the texts: nothing downloaded. ``pad=False``: no padding token, only an
+    end-of-sequence token, as GPT-2's and Llama's tokenizers have."""
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.train_from_iterator(texts, tokenizers.trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]"]))
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]",
+    tok.train_from_iterator(texts, tokenizers.trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    special = {"pad_token": "[PAD]"} if pad else {"eos_token": "[EOS]"}
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", **special,
                                                 model_input_names=["input_ids", "attention_mask"])
 
 
@@ -183,7 +185,7 @@ def _causal_lm(kind: str, vocab: int):
                                                    ("qwen2", 15, ("torchscript",))])
 def test_causal_lm_folder_with_text_data(tmp_path, kind, layers, exporters):
     texts = _texts()
-    tok = _tokenizer(texts)
+    tok = _tokenizer(texts, pad=kind != "llama")  # Llama's: an end-of-sequence token and no padding token
     torch.manual_seed(0)
     model = _causal_lm(kind, len(tok.get_vocab())).eval()
     folder = tmp_path / kind
@@ -205,6 +207,8 @@ def test_causal_lm_folder_with_text_data(tmp_path, kind, layers, exporters):
 
 def _full_sequence_logits(onnx_path, model, tok, texts) -> None:
     """The graph gives logits for every position (a prefill), close to transformers' own on held-out text."""
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
     enc = tok(texts, padding=True, return_tensors="np")
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
     (logits,) = sess.run(None, {"input_ids": enc["input_ids"].astype(np.int64),
