@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantcli import quantize_model
+from quantcli.calibrate_job import layers_summary
 from quantcli.calibration import calibrate
 from quantcli.nn.linear_like import linear_layout
 from quantcli.nn.modules import QuantConv1d, QuantConv2d, QuantLinear
@@ -80,6 +81,18 @@ def test_gpt2_every_projection_quantized_embeddings_reported():
     layer = model.transformer.h[0].attn.c_attn
     assert isinstance(layer, Conv1D) and layer.weight_quantizer.desc.axis == 1
     assert not layer.int32_bias  # added in float after MatMul, as a 3-D nn.Linear's bias
+    summary = layers_summary(report, model)
+    assert summary["quantized"] == report.layers and summary["text"].startswith("9 quantized; 2 weighted")
+
+
+def test_summary_counts_layers_whose_quantizers_are_disabled_as_float():
+    cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=8)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    quantize_model(model, "int8-dynamic")  # quantizes nn.Linear only: Conv1D keeps disabled quantizers
+    summary = layers_summary(model.quantcli_report, model)
+    assert summary["quantized"] == ["lm_head"]
+    disabled = {f["name"]: f["type"] for f in summary["float"] if "disabled" in f["reason"]}
+    assert disabled == {f"transformer.h.0.{n}": "Conv1D" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
 
 
 class MyLinear(nn.Module):
