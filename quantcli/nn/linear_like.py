@@ -53,7 +53,7 @@ class QuantLinearLike(QuantMixin):
         return self.quantize_output(F.linear(x, w, bias))
 
 
-_SUBCLASSES: dict[tuple[type, type], type] = {}
+_SUBCLASSES: dict[tuple[type, type, int | None], type] = {}
 
 
 def _subclass(qbase: type, cls: type, weight_axis: int | None = None) -> type:
