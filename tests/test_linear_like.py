@@ -185,3 +185,23 @@ def test_weight_normed_conv_is_resolved_and_quantized():
     # a model rebuilt the same way takes the stored state dict (as load_calibrated does)
     quantize_model(before)
     before.load_state_dict(m.state_dict(), strict=True)
+
+
+def test_weight_normed_conv_before_a_batchnorm_folds_into_the_stored_weight():
+    torch.manual_seed(0)
+    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(4, 6, 3, padding=1), name="weight", dim=0)
+    bn = nn.BatchNorm1d(6)
+    with torch.no_grad():
+        bn.running_mean.normal_()
+        bn.running_var.uniform_(0.5, 2.0)
+        bn.weight.normal_()
+    m = nn.Sequential(conv, bn).eval()
+    x = torch.randn(2, 4, 16)
+    ref = m(x)
+    quantize_model(m)
+    report = m.quantcli_report
+    assert report.resolved_parametrizations == ["0"] and len(report.batchnorm.folded) == 1
+    assert isinstance(m[0], QuantConv1d) and isinstance(m[1], nn.Identity)
+    for q in quantizers(m).values():
+        q.set_mode("disabled")
+    assert torch.allclose(m(x), ref, atol=1e-5)

@@ -62,9 +62,10 @@ def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch
     """
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
+    # first: a folded BatchNorm scales the weight a parametrization would otherwise recompute
+    report.resolved_parametrizations = resolve_parametrizations(model)
     if cfg.fold_batchnorm if fold is None else fold:
         report.batchnorm = fold_batchnorm(model, example)
-    report.resolved_parametrizations = resolve_parametrizations(model)
     used: set[int] = set()
     layers: dict[str, nn.Module] = {}
     own_grid: set[str] = set()  # input quantizers whose grid a rule chose
