@@ -205,3 +205,28 @@ def test_weight_normed_conv_before_a_batchnorm_folds_into_the_stored_weight():
     for q in quantizers(m).values():
         q.set_mode("disabled")
     assert torch.allclose(m(x), ref, atol=1e-5)
+
+
+def test_smoothquant_folds_conv1d_inputs_into_the_layernorms_before_them():
+    from quantcli.smoothquant import smooth_quant
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    quantize_model(model)
+    ids = torch.randint(0, 50, (4, 10), generator=torch.Generator().manual_seed(1))
+    for q in quantizers(model).values():
+        q.set_mode("disabled")
+    ref = model(input_ids=ids).logits
+    before = model.transformer.h[0].attn.c_attn.weight.detach().clone()
+    report = smooth_quant(model, [{"input_ids": ids}], 0.5, device="cpu")
+    folds = {g.consumers[0]: (g.fold, g.into) for g in report.groups}
+    for i in range(2):  # [in, out] weights: row j scaled by s[j], its LayerNorm's channel j divided by it
+        assert folds[f"transformer.h.{i}.attn.c_attn"] == ("layernorm", f"transformer.h.{i}.ln_1")
+        assert folds[f"transformer.h.{i}.mlp.c_fc"] == ("layernorm", f"transformer.h.{i}.ln_2")
+    ratio = model.transformer.h[0].attn.c_attn.weight.detach() / before
+    assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-5)  # one factor per input row
+    assert not torch.allclose(ratio[:, 0], ratio[0, 0].expand(ratio.shape[0]))
+    # tied to the token embedding: scaling it would change the embedding too (it did, before)
+    assert "lm_head" not in folds and "tied" in report.skipped["lm_head"]
+    assert torch.allclose(model(input_ids=ids).logits, ref, atol=1e-4)

@@ -45,6 +45,9 @@ class QuantLinearLike(QuantMixin):
     takes_int32_bias = False
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
+        if smooth is not None:
+            input = smooth(input)
         x, w = self.input_quantizer(input), self.quantized_weight()
         bias = self._parameters.get("bias")
         if self.weight_axis == 1:
