@@ -246,6 +246,9 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     except ExportError:
         raise
     except Exception as e:
-        raise ExportError(f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}") from None
+        from exporters.aten_symbolics import unsupported_operator
+
+        raise unsupported_operator(e, "dynamo", opset) or ExportError(
+            f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}") from None
     finally:
         torch_onnx_log.setLevel(level)

@@ -14,6 +14,7 @@ import contextlib
 import io
 import json
 import os
+import sys
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -23,12 +24,13 @@ import onnx
 import torch
 from torch import nn
 
+from exporters import aten_symbolics
 from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, name_scopes, qdq_pairs, scope_module_path
 from exporters.matmul_nbits import KN_WEIGHTS_KEY, to_matmul_nbits
-from exporters.opset import OpProbe, format_opset, ops_opset
+from exporters.opset import LAYER_NORM_OPSET, OpProbe, format_opset, ops_opset
 from exporters.ort_compat import guard_fp8, session_needs
 from exporters.ort_placement import place_for_onnxruntime
 from exporters.runtime_fusion import inspect_fusion
@@ -288,7 +290,7 @@ def _resolve_opset(model: nn.Module, probe: OpProbe, opset: int | None, need: in
     if opset is None:
         return max(need, best), f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else ""), ""
     note = ""
-    if opset < best:
+    if opset < best and best == LAYER_NORM_OPSET:
         note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}: "
                 f"onnxruntime fuses it back into LayerNormalization (forming no SkipLayerNormalization), other "
                 f"runtimes may not; leave --opset out for {best}")
@@ -454,8 +456,9 @@ def _positional_args(model: nn.Module, example: dict[str, torch.Tensor]) -> tupl
 def _export_torchscript(model, example, path, opset, input_names, output_names, axes) -> None:
     from torch.onnx import symbolic_helper  # noqa: F401  (registers helpers used by symbolic functions)
 
+    aten_symbolics.register()
     args = _positional_args(model, example)
-    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), native_output_silenced():
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(
@@ -471,4 +474,31 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                 if isinstance(nxt, ExportError):
                     raise nxt from None
                 cause = nxt
-            raise ExportError(f"torch.onnx.export failed: {first_line(e, 200)}") from None
+            raise aten_symbolics.unsupported_operator(e, "torchscript", opset) or ExportError(
+                f"torch.onnx.export failed: {first_line(e, 200)}") from None
+
+
+@contextlib.contextmanager
+def native_output_silenced():
+    """Send what native code writes to stdout/stderr (torch prints its whole IR graph on an export error, whatever
+    ``verbose`` says) to nowhere, so ``--json`` output stays JSON; Python-level output is untouched."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = []
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        yield
+        return
+    try:
+        for fd in (1, 2):
+            with contextlib.suppress(OSError):
+                saved.append((fd, os.dup(fd)))
+                os.dup2(devnull, fd)
+        yield
+    finally:
+        for fd, copy in saved:
+            os.dup2(copy, fd)
+            os.close(copy)
+        os.close(devnull)

@@ -21,6 +21,9 @@ from quantcli import formats as fm
 from quantcli.nn.replace import quantizers
 
 LAYER_NORM_OPSET = 17  # ONNX LayerNormalization
+#: torch's TorchScript exporter translates ``scaled_dot_product_attention`` (transformers' default attention in
+#: Llama/Qwen2-style decoders, which have no LayerNorm) from opset 14; below it that export cannot be written
+ATTENTION_OPSET = 14
 
 
 def format_opset(model: nn.Module) -> tuple[int, str]:
@@ -38,19 +41,23 @@ def format_opset(model: nn.Module) -> tuple[int, str]:
 
 
 _LAYER_NORM_FUNCTIONS = (torch.nn.functional.layer_norm, torch.layer_norm, torch.native_layer_norm)
+_ATTENTION_FUNCTIONS = (torch.nn.functional.scaled_dot_product_attention,)
 
 
 class OpProbe(TorchFunctionMode):
     """Records, during one forward pass, whether the model calls a layer norm (``nn.LayerNorm`` or
-    ``F.layer_norm`` called directly): module scans miss the functional form."""
+    ``F.layer_norm`` called directly: module scans miss the functional form) and ``scaled_dot_product_attention``."""
 
     def __init__(self):
         super().__init__()
         self.layer_norm = False
+        self.attention = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _LAYER_NORM_FUNCTIONS:
             self.layer_norm = True
+        elif func in _ATTENTION_FUNCTIONS:
+            self.attention = True
         return func(*args, **(kwargs or {}))
 
 
@@ -59,4 +66,6 @@ def ops_opset(model: nn.Module, probe: OpProbe | None = None) -> tuple[int, str]
     forward pass of the model."""
     if (probe is not None and probe.layer_norm) or any(isinstance(m, nn.LayerNorm) for m in model.modules()):
         return LAYER_NORM_OPSET, "LayerNorm (LayerNormalization)"
+    if probe is not None and probe.attention:
+        return ATTENTION_OPSET, "scaled_dot_product_attention"
     return fm.MIN_OPSET, ""

@@ -155,6 +155,7 @@ class CalibrationJob:
         info["target"] = self.config.target
         info["placement"] = placement_summary(self.report.placement, self.config.target)
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
+        info["layers"] = layers_summary(self.report, self.model)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
         info["weight_rounding"] = (self.weight_rounding.to_dict() if self.weight_rounding is not None
@@ -175,6 +176,28 @@ class CalibrationJob:
         info = self.summarise(summary, mixed, smoothed)
         self.save(info)
         return CalibrationOutcome(self, summary, info, mixed, smoothed)
+
+
+def layers_summary(report, model: nn.Module) -> dict:
+    """The layers quantized (converted by quantize_model with a quantizer still enabled), the weighted modules left
+    float and why (:mod:`quantcli.nn.linear_like`; a converted layer whose quantizers the preset, a rule or the
+    quality target disabled), the parametrized weights stored as values, and a one-line ``text``."""
+    modules = dict(model.named_modules())
+
+    def enabled(name: str) -> bool:
+        return any(getattr(getattr(modules[name], f"{k}_quantizer", None), "enabled", False)
+                   for k in ("input", "weight"))
+
+    quantized = [n for n in report.layers if enabled(n)]
+    floats = [*report.float_layers, *({"name": n, "type": type(modules[n]).__name__.removeprefix("Quant"),
+                                       "reason": "its quantizers are disabled (preset, config rule or quality target)"}
+                                      for n in report.layers if not enabled(n))]
+    text = f"{len(quantized)} quantized"
+    if floats:
+        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in floats[:3])
+        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (" ..." if len(floats) > 3 else "")
+    return {"quantized": quantized, "float": floats,
+            "resolved_parametrizations": list(report.resolved_parametrizations), "text": text}
 
 
 @dataclass

@@ -367,6 +367,7 @@ def _calibrate_setup_rows(outcome):
 def _calibrate_result_rows(outcome):
     """Rows saying what came out: quantizers, smoothing, amax, auto choices, the quality target, the file."""
     summary, smoothed, mixed = outcome.summary, outcome.smoothed, outcome.mixed
+    yield "layers", outcome.info["layers"]["text"]
     yield "quantizers calibrated", str(len(summary.calibrated))
     yield "quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)"
     if summary.dynamic:

@@ -9,7 +9,9 @@ rebuild the same class from the installed ``transformers`` after the folder is g
 The module quantcli calibrates is the transformers model itself with a ``forward`` that takes the tensor inputs
 (``input_ids``, ``attention_mask``, ``token_type_ids`` where the model takes it; or ``pixel_values``) and returns
 what a user deploys: every ``*logits`` output of a task head, else ``last_hidden_state``, or with
-``pooling="mean"`` its mean over the (unmasked) tokens as ``embeddings``.
+``pooling="mean"`` its mean over the (unmasked) tokens as ``embeddings``. A causal LM (``GPT2LMHeadModel``,
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) gives its ``logits`` for every position of the sequence, computed
+with ``use_cache=False``: the graph is a prefill over the full sequence, with no KV cache inputs or outputs.
 """
 
 from __future__ import annotations
@@ -140,6 +142,9 @@ class _Outputs:
 
     quantcli_pooling = "none"
     quantcli_task_head = True
+    #: ``{"use_cache": False}`` where forward takes ``use_cache``: a decoder LM runs (and exports) as a prefill over
+    #: the whole sequence, without building a KV cache
+    quantcli_no_cache: dict = {}
 
     def _quantcli_outputs(self, out, attention_mask):
         if self.quantcli_task_head:
@@ -160,13 +165,14 @@ class _Outputs:
 class _TextWithTypes(_Outputs):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None):
         out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                              return_dict=True)
+                              return_dict=True, **self.quantcli_no_cache)
         return self._quantcli_outputs(out, attention_mask)
 
 
 class _Text(_Outputs):
     def forward(self, input_ids, attention_mask=None):
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, return_dict=True,
+                              **self.quantcli_no_cache)
         return self._quantcli_outputs(out, attention_mask)
 
 
@@ -189,6 +195,8 @@ def _deployable(model: nn.Module, extra: dict[str, Any]) -> nn.Module:
     model.__class__ = _WRAPPED[key]  # same parameters and names; only forward's signature and outputs change
     model.quantcli_pooling = extra.get("pooling", "none")
     model.quantcli_task_head = bool(extra.get("task_head", True))
+    if "use_cache" in inspect.signature(cls.forward).parameters:
+        model.quantcli_no_cache = {"use_cache": False}
     return model
 
 

@@ -36,6 +36,7 @@ from torch import nn
 from quantcli.calibration import resolve_device
 from quantcli.data import Batch, run_model, to_device
 from quantcli.errors import CalibrationError
+from quantcli.nn.linear_like import QuantLinearLike
 from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.modules import QuantLinear
 from quantcli.nn.smooth import attach, smoothed_layers
@@ -115,8 +116,12 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
     model.eval()
     model.to(dev)
     layers = {n: m for n, m in model.named_modules()
-              if isinstance(m, QuantLinear) and m.input_quantizer.enabled}
+              if isinstance(m, (QuantLinear, QuantLinearLike)) and m.input_quantizer.enabled}
     report = SmoothReport(alpha)
+    tied = _tied_weights(model, layers)
+    layers = {n: m for n, m in layers.items() if n not in tied}
+    if not layers and tied:
+        raise CalibrationError(f"no Linear layer to smooth: {', '.join(tied)} share their weight with another module")
     if not layers:
         raise CalibrationError("no Linear layer with an enabled input quantizer: nothing to smooth")
     check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batches[0], dev).items()}
@@ -126,7 +131,7 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
         plans = []
         for inp, consumers in obs.groups:
             act = torch.stack([obs.act_amax[c] for c in consumers]).amax(0)
-            w = torch.stack([layers[c].weight.detach().abs().amax(0) for c in consumers]).amax(0)
+            w = torch.stack([_weight_in_amax(layers[c]) for c in consumers]).amax(0)
             s = smoothing_scales(act, w, alpha)
             # no floating-point output to compare (e.g. class ids): no trial can show a fold exact, so Muls only
             fold, into = (_choose_fold(model, check, reference, obs, inp, consumers, layers) if reference
@@ -138,7 +143,7 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
             s = s.clone()
             _apply(model, layers, consumers, fold, into, s, explicit=True)
             report.groups.append(SmoothGroup(consumers, fold, into, float(s.min()), float(s.max())))
-    report.skipped = obs.skipped
+    report.skipped = {**tied, **obs.skipped}
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -188,7 +193,7 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
 
     handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in layers.items()]
     handles += [m.register_forward_pre_hook(order_hook(n)) for n, m in model.named_modules()
-                if isinstance(m, nn.Linear)]
+                if isinstance(m, (nn.Linear, QuantLinearLike))]
     handles += [m.register_forward_hook(ln_hook(n)) for n, m in model.named_modules()
                 if isinstance(m, nn.LayerNorm)]
     try:
@@ -224,7 +229,7 @@ def _group(inputs: dict[str, list[torch.Tensor]], order: dict[str, int]) -> list
 def _choose_fold(model, check, reference, obs: _Observed, inp: int, consumers: list[str],
                  layers: dict[str, QuantLinear]) -> tuple[str, str | None]:
     """The first fold that keeps the model's outputs equal under random factors, else ``mul``."""
-    channels = layers[consumers[0]].in_features
+    channels = _features(layers[consumers[0]])[0]
     r = torch.empty(channels).uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(channels)).exp()
     candidates: list[tuple[str, str]] = []
     if inp in obs.ln_outputs:
@@ -235,7 +240,7 @@ def _choose_fold(model, check, reference, obs: _Observed, inp: int, consumers: l
         start = min(obs.order[c] for c in consumers)
         earlier = sorted((n for n, i in obs.order.items() if i < start and n not in consumers),
                          key=lambda n: -obs.order[n])
-        linears = [n for n in earlier if model.get_submodule(n).out_features == channels]
+        linears = [n for n in earlier if _features(model.get_submodule(n))[1] == channels]
         candidates += [("linear", n) for n in linears[:LINEAR_CANDIDATES]]
     for fold, into in candidates:
         if _fold_holds(model, check, reference, layers, consumers, fold, into, r.to(layers[consumers[0]].weight.device)):
@@ -270,21 +275,53 @@ def _apply(model, layers, consumers, fold, into, s, explicit: bool) -> list[tupl
         t.mul_(by.to(t.dtype))
 
     with torch.no_grad():
-        for c in consumers:
-            scale_(layers[c].weight.data, s)  # (out, in) * (in,): column j times s[j]
+        for c in consumers:  # input channel j of the weight times s[j]
+            scale_(layers[c].weight.data, s if _out_axis(layers[c]) == 0 else s[:, None])
         if fold == "layernorm":
             ln = model.get_submodule(into)
             scale_(ln.weight.data, 1.0 / s)
             scale_(ln.bias.data, 1.0 / s)
         elif fold == "linear":
             producer = model.get_submodule(into)
-            scale_(producer.weight.data, (1.0 / s)[:, None])  # output row j divided by s[j]
+            # output channel j divided by s[j]
+            scale_(producer.weight.data, (1.0 / s)[:, None] if _out_axis(producer) == 0 else 1.0 / s)
             if producer.bias is not None:
                 scale_(producer.bias.data, 1.0 / s)
         elif explicit:
             for c in consumers:
                 attach(layers[c], (1.0 / s).to(torch.float32))
     return saved
+
+
+def _tied_weights(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, str]:
+    """Layers whose weight is also another module's parameter (an LM head tied to the token embedding): scaling
+    it in place would change that module too, so the float model would no longer compute the original."""
+    owners: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    out = {}
+    for n, m in layers.items():
+        others = [o for o in owners.get(id(m.weight), []) if o != (f"{n}.weight" if n else "weight")]
+        if others:
+            out[n] = f"its weight is also {others[0]} (tied): scaling it would change that module too"
+    return out
+
+
+def _out_axis(layer: nn.Module) -> int:
+    """The weight's output-channel axis: 0 for ``nn.Linear`` (``[out, in]``), 1 for transformers' ``Conv1D``
+    (``[in, out]``, :class:`quantcli.nn.linear_like.QuantLinearLike`)."""
+    return getattr(layer, "weight_axis", 0)
+
+
+def _features(layer: nn.Module) -> tuple[int, int]:
+    """(input channels, output channels) of a Linear-like layer's weight."""
+    axis = _out_axis(layer)
+    return layer.weight.shape[1 - axis], layer.weight.shape[axis]
+
+
+def _weight_in_amax(layer: nn.Module) -> torch.Tensor:
+    """Max |weight| per input channel, ``(in,)``."""
+    return layer.weight.detach().abs().amax(_out_axis(layer))
 
 
 def _outputs(out) -> list[torch.Tensor]:

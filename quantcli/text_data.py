@@ -2,7 +2,8 @@
 tokenized with a Hugging Face tokenizer into the integer inputs ``forward`` takes.
 
 Blank lines are skipped. Each batch is padded to its own longest example (at most ``max_length`` tokens), so
-sequence lengths differ between batches as they would in deployment. The tokenizer comes from a folder
+sequence lengths differ between batches as they would in deployment; a tokenizer without a padding token (a causal
+LM's) pads with its end-of-sequence token. The tokenizer comes from a folder
 (``--tokenizer``, else the model folder) or from the files a calibrated checkpoint stored, loaded with
 ``local_files_only`` and without ``trust_remote_code``.
 """
@@ -107,6 +108,8 @@ def text_batches(texts: list[str], tokenizer: Any, max_length: int, batch_size: 
     """
     if max_length <= 0:
         raise DataError(f"--max-length must be positive, got {max_length}")
+    if batch_size > 1 and len(texts) > 1:
+        _pad_with_eos(tokenizer)
     batches = []
     for i in range(0, len(texts), batch_size):
         try:
@@ -119,3 +122,14 @@ def text_batches(texts: list[str], tokenizer: Any, max_length: int, batch_size: 
             raise DataError(f"text data gives input_ids, but forward takes ({', '.join(accepted)})")
         batches.append(batch)
     return batches
+
+
+def _pad_with_eos(tokenizer: Any) -> None:
+    """Causal-LM tokenizers (GPT-2's, Llama's) have no padding token: pad with the end-of-sequence token, as
+    transformers' own generation does. The padded positions are masked out by ``attention_mask``."""
+    if getattr(tokenizer, "pad_token", None) is not None:
+        return
+    if getattr(tokenizer, "eos_token", None) is None:
+        raise DataError("the tokenizer has no padding token (nor an end-of-sequence token to pad with), so texts "
+                        "cannot be batched: pass --batch-size 1, or set pad_token in its tokenizer_config.json")
+    tokenizer.pad_token = tokenizer.eos_token

@@ -11,7 +11,8 @@ from torch import nn
 from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
-from quantcli.nn.modules import QUANT_CLASSES, apply_output_quantizer_after
+from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
+from quantcli.nn.modules import apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 
@@ -25,6 +26,10 @@ class QuantizeReport:
     unmatched_patterns: list[str] = field(default_factory=list)
     batchnorm: FoldReport = field(default_factory=FoldReport)  # the BatchNorms folded, and those left alone
     placement: Placement | None = None
+    # modules that own a 2+-D floating weight and stay float: {"name", "type", "reason"} (quantcli.nn.linear_like)
+    float_layers: list[dict[str, str]] = field(default_factory=list)
+    # torch layers whose parametrized weight (weight_norm, ...) was stored as the value it computes
+    resolved_parametrizations: list[str] = field(default_factory=list)
 
 
 def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
@@ -34,7 +39,9 @@ def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
 
 def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch.Tensor] | None = None,
                    fold: bool | None = None) -> nn.Module:
-    """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd`` (exact types).
+    """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd``, and every
+    module that computes what one does (:mod:`quantcli.nn.linear_like`: transformers' ``Conv1D``, subclasses,
+    weight-normed convolutions); the report lists the weighted modules left float and why.
 
     First, when the config's ``fold_batchnorm`` is on (the default), every BatchNorm that only its preceding
     Conv/ConvTranspose/Linear feeds is folded into that layer (:func:`quantcli.nn.fold_bn.fold_batchnorm`), so
@@ -55,14 +62,19 @@ def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch
     """
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
+    # first: a folded BatchNorm scales the weight a parametrization would otherwise recompute
+    report.resolved_parametrizations = resolve_parametrizations(model)
     if cfg.fold_batchnorm if fold is None else fold:
         report.batchnorm = fold_batchnorm(model, example)
     used: set[int] = set()
     layers: dict[str, nn.Module] = {}
     own_grid: set[str] = set()  # input quantizers whose grid a rule chose
     for name, module in list(model.named_modules()):
-        qcls = QUANT_CLASSES.get(type(module))
+        qcls = quant_class(module)
         if qcls is None:
+            reason = float_reason(module)
+            if reason is not None:
+                report.float_layers.append({"name": name, "type": type(module).__name__, "reason": reason})
             continue
         module.__class__ = qcls
         for kind in ("input", "weight"):
@@ -130,7 +142,8 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
             apply_output_quantizer_after(modules[after[0]], module)
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
-        if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)):
+        if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) \
+                and getattr(module, "takes_int32_bias", True):
             module.int32_bias = True
     report.placement = placement
     return used
