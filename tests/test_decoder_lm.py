@@ -82,8 +82,11 @@ def test_an_op_torch_cannot_export_is_named_with_what_to_try(tmp_path, factory, 
     out = tmp_path / "m.calib.pt"
     r = cli("calibrate", f"{tmp_path / 'ops.py'}:{factory}", "--data", tmp_path / "x.npy", "--out", out)
     assert r.exit_code == 0, r.output
-    r = cli("export", out, "--onnx", tmp_path / "m.onnx", "--exporter", exporter, "--json")
+    r = cli("export", out, "--onnx", tmp_path / "m.onnx", "--exporter", exporter)
     assert_clean_error(r, *fragments)  # one line on stderr, nothing on stdout: no IR dump, no traceback
+    r = cli("export", out, "--onnx", tmp_path / "m.onnx", "--exporter", exporter, "--json")
+    error = json.loads(r.stdout)  # stdout holds the error object alone: torch's IR dump would break the parse
+    assert r.exit_code == 2 and error["exit_code"] == 2 and error["error"] == r.stderr.strip().removeprefix("error: ")
     assert not (tmp_path / "m.onnx").exists()
 
 
