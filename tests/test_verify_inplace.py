@@ -87,3 +87,27 @@ def test_captured_quantizer_outputs_are_the_quantizers_own(inplace):
         model(x)
     codes = seen["block.conv2.output_quantizer"][0] / (float(q.amax) / 127)
     assert np.abs(codes - np.round(codes)).max() < 1e-3  # on the int8 grid: nothing added after the quantizer
+
+
+def test_a_node_failing_at_run_time_is_the_graphs_fault_not_bad_input():
+    """onnxruntime refusing the inputs is bad input (exit 2); a node of a graph that loaded failing on them is a
+    failed check (``graph.runs``, exit 1): the mutation campaign's deleted Adds made ViT's Reshape fail."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from quantcli.errors import GraphRunError, VerifyError
+    from quantcli.verify import sessions
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    shape = onnx.numpy_helper.from_array(np.array([3, -1], np.int64), "shape")
+    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"], name="r")], "g", [x], [y], [shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert sessions.run(sess, {"x": np.zeros((3, 4), np.float32)}, "b")[0].shape == (3, 4)
+    with pytest.raises(GraphRunError, match="Reshape"):  # 2 x 4 values do not make 3 rows
+        sessions.run(sess, {"x": np.zeros((2, 4), np.float32)}, "b")
+    with pytest.raises(VerifyError) as refused:  # the wrong rank: refused before any node runs
+        sessions.run(sess, {"x": np.zeros((2, 4, 1), np.float32)}, "b")
+    assert not isinstance(refused.value, GraphRunError)

@@ -19,7 +19,7 @@ from exporters.graph import read_onnx
 from exporters.ort_placement import strip_propagated
 from quantcli.checkpoint import Calibrated, load_calibrated
 from quantcli.data import Batch, describe, flat_outputs, num_samples, run_model
-from quantcli.errors import VerifyError
+from quantcli.errors import GraphRunError, VerifyError
 from quantcli.verify import replay as rp
 from quantcli.verify import sessions
 from quantcli.verify.outputs import logit_outputs
@@ -95,9 +95,12 @@ def verify_onnx(
     batches = _verification_batches(ckpt, batches)
     structure, weight_rows = check_structure(model, ckpt)
     ss = _open_sessions(model, prov, provider, deployment)
-    cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
     report = VerifyReport(str(onnx_path), ckpt.path, ss.provider, len(batches), num_samples(batches),
                           structure=structure, provider_note=ss.provider_note)
+    try:
+        cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
+    except GraphRunError as e:
+        return _graph_failed(report, e, t0)
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
     _reference_check(report, cmp)
     use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
@@ -110,6 +113,17 @@ def verify_onnx(
     if per_layer:
         ranked = sorted(rows.values(), key=lambda r: r["snr_db"] if r["snr_db"] is not None else math.inf)
         report.layers = [{**r, "rank": k} for k, r in enumerate(ranked, start=1)]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _graph_failed(report: VerifyReport, error: GraphRunError, t0: float) -> VerifyReport:
+    """The graph loaded but a node failed on inputs the model ran on: the failed check ``graph.runs`` (its detail
+    names the node), with nothing to compare."""
+    report.checks.append(at_least("graph.runs", 1, 0, str(error)))
+    report.fidelity = {"outputs": {}, "quantizers": {}, "sample_size": 0, "exact_samples": 0, "not_replayed": [],
+                       "failing_quantizers": []}
+    report.quality = {"session": "exact", "outputs": {}, "exact_outputs": {}}
     report.seconds = time.perf_counter() - t0
     return report
 
