@@ -91,7 +91,7 @@ def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: P
     rep = json.loads(out) if code in (0, 1) else {}
     row = {"verify": {0: "PASS", 1: "FAIL"}.get(code, "ERROR (exit 2)"), "graph": graph}
     if rep:
-        row["rms_ratio"] = max(o["rms_ratio"] for o in rep["fidelity"]["outputs"].values())
+        row["rms_ratio"] = max((o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan"))
         row["failed"] = ", ".join(f"{c['name']} ({c['detail']})" for c in rep["checks"] if not c["passed"])
     code, out = cli("inspect", graph, "--runtime", "onnxruntime", "--json")
     if code == 0:

@@ -57,7 +57,7 @@ def mutations(names: list[str], folder: Path) -> list[dict]:
                 failed = [c["name"] for c in rep["checks"] if not c["passed"]]
                 if not rep["structure"]["passed"]:
                     failed.insert(0, "structure")
-                row["rms_ratio"] = max(o["rms_ratio"] for o in rep["fidelity"]["outputs"].values())
+                row["rms_ratio"] = max((o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan"))
                 row["failed"] = ", ".join(failed)
                 row["caught without rms_ratio"] = "yes" if set(failed) - {"fidelity.rms_ratio"} else "no"
             rows.append(row)
