@@ -20,7 +20,7 @@ from torch import nn
 
 from quantcli.calibration import CalibrationSummary, resolve_device
 from quantcli.calibration import calibrate as calibrate_amax
-from quantcli.checkpoint import save_calibrated
+from quantcli.checkpoint import save_calibrated, state_snapshot
 from quantcli.data import Batch, DataOptions, cap_samples, describe_preprocessing, load_data, num_samples
 from quantcli.errors import DataError, QuantCliError
 from quantcli.files import refuse_overwriting_inputs
@@ -77,6 +77,7 @@ class CalibrationJob:
     batches: list[Batch]
     holdout: tuple[list[Batch], str] | None  # held-out batches for a quality target, and where they came from
     preprocessing: dict | None  # how text or images became tensors (None for tensor files)
+    original: dict  # the state dict of the model as loaded, before quantcli transformed it (verify's reference)
     weight_rounding: WeightRoundingReport | None = None  # --weight-method gptq/awq: what it did
 
     @classmethod
@@ -93,11 +94,12 @@ class CalibrationJob:
             if request.pooling != "none" and spec.kind != "hf":
                 raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
             batches, prep = _calibration_batches(request, rank, model, spec)
+            original = state_snapshot(model)
             quantize_model(model, cfg, example=batches[0] if batches else None)
             if not model.quantcli_report.layers:
                 raise QuantCliError(f"{request.model} has no Linear/Conv/ConvTranspose layers to quantize")
             batches, holdout = _holdout(request, rank, spec, model, batches)
-        return cls(request, rank, cfg, model, spec, batches, holdout, prep)
+        return cls(request, rank, cfg, model, spec, batches, holdout, prep, original)
 
     @property
     def report(self):
@@ -168,7 +170,8 @@ class CalibrationJob:
         """Rank 0 writes the checkpoint (atomically); the others write nothing and learn whether it worked."""
         with one_outcome():
             if self.rank is None or self.rank.rank == 0:
-                save_calibrated(self.out, self.model, self.spec, self.batches[0], info, self.preprocessing)
+                save_calibrated(self.out, self.model, self.spec, self.batches[0], info, self.preprocessing,
+                                self.original)
 
     def finish(self, summary: CalibrationSummary, smoothed: SmoothReport | None) -> CalibrationOutcome:
         """Meet the quality target, summarise, save."""

@@ -4,7 +4,9 @@ Keys: ``format`` (``"quantcli.calibrated"``), ``format_version``, ``quantcli_ver
 factory file's source for file specs; ``extra``: a pickled module's bytes and sha256, or a Hugging Face folder's
 config, class and outputs), ``state_dict`` (weights and every quantizer's amax),
 ``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``batchnorm_folds`` (the
-``{layer, batchnorm}`` pairs folded: the state dict describes the folded model), ``inputs`` (names, dtypes,
+``{layer, batchnorm}`` pairs folded: the state dict describes the folded model), ``original`` (the model as
+loaded, before any transformation: its state dict's ``keys`` and the ``changed`` entries, those that BatchNorm
+folding, SmoothQuant or another rewrite removed or changed; the rest equals ``state_dict``), ``inputs`` (names, dtypes,
 shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing`` (text/image data).
 Written atomically.
 """
@@ -40,12 +42,27 @@ def _example(batch: Batch) -> Batch:
     return {k: v[:EXAMPLE_SAMPLES].detach().cpu().clone() for k, v in batch.items()}
 
 
+def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s state dict (on the CPU): the model as loaded, kept before quantcli transforms it."""
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def original_entries(original: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """What the checkpoint stores of the model as loaded: every key, and the entries ``final`` lacks or changed."""
+    changed = {k: v for k, v in original.items()
+               if k not in final or final[k].shape != v.shape or final[k].dtype != v.dtype or not torch.equal(final[k], v)}
+    return {"keys": list(original), "changed": changed}
+
+
 def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example_batch: Batch,
-                    calibration: dict[str, Any] | None = None, preprocessing: dict[str, Any] | None = None) -> None:
+                    calibration: dict[str, Any] | None = None, preprocessing: dict[str, Any] | None = None,
+                    original: dict[str, torch.Tensor] | None = None) -> None:
     """Write the calibrated checkpoint for a quantized, calibrated ``model``.
 
     ``preprocessing`` (from :func:`quantcli.data.load_data`) records how text or images became tensors, so that
-    verify repeats it: tokenizer files and max length, or image size, mean and std.
+    verify repeats it: tokenizer files and max length, or image size, mean and std. ``original``: the state dict of
+    the model as loaded (:func:`state_snapshot`), so that verify compares with it rather than with what quantcli's
+    transformations made of it.
     """
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
@@ -61,7 +78,7 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
         "format_version": FORMAT_VERSION,
         "quantcli_version": __version__,
         "model": spec.to_plain(),
-        "state_dict": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "state_dict": (state := {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}),
         "quant_config": cfg.to_plain(),
         "quantizers": qs,
         "batchnorm_folds": list(getattr(model, "quantcli_folded_batchnorm", [])),
@@ -75,6 +92,8 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
     }
     if preprocessing is not None:
         data["preprocessing"] = preprocessing
+    if original is not None:
+        data["original"] = original_entries(original, state)
     atomic_write(path, lambda tmp: torch.save(data, tmp))
 
 
@@ -87,6 +106,7 @@ class Calibrated:
     config: QuantConfig
     data: dict[str, Any]
     path: str
+    trust_code: bool = False  # whether the model code may run again (the float reference rebuilds the model)
 
     @property
     def input_names(self) -> list[str]:
@@ -100,8 +120,29 @@ class Calibrated:
     def quantizer_info(self) -> dict[str, dict[str, Any]]:
         return self.data["quantizers"]
 
+    @property
+    def has_original(self) -> bool:
+        """Whether the checkpoint stores the model as loaded (written by a quantcli that keeps it)."""
+        return "original" in self.data
+
     def float_model(self) -> nn.Module:
-        """A copy of the model with every quantizer disabled (the unquantized reference)."""
+        """The unquantized reference: the model as loaded, before BatchNorm folding, SmoothQuant or any other
+        rewrite quantcli applied (eval mode, CPU); for a checkpoint without it, :meth:`transformed_float_model`."""
+        if not self.has_original:
+            return self.transformed_float_model()
+        model = build_model(self.spec, trust_code=self.trust_code, origin=self.path)
+        original = self.data["original"]
+        state = {k: original["changed"][k] if k in original["changed"] else self.data["state_dict"][k]
+                 for k in original["keys"]}
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{self.path}: the stored original weights do not fit the model built from "
+                                  f"{self.spec.spec}: {first_line(e)}") from None
+        return model.eval()
+
+    def transformed_float_model(self) -> nn.Module:
+        """A copy of the quantized model with every quantizer disabled: the model as quantcli transformed it."""
         m = copy.deepcopy(self.model)
         for q in quantizers(m).values():
             q.set_mode("disabled")
@@ -207,4 +248,4 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
             keep_float(q)  # e.g. a layer that never ran during calibration
         else:
             q.set_mode("quantize")
-    return Calibrated(model.eval(), spec, cfg, data, str(path))
+    return Calibrated(model.eval(), spec, cfg, data, str(path), trust_code)

@@ -499,7 +499,7 @@ def verify(
     data: DataOpt = None,
     provider: Annotated[Provider, typer.Option("--provider", help="onnxruntime execution provider.")] = Provider.auto,
     max_abs_diff: Annotated[Optional[float], typer.Option("--max-abs-diff", help="Fidelity, optional: largest |onnxruntime - fake-quant| allowed per output, in the output's units (optimizations off).")] = None,
-    max_rms_ratio: Annotated[Optional[float], typer.Option("--max-rms-ratio", help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed per output, optimizations off (default 0.5).")] = None,
+    max_rms_ratio: Annotated[Optional[float], typer.Option("--max-rms-ratio", help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed per output, optimizations off (default 2.0: a gross bound; docs/verify-criteria.md).")] = None,
     max_deploy_ratio: Annotated[Optional[float], typer.Option("--max-deploy-ratio", help="Deployment, optional: the same ratio for the deployed session (default options).")] = None,
     min_cosine: Annotated[Optional[float], typer.Option("--min-cosine", help="Quality of the deployed session: smallest cosine similarity to the float model allowed.")] = None,
     min_snr: Annotated[Optional[float], typer.Option("--min-snr", help="Quality of the deployed session: smallest SNR (dB) against the float model allowed.")] = None,

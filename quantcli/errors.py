@@ -48,6 +48,11 @@ class VerifyError(QuantCliError):
     """Verification could not be carried out (corrupt ONNX, mismatched inputs, missing provider, ...)."""
 
 
+class GraphRunError(VerifyError):
+    """The graph loaded, and one of its nodes failed at run time on inputs the model ran on: the graph computes
+    something the model does not (verify reports it as the failed check ``graph.runs``, exit 1)."""
+
+
 class UntrustedCodeError(QuantCliError):
     """Building the model would run code that came inside a checkpoint, and the user did not allow it
     (``--trust-code`` / ``trust_code=True``). Raised before anything is executed."""

@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 CHECKS = ["fidelity.codes", "fidelity.replay_steps", "fidelity.replay_outputs", "fidelity.rms_ratio",
+          "reference.transformations",
           "deployment.loads"]
 
 

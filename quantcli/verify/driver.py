@@ -19,7 +19,7 @@ from exporters.graph import read_onnx
 from exporters.ort_placement import strip_propagated
 from quantcli.checkpoint import Calibrated, load_calibrated
 from quantcli.data import Batch, describe, flat_outputs, num_samples, run_model
-from quantcli.errors import VerifyError
+from quantcli.errors import GraphRunError, VerifyError
 from quantcli.verify import replay as rp
 from quantcli.verify import sessions
 from quantcli.verify.outputs import logit_outputs
@@ -31,6 +31,7 @@ from quantcli.verify.verdict import (
     MAX_REPLAY_OUTPUT,
     MAX_REPLAY_STEPS,
     MAX_RMS_RATIO,
+    MAX_TRANSFORM_DEVIATION,
     VerifyReport,
     at_least,
     at_most,
@@ -94,10 +95,14 @@ def verify_onnx(
     batches = _verification_batches(ckpt, batches)
     structure, weight_rows = check_structure(model, ckpt)
     ss = _open_sessions(model, prov, provider, deployment)
-    cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
     report = VerifyReport(str(onnx_path), ckpt.path, ss.provider, len(batches), num_samples(batches),
                           structure=structure, provider_note=ss.provider_note)
+    try:
+        cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
+    except GraphRunError as e:
+        return _graph_failed(report, e, t0)
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
+    _reference_check(report, cmp)
     use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
     report.quality = {"session": "deployed" if use is cmp.dqual else "exact",
                       "outputs": {n: use[n].quality() for n in cmp.out_names},
@@ -108,6 +113,17 @@ def verify_onnx(
     if per_layer:
         ranked = sorted(rows.values(), key=lambda r: r["snr_db"] if r["snr_db"] is not None else math.inf)
         report.layers = [{**r, "rank": k} for k, r in enumerate(ranked, start=1)]
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _graph_failed(report: VerifyReport, error: GraphRunError, t0: float) -> VerifyReport:
+    """The graph loaded but a node failed on inputs the model ran on: the failed check ``graph.runs`` (its detail
+    names the node), with nothing to compare."""
+    report.checks.append(at_least("graph.runs", 1, 0, str(error)))
+    report.fidelity = {"outputs": {}, "quantizers": {}, "sample_size": 0, "exact_samples": 0, "not_replayed": [],
+                       "failing_quantizers": []}
+    report.quality = {"session": "exact", "outputs": {}, "exact_outputs": {}}
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -168,6 +184,7 @@ class _Comparison:
     dqual: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs float
     evidence: rp.Replay | None = None
     exact_samples: int = 0
+    transformed: dict[str, PairStats] | None = None  # quantcli's transformed float model vs the model as loaded
 
     def start(self, logits: set[int]) -> None:
         """Fresh statistics; ``logits``: the outputs (by index) whose top-1 agreement is counted."""
@@ -199,7 +216,8 @@ def _compare_outputs(ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_
     """One pass over the data: the deployed session (what a user ships) against the fake-quant and the float
     model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
     explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer."""
-    qmodel, fmodel = ckpt.model, ckpt.float_model()
+    qmodel, fmodel = ckpt.model, ckpt.float_model()  # the float reference: the model as loaded
+    tmodel = ckpt.transformed_float_model() if ckpt.has_original else None
     cmp = _Comparison(out_names)
     sample, rest = rp.split_sample(batches)
     with constant_weights(qmodel), constant_weights(fmodel):
@@ -214,6 +232,8 @@ def _compare_outputs(ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_
                     ss.deployed, ss.deploy_error = None, str(e)
             if i == 0:
                 ref, flt, got = _sample_pass(ss, cmp, qmodel, fmodel, batch, where)
+                if tmodel is not None:
+                    _compare_transformed(cmp, tmodel, batch, flt, where)
             else:
                 with torch.inference_mode():
                     ref = _numpy(run_model(qmodel, batch, where))
@@ -235,6 +255,34 @@ def _sample_pass(ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch,
     cmp.start(logits)
     cmp.evidence, got = rp.replay(ss.exact, ss.graph, cmp.out_names, qmodel, batch, seen)
     return ref, flt, got
+
+
+def _compare_transformed(cmp: _Comparison, tmodel, batch: Batch, flt: list[np.ndarray], where: str) -> None:
+    """The float model as quantcli transformed it (BatchNorm folding, SmoothQuant, placement rewrites; quantizers
+    off) against the model as loaded, on the sample: the transformations must compute the same, up to rounding."""
+    with torch.inference_mode():
+        got = _numpy(run_model(tmodel, batch, where))
+    if len(got) != len(cmp.out_names):
+        raise VerifyError(f"the transformed model has {len(got)} outputs, the model as loaded {len(flt)}")
+    cmp.transformed = {n: PairStats() for n in cmp.out_names}
+    for k, n in enumerate(cmp.out_names):
+        cmp.transformed[n].add(got[k], flt[k])
+
+
+def _reference_check(report: VerifyReport, cmp: _Comparison) -> None:
+    """``report.reference`` and, where the checkpoint stores the model as loaded, ``reference.transformations``:
+    RMS(transformed float - float as loaded) / RMS(float as loaded), the worst output."""
+    if cmp.transformed is None:
+        report.reference = {"float_model": "as transformed (the checkpoint does not store the model as loaded: "
+                                           "calibrate again to compare with it)"}
+        return
+    rel = {n: ratio(s.rms, math.sqrt(s.n_ref / max(s.count, 1))) for n, s in cmp.transformed.items()}
+    report.reference = {"float_model": "as loaded", "transformed_relative_rms": rel}
+    worst = max(rel, key=rel.get)
+    check = at_most("reference.transformations", MAX_TRANSFORM_DEVIATION, rel[worst], worst)
+    if any(s.nonfinite for s in cmp.transformed.values()):
+        check.passed, check.detail = False, "non-finite values in one model but not the other"
+    report.checks.append(check)
 
 
 def _fidelity(report: VerifyReport, cmp: _Comparison, weight_rows: list[dict[str, Any]], max_rms_ratio: float,

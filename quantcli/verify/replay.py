@@ -167,7 +167,9 @@ def capture(qmodel: torch.nn.Module, names) -> Iterator[dict[str, list[np.ndarra
 
     def keep(name):
         def hook(_m, _i, out):
-            seen.setdefault(name, []).append(out.detach().cpu().numpy())
+            # a copy: the model may change its quantizer's output in place afterwards (``out += identity``,
+            # ``ReLU(inplace=True)``), and a view would then hold the changed values, not the quantizer's
+            seen.setdefault(name, []).append(out.detach().cpu().numpy().copy())
 
         return hook
 
@@ -262,7 +264,7 @@ class _Forcing:
             return None
         d = _steps(x.astype(np.float64) - x_ort, x_ort, p)
         self.deviation[name] = max(self.deviation.get(name, 0.0), d if math.isfinite(d) else math.inf)
-        return torch.from_numpy(np.ascontiguousarray(dq)).to(out.dtype)
+        return _private_tensor(dq, out.dtype)
 
     def _force_dynamic(self, name: str, inputs, out: torch.Tensor, k: int) -> torch.Tensor | None:
         d, deq = self.dyn[name], self.dyn_deq[name]
@@ -273,7 +275,13 @@ class _Forcing:
         step = max(float(self.named[d.scale]), float(np.finfo(np.float32).tiny))  # the run-time scale: one step
         diff = float(np.abs(x.astype(np.float64) - x_ort).max(initial=0.0)) / step
         self.deviation[name] = diff if math.isfinite(diff) else math.inf
-        return torch.from_numpy(np.ascontiguousarray(deq)).to(out.dtype)
+        return _private_tensor(deq, out.dtype)
+
+
+def _private_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of its own holding ``values``: the model may change what a quantizer hands on in place (``out +=
+    identity``, ``ReLU(inplace=True)``); a view would write into onnxruntime's evidence, which is compared later."""
+    return torch.tensor(values, dtype=dtype)
 
 
 def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[str, str],

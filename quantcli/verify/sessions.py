@@ -10,7 +10,7 @@ import onnx
 import torch
 
 from quantcli.data import Batch
-from quantcli.errors import VerifyError, first_line
+from quantcli.errors import GraphRunError, VerifyError, first_line
 
 #: onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
 #: VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat them.
@@ -105,11 +105,18 @@ def feeds(sess, batch: Batch, where: str) -> dict[str, np.ndarray]:
     return out
 
 
+#: onnxruntime's words for a node that failed while running (not for inputs it refused before running any)
+NODE_FAILED = "Non-zero status code returned while running"
+
+
 def run(sess, inputs: dict[str, np.ndarray], where: str, names: list[str] | None = None) -> list[np.ndarray]:
+    """The session's outputs; a node failing at run time raises :class:`GraphRunError`, anything else (inputs
+    refused) :class:`VerifyError`."""
     try:
         return sess.run(names, inputs)
     except Exception as e:
-        raise VerifyError(f"onnxruntime failed on {where}: {first_line(e, 240)}") from None
+        kind = GraphRunError if NODE_FAILED in str(e) else VerifyError
+        raise kind(f"onnxruntime failed on {where}: {first_line(e, 240)}") from None
 
 
 def cpu_has_vnni() -> bool | None:

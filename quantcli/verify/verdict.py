@@ -11,9 +11,16 @@ one default holds for a 4-layer CNN and a 6-layer transformer (README, ``verify`
   change that would move a quarter of the codes.
 * ``fidelity.replay_outputs`` <= :data:`MAX_REPLAY_OUTPUT`: the same for the graph outputs, in RMS
   quantization errors of that output (RMS(fake-quant - float)), since no quantization step exists there.
-* ``fidelity.rms_ratio`` <= :data:`MAX_RMS_RATIO`: over all the data, RMS(onnxruntime - fake-quant) against
-  RMS(fake-quant - float): the runtime may differ from the simulation (codes flipped by float rounding, carried
-  through a deep network) by a fraction of what quantization itself changes.
+* ``fidelity.rms_ratio`` <= :data:`MAX_RMS_RATIO`: RMS(onnxruntime - fake-quant) against RMS(fake-quant - float),
+  a gross end-to-end bound (and the non-finite detector). Codes flipped by float rounding and carried through the
+  network make it large on correct exports of attention models (0.74, 0.75 and 0.83 on ViT-Tiny-sized ViTs of 6, 12
+  and 24 layers, 0.87 on timm's vit_tiny), so it cannot separate right from wrong; codes, replay and structure do: every
+  mutation of the zoo campaign fails one of them, and 13 of the 38 had an rms_ratio below 0.5 anyway
+  (docs/verify-criteria.md, ``python -m benchmarks.verify_criteria``).
+* ``reference.transformations`` <= :data:`MAX_TRANSFORM_DEVIATION`: the float model as quantcli transformed it
+  (BatchNorm folding, SmoothQuant, placement rewrites) computes the model as loaded, up to float rounding
+  (RMS of the difference relative to the output's RMS; exact transformations: about 1e-7). The other checks
+  compare against the model as loaded, so a transformation that changes what the model computes is named here.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ from typing import Any
 
 MAX_REPLAY_STEPS = 0.25
 MAX_REPLAY_OUTPUT = 0.1
-MAX_RMS_RATIO = 0.5
+MAX_RMS_RATIO = 2.0  # docs/verify-criteria.md: correct exports measured up to 0.83 (0.87 in issue 23)
+MAX_TRANSFORM_DEVIATION = 1e-3
 # deployed vs exact session: a gap this many times the exact session's (and above DEPLOY_GAP_FLOOR) gets a note
 DEPLOY_GAP_FACTOR = 3.0
 DEPLOY_GAP_FLOOR = 0.05
@@ -64,6 +72,7 @@ class VerifyReport:
     quality: dict[str, Any] = field(default_factory=dict)
     deployment: dict[str, Any] = field(default_factory=dict)
     layers: list[dict[str, Any]] | None = None
+    reference: dict[str, Any] = field(default_factory=dict)  # which float model the checks compare with
     seconds: float = 0.0
     provider_note: str | None = None
 
@@ -77,6 +86,6 @@ class VerifyReport:
             "provider_note": self.provider_note,
             "num_batches": self.num_batches, "num_samples": self.num_samples,
             "checks": [c.to_dict() for c in self.checks], "structure": self.structure, "fidelity": self.fidelity,
-            "quality": self.quality, "deployment": self.deployment, "layers": self.layers,
+            "quality": self.quality, "deployment": self.deployment, "reference": self.reference, "layers": self.layers,
             "seconds": round(self.seconds, 3),
         }
