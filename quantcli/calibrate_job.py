@@ -79,6 +79,7 @@ class CalibrationJob:
     preprocessing: dict | None  # how text or images became tensors (None for tensor files)
     original: dict  # the state dict of the model as loaded, before quantcli transformed it (verify's reference)
     weight_rounding: WeightRoundingReport | None = None  # --weight-method gptq/awq: what it did
+    unrounded: dict | None = None  # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
 
     @classmethod
     def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
@@ -132,6 +133,7 @@ class CalibrationJob:
         if r.weight_method == "gptq":  # rounds within the calibrated grid, on the device calibration used
             from quantcli.weight_rounding import gptq
 
+            self.unrounded = state_snapshot(self.model)
             self.weight_rounding = gptq(self.model, self.batches)
         self.model.to("cpu")
         return summary
@@ -171,7 +173,7 @@ class CalibrationJob:
         with one_outcome():
             if self.rank is None or self.rank.rank == 0:
                 save_calibrated(self.out, self.model, self.spec, self.batches[0], info, self.preprocessing,
-                                self.original)
+                                self.original, self.unrounded)
 
     def finish(self, summary: CalibrationSummary, smoothed: SmoothReport | None) -> CalibrationOutcome:
         """Meet the quality target, summarise, save."""

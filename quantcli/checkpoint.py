@@ -6,7 +6,8 @@ config, class and outputs), ``state_dict`` (weights and every quantizer's amax),
 ``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``batchnorm_folds`` (the
 ``{layer, batchnorm}`` pairs folded: the state dict describes the folded model), ``original`` (the model as
 loaded, before any transformation: its state dict's ``keys`` and the ``changed`` entries, those that BatchNorm
-folding, SmoothQuant or another rewrite removed or changed; the rest equals ``state_dict``), ``inputs`` (names, dtypes,
+folding, SmoothQuant or another rewrite removed or changed; the rest equals ``state_dict``), optionally ``unrounded``
+(with ``--weight-method gptq``: the weights as they were before GPTQ moved them while rounding), ``inputs`` (names, dtypes,
 shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing`` (text/image data).
 Written atomically.
 """
@@ -47,22 +48,29 @@ def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
+def changed_entries(before: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The entries of ``before`` that ``final`` lacks or holds with another shape, dtype or value."""
+    return {k: v for k, v in before.items()
+            if k not in final or final[k].shape != v.shape or final[k].dtype != v.dtype or not torch.equal(final[k], v)}
+
+
 def original_entries(original: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What the checkpoint stores of the model as loaded: every key, and the entries ``final`` lacks or changed."""
-    changed = {k: v for k, v in original.items()
-               if k not in final or final[k].shape != v.shape or final[k].dtype != v.dtype or not torch.equal(final[k], v)}
-    return {"keys": list(original), "changed": changed}
+    return {"keys": list(original), "changed": changed_entries(original, final)}
 
 
 def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example_batch: Batch,
                     calibration: dict[str, Any] | None = None, preprocessing: dict[str, Any] | None = None,
-                    original: dict[str, torch.Tensor] | None = None) -> None:
+                    original: dict[str, torch.Tensor] | None = None,
+                    unrounded: dict[str, torch.Tensor] | None = None) -> None:
     """Write the calibrated checkpoint for a quantized, calibrated ``model``.
 
     ``preprocessing`` (from :func:`quantcli.data.load_data`) records how text or images became tensors, so that
     verify repeats it: tokenizer files and max length, or image size, mean and std. ``original``: the state dict of
     the model as loaded (:func:`state_snapshot`), so that verify compares with it rather than with what quantcli's
-    transformations made of it.
+    transformations made of it. ``unrounded``: the state dict before weight rounding (``--weight-method gptq``
+    moves float weights as it rounds them: part of quantization, not a float transformation), so that
+    :meth:`Calibrated.transformed_float_model` describes the float model quantcli's transformations made.
     """
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
@@ -94,6 +102,8 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
         data["preprocessing"] = preprocessing
     if original is not None:
         data["original"] = original_entries(original, state)
+    if unrounded is not None:
+        data["unrounded"] = changed_entries(unrounded, state)
     atomic_write(path, lambda tmp: torch.save(data, tmp))
 
 
@@ -144,6 +154,8 @@ class Calibrated:
     def transformed_float_model(self) -> nn.Module:
         """A copy of the quantized model with every quantizer disabled: the model as quantcli transformed it."""
         m = copy.deepcopy(self.model)
+        if self.data.get("unrounded"):  # the weights as they were before GPTQ moved them while rounding
+            m.load_state_dict(self.data["unrounded"], strict=False)
         for q in quantizers(m).values():
             q.set_mode("disabled")
         return m

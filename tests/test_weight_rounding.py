@@ -90,6 +90,20 @@ def test_awq_folds_keep_the_float_model(lm_checkpoints):
     assert sum(ck.data["calibration"]["weight_rounding"]["folds"].values()) == 9  # 9 tensors read by 13 layers
 
 
+def test_gptq_checkpoint_keeps_the_float_model_before_rounding(lm_checkpoints):
+    """GPTQ moves float weights as it rounds (part of quantization): the transformed float model verify checks
+    against the model as loaded is the one before that move, while the stored weights are GPTQ's."""
+    ck = load_calibrated(lm_checkpoints["gptq"][0])
+    ids = tiny_lm.evaluation_batches()[0]["input_ids"]
+    want = tiny_lm.build()(ids).detach()
+    with torch.no_grad():
+        got = ck.transformed_float_model()(input_ids=ids)
+        with quantizer_modes(ck.model, "disabled"):
+            moved = ck.model(input_ids=ids)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert (moved - want).abs().max() > 1e-2 * want.abs().max()  # GPTQ's stored weights do differ
+
+
 def test_gptq_checkpoint_exports_exactly(lm_checkpoints, tmp_path):
     path = lm_checkpoints["gptq"][0]
     onnx_path = tmp_path / "lm.onnx"
