@@ -20,7 +20,7 @@ from torch import nn
 
 from quantcli.calibration import CalibrationSummary, resolve_device
 from quantcli.calibration import calibrate as calibrate_amax
-from quantcli.checkpoint import save_calibrated, state_snapshot
+from quantcli.checkpoint import example_of, save_calibrated, state_snapshot
 from quantcli.data import Batch, DataOptions, cap_samples, describe_preprocessing, load_data, num_samples
 from quantcli.errors import DataError, QuantCliError
 from quantcli.files import refuse_overwriting_inputs
@@ -96,7 +96,7 @@ class CalibrationJob:
                 raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
             batches, prep = _calibration_batches(request, rank, model, spec)
             original = state_snapshot(model)
-            quantize_model(model, cfg, example=batches[0] if batches else None)
+            quantize_model(model, cfg, example=example_of(batches[0]) if batches else None)
             if not model.quantcli_report.layers:
                 raise QuantCliError(f"{request.model} has no Linear/Conv/ConvTranspose layers to quantize")
             batches, holdout = _holdout(request, rank, spec, model, batches)

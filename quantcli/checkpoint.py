@@ -39,7 +39,9 @@ FORMAT_VERSION = 2  # 2: batchnorm_folds (a folded state dict does not fit the u
 EXAMPLE_SAMPLES = 8
 
 
-def _example(batch: Batch) -> Batch:
+def example_of(batch: Batch) -> Batch:
+    """The example batch a checkpoint stores: the first samples of ``batch``, on the CPU. ``quantize_model`` reads
+    the model's structure from a forward on it, at calibration and again when the checkpoint is loaded."""
     return {k: v[:EXAMPLE_SAMPLES].detach().cpu().clone() for k, v in batch.items()}
 
 
@@ -80,7 +82,7 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
             "enabled": q.enabled,
             "amax": None if q.amax is None else q.amax.detach().cpu().clone(),
         }
-    example = _example(example_batch)
+    example = example_of(example_batch)
     data = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -90,6 +92,8 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
         "quant_config": cfg.to_plain(),
         "quantizers": qs,
         "batchnorm_folds": list(getattr(model, "quantcli_folded_batchnorm", [])),
+        # what the placement read the model's structure from ("recorded": a forward on inputs.example)
+        "placement_graph": getattr(getattr(getattr(model, "quantcli_report", None), "placement", None), "graph", "fx"),
         "inputs": {
             "names": list(example),
             "dtypes": [str(v.dtype).replace("torch.", "") for v in example.values()],
@@ -247,7 +251,13 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         restore_folds(model, data.get("batchnorm_folds", []))
     except QuantCliError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    quantize_model(model, cfg, fold=False)
+    # the placement is read again as at calibration: from a forward on the stored example (older checkpoints: fx)
+    recorded = data.get("placement_graph") == "recorded"
+    if recorded:  # with the calibrated weights, so that a forward whose path depends on values takes the same one
+        own = model.state_dict()
+        model.load_state_dict({k: v for k, v in data["state_dict"].items()
+                               if k in own and own[k].shape == v.shape}, strict=False)
+    quantize_model(model, cfg, fold=False, example=data["inputs"]["example"] if recorded else None)
     restore_smoothing(model, data["state_dict"])  # SmoothQuant's explicit Muls, if any, before their weights load
     try:
         model.load_state_dict(data["state_dict"], strict=True)

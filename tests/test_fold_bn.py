@@ -158,7 +158,7 @@ def test_batchnorm_whose_layer_output_has_another_reader_is_not_folded():
     with torch.no_grad():
         want = m(x)
     report = fold_batchnorm(m, {"x": x})
-    assert report.detection == "fx"
+    assert report.detection == "recorded"
     assert [(f.layer, f.batchnorm) for f in report.folded] == [("conv4", "bn4")]
     reasons = dict(report.skipped)
     assert set(reasons) == {"bn1", "bn2", "bn3", "unused"}
@@ -196,10 +196,26 @@ def test_untraceable_sequential_folds_its_adjacent_pairs_only():
     x = torch.randn(3, 2, 10)
     with torch.no_grad():
         want = m(x)
-    report = fold_batchnorm(m, {"x": x})
+    report = fold_batchnorm(m)  # no example batch: torch.fx, per submodule
     assert report.detection == "fx per submodule" and report.trace_error
     assert [(f.layer, f.batchnorm) for f in report.folded] == [("features.0", "features.1")]
     assert [b for b, _ in report.skipped] == ["bn"] and "does not trace" in report.skipped[0][1]
+    with torch.no_grad():
+        torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_untraceable_model_folds_every_pair_from_the_recorded_forward():
+    """With an example batch the data flow is what one forward did: the pair fx could not see folds too."""
+    m = Untraceable().eval()
+    g = torch.Generator().manual_seed(0)
+    _randomise_bn(m.features[1], g)
+    _randomise_bn(m.bn, g)
+    x = torch.randn(3, 2, 10)
+    with torch.no_grad():
+        want = m(x)
+    report = fold_batchnorm(m, {"x": x})
+    assert report.detection == "recorded" and not report.skipped
+    assert sorted((f.layer, f.batchnorm) for f in report.folded) == [("conv", "bn"), ("features.0", "features.1")]
     with torch.no_grad():
         torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
@@ -238,7 +254,7 @@ def test_untraceable_model_folds_inside_submodules_that_trace():
     x = torch.randn(2, 3, 6, 6)
     with torch.no_grad():
         want = m(x)
-    report = fold_batchnorm(m, {"x": x})
+    report = fold_batchnorm(m)  # no example batch: torch.fx, per submodule
     assert report.detection == "fx per submodule"
     assert sorted((f.layer, f.batchnorm) for f in report.folded) == [
         ("stages.0.convolution", "stages.0.normalization"), ("stem.convolution", "stem.normalization")]
@@ -455,7 +471,7 @@ def test_batchnorm_registered_under_two_names_is_not_folded():
     with torch.no_grad():
         want = m(x)
     report = fold_batchnorm(m, {"x": x})
-    assert report.detection == "fx" and not report.folded
+    assert report.detection == "recorded" and not report.folded
     assert report.skipped == [("bn", "the layer or the BatchNorm is registered under two names")]
     with torch.no_grad():
         assert torch.equal(m(x), want)

@@ -38,6 +38,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from quantcli.errors import DataError, QuantCliError, first_line
 from quantcli.nn.modules import QUANT_CLASSES
+from quantcli.nn.recorded_graph import RecordedNode, record
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 
 #: layer types a BatchNorm folds into (exact types, and their quantized wrappers)
@@ -63,7 +64,8 @@ class Fold:
 
 @dataclass
 class FoldReport:
-    """What :func:`fold_batchnorm` did. ``detection``: ``"fx"`` (the model traced), ``"fx per submodule"`` (it
+    """What :func:`fold_batchnorm` did. ``detection``: ``"recorded"`` (the data flow of one forward on the example
+    batch, as the exporter records it), ``"fx"`` (no example: the model traced), ``"fx per submodule"`` (it
     does not; ``trace_error`` says why) or ``"none"`` (no BatchNorm)."""
 
     folded: list[Fold] = field(default_factory=list)
@@ -128,8 +130,16 @@ def _out_channels(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
 
 
+#: the forwards that compute exactly a BatchNorm (a subclass that overrides forward, as timm's BatchNormAct2d adds
+#: its activation there, computes something else)
+_BATCHNORM_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
+
+
 def _batchnorm_problem(bn: _BatchNorm, layer: nn.Module) -> str:
     """Why ``bn`` cannot fold into ``layer`` whatever the data flow, or ''."""
+    if type(bn).forward not in _BATCHNORM_FORWARDS:
+        return (f"{type(bn).__name__} overrides BatchNorm's forward, so it may compute more than a BatchNorm "
+                "(timm's BatchNormAct2d applies its activation there)")
     if bn.running_mean is None or bn.running_var is None:
         return "it normalises with batch statistics (track_running_stats=False), which no weight can express"
     if isinstance(bn.running_var, nn.parameter.UninitializedBuffer):
@@ -187,22 +197,30 @@ def _linear_problem(bn_name: str, ranks: dict[str, int], have_example: bool) -> 
 def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None = None) -> FoldReport:
     """Which BatchNorms of ``model`` fold into the layer before them (nothing is changed).
 
-    ``example``: one keyword batch for ``model(**example)``; needed only to fold a BatchNorm after a Linear.
+    ``example``: one keyword batch for ``model(**example)``: the data flow is read from one forward on it
+    (:mod:`quantcli.nn.recorded_graph`), so Python control flow in ``forward`` does not hide a pair; without it,
+    ``torch.fx`` symbolic tracing, and a BatchNorm after a Linear does not fold.
     """
     report = FoldReport()
     modules = dict(model.named_modules())
     bns = [n for n, m in modules.items() if isinstance(m, _BatchNorm)]
     if not bns:
         return report
-    try:
-        graph = _LeafTracer().trace(model)
-    except Exception as e:  # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
-        report.detection = "fx per submodule"
-        report.trace_error = first_line(e, 160)
-        candidates, reasons = _untraced_candidates(model)
-    else:
-        report.detection = "fx"
+    if example is not None:  # the graph the exporter will record: one forward on the example batch
+        graph = record(model, example, lambda name, m: isinstance(m, (*FOLDABLE, _BatchNorm, TensorQuantizer))
+                       or next(m.children(), None) is None)
+        report.detection = "recorded"
         candidates, reasons = _traced_candidates(graph, model)
+    else:
+        try:
+            graph = _LeafTracer().trace(model)
+        except Exception as e:  # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
+            report.detection = "fx per submodule"
+            report.trace_error = first_line(e, 160)
+            candidates, reasons = _untraced_candidates(model)
+        else:
+            report.detection = "fx"
+            candidates, reasons = _traced_candidates(graph, model)
     candidates = _registered_once(model, candidates, reasons)
     linear_bns = [bn for layer, bn in candidates if isinstance(modules[layer], nn.Linear)]
     ranks = _bn_input_ranks(model, linear_bns, example)
@@ -241,7 +259,7 @@ def _traced_candidates(graph: torch.fx.Graph, root: nn.Module, prefix: str = "")
         src = node.args[0] if node.args else None
         if calls[node.target] > 1:
             reasons[bn] = f"{where} calls it more than once"
-        elif not (isinstance(src, torch.fx.Node) and src.op == "call_module"
+        elif not (isinstance(src, (torch.fx.Node, RecordedNode)) and src.op == "call_module"
                   and isinstance(modules[src.target], FOLDABLE)):
             reasons[bn] = "its input is not the output of a Conv, ConvTranspose or Linear"
         elif calls[src.target] > 1:

@@ -21,9 +21,14 @@ Conv that produces the other operand only when that operand is quantized. The Ad
 ``forward``), so the module's ``forward`` is replaced by its ``torch.fx`` trace with the quantizer inserted
 (the same code otherwise; parameters, buffers and ``state_dict`` keys stay, plus the quantizer's ``amax``).
 
-A model ``torch.fx`` cannot trace (data-dependent control flow, shapes unpacked in Python) keeps the per-layer
-placement (quantized inputs and weights, int32 biases for onnxruntime) without the structural additions;
-:class:`Placement` says why.
+The structure is read where the exporter reads it: from one forward on the example batch, recorded op by op
+(:mod:`quantcli.nn.recorded_graph`), so Python control flow, shapes unpacked in Python and modules called twice are
+seen as the export records them. Without an example batch (``quantize_model(model, config)`` from Python, or a
+checkpoint written before the recording existed) the model is read with ``torch.fx`` symbolic tracing instead; a
+model it cannot trace keeps the per-layer placement (quantized inputs and weights, int32 biases for onnxruntime)
+without the structural additions, and :class:`Placement` says why. TensorRT's residual quantizers rewrite a block's
+``forward`` through its ``torch.fx`` trace (a recording cannot be turned back into code): a block that does not
+trace keeps its skip input unquantized, and :class:`Placement` names it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from __future__ import annotations
 import operator
 import types
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from quantcli.errors import first_line
+from quantcli.nn.recorded_graph import RecordedGraph, RecordedNode, record
 
 # ops whose output is >= 0 whatever their input
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
@@ -68,6 +74,9 @@ class Placement:
     # a Conv's output quantizer applied after the ReLU/pooling after it: layer -> (module applying it, unsigned)
     output_after: dict[str, tuple[str, bool]] = field(default_factory=dict)
     residual_quantized: list[str] = field(default_factory=list)  # tensorrt: quantizers on residual skip inputs
+    graph: str = "recorded"  # what the structure was read from: "recorded" (one forward) or "fx" (no example batch)
+    # tensorrt: blocks with a residual Add whose forward torch.fx cannot rewrite (skip input left unquantized): why
+    residual_untraced: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -82,12 +91,37 @@ class _Tracer(fx.Tracer):
         return id(m) in self._leaves or super().is_leaf_module(m, qualname)
 
 
-def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
-    """The fx graph of ``model`` with the quantized ``layers`` as leaves (raises what fx raises)."""
+def _leaf_ids(model: nn.Module, layers: dict[str, nn.Module]) -> set[int]:
     from quantcli.nn.tensor_quantizer import TensorQuantizer
 
-    leaves = {id(m) for m in layers.values()} | {id(m) for m in model.modules() if isinstance(m, TensorQuantizer)}
-    return _Tracer(leaves).trace(model)
+    return {id(m) for m in layers.values()} | {id(m) for m in model.modules() if isinstance(m, TensorQuantizer)}
+
+
+def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
+    """The fx graph of ``model`` with the quantized ``layers`` as leaves (raises what fx raises)."""
+    return _Tracer(_leaf_ids(model, layers)).trace(model)
+
+
+def read_graph(model: nn.Module, layers: dict[str, nn.Module],
+               example: Mapping[str, torch.Tensor] | None) -> fx.Graph | RecordedGraph:
+    """The graph the analyses read: recorded on ``example`` (a keyword batch) when there is one, else the fx trace.
+
+    In the recording, the quantized layers, quantizers, modules without submodules and the modules the analyses
+    classify (ReLU, pooling, BatchNorm, ...) are single ``call_module`` nodes; other modules are recorded op by op.
+    """
+    if example is None:
+        return trace(model, layers)
+    leaves = _leaf_ids(model, layers)
+
+    def is_leaf(name: str, m: nn.Module) -> bool:
+        return id(m) in leaves or next(m.children(), None) is None or \
+            isinstance(m, (*_RELU_MODULES, *_COMMUTING_MODULES, *_SIGN_KEEPING_MODULES, *_PASS_THROUGH))
+
+    return record(model, example, is_leaf)
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, (fx.Node, RecordedNode))
 
 
 def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> str:
@@ -121,7 +155,7 @@ def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> str:
 
 def _nonnegative(node, modules: dict[str, nn.Module]) -> bool:
     """True if ``node``'s value is >= 0 by construction (a ReLU, possibly through sign-keeping ops)."""
-    while isinstance(node, fx.Node):
+    while _is_node(node):
         kind = _kind(node, modules)
         if kind == "relu":
             return True
@@ -147,39 +181,47 @@ def _reaches_quantized_layers_only(node: fx.Node, modules, quantized_inputs: set
 
 
 def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
-            input_enabled: dict[str, bool], weight_integer: dict[str, bool]) -> Placement:
-    """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``.
+            input_enabled: dict[str, bool], weight_integer: dict[str, bool],
+            example: Mapping[str, torch.Tensor] | None = None) -> tuple[Placement, fx.Graph | RecordedGraph | None]:
+    """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``, and the
+    graph it was read from (None when fx could not trace a model without an example batch).
 
     ``input_enabled``: layers whose input quantizer is on; ``weight_integer``: layers with an integer weight
-    quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels).
+    quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels); ``example``: one keyword batch,
+    on which the model's graph is recorded (:func:`read_graph`).
     """
-    placement = Placement(target)
+    placement = Placement(target, graph="recorded" if example is not None else "fx")
     try:
-        graph = trace(model, layers)
+        graph = read_graph(model, layers, example)
     except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
+        if example is not None:
+            raise  # the forward itself failed on the user's batch: a DataError that names it
         first = first_line(e, 160)
         placement.analysed = False
-        placement.note = f"torch.fx could not trace the model ({type(e).__name__}: {first})"
-        return placement
+        placement.note = (f"torch.fx could not trace the model ({type(e).__name__}: {first}) and no example batch "
+                          "was given to record it")
+        return placement, None
     modules = dict(model.named_modules())
     if target == "tensorrt":
-        return placement
+        return placement, graph
     quantized_inputs = {n for n, on in input_enabled.items() if on}
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    # a layer called more than once (a module reused) gets one decision that holds for every call
+    layer_calls: dict[str, list] = {}
     for node in graph.nodes:
-        if node.op != "call_module" or node.target not in layers:
-            continue
-        name = node.target
-        if name in quantized_inputs and node.args and _nonnegative(node.args[0], modules):
+        if node.op == "call_module" and node.target in layers:
+            layer_calls.setdefault(node.target, []).append(node)
+    for name, nodes in layer_calls.items():
+        if name in quantized_inputs and all(n.args and _nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
         conv = isinstance(layers[name], (nn.Conv1d, nn.Conv2d, nn.Conv3d))
         if conv and name in quantized_inputs and weight_integer.get(name) \
-                and not _reaches_quantized_layers_only(node, modules, quantized_inputs):
+                and not all(_reaches_quantized_layers_only(n, modules, quantized_inputs) for n in nodes):
             placement.output_quantized.append(name)
-            after = _output_point(node, calls, modules, quantized_inputs)
+            after = _output_point(nodes[0], calls, modules, quantized_inputs) if len(nodes) == 1 else None
             if after is not None:
                 placement.output_after[name] = after
-    return placement
+    return placement, graph
 
 
 def _output_point(node: fx.Node, calls: Counter, modules, quantized_inputs: set[str]) -> tuple[str, bool] | None:
@@ -217,7 +259,7 @@ def _is_add(node: fx.Node) -> bool:
 def _quantized_conv_behind(node, modules: dict[str, nn.Module], layer_ids: set[int]) -> nn.Module | None:
     """The quantized Conv (``id`` in ``layer_ids``) whose output ``node`` is, through BatchNorm/Identity/Dropout
     (None if there is none)."""
-    while isinstance(node, fx.Node) and node.op == "call_module":
+    while _is_node(node) and node.op == "call_module":
         m = modules.get(node.target)
         if m is not None and id(m) in layer_ids:
             return m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
@@ -227,31 +269,36 @@ def _quantized_conv_behind(node, modules: dict[str, nn.Module], layer_ids: set[i
     return None
 
 
-def residual_skips(graph: fx.Graph, modules: dict[str, nn.Module], layers: dict[str, nn.Module]):
+def residual_skips(graph, modules: dict[str, nn.Module], layers: dict[str, nn.Module]):
     """``(add node, skip operand, branch Conv)`` for each Add of a quantized Conv's output and another tensor.
 
-    The branch is the operand computed last (the block's main path, as in torchvision's and NVIDIA's blocks; a
-    projection shortcut is computed first), and it must come from a quantized Conv (through BatchNorm).
+    The branch is the operand a quantized Conv produces (through BatchNorm/Identity/Dropout); when both are, the
+    one computed last (the block's main path in torchvision's and NVIDIA's blocks; a projection shortcut is
+    computed first). Which operand a ``forward`` writes first or computes first says nothing by itself: timm's
+    ConvNeXt adds ``drop_path(x) + shortcut``, Hugging Face's ResNet computes its shortcut after the main path.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     layer_ids = {id(v) for v in layers.values()}
     out = []
     for n in graph.nodes:
-        if not _is_add(n) or len(n.args) < 2 or not all(isinstance(a, fx.Node) for a in n.args[:2]):
+        if not _is_add(n) or len(n.args) < 2 or not all(_is_node(a) for a in n.args[:2]):
             continue
         a, b = n.args[:2]
-        branch, skip = (a, b) if order[a] > order[b] else (b, a)
-        conv = _quantized_conv_behind(branch, modules, layer_ids)
-        if conv is not None:
-            out.append((n, skip, conv))
+        convs = {x: _quantized_conv_behind(x, modules, layer_ids) for x in (a, b)}
+        behind = [x for x in (a, b) if convs[x] is not None]
+        if not behind:
+            continue
+        branch = max(behind, key=order.__getitem__)
+        skip = b if branch is a else a
+        out.append((n, skip, convs[branch]))
     return out
 
 
-def residual_owners(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
-    """Names of the modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the model)."""
-    graph = trace(model, layers)
+def residual_owners(graph, layers: dict[str, nn.Module], modules: dict[str, nn.Module]) -> list[str]:
+    """Names of the modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the
+    model), from the model's ``graph`` (recorded or traced)."""
     owners = []
-    for n, _, _ in residual_skips(graph, dict(model.named_modules()), layers):
+    for n, _, _ in residual_skips(graph, modules, layers):
         stack = list((n.meta.get("nn_module_stack") or {}).keys())
         owner = stack[-1] if stack else ""
         if owner not in owners:
@@ -259,34 +306,40 @@ def residual_owners(model: nn.Module, layers: dict[str, nn.Module]) -> list[str]
     return owners
 
 
-def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module],
-                               make: Callable[[str, nn.Module], nn.Module]) -> list[str]:
-    """Quantize the skip input of every residual Add (tensorrt placement); returns the new quantizers' names.
+def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module], graph,
+                               make: Callable[[str, nn.Module], nn.Module]) -> tuple[list[str], dict[str, str]]:
+    """Quantize the skip input of every residual Add (tensorrt placement) that ``graph`` (the model's, recorded or
+    traced) shows; returns the new quantizers' names, and the owning blocks left alone with why.
 
     ``make(name, branch_conv)`` builds the quantizer. Each owning module gets ``residual_quantizer`` (then
     ``residual_quantizer_1``, ...) and its ``forward`` becomes its fx trace with the quantizer on the skip operand.
     """
-    names = []
-    for owner in residual_owners(model, layers):
+    names, untraced = [], {}
+    for owner in residual_owners(graph, layers, dict(model.named_modules())):
         mod = model.get_submodule(owner) if owner else model
-        graph = trace(mod, layers)
-        own = [(n, skip, conv) for n, skip, conv in residual_skips(graph, dict(mod.named_modules()), layers)
+        try:
+            block = trace(mod, layers)
+        except Exception as e:  # fx cannot trace every block; its Add stays as it is, and the report says so
+            untraced[owner or "(the model)"] = f"torch.fx could not trace it ({type(e).__name__}: {first_line(e, 120)})"
+            continue
+        own = [(n, skip, conv) for n, skip, conv in residual_skips(block, dict(mod.named_modules()), layers)
                if not n.meta.get("nn_module_stack")]  # the module's own Adds, not those of modules inside it
-        if any(n.op == "get_attr" and not _resolves(mod, n.target) for n in graph.nodes):
-            continue  # the trace made constants of its own: keep the module's code rather than guess
+        if any(n.op == "get_attr" and not _resolves(mod, n.target) for n in block.nodes):
+            untraced[owner or "(the model)"] = "its fx trace holds constants of its own"
+            continue  # keep the module's code rather than guess
         for k, (n, skip, conv) in enumerate(own):
             attr = "residual_quantizer" if k == 0 else f"residual_quantizer_{k}"
             qname = f"{owner}.{attr}" if owner else attr
             mod.add_module(attr, make(qname, conv))
-            with graph.inserting_before(n):
-                qnode = graph.call_module(attr, (skip,))
+            with block.inserting_before(n):
+                qnode = block.call_module(attr, (skip,))
             n.replace_input_with(skip, qnode)
             names.append(qname)
-        graph.lint()
-        traced = fx.GraphModule(mod, graph)
+        block.lint()
+        traced = fx.GraphModule(mod, block)
         # the generated forward reads only ``self.<path>`` attributes, which ``mod`` has (checked above)
         mod.forward = types.MethodType(type(traced).forward, mod)
-    return names
+    return names, untraced
 
 
 def _resolves(mod: nn.Module, target: str) -> bool:

@@ -52,7 +52,10 @@ def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch
     ``model.quantcli_report``.
 
     Args:
-        example: one keyword batch for ``model(**example)``; only a BatchNorm after a Linear needs it to fold.
+        example: one keyword batch for ``model(**example)``. The model's structure (BatchNorm folding, placement)
+            is read from one forward on it, as the exporter reads it (:mod:`quantcli.nn.recorded_graph`); without
+            it, from ``torch.fx`` symbolic tracing, which fails on Python control flow and leaves a BatchNorm after
+            a Linear unfolded.
         fold: overrides the config's ``fold_batchnorm`` (``load_calibrated`` restores stored folds instead).
 
     The config's ``target`` then decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``,
@@ -87,9 +90,9 @@ def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch
         report.layers.append(name)
         layers[name] = module
     if cfg.target == "onnxruntime" and not getattr(cfg, "legacy_placement", False):
-        used.update(_place_for_onnxruntime(model, cfg, layers, own_grid, report))
+        used.update(_place_for_onnxruntime(model, cfg, layers, own_grid, report, example))
     elif cfg.target == "tensorrt":
-        used.update(_place_for_tensorrt(model, cfg, layers, report))
+        used.update(_place_for_tensorrt(model, cfg, layers, report, example))
     report.unmatched_patterns = [r["pattern"] for i, r in enumerate(cfg.rules) if i not in used]
     model.quantcli_config = cfg
     model.quantcli_report = report
@@ -110,12 +113,13 @@ def _integer8(q: TensorQuantizer) -> bool:
 
 
 def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module], own_grid: set[str],
-                           report: QuantizeReport) -> set[int]:
+                           report: QuantizeReport, example: Mapping[str, torch.Tensor] | None) -> set[int]:
     """Unsigned post-ReLU inputs, output quantizers, int32 biases; returns the indices of rules that matched."""
     used: set[int] = set()
-    placement = analyse(model, layers, cfg.target,
-                        {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic for n, m in layers.items()},
-                        {n: _integer8(m.weight_quantizer) for n, m in layers.items()})
+    placement, _ = analyse(model, layers, cfg.target,
+                           {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic
+                            for n, m in layers.items()},
+                           {n: _integer8(m.weight_quantizer) for n, m in layers.items()}, example)
     for name in list(placement.unsigned_inputs):
         q = layers[name].input_quantizer
         d = q.desc
@@ -150,16 +154,17 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
 
 
 def _place_for_tensorrt(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module],
-                        report: QuantizeReport) -> set[int]:
+                        report: QuantizeReport, example: Mapping[str, torch.Tensor] | None) -> set[int]:
     """NVIDIA's placement: the per-layer quantizers plus the skip inputs of residual Adds."""
     used: set[int] = set()
-    placement = analyse(model, layers, cfg.target, {}, {})
+    placement, graph = analyse(model, layers, cfg.target, {}, {}, example)
     if placement.analysed:
         def make(qname: str, conv: nn.Module) -> TensorQuantizer:
             enabled, desc, matched = cfg.resolve(qname, "input", conv)
             used.update(matched)
             return TensorQuantizer(desc, name=qname, enabled=enabled)
 
-        placement.residual_quantized = insert_residual_quantizers(model, layers, make)
+        placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(model, layers, graph,
+                                                                                               make)
     report.placement = placement
     return used

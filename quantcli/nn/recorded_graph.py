@@ -1,0 +1,184 @@
+"""The model's graph as the exporter sees it: one forward on the example inputs, recorded op by op.
+
+Both ONNX exporters read a model by running it: the TorchScript exporter traces one forward, the dynamo exporter's
+``torch.export`` (non-strict) runs the Python code of ``forward`` on the example inputs. Python control flow on
+arguments or values, shapes unpacked into Python numbers and modules called twice are resolved by that run, and
+what the graph records is what ran. Placement decisions and BatchNorm folding read the same thing here: a
+``TorchFunctionMode`` sees every torch function and tensor method called from Python, and module hooks see every
+module call, while :func:`record` runs ``forward`` once on the example batch.
+
+The result has the shape of a ``torch.fx`` graph (nodes with ``op``, ``target``, ``args``, ``users`` and
+``meta["nn_module_stack"]``), so one analysis serves both. ``torch.fx`` symbolic tracing stays for what a
+recording cannot do: rewriting a block's ``forward`` (TensorRT's residual quantizers) and analysing a model for
+which no example batch exists (``quantize_model`` called without one).
+
+Nodes:
+* ``placeholder``: a tensor argument of ``forward``.
+* ``call_module``: a call of a leaf module (target: its qualified name). Its ``args`` are its tensor arguments.
+* ``call_function``: a torch function (target: the function, e.g. ``torch.nn.functional.relu``, ``torch.flatten``,
+  ``operator.getitem`` for tensor indexing).
+* ``call_method``: a tensor method (target: its name, ``"view"``; operators by their method, ``x + y`` is
+  ``"add"``, ``x += y`` is ``"add_"``).
+
+A tensor argument that no recorded node produced (a parameter, a buffer, a constant) is ``None`` in ``args``;
+an in-place op makes its node the producer of the tensor from then on.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from quantcli.errors import DataError, first_line
+
+
+@dataclass(eq=False)
+class RecordedNode:
+    """One recorded call, shaped like a ``torch.fx.Node`` for the analyses that read either."""
+
+    name: str
+    op: str
+    target: Any
+    args: tuple = ()
+    users: dict = field(default_factory=dict)  # consumer -> None, in call order (as fx keeps them)
+    meta: dict = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"{self.name}({self.op} {self.target if isinstance(self.target, str) else _func_name(self.target)})"
+
+
+@dataclass
+class RecordedGraph:
+    """The nodes in the order they ran."""
+
+    nodes: list[RecordedNode] = field(default_factory=list)
+
+
+def _func_name(func: Callable) -> str:
+    return getattr(func, "__name__", type(func).__name__)
+
+
+_DUNDER_METHODS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__mul__": "mul", "__rmul__": "mul",
+                   "__imul__": "mul_", "__sub__": "sub", "__isub__": "sub_", "__truediv__": "div",
+                   "__itruediv__": "div_", "__matmul__": "matmul"}
+
+
+def _classify(func: Callable) -> tuple[str, Any]:
+    """``(op, target)`` of a function the mode saw: a tensor method by name, anything else as itself."""
+    name = _func_name(func)
+    if name == "__getitem__":
+        return "call_function", operator.getitem
+    if getattr(torch.Tensor, name, None) is func or getattr(func, "__objclass__", None) is torch._C.TensorBase:
+        return "call_method", _DUNDER_METHODS.get(name, name)
+    return "call_function", func
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.graph = RecordedGraph()
+        self.producer: dict[int, RecordedNode] = {}
+        self.alive: list[torch.Tensor] = []  # keeps every seen tensor alive, so no id is reused while recording
+        self.leaf_depth = 0  # > 0 inside a leaf module's forward: its own ops are not recorded
+        self.stack: list[tuple[str, str]] = []  # enclosing non-leaf modules (name, class), outermost first
+
+    def node(self, op: str, target: Any, inputs: list) -> RecordedNode:
+        args = tuple(self.producer.get(id(t)) for t in inputs if isinstance(t, torch.Tensor))
+        n = RecordedNode(f"n{len(self.graph.nodes)}", op, target, args,
+                         meta={"nn_module_stack": {name: cls for name, cls in self.stack if name}})
+        for a in args:
+            if a is not None:
+                a.users.setdefault(n, None)
+        self.graph.nodes.append(n)
+        return n
+
+    def produced(self, node: RecordedNode, outputs: Any) -> None:
+        for t in tree_flatten(outputs)[0]:
+            if isinstance(t, torch.Tensor):
+                self.alive.append(t)
+                self.producer[id(t)] = node
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.leaf_depth == 0:
+            flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            results = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            if results:
+                op, target = _classify(func)
+                self.alive.extend(flat)
+                self.produced(self.node(op, target, flat), out)
+        return out
+
+
+def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module], bool]) -> list:
+    handles = []
+    for name, m in model.named_modules():
+        leaf = is_leaf(name, m) and m is not model
+
+        def pre(module, args, kwargs, name=name, leaf=leaf):
+            if rec.leaf_depth == 0:
+                if leaf:
+                    flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+                    rec.alive.extend(flat)
+                    rec.pending.append(rec.node("call_module", name, flat))
+                else:
+                    rec.stack.append((name, type(module).__name__))
+            if leaf:
+                rec.leaf_depth += 1
+
+        def post(module, args, kwargs, output, name=name, leaf=leaf):
+            if leaf:
+                rec.leaf_depth -= 1
+            if rec.leaf_depth == 0:
+                if leaf:
+                    rec.produced(rec.pending.pop(), output)
+                else:
+                    rec.stack.pop()
+
+        handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(m.register_forward_hook(post, with_kwargs=True, always_call=True))
+    return handles
+
+
+def record(model: nn.Module, example: Mapping[str, torch.Tensor],
+           is_leaf: Callable[[str, nn.Module], bool]) -> RecordedGraph:
+    """Run ``model(**example)`` once (no gradients, eval mode, every quantizer passing values through) and return
+    what ran. ``is_leaf(name, module)``: modules recorded as one ``call_module`` node (the others are recorded
+    op by op inside). Raises :class:`quantcli.errors.DataError` when the forward fails."""
+    from quantcli.nn.tensor_quantizer import TensorQuantizer
+
+    rec = _Recorder()
+    rec.pending = []
+    for k, v in example.items():
+        if isinstance(v, torch.Tensor):
+            rec.alive.append(v)
+            rec.produced(rec.node("placeholder", k, []), v)
+    quantizers = [m for m in model.modules() if isinstance(m, TensorQuantizer)]
+    modes = [q.mode for q in quantizers]
+    training = {m: m.training for m in model.modules()}
+    handles = _hooks(model, rec, is_leaf)
+    try:
+        for q in quantizers:
+            q.mode = "disabled"
+        model.eval()
+        with torch.no_grad(), rec:
+            model(**example)
+    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
+        raise DataError(f"forward() failed on the example batch while reading the model's graph: "
+                        f"{type(e).__name__}: {first_line(e)}") from None
+    finally:
+        for h in handles:
+            h.remove()
+        for q, mode in zip(quantizers, modes):
+            q.mode = mode
+        for m, t in training.items():
+            m.training = t
+    return rec.graph
