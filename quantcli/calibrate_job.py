@@ -309,6 +309,9 @@ def placement_summary(placement, target: str) -> dict:
     if target == "tensorrt":
         d["text"] = ("quantized inputs and weights of every layer, no output quantizers, "
                      f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's placement)")
+        if placement.residual_untraced:
+            d["text"] += (f"; {len(placement.residual_untraced)} blocks with a residual Add left as they are "
+                          f"(torch.fx cannot rewrite them: {', '.join(placement.residual_untraced)})")
         if not placement.analysed:
             d["text"] = f"{placement.note}: quantized inputs and weights of every layer, skip inputs not quantized"
     elif not placement.analysed:

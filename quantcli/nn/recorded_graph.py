@@ -172,8 +172,10 @@ def record(model: nn.Module, example: Mapping[str, torch.Tensor],
         with torch.no_grad(), rec:
             model(**example)
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        raise DataError(f"forward() failed on the example batch while reading the model's graph: "
-                        f"{type(e).__name__}: {first_line(e)}") from None
+        shapes = ", ".join(f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+                           for k, v in example.items() if isinstance(v, torch.Tensor))
+        raise DataError(f"forward({shapes}) failed on the example batch (reading the model's graph): "
+                        f"{first_line(e)}") from None
     finally:
         for h in handles:
             h.remove()
