@@ -9,7 +9,8 @@ in one process, interleaved (best of ``--rounds``), on batch 1 at a prefill leng
 Printed per shape and sequence length: the ratio quantcli / onnxruntime with default session options on both
 sides (the issue's goal: <= 1.0x), and at equal MatMulNBits accuracy levels (float32 compute: quantcli's graph in
 a session with ``session.qdq_matmulnbits_accuracy_level`` 1 against onnxruntime's graph as its quantizer writes
-it; int8 compute: quantcli's graph at level 4 against onnxruntime's made with ``accuracy_level=4``).
+it; int8 compute: quantcli's graph at level 4 against onnxruntime's made with ``accuracy_level=4``), and the
+relative RMS error of each int4 graph's logits against the float graph's (what the int8 compute costs).
 """
 
 from __future__ import annotations
@@ -110,9 +111,17 @@ def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int]
     sessions = {"q_default": _session(ours), "q_level1": _session(ours, 1),
                 "o_default": _session(ort_default), "o_level4": _session(ort_level4)}
     in_name = {k: s.get_inputs()[0].name for k, s in sessions.items()}
+    fp32_session = _session(fp32)
     rows = []
     for seq in seqs:
         feed = np.random.default_rng(seq).integers(0, VOCAB, (1, seq))
+        ref = fp32_session.run(None, {"input_ids": feed})[0]
+
+        def err(key: str, feed=feed, ref=ref) -> float:
+            """Relative RMS error of the logits against the float graph's."""
+            out = sessions[key].run(None, {in_name[key]: feed})[0]
+            return round(float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2))), 4)
+
         lat = best_interleaved({k: (lambda s=s, k=k, f=feed: s.run(None, {in_name[k]: f})) for k, s in sessions.items()},
                                rounds, warmup=2)
         rows.append({"shape": name, "hidden": dims[0], "seq": seq,
@@ -120,7 +129,9 @@ def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int]
                      "default": round(lat["q_default"] / lat["o_default"], 3),
                      "fp32_compute": round(lat["q_level1"] / lat["o_default"], 3),
                      "int8_compute": round(lat["q_default"] / lat["o_level4"], 3),
-                     "q_level1_ms": round(lat["q_level1"] * 1e3, 2), "o_level4_ms": round(lat["o_level4"] * 1e3, 2)})
+                     "q_level1_ms": round(lat["q_level1"] * 1e3, 2), "o_level4_ms": round(lat["o_level4"] * 1e3, 2),
+                     "err_q_default": err("q_default"), "err_q_level1": err("q_level1"),
+                     "err_o_default": err("o_default")})
         print(rows[-1], flush=True)
     return rows
 
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             sub.mkdir()
             rows += measure(sub, name, SHAPES[name], seqs, a.rounds)
     print(table(rows, ["shape", "seq", "quantcli_ms", "ort_ms", "default", "fp32_compute", "int8_compute",
-                       "q_level1_ms", "o_level4_ms"]))
+                       "q_level1_ms", "o_level4_ms", "err_q_default", "err_q_level1", "err_o_default"]))
     for r in rows:
         print(f"{r['shape']} seq {r['seq']}: quantcli / onnxruntime int4, default session options "
               f"{r['default']:.2f}x: {verdict(r['default'] <= 1.0)}")
