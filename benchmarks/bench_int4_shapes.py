@@ -2,8 +2,8 @@
 
 For each shape, a randomly initialised transformers ``LlamaForCausalLM`` (2 layers, nothing downloaded) goes
 through quantcli's real path (``quantcli calibrate FILE:factory --config int4-weight-only`` and ``quantcli export``,
-block 128) and, from the same weights exported as a float ONNX graph, through onnxruntime's own quantizer
-(``MatMulNBitsQuantizer``, its RTN default, block 128). Both run on onnxruntime's CPU provider with 1 thread,
+block 128 or ``--block``) and, from the same weights exported as a float ONNX graph, through onnxruntime's own
+quantizer (``MatMulNBitsQuantizer``, its RTN default, the same block). Both run on onnxruntime's CPU provider with 1 thread,
 in one process, interleaved (best of ``--rounds``), on batch 1 at a prefill length and at one token.
 
 Printed per shape and sequence length: the ratio quantcli / onnxruntime with default session options on both
@@ -16,6 +16,7 @@ relative RMS error of each int4 graph's logits against the float graph's (what t
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 from pathlib import Path
@@ -68,30 +69,33 @@ def _session(path: Path, accuracy_level: int | None = None):
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
-def _quantcli(folder: Path, name: str, seq: int) -> Path:
+def _quantcli(folder: Path, name: str, seq: int, block: int) -> Path:
     from tests.helpers import cli
 
+    config = folder / "int4.json"
+    config.write_text(json.dumps({"preset": "int4-weight-only", "block_size": block}))
     ids = folder / "ids.npz"
     np.savez(ids, input_ids=np.random.default_rng(0).integers(0, VOCAB, (4, seq)))
     ck, out = folder / f"{name}.calib.pt", folder / f"{name}.onnx"
-    r = cli("calibrate", f"{folder / 'lm.py'}:{name}", "--config", "int4-weight-only", "--data", ids, "--out", ck)
+    r = cli("calibrate", f"{folder / 'lm.py'}:{name}", "--config", config, "--data", ids, "--out", ck)
     assert r.exit_code == 0, r.output
     r = cli("export", ck, "--onnx", out)
     assert r.exit_code == 0, r.output
     return out
 
 
-def _onnxruntime(fp32: Path, out: Path, accuracy_level: int | None = None) -> Path:
+def _onnxruntime(fp32: Path, out: Path, block: int, accuracy_level: int | None = None) -> Path:
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
-    q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=BLOCK, accuracy_level=accuracy_level)
+    q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=block, accuracy_level=accuracy_level)
     q.process()
     q.model.save_model_to_file(str(out), use_external_data_format=False)
     return out
 
 
-def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int], rounds: int) -> list[dict]:
+def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int], rounds: int,
+            block: int = BLOCK) -> list[dict]:
     import importlib.util
 
     (folder / "lm.py").write_text(FACTORY.replace("{vocab}", str(VOCAB)) + "".join(
@@ -105,9 +109,9 @@ def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int]
     register()  # aten::diff, which transformers' masks call (quantcli's exporter registers it too)
     torch.onnx.export(model, (ids,), str(fp32), dynamo=False, opset_version=17, input_names=["input_ids"],
                       output_names=["logits"], dynamic_axes={"input_ids": {0: "batch", 1: "seq"}})
-    ours = _quantcli(folder, name, max(seqs))
-    ort_default = _onnxruntime(fp32, folder / f"{name}_ort.onnx")
-    ort_level4 = _onnxruntime(fp32, folder / f"{name}_ort4.onnx", accuracy_level=4)
+    ours = _quantcli(folder, name, max(seqs), block)
+    ort_default = _onnxruntime(fp32, folder / f"{name}_ort.onnx", block)
+    ort_level4 = _onnxruntime(fp32, folder / f"{name}_ort4.onnx", block, accuracy_level=4)
     sessions = {"q_default": _session(ours), "q_level1": _session(ours, 1),
                 "o_default": _session(ort_default), "o_level4": _session(ort_level4)}
     in_name = {k: s.get_inputs()[0].name for k, s in sessions.items()}
@@ -141,9 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=20, help="interleaved latency rounds")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     p.add_argument("--seqs", default="128,1", help="sequence lengths (batch 1)")
+    p.add_argument("--block", type=int, default=BLOCK, help="block size, both quantizers")
     a = p.parse_args(argv)
     setup_threads(1)
-    print(f"# bench_int4_shapes: block {BLOCK}, onnxruntime CPU provider, 1 thread; {machine()}; "
+    print(f"# bench_int4_shapes: block {a.block}, onnxruntime CPU provider, 1 thread; {machine()}; "
           f"CPU flags: {cpu_flags()}")
     seqs = [int(s) for s in a.seqs.split(",")]
     rows = []
@@ -151,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
         for name in a.shapes.split(","):
             sub = Path(d) / name
             sub.mkdir()
-            rows += measure(sub, name, SHAPES[name], seqs, a.rounds)
+            rows += measure(sub, name, SHAPES[name], seqs, a.rounds, a.block)
     print(table(rows, ["shape", "seq", "quantcli_ms", "ort_ms", "default", "fp32_compute", "int8_compute",
                        "q_level1_ms", "o_level4_ms", "err_q_default", "err_q_level1", "err_o_default"]))
     for r in rows:
