@@ -25,6 +25,7 @@ from pathlib import Path
 import onnx
 import torch
 
+from benchmarks.bench_reduce_range import cpu_flags
 from benchmarks.common import best_interleaved, machine, peak_rss_of, run_all, setup_threads, table, verdict
 
 BLOCK = 128
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-memory", action="store_true", help="skip the two fresh-process memory runs")
     a = p.parse_args(argv)
     setup_threads(1)
-    print(f"# bench_int4: tiny_lm, block {BLOCK}, onnxruntime CPU provider, 1 thread; {machine()}")
+    print(f"# bench_int4: tiny_lm, block {BLOCK}, onnxruntime CPU provider, 1 thread; {machine()}; "
+          f"CPU flags: {cpu_flags()}")
     with tempfile.TemporaryDirectory() as d:
         rows, facts = measure(Path(d), a.rounds)
     print(table(rows, ["graph", "ppl", "ppl_vs_fp32", "bytes", "size_vs_fp32", "seconds"]))
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{lat['quantcli'] * 1e3:.1f} ms vs {lat['onnxruntime'] * 1e3:.1f} ms = {ratio:.2f}x: {verdict(ratio <= 1.0)}")
     dflt = lat["quantcli_default"] / lat["onnxruntime"]
     print(f"  with default session options (level 4: int8 activations in MatMulNBits) quantcli's graph takes "
-          f"{lat['quantcli_default'] * 1e3:.1f} ms = {dflt:.2f}x: {verdict(dflt <= 1.0)}")
+          f"{lat['quantcli_default'] * 1e3:.1f} ms = {dflt:.2f}x: {verdict(dflt <= 1.0)} on tiny_lm (K = 128..384, "
+          f"where int8 compute does not pay); at decoder widths see python -m benchmarks.bench_int4_shapes")
     l4 = lat["quantcli_default"] / lat["onnxruntime_level4"]
     print(f"  against onnxruntime's int4 graph made with accuracy_level=4 ({lat['onnxruntime_level4'] * 1e3:.1f} ms), "
           f"both int8-activation compute: {l4:.2f}x: {verdict(l4 <= 1.0)}")

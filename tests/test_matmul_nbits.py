@@ -84,9 +84,11 @@ def _hand_codes(w: np.ndarray, bits: int, block: int = 128, unsigned: bool = Fal
     return np.clip(np.round(w / scale), 0 if unsigned else -bound - 1, bound)
 
 
-def _optimized(path, tmp_path) -> onnx.ModelProto:
+def _optimized(path, tmp_path, config: dict | None = None) -> onnx.ModelProto:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
+    for k, v in (config or {}).items():
+        so.add_session_config_entry(k, v)
     so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     return onnx.load(str(tmp_path / "optimized.onnx"))
@@ -142,6 +144,20 @@ def test_int4_layers_export_as_matmul_nbits(model_file, exporter, rank, tmp_path
     assert set(rows) == {f"{n}.weight_quantizer" for n in LAYERS}
     assert all(r["identical_codes"] == 1.0 for r in rows.values())
     assert report.passed
+
+
+def test_the_session_not_the_graph_sets_the_accuracy_level(model_file, tmp_path):
+    """docs/int4.md and benchmarks/bench_int4_shapes.py read their latencies on this: onnxruntime's fusion of the
+    exported DequantizeLinear -> MatMul gives every MatMulNBits the session's
+    ``session.qdq_matmulnbits_accuracy_level``, 4 (int8 compute) unless set, whatever the graph holds."""
+    path, _ = _export(model_file, _calibrate(model_file, 3), "torchscript")
+
+    def levels(config):
+        nodes = [n for n in _optimized(path, tmp_path, config).graph.node if n.op_type == "MatMulNBits"]
+        return [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("accuracy_level") for n in nodes]
+
+    assert levels(None) == [4, 4, 4]
+    assert levels({"session.qdq_matmulnbits_accuracy_level": "1"}) == [1, 1, 1]
 
 
 @pytest.mark.parametrize("bits, unsigned", [(8, False)], ids=["int8"])
