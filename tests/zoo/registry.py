@@ -33,12 +33,7 @@ CRITERIA_MODELS: dict[str, str] = {"vit_tiny": "vit", "efficientnet_b0": "cnn"}
 
 #: (model, exporter, target) -> why it fails today and who owns the fix; "*" matches any exporter or target
 #: (the layer-coverage test uses "layers" for the exporter)
-_DYNAMO_VIEW = ("lm: the dynamo exporter's decomposition fails on the attention output's transpose -> view "
-                "('Cannot view a tensor with shape ... as a tensor with shape ...'), with or without --static-shapes")
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    ("t5_encoder", "dynamo", "*"): _DYNAMO_VIEW,
-    ("swin", "dynamo", "*"): _DYNAMO_VIEW,
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 
 def known_failure(model: str, exporter: str, target: str) -> str | None:
