@@ -7,6 +7,14 @@ after it) calls ``quantcli::qdq`` with the spec's tensors; the op's eager kernel
 (:mod:`quantcli.arithmetic`), and its onnxscript translation emits the same
 ``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path. Int32 biases and Linear
 layers with dynamic inputs get hooks that call ``quantcli::int32_bias`` and ``quantcli::dynamic_linear``.
+
+:class:`AttentionLayout` works around torch's decomposition of ``scaled_dot_product_attention`` (pytorch#136543,
+#141107): torch.export records the attention output as contiguous, the ONNX exporter's ``run_decompositions``
+re-traces it on CPU through ``_scaled_dot_product_flash_attention_for_cpu``, whose output has the (B, L, H, E)
+layout, so a model's ``out.transpose(1, 2).contiguous().view(B, L, H * E)`` (transformers' T5, Swin) loses its
+``contiguous`` as a no-op there, and the next fake-tensor pass, which computes the output contiguous again, fails
+with "Cannot view a tensor with shape ...". A copy to contiguous memory right after the attention (an ONNX
+``Identity``) gives its output one layout in every pass.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from quantcli import arithmetic as ar
 from quantcli import formats as fm
@@ -217,6 +226,18 @@ def export_hooks_for(model: nn.Module, example: dict[str, torch.Tensor],
     return hooks
 
 
+class AttentionLayout(TorchFunctionMode):
+    """While torch.export traces: every ``scaled_dot_product_attention`` output copied to contiguous memory (a
+    ``clone``, always recorded, unlike ``contiguous``), so its layout no longer depends on which SDPA kernel a
+    pass of the exporter dispatches to (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.scaled_dot_product_attention and isinstance(out, torch.Tensor):
+            out = out.clone(memory_format=torch.contiguous_format)
+        return out
+
+
 def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names,
                   axes) -> None:
     """``torch.onnx.export(..., dynamo=True)`` with the quantize ops translated to Q/DQ nodes."""
@@ -227,8 +248,8 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     torch_onnx_log = logging.getLogger("torch.onnx")
     level = torch_onnx_log.level
     try:
-        with export_hooks(hooks), warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
-                contextlib.redirect_stderr(io.StringIO()):
+        with export_hooks(hooks), AttentionLayout(), warnings.catch_warnings(), \
+                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
             torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
             prog = torch.onnx.export(

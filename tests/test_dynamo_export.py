@@ -52,3 +52,46 @@ def test_dynamo_dynamic_sequence(calibrated, tmp_path):
     batch = tokenize(["x = 1", "a much longer line of plain english prose here", "return None"])
     got, want = onnx_and_torch(out, load_calibrated(calibrated("text_encoder")).model, batch)
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
+
+
+T5_FACTORY = '''
+import torch
+import transformers
+
+
+class Encoder(torch.nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def make():
+    torch.manual_seed(0)
+    return Encoder(transformers.T5EncoderModel(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)).eval())
+'''
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_dynamo_exports_attention_whose_output_is_viewed_after_transpose(tmp_path, static):
+    """transformers' T5 (and Swin): scaled_dot_product_attention with a learned bias in its mask, then
+    ``.transpose(1, 2).contiguous()`` and a view. torch's decomposition re-traces the attention through another
+    kernel whose output has another layout, drops the ``contiguous`` and failed with "Cannot view a tensor with
+    shape ..." (pytorch#136543); exporters.dynamo.AttentionLayout keeps one layout."""
+    pytest.importorskip("transformers")
+    (tmp_path / "t5.py").write_text(T5_FACTORY)
+    rng = np.random.default_rng(0)
+    mask = np.ones((8, 12), dtype=np.int64)  # one batch: the static graph takes 8
+    mask[1::2, 9:] = 0
+    np.savez(tmp_path / "ids.npz", input_ids=rng.integers(0, 64, (8, 12)), attention_mask=mask)
+    ck = tmp_path / "t5.calib.pt"
+    r = cli("calibrate", f"{tmp_path / 't5.py'}:make", "--data", tmp_path / "ids.npz", "--out", ck)
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "t5.onnx"
+    r = cli("export", ck, "--onnx", out, "--exporter", "dynamo", *(["--static-shapes"] if static else []))
+    assert r.exit_code == 0, r.output
+    r = cli("verify", out, "--reference", ck, "--data", tmp_path / "ids.npz", "--json")
+    assert r.exit_code == 0, r.output

@@ -90,3 +90,77 @@ def test_text_encoder_defaults_to_17_and_explicit_13_decomposes_with_a_note(cali
 def test_explicit_opset_below_the_format_minimum_is_still_an_error(calibrated, tmp_path):
     assert_clean_error(cli("export", calibrated("text_encoder", "fp8"), "--onnx", tmp_path / "o.onnx", "--opset", "17"),
                        "fp8-e4m3", ">= 19")
+
+
+ATTENTION = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Attention(nn.Module):
+    """Self-attention through F.scaled_dot_product_attention, no LayerNorm (as in Llama/Qwen2 decoders)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, 2, d // 2).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v)
+        return self.out(a.transpose(1, 2).reshape(b, n, d))
+
+
+def make():
+    torch.manual_seed(0)
+    return Attention().eval()
+'''
+
+
+def _torch_attention_opset() -> int:
+    """The opset torch's TorchScript exporter first translates aten::scaled_dot_product_attention at, read from
+    torch's own symbolic_opsetN modules (not from quantcli)."""
+    import importlib
+
+    for n in range(9, 22):
+        try:
+            mod = importlib.import_module(f"torch.onnx._internal.torchscript_exporter.symbolic_opset{n}")
+        except ImportError:
+            continue
+        if hasattr(mod, "scaled_dot_product_attention"):
+            return n
+    pytest.skip("this torch keeps its TorchScript translations elsewhere")
+
+
+@pytest.fixture
+def attention_checkpoint(tmp_path):
+    (tmp_path / "attn.py").write_text(ATTENTION)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 6, 16)).astype(np.float32))
+    ck = tmp_path / "attn.calib.pt"
+    r = cli("calibrate", f"{tmp_path / 'attn.py'}:make", "--data", tmp_path / "x.npy", "--out", ck)
+    assert r.exit_code == 0, r.output
+    return ck, tmp_path / "x.npy"
+
+
+def test_attention_without_opset_exports_at_the_opset_torch_translates_it_and_verifies(attention_checkpoint, tmp_path):
+    want = _torch_attention_opset()
+    assert want == 14  # torch 2.x: symbolic_opset14.scaled_dot_product_attention
+    ck, data = attention_checkpoint
+    out = tmp_path / "a.onnx"
+    r = cli("export", ck, "--onnx", out, "--json")  # the default exporter (torchscript), no --opset
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["exporter"] == "torchscript" and info["opset"] == _opset(onnx.load(str(out))) == want
+    assert "scaled_dot_product_attention" in info["opset_reason"]
+    r = cli("verify", out, "--reference", ck, "--data", data)
+    assert r.exit_code == 0, r.output
+
+
+def test_attention_with_a_too_old_explicit_opset_is_a_clean_error_naming_the_op(attention_checkpoint, tmp_path):
+    ck, _ = attention_checkpoint
+    r = cli("export", ck, "--onnx", tmp_path / "a.onnx", "--opset", "13")
+    assert_clean_error(r, "aten::scaled_dot_product_attention", "opset 13", f"--opset {_torch_attention_opset()}")
+    assert not (tmp_path / "a.onnx").exists()
+    r = cli("export", ck, "--onnx", tmp_path / "a.onnx", "--opset", "15", "--json")  # an explicit opset is kept
+    assert r.exit_code == 0 and json.loads(r.stdout)["opset"] == 15, r.output

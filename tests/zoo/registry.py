@@ -33,20 +33,7 @@ CRITERIA_MODELS: dict[str, str] = {"vit_tiny": "vit", "efficientnet_b0": "cnn"}
 
 #: (model, exporter, target) -> why it fails today and who owns the fix; "*" matches any exporter or target
 #: (the layer-coverage test uses "layers" for the exporter)
-_SDPA_OPSET = ("lm: the default opset is 13 (no LayerNorm), aten::scaled_dot_product_attention needs 14 "
-               "(exports with --opset 17)")
-_DYNAMO_VIEW = ("lm: the dynamo exporter's decomposition fails on the attention output's transpose -> view "
-                "('Cannot view a tensor with shape ... as a tensor with shape ...'), with or without --static-shapes")
-KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    ("llama", "torchscript", "*"): _SDPA_OPSET,
-    ("t5_encoder", "torchscript", "*"): _SDPA_OPSET,
-    ("t5_encoder", "dynamo", "*"): _DYNAMO_VIEW,
-    ("swin", "dynamo", "*"): _DYNAMO_VIEW,
-    ("gpt2", "layers", "*"): "lm: transformers' Conv1D (a Linear with a transposed weight) is not quantized",
-    ("wav2vec2", "layers", "*"): "lm: the weight-normed positional ParametrizedConv1d is not quantized",
-    ("efficientnet", "layers", "*"): ("lm: nn.Conv2d subclasses (transformers' EfficientNetDepthwiseConv2d) are not "
-                                      "quantized: quantize_model maps exact classes"),
-}
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {}
 
 
 def known_failure(model: str, exporter: str, target: str) -> str | None:
