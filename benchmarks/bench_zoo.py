@@ -2,9 +2,11 @@
 layers onnxruntime fuses (``inspect --runtime``), latency of the int8 graph against the fp32 graph and against
 onnxruntime's own quantization of the same model, and each graph's cosine to the float model as the factory builds it.
 
-onnxruntime's own: ``quant_pre_process`` then ``quantize_static`` (QDQ, int8 weights per channel, symmetric int8
-activations, MinMax: :mod:`benchmarks.ort_peer`) for CNNs and ViTs; ``quantize_dynamic`` (per channel) for
-transformers. Latency: CPU provider, 1 thread, default options, the sessions timed interleaved (best of
+onnxruntime's own: ``quant_pre_process`` then ``quantize_static`` (QDQ, int8 weights per channel, MinMax:
+:mod:`benchmarks.ort_peer`) for CNNs and ViTs, twice: with asymmetric uint8 activations (``peer``: what onnxruntime's
+documentation recommends on x86 CPUs with VNNI, the reference of issue 25's goal) and with symmetric int8
+activations (``peer s8``, its default-like setting nearest quantcli's preset); ``quantize_dynamic`` (per channel)
+for transformers. Latency: CPU provider, 1 thread, default options, the sessions timed interleaved (best of
 ``--rounds``) on the first 8 held-out samples; only onnxruntime-target graphs are timed. ``rms_ratio`` is verify's
 ``fidelity.rms_ratio`` value (docs/verify-criteria.md).
 
@@ -25,6 +27,7 @@ import onnxruntime as ort
 import torch
 from typer.testing import CliRunner
 
+from benchmarks.bench_reduce_range import cpu_flags
 from benchmarks.common import best_interleaved, machine, setup_threads, table, verdict
 from quantcli.cli import app
 from tests.zoo import registry as zoo
@@ -60,20 +63,23 @@ def export_float(name: str, data: dict[str, np.ndarray], path: Path) -> None:
                       dynamic_axes={n: {0: "batch"} for n in names})
 
 
-def peer(name: str, fp32: Path, calib: dict[str, np.ndarray], folder: Path) -> tuple[Path, str]:
-    """onnxruntime's own quantization of the fp32 graph: (its path, what it was)."""
+def peer(name: str, fp32: Path, calib: dict[str, np.ndarray], folder: Path,
+         activations: str = "uint8") -> tuple[Path, str]:
+    """onnxruntime's own quantization of the fp32 graph: (its path, what it was). ``activations`` applies to
+    ``quantize_static`` (CNNs, ViTs): ``uint8`` or ``int8``."""
     from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
 
-    out = folder / f"{name}.ort.onnx"
+    out = folder / f"{name}.ort.{activations}.onnx"
     if zoo.MODELS.get(name, zoo.CRITERIA_MODELS.get(name)) == "transformer":
         quantize_dynamic(str(fp32), str(out), per_channel=True, weight_type=QuantType.QInt8)
         return out, "quantize_dynamic"
     from benchmarks import ort_peer
 
     pre = folder / f"{name}.pre.onnx"
-    quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-    ort_peer.quantize(str(pre), calib, str(out), "MinMax")
-    return out, "quantize_static"
+    if not pre.exists():
+        quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
+    ort_peer.quantize(str(pre), calib, str(out), "MinMax", activations)
+    return out, f"quantize_static {'u8' if activations == 'uint8' else 's8'}"
 
 
 def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: Path, held: Path) -> dict:
@@ -114,6 +120,8 @@ def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[di
     try:
         peer_path, peer_kind = peer(name, fp32, calib, folder)
         timed["peer"] = session(peer_path)
+        if peer_kind.startswith("quantize_static"):
+            timed["peer s8"] = session(peer(name, fp32, calib, folder, "int8")[0])
     except Exception as e:  # the peer's failure is a row, not the end of the benchmark
         peer_kind = f"failed: {type(e).__name__}: {str(e)[:80]}"
     rows = []
@@ -131,14 +139,19 @@ def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[di
     feeds = {k: {i.name: small[i.name] for i in s.get_inputs()} for k, s in timed.items()}
     lat = best_interleaved({k: functools.partial(s.run, None, feeds[k]) for k, s in timed.items()}, rounds, 2)
     peer_cos = min_cosine(timed["peer"], held, ref) if "peer" in timed else None
+    fp32_over_peer = lat["peer"] / lat["fp32"] if "peer" in lat else None
     for r in rows:
         r["peer"] = peer_kind
         if r["target"] == "onnxruntime" and r["exporter"] in lat:
             r["int8/fp32"] = lat[r["exporter"]] / lat["fp32"]
             if "peer" in lat:
                 r["int8/peer"] = lat[r["exporter"]] / lat["peer"]
+            if "peer s8" in lat:
+                r["int8/peer s8"] = lat[r["exporter"]] / lat["peer s8"]
         if peer_cos is not None:
             r["cos peer"] = peer_cos
+        if fp32_over_peer is not None:
+            r["peer/fp32"] = fp32_over_peer
     return rows
 
 
@@ -151,7 +164,7 @@ def _fmt(rows: list[dict]) -> list[dict]:
 
 
 def goals(rows: list[dict]) -> list[str]:
-    """Each goal of issue 23 that this benchmark measures, with MET/MISSED."""
+    """Each goal of issues 23 and 25 that this benchmark measures, with MET/MISSED."""
     graphs = [r for r in rows if r["verify"] in ("PASS", "FAIL", "ERROR (exit 2)")]
     false_fail = [r for r in graphs if r["verify"] == "FAIL" and r.get("cos int8", 0) >= 0.5]
     false_pass = [r for r in graphs if r["verify"] == "PASS" and r.get("cos int8", 1) < 0.5]
@@ -160,6 +173,8 @@ def goals(rows: list[dict]) -> list[str]:
     exported = [r for r in default if r["verify"] not in ("export failed", "calibrate failed")]
     deploy = [r for r in rows if r["target"] == "onnxruntime" and r["exporter"] == "torchscript" and "int8/peer" in r]
     fast = [r for r in deploy if r["int8/peer"] <= 1.0 and r["cos int8"] >= r["cos peer"]]
+    timed = [r for r in rows if "int8/fp32" in r]
+    slower = [r for r in timed if r["int8/fp32"] > 1.0]
     names = lambda rs: ", ".join(f"{r['model']}/{r['exporter']}/{r['target']}" for r in rs) or "none"  # noqa: E731
     return [
         f"verify: 0 false PASSes ({len(false_pass)}: {names(false_pass)}) and 0 false FAILs ({len(false_fail)}: "
@@ -170,6 +185,8 @@ def goals(rows: list[dict]) -> list[str]:
         f"deploy: int8 <= 1.0x onnxruntime's own quantization's latency at >= its cosine ({len(fast)}/{len(deploy)}; "
         f"missed: {names([r for r in deploy if r not in fast])}): {verdict(len(fast) == len(deploy) and bool(deploy))}",
         "mutations: 100% caught on >= 6 zoo models: python -m pytest -q -m zoo tests/zoo/test_mutation_campaign.py",
+        f"deploy (issue 25): no int8 graph slower than its float model ({len(timed) - len(slower)}/{len(timed)}; "
+        f"slower: {names(slower)}): {verdict(bool(timed) and not slower)}",
     ]
 
 
@@ -186,14 +203,14 @@ def main(argv=None) -> None:
     unknown = [n for n in names if n not in zoo.MODELS and n not in zoo.CRITERIA_MODELS]
     if unknown:
         raise SystemExit(f"unknown zoo model(s) {unknown}; choose from {', '.join([*zoo.MODELS, *zoo.CRITERIA_MODELS])}")
-    print(f"model zoo: {machine()}; onnxruntime {ort.__version__}", flush=True)
+    print(f"model zoo: {machine()}; CPU flags: {cpu_flags()}; onnxruntime {ort.__version__}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name in names:
             rows += measure(name, Path(d), args.exporters.split(","), args.targets.split(","), args.rounds)
             print(f"  {name} done; load average {os.getloadavg()[0]:.2f}", flush=True)
     print(table(_fmt(rows), ["model", "exporter", "target", "verify", "rms_ratio", "fused", "int8/fp32",
-                             "int8/peer", "cos int8", "cos peer", "peer"]))
+                             "int8/peer", "int8/peer s8", "peer/fp32", "cos int8", "cos peer", "peer"]))
     for r in rows:
         if r.get("failed"):
             print(f"  {r['model']}/{r['exporter']}/{r['target']} failed: {r['failed']}")

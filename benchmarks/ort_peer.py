@@ -58,11 +58,17 @@ def calibrate(fp32: str, data: dict[str, np.ndarray], method: str) -> tuple[obje
         return ranges, seconds
 
 
-def quantize(fp32: str, data: dict[str, np.ndarray], out: str, method: str) -> None:
-    """Calibrate and write the Q/DQ graph: the peer's whole job."""
-    quantize_static(fp32, out, Reader(data), quant_format=QuantFormat.QDQ, activation_type=QuantType.QInt8,
+def quantize(fp32: str, data: dict[str, np.ndarray], out: str, method: str, activations: str = "int8") -> None:
+    """Calibrate and write the Q/DQ graph: the peer's whole job.
+
+    ``activations``: ``int8`` (symmetric, the settings nearest quantcli's ``int8`` preset) or ``uint8``
+    (asymmetric ``QUInt8``, what onnxruntime's quantization guide recommends on x86-64 CPUs with AVX2/AVX-512 VNNI:
+    its u8s8 kernels then run without the s8-to-u8 conversion)."""
+    unsigned = activations == "uint8"
+    quantize_static(fp32, out, Reader(data), quant_format=QuantFormat.QDQ,
+                    activation_type=QuantType.QUInt8 if unsigned else QuantType.QInt8,
                     weight_type=QuantType.QInt8, per_channel=True, calibrate_method=getattr(CalibrationMethod, method),
-                    extra_options=dict(OPTIONS))
+                    extra_options={**OPTIONS, "ActivationSymmetric": not unsigned})
 
 
 def _hwm_mib() -> float:
