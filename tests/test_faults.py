@@ -340,6 +340,11 @@ def test_error_path_with_the_oldest_allowed_typer(tmp_path):
         r = subprocess.run([sys.executable, "-m", "quantcli", "--help"], stdout=full, stderr=subprocess.PIPE,
                            text=True, timeout=120, env={**os.environ, **env})
     assert r.returncode == 2 and "no space left on device" in r.stderr and "Traceback" not in r.stderr
+    with open("/dev/full", "w") as full:  # QUANTCLI_DEBUG: the real traceback, then the one line, exit 2
+        r = subprocess.run([sys.executable, "-m", "quantcli", "--help"], stdout=full, stderr=subprocess.PIPE,
+                           text=True, timeout=120, env={**os.environ, **env, "QUANTCLI_DEBUG": "1"})
+    assert r.returncode == 2 and "OSError: [Errno 28]" in r.stderr and "AttributeError" not in r.stderr, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("error: no space left on device")
 
 
 # --------------------------------------------------------------------------------------------- signals
