@@ -100,6 +100,7 @@ def test_analyze_checks_its_folder_before_the_analysis(calibrated, tmp_path, mon
     taken = tmp_path / "taken"
     (taken / "report.html").mkdir(parents=True)  # a file name the report cannot take
     assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", taken), "report.html", "directory")
+    assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", tmp_path / "no" / "a"), "does not exist")
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
@@ -109,7 +110,6 @@ def test_analyze_checks_its_folder_before_the_analysis(calibrated, tmp_path, mon
         assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", ro / "a"), "not writable")
     finally:
         ro.chmod(0o755)
-    assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", tmp_path / "no" / "a"), "does not exist")
 
 
 def _full_disk_after(monkeypatch, name: str):
