@@ -98,7 +98,8 @@ def test_module_from_the_working_directory_is_not_imported(calibrated, tmp_path,
     ck = _crafted(calibrated("digits_cnn"), work / "c.calib.pt",
                   {"kind": "module", "spec": "cwdmod:make", "path": None, "source": None,
                    "extra": {"distribution": "quantcli", "version": "0.1.0"}})
-    for args in (("export", ck, "--onnx", work / "m.onnx"), ("analyze", ck, "--out", work / "a")):
+    for args in (("export", ck, "--onnx", work / "m.onnx"), ("verify", work / "m.onnx", "--reference", ck),
+                 ("analyze", ck, "--out", work / "a")):
         r = cli_subprocess(*args, cwd=work, env=env)
         assert_clean_error(r, "cwdmod", "--trust-code", "nothing was imported")
         assert not marker.exists(), args
