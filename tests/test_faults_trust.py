@@ -54,6 +54,9 @@ def test_file_spec_without_stored_source_runs_nothing(calibrated, tmp_path, mark
     r = cli("inspect", ck, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["model_code"]["needs_trust_code"] is True
+    assert json.loads(r.stdout)["model_code"]["rebuildable"] is False
+    r = cli("inspect", ck)  # says that nothing can rebuild it, not that --trust-code would
+    assert r.exit_code == 0 and "cannot be rebuilt" in r.stdout and "--trust-code" not in r.stdout, r.stdout
     assert not marker.exists()
 
 
