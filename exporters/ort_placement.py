@@ -173,15 +173,19 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     g = m.graph
     dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name}
     producers = producer_map(g)
-    source = {}
+    source, stripped = {}, set()
     for out, dq in dqs.items():
-        q = producers[dq.input[0]]
+        q = producers.get(dq.input[0])
+        if q is None or q.op_type != "QuantizeLinear" or PROPAGATED_MARK not in q.name:
+            continue  # not a copy as propagate_quantize makes them (an edited graph): left as it is, to be judged
         source[out] = q.input[0]
+        stripped |= {id(dq), id(q)}
     for n in g.node:
         for i, name in enumerate(n.input):
             if name in source:
                 n.input[i] = source[name]
-    keep = [n for n in g.node if PROPAGATED_MARK not in n.name]
+    read = {x for n in g.node if id(n) not in stripped for x in n.input}
+    keep = [n for n in g.node if id(n) not in stripped or any(o in read for o in n.output)]  # a Q read elsewhere stays
     del g.node[:]
     g.node.extend(keep)
     return m

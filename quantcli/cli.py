@@ -700,6 +700,8 @@ def render_inspect_checkpoint(rows: dict, path: Path) -> None:
     if loads is not None:
         out.print(f"model loads: {loads['class']}, {loads['parameters']:,} parameters, "
                   f"{loads['quantizers']} quantizers (model code was run: --trust-code)")
+    elif not code.get("rebuildable", True):  # --trust-code would not help: say so, not that it would
+        out.print(f"model code: {code['source']} ({code['file']})")
     elif code["needs_trust_code"]:
         out.print(f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
                   "export and verify run it only with --trust-code (inspect --trust-code checks that it loads)")

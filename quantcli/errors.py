@@ -52,6 +52,15 @@ class GraphRunError(VerifyError):
     """The graph loaded, and one of its nodes failed at run time on inputs the model ran on: the graph computes
     something the model does not (verify reports it as the failed check ``graph.runs``, exit 1)."""
 
+    check = "graph.runs"
+
+
+class GraphOutputError(GraphRunError):
+    """The graph loaded and ran, but its outputs are not the model's (another count or shape): verify reports it
+    as the failed check ``graph.outputs``, exit 1."""
+
+    check = "graph.outputs"
+
 
 class UntrustedCodeError(QuantCliError):
     """Building the model would run code that came inside a checkpoint, and the user did not allow it

@@ -297,7 +297,7 @@ def model_code(spec: ModelSpec) -> dict[str, Any]:
         except QuantCliError:  # no source stored: nothing may run, not even with --trust-code
             needs, what = True, "a factory file whose source the checkpoint does not store: cannot be rebuilt"
         return {"source": what, "file": spec.path, "sha256": sha256_hex(spec.source) if stored else None,
-                "needs_trust_code": needs}
+                "needs_trust_code": needs, "rebuildable": stored}
     if spec.kind == "pickle":
         return {"source": "pickled whole module stored in the checkpoint", "file": spec.path,
                 "sha256": (spec.extra or {}).get("sha256"), "needs_trust_code": True}

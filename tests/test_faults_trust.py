@@ -54,6 +54,9 @@ def test_file_spec_without_stored_source_runs_nothing(calibrated, tmp_path, mark
     r = cli("inspect", ck, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["model_code"]["needs_trust_code"] is True
+    assert json.loads(r.stdout)["model_code"]["rebuildable"] is False
+    r = cli("inspect", ck)  # says that nothing can rebuild it, not that --trust-code would
+    assert r.exit_code == 0 and "cannot be rebuilt" in r.stdout and "--trust-code" not in r.stdout, r.stdout
     assert not marker.exists()
 
 
@@ -98,7 +101,8 @@ def test_module_from_the_working_directory_is_not_imported(calibrated, tmp_path,
     ck = _crafted(calibrated("digits_cnn"), work / "c.calib.pt",
                   {"kind": "module", "spec": "cwdmod:make", "path": None, "source": None,
                    "extra": {"distribution": "quantcli", "version": "0.1.0"}})
-    for args in (("export", ck, "--onnx", work / "m.onnx"), ("analyze", ck, "--out", work / "a")):
+    for args in (("export", ck, "--onnx", work / "m.onnx"), ("verify", work / "m.onnx", "--reference", ck),
+                 ("analyze", ck, "--out", work / "a")):
         r = cli_subprocess(*args, cwd=work, env=env)
         assert_clean_error(r, "cwdmod", "--trust-code", "nothing was imported")
         assert not marker.exists(), args

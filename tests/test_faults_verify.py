@@ -96,3 +96,38 @@ def test_a_graph_without_metadata_says_the_metadata_is_missing(calibrated, expor
     problems = rep["structure"]["problems"]
     assert len(problems) == 1 and "quantcli.quantizers metadata" in problems[0]
     assert "not checked" in problems[0] and "Q/DQ pair missing" not in problems[0]
+
+
+def _node(m, name):
+    return next(n for n in m.graph.node if n.name == name)
+
+
+def _swap_inputs(m, name):
+    n = _node(m, name)
+    n.input[0], n.input[1] = n.input[1], n.input[0]
+
+
+def _identity(m, name):
+    n = _node(m, name)
+    n.op_type = "Identity"
+    del n.attribute[:]
+    del n.input[1:]
+
+
+def test_last_layer_replaced_by_identity_is_a_verdict(calibrated, exported, tmp_path):
+    """The graph loads and runs but its output has another shape: a failed check, not an exit-2 error."""
+    code, rep = _verify(variant(onnx.load(exported("digits_cnn")), _identity, "/fc2/Gemm"), calibrated("digits_cnn"),
+                        tmp_path)
+    assert code == 1
+    assert "[16, 64], the model's [16, 10]" in _failed(rep)["graph.outputs"]
+
+
+@pytest.mark.parametrize("node", ["/conv1/weight_quantizer/DequantizeLinear", "/Flatten/quantcli_propagated/DQ"])
+def test_graph_onnxruntime_cannot_load_is_named_not_an_internal_error(calibrated, exported, tmp_path, node):
+    """Swapped DequantizeLinear inputs: the structure check read them before onnxruntime refused the graph and
+    crashed (a tensor size mismatch, a KeyError); the user gets onnxruntime's reason."""
+    from tests.helpers import assert_clean_error
+
+    path = tmp_path / "g.onnx"
+    onnx.save(variant(onnx.load(exported("digits_cnn")), _swap_inputs, node), path)
+    assert_clean_error(cli("verify", path, "--reference", calibrated("digits_cnn")), "onnxruntime cannot load")

@@ -19,7 +19,7 @@ from exporters.graph import read_onnx
 from exporters.ort_placement import strip_propagated
 from quantcli.checkpoint import Calibrated, load_calibrated
 from quantcli.data import Batch, describe, flat_outputs, num_samples, run_model
-from quantcli.errors import GraphRunError, VerifyError
+from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
 from quantcli.verify import replay as rp
 from quantcli.verify import sessions
 from quantcli.verify.outputs import logit_outputs
@@ -118,9 +118,9 @@ def verify_onnx(
 
 
 def _graph_failed(report: VerifyReport, error: GraphRunError, t0: float) -> VerifyReport:
-    """The graph loaded but a node failed on inputs the model ran on: the failed check ``graph.runs`` (its detail
-    names the node), with nothing to compare."""
-    report.checks.append(at_least("graph.runs", 1, 0, str(error)))
+    """The graph loaded but a node failed on inputs the model ran on (the failed check ``graph.runs``, its detail
+    names the node), or its outputs are not the model's (``graph.outputs``), with nothing to compare."""
+    report.checks.append(at_least(error.check, 1, 0, str(error)))
     report.fidelity = {"outputs": {}, "quantizers": {}, "sample_size": 0, "exact_samples": 0, "not_replayed": [],
                        "failing_quantizers": []}
     report.quality = {"session": "exact", "outputs": {}, "exact_outputs": {}}
@@ -199,7 +199,12 @@ class _Comparison:
         if got is not None:
             self.exact_samples += num_samples([batch])
         if len(ref) != len(self.out_names):
-            raise VerifyError(f"the graph has {len(self.out_names)} outputs, the model {len(ref)}")
+            raise GraphOutputError(f"the graph has {len(self.out_names)} output(s), the model {len(ref)}")
+        for session, outs in (("exact", got), ("deployed", deployed)):
+            for k, n in enumerate(self.out_names if outs is not None else []):
+                if np.shape(outs[k]) != np.shape(ref[k]):  # a loadable graph that computes something else
+                    raise GraphOutputError(f"output {n!r} of the {session} session has shape {list(np.shape(outs[k]))}, "
+                                           f"the model's {list(np.shape(ref[k]))}")
         for k, n in enumerate(self.out_names):
             self.qerr[n].add(ref[k], flt[k])
             if got is not None:

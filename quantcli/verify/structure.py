@@ -31,7 +31,7 @@ from exporters.graph import (
 )
 from quantcli import arithmetic as ar
 from quantcli.checkpoint import Calibrated
-from quantcli.errors import VerifyError
+from quantcli.errors import VerifyError, first_line
 from quantcli.granularity import broadcast_onnx_param
 from quantcli.nn.replace import quantizers
 from quantcli.nn.usage import unused_quantizers
@@ -262,7 +262,10 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
             problems.setdefault(name, []).append(
                 f"zero point differs from the calibrated range ({zp.flat[0] if zp.size else 'none'} vs {want_zp.flat[0]:g})")
         if name.endswith("weight_quantizer"):
-            row, problem = _weight_row(name, q, p, inits, params)
+            try:
+                row, problem = _weight_row(name, q, p, inits, params)
+            except (RuntimeError, ValueError) as e:  # codes and scale that do not fit (inputs swapped, reshaped)
+                row, problem = None, f"stored weight cannot be dequantized with its scale: {first_line(e, 160)}"
             if row is not None:
                 rows.append(row)
             if problem:
