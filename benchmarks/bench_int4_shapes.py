@@ -58,15 +58,10 @@ def build(hidden, inter, heads):
 
 
 def _session(path: Path, accuracy_level: int | None = None):
-    import onnxruntime as ort
+    """bench_int4's CPU session (1 thread), optionally with the MatMulNBits accuracy level set."""
+    from benchmarks.bench_int4 import _session as int4_session
 
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    if accuracy_level is not None:
-        so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy_level))
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return int4_session(path, accuracy_level=accuracy_level)
 
 
 def _quantcli(folder: Path, name: str, seq: int, block: int) -> Path:

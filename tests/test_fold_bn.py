@@ -188,14 +188,19 @@ class Untraceable(nn.Module):
         return self.bn(self.conv(self.features(x)))
 
 
-def test_untraceable_sequential_folds_its_adjacent_pairs_only():
+def _untraceable():
+    """An ``Untraceable`` with realistic BatchNorm statistics, an input, and its float output."""
     m = Untraceable().eval()
     g = torch.Generator().manual_seed(0)
     _randomise_bn(m.features[1], g)
     _randomise_bn(m.bn, g)
     x = torch.randn(3, 2, 10)
     with torch.no_grad():
-        want = m(x)
+        return m, x, m(x)
+
+
+def test_untraceable_sequential_folds_its_adjacent_pairs_only():
+    m, x, want = _untraceable()
     report = fold_batchnorm(m)  # no example batch: torch.fx, per submodule
     assert report.detection == "fx per submodule" and report.trace_error
     assert [(f.layer, f.batchnorm) for f in report.folded] == [("features.0", "features.1")]
@@ -206,13 +211,7 @@ def test_untraceable_sequential_folds_its_adjacent_pairs_only():
 
 def test_untraceable_model_folds_every_pair_from_the_recorded_forward():
     """With an example batch the data flow is what one forward did: the pair fx could not see folds too."""
-    m = Untraceable().eval()
-    g = torch.Generator().manual_seed(0)
-    _randomise_bn(m.features[1], g)
-    _randomise_bn(m.bn, g)
-    x = torch.randn(3, 2, 10)
-    with torch.no_grad():
-        want = m(x)
+    m, x, want = _untraceable()
     report = fold_batchnorm(m, {"x": x})
     assert report.detection == "recorded" and not report.skipped
     assert sorted((f.layer, f.batchnorm) for f in report.folded) == [("conv", "bn"), ("features.0", "features.1")]
