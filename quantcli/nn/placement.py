@@ -294,16 +294,32 @@ def residual_skips(graph, modules: dict[str, nn.Module], layers: dict[str, nn.Mo
     return out
 
 
-def residual_owners(graph, layers: dict[str, nn.Module], modules: dict[str, nn.Module]) -> list[str]:
-    """Names of the modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the
-    model), from the model's ``graph`` (recorded or traced)."""
-    owners = []
-    for n, _, _ in residual_skips(graph, modules, layers):
-        stack = list((n.meta.get("nn_module_stack") or {}).keys())
-        owner = stack[-1] if stack else ""
-        if owner not in owners:
-            owners.append(owner)
-    return owners
+def _owner(node) -> str:
+    stack = list((node.meta.get("nn_module_stack") or {}).keys())
+    return stack[-1] if stack else ""
+
+
+def residual_owners(graph, layers: dict[str, nn.Module], modules: dict[str, nn.Module]) -> dict[str, list[int | None]]:
+    """The modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the model), from the
+    model's ``graph`` (recorded or traced): for each, one entry per Add its ``forward`` runs (on its first call), in
+    order: which operand (0 or 1) is the skip input, or None for an Add that is not a residual."""
+    skips = {n: (0 if skip is n.args[0] else 1) for n, skip, _ in residual_skips(graph, modules, layers)}
+    owners: dict[str, list[int | None]] = {}
+    first_call: dict[str, object] = {}
+    for n in graph.nodes:
+        if _is_add(n):
+            owner = _owner(n)
+            if first_call.setdefault(owner, n.meta.get("call")) == n.meta.get("call"):
+                owners.setdefault(owner, []).append(skips.get(n))
+    return {o: adds for o, adds in owners.items() if any(i is not None for i in adds)}
+
+
+class _ChildrenTracer(fx.Tracer):
+    """Traces one module's own ``forward``: every submodule stays one ``call_module`` node, so the code that
+    replaces the ``forward`` calls the same modules (the export's scopes, which name the Q/DQ pairs, stay)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return True
 
 
 def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module], graph,
@@ -312,29 +328,43 @@ def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module], g
     traced) shows; returns the new quantizers' names, and the owning blocks left alone with why.
 
     ``make(name, branch_conv)`` builds the quantizer. Each owning module gets ``residual_quantizer`` (then
-    ``residual_quantizer_1``, ...) and its ``forward`` becomes its fx trace with the quantizer on the skip operand.
+    ``residual_quantizer_1``, ...) and its ``forward`` becomes the fx trace of its own code (submodules called as
+    they were) with the quantizer on the skip operand. The Adds of that trace are matched to the graph's by order.
     """
+    modules = dict(model.named_modules())
+    branch_convs = {n: conv for n, _, conv in residual_skips(graph, modules, layers)}
     names, untraced = [], {}
-    for owner in residual_owners(graph, layers, dict(model.named_modules())):
+    for owner, adds in residual_owners(graph, layers, modules).items():
+        label = owner or "(the model)"
         mod = model.get_submodule(owner) if owner else model
         try:
-            block = trace(mod, layers)
+            block = _ChildrenTracer().trace(mod)
         except Exception as e:  # fx cannot trace every block; its Add stays as it is, and the report says so
-            untraced[owner or "(the model)"] = f"torch.fx could not trace it ({type(e).__name__}: {first_line(e, 120)})"
+            untraced[label] = f"torch.fx could not trace its forward ({type(e).__name__}: {first_line(e, 120)})"
             continue
-        own = [(n, skip, conv) for n, skip, conv in residual_skips(block, dict(mod.named_modules()), layers)
-               if not n.meta.get("nn_module_stack")]  # the module's own Adds, not those of modules inside it
+        fx_adds = [n for n in block.nodes if _is_add(n)]
+        if len(fx_adds) != len(adds) or any(i is not None and not isinstance(n.args[i], fx.Node)
+                                            for n, i in zip(fx_adds, adds)):
+            untraced[label] = (f"its fx trace has {len(fx_adds)} Adds where the recorded forward ran {len(adds)}: "
+                               "which operand is the skip input is not certain")
+            continue
         if any(n.op == "get_attr" and not _resolves(mod, n.target) for n in block.nodes):
-            untraced[owner or "(the model)"] = "its fx trace holds constants of its own"
+            untraced[label] = "its fx trace holds constants of its own"
             continue  # keep the module's code rather than guess
-        for k, (n, skip, conv) in enumerate(own):
+        recorded = [n for n in graph.nodes if _is_add(n) and _owner(n) == owner]
+        k = 0
+        for n, i, rec in zip(fx_adds, adds, recorded):
+            if i is None:
+                continue
             attr = "residual_quantizer" if k == 0 else f"residual_quantizer_{k}"
             qname = f"{owner}.{attr}" if owner else attr
-            mod.add_module(attr, make(qname, conv))
+            mod.add_module(attr, make(qname, branch_convs[rec]))
+            skip = n.args[i]
             with block.inserting_before(n):
                 qnode = block.call_module(attr, (skip,))
             n.replace_input_with(skip, qnode)
             names.append(qname)
+            k += 1
         block.lint()
         traced = fx.GraphModule(mod, block)
         # the generated forward reads only ``self.<path>`` attributes, which ``mod`` has (checked above)

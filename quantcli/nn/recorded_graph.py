@@ -21,7 +21,8 @@ Nodes:
   ``"add"``, ``x += y`` is ``"add_"``).
 
 A tensor argument that no recorded node produced (a parameter, a buffer, a constant) is ``None`` in ``args``;
-an in-place op makes its node the producer of the tensor from then on.
+an in-place op makes its node the producer of the tensor from then on. ``meta["call"]`` numbers the call of the
+innermost enclosing module (a module called twice records its ops twice, with two numbers).
 """
 
 from __future__ import annotations
@@ -87,12 +88,14 @@ class _Recorder(TorchFunctionMode):
         self.producer: dict[int, RecordedNode] = {}
         self.alive: list[torch.Tensor] = []  # keeps every seen tensor alive, so no id is reused while recording
         self.leaf_depth = 0  # > 0 inside a leaf module's forward: its own ops are not recorded
-        self.stack: list[tuple[str, str]] = []  # enclosing non-leaf modules (name, class), outermost first
+        self.stack: list[tuple[str, str, int]] = []  # enclosing non-leaf modules (name, class, call number)
+        self.calls = 0  # non-leaf module calls so far: tells two calls of one module apart
 
     def node(self, op: str, target: Any, inputs: list) -> RecordedNode:
         args = tuple(self.producer.get(id(t)) for t in inputs if isinstance(t, torch.Tensor))
         n = RecordedNode(f"n{len(self.graph.nodes)}", op, target, args,
-                         meta={"nn_module_stack": {name: cls for name, cls in self.stack if name}})
+                         meta={"nn_module_stack": {name: cls for name, cls, _ in self.stack if name},
+                               "call": self.stack[-1][2] if self.stack else 0})
         for a in args:
             if a is not None:
                 a.users.setdefault(n, None)
@@ -130,7 +133,8 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
                     rec.alive.extend(flat)
                     rec.pending.append(rec.node("call_module", name, flat))
                 else:
-                    rec.stack.append((name, type(module).__name__))
+                    rec.calls += 1
+                    rec.stack.append((name, type(module).__name__, rec.calls))
             if leaf:
                 rec.leaf_depth += 1
 
