@@ -155,7 +155,9 @@ class CalibrationJob:
         else:
             placement = None
             with one_outcome():
-                if self.rank is None or self.rank.rank == 0:
+                if (self.rank is None or self.rank.rank == 0) and not self.batches:
+                    placement = LatencyPlacement("auto", False, "not measured: no calibration batch on rank 0")
+                elif self.rank is None or self.rank.rank == 0:
                     placement = measure_and_decide(self.model, example_of(self.batches[0]))
             if self.rank is not None:
                 placement = broadcast_from_rank0(placement)

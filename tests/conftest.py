@@ -41,11 +41,15 @@ class _NoTime(dict):
         return 0.0
 
 
-@pytest.fixture(autouse=True)
-def _stub_placement_timer(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _stub_placement_timer():
+    """Session-wide, so that module- and session-scoped fixtures that calibrate (set up before any function-scoped
+    fixture) see it too; a test that installs its own timer with ``monkeypatch`` gets this one back afterwards."""
     import quantcli.latency_placement as lp
 
-    monkeypatch.setattr(lp, "TIMER", equal_times)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(lp, "TIMER", equal_times)
+        yield
 
 
 @pytest.fixture
