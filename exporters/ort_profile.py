@@ -3,6 +3,7 @@
 :func:`node_times` runs the graph the way a user deploys it (``InferenceSession(path)`` with default options:
 ``ORT_ENABLE_ALL``, the CPU provider, onnxruntime's default threads), so the nodes it times are those of the
 graph onnxruntime runs after its fusions (:func:`exporters.runtime_fusion.optimized_graph` saves the same graph).
+Several graphs are timed interleaved, run by run, so that what they are compared on saw the same machine load.
 The profiler writes one JSON trace per session (Chrome trace format); each executed node is an event with
 ``cat == "Node"`` and ``name == "<node name>_kernel_time"``, its duration ``dur`` in microseconds.
 """
@@ -22,16 +23,20 @@ from exporters.runtime_fusion import PROVIDERS
 _SUFFIX = "_kernel_time"
 
 
-def node_times(path: str | Path, feeds: dict[str, np.ndarray], rounds: int = 20,
-               provider: str = "cpu") -> dict[str, float]:
-    """Median time of each node of onnxruntime's optimized graph of ``path``, in microseconds.
+def node_times(paths: list[str | Path], feeds: dict[str, np.ndarray], rounds: int = 20,
+               provider: str = "cpu") -> list[dict[str, float]]:
+    """Median time of each node of onnxruntime's optimized graph of each of ``paths``, in microseconds.
+
+    The graphs are timed interleaved, run by run (graph 1, graph 2, graph 1, ...), so a change of the machine's
+    load while they run weighs on all of them alike: what a comparison of their nodes needs.
 
     Args:
-        feeds: the session's inputs, by input name (numpy arrays of the graph's input types).
-        rounds: timed runs; one more run before them warms the session up and is not counted.
+        feeds: the sessions' inputs, by input name (numpy arrays of the graphs' input types); each session gets
+            the ones it declares.
+        rounds: timed runs of each graph; one more run before them warms each session up and is not counted.
 
-    Nodes that did not run (a branch not taken) are absent. Raises what onnxruntime raises when the graph does not
-    load or run. The profile is written to a temporary folder that is removed before returning.
+    Nodes that did not run (a branch not taken) are absent. Raises what onnxruntime raises when a graph does not
+    load or run. The profiles are written to a temporary folder that is removed before returning.
     """
     import onnxruntime as ort
 
@@ -39,19 +44,21 @@ def node_times(path: str | Path, feeds: dict[str, np.ndarray], rounds: int = 20,
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     work = Path(tempfile.mkdtemp(prefix="quantcli-profile-"))
     try:
-        so = ort.SessionOptions()
-        so.log_severity_level = 4  # fatal only: the caller reports a failure once
-        so.enable_profiling = True
-        so.profile_file_prefix = str(work / "profile")
-        sess = ort.InferenceSession(str(path), so, providers=[PROVIDERS[provider]])
-        sess.run(None, feeds)  # warm-up: first-run allocations and lazy kernel setup
-        for _ in range(rounds):
-            sess.run(None, feeds)
-        trace = sess.end_profiling()
-        events = json.loads(Path(trace).read_text())
+        sessions = []
+        for i, path in enumerate(paths):
+            so = ort.SessionOptions()
+            so.log_severity_level = 4  # fatal only: the caller reports a failure once
+            so.enable_profiling = True
+            so.profile_file_prefix = str(work / f"profile{i}")
+            sess = ort.InferenceSession(str(path), so, providers=[PROVIDERS[provider]])
+            sessions.append((sess, {x.name: feeds[x.name] for x in sess.get_inputs()}))
+        for _ in range(rounds + 1):  # the first round warms up: first-run allocations and lazy kernel setup
+            for sess, own in sessions:
+                sess.run(None, own)
+        traces = [json.loads(Path(sess.end_profiling()).read_text()) for sess, _ in sessions]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return _medians(events)
+    return [_medians(events) for events in traces]
 
 
 def _medians(events: list[dict]) -> dict[str, float]:

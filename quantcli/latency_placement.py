@@ -52,7 +52,8 @@ MIN_DIFF_US = 2.0
 ROUNDS = 20  # timed runs per graph (after one warm-up run); the median of each node is used
 
 #: ``(onnx path, feeds, rounds) -> {node name: microseconds}``; tests install a stub here
-TIMER: Callable[[str | Path, dict[str, np.ndarray], int], dict[str, float]] = node_times
+#: ``(paths, feeds, rounds) -> [{node: microseconds}, ...]``, one dict per path (timed interleaved)
+TIMER: Callable[[list[str | Path], dict[str, np.ndarray], int], list[dict[str, float]]] = node_times
 
 QUANTIZED, FLOAT = "quantized", "float"
 _QDQ = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")
@@ -221,7 +222,7 @@ def measure(model: nn.Module, example: Batch, timer: Callable | None = None, rou
         names = {i.name for i in float_model.graph.input}
         feeds = {k: v.detach().cpu().numpy() for k, v in example.items() if k in names}
         opt8, optf = optimized_graph(int8_path), optimized_graph(float_path)
-        t8, tf = timer(int8_path, feeds, rounds), timer(float_path, feeds, rounds)
+        t8, tf = timer([int8_path, float_path], feeds, rounds)
     modules = dict(model.named_modules())
     costs = []
     for lf in report.layers:

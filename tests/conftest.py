@@ -22,10 +22,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def equal_times(path, feeds, rounds):
+def equal_times(paths, feeds, rounds):
     """A stand-in for onnxruntime's profiler: every node takes no time, so integer kernels are never slower than
     float and `--placement auto` keeps float only the layers onnxruntime does not fuse."""
-    return _NoTime()
+    return [_NoTime() for _ in paths]
 
 
 class _NoTime(dict):

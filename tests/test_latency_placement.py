@@ -91,19 +91,24 @@ def test_node_times_gives_a_time_to_every_node_onnxruntime_runs(tmp_path):
                            helper.make_node("Cos", ["s"], ["y"], name="cos")], "g", [x], [y], [w])
     path = tmp_path / "tiny.onnx"
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), path)
-    times = node_times(path, {"x": np.ones((4, 8), np.float32)}, rounds=3)
-    assert set(times) == {n.name for n in optimized_graph(path).graph.node}
-    assert all(isinstance(t, float) and t >= 0 for t in times.values())
-    assert list(tmp_path.iterdir()) == [path]  # the profile went to a temporary folder, removed
+    other = tmp_path / "other.onnx"
+    g.node[1].op_type = "Cos"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8), other)
+    times = node_times([path, other], {"x": np.ones((4, 8), np.float32)}, rounds=3)
+    assert len(times) == 2  # one dict per graph, in order
+    for p, t in zip((path, other), times):
+        assert set(t) == {n.name for n in optimized_graph(p).graph.node}
+        assert all(isinstance(v, float) and v >= 0 for v in t.values())
+    assert sorted(tmp_path.iterdir()) == sorted([path, other])  # the profiles went to a temporary folder, removed
 
 
 # ------------------------------------------------------------------------------------------- the CLI
 
 
-def slow_conv2(path, feeds, rounds):
+def slow_conv2(paths, feeds, rounds):
     """conv2's integer kernel takes 1 ms, every other node 1 us."""
-    return {n.name: 1000.0 if n.op_type == "QLinearConv" and n.name.startswith("/conv2/") else 1.0
-            for n in optimized_graph(path).graph.node}
+    return [{n.name: 1000.0 if n.op_type == "QLinearConv" and n.name.startswith("/conv2/") else 1.0
+             for n in optimized_graph(path).graph.node} for path in paths]
 
 
 def _calibrate(tmp_path, monkeypatch, timer, *args, model="digits_cnn"):
