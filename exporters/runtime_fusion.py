@@ -50,6 +50,7 @@ class LayerFusion:
     kernel: str | None  # the op type onnxruntime runs it as; None: not found in the optimized graph
     fused: bool | None  # an integer kernel; None when it could not be traced
     reasons: list[str] = field(default_factory=list)  # why not fused, where the diagnosis can tell
+    optimized_node: str | None = None  # the name of the node onnxruntime runs it as (its profiler's name for it)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -362,6 +363,30 @@ def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | 
     return cands[0]
 
 
+_ABSORBED = ("Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Add", "BatchNormalization")  # float fusions
+
+
+def find_float(model: onnx.ModelProto, optimized: onnx.ModelProto, name: str) -> onnx.NodeProto | None:
+    """The node onnxruntime runs the float layer node ``name`` of ``model`` as, in its ``optimized`` graph.
+
+    Like :func:`_find`, and where onnxruntime fused the activation after the layer into it (``FusedConv``,
+    an NCHWc ``Conv`` named after the activation's output tensor), the node that writes that activation's output.
+    """
+    node = next((n for n in model.graph.node if n.name == name), None)
+    if node is None:
+        return None
+    got = _find(optimized, node)
+    consumers = consumer_map(model)
+    cur = node
+    while got is None:
+        readers = consumers.get(cur.output[0], [])
+        if len(readers) != 1 or readers[0].op_type not in _ABSORBED:
+            return None
+        cur = readers[0]
+        got = _find(optimized, onnx.helper.make_node(node.op_type, list(node.input), [cur.output[0]], name=""))
+    return got
+
+
 def optimized_graph(path: str | Path, provider: str = "cpu",
                     disabled_optimizers: list[str] | None = None) -> onnx.ModelProto:
     """The graph onnxruntime runs for ``path`` with default options (ORT_ENABLE_ALL); raises on a load failure."""
@@ -410,7 +435,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     for layer, node, names in layers:
         if optimized is None:
             report.layers.append(LayerFusion(layer, node.name, node.op_type, names, None, False,
-                                             ["the session did not load with default options"]))
+                                             ["the session did not load with default options"], None))
             continue
         got = _find_dynamic(optimized_producers, g, node) if node.op_type in DYNAMIC_OPS else _find(optimized, node)
         kernel = got.op_type if got is not None else None
@@ -424,5 +449,6 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
             reasons = ["not matched by onnxruntime's QDQ fusions (no known condition explains it)"]
         if fused is None:
             reasons = ["not found in onnxruntime's optimized graph (renamed or merged by a fusion)"] + reasons
-        report.layers.append(LayerFusion(layer, node.name, node.op_type, names, kernel, fused, reasons))
+        report.layers.append(LayerFusion(layer, node.name, node.op_type, names, kernel, fused, reasons,
+                                         got.name if got is not None else None))
     return report

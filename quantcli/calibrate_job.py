@@ -27,10 +27,11 @@ from quantcli.files import refuse_overwriting_inputs
 from quantcli.loading import ModelSpec, load_model
 from quantcli.mixed_precision import MixedPrecisionResult, check_target, meet_target, split_holdout
 from quantcli.nn import QuantConfig, load_config, quantize_model
-from quantcli.process_group import Rank, one_outcome
+from quantcli.process_group import Rank, broadcast_from_rank0, one_outcome
 from quantcli.shard import load_shard, strided
 
 if TYPE_CHECKING:
+    from quantcli.latency_placement import LatencyPlacement
     from quantcli.smoothquant import SmoothReport
     from quantcli.weight_rounding import WeightRoundingReport
 
@@ -63,6 +64,7 @@ class CalibrationRequest:
     holdout: Path | None = None
     max_float_layers: int | None = None
     weight_method: str = "rtn"  # rtn, gptq or awq (quantcli.weight_rounding)
+    placement: str = "auto"  # auto: layers onnxruntime would not run faster quantized stay float; all: every layer
 
 
 @dataclass
@@ -80,6 +82,7 @@ class CalibrationJob:
     original: dict  # the state dict of the model as loaded, before quantcli transformed it (verify's reference)
     weight_rounding: WeightRoundingReport | None = None  # --weight-method gptq/awq: what it did
     unrounded: dict | None = None  # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
+    latency: LatencyPlacement | None = None  # --placement auto for onnxruntime: what place_for_latency chose
 
     @classmethod
     def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
@@ -138,6 +141,33 @@ class CalibrationJob:
         self.model.to("cpu")
         return summary
 
+    def place_for_latency(self, summary: CalibrationSummary) -> LatencyPlacement:
+        """``--placement auto`` for onnxruntime: keep float the layers onnxruntime would not run faster quantized,
+        measured on this machine (:mod:`quantcli.latency_placement`). Under torchrun rank 0 measures and every
+        rank applies its decision, so that all ranks hold the same model."""
+        from quantcli.latency_placement import LatencyPlacement, apply, measure_and_decide
+
+        if self.request.placement == "all":
+            self.latency = LatencyPlacement("all", False, "--placement all: every layer quantized as configured")
+        elif self.config.target != "onnxruntime":
+            self.latency = LatencyPlacement("auto", False, f"not applicable to the {self.config.target} target "
+                                            "(measured for onnxruntime's CPU provider only)")
+        else:
+            placement = None
+            with one_outcome():
+                if (self.rank is None or self.rank.rank == 0) and not self.batches:
+                    placement = LatencyPlacement("auto", False, "not measured: no calibration batch on rank 0")
+                elif self.rank is None or self.rank.rank == 0:
+                    placement = measure_and_decide(self.model, example_of(self.batches[0]))
+            if self.rank is not None:
+                placement = broadcast_from_rank0(placement)
+            apply(self.model, placement)
+            self.latency = placement
+        off = set(self.latency.quantizers_disabled)
+        summary.calibrated = [n for n in summary.calibrated if n not in off]
+        summary.skipped += [n for n in self.latency.quantizers_disabled if n not in summary.skipped]
+        return self.latency
+
     def meet_target(self, summary: CalibrationSummary) -> MixedPrecisionResult | None:
         """Keep the fewest layers in float for --min-cosine/--min-snr (``None`` without a target)."""
         if self.holdout is None:
@@ -158,8 +188,10 @@ class CalibrationJob:
         info["config"] = self.config.source
         info["target"] = self.config.target
         info["placement"] = placement_summary(self.report.placement, self.config.target)
+        if self.latency is not None:
+            info["placement"]["latency"] = self.latency.to_dict()
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
-        info["layers"] = layers_summary(self.report, self.model)
+        info["layers"] = layers_summary(self.report, self.model, self.latency)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
         info["weight_rounding"] = (self.weight_rounding.to_dict() if self.weight_rounding is not None
@@ -176,14 +208,15 @@ class CalibrationJob:
                                 self.original, self.unrounded)
 
     def finish(self, summary: CalibrationSummary, smoothed: SmoothReport | None) -> CalibrationOutcome:
-        """Meet the quality target, summarise, save."""
+        """Keep float the layers that would run slower quantized, meet the quality target, summarise, save."""
+        self.place_for_latency(summary)
         mixed = self.meet_target(summary)
         info = self.summarise(summary, mixed, smoothed)
         self.save(info)
         return CalibrationOutcome(self, summary, info, mixed, smoothed)
 
 
-def layers_summary(report, model: nn.Module) -> dict:
+def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = None) -> dict:
     """The layers quantized (converted by quantize_model with a quantizer still enabled), the weighted modules left
     float and why (:mod:`quantcli.nn.linear_like`; a converted layer whose quantizers the preset, a rule or the
     quality target disabled), the parametrized weights stored as values, and a one-line ``text``."""
@@ -194,8 +227,10 @@ def layers_summary(report, model: nn.Module) -> dict:
                    for k in ("input", "weight"))
 
     quantized = [n for n in report.layers if enabled(n)]
+    slower = {d.layer: d.reason for d in (latency.layers if latency is not None else []) if d.decision == "float"}
     floats = [*report.float_layers, *({"name": n, "type": type(modules[n]).__name__.removeprefix("Quant"),
-                                       "reason": "its quantizers are disabled (preset, config rule or quality target)"}
+                                       "reason": f"latency placement: {slower[n]}" if n in slower else
+                                       "its quantizers are disabled (preset, config rule or quality target)"}
                                       for n in report.layers if not enabled(n))]
     text = f"{len(quantized)} quantized"
     if floats:
@@ -241,6 +276,8 @@ def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
         raise QuantCliError(f"--batch-size must be positive, got {request.batch_size}")
     if request.smoothquant is not None and rank is not None:
         raise QuantCliError("--smoothquant runs in one process; run calibrate without torchrun to smooth")
+    if request.placement not in ("auto", "all"):
+        raise QuantCliError(f"--placement must be auto or all, got {request.placement!r}")
     if request.weight_method not in ("rtn", "gptq", "awq"):
         raise QuantCliError(f"--weight-method must be rtn, gptq or awq, got {request.weight_method!r}")
     if request.smoothquant is not None and not 0.0 <= request.smoothquant <= 1.0:

@@ -275,6 +275,7 @@ def calibrate(
     fold_bn: Annotated[Optional[bool], typer.Option("--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).")] = None,
     smoothquant: Annotated[Optional[float], typer.Option("--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul.")] = None,
     weight_method: Annotated[str, typer.Option("--weight-method", help="How weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq (second-order, from the calibration inputs' Hessian) or awq (activation-aware per-channel scales).")] = "rtn",
+    placement: Annotated[str, typer.Option("--placement", envvar="QUANTCLI_PLACEMENT", show_envvar=True, help="onnxruntime target: auto (default) keeps in float the layers onnxruntime would not run faster quantized on this machine (not fused into an integer kernel, or an integer kernel with its Q/DQ more than 20% slower than float, timed with onnxruntime's profiler on the example batch); all quantizes every layer as configured.")] = "auto",
     dist_timeout: Annotated[float, typer.Option("--dist-timeout", help="Under torchrun: seconds a rank waits for the others at a step boundary (and to join) before the job stops, naming the rank that stalled.")] = 600.0,
 ) -> Optional[int]:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
@@ -284,7 +285,7 @@ def calibrate(
     request = CalibrationRequest(
         model, weights, data, config, target, method.value, percentile, num_bins, batch_size, num_samples, device,
         out_path, trust_pickle, pooling, DataOptions(tokenizer, max_length, image_size, mean, std), fold_bn,
-        smoothquant, min_cosine, min_snr, holdout, max_float_layers, weight_method)
+        smoothquant, min_cosine, min_snr, holdout, max_float_layers, weight_method, placement)
     with _torchrun_rank(device, dist_timeout) as rank:
         job = CalibrationJob.load(request, rank)
         smoothed = job.smooth()
@@ -356,6 +357,9 @@ def _calibrate_setup_rows(outcome):
     if job.preprocessing is not None:
         yield "preprocessing", describe_preprocessing(job.preprocessing)
     yield "target", f"{cfg.target}: {outcome.info['placement']['text']}"
+    latency = outcome.info["placement"].get("latency")
+    if latency is not None:
+        yield "latency placement", latency["text"]
     bn = job.report.batchnorm
     if bn.folded or bn.skipped:
         yield "BatchNorm folded", (f"{len(bn.folded)} of {len(bn.folded) + len(bn.skipped)}: "

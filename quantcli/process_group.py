@@ -242,6 +242,15 @@ def one_outcome(group=None):
     agree(None, group)
 
 
+def broadcast_from_rank0(obj, group=None):
+    """Collective: rank 0's ``obj`` on every rank (``obj`` itself with one rank); a picklable object."""
+    if world_size(group) == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def sum_over_ranks(values: list[int], group=None) -> list[int]:
     """Element-wise sum of small integers over the ranks (``values`` itself with one rank)."""
     if world_size(group) == 1:

@@ -12,8 +12,10 @@ runner = CliRunner()
 
 
 def cli(*args):
-    """Invoke the quantcli app in-process; returns click's Result (exit_code, output, stdout, stderr)."""
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+    """Invoke the quantcli app in-process; returns click's Result (exit_code, output, stdout, stderr).
+
+    ``--placement`` keeps its default (auto): tests/conftest.py times layers with a stub in this process."""
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False, env={"QUANTCLI_PLACEMENT": None})
 
 
 def cli_subprocess(*args, cwd=None, env=None):

@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("exporters", ("exporters", "exporters.*")),
     ("workflows", ("quantcli.calibration", "quantcli.calibrate_job", "quantcli.checkpoint", "quantcli.smoothquant", "quantcli.process_group",
                    "quantcli.gptq", "quantcli.awq", "quantcli.weight_rounding",
-                   "quantcli.shard", "quantcli.quality", "quantcli.sensitivity", "quantcli.mixed_precision",
+                   "quantcli.shard", "quantcli.quality", "quantcli.sensitivity", "quantcli.mixed_precision", "quantcli.latency_placement",
                    "quantcli.analyze", "quantcli.report_html", "quantcli.inspect", "quantcli.verify",
                    "quantcli.verify.*")),
     ("cli", ("quantcli.cli", "quantcli.__main__")),

@@ -1,0 +1,262 @@
+"""Latency-aware placement for onnxruntime: keep in float the layers that would not run faster quantized.
+
+A quantized layer is worth its Q/DQ only where onnxruntime runs it as an integer kernel that beats the float one.
+A layer onnxruntime does not fuse runs in float between its Q/DQ (its weight dequantized at every run, its input
+quantized and dequantized again): slower than float. A fused layer can still be slower than float on a given CPU
+(small shapes, no VNNI). Both are measured on the machine that runs calibrate, with the calibration example batch:
+
+1. export the calibrated model (int8) and the same model with every quantizer off (float), default exporter/opset;
+2. per quantized layer of the int8 graph, what onnxruntime runs it as (:func:`exporters.runtime_fusion.inspect_fusion`)
+   and, from onnxruntime's profiler (:func:`exporters.ort_profile.node_times`), its cost: the kernel node plus the
+   QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear nodes that feed it (:func:`int8_cost`); the float cost is
+   the time of the same layer's node (same module scope) in onnxruntime's graph of the float export;
+3. :func:`decide` (pure): not fused -> float; int8 cost > float cost x (1 + ``margin``) -> float; else quantized.
+
+:func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the chosen
+layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so that the
+checkpoint, export and verify follow the choice.
+
+The timing source is :data:`TIMER` (a module attribute, or the ``timer`` argument): tests replace it with a stub, so
+that nothing they assert depends on wall-clock time.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from torch import nn
+
+from exporters.graph import consumer_map, producer_map, read_onnx
+from exporters.onnx_export import export_onnx
+from exporters.ort_profile import node_times
+from exporters.runtime_fusion import find_float, inspect_fusion, optimized_graph
+from quantcli.data import Batch
+from quantcli.errors import first_line
+from quantcli.nn.modes import keep_float
+from quantcli.nn.replace import quantizers
+
+#: An int8 layer must be more than 20% slower than float to be kept in float. Node times of small layers on a shared
+#: CPU vary by 10-20% between medians of 20 runs; a smaller margin would flip layers whose two kernels are about as
+#: fast from one calibration to the next, and such a layer loses nothing by staying quantized.
+MARGIN = 0.2
+#: ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a layer of
+#: a few microseconds a difference of one or two is its resolution, not the kernels'
+MIN_DIFF_US = 2.0
+ROUNDS = 20  # timed runs per graph (after one warm-up run); the median of each node is used
+
+#: ``(onnx path, feeds, rounds) -> {node name: microseconds}``; tests install a stub here
+#: ``(paths, feeds, rounds) -> [{node: microseconds}, ...]``, one dict per path (timed interleaved)
+TIMER: Callable[[list[str | Path], dict[str, np.ndarray], int], list[dict[str, float]]] = node_times
+
+QUANTIZED, FLOAT = "quantized", "float"
+_QDQ = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")
+
+
+@dataclass
+class LayerCost:
+    """What measurement found for one quantized layer (input of :func:`decide`)."""
+
+    layer: str
+    kernel: str | None  # the op type onnxruntime runs the quantized layer as
+    fused: bool | None  # an integer kernel (None: not found in onnxruntime's graph)
+    int8_us: float | None  # kernel + the Q/DQ feeding it, median microseconds (None: not timed)
+    float_us: float | None  # the float export's node for the same layer
+    quantizers: list[str] = field(default_factory=list)  # the layer's quantizers (input, weight, output)
+    not_applicable: str | None = None  # why the layer is left as configured, whatever it costs
+
+
+@dataclass
+class LayerDecision:
+    layer: str
+    kernel: str | None
+    int8_us: float | None
+    float_us: float | None
+    decision: str  # "quantized" or "float"
+    reason: str
+    quantizers: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"layer": self.layer, "kernel": self.kernel,
+                "int8_us": None if self.int8_us is None else round(self.int8_us, 2),
+                "float_us": None if self.float_us is None else round(self.float_us, 2),
+                "decision": self.decision, "reason": self.reason}
+
+
+@dataclass
+class LatencyPlacement:
+    """The placement's outcome: per layer, quantized or float and why; or why it was not measured."""
+
+    mode: str  # "auto" or "all"
+    measured: bool
+    note: str = ""  # why not measured, or how
+    layers: list[LayerDecision] = field(default_factory=list)
+    margin: float = MARGIN
+    seconds: float = 0.0  # exporting and timing
+    quantizers_disabled: list[str] = field(default_factory=list)  # filled by apply()
+
+    @property
+    def kept_float(self) -> list[str]:
+        return [d.layer for d in self.layers if d.decision == FLOAT]
+
+    @property
+    def text(self) -> str:
+        if not self.measured:
+            return self.note
+        kept = self.kept_float
+        text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure)"
+        if kept:
+            shown = "; ".join(f"{d.layer} ({d.reason})" for d in self.layers if d.decision == FLOAT)
+            text += f": {shown}"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "measured": self.measured, "note": self.note, "margin": self.margin,
+                "seconds": round(self.seconds, 3),
+                "kept_float": self.kept_float, "quantizers_disabled": list(self.quantizers_disabled),
+                "layers": [d.to_dict() for d in self.layers], "text": self.text}
+
+
+# ------------------------------------------------------------------------------------------- the decision
+
+
+def decide(costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = MIN_DIFF_US) -> list[LayerDecision]:
+    """Per layer: float when onnxruntime does not fuse it or its int8 cost exceeds the float cost by more than
+    ``margin`` (a fraction) and more than ``min_diff_us``; quantized otherwise, also when a figure is missing
+    (nothing measured against it)."""
+    out = []
+    for c in costs:
+        decision, reason = QUANTIZED, ""
+        if c.not_applicable:
+            reason = c.not_applicable
+        elif c.fused is False:
+            decision, reason = FLOAT, f"onnxruntime runs it in float between Q/DQ ({c.kernel or 'not loaded'})"
+        elif c.fused is None:
+            reason = "not found in onnxruntime's optimized graph: left quantized"
+        elif c.int8_us is None or c.float_us is None:
+            reason = "not timed: left quantized"
+        elif c.int8_us > c.float_us * (1 + margin) and c.int8_us - c.float_us > min_diff_us:
+            decision = FLOAT
+            reason = (f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us: "
+                      f"more than {margin:.0%} slower")
+        else:
+            reason = f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us"
+        out.append(LayerDecision(c.layer, c.kernel, c.int8_us, c.float_us, decision, reason, list(c.quantizers)))
+    return out
+
+
+def int8_cost(optimized: onnx.ModelProto, kernel: str, times: dict[str, float]) -> float | None:
+    """The time of node ``kernel`` of onnxruntime's ``optimized`` graph plus the Q/DQ nodes that feed it: a
+    QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear producing one of its inputs, and the Q before such a DQ.
+    A Q/DQ read by ``k`` nodes counts ``1/k`` (its time is shared by its readers). ``None``: the kernel was not timed.
+    """
+    if kernel not in times:
+        return None
+    producers, consumers = producer_map(optimized.graph), consumer_map(optimized)
+    node = next((n for n in optimized.graph.node if n.name == kernel), None)
+    if node is None:
+        return None
+    total = times[kernel]
+
+    def share(n: onnx.NodeProto) -> float:
+        readers = {id(r) for o in n.output for r in consumers.get(o, [])}
+        return times.get(n.name, 0.0) / max(1, len(readers))
+
+    for i in node.input:
+        p = producers.get(i)
+        if p is None or p.op_type not in _QDQ:
+            continue
+        total += share(p)
+        q = producers.get(p.input[0]) if p.op_type == "DequantizeLinear" else None
+        if q is not None and q.op_type == "QuantizeLinear":
+            total += share(q)
+    return total
+
+
+# ------------------------------------------------------------------------------------------- measuring
+
+
+def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
+    """Why a layer is left as configured: placement weighs 8-bit integer layers (input and weight quantized)."""
+    m = modules.get(layer)
+    if m is None:
+        return "not mapped to a module of the model: left quantized"
+    qi, qw = getattr(m, "input_quantizer", None), getattr(m, "weight_quantizer", None)
+    on = [q for q in (qi, qw) if q is not None and q.enabled]
+    if any(q.desc.is_fp8 for q in on):
+        return "float8: onnxruntime has no float8 kernel; left as configured"
+    if qi is None or not qi.enabled:
+        return "weight-only: quantized for size, not speed; left as configured"
+    if any(q.desc.num_bits != 8 for q in on):
+        return "not an 8-bit layer; left as configured"
+    return None
+
+
+def _layer_quantizers(model: nn.Module, layer: str) -> list[str]:
+    """The enabled quantizers of module ``layer`` (input, weight, output), by their model-wide names."""
+    return [n for n, q in quantizers(model).items() if n.rsplit(".", 1)[0] == layer and q.enabled]
+
+
+def measure(model: nn.Module, example: Batch, timer: Callable | None = None, rounds: int = ROUNDS) -> list[LayerCost]:
+    """Export ``model`` (calibrated) and its float version to a temporary folder, time both in onnxruntime on
+    ``example`` and return each quantized layer's costs. Raises what export or onnxruntime raise."""
+    timer = timer or TIMER
+    with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
+        int8_path, float_path = Path(d) / "int8.onnx", Path(d) / "float.onnx"
+        export_onnx(model, example, int8_path)
+        plain = copy.deepcopy(model)  # the float export: the same module scopes, so the same node names
+        for q in quantizers(plain).values():
+            keep_float(q)
+        export_onnx(plain, example, float_path)
+        del plain
+        report = inspect_fusion(int8_path)
+        if report.load_error:
+            raise RuntimeError(f"onnxruntime does not load the int8 graph: {report.load_error}")
+        float_model = read_onnx(float_path)
+        names = {i.name for i in float_model.graph.input}
+        feeds = {k: v.detach().cpu().numpy() for k, v in example.items() if k in names}
+        opt8, optf = optimized_graph(int8_path), optimized_graph(float_path)
+        t8, tf = timer([int8_path, float_path], feeds, rounds)
+    modules = dict(model.named_modules())
+    costs = []
+    for lf in report.layers:
+        f = find_float(float_model, optf, lf.node)
+        costs.append(LayerCost(
+            lf.layer, lf.kernel, lf.fused,
+            int8_cost(opt8, lf.optimized_node, t8) if lf.optimized_node else None,
+            tf.get(f.name) if f is not None else None,
+            _layer_quantizers(model, lf.layer), _not_applicable(modules, lf.layer)))
+    return costs
+
+
+def measure_and_decide(model: nn.Module, example: Batch, timer: Callable | None = None,
+                       margin: float = MARGIN) -> LatencyPlacement:
+    """:func:`measure` then :func:`decide`; a model that does not export or load is not measured (``measured``
+    False, the reason in ``note``), never an error. The model is not changed (see :func:`apply`)."""
+    t0 = time.perf_counter()
+    try:
+        costs = measure(model, example, timer)
+    except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
+        return LatencyPlacement("auto", False, f"not measured: {type(e).__name__}: {first_line(e, 200)}",
+                                margin=margin, seconds=time.perf_counter() - t0)
+    return LatencyPlacement("auto", True, "measured with onnxruntime's profiler (CPU provider, default options) on "
+                            "the example batch", decide(costs, margin), margin, time.perf_counter() - t0)
+
+
+def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:
+    """Switch off, for good, every quantizer of the layers ``placement`` keeps float; returns their names."""
+    qs = quantizers(model)
+    for d in placement.layers:
+        if d.decision != FLOAT:
+            continue
+        for name in d.quantizers:
+            if name in qs and qs[name].enabled:
+                keep_float(qs[name])
+                placement.quantizers_disabled.append(name)
+    return placement.quantizers_disabled
