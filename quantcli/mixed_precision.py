@@ -113,9 +113,10 @@ def check_target(min_cosine: float | None, min_snr: float | None) -> None:
 def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | None = None,
                 min_snr: float | None = None, max_float_layers: int | None = None,
                 sample_samples: int = SENSITIVITY_SAMPLES, holdout_name: str = "",
-                progress: Callable[[str], None] | None = None) -> MixedPrecisionResult:
+                progress: Callable[[str], None] | None = None, prefer_dynamic: bool = True) -> MixedPrecisionResult:
     """Disable (keep in float) the fewest layers of a calibrated ``model`` needed to meet the target on
-    ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers)."""
+    ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers).
+    ``prefer_dynamic``: step 5, kept layers that meet the target with dynamic int8 activations run so."""
     check_target(min_cosine, min_snr)
     if not holdout:
         raise CalibrationError("no held-out batches to measure the target on")
@@ -139,7 +140,7 @@ def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | N
         if progress is not None:
             progress("searching the fewest layers to keep in float")
         res.kept_float = _fewest_float_layers(search, order, cap)
-        if res.met:
+        if res.met and prefer_dynamic:
             _prefer_dynamic(search, res)
         _keep_in_float(model, units, res)
     res.seconds = time.perf_counter() - t0
