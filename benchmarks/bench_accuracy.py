@@ -55,7 +55,7 @@ def _splits(name: str):
 
 
 def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: Path, config: str = "int8",
-          smoothquant: float | None = None) -> dict:
+          smoothquant: float | None = None, prefer_dynamic: bool = True) -> dict:
     from exporters import export_onnx
     from quantcli.calibration import calibrate
     from quantcli.mixed_precision import meet_target
@@ -70,7 +70,9 @@ def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: P
     calibrate(m, calib, method, device="cpu")
     kept = 0
     if min_cosine is not None:
-        kept = len(meet_target(m, holdout, min_cosine=min_cosine).kept_float)
+        r = meet_target(m, holdout, min_cosine=min_cosine, prefer_dynamic=prefer_dynamic)
+        # layers the target moved to dynamic int8 activations instead of float are counted beside the float ones
+        kept = len(r.kept_float) if not r.dynamic else f"{len(r.kept_float)} (+{len(r.dynamic)} dynamic int8)"
     secs = time.perf_counter() - t
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

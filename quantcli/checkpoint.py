@@ -24,7 +24,7 @@ from torch import nn
 
 from quantcli import __version__
 from quantcli.data import Batch, has_signature
-from quantcli.descriptor import to_plain
+from quantcli.descriptor import QuantDescriptor, to_plain
 from quantcli.errors import CheckpointError, QuantCliError, first_line
 from quantcli.files import atomic_write
 from quantcli.loading import ModelSpec, build_model
@@ -269,5 +269,8 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         if name in stored and not stored[name]["enabled"]:
             keep_float(q)  # e.g. a layer that never ran during calibration
         else:
+            if name in stored and stored[name]["descriptor"].get("dynamic") and not q.desc.dynamic:
+                # a layer --min-cosine moved to dynamic int8 activations (quantcli.mixed_precision)
+                q.desc = QuantDescriptor(**stored[name]["descriptor"])
             q.set_mode("quantize")
     return Calibrated(model.eval(), spec, cfg, data, str(path), trust_code)

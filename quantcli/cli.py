@@ -393,6 +393,8 @@ def _calibrate_result_rows(outcome):
     if mixed is not None:
         yield "quality target", _target_text(mixed)
         yield "kept in float", ", ".join(mixed.kept_float) or "none"
+        if mixed.dynamic:
+            yield "dynamic int8 (not float)", ", ".join(mixed.dynamic)
     yield "time", f"{summary.seconds:.2f} s" + (f" + {mixed.seconds:.2f} s target search" if mixed else "")
     yield "written", str(outcome.job.out)
 

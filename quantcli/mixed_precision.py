@@ -15,7 +15,15 @@ quantization, which gives the same integer codes as the exported graph in onnxru
    in float is the float model and always meets it; quality is assumed to grow with ``k`` along the ranking,
    and every accepted step is measured, never assumed);
 4. prune: try to re-quantize each kept layer, least sensitive first, and keep it quantized if the target is
-   still met.
+   still met;
+5. dynamic int8 before float: each layer still kept, least sensitive first, is tried with dynamic int8
+   activations (ONNX ``DynamicQuantizeLinear -> MatMulInteger``, the ``int8-dynamic`` preset's layer: uint8 codes
+   from each tensor's own range, its int8 weights unchanged) and stays so if the target is still met. A Linear
+   layer only, with 8-bit symmetric weights and no output quantizer. onnxruntime runs that layer as
+   ``DynamicQuantizeMatMul``, an integer kernel: on a pretrained-like BERT (``benchmarks/bench_bert.py``) the
+   float ``MatMul`` a kept layer runs cost more than the rest of the quantized graph saved against
+   ``quantize_dynamic``. The layer's weight codes are the static layer's; its input quantizer's descriptor
+   becomes dynamic (saved in the checkpoint, re-applied by ``load_calibrated``).
 
 ``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one).
 If the target needs more, the result keeps the cap's worth of the worst layers in float, reports
@@ -26,19 +34,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from torch import nn
 
 from quantcli.data import Batch, cap_samples, num_samples
+from quantcli.descriptor import QuantDescriptor
 from quantcli.errors import CalibrationError
+from quantcli.nn.dynamic import exportable
 from quantcli.nn.modes import keep_float
+from quantcli.nn.modules import QuantLinear
 from quantcli.nn.replace import quantizers
 from quantcli.quality import Quality
 from quantcli.sensitivity import layer_units, measure, quantizing, rank, reference_outputs
 
 SENSITIVITY_SAMPLES = 64  # held-out samples the ranking passes use (one pass per layer)
+#: a layer's input quantizer when the target moves it to dynamic int8 (the int8-dynamic preset's input)
+DYNAMIC_INPUT = QuantDescriptor(num_bits=8, asymmetric=True, dynamic=True)
 
 
 def default_cap(num_layers: int) -> int:
@@ -54,6 +68,7 @@ class MixedPrecisionResult:
     after: Quality
     met: bool
     kept_float: list[str] = field(default_factory=list)  # layers, most sensitive first
+    dynamic: list[str] = field(default_factory=list)  # layers moved to dynamic int8 activations instead of float
     quantizers_disabled: list[str] = field(default_factory=list)
     layers_total: int = 0
     cap: int = 0
@@ -69,7 +84,7 @@ class MixedPrecisionResult:
         return {
             "min_cosine": self.min_cosine, "min_snr": self.min_snr, "met": self.met,
             "before": self.before.to_dict(), "after": self.after.to_dict(),
-            "kept_float": self.kept_float, "layers_kept_float": len(self.kept_float),
+            "kept_float": self.kept_float, "layers_kept_float": len(self.kept_float), "dynamic": self.dynamic,
             "quantizers_disabled": self.quantizers_disabled, "layers_total": self.layers_total, "cap": self.cap,
             "needed": self.needed, "holdout": self.holdout, "holdout_samples": self.holdout_samples,
             "ranking": self.ranking, "evaluations": self.evaluations,
@@ -98,9 +113,10 @@ def check_target(min_cosine: float | None, min_snr: float | None) -> None:
 def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | None = None,
                 min_snr: float | None = None, max_float_layers: int | None = None,
                 sample_samples: int = SENSITIVITY_SAMPLES, holdout_name: str = "",
-                progress: Callable[[str], None] | None = None) -> MixedPrecisionResult:
+                progress: Callable[[str], None] | None = None, prefer_dynamic: bool = True) -> MixedPrecisionResult:
     """Disable (keep in float) the fewest layers of a calibrated ``model`` needed to meet the target on
-    ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers)."""
+    ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers).
+    ``prefer_dynamic``: step 5, kept layers that meet the target with dynamic int8 activations run so."""
     check_target(min_cosine, min_snr)
     if not holdout:
         raise CalibrationError("no held-out batches to measure the target on")
@@ -124,6 +140,8 @@ def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | N
         if progress is not None:
             progress("searching the fewest layers to keep in float")
         res.kept_float = _fewest_float_layers(search, order, cap)
+        if res.met and prefer_dynamic:
+            _prefer_dynamic(search, res)
         _keep_in_float(model, units, res)
     res.seconds = time.perf_counter() - t0
     return res
@@ -140,10 +158,11 @@ class _Search:
     units: dict[str, list[str]]
     res: MixedPrecisionResult
 
-    def quality_without(self, layers: list[str]) -> Quality:
+    def quality_without(self, layers: list[str], dynamic: list[str] = ()) -> Quality:
+        """Quality with ``layers`` in float and the ``dynamic`` layers' inputs quantized at run time."""
         self.res.evaluations += 1
         off = [q for u in layers for q in self.units[u]]
-        with quantizing(self.model, inactive=off):
+        with quantizing(self.model, inactive=off), dynamic_inputs(self.model, dynamic):
             return measure(self.model, self.holdout, self.refs)
 
     def meets(self, q: Quality) -> bool:
@@ -200,6 +219,56 @@ def _bisect(search: _Search, order: list[str]) -> tuple[int, dict[int, Quality]]
         else:
             lo = mid
     return hi, known
+
+
+def can_be_dynamic(model: nn.Module, layer: str) -> bool:
+    """``layer`` can run with dynamic int8 activations: a Linear whose input quantizer is enabled and static, with
+    8-bit symmetric calibrated weights (what ``DynamicQuantizeLinear -> MatMulInteger`` exports) and no output
+    quantizer (the dynamic export computes the float output itself)."""
+    m = model.get_submodule(layer)
+    if not isinstance(m, QuantLinear) or not m.input_quantizer.enabled or m.input_quantizer.desc.dynamic:
+        return False
+    out = getattr(m, "output_quantizer", None)
+    return (out is None or not out.enabled) and exportable(m) is None
+
+
+@contextmanager
+def dynamic_inputs(model: nn.Module, layers: Iterable[str]) -> Iterator[None]:
+    """Within the block, the input quantizers of ``layers`` quantize dynamically (uint8, per tensor, as ONNX
+    ``DynamicQuantizeLinear``); their descriptors come back after."""
+    saved = []
+    try:
+        for u in layers:
+            q = model.get_submodule(u).input_quantizer
+            saved.append((q, q.desc))
+            q.desc = DYNAMIC_INPUT
+        yield
+    finally:
+        for q, desc in saved:
+            q.desc = desc
+
+
+def make_dynamic(model: nn.Module, layer: str) -> None:
+    """For good: ``layer``'s input quantizer is dynamic (its calibrated range is dropped)."""
+    q = model.get_submodule(layer).input_quantizer
+    q.desc = DYNAMIC_INPUT
+    q.amax = None
+    q.amin = None
+
+
+def _prefer_dynamic(search: _Search, res: MixedPrecisionResult) -> None:
+    """Step 5: move kept layers, least sensitive first, from float to dynamic int8 where the target stays met."""
+    kept, dynamic = list(res.kept_float), []
+    for u in reversed(res.kept_float):
+        if not can_be_dynamic(search.model, u):
+            continue
+        trial_float = [k for k in kept if k != u]
+        q = search.quality_without(trial_float, dynamic + [u])
+        if search.meets(q):
+            kept, dynamic, res.after = trial_float, dynamic + [u], q
+    res.kept_float, res.dynamic = kept, dynamic
+    for u in dynamic:
+        make_dynamic(search.model, u)
 
 
 def _keep_in_float(model: nn.Module, units: dict[str, list[str]], res: MixedPrecisionResult) -> None:

@@ -42,7 +42,7 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
     assert r.exit_code == 0, r.output
     mp = json.loads(r.stdout)["mixed_precision"]
     assert mp["met"] and mp["before"]["cosine"] < 0.995 <= mp["after"]["cosine"]
-    assert 1 <= mp["layers_kept_float"] <= mp["cap"]
+    assert 1 <= mp["layers_kept_float"] + len(mp["dynamic"]) <= mp["cap"]
     assert mp["holdout_samples"] == 16
 
     # independently: the checkpoint, rebuilt, against a freshly built float model on the held-out data
@@ -54,6 +54,8 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
     stored = ck.data["quantizers"]
     assert sorted(n for n, q in stored.items() if not q["enabled"]) == sorted(
         f"{layer}.{kind}_quantizer" for layer in kept for kind in ("input", "weight"))
+    assert sorted(n for n, q in stored.items() if q["descriptor"].get("dynamic")) == sorted(
+        f"{layer}.input_quantizer" for layer in mp["dynamic"])
     assert _cosine(ck.model, ref, batch) >= 0.995
     # the fewest along the search: re-quantizing any one kept layer misses the target
     from quantcli.nn.replace import quantizers
@@ -95,3 +97,39 @@ def test_target_options_errors(tmp_path):
     assert_clean_error(cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "one.npz",
                            "--min-cosine", "0.99", "--out", tmp_path / "o.pt"), "--holdout")
     assert not (tmp_path / "o.pt").exists()
+
+
+def test_layers_the_target_needs_become_dynamic_int8_not_float_and_verify(tmp_path):
+    """Step 5 of the search: a layer the target would keep in float runs with dynamic int8 activations
+    (DynamicQuantizeLinear -> MatMulInteger, an integer kernel in onnxruntime) when that still meets the target;
+    the checkpoint re-creates it, the graph exports it as the int8-dynamic preset's pattern, verify passes."""
+    import onnx
+
+    from quantcli.checkpoint import load_calibrated
+    from sample_models import pretrained_like
+
+    (tmp_path / "calib").mkdir()
+    for i, b in enumerate(pretrained_like.batches("calib")[:3]):
+        torch.save(b, tmp_path / "calib" / f"b{i}.pt")
+    hold = {k: v.numpy() for k, v in pretrained_like.batches("holdout")[0].items()}
+    np.savez(tmp_path / "hold.npz", **hold)
+    out = tmp_path / "enc.calib.pt"
+    r = cli("calibrate", "sample_models.pretrained_like:build", "--data", tmp_path / "calib", "--holdout",
+            tmp_path / "hold.npz", "--smoothquant", "0.5", "--method", "auto", "--min-cosine", "0.995", "--out", out,
+            "--json")
+    assert r.exit_code == 0, r.output
+    mp = json.loads(r.stdout)["mixed_precision"]
+    assert mp["met"] and mp["dynamic"], mp  # deep_encoder's kept layers meet the target with dynamic inputs
+    assert not set(mp["dynamic"]) & set(mp["kept_float"])
+    ck = load_calibrated(out)
+    for layer in mp["dynamic"]:
+        q = ck.model.get_submodule(layer).input_quantizer
+        assert q.enabled and q.dynamic_uint8 and q.amax is None
+    ref = ck.float_model()
+    assert _cosine(ck.model, ref, {k: torch.from_numpy(v) for k, v in hold.items()}) >= 0.995
+    assert cli("export", out, "--onnx", tmp_path / "enc.onnx").exit_code == 0
+    g = onnx.load(tmp_path / "enc.onnx").graph
+    assert sum(n.op_type == "MatMulInteger" for n in g.node) == len(mp["dynamic"])
+    v = cli("verify", tmp_path / "enc.onnx", "--reference", out, "--data", tmp_path / "hold.npz",
+            "--min-cosine", "0.995", "--json")
+    assert v.exit_code == 0, v.output  # the exact codes check covers the dynamic layers too

@@ -41,3 +41,27 @@ def test_deep_encoder_has_outliers_an_unused_pooler_and_informative_embeddings()
     # FFN down-projection input: a few channels hold values far above the rest
     x = seen["down_in"].abs().amax(dim=(0, 1))
     assert float(x.max() / x.median()) > 10
+
+
+def test_pretrained_like_encoder_has_the_statistics_its_docstring_claims():
+    from sample_models import pretrained_like
+
+    model = pretrained_like.build()
+    batches = pretrained_like.batches("test")
+    b = batches[0]
+    # real padding: sentences of different lengths padded to the longest
+    lengths = b["attention_mask"].sum(1)
+    assert b["input_ids"].shape[0] == 32 and int(lengths.max()) == b["input_ids"].shape[1] > int(lengths.min())
+    assert (b["input_ids"][b["attention_mask"] == 0] == pretrained_like.PAD).all()
+    # the splits are disjoint sentences
+    calib = {tuple(r.tolist()) for x in pretrained_like.batches("calib") for r in x["input_ids"]}
+    assert not calib & {tuple(r.tolist()) for r in b["input_ids"]}
+    # outlier residual dimensions: the first encoder input's largest channel far above the median channel
+    assert pretrained_like.outlier_ratio(model, b) > 20
+    # attention is not uniform: mean entropy well below log(real keys)
+    entropy, uniform = pretrained_like.attention_entropy(model, b)
+    assert entropy < 0.8 * uniform
+    with torch.no_grad():
+        out = model(**b)
+    torch.testing.assert_close(out.norm(dim=-1), torch.ones(out.shape[0]))
+    assert float((out @ out.T).mean()) < 0.5
