@@ -143,6 +143,25 @@ def test_a_slower_integer_conv_is_kept_float_in_checkpoint_export_and_verify(tmp
     assert r.exit_code == 0, r.output
 
 
+def slow_integer_kernels(paths, feeds, rounds):
+    """Every integer kernel takes 1 ms, every other node 1 us: the latency placement keeps every layer float."""
+    return [{n.name: 1000.0 if n.op_type.startswith(("QLinear", "QGemm", "MatMulInteger")) else 1.0
+             for n in optimized_graph(path).graph.node} for path in paths]
+
+
+def test_a_graph_with_every_layer_kept_float_passes_verify(tmp_path, monkeypatch):
+    """No layer quantized: no quantization error to measure fidelity in, and onnxruntime's float kernels still
+    round otherwise than PyTorch's; verify measures against a floor of the output's RMS (it was inf: FAIL)."""
+    ck, info = _calibrate(tmp_path, monkeypatch, slow_integer_kernels)
+    assert sorted(info["placement"]["latency"]["kept_float"]) == ["conv1", "conv2", "fc1", "fc2"]
+    onnx_path = tmp_path / "m.onnx"
+    assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
+    r = cli("verify", onnx_path, "--reference", ck, "--json")
+    assert r.exit_code == 0, r.output
+    checks = {c["name"]: c["value"] for c in json.loads(r.stdout)["checks"]}
+    assert checks["fidelity.rms_ratio"] < 0.1 and checks["fidelity.replay_outputs"] < 0.1
+
+
 def test_placement_all_keeps_every_layer_quantized(tmp_path, monkeypatch):
     ck, info = _calibrate(tmp_path, monkeypatch, slow_conv2, "--placement", "all")
     assert info["placement"]["latency"]["mode"] == "all" and info["placement"]["latency"]["kept_float"] == []

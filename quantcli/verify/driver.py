@@ -298,9 +298,9 @@ def _fidelity(report: VerifyReport, cmp: _Comparison, weight_rows: list[dict[str
     outputs: dict[str, Any] = {}
     for n in out_names:
         outputs[n] = {**cmp.fid[n].deviation(), "quantization_rms": cmp.qerr[n].rms,
-                      "rms_ratio": ratio(cmp.fid[n].rms, cmp.qerr_exact[n].rms),
+                      "rms_ratio": ratio(cmp.fid[n].rms, cmp.qerr_exact[n].error_scale),
                       "replay_max_abs_diff": sample.output_deviation.get(n),
-                      "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), cmp.qerr[n].rms)}
+                      "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), cmp.qerr[n].error_scale)}
     rows = {r["quantizer"]: r for r in weight_rows + sample.rows}
     replayed = [r for r in sample.rows if r["replay_steps"] is not None]
     failing = sorted((r for r in replayed if r["replay_steps"] > MAX_REPLAY_STEPS), key=lambda r: -r["replay_steps"])
@@ -396,8 +396,8 @@ def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:
     if error:
         return section
     for n in out_names:
-        r = ratio(dep[n].rms, qerr[n].rms)
-        exact = ratio(fid[n].rms, qerr[n].rms)
+        r = ratio(dep[n].rms, qerr[n].error_scale)
+        exact = ratio(fid[n].rms, qerr[n].error_scale)
         section["outputs"][n] = {**dep[n].deviation(), "rms_ratio": r, "exact_rms_ratio": exact}
         if r > DEPLOY_GAP_FLOOR and r > DEPLOY_GAP_FACTOR * exact:
             vnni = sessions.cpu_has_vnni()

@@ -12,6 +12,14 @@ import numpy as np
 from quantcli import quality
 from quantcli.errors import VerifyError
 
+#: RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error:
+#: onnxruntime's float kernels (fused Conv, NCHWc layouts, its Erf) and PyTorch's round differently. On the zoo's
+#: ConvNeXt with every layer kept float by the latency placement, a correct graph, they differed by 3.4e-7 (RMS)
+#: and 1.0e-6 (max) of the output's RMS, so the ratios measured in this floor stay at 0.003 and 0.01 against
+#: thresholds of 2.0 and 0.1; it binds only where quantization changes the output by less than 1e-4 of its RMS,
+#: i.e. where (almost) no layer is quantized
+FLOAT_ROUNDING = 1e-4
+
 
 class PairStats:
     """Running statistics of ``got`` against ``ref`` (same shapes), e.g. onnxruntime vs the fake-quant model.
@@ -63,6 +71,19 @@ class PairStats:
     def rms(self) -> float:
         """Root mean square of ``got - ref``."""
         return math.sqrt(self.err2 / self.count) if self.count else 0.0
+
+    @property
+    def ref_rms(self) -> float:
+        """Root mean square of ``ref`` itself."""
+        return math.sqrt(self.n_ref / self.count) if self.count else 0.0
+
+    @property
+    def error_scale(self) -> float:
+        """The unit the fidelity ratios measure in, for a quantization-error pair (``got``: fake-quant, ``ref``:
+        float): the quantization error's RMS, but never below :data:`FLOAT_ROUNDING` of the output's RMS. A graph
+        whose layers are (nearly) all float has (nearly) no quantization error, and two float runtimes still differ
+        by rounding: measured in that error, correct graphs would fail."""
+        return max(self.rms, FLOAT_ROUNDING * self.ref_rms)
 
     @property
     def cosine(self) -> float | None:
