@@ -70,3 +70,29 @@ def _medians(events: list[dict]) -> dict[str, float]:
         if e.get("cat") == "Node" and name.endswith(_SUFFIX):
             by_node.setdefault(name[: -len(_SUFFIX)], []).append(float(e.get("dur", 0)))
     return {n: statistics.median(d[1:] if len(d) > 1 else d) for n, d in by_node.items()}
+
+
+def graph_times(paths: list[str | Path], feeds: dict[str, np.ndarray], rounds: int = 20,
+                provider: str = "cpu") -> list[float]:
+    """Median wall time of one run of each of ``paths`` in milliseconds, default session options, the graphs run
+    interleaved (one run of each per round, after one warm-up round) so that a change of load weighs on all alike."""
+    import time
+
+    import onnxruntime as ort
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    sessions = []
+    for path in paths:
+        so = ort.SessionOptions()
+        so.log_severity_level = 4
+        sess = ort.InferenceSession(str(path), so, providers=[PROVIDERS[provider]])
+        sessions.append((sess, {x.name: feeds[x.name] for x in sess.get_inputs()}))
+    times: list[list[float]] = [[] for _ in sessions]
+    for r in range(rounds + 1):
+        for k, (sess, own) in enumerate(sessions):
+            t = time.perf_counter()
+            sess.run(None, own)
+            if r:
+                times[k].append((time.perf_counter() - t) * 1e3)
+    return [statistics.median(t) for t in times]

@@ -10,14 +10,20 @@ quantized and dequantized again): slower than float. A fused layer can still be 
    and, from onnxruntime's profiler (:func:`exporters.ort_profile.node_times`), its cost: the kernel node plus the
    QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear nodes that feed it (:func:`int8_cost`); the float cost is
    the time of the same layer's node (same module scope) in onnxruntime's graph of the float export;
-3. :func:`decide` (pure): not fused -> float; int8 cost > float cost x (1 + ``margin``) -> float; else quantized.
+3. :func:`decide` (pure): not fused -> float; int8 cost > float cost x (1 + ``margin``) -> float; else quantized;
+4. the whole graph decides between per-layer choices: a layer kept float between quantized ones brings Q/DQ and
+   layout changes that no single node's time shows, so when the measured choice keeps float more than the layers
+   onnxruntime does not fuse, both graphs (and the float one) are exported and timed whole, interleaved
+   (:func:`exporters.ort_profile.graph_times`, :data:`GRAPH_TIMER`), and the measured choice stands only if its
+   graph is faster (:func:`prefer_faster_graph`, pure). The report gives the chosen graph's time against the
+   float graph's: an int8 graph that is still slower than float on this CPU is said so.
 
 :func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the chosen
 layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so that the
 checkpoint, export and verify follow the choice.
 
-The timing source is :data:`TIMER` (a module attribute, or the ``timer`` argument): tests replace it with a stub, so
-that nothing they assert depends on wall-clock time.
+The timing sources are :data:`TIMER` and :data:`GRAPH_TIMER` (module attributes, or arguments): tests replace them
+with stubs, so that nothing they assert depends on wall-clock time.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torch import nn
 
 from exporters.graph import consumer_map, producer_map, read_onnx
 from exporters.onnx_export import export_onnx
-from exporters.ort_profile import node_times
+from exporters.ort_profile import graph_times, node_times
 from exporters.runtime_fusion import find_float, inspect_fusion, optimized_graph
 from quantcli.data import Batch
 from quantcli.errors import first_line
@@ -54,6 +60,9 @@ ROUNDS = 20  # timed runs per graph (after one warm-up run); the median of each 
 #: ``(onnx path, feeds, rounds) -> {node name: microseconds}``; tests install a stub here
 #: ``(paths, feeds, rounds) -> [{node: microseconds}, ...]``, one dict per path (timed interleaved)
 TIMER: Callable[[list[str | Path], dict[str, np.ndarray], int], list[dict[str, float]]] = node_times
+
+#: ``(paths, feeds, rounds) -> [milliseconds, ...]``: whole-graph times, one per path (timed interleaved)
+GRAPH_TIMER: Callable[[list[str | Path], dict[str, np.ndarray], int], list[float]] = graph_times
 
 QUANTIZED, FLOAT = "quantized", "float"
 _QDQ = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")
@@ -81,6 +90,7 @@ class LayerDecision:
     decision: str  # "quantized" or "float"
     reason: str
     quantizers: list[str] = field(default_factory=list)
+    fused: bool | None = None  # what onnxruntime made of the quantized layer (a float decision of a fused one: time)
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "kernel": self.kernel,
@@ -100,6 +110,8 @@ class LatencyPlacement:
     margin: float = MARGIN
     seconds: float = 0.0  # exporting and timing
     quantizers_disabled: list[str] = field(default_factory=list)  # filled by apply()
+    # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"
+    graph_ms: dict[str, float] = field(default_factory=dict)
 
     @property
     def kept_float(self) -> list[str]:
@@ -111,6 +123,10 @@ class LatencyPlacement:
             return self.note
         kept = self.kept_float
         text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure)"
+        if self.graph_ms.get("float"):
+            ratio = self.graph_ms["chosen"] / self.graph_ms["float"]
+            text += (f"; the int8 graph takes {ratio:.2f}x the float graph's time on this CPU"
+                     + (" (slower than float)" if ratio > 1 else ""))
         if kept:
             shown = "; ".join(f"{d.layer} ({d.reason})" for d in self.layers if d.decision == FLOAT)
             text += f": {shown}"
@@ -118,7 +134,7 @@ class LatencyPlacement:
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "measured": self.measured, "note": self.note, "margin": self.margin,
-                "seconds": round(self.seconds, 3),
+                "seconds": round(self.seconds, 3), "graph_ms": {k: round(v, 4) for k, v in self.graph_ms.items()},
                 "kept_float": self.kept_float, "quantizers_disabled": list(self.quantizers_disabled),
                 "layers": [d.to_dict() for d in self.layers], "text": self.text}
 
@@ -147,8 +163,74 @@ def decide(costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = 
                       f"more than {margin:.0%} slower")
         else:
             reason = f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us"
-        out.append(LayerDecision(c.layer, c.kernel, c.int8_us, c.float_us, decision, reason, list(c.quantizers)))
+        out.append(LayerDecision(c.layer, c.kernel, c.int8_us, c.float_us, decision, reason, list(c.quantizers),
+                                 c.fused))
     return out
+
+
+def prefer_faster_graph(decisions: list[LayerDecision], measured_ms: float,
+                        fused_only_ms: float) -> list[LayerDecision]:
+    """The decisions to keep, given the whole-graph times of the measured choice and of the choice that keeps
+    float only the layers onnxruntime does not fuse: the measured one when its graph is at least as fast, else
+    the layers it kept float for their kernels' times go back to quantized, with both graph times in the reason."""
+    if measured_ms <= fused_only_ms:
+        return decisions
+    out = []
+    for d in decisions:
+        if d.decision == FLOAT and d.fused:
+            d = LayerDecision(d.layer, d.kernel, d.int8_us, d.float_us, QUANTIZED,
+                              f"{d.reason}; quantized all the same: the whole graph ran {measured_ms:.3g} ms with "
+                              f"such layers in float vs {fused_only_ms:.3g} ms quantized", list(d.quantizers), d.fused)
+        out.append(d)
+    return out
+
+
+def _kernel_choices(decisions: list[LayerDecision]) -> list[str]:
+    """The layers the measured choice keeps float for their kernels' times (not for being unfused)."""
+    return [d.layer for d in decisions if d.decision == FLOAT and d.fused]
+
+
+def _float_layers_copy(model: nn.Module, decisions: list[LayerDecision], layers: set[str] | None) -> nn.Module:
+    """A copy of ``model`` with the quantizers of the ``decisions``' float layers off (``layers``: only those
+    among them; None: every quantizer off, the float model)."""
+    plain = copy.deepcopy(model)
+    qs = quantizers(plain)
+    for d in decisions:
+        if layers is not None and (d.decision != FLOAT or d.layer not in layers):
+            continue
+        for name in d.quantizers:
+            if name in qs:
+                keep_float(qs[name])
+    if layers is None:
+        for q in qs.values():
+            keep_float(q)
+    return plain
+
+
+def whole_graph_check(model: nn.Module, example: Batch, decisions: list[LayerDecision],
+                      graph_timer: Callable | None = None, rounds: int = ROUNDS) -> tuple[list[LayerDecision],
+                                                                                          dict[str, float]]:
+    """Step 4: export the float graph and the chosen graph (and, when kernel times kept layers float, the graph
+    keeping float only the unfused layers), time them whole and keep the faster choice. Returns the decisions and
+    the graph times."""
+    graph_timer = graph_timer or GRAPH_TIMER
+    kernel_float = set(_kernel_choices(decisions))
+    unfused = {d.layer for d in decisions if d.decision == FLOAT} - kernel_float
+    with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
+        paths = {"float": Path(d) / "float.onnx", "chosen": Path(d) / "chosen.onnx"}
+        export_onnx(_float_layers_copy(model, decisions, None), example, paths["float"])
+        export_onnx(_float_layers_copy(model, decisions, kernel_float | unfused), example, paths["chosen"])
+        if kernel_float:
+            paths["other"] = Path(d) / "other.onnx"
+            export_onnx(_float_layers_copy(model, decisions, unfused), example, paths["other"])
+        names = {i.name for i in read_onnx(paths["float"]).graph.input}
+        feeds = {k: v.detach().cpu().numpy() for k, v in example.items() if k in names}
+        ms = dict(zip(paths, graph_timer(list(paths.values()), feeds, rounds)))
+    if kernel_float:
+        kept = prefer_faster_graph(decisions, ms["chosen"], ms["other"])
+        if kept is not decisions:  # the other choice won: it is the graph the checkpoint will hold
+            decisions, ms = kept, {"float": ms["float"], "chosen": ms["other"], "other": ms["chosen"]}
+    return decisions, ms
 
 
 def int8_cost(optimized: onnx.ModelProto, kernel: str, times: dict[str, float]) -> float | None:
@@ -236,17 +318,19 @@ def measure(model: nn.Module, example: Batch, timer: Callable | None = None, rou
 
 
 def measure_and_decide(model: nn.Module, example: Batch, timer: Callable | None = None,
-                       margin: float = MARGIN) -> LatencyPlacement:
+                       margin: float = MARGIN, graph_timer: Callable | None = None) -> LatencyPlacement:
     """:func:`measure` then :func:`decide`; a model that does not export or load is not measured (``measured``
     False, the reason in ``note``), never an error. The model is not changed (see :func:`apply`)."""
     t0 = time.perf_counter()
     try:
         costs = measure(model, example, timer)
+        decisions, ms = whole_graph_check(model, example, decide(costs, margin), graph_timer)
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
         return LatencyPlacement("auto", False, f"not measured: {type(e).__name__}: {first_line(e, 200)}",
                                 margin=margin, seconds=time.perf_counter() - t0)
     return LatencyPlacement("auto", True, "measured with onnxruntime's profiler (CPU provider, default options) on "
-                            "the example batch", decide(costs, margin), margin, time.perf_counter() - t0)
+                            "the example batch, then the whole graphs", decisions, margin,
+                            time.perf_counter() - t0, graph_ms=ms)
 
 
 def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:

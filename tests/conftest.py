@@ -28,6 +28,11 @@ def equal_times(paths, feeds, rounds):
     return [_NoTime() for _ in paths]
 
 
+def equal_graph_times(paths, feeds, rounds):
+    """A stand-in for whole-graph timing: every graph takes the same time (a tie keeps the per-layer choice)."""
+    return [1.0 for _ in paths]
+
+
 class _NoTime(dict):
     """Every node name maps to 0.0 microseconds."""
 
@@ -49,6 +54,7 @@ def _stub_placement_timer():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(lp, "TIMER", equal_times)
+        mp.setattr(lp, "GRAPH_TIMER", equal_graph_times)
         yield
 
 

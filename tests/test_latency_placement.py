@@ -43,6 +43,16 @@ def test_decide_unfused_slower_and_within_margin():
     assert got["slower"].to_dict().keys() == {"layer", "kernel", "int8_us", "float_us", "decision", "reason"}
 
 
+def test_the_whole_graph_decides_between_the_choices():
+    decisions = lp.decide([_cost("unfused", fused=False, int8=1.0, flt=100.0), _cost("slower", int8=130.0, flt=100.0),
+                           _cost("faster", int8=50.0, flt=100.0)], margin=0.2)
+    assert lp.prefer_faster_graph(decisions, measured_ms=2.0, fused_only_ms=2.0) is decisions  # a tie keeps it
+    assert lp.prefer_faster_graph(decisions, measured_ms=1.9, fused_only_ms=2.0) is decisions
+    got = {d.layer: d for d in lp.prefer_faster_graph(decisions, measured_ms=2.5, fused_only_ms=2.0)}
+    assert got["slower"].decision == "quantized" and "2.5 ms" in got["slower"].reason
+    assert got["unfused"].decision == "float" and got["faster"].decision == "quantized"
+
+
 def test_apply_disables_every_quantizer_of_a_float_layer():
     from quantcli.nn import quantize_model
     from quantcli.nn.config import load_config
@@ -160,6 +170,21 @@ def test_a_graph_with_every_layer_kept_float_passes_verify(tmp_path, monkeypatch
     assert r.exit_code == 0, r.output
     checks = {c["name"]: c["value"] for c in json.loads(r.stdout)["checks"]}
     assert checks["fidelity.rms_ratio"] < 0.1 and checks["fidelity.replay_outputs"] < 0.1
+
+
+def test_a_whole_graph_slower_with_the_layer_float_keeps_it_quantized(tmp_path, monkeypatch):
+    """conv2's kernel is slower quantized, but the stub says the whole graph is faster with it quantized (the Q/DQ
+    and layout changes around a float layer): conv2 stays quantized, and the report has the graph times."""
+    def chosen_slower(paths, feeds, rounds):  # float, chosen (conv2 float), other (conv2 quantized)
+        return [3.0, 2.5, 2.0][: len(paths)]
+
+    monkeypatch.setattr(lp, "GRAPH_TIMER", chosen_slower)
+    _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
+    latency = info["placement"]["latency"]
+    assert latency["kept_float"] == []
+    assert "conv2" in info["layers"]["quantized"]
+    assert latency["graph_ms"] == {"float": 3.0, "chosen": 2.0, "other": 2.5}
+    assert "0.67x the float graph's time" in latency["text"]
 
 
 def test_placement_all_keeps_every_layer_quantized(tmp_path, monkeypatch):
