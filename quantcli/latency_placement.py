@@ -15,8 +15,9 @@ quantized and dequantized again): slower than float. A fused layer can still be 
    layout changes that no single node's time shows, so when the measured choice keeps float more than the layers
    onnxruntime does not fuse, both graphs (and the float one) are exported and timed whole, interleaved
    (:func:`exporters.ort_profile.graph_times`, :data:`GRAPH_TIMER`), and the measured choice stands only if its
-   graph is faster (:func:`prefer_faster_graph`, pure). The report gives the chosen graph's time against the
-   float graph's: an int8 graph that is still slower than float on this CPU is said so.
+   graph is faster (:func:`prefer_faster_graph`, pure); and when the int8 graph is still slower than the float
+   one, every layer is kept float (:func:`float_if_slower`): no gain to deploy on this CPU, said so in the report
+   (``--placement all`` quantizes anyway).
 
 :func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the chosen
 layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so that the
@@ -91,6 +92,7 @@ class LayerDecision:
     reason: str
     quantizers: list[str] = field(default_factory=list)
     fused: bool | None = None  # what onnxruntime made of the quantized layer (a float decision of a fused one: time)
+    applicable: bool = True  # False: float8, weight-only, not 8-bit: left as configured whatever it costs
 
     def to_dict(self) -> dict:
         return {"layer": self.layer, "kernel": self.kernel,
@@ -110,7 +112,8 @@ class LatencyPlacement:
     margin: float = MARGIN
     seconds: float = 0.0  # exporting and timing
     quantizers_disabled: list[str] = field(default_factory=list)  # filled by apply()
-    # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"
+    # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"; "int8": the
+    # int8 graph's when it was slower than float and every layer was kept float
     graph_ms: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -164,7 +167,7 @@ def decide(costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = 
         else:
             reason = f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us"
         out.append(LayerDecision(c.layer, c.kernel, c.int8_us, c.float_us, decision, reason, list(c.quantizers),
-                                 c.fused))
+                                 c.fused, c.not_applicable is None))
     return out
 
 
@@ -183,6 +186,18 @@ def prefer_faster_graph(decisions: list[LayerDecision], measured_ms: float,
                               f"such layers in float vs {fused_only_ms:.3g} ms quantized", list(d.quantizers), d.fused)
         out.append(d)
     return out
+
+
+def float_if_slower(decisions: list[LayerDecision], int8_ms: float, float_ms: float) -> list[LayerDecision]:
+    """The decisions to keep when the chosen int8 graph takes ``int8_ms`` and the float graph ``float_ms``: an int8
+    graph slower than float on this CPU is no gain to deploy, so then every layer placement weighs is kept float
+    (``--placement all`` quantizes them anyway), with both times in the reason; otherwise the decisions as they are."""
+    if int8_ms <= float_ms:
+        return decisions
+    why = (f"the whole int8 graph ran {int8_ms:.3g} ms vs {float_ms:.3g} ms in float on this CPU: every layer kept "
+           "float (--placement all quantizes anyway)")
+    return [LayerDecision(d.layer, d.kernel, d.int8_us, d.float_us, FLOAT, why if d.decision != FLOAT else d.reason,
+                          list(d.quantizers), d.fused, d.applicable) if d.applicable else d for d in decisions]
 
 
 def _kernel_choices(decisions: list[LayerDecision]) -> list[str]:
@@ -230,6 +245,9 @@ def whole_graph_check(model: nn.Module, example: Batch, decisions: list[LayerDec
         kept = prefer_faster_graph(decisions, ms["chosen"], ms["other"])
         if kept is not decisions:  # the other choice won: it is the graph the checkpoint will hold
             decisions, ms = kept, {"float": ms["float"], "chosen": ms["other"], "other": ms["chosen"]}
+    slower = float_if_slower(decisions, ms["chosen"], ms["float"])
+    if slower is not decisions:
+        decisions, ms = slower, {**ms, "int8": ms["chosen"], "chosen": ms["float"]}
     return decisions, ms
 
 

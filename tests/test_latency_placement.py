@@ -53,6 +53,15 @@ def test_the_whole_graph_decides_between_the_choices():
     assert got["unfused"].decision == "float" and got["faster"].decision == "quantized"
 
 
+def test_an_int8_graph_slower_than_float_keeps_every_layer_float():
+    decisions = lp.decide([_cost("a", int8=50.0, flt=100.0), _cost("b", int8=60.0, flt=100.0),
+                           _cost("fp8", fused=False, na="float8: onnxruntime has no float8 kernel; left as configured")])
+    assert lp.float_if_slower(decisions, int8_ms=1.0, float_ms=1.0) is decisions
+    got = {d.layer: d for d in lp.float_if_slower(decisions, int8_ms=1.2, float_ms=1.0)}
+    assert got["a"].decision == got["b"].decision == "float" and "1.2 ms vs 1 ms" in got["a"].reason
+    assert got["fp8"].decision == "quantized"  # left as configured
+
+
 def test_apply_disables_every_quantizer_of_a_float_layer():
     from quantcli.nn import quantize_model
     from quantcli.nn.config import load_config
@@ -178,6 +187,9 @@ def test_a_whole_graph_slower_with_the_layer_float_keeps_it_quantized(tmp_path, 
     def chosen_slower(paths, feeds, rounds):  # float, chosen (conv2 float), other (conv2 quantized)
         return [3.0, 2.5, 2.0][: len(paths)]
 
+    def int8_slower(paths, feeds, rounds):  # both int8 graphs slower than float
+        return [1.0, 2.5, 2.0][: len(paths)]
+
     monkeypatch.setattr(lp, "GRAPH_TIMER", chosen_slower)
     _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
     latency = info["placement"]["latency"]
@@ -185,6 +197,13 @@ def test_a_whole_graph_slower_with_the_layer_float_keeps_it_quantized(tmp_path, 
     assert "conv2" in info["layers"]["quantized"]
     assert latency["graph_ms"] == {"float": 3.0, "chosen": 2.0, "other": 2.5}
     assert "0.67x the float graph's time" in latency["text"]
+
+    monkeypatch.setattr(lp, "GRAPH_TIMER", int8_slower)
+    _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
+    latency = info["placement"]["latency"]
+    assert sorted(latency["kept_float"]) == ["conv1", "conv2", "fc1", "fc2"]
+    assert latency["graph_ms"] == {"float": 1.0, "chosen": 1.0, "other": 2.5, "int8": 2.0}
+    assert "every layer kept float" in latency["text"]
 
 
 def test_placement_all_keeps_every_layer_quantized(tmp_path, monkeypatch):
