@@ -13,12 +13,13 @@ from quantcli import quality
 from quantcli.errors import VerifyError
 
 #: RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error:
-#: onnxruntime's float kernels (fused Conv, NCHWc layouts, its Erf) and PyTorch's round differently. On the zoo's
-#: ConvNeXt with every layer kept float by the latency placement, a correct graph, they differed by 3.4e-7 (RMS)
-#: and 1.0e-6 (max) of the output's RMS, so the ratios measured in this floor stay at 0.003 and 0.01 against
-#: thresholds of 2.0 and 0.1; it binds only where quantization changes the output by less than 1e-4 of its RMS,
-#: i.e. where (almost) no layer is quantized
-FLOAT_ROUNDING = 1e-4
+#: onnxruntime's float kernels (fused Conv, NCHWc layouts, depthwise kernels, its Erf) and PyTorch's round
+#: differently. On correct zoo graphs the latency placement left all float they differed by up to 1.4e-5 of the
+#: output's RMS (MobileNetV2, the replay's max difference; ConvNeXt 1.0e-6), so measured in this floor the replay
+#: ratio stays at 0.014 against its threshold of 0.1. It binds only where quantization changes the output by less
+#: than 1e-3 of its RMS, i.e. where (almost) no layer is quantized; the codes and replay-step checks still judge
+#: every Q/DQ pair there is
+FLOAT_ROUNDING = 1e-3
 
 
 class PairStats:
