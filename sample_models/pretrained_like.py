@@ -33,7 +33,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from sample_models.structured import MeanPooledEncoder
+from sample_models.structured import MeanPooledEncoder, seeded_encoder
 
 #: stdlib modules whose docstrings give the sentences (shipped with CPython: nothing is downloaded)
 MODULES = ("argparse", "collections", "functools", "inspect", "json", "logging", "pathlib", "subprocess",
@@ -109,23 +109,13 @@ def batches(split: str = "calib") -> list[dict[str, torch.Tensor]]:
 def build(seed: int = 0) -> MeanPooledEncoder:
     """The encoder (eval mode); deterministic for a ``seed``. Needs ``transformers``."""
     try:
-        from transformers import BertConfig, BertModel
+        from transformers import BertConfig
     except ImportError as e:  # pragma: no cover - the test extra installs it
         raise ImportError("pretrained_like needs transformers: pip install 'quantcli[hf]'") from e
     config = BertConfig(vocab_size=VOCAB, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
                         intermediate_size=1536, max_position_embeddings=512, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0, attn_implementation="eager")
-    state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        bert = BertModel(config, add_pooling_layer=False)
-        _pretrained_statistics(bert, torch.Generator().manual_seed(seed + 1))
-    finally:
-        torch.random.set_rng_state(state)
-    model = MeanPooledEncoder(bert).eval()
-    with torch.no_grad():
-        model.center.copy_(torch.cat([model.pooled(**b) for b in batches("calib")]).mean(0))
-    return model
+    return seeded_encoder(config, seed, _pretrained_statistics, batches("calib"), add_pooling_layer=False)
 
 
 @torch.no_grad()

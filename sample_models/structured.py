@@ -59,7 +59,7 @@ def deep_encoder(seed: int = 0, layers: int = 6, hidden: int = 384, heads: int =
                  intermediate: int = 1536) -> MeanPooledEncoder:
     """A 6-layer BERT sentence encoder with pretrained-like outlier channels and an unused pooler."""
     try:
-        from transformers import BertConfig, BertModel
+        from transformers import BertConfig
     except ImportError as e:  # pragma: no cover - the test extra installs it
         raise ImportError("deep_encoder needs transformers: pip install 'quantcli[hf]'") from e
     from sample_models.text_encoder import MAX_LEN, VOCAB
@@ -69,16 +69,25 @@ def deep_encoder(seed: int = 0, layers: int = 6, hidden: int = 384, heads: int =
                         max_position_embeddings=MAX_LEN, initializer_range=0.04,
                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                         attn_implementation="eager")
+    return seeded_encoder(config, seed, _plant_outliers, deep_encoder_batches("calib", 64), add_pooling_layer=True)
+
+
+def seeded_encoder(config, seed: int, statistics, calib: list[dict[str, torch.Tensor]],
+                   add_pooling_layer: bool) -> MeanPooledEncoder:
+    """A ``BertModel(config)`` initialised from ``seed`` (the global RNG left as it was), given its weight
+    statistics by ``statistics(bert, generator)``, mean-pooled and centred on the ``calib`` batches."""
+    from transformers import BertModel
+
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        bert = BertModel(config, add_pooling_layer=True)
-        _plant_outliers(bert, torch.Generator().manual_seed(seed + 1))
+        bert = BertModel(config, add_pooling_layer=add_pooling_layer)
+        statistics(bert, torch.Generator().manual_seed(seed + 1))
     finally:
         torch.random.set_rng_state(state)
     model = MeanPooledEncoder(bert).eval()
     with torch.no_grad():
-        model.center.copy_(torch.cat([model.pooled(**b) for b in deep_encoder_batches("calib", 64)]).mean(0))
+        model.center.copy_(torch.cat([model.pooled(**b) for b in calib]).mean(0))
     return model
 
 
