@@ -90,6 +90,7 @@ class _Recorder(TorchFunctionMode):
         self.leaf_depth = 0  # > 0 inside a leaf module's forward: its own ops are not recorded
         self.stack: list[tuple[str, str, int]] = []  # enclosing non-leaf modules (name, class, call number)
         self.calls = 0  # non-leaf module calls so far: tells two calls of one module apart
+        self.pending: list[RecordedNode] = []  # leaf module calls entered, not yet returned
 
     def node(self, op: str, target: Any, inputs: list) -> RecordedNode:
         args = tuple(self.producer.get(id(t)) for t in inputs if isinstance(t, torch.Tensor))
@@ -160,7 +161,6 @@ def record(model: nn.Module, example: Mapping[str, torch.Tensor],
     from quantcli.nn.tensor_quantizer import TensorQuantizer
 
     rec = _Recorder()
-    rec.pending = []
     for k, v in example.items():
         if isinstance(v, torch.Tensor):
             rec.alive.append(v)
