@@ -42,12 +42,10 @@ def _splits(name: str):
     """(float model, calibration batches, held-out batches for the target search, test batches)."""
     if name == "deep_encoder":
         from sample_models import structured
-
         model = structured.deep_encoder()
         calib, ev = structured.deep_encoder_batches("calib"), structured.deep_encoder_batches("eval")
     else:
         from sample_models import text_encoder
-
         model = text_encoder.build()
         calib, ev = text_encoder.calibration_batches(), text_encoder.evaluation_batches()
     # deep_encoder: 200 test samples (4 batches) bound the minutes its float and quantized passes take
@@ -57,14 +55,14 @@ def _splits(name: str):
 def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: Path, config: str = "int8",
           smoothquant: float | None = None, prefer_dynamic: bool = True) -> dict:
     from exporters import export_onnx
-    from quantcli.calibration import calibrate
-    from quantcli.mixed_precision import meet_target
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.calibration.mixed_precision import meet_target
     from quantcli.nn import quantize_model
 
     m = quantize_model(copy.deepcopy(fmodel), config)
     t = time.perf_counter()
     if smoothquant is not None:  # as calibrate --smoothquant does: smooth, then calibrate the smoothed tensors
-        from quantcli.smoothquant import smooth_quant
+        from quantcli.calibration.smoothquant import smooth_quant
 
         smooth_quant(m, calib, smoothquant, device="cpu")
     calibrate(m, calib, method, device="cpu")
@@ -204,7 +202,7 @@ def accuracy_rows(name: str, repeat: int, methods=METHODS) -> tuple[list[dict], 
         variants.update(_ort_references(fp32, calib, d))
         # not the reference (a user runs quantize_dynamic's file with default options): the same file without
         # onnxruntime's SkipLayerNormalization fusion, whose CPU kernel quantcli's graphs keep away
-        # (exporters.cpu_fusions); shows how much of the margin that is
+        # (exporters.onnxruntime.cpu_fusions); shows how much of the margin that is
         variants[NO_SKIP] = {**variants["onnxruntime quantize_dynamic"], "disabled": ("SkipLayerNormFusion",)}
         with torch.inference_mode():
             refs = [fmodel(**b).double().numpy().reshape(-1) for b in test]
@@ -231,15 +229,14 @@ def analyze_vs_verify(repeat: int = 3) -> dict:
     """Seconds of ``analyze`` (load, statistics, sensitivity, report) and of ``verify`` on text_encoder's
     held-out split, interleaved, best of ``repeat``."""
     from exporters import export_onnx
-    from quantcli.analyze import analyze
-    from quantcli.calibration import calibrate
-    from quantcli.checkpoint import load_calibrated, save_calibrated
-    from quantcli.loading import load_model
+    from quantcli.analysis.analyze import analyze
+    from quantcli.analysis.report_html import render
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.inputs.checkpoint import load_calibrated, save_calibrated
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
-    from quantcli.report_html import render
     from quantcli.verify import verify_onnx
     from sample_models import text_encoder
-
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         m, spec = load_model("text_encoder")

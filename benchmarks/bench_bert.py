@@ -51,7 +51,6 @@ REFERENCE = "onnxruntime quantize_dynamic"
 
 def rows(repeat: int, profile_dir: Path | None = None) -> tuple[list[dict], dict]:
     from sample_models import pretrained_like
-
     fmodel = pretrained_like.build()
     calib, holdout, test = (pretrained_like.batches(s) for s in ("calib", "holdout", "test"))
     out = []

@@ -21,7 +21,6 @@ TARGETS = {"max": 1.15, "histogram": 1.50}
 
 def workloads(device: str):
     from sample_models import digits_cnn, text_encoder
-
     x = torch.cat([b["x"] for b in digits_cnn.calibration_batches()] + [b["x"] for b in digits_cnn.evaluation_batches()])
     x = x.repeat(2, 1, 1, 1)[:2048]
     digits = [{"x": b.to(device)} for b in x.split(256)]
@@ -36,7 +35,7 @@ def _plain_pass(model, batches) -> None:
 
 
 def _fresh_quantized(name: str):
-    from quantcli.loading import load_model
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
 
     m, _ = load_model(name)
@@ -47,8 +46,8 @@ def measure(label: str, method: str, device: str = "cpu", repeat: int = 11) -> d
     """One row: plain forward and calibration alternate, each on a freshly built model (built untimed), so
     drift in the machine's speed affects both sides alike. The ratio is of the fastest runs: the code is
     deterministic, and on a shared machine the minimum is the run least disturbed by others."""
-    from quantcli.calibration import calibrate
-    from quantcli.loading import load_model
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.inputs.loading import load_model
 
     name, batches = workloads(device)[label]
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)

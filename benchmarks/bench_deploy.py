@@ -9,7 +9,7 @@ target); onnxruntime's ``quantize_static`` (QDQ, per-channel int8 weights, its d
 ``quant_pre_process``) for the CNNs and ``quantize_dynamic`` (per-channel) for the transformers, both calibrated
 on the same batches as quantcli. Latency: best of ``--repeat`` runs on one held-out batch, the graphs interleaved
 run by run. Accuracy on the held-out set against the fp32 graph: top-1 agreement (classifiers), mean cosine
-(embeddings); the outputs' mean cosine to fp32's is printed for every model. ``unfused``: quantized layers onnxruntime leaves in float (:mod:`exporters.runtime_fusion`).
+(embeddings); the outputs' mean cosine to fp32's is printed for every model. ``unfused``: quantized layers onnxruntime leaves in float (:mod:`exporters.onnxruntime.fusion`).
 
 Goals, each printed MET or MISSED: quantcli <= 1.0x quantize_static's latency on every CNN and <= 0.8x
 quantize_dynamic's on the transformers, at equal or better accuracy, with no unfused layer on the CNNs.
@@ -33,7 +33,7 @@ import torch
 from benchmarks.bench_reduce_range import cpu_flags
 from benchmarks.common import machine, setup_threads, table
 from exporters import export_onnx
-from exporters.runtime_fusion import inspect_fusion
+from exporters.onnxruntime.fusion import inspect_fusion
 from quantcli import calibrate, quantize_model
 
 CNN_GOAL = 1.0  # quantcli / quantize_static latency
@@ -53,7 +53,6 @@ class Case:
 
 def _cases() -> dict[str, Case]:
     from sample_models import digits_cnn, structured, text_encoder
-
     return {c.name: c for c in [
         Case("digits_cnn", digits_cnn.build, digits_cnn.calibration_batches,
              lambda: digits_cnn.evaluation_batches(64), False),

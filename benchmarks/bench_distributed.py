@@ -33,12 +33,10 @@ def workload(model: str, samples: int, batch_size: int) -> list[dict[str, torch.
     structured sample models' own batch helpers (``resnet_cnn``: digits upsampled to 3x32x32)."""
     if model == "digits_cnn":
         from sample_models import digits_cnn
-
         x = torch.cat([b["x"] for b in digits_cnn.calibration_batches()] + [b["x"] for b in digits_cnn.evaluation_batches()])
         x = x.repeat(1 + samples // len(x), 1, 1, 1)[:samples]
         return [{"x": b} for b in x.split(batch_size)]
     from sample_models import structured
-
     return {"resnet_cnn": structured.resnet_batches, "conv1d_bn": structured.conv1d_batches}[model](samples, batch_size)
 
 
@@ -46,11 +44,10 @@ def _fresh(model: str):
     from quantcli.nn import quantize_model
 
     if model == "digits_cnn":
-        from quantcli.loading import load_model
+        from quantcli.inputs.loading import load_model
 
         return quantize_model(load_model(model)[0])
     from sample_models import structured
-
     return quantize_model(getattr(structured, model)())
 
 
@@ -58,7 +55,7 @@ def _rank(rank: int, world: int, init_file: str, out_file: str, model: str, samp
           methods: list[str], repeat: int, device: str) -> None:
     import torch.distributed as dist
 
-    import quantcli.calibration as calibration
+    import quantcli.calibration.calibrate as calibration
 
     torch.set_num_threads(1)
     cuda = device == "cuda"
@@ -99,7 +96,7 @@ def _timed_merge(merge, timing: dict):
 
 def _timed_calibrate(model: torch.nn.Module, batches, method: str, dev: torch.device, group, sync) -> tuple[float, float]:
     """(wall, CPU) seconds of one ``calibrate`` call, the device synchronised on both sides."""
-    from quantcli.calibration import calibrate
+    from quantcli.calibration.calibrate import calibrate
 
     sync()
     t, c = time.perf_counter(), time.process_time()

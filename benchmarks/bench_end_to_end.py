@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 def _ours_calibrate(name: str, batches: list, method: str) -> tuple[float, torch.nn.Module]:
     """Seconds of ``calibrate()`` on a freshly quantized model, and the model."""
     from benchmarks.peer_data import build
-    from quantcli.calibration import calibrate
+    from quantcli.calibration.calibrate import calibrate
     from quantcli.nn import quantize_model
 
     m = quantize_model(build(name), "int8")  # built untimed: the peer's float graph is also ready beforehand
@@ -78,7 +78,7 @@ def in_process_rows(names, samples, repeat: int, workdir: Path) -> list[dict]:
     from benchmarks import ort_peer
     from benchmarks.peer_data import arrays, build, export_fp32, torch_batches
     from exporters import export_onnx
-    from quantcli.calibration import calibrate
+    from quantcli.calibration.calibrate import calibrate
     from quantcli.nn import quantize_model
 
     rows = []
@@ -148,10 +148,10 @@ def _ours_cli(name: str, npz: Path, method: str, d: Path) -> tuple[float, float,
     from benchmarks.peer_data import SPECS
 
     ck, onnx_out = d / "ours.calib.pt", d / "ours_cli.onnx"
-    cal = _CLI.format(preimport="import torch, quantcli.calibration, quantcli.data, quantcli.loading",
+    cal = _CLI.format(preimport="import torch, quantcli.calibration.calibrate, quantcli.inputs.data, quantcli.inputs.loading",
                       args=["calibrate", SPECS[name], "--data", str(npz), "--batch-size", "32", "--method", method,
                             "--out", str(ck)])
-    exp = _CLI.format(preimport="import torch, onnx, exporters, quantcli.checkpoint",
+    exp = _CLI.format(preimport="import torch, onnx, exporters, quantcli.inputs.checkpoint",
                       args=["export", str(ck), "--onnx", str(onnx_out)])
     w1, b1, p1 = _run([sys.executable, "-c", cal])
     w2, b2, p2 = _run([sys.executable, "-c", exp])
@@ -195,7 +195,7 @@ def user_rows(names, samples, repeat: int, workdir: Path) -> list[dict]:
 _FLAT = """
 import torch
 torch.set_num_threads(1)
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from quantcli.nn import quantize_model
 from sample_models.structured import resnet_batches, resnet_cnn
 pool = resnet_batches(256, 32)  # the same 8 batches in memory whatever the sample count: data cannot grow
@@ -244,13 +244,12 @@ def memory_rows() -> list[dict]:
 
 def export_verify_rows() -> list[dict]:
     from exporters import export_onnx
-    from quantcli.calibration import calibrate
-    from quantcli.checkpoint import save_calibrated
-    from quantcli.loading import load_model
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.inputs.checkpoint import save_calibrated
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
     from quantcli.verify import verify_onnx
     from sample_models import SAMPLES
-
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name, sample in SAMPLES.items():

@@ -51,7 +51,6 @@ def _session(path, optimized: Path | None = None, accuracy_level: int | None = N
 
 def _perplexity(sess, batches) -> float:
     from sample_models import tiny_lm
-
     name = sess.get_inputs()[0].name
     return tiny_lm.perplexity(lambda ids: sess.run(None, {name: ids})[0], batches)
 
@@ -59,7 +58,6 @@ def _perplexity(sess, batches) -> float:
 def export_fp32(path: Path) -> None:
     """The trained model as a plain float ONNX graph (what onnxruntime's quantizer starts from)."""
     from sample_models import tiny_lm
-
     model = tiny_lm.build()
     ids = tiny_lm.calibration_batches()[0]["input_ids"][:2]
     torch.onnx.export(model, (ids,), str(path), dynamo=False, opset_version=17, input_names=["input_ids"],
@@ -69,9 +67,9 @@ def export_fp32(path: Path) -> None:
 def quantcli_int4(method: str, batches) -> tuple[torch.nn.Module, float]:
     """(the calibrated tiny_lm with ``method``, seconds of calibration + weight rounding)."""
     from quantcli import calibrate
-    from quantcli.loading import load_model
+    from quantcli.calibration.weight_rounding import awq, gptq
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
-    from quantcli.weight_rounding import awq, gptq
 
     model, _ = load_model("tiny_lm")
     quantize_model(model, {"preset": "int4-weight-only", "block_size": BLOCK})
@@ -127,7 +125,7 @@ def ort_int4(fp32: Path, out: Path, algo: str, batches, accuracy_level: int | No
 
 def _fusion(path: Path, folder: Path) -> tuple[int, int]:
     """(layers quantcli exported as int4 weight-only, MatMulNBits nodes in onnxruntime's optimized graph)."""
-    from exporters.runtime_fusion import inspect_fusion
+    from exporters.onnxruntime.fusion import inspect_fusion
 
     rep = inspect_fusion(path)
     _session(path, folder / "optimized.onnx")
@@ -146,7 +144,6 @@ def _memory(samples: int) -> float:
 def measure(folder: Path, rounds: int) -> tuple[list[dict], dict]:
     from exporters import export_onnx
     from sample_models import tiny_lm
-
     calib, held = tiny_lm.calibration_batches(), tiny_lm.evaluation_batches()
     fp32 = folder / "fp32.onnx"
     export_fp32(fp32)

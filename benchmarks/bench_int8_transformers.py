@@ -34,7 +34,7 @@ import torch
 from benchmarks.common import best_interleaved, machine, rows_per_model, setup_threads, table
 from exporters import export_onnx
 from quantcli import calibrate, quantize_model
-from quantcli.smoothquant import smooth_quant
+from quantcli.calibration.smoothquant import smooth_quant
 
 GOAL_COSINE = 0.995
 LATENCY_SHAPE = (32, 80)  # batch x tokens (80: both models' position table)
@@ -51,9 +51,8 @@ class Subject:
 
 def subject(name: str) -> Subject:
     if name == "text_encoder":
-        from sample_models import text_encoder as te
-
-        return Subject(name, te.build().eval(), te.calibration_batches(), te.evaluation_batches())
+        from sample_models import text_encoder
+        return Subject(name, text_encoder.build().eval(), text_encoder.calibration_batches(), text_encoder.evaluation_batches())
     if name == "deep_encoder":
         from sample_models.structured import deep_encoder, deep_encoder_batches
 

@@ -7,7 +7,7 @@ and at the default opset (17 for a model with a LayerNorm: ``LayerNormalization`
 with default session options and 1 intra-op thread; op counts come from the optimized graph onnxruntime saves
 (``SessionOptions.optimized_model_filepath``). Latency: four held-out batches, best of interleaved runs in one
 process; the ratio is each variant's time over opset 13's. The onnxruntime target's export writes the residual
-Adds into LayerNorms and the bias Adds into GELUs as ``Sum`` (:mod:`exporters.cpu_fusions`), so onnxruntime forms
+Adds into LayerNorms and the bias Adds into GELUs as ``Sum`` (:mod:`exporters.onnxruntime.cpu_fusions`), so onnxruntime forms
 no SkipLayerNormalization or BiasGelu, whose CPU kernels are slower than what they replace; a third variant is the
 opset-17 graph with those ``Sum`` nodes written back as ``Add`` (what onnxruntime fuses without that pass),
 which separates the fusions' cost from the rest of the opset change. Each graph's largest output difference
@@ -39,7 +39,7 @@ OPS = ("SkipLayerNormalization", "LayerNormalization", "ReduceMean", "Add", "Sum
 
 def _sums_as_adds(path: Path, out: Path) -> Path:
     """``path``'s graph with its two-input ``Sum`` nodes written back as ``Add``: the export without
-    :func:`exporters.cpu_fusions.keep_cpu_kernels` (the torch exporter writes no Sum for these models)."""
+    :func:`exporters.onnxruntime.cpu_fusions.keep_cpu_kernels` (the torch exporter writes no Sum for these models)."""
     m = onnx.load(str(path))
     for n in m.graph.node:
         if n.op_type == "Sum" and len(n.input) == 2:
@@ -65,12 +65,10 @@ def _session(path: Path, disabled: list[str], optimized_path: Path | None = None
 def _model_and_batches(name: str):
     if name == "text_encoder":
         from sample_models import SAMPLES
-
         s = SAMPLES[name]
         return s.build().eval(), s.calibration_batches(), s.evaluation_batches()[:4]
     if name == "deep_encoder":
         from sample_models import structured
-
         return (structured.deep_encoder(), structured.deep_encoder_batches("calib", 64),
                 structured.deep_encoder_batches("eval")[:4])
     raise SystemExit(f"unknown model {name!r}; use text_encoder or deep_encoder")

@@ -1,4 +1,4 @@
-"""FP8 graphs in onnxruntime: what the guards of :mod:`exporters.ort_compat` cost against the other ways to load
+"""FP8 graphs in onnxruntime: what the guards of :mod:`exporters.onnxruntime.compat` cost against the other ways to load
 the same graph correctly.
 
     python -m benchmarks.bench_ort_fp8
@@ -22,7 +22,7 @@ import onnxruntime as ort
 
 from benchmarks.common import best_interleaved, machine, run_all, setup_threads, table
 from exporters import export_onnx
-from exporters.ort_compat import session_needs, unguard_fp8
+from exporters.onnxruntime.compat import session_needs, unguard_fp8
 from quantcli import calibrate, quantize_model
 from sample_models import SAMPLES
 

@@ -21,9 +21,9 @@ import onnxruntime as ort
 from benchmarks.bench_reduce_range import cpu_flags
 from benchmarks.common import best_interleaved, machine, table
 from exporters import export_onnx
-from quantcli.calibrate_job import CalibrationJob, CalibrationRequest
+from quantcli.calibration.job import CalibrationJob, CalibrationRequest
 from quantcli.nn.modes import keep_float
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
 
 
 def _calibrated(model: str, placement: str, out: Path):
@@ -35,7 +35,6 @@ def _calibrated(model: str, placement: str, out: Path):
 
 def measure(name: str, folder: Path, rounds: int) -> dict:
     from sample_models import SAMPLES
-
     auto = _calibrated(name, "auto", folder / f"{name}-auto.calib.pt")
     every = _calibrated(name, "all", folder / f"{name}-all.calib.pt")
     example = {k: v[:8] for k, v in auto.batches[0].items()}

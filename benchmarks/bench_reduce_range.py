@@ -26,7 +26,7 @@ import torch
 from benchmarks import u8s8_avx2
 from benchmarks.common import machine, setup_threads, table
 from exporters import export_onnx
-from exporters.runtime_fusion import inspect_fusion
+from exporters.onnxruntime.fusion import inspect_fusion
 from quantcli import calibrate, quantize_model
 from sample_models import SAMPLES
 

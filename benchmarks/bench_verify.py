@@ -36,11 +36,9 @@ def batches_for(model: str, split: str, n: int) -> list[dict[str, torch.Tensor]]
     """``n`` samples of ``model``'s ``split`` (repeated when the split is smaller), in its own batches."""
     if model == "deep_encoder":
         from sample_models import structured
-
         base = structured.deep_encoder_batches(split)
     else:
         from sample_models import text_encoder
-
         base = text_encoder.calibration_batches() if split == "calib" else text_encoder.evaluation_batches()
     out, have, i = [], 0, 0
     while have < n:
@@ -54,9 +52,9 @@ def batches_for(model: str, split: str, n: int) -> list[dict[str, torch.Tensor]]
 def prepare(model: str, root: Path) -> tuple[Path, Path]:
     """Calibrate (int8, max, 256 samples) and export; returns (checkpoint, onnx)."""
     from exporters import export_onnx
-    from quantcli.calibration import calibrate
-    from quantcli.checkpoint import save_calibrated
-    from quantcli.loading import load_model
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.inputs.checkpoint import save_calibrated
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
 
     m, spec = load_model(SPECS[model])
@@ -88,9 +86,8 @@ def reference_pass(path: Path, fmodel, batches) -> tuple[float, float]:
 
 
 def time_row(model: str, ck: Path, path: Path, samples: int, repeat: int) -> dict:
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
     from quantcli.verify import verify_onnx
-
     ckpt = load_calibrated(ck)
     fmodel = ckpt.float_model()
     batches = batches_for(model, "eval", samples)
@@ -114,7 +111,7 @@ _MEMORY = """
 import torch
 torch.set_num_threads(1)
 from benchmarks.bench_verify import batches_for
-from quantcli.checkpoint import load_calibrated
+from quantcli.inputs.checkpoint import load_calibrated
 from quantcli.verify import verify_onnx
 ck = load_calibrated({ck!r})
 # the same 64 inputs (the same batch shapes) repeated: what grows, grows with the number of samples
@@ -145,7 +142,6 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     setup_threads(1)
     from quantcli.verify import REPLAY_SAMPLES
-
     print(f"verify: time and memory ({machine()}; load average {os.getloadavg()[0]:.1f} at start)")
     print(f"per-quantizer evidence on a fixed sample of {REPLAY_SAMPLES} inputs")
     times, mems = [], []

@@ -17,7 +17,7 @@ BATCH = 32
 
 def build(name: str) -> nn.Module:
     """The float model, weights loaded, in eval mode."""
-    from quantcli.loading import load_model
+    from quantcli.inputs.loading import load_model
 
     return load_model(SPECS[name])[0].eval()
 
@@ -29,7 +29,6 @@ def arrays(name: str, n: int) -> dict[str, np.ndarray]:
     """
     if name == "digits_cnn":
         from sample_models import digits_cnn
-
         x = torch.cat([b["x"] for b in digits_cnn.calibration_batches() + digits_cnn.evaluation_batches()])
         return {"x": _repeat(x, n).numpy()}
     if name == "resnet_cnn":
@@ -38,7 +37,6 @@ def arrays(name: str, n: int) -> dict[str, np.ndarray]:
         return {"x": torch.cat([b["x"] for b in resnet_batches(n)]).numpy()}
     if name == "text_encoder":
         from sample_models import text_encoder
-
         batches = text_encoder.calibration_batches() + text_encoder.evaluation_batches()
         width = max(b["input_ids"].shape[1] for b in batches)
         out = {}

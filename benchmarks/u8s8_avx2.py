@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantcli import arithmetic as ar
+from quantcli.quant import arithmetic
 
 I16_MIN, I16_MAX = -32768, 32767
 
@@ -51,9 +51,9 @@ def saturating_dot(a_u8: torch.Tensor, w_s8: torch.Tensor, chunk: int = 4096) ->
 
 def _codes(q, x: torch.Tensor) -> torch.Tensor:
     d = q.desc
-    bound = ar.symmetric_bound(d.num_bits, d.unsigned)
-    qmin, qmax = ar.integer_range(d.num_bits, d.unsigned, d.narrow_range)
-    return ar.quantize_linear(x, ar.symmetric_scale(q.amax, bound), 0, qmin, qmax), ar.symmetric_scale(q.amax, bound)
+    bound = arithmetic.symmetric_bound(d.num_bits, d.unsigned)
+    qmin, qmax = arithmetic.integer_range(d.num_bits, d.unsigned, d.narrow_range)
+    return arithmetic.quantize_linear(x, arithmetic.symmetric_scale(q.amax, bound), 0, qmin, qmax), arithmetic.symmetric_scale(q.amax, bound)
 
 
 def _rows(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable]:

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from calibrators.methods import HISTOGRAM_METHODS
-from quantcli import arithmetic as ar
+from quantcli import defaults
 from quantcli.errors import CalibrationError
+from quantcli.quant import arithmetic
 
 
 def _chunk_elements(device: torch.device) -> int:
@@ -240,12 +241,12 @@ def _entropy_best(hr: torch.Tensor, st: torch.Tensor, start: int, stride: int, n
 def _fake_quant_positive(centers: torch.Tensor, amax: torch.Tensor, num_bits, unsigned: bool) -> torch.Tensor:
     """Quantize-dequantize non-negative values with quantcli's arithmetic (float64 for the search)."""
     if isinstance(num_bits, (tuple, list)):
-        scale = ar.symmetric_scale(amax, ar.FP8_E4M3_MAX)
-        v = torch.clamp(centers.to(torch.float32) / scale.to(torch.float32), -ar.FP8_E4M3_MAX, ar.FP8_E4M3_MAX)
+        scale = arithmetic.symmetric_scale(amax, arithmetic.FP8_E4M3_MAX)
+        v = torch.clamp(centers.to(torch.float32) / scale.to(torch.float32), -arithmetic.FP8_E4M3_MAX, arithmetic.FP8_E4M3_MAX)
         return v.to(torch.float8_e4m3fn).to(torch.float64) * scale.to(torch.float64)
-    bound = ar.symmetric_bound(num_bits, unsigned)
-    scale = ar.symmetric_scale(amax.to(torch.float32), bound)  # float32 scale, as deployed
-    codes = ar.quantize_linear(centers.to(torch.float32), scale, 0, 0, bound)
+    bound = arithmetic.symmetric_bound(num_bits, unsigned)
+    scale = arithmetic.symmetric_scale(amax.to(torch.float32), bound)  # float32 scale, as deployed
+    codes = arithmetic.quantize_linear(centers.to(torch.float32), scale, 0, 0, bound)
     return codes.to(torch.float64) * scale.to(torch.float64)
 
 
@@ -253,7 +254,7 @@ def _mse_errors_fast(hr: torch.Tensor, cr: torch.Tensor, amax_c: torch.Tensor, b
     """Integer-grid errors for every candidate in float32: ``s**2 * sum_j h_j (t_j - q(t_j))**2`` with ``t = c / s``,
     in blocks of candidates small enough to stay in cache, two reused buffers and a matrix-vector product
     for the weighted sum (one pass over a many-MiB grid per op cost more than the arithmetic)."""
-    s = ar.symmetric_scale(amax_c.to(torch.float32), bound)  # (c, K) float32, as deployed
+    s = arithmetic.symmetric_scale(amax_c.to(torch.float32), bound)  # (c, K) float32, as deployed
     c32, h32 = cr.to(torch.float32).unsqueeze(1), hr.to(torch.float32).unsqueeze(-1)  # (c, 1, B'), (c, B', 1)
     rows, k_all, width = s.shape[0], s.shape[1], cr.shape[1]
     # blocks of about _chunk_elements grid cells: on the CPU two reused 1 MiB buffers, 1.1-4x faster on the
@@ -300,7 +301,7 @@ def compute_amax_mse(hist, bin_edges, num_bits=8, unsigned: bool = False, stride
         if fp8:
             err = _mse_exact(hr, cr, amax_c, num_bits, unsigned)
         else:
-            err = _mse_errors_fast(hr, cr, amax_c, ar.symmetric_bound(num_bits, unsigned)).to(torch.float64)
+            err = _mse_errors_fast(hr, cr, amax_c, arithmetic.symmetric_bound(num_bits, unsigned)).to(torch.float64)
             valid = ck.view(1, -1) <= st.view(-1, 1)
             best = torch.where(valid, err, torch.full_like(err, float("inf"))).amin(dim=1, keepdim=True)
             close = valid & (err <= best * (1 + 1e-3) + 1e-30)
@@ -325,7 +326,7 @@ def _mse_exact_pairs(h_rows, c_rows, amax, num_bits, unsigned) -> torch.Tensor:
     return ((c_rows - fq) ** 2 * h_rows).sum(-1)
 
 
-def compute_amax_percentile(hist, bin_edges, percentile: float = 99.99):
+def compute_amax_percentile(hist, bin_edges, percentile: float = defaults.PERCENTILE):
     """The right edge of the first bin where the cumulative count reaches ``percentile`` % of the total."""
     if not 0 < percentile <= 100:
         raise ValueError(f"percentile must be in (0, 100], got {percentile}")

@@ -20,6 +20,7 @@ import torch
 from calibrators import shared
 from calibrators.base import Calibrator
 from calibrators.histogram import METHODS
+from quantcli import defaults
 
 
 class HistogramCalibrator(Calibrator):
@@ -27,7 +28,7 @@ class HistogramCalibrator(Calibrator):
     one of :data:`calibrators.histogram.METHODS`. State is ``O(channels * num_bins)``, whatever the batch count.
     """
 
-    def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, num_bins: int = 2048,
+    def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, num_bins: int = defaults.NUM_BINS,
                  skip_zeros: bool = False, name: str | None = None):
         super().__init__(num_bits, axis, unsigned, name)
         if not isinstance(num_bins, int) or num_bins < 2:

@@ -13,8 +13,7 @@ a Mul of the two scales, then an Add of a constant 1-D bias) and ``DynamicQuanti
 codes and scale) match. Each layer gets its own ``DynamicQuantizeLinear``, so q/k/v projections of one tensor
 each fuse into a ``DynamicQuantizeMatMul`` (which quantizes its input itself).
 
-The layer builds the pattern itself (:mod:`quantcli.nn.dynamic`: ``DynamicLinearFunction.symbolic``, whose
-``weight_spec`` and ``dynamic_linear_symbolic`` are re-exported here); the weight codes are emitted as
+The layer builds the pattern itself (:mod:`quantcli.nn.dynamic`: ``DynamicLinearFunction.symbolic``); the weight codes are emitted as
 ``QuantizeLinear(Transpose(W))``, and :mod:`exporters.fold` stores them as an int8 initializer.
 
 :func:`dynamic_quantizer_map` adds the dynamic quantizers to the quantizer map in ``metadata_props``:
@@ -30,9 +29,8 @@ import numpy as np
 import onnx
 
 from exporters.graph import initializer_map, name_scopes, producer_map, scope_module_path
-from quantcli.nn.dynamic import dynamic_linear_symbolic, weight_spec
 
-__all__ = ["DynamicLayer", "dynamic_layers", "dynamic_quantizer_map", "dynamic_linear_symbolic", "weight_spec"]
+__all__ = ["DynamicLayer", "dynamic_layers", "dynamic_quantizer_map"]
 
 
 # ------------------------------------------------------------------------------------------- reading graphs

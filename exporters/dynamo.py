@@ -1,10 +1,10 @@
 """The torch.export-based exporter: quantize ops as ``torch.library`` custom ops with ONNX translations.
 
-Before tracing, every enabled quantizer gets its :class:`~quantcli.qdq.QdqSpec`, computed from its real amax
+Before tracing, every enabled quantizer gets its :class:`~quantcli.quant.qdq.QdqSpec`, computed from its real amax
 and the shape of the tensor it sees (torch.export traces with fake tensors, so values are read first).
 While exporting, each quantizer's export hook (:mod:`quantcli.nn.export_hooks`, set for the trace and removed
 after it) calls ``quantcli::qdq`` with the spec's tensors; the op's eager kernel is ONNX's Q/DQ arithmetic
-(:mod:`quantcli.arithmetic`), and its onnxscript translation emits the same
+(:mod:`quantcli.quant.arithmetic`), and its onnxscript translation emits the same
 ``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path. Int32 biases and Linear
 layers with dynamic inputs get hooks that call ``quantcli::int32_bias`` and ``quantcli::dynamic_linear``.
 
@@ -30,15 +30,14 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from quantcli import arithmetic as ar
-from quantcli import formats as fm
 from quantcli.errors import ExportError, first_line
-from quantcli.granularity import broadcast_onnx_param
 from quantcli.nn.dynamic import weight_spec
 from quantcli.nn.export_hooks import export_hooks
 from quantcli.nn.modules import QuantMixin
-from quantcli.nn.replace import quantizers
-from quantcli.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
+from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.quant import arithmetic, formats
+from quantcli.quant.granularity import broadcast_onnx_param
+from quantcli.quant.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, symmetric_spec
 
 
 @torch.library.custom_op("quantcli::qdq", mutates_args=())
@@ -49,12 +48,12 @@ def qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, lo: torc
     if clip:
         xin = torch.minimum(torch.maximum(xin, lo), hi)
     s = broadcast_onnx_param(scale, tuple(xin.shape), axis, block_size)
-    if elem_type == fm.FP8_E4M3.elem_type:
-        return ar.dequantize_linear(ar.quantize_e4m3(xin, s), s).to(x.dtype)
-    qtype = fm.BY_ELEM_TYPE[elem_type]
+    if elem_type == formats.FP8_E4M3.elem_type:
+        return arithmetic.dequantize_linear(arithmetic.quantize_e4m3(xin, s), s).to(x.dtype)
+    qtype = formats.BY_ELEM_TYPE[elem_type]
     z = broadcast_onnx_param(zero_point, tuple(xin.shape), axis, block_size)
-    codes = ar.quantize_linear(xin, s, z, qtype.qmin, qtype.qmax)
-    return ar.dequantize_linear(codes, s, z).to(x.dtype)
+    codes = arithmetic.quantize_linear(xin, s, z, qtype.qmin, qtype.qmax)
+    return arithmetic.dequantize_linear(codes, s, z).to(x.dtype)
 
 
 @qdq.register_fake
@@ -73,7 +72,7 @@ def call(x: torch.Tensor, spec: QdqSpec) -> torch.Tensor:
 @torch.library.custom_op("quantcli::int32_bias", mutates_args=())
 def int32_bias(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
     """ONNX ``DequantizeLinear`` of int32 bias codes (held as float32) with a per-channel scale (zero point 0)."""
-    return ar.dequantize_linear(codes, scale)
+    return arithmetic.dequantize_linear(codes, scale)
 
 
 @int32_bias.register_fake
@@ -93,8 +92,8 @@ def _bias_translation(opset: int):
     op = getattr(onnxscript, f"opset{opset}")
 
     def int32_bias_onnx(codes, scale, zero_point):
-        return op.DequantizeLinear(op.Cast(codes, to=fm.INT32.elem_type), scale,
-                                   op.Cast(zero_point, to=fm.INT32.elem_type), axis=0)
+        return op.DequantizeLinear(op.Cast(codes, to=formats.INT32.elem_type), scale,
+                                   op.Cast(zero_point, to=formats.INT32.elem_type), axis=0)
 
     return int32_bias_onnx
 
@@ -105,8 +104,8 @@ def dynamic_linear_op(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Ten
     """``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul -> Add`` on ``x`` (:mod:`exporters.dynamic_linear`).
 
     ``w_codes`` int8 ``(K, N)``; ``w_scale`` float32 ``(N,)`` or scalar. The fake-quant value, in float32."""
-    w = ar.dequantize_linear(w_codes.to(torch.float32), w_scale, w_zero_point.to(torch.float32))
-    y = torch.matmul(ar.fake_quant_dynamic(x.to(torch.float32)), w)
+    w = arithmetic.dequantize_linear(w_codes.to(torch.float32), w_scale, w_zero_point.to(torch.float32))
+    y = torch.matmul(arithmetic.fake_quant_dynamic(x.to(torch.float32)), w)
     return (y + bias if has_bias else y).to(x.dtype)
 
 
@@ -125,7 +124,7 @@ def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Ten
     if spec.lo is not None:
         w_t = torch.minimum(torch.maximum(w_t, spec.lo), spec.hi)
     s = broadcast_onnx_param(spec.scale, tuple(w_t.shape), spec.axis if spec.scale.numel() > 1 else None, None)
-    codes = ar.quantize_linear(w_t, s, 0, spec.qtype.qmin, spec.qtype.qmax).to(torch.int8)
+    codes = arithmetic.quantize_linear(w_t, s, 0, spec.qtype.qmin, spec.qtype.qmax).to(torch.int8)
     return codes, spec.scale, spec.zero_point.to(torch.int8)
 
 

@@ -17,9 +17,8 @@ import torch
 from onnx import helper, numpy_helper
 
 from exporters.graph import initializer_map, producer_map, to_numpy
-from quantcli import arithmetic as ar
-from quantcli import formats as fm
-from quantcli.granularity import broadcast_onnx_param
+from quantcli.quant import arithmetic, formats
+from quantcli.quant.granularity import broadcast_onnx_param
 
 
 def make_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.TensorProto:
@@ -55,10 +54,10 @@ def constants_to_initializers(model: onnx.ModelProto) -> None:
 
 
 def _representable(vals: np.ndarray, elem_type: int) -> bool:
-    t = fm.BY_ELEM_TYPE.get(elem_type)
+    t = formats.BY_ELEM_TYPE.get(elem_type)
     if t is None:
         return False
-    if t is fm.FP8_E4M3:
+    if t is formats.FP8_E4M3:
         return bool(np.all(np.abs(vals) <= t.qmax))
     return bool(np.all(vals == np.round(vals)) and vals.min(initial=0) >= t.qmin and vals.max(initial=0) <= t.qmax)
 
@@ -90,11 +89,11 @@ def quantize_codes(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem_type: 
     """ONNX QuantizeLinear on numpy, with quantcli's arithmetic."""
     s = broadcast_onnx_param(torch.from_numpy(scale.astype(np.float32)), x.shape, axis, block)
     xt = torch.from_numpy(x.astype(np.float32))
-    t = fm.BY_ELEM_TYPE[elem_type]
-    if t is fm.FP8_E4M3:
-        return ar.quantize_e4m3(xt, s).to(torch.float32).numpy()
+    t = formats.BY_ELEM_TYPE[elem_type]
+    if t is formats.FP8_E4M3:
+        return arithmetic.quantize_e4m3(xt, s).to(torch.float32).numpy()
     z = broadcast_onnx_param(torch.from_numpy(zp.astype(np.float32)), x.shape, axis, block)
-    return ar.quantize_linear(xt, s, z, t.qmin, t.qmax).numpy()
+    return arithmetic.quantize_linear(xt, s, z, t.qmin, t.qmax).numpy()
 
 
 def fold_weight_quantization(model: onnx.ModelProto) -> int:

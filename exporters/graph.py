@@ -10,11 +10,11 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from quantcli import formats as fm
 from quantcli.errors import VerifyError, first_line
+from quantcli.quant import formats
 
 QUANTIZERS_KEY = "quantcli.quantizers"
-#: in the names of the Q/DQ copies :mod:`exporters.ort_placement` puts in front of ops that commute with quantization
+#: in the names of the Q/DQ copies :mod:`exporters.onnxruntime.placement` puts in front of ops that commute with quantization
 PROPAGATED_MARK = "quantcli_propagated"
 PRUNED_KEY = "quantcli.pruned_quantizers"  # JSON list: quantizers removed as dead code (their output is unused)
 #: JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form onnxruntime
@@ -179,7 +179,7 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
         scale_rank = scale.ndim
         pairs.append(QdqPair(
             tensor=tensor, output=n.output[0], quantizer=names.get(n.output[0]),
-            format=fm.BY_ELEM_TYPE[elem].name if elem in fm.BY_ELEM_TYPE else f"type{elem}",
+            format=formats.BY_ELEM_TYPE[elem].name if elem in formats.BY_ELEM_TYPE else f"type{elem}",
             axis=attrs.get("axis", 1) if scale_rank >= 1 and scale.size > 1 else None,
             block_size=attrs.get("block_size") or None, scale=scale, zero_point=zp, stored=stored,
             q_node=qn, dq_node=n.name, transposed=n.output[0] in kn,

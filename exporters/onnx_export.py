@@ -3,7 +3,7 @@
 Both torch exporters are supported. ``torchscript`` (``torch.onnx.export(..., dynamo=False)``) calls the
 quantize ops' ``symbolic`` functions; ``dynamo`` (torch.export) sees the same ops as ``torch.library`` custom
 ops whose ONNX translations emit the same nodes (:mod:`exporters.dynamo`). Then :mod:`exporters.fold`
-stores weights quantized, :mod:`exporters.ort_compat` guards float8 pairs against onnxruntime's optimizer (onnxruntime
+stores weights quantized, :mod:`exporters.onnxruntime.compat` guards float8 pairs against onnxruntime's optimizer (onnxruntime
 target), the model is checked with ``onnx.checker`` and shape inference, and the quant config and the quantizer
 of every DequantizeLinear go into ``metadata_props``.
 """
@@ -25,21 +25,21 @@ import torch
 from torch import nn
 
 from exporters import aten_symbolics
-from exporters.cpu_fusions import keep_cpu_kernels
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, name_scopes, qdq_pairs, scope_module_path
 from exporters.matmul_nbits import KN_WEIGHTS_KEY, to_matmul_nbits
+from exporters.onnxruntime.compat import guard_fp8, session_needs
+from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
+from exporters.onnxruntime.fusion import inspect_fusion
+from exporters.onnxruntime.placement import place_for_onnxruntime
 from exporters.opset import LAYER_NORM_OPSET, OpProbe, format_opset, ops_opset
-from exporters.ort_compat import guard_fp8, session_needs
-from exporters.ort_placement import place_for_onnxruntime
-from exporters.runtime_fusion import inspect_fusion
 from quantcli import __version__
-from quantcli import formats as fm
 from quantcli.errors import ExportError, first_line
 from quantcli.files import staging_directory, writable_directory
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
+from quantcli.quant import formats
 
 EXPORTERS = ("torchscript", "dynamo")
 PROVIDERS = ("cpu", "cuda")  # onnxruntime execution providers an onnxruntime-target graph is shaped for
@@ -60,7 +60,7 @@ class ExportResult:
     output_names: list[str] = field(default_factory=list)
     external_data: bool = False
     dynamic_layers: int = 0  # DynamicQuantizeLinear -> MatMulInteger layers (exporters.dynamic_linear)
-    fp8_guards: int = 0  # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.ort_compat)
+    fp8_guards: int = 0  # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.onnxruntime.compat)
     quantized_layers: int | None = None  # onnxruntime target: layers with Q/DQ, and how many it leaves in float
     unfused_layers: int | None = None
     # onnxruntime target: weight-only blocked layers written in the MatMulNBits form (exporters.matmul_nbits)
@@ -70,7 +70,7 @@ class ExportResult:
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
     target: str = "onnxruntime"
     provider: str | None = None  # onnxruntime target: the execution provider the graph is shaped for (cpu, cuda)
-    # onnxruntime target: what exporters.ort_placement did, and for the CPU provider exporters.cpu_fusions
+    # onnxruntime target: what exporters.onnxruntime.placement did, and for the CPU provider exporters.onnxruntime.cpu_fusions
     placement: dict[str, int] = field(default_factory=dict)
     # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their result
     pruned_quantizers: list[str] = field(default_factory=list)
@@ -209,13 +209,13 @@ def export_onnx(
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
         provider: onnxruntime target only: the execution provider the graph is for, ``cpu`` (default) or
             ``cuda``. For ``cpu`` the residual and GELU-bias Adds are written as ``Sum``
-            (:mod:`exporters.cpu_fusions`), so onnxruntime's CPU provider forms no ``SkipLayerNormalization`` or
+            (:mod:`exporters.onnxruntime.cpu_fusions`), so onnxruntime's CPU provider forms no ``SkipLayerNormalization`` or
             ``BiasGelu`` (slower there than what they replace); ``cuda`` leaves them to onnxruntime's fusions.
             Naming it for another target is an error.
 
     For the onnxruntime target (the config's ``target``, default) float8 pairs get the guards of
-    :mod:`exporters.ort_compat`, so the graph loads with default session options, and the result counts the
-    quantized layers onnxruntime leaves in float (:func:`exporters.runtime_fusion.inspect_fusion`).
+    :mod:`exporters.onnxruntime.compat`, so the graph loads with default session options, and the result counts the
+    quantized layers onnxruntime leaves in float (:func:`exporters.onnxruntime.fusion.inspect_fusion`).
     """
     t0 = time.perf_counter()
     need, what = _required_opset(model, exporter, opset)
@@ -323,7 +323,7 @@ def _post_process(onnx_model: onnx.ModelProto, model: nn.Module, example: dict[s
     for out_name, qname in mapping.items():
         d = qs[qname].desc
         if not d.is_fp8 and d.num_bits <= 4:
-            narrow[out_name] = fm.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
+            narrow[out_name] = formats.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
     narrow_types(onnx_model, narrow)
     res.placement = place_for_onnxruntime(onnx_model) if res.target == "onnxruntime" else {}
     if res.target == "onnxruntime" and not weights_qdq:
@@ -435,7 +435,7 @@ def _in_forward_order(model: nn.Module, example: dict[str, torch.Tensor]) -> dic
     """The example keyed in forward's parameter order: the exporters name graph inputs in that order, so a batch
     whose keys come in another order (a tokenizer's ``token_type_ids`` before ``attention_mask``) must not
     name the wrong input."""
-    from quantcli.data import forward_parameters
+    from quantcli.inputs.data import forward_parameters
 
     names, _, _ = forward_parameters(model)
     return {**{k: example[k] for k in names if k in example}, **{k: v for k, v in example.items() if k not in names}}
@@ -443,7 +443,7 @@ def _in_forward_order(model: nn.Module, example: dict[str, torch.Tensor]) -> dic
 
 def _positional_args(model: nn.Module, example: dict[str, torch.Tensor]) -> tuple:
     """Inputs in forward's parameter order (None for skipped optional ones); extra names as a trailing dict."""
-    from quantcli.data import forward_parameters
+    from quantcli.inputs.data import forward_parameters
 
     names, _, _ = forward_parameters(model)
     named = [k for k in example if k in names]

@@ -6,7 +6,7 @@ graph cannot be written. The model's ops set a preference: ``LayerNormalization`
 the exporter decomposes a LayerNorm into ReduceMean/Sub/Pow/Sqrt/Div/Mul/Add. onnxruntime (1.31) fuses that pattern
 back into ``LayerNormalization`` (and loses the static shapes after it, so its ``SkipLayerNormalization`` fusion
 does not form); other runtimes may not. At 17 the onnxruntime target's export keeps ``SkipLayerNormalization``
-away itself (:mod:`exporters.cpu_fusions`: its CPU kernel is slower than what it replaces); ``python -m
+away itself (:mod:`exporters.onnxruntime.cpu_fusions`: its CPU kernel is slower than what it replaces); ``python -m
 benchmarks.bench_opset`` counts and times both opsets. An explicit opset below the preference is allowed (the
 LayerNorm is decomposed, and the export says so).
 """
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from quantcli import formats as fm
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.quant import formats
 
 LAYER_NORM_OPSET = 17  # ONNX LayerNormalization
 #: torch's TorchScript exporter translates ``scaled_dot_product_attention`` (transformers' default attention in
@@ -28,15 +28,15 @@ ATTENTION_OPSET = 14
 
 def format_opset(model: nn.Module) -> tuple[int, str]:
     """(lowest opset the model's enabled quantizers need, the format that needs it)."""
-    need, why = fm.MIN_OPSET, "int8"
+    need, why = formats.MIN_OPSET, "int8"
     for q in quantizers(model).values():
         if not q.enabled:
             continue
         blocked = q._block is not None
         unsigned = q.desc.unsigned or q.desc.asymmetric
-        op = fm.required_opset(q.desc.num_bits, unsigned, blocked)
+        op = formats.required_opset(q.desc.num_bits, unsigned, blocked)
         if op > need:
-            need, why = op, fm.format_name(q.desc.num_bits, unsigned, blocked)
+            need, why = op, formats.format_name(q.desc.num_bits, unsigned, blocked)
     return need, why
 
 
@@ -68,4 +68,4 @@ def ops_opset(model: nn.Module, probe: OpProbe | None = None) -> tuple[int, str]
         return LAYER_NORM_OPSET, "LayerNorm (LayerNormalization)"
     if probe is not None and probe.attention:
         return ATTENTION_OPSET, "scaled_dot_product_attention"
-    return fm.MIN_OPSET, ""
+    return formats.MIN_OPSET, ""

@@ -10,15 +10,15 @@ from quantcli.lazy import lazy_getattr
 __version__ = "0.1.0"
 
 _LAZY = {
-    "QuantDescriptor": "quantcli.descriptor",
-    "ScaledQuantDescriptor": "quantcli.descriptor",
-    "fake_tensor_quant": "quantcli.tensor_quant",
-    "fake_affine_tensor_quant": "quantcli.tensor_quant",
-    "scaled_e4m3": "quantcli.tensor_quant",
+    "QuantDescriptor": "quantcli.quant.descriptor",
+    "ScaledQuantDescriptor": "quantcli.quant.descriptor",
+    "fake_tensor_quant": "quantcli.quant.tensor_quant",
+    "fake_affine_tensor_quant": "quantcli.quant.tensor_quant",
+    "scaled_e4m3": "quantcli.quant.tensor_quant",
     "quantize_model": "quantcli.nn.replace",
-    "calibrate": "quantcli.calibration",
-    "load_calibrated": "quantcli.checkpoint",
-    "save_calibrated": "quantcli.checkpoint",
+    "calibrate": "quantcli.calibration.calibrate",
+    "load_calibrated": "quantcli.inputs.checkpoint",
+    "save_calibrated": "quantcli.inputs.checkpoint",
     "verify_onnx": "quantcli.verify",
 }
 
@@ -32,5 +32,5 @@ def __getattr__(name: str):
     if name == "tensor_quant":  # the module, callable as TensorQuantFunction.apply
         import importlib
 
-        return importlib.import_module("quantcli.tensor_quant")
+        return importlib.import_module("quantcli.quant.tensor_quant")
     return _lazy_getattr(name)

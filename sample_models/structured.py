@@ -124,9 +124,8 @@ def deep_encoder_batches(split: str = "calib", num_samples: int | None = None) -
     ``split``: ``"calib"`` (256 lines, 8 batches) or ``"eval"`` (600 held-out lines, 12 batches); sequence
     lengths differ per batch. ``num_samples`` keeps the first batches up to that many lines.
     """
-    from sample_models import text_encoder as te
-
-    batches = te.calibration_batches() if split == "calib" else te.evaluation_batches()
+    from sample_models import text_encoder
+    batches = text_encoder.calibration_batches() if split == "calib" else text_encoder.evaluation_batches()
     return _first_samples(batches, num_samples)
 
 
@@ -184,7 +183,6 @@ def resnet_batches(num_samples: int = 512, batch_size: int = 64, split: str = "c
     ``"eval"`` (held-out images).
     """
     from sample_models import digits_cnn
-
     with np.load(digits_cnn.SPLITS) as z:
         pixels = z[f"{split}_x"].astype(np.float32) / 16.0
     x = torch.from_numpy(pixels).reshape(-1, 1, 8, 8)

@@ -60,9 +60,8 @@ def train_digits(out_dir: Path | None = None) -> float:
 def _train_digits(out_dir: Path | None) -> float:
     from sklearn.datasets import load_digits
 
-    from sample_models import digits_cnn as dc
-
-    weights, splits = _targets(out_dir, dc.WEIGHTS, dc.SPLITS)
+    from sample_models import digits_cnn
+    weights, splits = _targets(out_dir, digits_cnn.WEIGHTS, digits_cnn.SPLITS)
     digits = load_digits()
     pixels = digits.data.astype(np.uint8)
     labels = digits.target.astype(np.uint8)
@@ -72,7 +71,7 @@ def _train_digits(out_dir: Path | None) -> float:
                         eval_x=pixels[test], eval_y=labels[test])
     x = torch.from_numpy(pixels[train].astype(np.float32) / 16).reshape(-1, 1, 8, 8)
     y = torch.from_numpy(labels[train].astype(np.int64))
-    model = dc.DigitsCNN()
+    model = digits_cnn.DigitsCNN()
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(30):
         model.train()
@@ -129,9 +128,8 @@ def train_text(out_dir: Path | None = None) -> float:
 
 
 def _train_text(out_dir: Path | None) -> float:
-    from sample_models import text_encoder as te
-
-    weights, splits = _targets(out_dir, te.WEIGHTS, te.SPLITS)
+    from sample_models import text_encoder
+    weights, splits = _targets(out_dir, text_encoder.WEIGHTS, text_encoder.SPLITS)
     prose, code = _stdlib_lines()
     rng = random.Random(0)
     rng.shuffle(prose)
@@ -143,14 +141,14 @@ def _train_text(out_dir: Path | None) -> float:
     rng.shuffle(idx)
     n_eval = 600
     test, train = idx[:n_eval], idx[n_eval:]
-    model = te.TextEncoder()
+    model = text_encoder.TextEncoder()
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
     train_batches = _length_batches([lines[i] for i in train], [labels[i] for i in train], 64)
     for _ in range(4):
         model.train()
         rng.shuffle(train_batches)
         for b in train_batches:
-            toks = te.tokenize([s for s, _ in b])
+            toks = text_encoder.tokenize([s for s, _ in b])
             opt.zero_grad()
             nn.functional.cross_entropy(model(**toks), torch.tensor([y for _, y in b])).backward()
             opt.step()
@@ -159,13 +157,13 @@ def _train_text(out_dir: Path | None) -> float:
     arrays = {}
     calib = _length_batches([lines[i] for i in train[:256]], [labels[i] for i in train[:256]], 32)
     for k, b in enumerate(calib):
-        for name, t in te.tokenize([s for s, _ in b]).items():
+        for name, t in text_encoder.tokenize([s for s, _ in b]).items():
             arrays[f"calib_{k}_{name}"] = t.numpy().astype(np.int16)
     evals = _length_batches([lines[i] for i in test], [labels[i] for i in test], 50)
     eval_labels = []
     correct = 0
     for k, b in enumerate(evals):
-        toks = te.tokenize([s for s, _ in b])
+        toks = text_encoder.tokenize([s for s, _ in b])
         for name, t in toks.items():
             arrays[f"eval_{k}_{name}"] = t.numpy().astype(np.int16)
         ys = [y for _, y in b]
@@ -202,36 +200,35 @@ def _train_tiny_lm(out_dir: Path | None, steps: int) -> float:
     """AdamW with a cosine schedule on random 64-byte windows of the training text; returns held-out perplexity."""
     from safetensors.torch import save_file
 
-    from sample_models import tiny_lm as tl
-
-    weights, splits = _targets(out_dir, tl.WEIGHTS, tl.SPLITS)
+    from sample_models import tiny_lm
+    weights, splits = _targets(out_dir, tiny_lm.WEIGHTS, tiny_lm.SPLITS)
     train, held = (np.frombuffer(t, dtype=np.uint8) for t in _stdlib_text())
     rng = np.random.default_rng(0)
-    n = tl.MAX_LEN
+    n = tiny_lm.MAX_LEN
     calib = _windows(train, rng.integers(0, len(train) - n, 256), n)
     evals = _windows(held, np.linspace(0, len(held) - n, 256).astype(np.int64), n)
     np.savez_compressed(splits, calib=calib, eval=evals)
-    model = tl.TinyLM()
+    model = tiny_lm.TinyLM()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
     model.train()
     for _ in range(steps):
         ids = torch.from_numpy(_windows(train, rng.integers(0, len(train) - n, 32), n).astype(np.int64))
         logits = model(ids)
-        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, tl.VOCAB), ids[:, 1:].reshape(-1))
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, tiny_lm.VOCAB), ids[:, 1:].reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
         sched.step()
     model.eval()
     save_file({k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}, str(weights))
-    model = tl.build(pretrained=False)
+    model = tiny_lm.build(pretrained=False)
     from safetensors.torch import load_file
 
     model.load_state_dict({k: v.to(torch.float32) for k, v in load_file(str(weights)).items()})
     batches = [{"input_ids": torch.from_numpy(evals[i:i + 32].astype(np.int64))} for i in range(0, 256, 32)]
     with torch.no_grad():
-        return tl.perplexity(lambda ids: model(torch.from_numpy(ids)).numpy(), batches)
+        return tiny_lm.perplexity(lambda ids: model(torch.from_numpy(ids)).numpy(), batches)
 
 
 TRAINERS = {"digits_cnn": train_digits, "text_encoder": train_text, "tiny_lm": train_tiny_lm}

@@ -50,11 +50,11 @@ class _NoTime(dict):
 def _stub_placement_timer():
     """Session-wide, so that module- and session-scoped fixtures that calibrate (set up before any function-scoped
     fixture) see it too; a test that installs its own timer with ``monkeypatch`` gets this one back afterwards."""
-    import quantcli.latency_placement as lp
+    from quantcli.calibration import latency_placement
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(lp, "TIMER", equal_times)
-        mp.setattr(lp, "GRAPH_TIMER", equal_graph_times)
+        mp.setattr(latency_placement, "TIMER", equal_times)
+        mp.setattr(latency_placement, "GRAPH_TIMER", equal_graph_times)
         yield
 
 

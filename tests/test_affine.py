@@ -4,7 +4,7 @@ on ONNX arithmetic."""
 import pytest
 import torch
 
-from quantcli.affine import (
+from quantcli.quant.affine import (
     FakeQuantizeConfig,
     MappingType,
     PerAxis,

@@ -46,7 +46,6 @@ def test_planted_bad_quantizer_ranks_first(planted):
 def test_statistics_match_an_independent_pass(planted):
     """max |x|, the signed range and the outlier ratio of one activation, from a forward hook on the float model."""
     from sample_models import text_encoder
-
     rep, _, _ = planted
     row = next(r for r in rep["quantizers"] if r["quantizer"] == PLANTED)
     model = text_encoder.build()

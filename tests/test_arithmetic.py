@@ -5,36 +5,36 @@ from fractions import Fraction
 import pytest
 import torch
 
-from quantcli import arithmetic as ar
+from quantcli.quant import arithmetic
 
 
 def test_bounds_and_ranges():
-    assert ar.symmetric_bound(8) == 127
-    assert ar.symmetric_bound(8, unsigned=True) == 255
-    assert ar.symmetric_bound(4) == 7
-    assert ar.integer_range(8) == (-128, 127)
-    assert ar.integer_range(8, narrow_range=True) == (-127, 127)
-    assert ar.integer_range(8, unsigned=True) == (0, 255)
-    assert ar.integer_range(4, unsigned=True, narrow_range=True) == (0, 15)
+    assert arithmetic.symmetric_bound(8) == 127
+    assert arithmetic.symmetric_bound(8, unsigned=True) == 255
+    assert arithmetic.symmetric_bound(4) == 7
+    assert arithmetic.integer_range(8) == (-128, 127)
+    assert arithmetic.integer_range(8, narrow_range=True) == (-127, 127)
+    assert arithmetic.integer_range(8, unsigned=True) == (0, 255)
+    assert arithmetic.integer_range(4, unsigned=True, narrow_range=True) == (0, 15)
 
 
 @pytest.mark.parametrize("bad", [1, 17, 0, -3])
 def test_bad_num_bits_names_value(bad):
     with pytest.raises(ValueError, match=str(bad)):
-        ar.check_num_bits(bad)
+        arithmetic.check_num_bits(bad)
 
 
 def test_num_bits_type():
     with pytest.raises(TypeError):
-        ar.check_num_bits(8.0)
+        arithmetic.check_num_bits(8.0)
     with pytest.raises(TypeError):
-        ar.check_num_bits(True)
+        arithmetic.check_num_bits(True)
 
 
 def test_ties_round_half_to_even():
     scale = torch.tensor(1.0)
     x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, 127.5, -128.5])
-    q = ar.quantize_linear(x, scale, 0, -128, 127)
+    q = arithmetic.quantize_linear(x, scale, 0, -128, 127)
     assert q.tolist() == [0.0, 2.0, 2.0, -0.0, -2.0, -2.0, 126.0, 127.0, -128.0]
 
 
@@ -47,23 +47,23 @@ def test_divide_not_reciprocal_multiply():
     exact = Fraction(2.25) / Fraction(float(s))  # exact rational arithmetic, independent of torch
     assert exact < Fraction(15, 2)
     assert (x * (1 / s)).item() == 7.5  # the two routes really differ on this value
-    assert ar.quantize_linear(x, s, 0, -128, 127).item() == 7.0
+    assert arithmetic.quantize_linear(x, s, 0, -128, 127).item() == 7.0
 
 
 def test_saturation():
-    q = ar.quantize_linear(torch.tensor([1e9, -1e9]), torch.tensor(1.0), 0, -128, 127)
+    q = arithmetic.quantize_linear(torch.tensor([1e9, -1e9]), torch.tensor(1.0), 0, -128, 127)
     assert q.tolist() == [127.0, -128.0]
 
 
 def test_zero_point_added_after_rounding():
-    q = ar.quantize_linear(torch.tensor([0.5, 1.5]), torch.tensor(1.0), 10, 0, 255)
+    q = arithmetic.quantize_linear(torch.tensor([0.5, 1.5]), torch.tensor(1.0), 10, 0, 255)
     assert q.tolist() == [10.0, 12.0]
 
 
 def test_dead_channel_is_zero_without_nan():
     amax = torch.tensor([[0.0], [2.0]])
     x = torch.tensor([[5.0, -3.0], [1.0, -5.0]])
-    y = ar.fake_quant_symmetric(x, amax, 8)
+    y = arithmetic.fake_quant_symmetric(x, amax, 8)
     assert torch.isfinite(y).all()
     assert y[0].tolist() == [0.0, 0.0]
     assert y[1, 1].item() == pytest.approx(-128 * (2.0 / 127))
@@ -71,14 +71,14 @@ def test_dead_channel_is_zero_without_nan():
 
 def test_negative_amax_rejected():
     with pytest.raises(ValueError, match="-1"):
-        ar.check_amax(torch.tensor([1.0, -1.0]))
+        arithmetic.check_amax(torch.tensor([1.0, -1.0]))
 
 
 def test_e4m3_saturates_at_448_and_keeps_sign():
-    y = ar.fake_quant_e4m3(torch.tensor([1000.0, -1000.0, 448.0, 0.0]), torch.tensor(448.0))
+    y = arithmetic.fake_quant_e4m3(torch.tensor([1000.0, -1000.0, 448.0, 0.0]), torch.tensor(448.0))
     assert y.tolist() == [448.0, -448.0, 448.0, 0.0]
 
 
 def test_e4m3_dead_amax():
-    y = ar.fake_quant_e4m3(torch.tensor([3.0, -2.0]), torch.tensor(0.0))
+    y = arithmetic.fake_quant_e4m3(torch.tensor([3.0, -2.0]), torch.tensor(0.0))
     assert y.tolist() == [0.0, 0.0]

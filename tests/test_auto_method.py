@@ -30,12 +30,11 @@ def _int32_bias(bias, x_amax, w_amax):
 
 @pytest.fixture(scope="module")
 def auto_run():
-    from quantcli.calibration import calibrate
-    from quantcli.data import cap_samples
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.inputs.data import cap_samples
     from quantcli.nn import quantize_model
-    from quantcli.nn.replace import quantizers
+    from quantcli.nn.tensor_quantizer import quantizers
     from sample_models import text_encoder
-
     batches = cap_samples(text_encoder.calibration_batches(), 64)
     model = quantize_model(text_encoder.build())
     summary = calibrate(model, batches, "auto", device="cpu")
@@ -48,7 +47,7 @@ def auto_run():
 
 
 def test_every_layer_input_gets_a_choice_with_its_errors(auto_run):
-    from quantcli.nn.replace import quantizers
+    from quantcli.nn.tensor_quantizer import quantizers
 
     model, summary, _, ref = auto_run
     inputs = [n for n in quantizers(model) if n.endswith("input_quantizer")]
@@ -64,7 +63,6 @@ def test_every_layer_input_gets_a_choice_with_its_errors(auto_run):
 
 def test_choice_minimises_the_independent_layer_output_error(auto_run):
     from sample_models import text_encoder
-
     model, summary, batches, _ = auto_run
     flt = text_encoder.build()
     layers = {n: m for n, m in flt.named_modules() if isinstance(m, torch.nn.Linear)}

@@ -60,12 +60,11 @@ def test_sample_model_needs_nothing_else(tmp_path, monkeypatch):
 
 def test_reload_is_bit_identical_to_the_calibrated_model(tmp_path):
     # the README: load_calibrated's outputs are bit-identical to the calibrated model's (the one in memory)
-    from quantcli.calibration import calibrate
-    from quantcli.checkpoint import save_calibrated
-    from quantcli.loading import load_model
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.inputs.checkpoint import save_calibrated
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model, quantizers
     from sample_models import text_encoder
-
     model, spec = load_model("text_encoder")
     quantize_model(model, "int8")
     batches = text_encoder.calibration_batches()[:3]
@@ -88,7 +87,6 @@ def test_reload_is_bit_identical_to_the_calibrated_model(tmp_path):
     # the weights are quantized with the stored amax, as by hand
     q = reloaded.layers[0].attention.query
     from quantcli import fake_tensor_quant
-
     assert torch.equal(q.weight_quantizer(q.weight), fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False))
 
 
@@ -109,7 +107,6 @@ def test_text_encoder_varying_lengths_and_integer_inputs(calibrated):
     assert ck.input_names == ["input_ids", "attention_mask"]
     assert ck.data["inputs"]["dtypes"] == ["int64", "int64"]
     from sample_models import text_encoder
-
     lengths = {b["input_ids"].shape[1] for b in text_encoder.calibration_batches()}
     assert len(lengths) > 3
 

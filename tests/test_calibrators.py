@@ -240,10 +240,10 @@ def test_cuda_collect_stays_on_device():
         c.collect(x)
         amax = c.compute_amax(*(() if isinstance(c, MaxCalibrator) else ("entropy",)))
         assert amax.device.type == "cuda"
-    hc = HistogramCalibrator()
-    hc.collect(torch.tensor([1.0, float("inf")], device="cuda"))  # no sync: raised at compute time
+    calibrator = HistogramCalibrator()
+    calibrator.collect(torch.tensor([1.0, float("inf")], device="cuda"))  # no sync: raised at compute time
     with pytest.raises(CalibrationError, match="batch 0"):
-        hc.compute_amax("percentile")
+        calibrator.compute_amax("percentile")
 
 
 @pytest.mark.cuda
@@ -287,7 +287,7 @@ def test_shared_observations_are_exact():
 
 
 def test_shared_searches_search_equal_histograms_once(monkeypatch):
-    import calibrators.histogram_calibrator as hc
+    from calibrators import histogram_calibrator
     from calibrators.shared import shared_searches
 
     g = torch.Generator().manual_seed(4)
@@ -306,8 +306,8 @@ def test_shared_searches_search_equal_histograms_once(monkeypatch):
 
         return wrapper
 
-    methods = {m: counted(fn) for m, fn in hc.METHODS.items()}
-    monkeypatch.setattr(hc, "METHODS", methods)
+    methods = {m: counted(fn) for m, fn in histogram_calibrator.METHODS.items()}
+    monkeypatch.setattr(histogram_calibrator, "METHODS", methods)
     with shared_searches():
         got = {c: {m: c.compute_amax(m) for m in ("entropy", "mse", "percentile")} for c in (same, twin, other)}
         p99 = [c.compute_amax("percentile", percentile=99.0) for c in (same, twin)]
@@ -348,7 +348,7 @@ def test_cpu_histogram_equals_direct_count_on_spiky_and_smooth_batches():
 
 @pytest.mark.parametrize("scale", [1, 5000, 10**7])  # totals below 2**24, above it, above 2**31
 def test_entropy_float32_screening_is_close_and_the_choice_is_float64s(scale):
-    import calibrators.histogram as H
+    from calibrators import histogram
 
     rng = np.random.default_rng(scale % 97)
     h = torch.tensor(random_hist(rng, 1024)[0] * scale).unsqueeze(0)
@@ -356,10 +356,10 @@ def test_entropy_float32_screening_is_close_and_the_choice_is_float64s(scale):
     hh = h.clone()
     hh[:, 0] = hh[:, 1]
     cand = torch.arange(128, 1025)
-    bounds, k_last = H._bounds(cand, 128)
-    tables = H._entropy_tables(hh)
-    screened = H._entropy_divergences(hh, tables, cand, *H._bin_terms(tables, bounds, k_last, 128, torch.float32))
-    exact = H._entropy_divergences(hh, tables, cand, *H._bin_terms(tables, bounds, k_last, 128, torch.float64))
+    bounds, k_last = histogram._bounds(cand, 128)
+    tables = histogram._entropy_tables(hh)
+    screened = histogram._entropy_divergences(hh, tables, cand, *histogram._bin_terms(tables, bounds, k_last, 128, torch.float32))
+    exact = histogram._entropy_divergences(hh, tables, cand, *histogram._bin_terms(tables, bounds, k_last, 128, torch.float64))
     finite = torch.isfinite(exact)
     assert torch.equal(finite, torch.isfinite(screened))
     assert float((screened - exact)[finite].abs().max()) < 1e-5  # the docstring's bound; 1e-4 is the re-scoring window

@@ -1,4 +1,4 @@
-"""exporters.cpu_fusions: Adds that onnxruntime would fuse into its slow CPU SkipLayerNormalization / BiasGelu
+"""exporters.onnxruntime.cpu_fusions: Adds that onnxruntime would fuse into its slow CPU SkipLayerNormalization / BiasGelu
 kernels are written as Sum; values bit-identical, and onnxruntime's optimized graph keeps LayerNormalization and Gelu."""
 
 import collections
@@ -12,7 +12,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from exporters.cpu_fusions import keep_cpu_kernels
+from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
 from tests.helpers import cli
 
 HIDDEN, FFN = 16, 32
@@ -153,7 +153,6 @@ class _Block(torch.nn.Module):
 
 def _block(target: str):
     from quantcli import calibrate, quantize_model
-
     torch.manual_seed(0)
     m = quantize_model(_Block().eval(), {"target": target})
     calibrate(m, [{"x": torch.randn(4, 5, HIDDEN)} for _ in range(2)], "max", device="cpu")
@@ -164,7 +163,6 @@ def _block(target: str):
                                               ("tensorrt", None)])
 def test_only_the_onnxruntime_cpu_provider_gets_the_sums(target, provider, tmp_path):
     from exporters import export_onnx
-
     res = export_onnx(_block(target), {"x": torch.randn(2, 5, HIDDEN)}, tmp_path / "b.onnx", provider=provider)
     graph = onnx.load(str(tmp_path / "b.onnx"))
     ops = collections.Counter(n.op_type for n in graph.graph.node)

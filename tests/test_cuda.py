@@ -5,19 +5,18 @@ import numpy as np
 import pytest
 import torch
 
-from quantcli import arithmetic as ar
-from quantcli import fake_tensor_quant, quantize_model, tensor_quant
-from quantcli.calibration import calibrate
+from quantcli import fake_tensor_quant, quantize_model
+from quantcli.calibration.calibrate import calibrate
 from quantcli.nn import TensorQuantizer, quantizers
-from quantcli.tensor_quant import fake_affine_tensor_quant
+from quantcli.quant import arithmetic, tensor_quant
+from quantcli.quant.tensor_quant import fake_affine_tensor_quant
 
 pytestmark = pytest.mark.cuda
 
 
 def _sample(name: str):
-    from quantcli.loading import load_model
+    from quantcli.inputs.loading import load_model
     from sample_models import digits_cnn, text_encoder
-
     model, _ = load_model(name)
     batches = (digits_cnn.calibration_batches() if name == "digits_cnn" else text_encoder.calibration_batches())[:4]
     return model, [{k: v.cuda() for k, v in b.items()} for b in batches]
@@ -73,7 +72,7 @@ def _values(scale: float, n: int = 100_000) -> torch.Tensor:
 @pytest.mark.parametrize("num_bits, unsigned, narrow", [(8, False, False), (8, False, True), (4, False, False),
                                                          (8, True, False), (6, False, True)])
 def test_integer_codes_equal_the_cpus(num_bits, unsigned, narrow):
-    bound = ar.symmetric_bound(num_bits, unsigned)
+    bound = arithmetic.symmetric_bound(num_bits, unsigned)
     amax = torch.tensor(bound * 2.0**-4)  # scale 2**-4 exactly
     x = _values(2.0**-4)
     if unsigned:
@@ -106,18 +105,17 @@ def test_fp8_and_affine_equal_the_cpus():
     mids = ((grid[:-1] + grid[1:]) / 2).float()  # every E4M3 tie, at scale 1 (amax 448)
     x = torch.cat([_values(1.0), mids, torch.tensor([464.0, 1e4])])
     scale = torch.tensor(1.0)
-    cpu = ar.quantize_e4m3(x, scale).to(torch.float32)
-    gpu = ar.quantize_e4m3(x.cuda(), scale.cuda()).to(torch.float32)
+    cpu = arithmetic.quantize_e4m3(x, scale).to(torch.float32)
+    gpu = arithmetic.quantize_e4m3(x.cuda(), scale.cuda()).to(torch.float32)
     assert torch.equal(gpu.cpu(), cpu)
-    assert torch.equal(ar.fake_quant_e4m3(x.cuda(), torch.tensor(448.0, device="cuda")).cpu(),
-                       ar.fake_quant_e4m3(x, torch.tensor(448.0)))
+    assert torch.equal(arithmetic.fake_quant_e4m3(x.cuda(), torch.tensor(448.0, device="cuda")).cpu(),
+                       arithmetic.fake_quant_e4m3(x, torch.tensor(448.0)))
     y = torch.linspace(-3, 5, 100_001)
     assert torch.equal(fake_affine_tensor_quant(y.cuda(), -1.3, 4.1, 8).cpu(), fake_affine_tensor_quant(y, -1.3, 4.1, 8))
 
 
 def test_tensor_quantizer_on_cuda_equals_cpu():
     from quantcli import QuantDescriptor
-
     q = TensorQuantizer(QuantDescriptor(num_bits=8, axis=0, amax=None), name="q")
     x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(2))
     q.set_amax(x.abs().amax(1, keepdim=True) * 0.7)  # 30% clipped: saturation exercised

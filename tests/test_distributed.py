@@ -55,7 +55,6 @@ SCENARIOS = (
 def _batches(model: str) -> list[dict[str, torch.Tensor]]:
     """Five batches: an odd count, so the strided shares are uneven too."""
     from sample_models import SAMPLES
-
     return SAMPLES[model].calibration_batches()[:5]
 
 
@@ -71,7 +70,7 @@ def _share(batches: list, layout: str, rank: int) -> list:
 
 
 def _quantized(sc: Scenario, target: str | None = None):
-    from quantcli.loading import load_model
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
 
     model, _ = load_model(sc.model)
@@ -85,7 +84,6 @@ def _quantized(sc: Scenario, target: str | None = None):
 def _calibrated_state(sc: Scenario, batches: list) -> tuple[dict, dict]:
     """(state dict: weights, amax and amin of every quantizer; summary) after calibrating on ``batches``."""
     from quantcli import calibrate
-
     model = _quantized(sc)
     summary = calibrate(model, batches, sc.method, num_bins=sc.num_bins, device="cpu")
     enabled = {n: m.enabled for n, m in model.named_modules() if hasattr(m, "start_calibration")}
@@ -261,7 +259,6 @@ def test_ranks_fail_together_and_report_once(tmp_path):
     """Two ranks started by hand, as torchrun starts them. Rank 1's file cannot be read; rank 0 never opens it
     (each rank reads only its own files of a directory), so the one error line names rank 1."""
     from sample_models import digits_cnn
-
     data = tmp_path / "batches"
     data.mkdir()
     for i, b in enumerate(digits_cnn.calibration_batches()[:4]):
@@ -285,8 +282,8 @@ def test_ranks_fail_together_and_report_once(tmp_path):
 
 
 def test_torchrun_environment_and_rank_device(monkeypatch):
+    from quantcli.calibration.process_group import rank_device, torchrun_environment
     from quantcli.errors import QuantCliError
-    from quantcli.process_group import rank_device, torchrun_environment
 
     monkeypatch.delenv("RANK", raising=False)
     assert torchrun_environment() is None
@@ -308,9 +305,9 @@ def test_torchrun_environment_and_rank_device(monkeypatch):
 def test_shards_partition_the_one_process_batches(tmp_path):
     """Every tensor format: the ranks' shares are the one-process batches at positions r, r+N, ... (a directory
     of batch files by file; single .npy/.pt files memory-mapped); together, each batch exactly once."""
-    from quantcli.data import load_batches
-    from quantcli.loading import load_model
-    from quantcli.shard import load_shard
+    from quantcli.inputs.data import load_batches
+    from quantcli.inputs.loading import load_model
+    from quantcli.inputs.shard import load_shard
 
     model, _ = load_model("digits_cnn")
     x = np.random.default_rng(0).standard_normal((70, 1, 8, 8)).astype(np.float32)
@@ -336,10 +333,10 @@ def test_shards_partition_the_one_process_batches(tmp_path):
 def test_a_rank_decodes_only_the_images_of_its_own_batches(tmp_path):
     from PIL import Image
 
-    from quantcli.data import DataOptions, load_data
     from quantcli.errors import DataError
-    from quantcli.loading import load_model
-    from quantcli.shard import load_shard
+    from quantcli.inputs.data import DataOptions, load_data
+    from quantcli.inputs.loading import load_model
+    from quantcli.inputs.shard import load_shard
 
     model, _ = load_model("digits_cnn")
     folder = tmp_path / "images"

@@ -11,7 +11,7 @@ from torch import nn
 from exporters import export_onnx
 from exporters.graph import PROPAGATED_MARK, qdq_pairs, quantizer_map
 from quantcli import load_calibrated, quantize_model
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from quantcli.nn import quantizers
 from quantcli.verify import verify_onnx
 from tests.helpers import assert_clean_error, cli
@@ -20,7 +20,7 @@ from tests.ort_util import onnx_and_torch
 T = onnx.TensorProto
 FORMATS = {
     # config: (opset, activation elem type or None, weight elem type, blocked weights)
-    # the onnxruntime target (default) stores int8 activation codes as uint8 + 128 (exporters.ort_placement)
+    # the onnxruntime target (default) stores int8 activation codes as uint8 + 128 (exporters.onnxruntime.placement)
     "int8": (13, T.UINT8, T.INT8, False),
     "int8-per-tensor": (13, T.UINT8, T.INT8, False),
     "uint8-asymmetric": (13, T.UINT8, T.INT8, False),
@@ -291,8 +291,8 @@ def test_directory_as_output_is_refused_before_exporting(calibrated, tmp_path):
 
 
 def test_uncalibrated_quantizers_listed(tmp_path):
-    from quantcli.checkpoint import save_calibrated
-    from quantcli.loading import load_model
+    from quantcli.inputs.checkpoint import save_calibrated
+    from quantcli.inputs.loading import load_model
 
     model, spec = load_model("digits_cnn")
     quantize_model(model)
@@ -303,9 +303,9 @@ def test_uncalibrated_quantizers_listed(tmp_path):
 
 
 def test_external_data_for_large_models(calibrated, tmp_path, monkeypatch):
-    import exporters.onnx_export as oe
+    from exporters import onnx_export
 
-    monkeypatch.setattr(oe, "EXTERNAL_DATA_BYTES", 1000)
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 1000)
     out = tmp_path / "big.onnx"
     res = export_onnx(load_calibrated(calibrated("digits_cnn")).model, load_calibrated(calibrated("digits_cnn")).example, out)
     assert res.external_data and (tmp_path / "big.onnx.data").is_file()

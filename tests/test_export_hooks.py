@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from exporters import export_onnx
-from quantcli import arithmetic as ar
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from quantcli.errors import ExportError
 from quantcli.nn.export_hooks import export_hooks
 from quantcli.nn.modules import QuantMixin
-from quantcli.nn.replace import quantize_model, quantizers
+from quantcli.nn.replace import quantize_model
+from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.quant import arithmetic
 
 
 class _ConvNet(nn.Module):
@@ -84,7 +85,7 @@ def test_dynamo_export_traces_through_the_hooks_and_removes_them_when_it_fails(t
     enabled = {n for n, q in quantizers(model).items() if q.enabled}
     assert during["quantizers"] == enabled and enabled
     # the int32 bias the hook adds: bias rounded to the grid of x_scale * w_scale (half a step at most)
-    step = ar.bias_scale(model.conv.input_quantizer.integer_scale(), model.conv.weight_quantizer.integer_scale())
+    step = arithmetic.bias_scale(model.conv.input_quantizer.integer_scale(), model.conv.weight_quantizer.integer_scale())
     got = during["biases"]["conv"]
     assert torch.all((got - model.conv.bias.detach()).abs() <= step / 2 + 1e-7)
     assert not torch.equal(got, model.conv.bias.detach())

@@ -91,12 +91,12 @@ def test_analyze_refuses_a_report_file_that_is_an_input(calibrated, tmp_path):
 
 
 def test_analyze_checks_its_folder_before_the_analysis(calibrated, tmp_path, monkeypatch):
-    import quantcli.analyze
+    import quantcli.analysis.analyze
 
     def never(*a, **k):
         raise AssertionError("the analysis ran before the output folder was checked")
 
-    monkeypatch.setattr(quantcli.analyze, "analyze", never)
+    monkeypatch.setattr(quantcli.analysis.analyze, "analyze", never)
     taken = tmp_path / "taken"
     (taken / "report.html").mkdir(parents=True)  # a file name the report cannot take
     assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", taken), "report.html", "directory")
@@ -267,17 +267,17 @@ def test_json_error_on_nan_data(tmp_path):
 def test_unexpected_errors_reaching_main_are_one_line(monkeypatch, capsys):
     """main() with the installed typer: an exception outside any command's guard (here: printing --help) is one
     line and exit 2, not an AttributeError about click's exceptions."""
-    import quantcli.cli as qcli
+    from quantcli.cli import entry
 
     def broken_help(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(sys, "argv", ["quantcli", "--help"])
-    monkeypatch.setattr(qcli, "app", broken_help)
+    monkeypatch.setattr(entry, "app", broken_help)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as e:
-            qcli.main()
+            entry.main()
     finally:  # main() installs its own; this process keeps pytest's
         for s, h in handlers.items():
             signal.signal(s, h)
@@ -288,17 +288,17 @@ def test_unexpected_errors_reaching_main_are_one_line(monkeypatch, capsys):
 
 def test_a_closed_pipe_is_quiet(monkeypatch, capfd):
     """``quantcli inspect x --json | head -1``: the reader closed the pipe; no error line, exit 141 (SIGPIPE)."""
-    import quantcli.cli as qcli
+    from quantcli.cli import entry
 
     def closed(*a, **k):
         raise BrokenPipeError(errno.EPIPE, "Broken pipe")
 
     monkeypatch.setattr(sys, "argv", ["quantcli", "inspect", "x.calib.pt", "--json"])
-    monkeypatch.setattr(qcli, "app", closed)
+    monkeypatch.setattr(entry, "app", closed)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with pytest.raises(SystemExit) as e:
-            qcli.main()
+            entry.main()
     finally:
         for s, h in handlers.items():
             signal.signal(s, h)
@@ -505,14 +505,14 @@ def test_library_warnings_do_not_reach_stderr(calibrated, tmp_path):
     script = tmp_path / "noisy.py"
     script.write_text(textwrap.dedent('''
         import sys, warnings
-        import quantcli.inspect
-        real = quantcli.inspect.inspect_checkpoint
+        import quantcli.analysis.inspect
+        real = quantcli.analysis.inspect.inspect_checkpoint
 
         def noisy(*a, **k):
             warnings.warn("something a library says", UserWarning, stacklevel=1)
             return real(*a, **k)
 
-        quantcli.inspect.inspect_checkpoint = noisy
+        quantcli.analysis.inspect.inspect_checkpoint = noisy
         sys.argv = ["quantcli", *sys.argv[1:]]
         from quantcli.cli import main
         main()
@@ -559,16 +559,16 @@ def test_analyze_takes_mean_and_std(tmp_path, monkeypatch):
     ck = tmp_path / "d.calib.pt"
     r = cli("calibrate", "digits_cnn", "--data", tmp_path / "imgs", "--image-size", "8", "--out", ck)
     assert r.exit_code == 0, r.output
-    import quantcli.analyze
+    import quantcli.analysis.analyze
 
     seen = {}
-    real = quantcli.analyze.analyze
+    real = quantcli.analysis.analyze.analyze
 
     def spy(ckpt, batches, **k):
         seen["x"] = batches[0]["x"]
         return real(ckpt, batches, **k)
 
-    monkeypatch.setattr(quantcli.analyze, "analyze", spy)
+    monkeypatch.setattr(quantcli.analysis.analyze, "analyze", spy)
     r = cli("analyze", ck, "--data", tmp_path / "imgs", "--mean", "0.5", "--std", "0.25", "--out", tmp_path / "a",
             "--num-samples", "4")
     assert r.exit_code == 0, r.output

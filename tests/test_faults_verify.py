@@ -72,7 +72,6 @@ def _most_active_fc1_channel(ck):
 
     from quantcli import load_calibrated
     from sample_models import SAMPLES
-
     model, seen = load_calibrated(ck).float_model(), []
     model.fc1.register_forward_hook(lambda _m, _i, out: seen.append(out))
     with torch.no_grad():

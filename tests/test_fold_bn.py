@@ -11,11 +11,12 @@ import torch
 from torch import nn
 
 from exporters import export_onnx
-from quantcli import load_calibrated, quantize_model, tensor_quant
-from quantcli.calibration import calibrate
-from quantcli.checkpoint import save_calibrated
-from quantcli.loading import parse_spec
+from quantcli import load_calibrated, quantize_model
+from quantcli.calibration.calibrate import calibrate
+from quantcli.inputs.checkpoint import save_calibrated
+from quantcli.inputs.loading import parse_spec
 from quantcli.nn.fold_bn import batchnorm_affine, find_foldable, fold_batchnorm, fold_parameters
+from quantcli.quant import tensor_quant
 from quantcli.verify import verify_onnx
 from sample_models import structured
 from tests.helpers import cli

@@ -1,11 +1,11 @@
-"""GPTQ (quantcli.gptq) against an independent reference: a plain numpy loop over the columns of a 64x64 layer,
+"""GPTQ (quantcli.calibration.gptq) against an independent reference: a plain numpy loop over the columns of a 64x64 layer,
 no lazy blocks, float64 -- the algorithm as the paper's equations state it."""
 
 import numpy as np
 import pytest
 import torch
 
-from quantcli.gptq import HessianAccumulator, gptq_weights
+from quantcli.calibration.gptq import HessianAccumulator, gptq_weights
 
 
 def _reference(w: np.ndarray, x: np.ndarray, scale: np.ndarray, qmin: int, qmax: int, damp: float) -> np.ndarray:
@@ -76,8 +76,8 @@ def test_gptq_lowers_the_layer_output_error_against_rounding(rng):
 
 def test_the_quantizer_maps_gptq_weights_to_gptq_codes(rng):
     """The fake-quant of what gptq_weights returns is the codes it chose (the exported graph stores those)."""
-    from quantcli.arithmetic import fake_quant_symmetric
-    from quantcli.granularity import expand_amax
+    from quantcli.quant.arithmetic import fake_quant_symmetric
+    from quantcli.quant.granularity import expand_amax
 
     x, w = _layer(rng)
     amax = torch.from_numpy(np.abs(w.reshape(64, -1, 32)).max(-1).astype(np.float32))

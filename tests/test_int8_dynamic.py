@@ -14,12 +14,12 @@ from onnx import TensorProto as T
 from onnx import helper
 
 from exporters.dynamic_linear import dynamic_layers
-from exporters.runtime_fusion import inspect_fusion, optimized_graph
-from quantcli import arithmetic as ar
-from quantcli.checkpoint import load_calibrated
-from quantcli.descriptor import QuantDescriptor
+from exporters.onnxruntime.fusion import inspect_fusion, optimized_graph
 from quantcli.errors import ExportError
+from quantcli.inputs.checkpoint import load_calibrated
 from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.quant import arithmetic
+from quantcli.quant.descriptor import QuantDescriptor
 from quantcli.verify import verify_onnx
 from tests.helpers import assert_clean_error, cli
 
@@ -66,9 +66,9 @@ def _cases():
 def test_codes_scale_and_zero_point_equal_onnxruntime(case):
     x = _cases()[case]
     codes, scale, zp = _ort_dql(x)
-    s, z = ar.dynamic_qparams(torch.from_numpy(x))
+    s, z = arithmetic.dynamic_qparams(torch.from_numpy(x))
     assert np.float32(s) == scale and float(z) == float(zp), (float(s), scale, float(z), zp)
-    mine = ar.quantize_linear(torch.from_numpy(x), s, z, 0, 255).numpy()
+    mine = arithmetic.quantize_linear(torch.from_numpy(x), s, z, 0, 255).numpy()
     np.testing.assert_array_equal(mine, codes.astype(np.float32))
     # the fake-quant quantizer returns exactly (codes - zero point) * scale
     with torch.no_grad():
@@ -78,17 +78,17 @@ def test_codes_scale_and_zero_point_equal_onnxruntime(case):
 
 def test_hand_worked_cases():
     """Independent of onnxruntime: the ONNX definition worked by hand."""
-    s, z = ar.dynamic_qparams(torch.tensor([0.0, 255.0, 0.5, 1.5, 2.5]))
+    s, z = arithmetic.dynamic_qparams(torch.tensor([0.0, 255.0, 0.5, 1.5, 2.5]))
     assert (float(s), float(z)) == (1.0, 0.0)
-    codes = ar.quantize_linear(torch.tensor([0.5, 1.5, 2.5, 254.5]), s, z, 0, 255)
+    codes = arithmetic.quantize_linear(torch.tensor([0.5, 1.5, 2.5, 254.5]), s, z, 0, 255)
     assert codes.tolist() == [0.0, 2.0, 2.0, 254.0]  # ties to even
-    s, z = ar.dynamic_qparams(torch.tensor([-2.5, 252.5]))
+    s, z = arithmetic.dynamic_qparams(torch.tensor([-2.5, 252.5]))
     assert (float(s), float(z)) == (1.0, 2.0)  # zero point 2.5 rounds to even
-    s, z = ar.dynamic_qparams(torch.zeros(4))
+    s, z = arithmetic.dynamic_qparams(torch.zeros(4))
     assert (float(s), float(z)) == (1.0, 0.0)  # all zero: scale 1 (the formula would give 0)
-    s, z = ar.dynamic_qparams(torch.tensor([-5.1, -2.0]))  # all negative: the range is [-5.1, 0]
+    s, z = arithmetic.dynamic_qparams(torch.tensor([-5.1, -2.0]))  # all negative: the range is [-5.1, 0]
     assert float(s) == np.float32(np.float32(5.1) / np.float32(255)) and float(z) == 255.0
-    s, z = ar.dynamic_qparams(torch.tensor([1.0, 3.0]))  # all positive: the range is [0, 3]
+    s, z = arithmetic.dynamic_qparams(torch.tensor([1.0, 3.0]))  # all positive: the range is [0, 3]
     assert float(s) == np.float32(np.float32(3.0) / np.float32(255)) and float(z) == 0.0
 
 
@@ -136,14 +136,14 @@ def _check_layers_against_pytorch(path, model, batch):
     for d in layers:
         layer = modules[d.input_quantizer.rsplit(".", 1)[0]]
         x = torch.from_numpy(outs[d.input])
-        s, z = ar.dynamic_qparams(x)
+        s, z = arithmetic.dynamic_qparams(x)
         assert float(s) == outs[d.scale] and float(z) == float(outs[d.zero_point]), d.input_quantizer
-        codes = ar.quantize_linear(x, s, z, 0, 255)
+        codes = arithmetic.quantize_linear(x, s, z, 0, 255)
         np.testing.assert_array_equal(codes.numpy(), outs[d.codes].astype(np.float32), err_msg=d.input_quantizer)
         with torch.no_grad():
             mine = layer(x).numpy().astype(np.float64)
         wq = layer.weight_quantizer
-        ws = ar.symmetric_scale(wq.amax, ar.symmetric_bound(8)).reshape(-1).double()
+        ws = arithmetic.symmetric_scale(wq.amax, arithmetic.symmetric_bound(8)).reshape(-1).double()
         w_codes = torch.round(layer.weight.detach().double() / ws.reshape(-1, 1))
         k = layer.in_features
         s_n = (float(s) * ws) * ((codes.double() - float(z)).abs() @ w_codes.abs().T)
@@ -174,10 +174,9 @@ def test_calibrate_says_activations_need_no_calibration(calibrated):
 
 def test_text_encoder_layers_match_onnxruntime(text_dynamic):
     ck, onnx_path = text_dynamic
-    from sample_models import text_encoder as te
-
+    from sample_models import text_encoder
     model = load_calibrated(ck).model
-    for batch in te.evaluation_batches()[:2]:
+    for batch in text_encoder.evaluation_batches()[:2]:
         _check_layers_against_pytorch(onnx_path, model, batch)
 
 
@@ -223,14 +222,12 @@ def test_dynamo_exports_the_same_pattern(text_dynamic, tmp_path):
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
     assert res["dynamic_layers"] == 13 and res["weights_stored_quantized"] == 13 and res["unfused_layers"] == 0
-    from sample_models import text_encoder as te
-
-    _check_layers_against_pytorch(out, load_calibrated(ck).model, te.evaluation_batches()[0])
+    from sample_models import text_encoder
+    _check_layers_against_pytorch(out, load_calibrated(ck).model, text_encoder.evaluation_batches()[0])
 
 
 def test_convolutions_stay_float(calibrated, exported):
     from sample_models import digits_cnn
-
     ck = calibrated("digits_cnn", "int8-dynamic")
     data = torch.load(ck, weights_only=True)
     kinds = {n: type(m) for n, m in digits_cnn.build().named_modules()}
@@ -248,10 +245,10 @@ def test_convolutions_stay_float(calibrated, exported):
 def test_unexportable_dynamic_layer_is_a_clear_error(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text("preset: int8-dynamic\nrules:\n  - pattern: classifier.weight_quantizer\n    enable: false\n")
-    ck = tmp_path / "te.calib.pt"
+    ck = tmp_path / "text_encoder.calib.pt"
     r = cli("calibrate", "text_encoder", "--config", cfg, "--num-samples", "32", "--out", ck)
     assert r.exit_code == 0, r.output
-    out = tmp_path / "te.onnx"
+    out = tmp_path / "text_encoder.onnx"
     assert_clean_error(cli("export", ck, "--onnx", out), "classifier.input_quantizer", "weight quantizer is disabled")
     assert not out.exists()
 
@@ -292,7 +289,6 @@ def test_dynamic_layers_in_nested_containers_are_mapped(tmp_path, exporter):
     from exporters import export_onnx
     from exporters.graph import quantizer_map
     from quantcli import calibrate, quantize_model
-
     torch.manual_seed(0)
     model = quantize_model(_Nested(), "int8-dynamic")
     batch = {"x": torch.randn(4, 8)}
@@ -324,7 +320,6 @@ class _Unused(torch.nn.Module):
 
 def test_a_dynamic_layer_that_never_runs_is_left_out():
     from quantcli import calibrate, quantize_model
-
     torch.manual_seed(0)
     model = quantize_model(_Unused(), "int8-dynamic")
     summary = calibrate(model, [{"x": torch.randn(4, 8)}], device="cpu")
@@ -336,10 +331,9 @@ def test_a_dynamic_layer_that_never_runs_is_left_out():
 def test_checkpoint_reload_is_bit_identical(text_dynamic):
     ck, _ = text_dynamic
     from quantcli import calibrate, quantize_model
-    from sample_models import text_encoder as te
-
-    model = quantize_model(te.build(), "int8-dynamic")
-    calibrate(model, te.calibration_batches(), device="cpu")
-    batch = te.evaluation_batches()[0]
+    from sample_models import text_encoder
+    model = quantize_model(text_encoder.build(), "int8-dynamic")
+    calibrate(model, text_encoder.calibration_batches(), device="cpu")
+    batch = text_encoder.evaluation_batches()[0]
     with torch.no_grad():
         assert torch.equal(model(**batch), load_calibrated(ck).model(**batch))

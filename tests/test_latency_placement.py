@@ -1,4 +1,4 @@
-"""Latency-aware placement for onnxruntime (`calibrate --placement auto|all`, quantcli.latency_placement).
+"""Latency-aware placement for onnxruntime (`calibrate --placement auto|all`, quantcli.calibration.latency_placement).
 
 Nothing here depends on wall-clock time: the decision is tested on hand-made costs, the cost attribution on a
 hand-built graph, and the CLI with stub timers (tests/conftest.py installs one that makes every node take no time);
@@ -15,20 +15,20 @@ import pytest
 import torch
 from onnx import TensorProto, helper
 
-import quantcli.latency_placement as lp
-from exporters.ort_profile import node_times
-from exporters.runtime_fusion import optimized_graph
+from exporters.onnxruntime.fusion import optimized_graph
+from exporters.onnxruntime.profile import node_times
+from quantcli.calibration import latency_placement
 from tests.helpers import assert_clean_error, cli
 
 # ------------------------------------------------------------------------------------------- the decision
 
 
 def _cost(layer, fused=True, int8=None, flt=None, kernel="QLinearConv", na=None):
-    return lp.LayerCost(layer, kernel if fused else "Conv", fused, int8, flt, [f"{layer}.input_quantizer"], na)
+    return latency_placement.LayerCost(layer, kernel if fused else "Conv", fused, int8, flt, [f"{layer}.input_quantizer"], na)
 
 
 def test_decide_unfused_slower_and_within_margin():
-    got = {d.layer: d for d in lp.decide([
+    got = {d.layer: d for d in latency_placement.decide([
         _cost("unfused", fused=False, int8=1.0, flt=100.0),  # unfused: float whatever the times say
         _cost("slower", int8=130.0, flt=100.0),  # 30% slower than float: float
         _cost("close", int8=115.0, flt=100.0),  # within the 20% margin: stays quantized
@@ -44,21 +44,21 @@ def test_decide_unfused_slower_and_within_margin():
 
 
 def test_the_whole_graph_decides_between_the_choices():
-    decisions = lp.decide([_cost("unfused", fused=False, int8=1.0, flt=100.0), _cost("slower", int8=130.0, flt=100.0),
+    decisions = latency_placement.decide([_cost("unfused", fused=False, int8=1.0, flt=100.0), _cost("slower", int8=130.0, flt=100.0),
                            _cost("faster", int8=50.0, flt=100.0)], margin=0.2)
-    assert lp.prefer_faster_graph(decisions, measured_ms=2.0, fused_only_ms=2.0) is decisions  # a tie keeps it
-    assert lp.prefer_faster_graph(decisions, measured_ms=1.9, fused_only_ms=2.0) is decisions
-    got = {d.layer: d for d in lp.prefer_faster_graph(decisions, measured_ms=2.5, fused_only_ms=2.0)}
+    assert latency_placement.prefer_faster_graph(decisions, measured_ms=2.0, fused_only_ms=2.0) is decisions  # a tie keeps it
+    assert latency_placement.prefer_faster_graph(decisions, measured_ms=1.9, fused_only_ms=2.0) is decisions
+    got = {d.layer: d for d in latency_placement.prefer_faster_graph(decisions, measured_ms=2.5, fused_only_ms=2.0)}
     assert got["slower"].decision == "quantized" and "2.5 ms" in got["slower"].reason
     assert got["unfused"].decision == "float" and got["faster"].decision == "quantized"
 
 
 def test_an_int8_graph_slower_than_float_keeps_every_layer_float():
-    decisions = lp.decide([_cost("a", int8=50.0, flt=100.0), _cost("b", int8=60.0, flt=100.0),
+    decisions = latency_placement.decide([_cost("a", int8=50.0, flt=100.0), _cost("b", int8=60.0, flt=100.0),
                            _cost("fp8", fused=False, na="float8: onnxruntime has no float8 kernel; left as configured")])
-    assert lp.float_if_slower(decisions, int8_ms=1.0, float_ms=1.0) is decisions
-    assert lp.float_if_slower(decisions, int8_ms=1.08, float_ms=1.0) is decisions  # within the 10% margin
-    got = {d.layer: d for d in lp.float_if_slower(decisions, int8_ms=1.2, float_ms=1.0)}
+    assert latency_placement.float_if_slower(decisions, int8_ms=1.0, float_ms=1.0) is decisions
+    assert latency_placement.float_if_slower(decisions, int8_ms=1.08, float_ms=1.0) is decisions  # within the 10% margin
+    got = {d.layer: d for d in latency_placement.float_if_slower(decisions, int8_ms=1.2, float_ms=1.0)}
     assert got["a"].decision == got["b"].decision == "float" and "1.2 ms vs 1 ms" in got["a"].reason
     assert got["fp8"].decision == "quantized"  # left as configured
 
@@ -69,11 +69,11 @@ def test_apply_disables_every_quantizer_of_a_float_layer():
 
     model = quantize_model(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)),
                            load_config("int8"))
-    names = [n for n, q in lp.quantizers(model).items() if n.startswith("0.") and q.enabled]
-    placement = lp.LatencyPlacement("auto", True, layers=lp.decide([
-        lp.LayerCost("0", "QGemm", True, 300.0, 100.0, names), lp.LayerCost("2", "QGemm", True, 1.0, 100.0, [])]))
-    assert lp.apply(model, placement) == names and len(names) >= 2
-    qs = lp.quantizers(model)
+    names = [n for n, q in latency_placement.quantizers(model).items() if n.startswith("0.") and q.enabled]
+    placement = latency_placement.LatencyPlacement("auto", True, layers=latency_placement.decide([
+        latency_placement.LayerCost("0", "QGemm", True, 300.0, 100.0, names), latency_placement.LayerCost("2", "QGemm", True, 1.0, 100.0, [])]))
+    assert latency_placement.apply(model, placement) == names and len(names) >= 2
+    qs = latency_placement.quantizers(model)
     assert not any(qs[n].enabled for n in names) and all(q.enabled for n, q in qs.items() if n.startswith("2."))
 
 
@@ -96,10 +96,10 @@ def test_int8_cost_counts_the_qdq_that_feed_the_kernel_and_splits_a_shared_q():
         helper.make_node("MatMul", ["y2f", "r"], ["out"], name="k3"),  # the Relu is not a Q/DQ: not counted
     ])
     times = {"q": 10.0, "dqw": 4.0, "k1": 100.0, "k2": 50.0, "q3": 6.0, "dq3": 2.0, "relu": 1000.0, "k3": 30.0}
-    assert lp.int8_cost(g, "k1", times) == pytest.approx(100 + 10 / 2 + 4)
-    assert lp.int8_cost(g, "k2", times) == pytest.approx(50 + 10 / 2)
-    assert lp.int8_cost(g, "k3", times) == pytest.approx(30 + 2 + 6)
-    assert lp.int8_cost(g, "k1", {"q": 1.0}) is None  # the kernel was not timed
+    assert latency_placement.int8_cost(g, "k1", times) == pytest.approx(100 + 10 / 2 + 4)
+    assert latency_placement.int8_cost(g, "k2", times) == pytest.approx(50 + 10 / 2)
+    assert latency_placement.int8_cost(g, "k3", times) == pytest.approx(30 + 2 + 6)
+    assert latency_placement.int8_cost(g, "k1", {"q": 1.0}) is None  # the kernel was not timed
 
 
 def test_node_times_gives_a_time_to_every_node_onnxruntime_runs(tmp_path):
@@ -132,7 +132,7 @@ def slow_conv2(paths, feeds, rounds):
 
 
 def _calibrate(tmp_path, monkeypatch, timer, *args, model="digits_cnn"):
-    monkeypatch.setattr(lp, "TIMER", timer)
+    monkeypatch.setattr(latency_placement, "TIMER", timer)
     out = tmp_path / "m.calib.pt"
     r = cli("calibrate", model, "--out", out, "--json", *args)
     assert r.exit_code == 0, r.output
@@ -191,7 +191,7 @@ def test_a_whole_graph_slower_with_the_layer_float_keeps_it_quantized(tmp_path, 
     def int8_slower(paths, feeds, rounds):  # both int8 graphs slower than float
         return [1.0, 2.5, 2.0][: len(paths)]
 
-    monkeypatch.setattr(lp, "GRAPH_TIMER", chosen_slower)
+    monkeypatch.setattr(latency_placement, "GRAPH_TIMER", chosen_slower)
     _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
     latency = info["placement"]["latency"]
     assert latency["kept_float"] == []
@@ -199,7 +199,7 @@ def test_a_whole_graph_slower_with_the_layer_float_keeps_it_quantized(tmp_path, 
     assert latency["graph_ms"] == {"float": 3.0, "chosen": 2.0, "other": 2.5}
     assert "0.67x the float graph's time" in latency["text"]
 
-    monkeypatch.setattr(lp, "GRAPH_TIMER", int8_slower)
+    monkeypatch.setattr(latency_placement, "GRAPH_TIMER", int8_slower)
     _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
     latency = info["placement"]["latency"]
     assert sorted(latency["kept_float"]) == ["conv1", "conv2", "fc1", "fc2"]
@@ -216,7 +216,7 @@ def test_placement_all_keeps_every_layer_quantized(tmp_path, monkeypatch):
 
 
 def test_the_summary_table_has_one_latency_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(lp, "TIMER", slow_conv2)
+    monkeypatch.setattr(latency_placement, "TIMER", slow_conv2)
     r = cli("calibrate", "digits_cnn", "--out", tmp_path / "m.calib.pt")
     assert r.exit_code == 0, r.output
     line = next(ln for ln in r.stdout.splitlines() if "latency placement" in ln)
@@ -237,12 +237,12 @@ def test_a_conv_transpose_onnxruntime_cannot_fuse_stays_float_under_auto(tmp_pat
     (tmp_path / "up.py").write_text(_UPSAMPLER)
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
     model = f"{tmp_path / 'up.py'}:make"
-    _, info = _calibrate(tmp_path, monkeypatch, lp.TIMER, "--data", tmp_path / "x.npy", model=model)
+    _, info = _calibrate(tmp_path, monkeypatch, latency_placement.TIMER, "--data", tmp_path / "x.npy", model=model)
     layers = {e["layer"]: e for e in info["placement"]["latency"]["layers"]}
     assert layers["2"]["decision"] == "float" and "in float between Q/DQ" in layers["2"]["reason"]
     assert layers["0"]["decision"] == "quantized"
     assert "2" not in info["layers"]["quantized"]
-    _, info = _calibrate(tmp_path, monkeypatch, lp.TIMER, "--data", tmp_path / "x.npy", "--placement", "all",
+    _, info = _calibrate(tmp_path, monkeypatch, latency_placement.TIMER, "--data", tmp_path / "x.npy", "--placement", "all",
                          model=model)
     assert "2" in info["layers"]["quantized"]
 
@@ -251,8 +251,8 @@ def test_a_model_that_does_not_export_is_calibrated_and_not_measured(tmp_path, m
     def fail(*a, **k):
         raise RuntimeError("no translation for aten::frobnicate")
 
-    monkeypatch.setattr(lp, "export_onnx", fail)
-    _, info = _calibrate(tmp_path, monkeypatch, lp.TIMER)
+    monkeypatch.setattr(latency_placement, "export_onnx", fail)
+    _, info = _calibrate(tmp_path, monkeypatch, latency_placement.TIMER)
     latency = info["placement"]["latency"]
     assert not latency["measured"] and "aten::frobnicate" in latency["note"] and latency["kept_float"] == []
 

@@ -18,18 +18,18 @@ PACKAGES = ("quantcli", "calibrators", "exporters")
 
 #: bottom-up; a module may import from its own layer and the ones before it. ``pkg.*`` places a whole package.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("quantcli", "quantcli.lazy", "quantcli.arithmetic", "quantcli.errors", "quantcli.files")),
+    ("foundation", ("quantcli", "quantcli.lazy", "quantcli.quant.arithmetic", "quantcli.errors", "quantcli.files")),
     ("calibrators", ("calibrators", "calibrators.*")),
-    ("descriptors", ("quantcli.descriptor", "quantcli.granularity", "quantcli.formats")),
-    ("quantize ops", ("quantcli.tensor_quant", "quantcli.qdq", "quantcli.affine")),
+    ("descriptors", ("quantcli.quant.descriptor", "quantcli.quant.granularity", "quantcli.quant.formats")),
+    ("quantize ops", ("quantcli.quant.tensor_quant", "quantcli.quant.qdq", "quantcli.quant.affine")),
     ("nn", ("quantcli.nn", "quantcli.nn.*")),
-    ("inputs", ("quantcli.loading", "quantcli.data", "quantcli.hf_model", "quantcli.whole_module", "quantcli.trust",
-                "quantcli.text_data", "quantcli.image_data")),
+    ("inputs", ("quantcli.inputs.loading", "quantcli.inputs.data", "quantcli.inputs.hf_model", "quantcli.inputs.whole_module", "quantcli.inputs.trust",
+                "quantcli.inputs.text_data", "quantcli.inputs.image_data")),
     ("exporters", ("exporters", "exporters.*")),
-    ("workflows", ("quantcli.calibration", "quantcli.calibrate_job", "quantcli.checkpoint", "quantcli.smoothquant", "quantcli.process_group",
-                   "quantcli.gptq", "quantcli.awq", "quantcli.weight_rounding",
-                   "quantcli.shard", "quantcli.quality", "quantcli.sensitivity", "quantcli.mixed_precision", "quantcli.latency_placement",
-                   "quantcli.analyze", "quantcli.report_html", "quantcli.inspect", "quantcli.verify",
+    ("workflows", ("quantcli.calibration.calibrate", "quantcli.calibration.job", "quantcli.inputs.checkpoint", "quantcli.calibration.smoothquant", "quantcli.calibration.process_group",
+                   "quantcli.calibration.gptq", "quantcli.calibration.awq", "quantcli.calibration.weight_rounding",
+                   "quantcli.inputs.shard", "quantcli.analysis.quality", "quantcli.analysis.sensitivity", "quantcli.calibration.mixed_precision", "quantcli.calibration.latency_placement",
+                   "quantcli.analysis.analyze", "quantcli.analysis.report_html", "quantcli.analysis.inspect", "quantcli.verify",
                    "quantcli.verify.*")),
     ("cli", ("quantcli.cli", "quantcli.__main__")),
 ]
@@ -168,7 +168,7 @@ def test_every_import_points_down():
 
 def test_every_layer_entry_names_a_module():
     assert stale_entries(repository_sources()) == []
-    assert stale_entries({"quantcli.arithmetic"}, [("foundation", ("quantcli.arithmetic", "quantcli.gone"))]) == [
+    assert stale_entries({"quantcli.quant.arithmetic"}, [("foundation", ("quantcli.quant.arithmetic", "quantcli.gone"))]) == [
         "'quantcli.gone' (foundation)"]
 
 
@@ -184,14 +184,14 @@ def _synthetic(**modules: str) -> dict[str, tuple[str, str, bool]]:
 
 def test_control_an_upward_import_is_reported_with_file_line_and_edge():
     src = _synthetic(**{
-        "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration'}\n",
-        "quantcli.arithmetic": "import torch\n\n\ndef f():\n    from exporters.qdq import emit\n    return emit\n",
-        "quantcli.calibration": "from quantcli import arithmetic\n",
+        "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration.calibrate'}\n",
+        "quantcli.quant.arithmetic": "import torch\n\n\ndef f():\n    from exporters.qdq import emit\n    return emit\n",
+        "quantcli.calibration.calibrate": "from quantcli import arithmetic\n",
         "exporters.__init__": "",
-        "exporters.qdq": "from quantcli.arithmetic import f\n",
+        "exporters.qdq": "from quantcli.quant.arithmetic import f\n",
     })
     assert violations(src) == [
-        "quantcli/arithmetic.py:5: quantcli.arithmetic (foundation) imports exporters.qdq (exporters), "
+        "quantcli/quant/arithmetic.py:5: quantcli.quant.arithmetic (foundation) imports exporters.qdq (exporters), "
         "a layer above it",
     ]
 
@@ -199,21 +199,21 @@ def test_control_an_upward_import_is_reported_with_file_line_and_edge():
 def test_control_hidden_upward_imports_are_found():
     """Relative, ``TYPE_CHECKING``, facade, ``importlib`` and ``sys.modules`` imports are edges too."""
     src = _synthetic(**{
-        "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration'}\n",
+        "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration.calibrate'}\n",
         "quantcli.errors": "",
-        "quantcli.calibration": "",
+        "quantcli.calibration.calibrate": "",
         "quantcli.nn.__init__": "",
         "quantcli.nn.modules": "import sys\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                                "    from ..calibration import X\n",
         "quantcli.nn.config": "from quantcli import calibrate\n",
-        "quantcli.nn.replace": "import importlib\nimportlib.import_module('quantcli.calibration')\n",
-        "quantcli.nn.dynamic": "import sys\nd = sys.modules.get('quantcli.calibration')\n",
+        "quantcli.nn.replace": "import importlib\nimportlib.import_module('quantcli.calibration.calibrate')\n",
+        "quantcli.nn.dynamic": "import sys\nd = sys.modules.get('quantcli.calibration.calibrate')\n",
         "exporters.__init__": "",
     })
     problems = violations(src)
     assert [p.split(": ")[0] for p in problems] == [
         "quantcli/nn/config.py:1", "quantcli/nn/dynamic.py:2", "quantcli/nn/modules.py:4", "quantcli/nn/replace.py:2"]
-    assert all("imports quantcli.calibration (workflows), a layer above it" in p for p in problems)
+    assert all("imports quantcli.calibration.calibrate (workflows), a layer above it" in p for p in problems)
 
 
 def test_control_unplaced_and_unknown_modules_fail():
@@ -221,10 +221,10 @@ def test_control_unplaced_and_unknown_modules_fail():
         "quantcli.__init__": "",
         "quantcli.errors": "",
         "quantcli.newthing": "from quantcli import errors\n",
-        "quantcli.calibration": "from quantcli.gone import x\n",
+        "quantcli.calibration.calibrate": "from quantcli.gone import x\n",
     })
     assert violations(src) == [
-        "quantcli/calibration.py:1: quantcli.calibration imports quantcli.gone, which is not a module of this "
+        "quantcli/calibration/calibrate.py:1: quantcli.calibration.calibrate imports quantcli.gone, which is not a module of this "
         "repository",
         "quantcli/newthing.py: module quantcli.newthing is in no layer; place it in LAYERS "
         "(tests/test_layering.py) and the README's layer order",
@@ -234,7 +234,7 @@ def test_control_unplaced_and_unknown_modules_fail():
 def test_control_downward_and_same_layer_imports_pass():
     src = _synthetic(**{
         "quantcli.__init__": "__version__ = '0'\n",
-        "quantcli.arithmetic": "",
+        "quantcli.quant.arithmetic": "",
         "quantcli.errors": "",
         "quantcli.cli": "from quantcli import __version__\nfrom exporters import export_onnx\n",
         "exporters.__init__": "def __getattr__(n):\n    from exporters import onnx_export\n",
@@ -287,16 +287,16 @@ def test_moved_names_still_import_from_their_old_modules():
     import importlib
 
     moved = {
-        "exporters.qdq": ("quantcli.qdq", ["QdqSpec", "constant_value", "symmetric_spec", "affine_spec", "e4m3_spec",
+        "exporters.qdq": ("quantcli.quant.qdq", ["QdqSpec", "constant_value", "symmetric_spec", "affine_spec", "e4m3_spec",
                                            "check_opset", "emit", "symmetric_qdq", "symmetric_quantize", "affine_qdq",
                                            "e4m3_qdq", "int32_bias_dq"]),
-        "exporters.formats": ("quantcli.formats", ["OnnxQuantType", "INT8", "UINT8", "INT4", "UINT4", "INT16", "UINT16",
+        "exporters.formats": ("quantcli.quant.formats", ["OnnxQuantType", "INT8", "UINT8", "INT4", "UINT4", "INT16", "UINT16",
                                                    "FP8_E4M3", "INT32", "ALL", "BY_ELEM_TYPE", "BY_NAME",
                                                    "BLOCKED_MIN_OPSET", "MIN_OPSET", "integer_type", "emitted_type",
                                                    "format_name", "required_opset"]),
-        "exporters.custom_ops": ("quantcli.qdq", ["export_amax"]),
+        "exporters.custom_ops": ("quantcli.quant.qdq", ["export_amax"]),
         "exporters.dynamic_linear": ("quantcli.nn.dynamic", ["weight_spec", "dynamic_linear_symbolic"]),
-        "quantcli.tensor_quant": ("quantcli.arithmetic", ["affine_qparams"]),
+        "quantcli.quant.tensor_quant": ("quantcli.quant.arithmetic", ["affine_qparams"]),
     }
     for old, (new, names) in moved.items():
         a, b = importlib.import_module(old), importlib.import_module(new)

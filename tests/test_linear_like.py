@@ -6,11 +6,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantcli import quantize_model
-from quantcli.calibrate_job import layers_summary
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
+from quantcli.calibration.job import layers_summary
 from quantcli.nn.linear_like import linear_layout
 from quantcli.nn.modules import QuantConv1d, QuantConv2d, QuantLinear
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
@@ -208,7 +208,7 @@ def test_weight_normed_conv_before_a_batchnorm_folds_into_the_stored_weight():
 
 
 def test_smoothquant_folds_conv1d_inputs_into_the_layernorms_before_them():
-    from quantcli.smoothquant import smooth_quant
+    from quantcli.calibration.smoothquant import smooth_quant
 
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16)

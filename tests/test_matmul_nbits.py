@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from exporters.graph import consumer_map, initializer_map, qdq_pairs, to_numpy
-from exporters.runtime_fusion import inspect_fusion
+from exporters.onnxruntime.fusion import inspect_fusion
 from quantcli import load_calibrated
 from quantcli.verify import verify_onnx
 from tests.helpers import cli
@@ -193,7 +193,7 @@ def test_a_stored_code_changed_after_the_rewrite_fails_verify(model_file, tmp_pa
 @pytest.mark.parametrize("n, blocks, want", [(200, 2, 128), (256, 2, 128), (300, 3, 128), (130, 2, 128),
                                              (12, 4, 3), (64, 1, 64), (6, 3, 2)])
 def test_a_blocked_amax_shape_reads_as_the_power_of_two_block_that_fits(n, blocks, want):
-    from quantcli.granularity import block_of, granularity_of
+    from quantcli.quant.granularity import block_of, granularity_of
 
     assert block_of(n, blocks) == want
     assert -(-n // want) == blocks

@@ -15,7 +15,6 @@ TOKENS = 16  # short sequences keep the 6-layer encoder's many passes cheap
 
 def _tokens(split: str, n: int) -> dict[str, np.ndarray]:
     from sample_models import structured
-
     ids, mask = [], []
     for b in structured.deep_encoder_batches(split, n):
         pad = max(0, TOKENS - b["input_ids"].shape[1])
@@ -31,7 +30,7 @@ def _cosine(model, ref, batch) -> float:
 
 
 def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
 
     np.savez(tmp_path / "calib.npz", **_tokens("calib", 16))
     hold = _tokens("eval", 16)
@@ -58,7 +57,7 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
         f"{layer}.input_quantizer" for layer in mp["dynamic"])
     assert _cosine(ck.model, ref, batch) >= 0.995
     # the fewest along the search: re-quantizing any one kept layer misses the target
-    from quantcli.nn.replace import quantizers
+    from quantcli.nn.tensor_quantizer import quantizers
 
     qs = quantizers(ck.model)
     for layer in kept:
@@ -105,9 +104,8 @@ def test_layers_the_target_needs_become_dynamic_int8_not_float_and_verify(tmp_pa
     the checkpoint re-creates it, the graph exports it as the int8-dynamic preset's pattern, verify passes."""
     import onnx
 
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
     from sample_models import pretrained_like
-
     (tmp_path / "calib").mkdir()
     for i, b in enumerate(pretrained_like.batches("calib")[:3]):
         torch.save(b, tmp_path / "calib" / f"b{i}.pt")

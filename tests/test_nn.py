@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from quantcli import QuantDescriptor, quantize_model
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from quantcli.errors import ConfigError
 from quantcli.nn import TensorQuantizer, load_config, quantizers
 from quantcli.nn.modules import QuantConvTranspose2d, QuantLinear
@@ -71,7 +71,6 @@ def test_quantized_forward_matches_functional():
     calibrate(m, _batches(), device="cpu")
     x = _batches(1)[0]["x"]
     from quantcli import fake_tensor_quant
-
     q = m.conv
     want = torch.nn.functional.conv2d(
         fake_tensor_quant(x, q.input_quantizer.amax, 8, False, False),
@@ -169,7 +168,7 @@ def test_dynamic_quantizer_computes_amax_per_call():
 
 
 def test_histogram_methods_recompute_without_new_data():
-    from quantcli.calibration import recompute_amax
+    from quantcli.calibration.calibrate import recompute_amax
 
     m = quantize_model(Net().eval())
     calls = []

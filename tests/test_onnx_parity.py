@@ -5,9 +5,8 @@ import pytest
 import torch
 from onnx import TensorProto
 
-from quantcli import arithmetic as ar
-from quantcli import tensor_quant
-from quantcli.tensor_quant import affine_qparams
+from quantcli.quant import arithmetic, tensor_quant
+from quantcli.quant.arithmetic import affine_qparams
 from tests.ort_util import ort_quantize_linear
 
 N = 100_000
@@ -27,7 +26,7 @@ def test_int8_per_tensor(amax, rng):
     amax = torch.tensor(amax)
     x = _values(rng, amax.item() / 127)
     codes, _ = tensor_quant(torch.from_numpy(x), amax, 8, False, False)
-    scale = ar.symmetric_scale(amax, 127).numpy()
+    scale = arithmetic.symmetric_scale(amax, 127).numpy()
     if scale == 2.0**-5:
         assert _count_ties(x, scale) >= 280
     ort = ort_quantize_linear(x, scale, np.int8(0), TensorProto.INT8)
@@ -49,7 +48,7 @@ def test_int8_per_axis(rng):
     # power-of-two scales (amax = 127 * 2**e), so the appended (k + 0.5) * scale values are exact ties
     exps = [-3, -1, 2, -10]
     amax = torch.tensor([127.0 * 2.0**e for e in exps]).reshape(4, 1)
-    scale = ar.symmetric_scale(amax, 127).reshape(-1).numpy()
+    scale = arithmetic.symmetric_scale(amax, 127).reshape(-1).numpy()
     assert scale.tolist() == [2.0**e for e in exps]
     x = rng.standard_normal((4, N // 4)).astype(np.float32) * 3
     x = np.concatenate([x, np.stack([_ties(2.0**e, -140, 140) for e in exps])], axis=1)
@@ -65,7 +64,7 @@ def test_uint8_with_zero_point(rng):
     x = rng.uniform(-2, 5, N).astype(np.float32)
     ties = ((np.arange(-60, 200, dtype=np.float32) + 0.5) * scale.numpy()).astype(np.float32)
     x = np.concatenate([x, ties])
-    codes = ar.quantize_linear(torch.from_numpy(x), scale, zp, 0, 255)
+    codes = arithmetic.quantize_linear(torch.from_numpy(x), scale, zp, 0, 255)
     ort = ort_quantize_linear(x, scale.numpy(), np.uint8(zp.item()), TensorProto.UINT8)
     assert np.array_equal(codes.numpy(), ort)
 
@@ -76,7 +75,7 @@ def test_int4_blocked_opset21(rng):
     amax = torch.from_numpy(np.abs(w).reshape(32, 128, 32).max(-1))
     amax[:, 0] = 7 * 0.25
     codes, _ = tensor_quant(torch.from_numpy(w), amax, 4, False, False)
-    scale = ar.symmetric_scale(amax, 7).numpy()
+    scale = arithmetic.symmetric_scale(amax, 7).numpy()
     ort = ort_quantize_linear(w, scale, np.zeros(scale.shape, np.int8), TensorProto.INT4, axis=1,
                               block_size=32, opset=21)
     assert np.array_equal(codes.numpy(), ort)
@@ -94,10 +93,10 @@ def _e4m3_midpoints() -> np.ndarray:
 def test_fp8_e4m3_opset19(amax, rng):
     # amax 448 and 28 give power-of-two scales (1, 2**-4): every midpoint times the scale is an exact tie,
     # which both sides must round to the even mantissa; amax 10 gives an inexact scale (ties only approximately)
-    scale = ar.symmetric_scale(torch.tensor(amax), ar.FP8_E4M3_MAX)
+    scale = arithmetic.symmetric_scale(torch.tensor(amax), arithmetic.FP8_E4M3_MAX)
     ties = (_e4m3_midpoints().astype(np.float64) * float(scale)).astype(np.float32)
     x = np.concatenate([rng.standard_normal(N).astype(np.float32) * amax / 2, ties, np.float32([1e4, -1e4, 0.0, amax])])
-    ours = ar.quantize_e4m3(torch.from_numpy(x), scale).to(torch.float32).numpy()
+    ours = arithmetic.quantize_e4m3(torch.from_numpy(x), scale).to(torch.float32).numpy()
     ort = ort_quantize_linear(x, scale.numpy(), np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN, opset=19)
     assert np.array_equal(ours, ort)
     if amax != 10.0:
@@ -116,7 +115,7 @@ def test_narrow_grids_match_after_clip(num_bits, rng):
     ties = _ties(0.125, -bound - 4, bound + 4)
     x = torch.from_numpy(np.concatenate([rng.standard_normal(N).astype(np.float32) * bound * 0.25, ties]))
     codes, _ = tensor_quant(x, amax, num_bits, False, True)
-    s = ar.symmetric_scale(amax, bound)
+    s = arithmetic.symmetric_scale(amax, bound)
     assert s.item() == 0.125 and _count_ties(x.numpy(), 0.125) >= 2 * bound + 8
     lo, hi = (torch.tensor(float(-bound)) * s), (torch.tensor(float(bound)) * s)
     clipped = torch.minimum(torch.maximum(x, lo), hi).numpy()

@@ -12,7 +12,7 @@ from torch import nn
 from exporters import export_onnx
 from exporters.opset import OpProbe, ops_opset
 from quantcli import quantize_model
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from tests.helpers import assert_clean_error, cli
 from tests.ort_util import onnx_and_torch
 

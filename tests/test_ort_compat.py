@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from exporters import export_onnx
-from exporters.ort_compat import (
+from exporters.onnxruntime.compat import (
     FP8_UNSAFE_OPTIMIZERS,
     fp8_exposure,
     guard_fp8,
@@ -18,7 +18,7 @@ from exporters.ort_compat import (
     unguard_fp8,
 )
 from quantcli import load_calibrated, quantize_model
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from quantcli.verify import verify_onnx
 
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from exporters import export_onnx
 from exporters.graph import PROPAGATED_MARK, quantizer_map
-from exporters.runtime_fusion import inspect_fusion, optimized_graph
+from exporters.onnxruntime.fusion import inspect_fusion, optimized_graph
 from quantcli import load_calibrated, quantize_model
-from quantcli.calibration import calibrate
+from quantcli.calibration.calibrate import calibrate
 from quantcli.nn import quantizers
 from tests.helpers import assert_clean_error, cli
 from tests.ort_util import onnx_and_torch

@@ -5,7 +5,7 @@ import inspect
 
 
 def test_contract_names():
-    import quantcli.calibration  # noqa: F401  (import the submodules first: names must not be shadowed)
+    import quantcli.calibration.calibrate  # noqa: F401  (import the submodules first: names must not be shadowed)
     import quantcli.verify  # noqa: F401
 
     quantcli = importlib.import_module("quantcli")
@@ -16,7 +16,7 @@ def test_contract_names():
         scaled_e4m3,
         tensor_quant,
     )
-    from quantcli.affine import (  # noqa: F401
+    from quantcli.quant.affine import (  # noqa: F401
         FakeQuantizeConfig,
         MappingType,
         ZeroPointDomain,
@@ -27,7 +27,7 @@ def test_contract_names():
         quantize_affine,
         quantize_dequantize,
     )
-    from quantcli.tensor_quant import (  # noqa: F401
+    from quantcli.quant.tensor_quant import (  # noqa: F401
         FakeAffineTensorQuantFunction,
         FakeTensorQuantFunction,
         LegacyFakeTensorQuantFunction,
@@ -45,7 +45,6 @@ def test_contract_names():
     assert inspect.isfunction(quantcli.load_calibrated)
     from calibrators import HistogramCalibrator, MaxCalibrator  # noqa: F401
     from exporters import export_onnx
-
     assert list(inspect.signature(export_onnx).parameters)[:5] == ["model", "example_inputs", "path", "opset", "exporter"]
     assert list(inspect.signature(quantcli.verify_onnx).parameters)[:3] == ["onnx_path", "calibrated", "batches"]
 

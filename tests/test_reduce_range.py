@@ -8,7 +8,7 @@ from onnx import numpy_helper
 from benchmarks.u8s8_avx2 import saturating_dot
 from quantcli.errors import ConfigError
 from quantcli.nn import load_config, quantize_model
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.verify import verify_onnx
 from sample_models.digits_cnn import build
 from tests.helpers import cli

@@ -13,7 +13,7 @@ from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
 from exporters.graph import QUANTIZERS_KEY
-from exporters.runtime_fusion import INTEGER_KERNELS, inspect_fusion, optimized_graph
+from exporters.onnxruntime.fusion import INTEGER_KERNELS, inspect_fusion, optimized_graph
 from tests.helpers import assert_clean_error, cli
 
 rng = np.random.default_rng(0)

@@ -5,15 +5,15 @@ import math
 
 import pytest
 import torch
+from exporters.formats import format_name as export_format_name
 
 from calibrators.methods import AMAX_METHODS
-from exporters.formats import format_name as export_format_name
-from quantcli.descriptor import QuantDescriptor, to_plain
+from quantcli.analysis.inspect import _format
+from quantcli.analysis.quality import QualityMeter, cosine, snr_db
+from quantcli.analysis.report_html import render
 from quantcli.errors import first_line
-from quantcli.inspect import _format
 from quantcli.nn.tensor_quantizer import TensorQuantizer
-from quantcli.quality import QualityMeter, cosine, snr_db
-from quantcli.report_html import render
+from quantcli.quant.descriptor import QuantDescriptor, to_plain
 from quantcli.verify.stats import PairStats
 
 FORMATS = [
@@ -100,9 +100,9 @@ def test_fp8_quantizer_refuses_entropy_but_takes_mse():
     import pytest
     import torch
 
-    from quantcli.descriptor import QuantDescriptor
     from quantcli.errors import CalibrationError
     from quantcli.nn.tensor_quantizer import TensorQuantizer
+    from quantcli.quant.descriptor import QuantDescriptor
 
     q = TensorQuantizer(QuantDescriptor(num_bits=(4, 3)), name="q")
     q.start_calibration("entropy")

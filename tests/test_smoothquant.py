@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from quantcli import calibrate, quantize_model
-from quantcli.checkpoint import load_calibrated, save_calibrated
-from quantcli.cli import optional_values
+from quantcli.calibration.smoothquant import _apply, smooth_quant, smoothing_scales
+from quantcli.cli.entry import optional_values
 from quantcli.errors import CalibrationError
-from quantcli.loading import ModelSpec
+from quantcli.inputs.checkpoint import load_calibrated, save_calibrated
+from quantcli.inputs.model_spec import ModelSpec
 from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.smooth import SmoothMul, smoothed_layers
-from quantcli.smoothquant import _apply, smooth_quant, smoothing_scales
 from tests.helpers import assert_clean_error, cli, cli_subprocess
 
 U = 2.0**-24  # float32 unit roundoff
@@ -206,24 +206,22 @@ def test_scale_of_a_shared_input_uses_every_reader():
 
 @pytest.fixture(scope="module")
 def smoothed_text(tmp_path_factory):
-    from sample_models import text_encoder as te
-
-    model = quantize_model(te.build(), "int8")
-    batches = te.calibration_batches()[:2]
+    from sample_models import text_encoder
+    model = quantize_model(text_encoder.build(), "int8")
+    batches = text_encoder.calibration_batches()[:2]
     report = smooth_quant(model, batches, 0.5, device="cpu")
     calibrate(model, batches, device="cpu")
-    path = tmp_path_factory.mktemp("sq") / "te.calib.pt"
+    path = tmp_path_factory.mktemp("sq") / "text_encoder.calib.pt"
     save_calibrated(path, model, ModelSpec("sample", "text_encoder"), batches[0], {"smoothquant": report.to_dict()})
     return model, path, report
 
 
 def test_reload_is_bit_identical(smoothed_text):
     model, path, _ = smoothed_text
-    from sample_models import text_encoder as te
-
+    from sample_models import text_encoder
     loaded = load_calibrated(path).model
     assert smoothed_layers(loaded) == smoothed_layers(model) != []
-    for b in te.evaluation_batches()[:2]:
+    for b in text_encoder.evaluation_batches()[:2]:
         with torch.no_grad():
             assert torch.equal(model(**b), loaded(**b))
     a, b = model.state_dict(), loaded.state_dict()
@@ -232,12 +230,10 @@ def test_reload_is_bit_identical(smoothed_text):
 
 def test_explicit_mul_exports_as_a_mul(smoothed_text, tmp_path):
     from exporters import export_onnx
-
     model, _, _ = smoothed_text
-    from sample_models import text_encoder as te
-
-    path = tmp_path / "te.onnx"
-    export_onnx(model, te.calibration_batches()[0], path)
+    from sample_models import text_encoder
+    path = tmp_path / "text_encoder.onnx"
+    export_onnx(model, text_encoder.calibration_batches()[0], path)
     g = onnx.load(str(path)).graph
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in g.initializer}
     mul_constants = [inits[n] for node in g.node if node.op_type == "Mul" for n in node.input if n in inits]
@@ -249,7 +245,7 @@ def test_explicit_mul_exports_as_a_mul(smoothed_text, tmp_path):
 
 
 def test_cli_smoothquant_export_verify(tmp_path):
-    ck, onnx_path = tmp_path / "te.calib.pt", tmp_path / "te.onnx"
+    ck, onnx_path = tmp_path / "text_encoder.calib.pt", tmp_path / "text_encoder.onnx"
     # a bare --smoothquant at the end of the line takes alpha 0.5 (subprocess: the real entry point)
     r = cli_subprocess("calibrate", "text_encoder", "--num-samples", "64", "--out", ck, "--json", "--smoothquant")
     assert r.returncode == 0, r.stderr
@@ -280,10 +276,9 @@ def test_optional_value_expansion():
 def test_dynamo_export_verifies(smoothed_text, tmp_path):
     from exporters import export_onnx
     from quantcli.verify import verify_onnx
-    from sample_models import text_encoder as te
-
+    from sample_models import text_encoder
     model, ck, _ = smoothed_text
     path = tmp_path / "te-dynamo.onnx"
-    export_onnx(model, te.calibration_batches()[0], path, exporter="dynamo")
-    report = verify_onnx(path, ck, te.evaluation_batches()[:2], provider="cpu")
+    export_onnx(model, text_encoder.calibration_batches()[0], path, exporter="dynamo")
+    report = verify_onnx(path, ck, text_encoder.evaluation_batches()[:2], provider="cpu")
     assert report.passed, report.to_dict()

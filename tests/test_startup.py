@@ -30,5 +30,5 @@ def test_help_runs_with_heavy_modules_blocked(args):
 
 def test_the_check_can_fail():
     # the same probe run on a module that imports torch reports it: the test above is not vacuous
-    r = _python(f"import sys, quantcli.calibration; print([m for m in {HEAVY!r} if m in sys.modules])")
+    r = _python(f"import sys, quantcli.calibration.calibrate; print([m for m in {HEAVY!r} if m in sys.modules])")
     assert "torch" in r.stdout

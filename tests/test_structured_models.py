@@ -45,7 +45,6 @@ def test_deep_encoder_has_outliers_an_unused_pooler_and_informative_embeddings()
 
 def test_pretrained_like_encoder_has_the_statistics_its_docstring_claims():
     from sample_models import pretrained_like
-
     model = pretrained_like.build()
     batches = pretrained_like.batches("test")
     b = batches[0]

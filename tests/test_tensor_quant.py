@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantcli import fake_affine_tensor_quant, fake_tensor_quant, scaled_e4m3, tensor_quant
-from quantcli.tensor_quant import (
+from quantcli import fake_affine_tensor_quant, fake_tensor_quant, scaled_e4m3
+from quantcli.quant import tensor_quant
+from quantcli.quant.tensor_quant import (
     FakeTensorQuantFunction,
     LegacyFakeTensorQuantFunction,
     ScaledQuantDescriptor,
@@ -20,7 +21,6 @@ def test_aliases():
     assert tensor_quant.tensor_quant == TensorQuantFunction.apply
     assert fake_tensor_quant == FakeTensorQuantFunction.apply
     from quantcli import QuantDescriptor
-
     assert QuantDescriptor is ScaledQuantDescriptor
 
 

@@ -47,7 +47,7 @@ def _ort_vs_fake_quant(onnx_path, ckpt_path, optimize):
     """max |onnxruntime - fake-quant| over the held-out set, computed here without quantcli.verify."""
     import onnxruntime as ort
 
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
 
     ck = load_calibrated(ckpt_path)
     so = ort.SessionOptions()
@@ -207,7 +207,6 @@ def test_ci_example_script(tmp_path):
 def test_auto_provider_falls_back_to_cpu_when_cuda_cannot_load(calibrated, exported, monkeypatch):
     from quantcli.errors import VerifyError
     from quantcli.verify import sessions, verify_onnx
-
     real = sessions.open_session
     monkeypatch.setattr(sessions, "choose_provider", lambda p="auto": "CUDAExecutionProvider")
 
@@ -229,7 +228,6 @@ def test_auto_provider_falls_back_to_cpu_when_cuda_cannot_load(calibrated, expor
 
 def _verify(tmp_path, model, ck, batches, **kw):
     from quantcli.verify import verify_onnx
-
     path = tmp_path / f"m{len(list(tmp_path.iterdir()))}.onnx"
     onnx.save(model, str(path))
     return verify_onnx(path, ck, batches, deployment=False, **kw)
@@ -237,7 +235,7 @@ def _verify(tmp_path, model, ck, batches, **kw):
 
 @pytest.fixture(scope="module")
 def text_int8(calibrated, exported):
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
 
     ck = load_calibrated(calibrated("text_encoder", "int8"))
     return onnx.load(str(exported("text_encoder", "int8"))), ck, [ck.evaluation_batches()[0]]
@@ -265,7 +263,7 @@ def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrate
     """The issue's cases: +0.4 on one element of fc2's bias (int32 codes under the onnxruntime target), a Relu ->
     Identity (BatchNorm is folded into the convs, so digits_cnn has no float layer without quantizers:
     text_encoder's LayerNorm below is that case)."""
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
 
     ck = load_calibrated(calibrated("digits_cnn"))
     model = onnx.load(str(exported("digits_cnn")))
@@ -301,7 +299,7 @@ def test_layer_norm_weight_change_fails_through_fidelity_on_text_encoder(text_in
 
 
 def test_graph_that_does_not_load_with_default_options_fails(calibrated, exported, tmp_path):
-    from exporters.ort_compat import unguard_fp8
+    from exporters.onnxruntime.compat import unguard_fp8
 
     m = onnx.load(str(exported("digits_cnn", "fp8")))
     assert unguard_fp8(m) > 0  # as TensorRT wants it: onnxruntime's CPU optimizer fuses it into QGemm

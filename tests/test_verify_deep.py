@@ -27,9 +27,8 @@ def _short(batches, samples):
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
     from sample_models import structured
-
     root = tmp_path_factory.mktemp("deep")
     torch.save(_short(structured.deep_encoder_batches("calib", 32), 16), root / "calib.pt")
     torch.save(_short(structured.deep_encoder_batches("eval", 8), 8), root / "eval.pt")
@@ -61,7 +60,6 @@ def test_correct_export_passes_and_the_pooler_is_pruned_not_missing(deep):
 
 def _verify(deep, model, tmp_path):
     from quantcli.verify import verify_onnx
-
     path = tmp_path / f"m{len(list(tmp_path.iterdir()))}.onnx"
     onnx.save(model, str(path))
     return verify_onnx(path, deep["ckpt"], deep["batches"], deployment=False)

@@ -75,7 +75,7 @@ def test_in_place_ops_do_not_change_the_evidence(inplace):
 
 def test_captured_quantizer_outputs_are_the_quantizers_own(inplace):
     """``capture`` keeps what the quantizer returned, on its grid, not what ``out += x`` made of it later."""
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
     from quantcli.nn import quantizers
     from quantcli.verify.replay import capture
 
@@ -98,7 +98,6 @@ def test_a_node_failing_at_run_time_is_the_graphs_fault_not_bad_input():
 
     from quantcli.errors import GraphRunError, VerifyError
     from quantcli.verify import sessions
-
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     shape = onnx.numpy_helper.from_array(np.array([3, -1], np.int64), "shape")

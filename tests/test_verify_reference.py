@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from quantcli.checkpoint import load_calibrated
+from quantcli.inputs.checkpoint import load_calibrated
 from tests.helpers import cli
 from tests.test_verify_inplace import INPLACE
 
@@ -34,7 +34,8 @@ def test_a_transformation_that_changes_an_activation_fails_verify(user_model, tm
     """A rewrite that replaces ``act`` (a ReLU) by a Softplus after placement, in calibrate and in every later
     load alike (a non-negative activation, so the placement's uint8 grid still holds): the graph, the fake-quant
     model and the transformed float model all agree; only the model as loaded differs."""
-    from quantcli import calibrate_job, checkpoint
+    from quantcli.calibration import job
+    from quantcli.inputs import checkpoint
     from quantcli.nn.replace import quantize_model
 
     def wrong_rewrite(model, *args, **kwargs):
@@ -42,7 +43,7 @@ def test_a_transformation_that_changes_an_activation_fails_verify(user_model, tm
         model.act = nn.Softplus()
         return out
 
-    monkeypatch.setattr(calibrate_job, "quantize_model", wrong_rewrite)
+    monkeypatch.setattr(job, "quantize_model", wrong_rewrite)
     monkeypatch.setattr(checkpoint, "quantize_model", wrong_rewrite)
     code, rep, _ = _pipeline(*user_model, tmp_path)
     check = next(c for c in rep["checks"] if c["name"] == "reference.transformations")
@@ -61,7 +62,7 @@ def test_correct_transformations_pass_and_the_reference_is_the_model_as_loaded(u
     assert loaded.has_original
     fmodel = loaded.float_model()
     assert not any("quantizer" in n for n, _ in fmodel.named_modules())  # the user's model, no quantcli modules
-    from quantcli.loading import build_model
+    from quantcli.inputs.loading import build_model
 
     x = torch.from_numpy(np.load(data)["x"][:4])
     with torch.inference_mode():

@@ -1,4 +1,4 @@
-"""--weight-method rtn|gptq|awq (quantcli.weight_rounding, quantcli.awq) on weight-only layers: AWQ's search
+"""--weight-method rtn|gptq|awq (quantcli.calibration.weight_rounding, quantcli.calibration.awq) on weight-only layers: AWQ's search
 against a numpy computation of the error it minimises, and the sample decoder end to end through the CLI."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantcli import load_calibrated
-from quantcli.awq import search_scale
+from quantcli.calibration.awq import search_scale
 from quantcli.nn.modes import quantizer_modes
 from sample_models import tiny_lm
 from tests.helpers import assert_clean_error, cli
@@ -129,7 +129,7 @@ def test_weight_rounding_runs_on_the_models_cuda_device(method):
     """The statistics and the rounding stay on the GPU the model is on, and give the CPU's result to float32
     rounding of the Hessian products (at least 99% of the codes equal)."""
     from quantcli import calibrate, quantize_model
-    from quantcli.weight_rounding import awq, gptq
+    from quantcli.calibration.weight_rounding import awq, gptq
 
     def run(device):
         model = quantize_model(tiny_lm.build(), {"preset": "int4-weight-only"})
@@ -155,8 +155,8 @@ def test_sequential_gptq_takes_each_hessian_on_the_rounded_layers_outputs():
     """Layer 2's Hessian comes from layer 1's output with layer 1 already rounded (GPTQ's order); the one-pass
     variant takes it from the float layer 1."""
     from quantcli import calibrate, quantize_model
-    from quantcli.gptq import gptq_weights
-    from quantcli.weight_rounding import gptq
+    from quantcli.calibration.gptq import gptq_weights
+    from quantcli.calibration.weight_rounding import gptq
 
     torch.manual_seed(0)
     batches = [{"input": torch.randn(32, 64) * torch.linspace(0.2, 3.0, 64)} for _ in range(3)]

@@ -14,15 +14,14 @@ METHODS = ("gptq", "awq")
 
 def _batches() -> list[dict[str, torch.Tensor]]:
     from sample_models import SAMPLES
-
     return SAMPLES["tiny_lm"].calibration_batches()[:5]  # odd: the strided shares differ in size
 
 
 def _state(method: str, batches: list) -> dict[str, torch.Tensor]:
     from quantcli import calibrate
-    from quantcli.loading import load_model
+    from quantcli.calibration.weight_rounding import awq, gptq
+    from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model
-    from quantcli.weight_rounding import awq, gptq
 
     model, _ = load_model("tiny_lm")
     quantize_model(model, {"preset": "int4-weight-only"})

@@ -2,8 +2,8 @@
 
 from quantcli.nn.config import PRESETS, QuantConfig, load_config
 from quantcli.nn.modules import QUANT_CLASSES, QuantConv1d, QuantConv2d, QuantConv3d, QuantLinear
-from quantcli.nn.replace import quantize_model, quantizers
-from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.nn.replace import quantize_model
+from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizers
 
 __all__ = [
     "PRESETS",

@@ -17,7 +17,7 @@ or the same content as a dict::
         num_bits: 4
 
 Quantizer names are module names plus ``.input_quantizer`` / ``.weight_quantizer``. A rule's other keys are
-:class:`~quantcli.descriptor.QuantDescriptor` fields. ``axis: output_channel`` means the layer's
+:class:`~quantcli.quant.descriptor.QuantDescriptor` fields. ``axis: output_channel`` means the layer's
 output-channel axis (0, or 1 for transposed convolutions).
 
 ``reduce_range`` is onnxruntime's remedy for x86 CPUs without VNNI (AVX2, AVX-512 without VNNI): their u8s8
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantcli.descriptor import FIELDS, QuantDescriptor, to_plain
 from quantcli.errors import ConfigError, first_line
+from quantcli.quant.descriptor import FIELDS, QuantDescriptor, to_plain
 
 OUTPUT_CHANNEL = "output_channel"
 INPUT_CHANNEL_BLOCKS = "input_channel_blocks"

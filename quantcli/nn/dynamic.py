@@ -1,7 +1,7 @@
 """Linear layers with dynamic int8 activations (the ``int8-dynamic`` preset).
 
 The input quantizer is ONNX ``DynamicQuantizeLinear`` (uint8, per tensor, scale and zero point from each
-tensor's own min and max, :func:`quantcli.arithmetic.dynamic_qparams`); the weight quantizer is calibrated as
+tensor's own min and max, :func:`quantcli.quant.arithmetic.dynamic_qparams`); the weight quantizer is calibrated as
 usual (8-bit symmetric, per output channel or per tensor). In PyTorch the layer computes
 ``linear(dequantize(x codes), dequantize(w codes), bias)``; exported, it becomes the pattern onnxruntime runs
 through its dynamic integer kernels (its ``quantize_dynamic`` writes the same)::
@@ -38,7 +38,7 @@ class DynamicLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, weight_amax, bias, num_bits: int = 8, narrow_range: bool = False):
-        from quantcli.tensor_quant import FakeDynamicQuantFunction, FakeTensorQuantFunction
+        from quantcli.quant.tensor_quant import FakeDynamicQuantFunction, FakeTensorQuantFunction
 
         w = FakeTensorQuantFunction.apply(weight, weight_amax, num_bits, False, narrow_range)
         return F.linear(FakeDynamicQuantFunction.apply(x), w, bias)
@@ -50,7 +50,7 @@ class DynamicLinearFunction(torch.autograd.Function):
 
 def weight_spec(amax: torch.Tensor, weight_shape: tuple[int, int], num_bits: int, narrow_range: bool):
     """The Q spec of the transposed weight ``(K, N)``: per output channel is ONNX axis 1 there."""
-    from quantcli.qdq import symmetric_spec  # (loads onnx: only when exporting)
+    from quantcli.quant.qdq import symmetric_spec  # (loads onnx: only when exporting)
 
     n, k = weight_shape
     a = amax.detach().cpu().to(torch.float32)
@@ -64,7 +64,7 @@ def dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_
     the codes as an int8 initializer, computed with quantcli's arithmetic."""
     import onnx
 
-    from quantcli.qdq import constant_value, emit
+    from quantcli.quant.qdq import constant_value, emit
 
     amax = constant_value(weight_amax, "weight amax")
     sizes = weight.type().sizes()
@@ -103,7 +103,7 @@ def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if why is not None:
         raise ExportError(f"{layer.input_quantizer.name}: a dynamic activation quantizer exports as "
                           f"DynamicQuantizeLinear -> MatMulInteger, but {why}")
-    from quantcli.qdq import export_amax
+    from quantcli.quant.qdq import export_amax
 
     d = layer.weight_quantizer.desc
     amax = layer.weight_quantizer.amax.detach()

@@ -1,7 +1,7 @@
 """Export hooks: how an exporter that traces the model its own way puts its ops in place of quantcli's.
 
 torch.export (the ``dynamo`` exporter, :mod:`exporters.dynamo`) traces with fake tensors and does not call the
-``symbolic`` functions of :mod:`quantcli.tensor_quant`. So the exporter reads every constant first, from real
+``symbolic`` functions of :mod:`quantcli.quant.tensor_quant`. So the exporter reads every constant first, from real
 values, and hands modules a hook that their ``forward`` calls, while it is set, instead of the eager computation:
 
 * ``TensorQuantizer.export_hook(x) -> Tensor``: the quantizer's output (in place of fake quantization);

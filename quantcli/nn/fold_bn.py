@@ -37,6 +37,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from quantcli.errors import DataError, QuantCliError, first_line
+from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.modules import QUANT_CLASSES
 from quantcli.nn.recorded_graph import RecordedNode, record
 from quantcli.nn.tensor_quantizer import TensorQuantizer
@@ -394,7 +395,7 @@ def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None 
         done.append(fold)
     report.folded = done
     report.skipped.sort()
-    # what a checkpoint stores to rebuild this structure (quantcli.checkpoint), over every call
+    # what a checkpoint stores to rebuild this structure (quantcli.inputs.checkpoint), over every call
     model.quantcli_folded_batchnorm = [*getattr(model, "quantcli_folded_batchnorm", []),
                                        *({"layer": f.layer, "batchnorm": f.batchnorm} for f in done)]
     return report
@@ -405,8 +406,6 @@ def _refit_weight_amax(q: TensorQuantizer, layer: nn.Module, s: torch.Tensor) ->
         amax = (q.amax.double() * s.abs().view(q.amax.shape)).to(torch.float32)
         q.set_amax(amax)
         return "scaled"
-    from quantcli.nn.modes import quantizer_modes  # here: modes imports replace, which imports this module
-
     with quantizer_modes([q], q.mode):  # calibrating switches modes; give back the one it had, whatever happens
         q.start_calibration("max")
         q.collect(layer.weight.detach())

@@ -12,8 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from torch import nn
 
-from quantcli.nn.replace import quantizers
-from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizers
 
 
 @contextlib.contextmanager
@@ -23,7 +22,7 @@ def quantizer_modes(target: nn.Module | Iterable[TensorQuantizer], mode: str | M
     that one stays ``"disabled"``.
 
     Args:
-        target: a model (all its quantizers, by name as :func:`quantcli.nn.replace.quantizers` names them) or
+        target: a model (all its quantizers, by name as :func:`quantcli.nn.tensor_quantizer.quantizers` names them) or
             the quantizers themselves.
         mode: one mode for all (``"quantize"``, ``"disabled"``, ``"calibrate"``), or, for a model, quantizer name
             -> mode (quantizers not named keep theirs).

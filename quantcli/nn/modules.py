@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantcli import arithmetic as ar
+from quantcli.quant import arithmetic
 
 
 class QuantMixin:
@@ -44,8 +44,8 @@ class QuantMixin:
         sx, sw = self.input_quantizer.integer_scale(), self.weight_quantizer.integer_scale()
         if sx is None or sw is None or sx.numel() != 1:
             return None
-        scale = ar.bias_scale(sx, sw).to(self.bias.device).expand(self.bias.shape[0]).contiguous()
-        return ar.int32_bias_codes(self.bias, scale), scale
+        scale = arithmetic.bias_scale(sx, sw).to(self.bias.device).expand(self.bias.shape[0]).contiguous()
+        return arithmetic.int32_bias_codes(self.bias, scale), scale
 
     def quantized_bias(self) -> torch.Tensor | None:
         """The bias as the integer kernel adds it: int32 codes of ``x_scale * w_scale``, or the float bias where
@@ -59,10 +59,10 @@ class QuantMixin:
             return self.bias
         codes, scale = constants
         if torch.onnx.is_in_onnx_export():
-            from quantcli.qdq import export_amax  # (loads onnx: only when exporting)
+            from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
 
             codes, scale = export_amax(codes), export_amax(scale)  # graph constants, not traced arithmetic
-        from quantcli.tensor_quant import Int32BiasFunction
+        from quantcli.quant.tensor_quant import Int32BiasFunction
 
         bias = Int32BiasFunction.apply(codes, scale)
         return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)  # no Cast node between DQ and op

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from quantcli.descriptor import QuantDescriptor
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
 from quantcli.nn.modules import apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
 from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.quant.descriptor import QuantDescriptor
 
 # rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
 _GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dynamic")
@@ -30,11 +30,6 @@ class QuantizeReport:
     float_layers: list[dict[str, str]] = field(default_factory=list)
     # torch layers whose parametrized weight (weight_norm, ...) was stored as the value it computes
     resolved_parametrizations: list[str] = field(default_factory=list)
-
-
-def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
-    """Every TensorQuantizer in ``model``, by its module name."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}
 
 
 def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch.Tensor] | None = None,

@@ -1,6 +1,6 @@
 """The explicit smoothing ``Mul`` of SmoothQuant: ``x * factor`` over the last (channel) dimension.
 
-SmoothQuant (:mod:`quantcli.smoothquant`) divides a Linear layer's input channel ``j`` by ``s_j`` and multiplies
+SmoothQuant (:mod:`quantcli.calibration.smoothquant`) divides a Linear layer's input channel ``j`` by ``s_j`` and multiplies
 the weight's column ``j`` by ``s_j``. Where the division cannot be folded into the op that produced the input (a
 LayerNorm whose output also feeds a residual Add, a GELU), the layer gets a ``SmoothMul`` child named
 ``input_smooth`` that the layer applies before its input quantizer; it exports as one ONNX ``Mul`` by a constant.

@@ -13,11 +13,12 @@ from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
 from calibrators.methods import HISTOGRAM_METHODS, defined_for
-from quantcli import arithmetic as ar
-from quantcli.descriptor import QuantDescriptor
+from quantcli import defaults
 from quantcli.errors import CalibrationError, ConfigError, ExportError
-from quantcli.granularity import block_of
-from quantcli.tensor_quant import (
+from quantcli.quant import arithmetic
+from quantcli.quant.descriptor import QuantDescriptor
+from quantcli.quant.granularity import block_of
+from quantcli.quant.tensor_quant import (
     FakeAffineTensorQuantFunction,
     FakeDynamicQuantFunction,
     FakeTensorQuantFunction,
@@ -67,7 +68,7 @@ class TensorQuantizer(nn.Module):
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode if self.enabled else "disabled"
 
-    def start_calibration(self, method: str = "max", num_bins: int = 2048) -> None:
+    def start_calibration(self, method: str = "max", num_bins: int = defaults.NUM_BINS) -> None:
         """Attach a fresh calibrator and switch to observing."""
         if not self.enabled or self.desc.dynamic:
             return
@@ -205,14 +206,14 @@ class TensorQuantizer(nn.Module):
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
         amax = amax.to(x.device)
         if torch.onnx.is_in_onnx_export():  # learned or calibrated, amax is a constant in the graph
-            from quantcli.qdq import export_amax  # (loads onnx: only when exporting)
+            from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
 
             amax = export_amax(amax)
         if self.desc.asymmetric:
             amin = self.amin if self.amin is not None else torch.zeros_like(amax)
             amin = amin.to(x.device)
             if torch.onnx.is_in_onnx_export():
-                from quantcli.qdq import export_amax
+                from quantcli.quant.qdq import export_amax
 
                 amin = export_amax(amin)
             return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)
@@ -229,9 +230,9 @@ class TensorQuantizer(nn.Module):
             return None
         if d.asymmetric:
             amin = self.amin if self.amin is not None else torch.zeros_like(self.amax)
-            scale = ar.affine_qparams(amin, self.amax, d.num_bits)[0]
+            scale = arithmetic.affine_qparams(amin, self.amax, d.num_bits)[0]
         else:
-            scale = ar.symmetric_scale(self.amax, ar.symmetric_bound(d.num_bits, d.unsigned))
+            scale = arithmetic.symmetric_scale(self.amax, arithmetic.symmetric_bound(d.num_bits, d.unsigned))
         return scale.detach().to(torch.float32).reshape(-1)
 
     def extra_repr(self) -> str:
@@ -248,3 +249,7 @@ class TensorQuantizer(nn.Module):
             a = f"amax=[{self.amax.min().item():.4g}, {self.amax.max().item():.4g}]({self.amax.numel()})"
         return f"{bits} {gran}{' narrow' if d.narrow_range else ''} {a} mode={self.mode}"
 
+
+def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
+    """Every TensorQuantizer in ``model``, by its module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}

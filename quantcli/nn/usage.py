@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
 
 
 def _flat_tensors(out) -> list[torch.Tensor]:

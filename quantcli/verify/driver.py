@@ -16,12 +16,11 @@ import onnx
 import torch
 
 from exporters.graph import read_onnx
-from exporters.ort_placement import strip_propagated
-from quantcli.checkpoint import Calibrated, load_calibrated
-from quantcli.data import Batch, describe, flat_outputs, num_samples, run_model
+from exporters.onnxruntime.placement import strip_propagated
 from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
-from quantcli.verify import replay as rp
-from quantcli.verify import sessions
+from quantcli.inputs.checkpoint import Calibrated, load_calibrated
+from quantcli.inputs.data import Batch, describe, flat_outputs, num_samples, run_model
+from quantcli.verify import replay, sessions
 from quantcli.verify.outputs import logit_outputs
 from quantcli.verify.stats import PairStats, ratio
 from quantcli.verify.structure import check_structure
@@ -158,7 +157,7 @@ def _open_sessions(model: onnx.ModelProto, prov: str, provider: str, deployment:
     # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the same
     # values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not already-quantized values
     exact = strip_propagated(model)
-    sess, prov, provider_note = _open_exact(rp.with_outputs(exact, rp.evidence_outputs(exact)), prov, provider)
+    sess, prov, provider_note = _open_exact(replay.with_outputs(exact, replay.evidence_outputs(exact)), prov, provider)
     ss = _Sessions(exact, sess, prov, provider_note)
     # a TensorRT-target graph is not made for onnxruntime's CPU fusions: its float8 pairs are unguarded (TensorRT
     # needs the DequantizeLinear right before the op), so it is deployed here with the options it needs to load
@@ -182,7 +181,7 @@ class _Comparison:
     qual: dict[str, PairStats] = field(default_factory=dict)  # exact session vs float
     dep: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs fake-quant
     dqual: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs float
-    evidence: rp.Replay | None = None
+    evidence: replay.Replay | None = None
     exact_samples: int = 0
     transformed: dict[str, PairStats] | None = None  # quantcli's transformed float model vs the model as loaded
 
@@ -224,7 +223,7 @@ def _compare_outputs(ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_
     qmodel, fmodel = ckpt.model, ckpt.float_model()  # the float reference: the model as loaded
     tmodel = ckpt.transformed_float_model() if ckpt.has_original else None
     cmp = _Comparison(out_names)
-    sample, rest = rp.split_sample(batches)
+    sample, rest = replay.split_sample(batches)
     with constant_weights(qmodel), constant_weights(fmodel):
         for i, batch in enumerate([sample] + rest):
             where = "the first batch" if i == 0 else f"batch {i} ({describe(batch)})"
@@ -253,12 +252,12 @@ def _sample_pass(ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch,
                  where: str) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """The sample batch: the fake-quant model with its quantizers' outputs captured, the float model (which
     outputs are logits), and the replay against the exact session. Returns (fake-quant, float, exact) outputs."""
-    with torch.inference_mode(), rp.capture(qmodel, rp.evidence_quantizers(ss.graph)) as seen:
+    with torch.inference_mode(), replay.capture(qmodel, replay.evidence_quantizers(ss.graph)) as seen:
         ref = _numpy(run_model(qmodel, batch, where))
     flt_t, logits = logit_outputs(fmodel, batch)
     flt = [t.detach().cpu().numpy() for t in flt_t]
     cmp.start(logits)
-    cmp.evidence, got = rp.replay(ss.exact, ss.graph, cmp.out_names, qmodel, batch, seen)
+    cmp.evidence, got = replay.replay(ss.exact, ss.graph, cmp.out_names, qmodel, batch, seen)
     return ref, flt, got
 
 
@@ -385,7 +384,7 @@ def _deploy_options(model) -> tuple[str, ...]:
     meta = {p.key: p.value for p in model.metadata_props}
     if meta.get("quantcli.target") != "tensorrt":
         return ()
-    from exporters.ort_compat import session_needs
+    from exporters.onnxruntime.compat import session_needs
 
     return tuple(session_needs(model).disabled_optimizers)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantcli.data import Batch, flat_outputs, run_model
+from quantcli.inputs.data import Batch, flat_outputs, run_model
 
 
 def logit_outputs(model: nn.Module, batch: Batch) -> tuple[list[torch.Tensor], set[int]]:

@@ -36,10 +36,10 @@ import torch
 
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
 from exporters.graph import QdqPair, producer_map, qdq_pairs
-from quantcli import arithmetic as ar
-from quantcli.data import Batch, flat_outputs, num_samples, run_model
-from quantcli.nn.replace import quantizers
-from quantcli.quality import snr_db
+from quantcli.analysis.quality import snr_db
+from quantcli.inputs.data import Batch, flat_outputs, num_samples, run_model
+from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.quant import arithmetic
 from quantcli.verify import sessions
 
 REPLAY_SAMPLES = 16  # inputs of the per-quantizer evidence: a fixed cost, whatever the size of the data
@@ -326,8 +326,8 @@ def _dynamic_row(name: str, d: DynamicLayer, named: dict[str, np.ndarray], deq: 
                  seen: dict[str, list[np.ndarray]], steps: float | None) -> dict[str, Any]:
     """One dynamic layer's input quantizer: onnxruntime's run-time qparams and codes against quantcli's."""
     x, codes = np.ascontiguousarray(named[d.input]), named[d.codes]
-    ps, pz = ar.dynamic_qparams(torch.from_numpy(x))
-    mine = ar.quantize_linear(torch.from_numpy(x), ps, pz, 0, ar.DYNAMIC_QMAX).numpy()
+    ps, pz = arithmetic.dynamic_qparams(torch.from_numpy(x))
+    mine = arithmetic.quantize_linear(torch.from_numpy(x), ps, pz, 0, arithmetic.DYNAMIC_QMAX).numpy()
     params_equal = float(ps) == float(named[d.scale]) and float(pz) == float(named[d.zero_point])
     same = int(np.count_nonzero(mine == codes)) if params_equal else 0
     own = seen.get(name, [])

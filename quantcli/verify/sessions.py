@@ -9,8 +9,8 @@ import numpy as np
 import onnx
 import torch
 
-from quantcli.data import Batch
 from quantcli.errors import GraphRunError, VerifyError, first_line
+from quantcli.inputs.data import Batch
 
 #: onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
 #: VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat them.
@@ -72,7 +72,7 @@ def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
 
 def deployment_advice(model: onnx.ModelProto) -> str:
     """What to do when the graph does not load with default session options."""
-    from exporters.ort_compat import session_needs
+    from exporters.onnxruntime.compat import session_needs
 
     needs = session_needs(model)
     if needs.disabled_optimizers:

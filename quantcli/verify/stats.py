@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from quantcli import quality
+from quantcli.analysis import quality
 from quantcli.errors import VerifyError
 
 #: RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error:

@@ -29,12 +29,12 @@ from exporters.graph import (
     quantizer_map,
     to_numpy,
 )
-from quantcli import arithmetic as ar
-from quantcli.checkpoint import Calibrated
 from quantcli.errors import VerifyError, first_line
-from quantcli.granularity import broadcast_onnx_param
-from quantcli.nn.replace import quantizers
+from quantcli.inputs.checkpoint import Calibrated
+from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
+from quantcli.quant import arithmetic
+from quantcli.quant.granularity import broadcast_onnx_param
 from quantcli.verify.stats import PairStats
 
 UINT8_OFFSET = 128  # int8 codes q in [-128, 127] are uint8 codes q + 128 with zero point 128
@@ -50,12 +50,12 @@ def expected_scale(q) -> tuple[np.ndarray, np.ndarray]:
     d = q.desc
     a = q.amax.detach().cpu().to(torch.float32)
     if d.asymmetric:
-        from quantcli.tensor_quant import affine_qparams
+        from quantcli.quant.arithmetic import affine_qparams
 
         s, zp = affine_qparams(q.amin if q.amin is not None else torch.zeros(()), a, d.num_bits)
         return s.reshape(-1).numpy(), zp.reshape(-1).to(torch.float32).numpy()
-    bound = ar.FP8_E4M3_MAX if d.is_fp8 else ar.symmetric_bound(d.num_bits, d.unsigned)
-    s = ar.symmetric_scale(a, bound).reshape(-1).numpy()
+    bound = arithmetic.FP8_E4M3_MAX if d.is_fp8 else arithmetic.symmetric_bound(d.num_bits, d.unsigned)
+    s = arithmetic.symmetric_scale(a, bound).reshape(-1).numpy()
     return s, np.zeros(1, np.float32)
 
 
@@ -70,7 +70,7 @@ def dequantize(codes, scale, zp, axis, block) -> np.ndarray:
     shape = tuple(np.shape(codes))
     s = broadcast_onnx_param(torch.from_numpy(np.asarray(scale, np.float32)), shape, axis, block)
     z = broadcast_onnx_param(torch.from_numpy(np.asarray(zp, np.float32)), shape, axis, block)
-    return ar.dequantize_linear(torch.from_numpy(np.asarray(codes, np.float32)), s, z).numpy()
+    return arithmetic.dequantize_linear(torch.from_numpy(np.asarray(codes, np.float32)), s, z).numpy()
 
 
 def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray | None:
@@ -81,7 +81,7 @@ def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray |
     values = to_numpy(inits[p.tensor]).astype(np.float32)
     if p.stored == "runtime":
         from exporters.fold import quantize_codes
-        from quantcli.formats import BY_NAME
+        from quantcli.quant.formats import BY_NAME
 
         values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
     deq = dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
@@ -256,7 +256,7 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
                 f"scale differs from amax/bound (e.g. index {idx}: {shown} vs {want.flat[idx]:.9g})")
         zp = p.quantizer_layout(p.zero_point).reshape(-1).astype(np.float32)
         if p.format == "uint8" and _signed_symmetric(q):
-            # the onnxruntime target stores a signed symmetric grid's codes as uint8 + 128 (exporters.ort_placement)
+            # the onnxruntime target stores a signed symmetric grid's codes as uint8 + 128 (exporters.onnxruntime.placement)
             want_zp = want_zp + np.float32(UINT8_OFFSET)
         if not (zp.shape == want_zp.shape or want_zp.size == 1) or not np.array_equal(zp, np.broadcast_to(want_zp, zp.shape)):
             problems.setdefault(name, []).append(

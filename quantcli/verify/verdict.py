@@ -28,9 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantcli import defaults
+
 MAX_REPLAY_STEPS = 0.25
 MAX_REPLAY_OUTPUT = 0.1
-MAX_RMS_RATIO = 2.0  # docs/verify-criteria.md: correct exports measured up to 0.83 (0.87 in issue 23)
+MAX_RMS_RATIO = defaults.MAX_RMS_RATIO  # docs/verify-criteria.md: correct exports measured up to 0.83 (0.87 in issue 23)
 MAX_TRANSFORM_DEVIATION = 1e-3
 # deployed vs exact session: a gap this many times the exact session's (and above DEPLOY_GAP_FLOOR) gets a note
 DEPLOY_GAP_FACTOR = 3.0

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from quantcli.nn.replace import quantizers
+from quantcli.nn.tensor_quantizer import quantizers
 
 
 @contextlib.contextmanager

@@ -56,7 +56,7 @@ def _quantization_cosine(ck, data) -> float:
     how far quantization alone moves the outputs."""
     import torch
 
-    from quantcli.checkpoint import load_calibrated
+    from quantcli.inputs.checkpoint import load_calibrated
 
     loaded = load_calibrated(ck)
     feeds = {k: torch.from_numpy(v) for k, v in data.items()}

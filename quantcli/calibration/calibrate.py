@@ -1,0 +1,350 @@
+"""``calibrate(model, batches, method=...)``: fill every enabled quantizer's amax.
+
+Weights are calibrated from the weights themselves (max, per channel or per block, unless the weight
+descriptor asks for a histogram). Activations: one pass of the data through the float model in
+``torch.inference_mode()`` with the input quantizers observing and every other quantizer disabled (no fake
+quantization during the pass), then each calibrator's amax search. Calibrators collect on the model's device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from calibrators import MaxCalibrator
+from calibrators.auto import InputSample, choose
+from calibrators.distributed import merge_calibrators, world_size
+from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
+from calibrators.shared import shared_observations, shared_searches
+from quantcli import defaults
+from quantcli.calibration.process_group import one_outcome, sum_over_ranks
+from quantcli.errors import CalibrationError, QuantCliError
+from quantcli.inputs.data import Batch, num_samples, run_model, to_device
+from quantcli.nn.dynamic import count_calls
+from quantcli.nn.modes import keep_float, quantizer_modes
+from quantcli.nn.tensor_quantizer import quantizers
+
+METHODS = CALIBRATION_METHODS  # kept importable under its old name
+
+
+@dataclass
+class CalibrationSummary:
+    method: str
+    device: str
+    num_batches: int
+    num_samples: int
+    calibrated: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # disabled or dynamic
+    dynamic: list[str] = field(default_factory=list)  # quantized at run time (int8-dynamic): nothing to calibrate
+    not_called: list[str] = field(default_factory=list)  # on no forward path: disabled, with their layer's weights
+    amax_min: float | None = None
+    amax_max: float | None = None
+    seconds: float = 0.0
+    settings: dict = field(default_factory=dict)
+    ranks: int = 1  # torch.distributed ranks whose batches were merged
+    auto: dict = field(default_factory=dict)  # --method auto: quantizer -> chosen method, amax, local errors
+
+    def to_dict(self) -> dict:
+        return {
+            "method": self.method,
+            "device": self.device,
+            "num_batches": self.num_batches,
+            "num_samples": self.num_samples,
+            "quantizers_calibrated": len(self.calibrated),
+            "quantizers_skipped": len(self.skipped),
+            "calibrated": self.calibrated,
+            "skipped": self.skipped,
+            "not_called": self.not_called,
+            "dynamic": self.dynamic,
+            "amax_min": self.amax_min,
+            "amax_max": self.amax_max,
+            "seconds": round(self.seconds, 4),
+            "settings": self.settings,
+            "ranks": self.ranks,
+            **({"auto": self.auto} if self.auto else {}),
+        }
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        return torch.device("cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise QuantCliError(f"--device {device} was asked for, but no CUDA GPU is available; use --device cpu or auto")
+        dev = torch.device(device)
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise QuantCliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
+        return dev
+    raise QuantCliError(f"unknown --device {device!r}; use auto, cpu or cuda[:i]")
+
+
+def calibrate(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    method: str = "max",
+    *,
+    percentile: float = defaults.PERCENTILE,
+    num_bins: int = defaults.NUM_BINS,
+    device: str | torch.device = "auto",
+    progress: Callable[[int], None] | None = None,
+    group=None,
+) -> CalibrationSummary:
+    """Calibrate every enabled, static quantizer of a quantized ``model`` in place.
+
+    Under ``torch.distributed`` (the default process group is initialised, or ``group`` is given) call it on
+    every rank with that rank's own batches (a rank may have none): each calibrator's statistics are merged
+    across the ranks before amax is computed (:mod:`calibrators.distributed`), so every rank gets the amax one
+    process would get over all the ranks' batches, bit for bit (with a power-of-two ``num_bins``). An error on
+    one rank raises on every rank (:mod:`quantcli.calibration.process_group`); the summary counts every rank's batches.
+    Every rank of the group must call it (to calibrate on one rank alone, pass a group of that rank only).
+
+    Args:
+        batches: keyword batches for ``model(**batch)`` (this rank's share under ``torch.distributed``).
+        method: activation amax method: ``max``, ``entropy``, ``mse``, ``percentile``, or ``auto`` (per
+            quantizer the candidate of those four with the smallest error of its layer's output against the
+            float layer's, on a bounded sample of the calibration inputs: :mod:`calibrators.auto`).
+        percentile: for ``percentile``, in percent.
+        num_bins: histogram bins (a power of two keeps histograms exactly order-invariant).
+        device: ``auto``, ``cpu``, ``cuda[:i]`` or a ``torch.device``.
+        progress: called with the batch index after each batch.
+        group: the ``torch.distributed`` process group to merge over (default: the default group, if any).
+    """
+    ranks = world_size(group)
+    t0 = time.perf_counter()
+    if method == "auto" and ranks > 1:
+        raise CalibrationError("--method auto chooses from each rank's own input sample; run it in one process")
+    with one_outcome(group):
+        qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
+    auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
+    dynamic = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8}
+    try:
+        # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
+        # so the pass costs a forward plus the observers and nothing else
+        with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
+            total_batches, total_samples, calls = _observe_activations(model, batches, dev, dynamic, progress, group)
+            summary = CalibrationSummary(method, str(dev), total_batches, total_samples,
+                                         settings={"percentile": percentile, "num_bins": num_bins}, ranks=ranks)
+            _activation_amax(qs, acts, calls, method, {"percentile": percentile}, summary, auto, group)
+    finally:
+        _stop_observers(acts, auto)
+    _summarise(qs, summary)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _observe_activations(model: nn.Module, batches: Sequence[Batch], dev: torch.device, dynamic: dict,
+                         progress: Callable[[int], None] | None, group) -> tuple[int, int, dict[str, int]]:
+    """The observing pass over this rank's batches. Returns (batches, samples, calls of each dynamic quantizer),
+    summed over every rank."""
+    seen = [0, 0]  # batches, samples
+    with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
+        for i, batch in enumerate(batches):
+            with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
+                run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
+            seen[0] += 1
+            seen[1] += num_samples([batch])
+            if progress is not None:
+                progress(i)
+    total_batches, total_samples, *dynamic_calls = sum_over_ranks(seen + list(calls.values()), group)
+    if total_batches == 0:
+        raise CalibrationError("no calibration batches on any rank")
+    return total_batches, total_samples, dict(zip(calls, dynamic_calls))
+
+
+def _activation_amax(qs: dict, acts: dict, calls: dict[str, int], method: str, kwargs: dict,
+                     summary: CalibrationSummary, auto: dict, group) -> None:
+    """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
+    dynamic one never called, or an observer that saw nothing) are left out and reported."""
+    merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
+    with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
+        _load_activation_amax(qs, acts, method, kwargs, summary, auto)
+    for name, n_calls in calls.items():
+        if n_calls == 0:
+            _leave_out(qs, name, summary)
+        else:
+            summary.dynamic.append(name)
+
+
+def _stop_observers(acts: dict, auto: dict) -> None:
+    """Remove ``--method auto``'s hooks and the calibrators of quantizers still observing (after an error):
+    every activation quantizer quantizes again."""
+    for st in auto.values():
+        st.hook.remove()
+    for q in acts.values():
+        if q.mode == "calibrate":
+            q.calibrator = None
+            q.set_mode("quantize")
+
+
+def _summarise(qs: dict, summary: CalibrationSummary) -> None:
+    """Which quantizers were calibrated (and the range of their amax) and which skipped."""
+    for name, q in qs.items():
+        if name in summary.not_called:
+            continue
+        if q.enabled and not q.desc.dynamic and q.amax is not None:
+            summary.calibrated.append(name)
+            lo, hi = float(q.amax.min()), float(q.amax.max())
+            summary.amax_min = lo if summary.amax_min is None else min(summary.amax_min, lo)
+            summary.amax_max = hi if summary.amax_max is None else max(summary.amax_max, hi)
+        else:
+            summary.skipped.append(name)
+
+
+def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):
+    """Check the arguments, move the model, calibrate the weights and start the activation calibrators.
+    Returns ``(quantizers, device, activation quantizers)``."""
+    if method not in METHODS:
+        raise CalibrationError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if not 0 < percentile <= 100:
+        raise CalibrationError(f"--percentile must be in (0, 100], got {percentile}")
+    if not isinstance(num_bins, int) or num_bins < 16:
+        raise CalibrationError(f"--num-bins must be an int >= 16, got {num_bins}")
+    if alone and not batches:  # under torch.distributed a rank may have none (checked over all ranks)
+        raise CalibrationError("no calibration batches")
+    qs = quantizers(model)
+    if not qs:
+        raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
+    dev = resolve_device(device)
+    model.eval()
+    if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
+        model.to(dev)  # (moving walks every module even when nothing moves)
+    _calibrate_weights(model, qs, method, num_bins, {"percentile": percentile})
+    return qs, dev, _start_observers(qs, method, num_bins)
+
+
+def _calibrate_weights(model: nn.Module, qs: dict, method: str, num_bins: int, kwargs: dict) -> None:
+    """Every enabled weight quantizer's amax from the weights themselves (the same on every rank: nothing to
+    merge): max, or the descriptor's histogram method (``mse`` under ``--method auto``)."""
+    for name, q in qs.items():
+        if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
+            continue
+        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        wmethod = (method if method != "auto" else "mse") if q.desc.calib_method == "histogram" else "max"
+        q.start_calibration(wmethod, num_bins)
+        q.collect(parent.weight.detach())
+        q.load_calib_amax(wmethod, **kwargs)
+
+
+def _start_observers(qs: dict, method: str, num_bins: int) -> dict:
+    """Switch every enabled, static activation quantizer to observing; returns them by name."""
+    acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
+    for q in acts.values():
+        q.start_calibration("entropy" if method == "auto" else method, num_bins)  # auto: a histogram
+    return acts
+
+
+@dataclass
+class _AutoState:
+    """What ``--method auto`` observes of one activation quantizer besides its histogram."""
+
+    layer: nn.Module
+    max_calibrator: MaxCalibrator
+    sample: InputSample
+    hook: object = None
+
+    def observe(self, _module, args) -> None:
+        self.max_calibrator.collect(args[0])
+        self.sample.collect(args[0])
+
+
+def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _AutoState]:
+    """Observers for the input quantizers of quantized layers. Others (asymmetric: min/max by definition;
+    blocked; a quantizer outside a layer) have no auto choice and get the histogram's mse amax."""
+    states = {}
+    for name, q in acts.items():
+        layer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        if (not name.endswith("input_quantizer") or q.desc.asymmetric or q._block is not None
+                or getattr(layer, "input_quantizer", None) is not q or not hasattr(layer, "weight_quantizer")):
+            continue
+        nb = q.desc.num_bits
+        st = _AutoState(layer, MaxCalibrator(nb if isinstance(nb, int) else tuple(nb), q.desc.axis, q.desc.unsigned,
+                                             name=name),
+                        InputSample(num_batches, rows_last=isinstance(layer, nn.Linear)))
+        st.hook = q.register_forward_pre_hook(st.observe)
+        states[name] = st
+    return states
+
+
+def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
+    """Set ``q``'s amax to the candidate whose layer output is closest (MSE) to the float layer's output on
+    the input sample, the layer's weights quantized as deployed. Returns the choice and every error."""
+    hist = q.calibrator
+    cands = {}
+    q.calibrator = st.max_calibrator
+    cands["max"] = q.load_calib_amax("max").clone()
+    for m in HISTOGRAM_METHODS:
+        if not defined_for(m, q.desc.is_fp8):
+            continue
+        q.calibrator = hist
+        cands[m] = q.load_calib_amax(m, **kwargs).clone()
+    x = st.sample.tensor()
+    errors: dict[str, float] = {}
+    if x is not None:
+        layer, wq = st.layer, st.layer.weight_quantizer
+        x = x.to(device=layer.weight.device, dtype=layer.weight.dtype)
+        with quantizer_modes([q, wq], "disabled"), torch.inference_mode():
+            ref = layer(x).to(torch.float64)
+            q.set_mode("quantize")
+            wq.set_mode("quantize")
+            for m, a in cands.items():
+                q.set_amax(a)
+                errors[m] = float(((layer(x).to(torch.float64) - ref) ** 2).mean())
+    pick = choose(errors) if errors else "max"
+    q.set_amax(cands[pick])
+    q.histogram = hist
+    return {"method": pick, "amax": float(cands[pick].max()),
+            "errors": {m: errors.get(m) for m in cands}, "candidates": {m: float(a.max()) for m, a in cands.items()}}
+
+
+def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary,
+                          auto: dict | None = None) -> None:
+    """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and reported."""
+    for name, q in acts.items():
+        if q.calibrator is not None and q.calibrator.num_batches == 0:
+            # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
+            # and nothing of it reaches an exported graph
+            _leave_out(qs, name, summary)
+            q.calibrator = None
+            continue
+        if auto and name in auto:
+            summary.auto[name] = _choose_auto(q, auto[name], kwargs)
+        else:
+            q.load_calib_amax("mse" if method == "auto" else method, **kwargs)
+
+
+def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
+    """Disable an activation quantizer whose layer never ran, and its layer's weight quantizer; report both."""
+    layer = name.rsplit(".", 1)[0]
+    for qn in (name, f"{layer}.weight_quantizer"):
+        if qn in qs:
+            keep_float(qs[qn])
+            summary.not_called.append(qn)
+
+
+def recompute_amax(model: nn.Module, method: str, *, percentile: float = defaults.PERCENTILE) -> list[str]:
+    """Recompute every activation amax with another histogram method from the histograms the last
+    ``calibrate(..., method in {entropy, mse, percentile})`` collected: no second pass over the data.
+    Returns the quantizers updated."""
+    if method not in HISTOGRAM_METHODS:
+        raise CalibrationError(f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}")
+    done = []
+    with shared_searches():
+        for name, q in quantizers(model).items():
+            if q.histogram is not None and q.enabled:
+                q.recompute_amax(method, percentile=percentile)
+                done.append(name)
+    if not done:
+        raise CalibrationError("no histograms kept: calibrate with entropy, mse or percentile first")
+    return done

@@ -1,0 +1,372 @@
+"""The ``quantcli calibrate`` job as named steps: load the model and its data, smooth (SmoothQuant), calibrate
+every amax, meet a quality target, summarise and save. Nothing is printed here; the CLI renders the
+:class:`CalibrationOutcome`.
+
+Under ``torchrun`` each rank runs every step on its own share of the data (``rank`` is its
+:class:`quantcli.calibration.process_group.Rank`, ``None`` in one process): the statistics are merged inside
+:func:`quantcli.calibration.calibrate.calibrate`, only rank 0 writes the checkpoint, and a failure on any rank inside a
+:func:`~quantcli.calibration.process_group.one_outcome` block stops every rank there, so all ranks end the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from quantcli import defaults
+from quantcli.calibration.calibrate import CalibrationSummary, resolve_device
+from quantcli.calibration.calibrate import calibrate as calibrate_amax
+from quantcli.calibration.mixed_precision import (
+    MixedPrecisionResult,
+    check_target,
+    meet_target,
+    split_holdout,
+)
+from quantcli.calibration.process_group import Rank, broadcast_from_rank0, one_outcome
+from quantcli.errors import DataError, QuantCliError
+from quantcli.files import refuse_overwriting_inputs
+from quantcli.inputs.checkpoint import example_of, save_calibrated, state_snapshot
+from quantcli.inputs.data import (
+    Batch,
+    DataOptions,
+    cap_samples,
+    describe_preprocessing,
+    load_data,
+    num_samples,
+)
+from quantcli.inputs.loading import load_model
+from quantcli.inputs.model_spec import ModelSpec
+from quantcli.inputs.shard import load_shard, strided
+from quantcli.nn import QuantConfig, load_config, quantize_model
+
+if TYPE_CHECKING:
+    from quantcli.calibration.latency_placement import LatencyPlacement
+    from quantcli.calibration.smoothquant import SmoothReport
+    from quantcli.calibration.weight_rounding import WeightRoundingReport
+
+
+
+@dataclass
+class CalibrationRequest:
+    """What ``quantcli calibrate`` was asked to do: its options, parsed (see ``quantcli calibrate --help``)."""
+
+    model: str
+    weights: Path | None = None
+    data: Path | None = None
+    config: str = defaults.CONFIG
+    target: str | None = None
+    method: str = defaults.METHOD
+    percentile: float = defaults.PERCENTILE  # in percent, for method "percentile"
+    num_bins: int = defaults.NUM_BINS
+    batch_size: int | None = None
+    num_samples: int | None = None
+    device: str = defaults.DEVICE
+    out: Path | None = None
+    trust_pickle: bool = False
+    pooling: str = defaults.POOLING
+    data_options: DataOptions = field(default_factory=DataOptions)
+    fold_bn: bool | None = None
+    smoothquant: float | None = None  # alpha
+    min_cosine: float | None = None
+    min_snr: float | None = None  # dB
+    holdout: Path | None = None
+    max_float_layers: int | None = None
+    weight_method: str = defaults.WEIGHT_METHOD  # rtn, gptq or awq (quantcli.calibration.weight_rounding)
+    placement: str = defaults.PLACEMENT  # auto: layers onnxruntime would not run faster quantized stay float; all: every layer
+
+
+@dataclass
+class CalibrationJob:
+    """A quantized model and its data, ready to calibrate (the result of :meth:`load`)."""
+
+    request: CalibrationRequest
+    rank: Rank | None
+    config: QuantConfig
+    model: nn.Module  # quantized in place
+    spec: ModelSpec
+    batches: list[Batch]
+    holdout: tuple[list[Batch], str] | None  # held-out batches for a quality target, and where they came from
+    preprocessing: dict | None  # how text or images became tensors (None for tensor files)
+    original: dict  # the state dict of the model as loaded, before quantcli transformed it (verify's reference)
+    weight_rounding: WeightRoundingReport | None = None  # --weight-method gptq/awq: what it did
+    unrounded: dict | None = None  # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
+    latency: LatencyPlacement | None = None  # --placement auto for onnxruntime: what place_for_latency chose
+
+    @classmethod
+    def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
+        """Check the request, load the config, the model and this rank's data, insert the quantizers."""
+        with one_outcome():  # every rank loads; a failure on any rank stops all of them here
+            _check_request(request, rank)
+            cfg = _load_config(request)
+            if rank is None:
+                resolve_device(request.device)
+            model, spec = load_model(request.model, request.weights, request.trust_pickle, pooling=request.pooling)
+            if request.out is None:  # the default name: known once the model is
+                refuse_overwriting_inputs(f"{spec.stem}.calib.pt", _inputs(request), "the default --out")
+            if request.pooling != "none" and spec.kind != "hf":
+                raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
+            batches, prep = _calibration_batches(request, rank, model, spec)
+            original = state_snapshot(model)
+            quantize_model(model, cfg, example=example_of(batches[0]) if batches else None)
+            if not model.quantcli_report.layers:
+                raise QuantCliError(f"{request.model} has no Linear/Conv/ConvTranspose layers to quantize")
+            batches, holdout = _holdout(request, rank, spec, model, batches)
+        return cls(request, rank, cfg, model, spec, batches, holdout, prep, original)
+
+    @property
+    def report(self):
+        """What :func:`quantcli.nn.quantize_model` did (layers, placement, BatchNorm folds, unmatched patterns)."""
+        return self.model.quantcli_report
+
+    @property
+    def out(self) -> Path:
+        return self.request.out or Path(f"{self.spec.stem}.calib.pt")
+
+    def smooth(self) -> SmoothReport | None:
+        """SmoothQuant before calibration (the quantizers then calibrate the smoothed tensors); ``None`` when
+        not asked for."""
+        if self.request.smoothquant is None:
+            return None
+        from quantcli.calibration.smoothquant import smooth_quant
+
+        return smooth_quant(self.model, self.batches, self.request.smoothquant, device=self.request.device)
+
+    def calibrate(self, progress: Callable[[int], None] | None = None) -> CalibrationSummary:
+        """Every amax, from this rank's batches merged over the ranks; leaves the model on the CPU."""
+        r = self.request
+        device = r.device if self.rank is None else self.rank.device
+        if r.weight_method == "awq":  # rescales weights: before their amax is calibrated
+            from quantcli.calibration.weight_rounding import awq
+
+            self.weight_rounding = awq(self.model, self.batches, device=device)
+        summary = calibrate_amax(self.model, self.batches, r.method, percentile=r.percentile, num_bins=r.num_bins,
+                                 device=device, progress=progress)
+        if r.weight_method == "gptq":  # rounds within the calibrated grid, on the device calibration used
+            from quantcli.calibration.weight_rounding import gptq
+
+            self.unrounded = state_snapshot(self.model)
+            self.weight_rounding = gptq(self.model, self.batches)
+        self.model.to("cpu")
+        return summary
+
+    def place_for_latency(self, summary: CalibrationSummary) -> LatencyPlacement:
+        """``--placement auto`` for onnxruntime: keep float the layers onnxruntime would not run faster quantized,
+        measured on this machine (:mod:`quantcli.calibration.latency_placement`). Under torchrun rank 0 measures and every
+        rank applies its decision, so that all ranks hold the same model."""
+        from quantcli.calibration.latency_placement import LatencyPlacement, apply, measure_and_decide
+
+        if self.request.placement == "all":
+            self.latency = LatencyPlacement("all", False, "--placement all: every layer quantized as configured")
+        elif self.config.target != "onnxruntime":
+            self.latency = LatencyPlacement("auto", False, f"not applicable to the {self.config.target} target "
+                                            "(measured for onnxruntime's CPU provider only)")
+        else:
+            placement = None
+            with one_outcome():
+                if (self.rank is None or self.rank.rank == 0) and not self.batches:
+                    placement = LatencyPlacement("auto", False, "not measured: no calibration batch on rank 0")
+                elif self.rank is None or self.rank.rank == 0:
+                    placement = measure_and_decide(self.model, example_of(self.batches[0]))
+            if self.rank is not None:
+                placement = broadcast_from_rank0(placement)
+            apply(self.model, placement)
+            self.latency = placement
+        off = set(self.latency.quantizers_disabled)
+        summary.calibrated = [n for n in summary.calibrated if n not in off]
+        summary.skipped += [n for n in self.latency.quantizers_disabled if n not in summary.skipped]
+        return self.latency
+
+    def meet_target(self, summary: CalibrationSummary) -> MixedPrecisionResult | None:
+        """Keep the fewest layers in float for --min-cosine/--min-snr (``None`` without a target)."""
+        if self.holdout is None:
+            return None
+        r = self.request
+        mixed = meet_target(self.model, self.holdout[0], min_cosine=r.min_cosine, min_snr=r.min_snr,
+                            max_float_layers=r.max_float_layers, holdout_name=self.holdout[1])
+        summary.calibrated = [n for n in summary.calibrated if n not in mixed.quantizers_disabled]
+        summary.skipped += mixed.quantizers_disabled
+        return mixed
+
+    def summarise(self, summary: CalibrationSummary, mixed: MixedPrecisionResult | None,
+                  smoothed: SmoothReport | None) -> dict:
+        """The summary the checkpoint stores (and ``--json`` prints)."""
+        info = summary.to_dict()
+        if mixed is not None:
+            info["mixed_precision"] = mixed.to_dict()
+        info["config"] = self.config.source
+        info["target"] = self.config.target
+        info["placement"] = placement_summary(self.report.placement, self.config.target)
+        if self.latency is not None:
+            info["placement"]["latency"] = self.latency.to_dict()
+        info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
+        info["layers"] = layers_summary(self.report, self.model, self.latency)
+        if smoothed is not None:
+            info["smoothquant"] = smoothed.to_dict()
+        info["weight_rounding"] = (self.weight_rounding.to_dict() if self.weight_rounding is not None
+                                   else {"method": self.request.weight_method})
+        if self.preprocessing is not None:
+            info["preprocessing"] = describe_preprocessing(self.preprocessing)
+        return info
+
+    def save(self, info: dict) -> None:
+        """Rank 0 writes the checkpoint (atomically); the others write nothing and learn whether it worked."""
+        with one_outcome():
+            if self.rank is None or self.rank.rank == 0:
+                save_calibrated(self.out, self.model, self.spec, self.batches[0], info, self.preprocessing,
+                                self.original, self.unrounded)
+
+    def finish(self, summary: CalibrationSummary, smoothed: SmoothReport | None) -> CalibrationOutcome:
+        """Keep float the layers that would run slower quantized, meet the quality target, summarise, save."""
+        self.place_for_latency(summary)
+        mixed = self.meet_target(summary)
+        info = self.summarise(summary, mixed, smoothed)
+        self.save(info)
+        return CalibrationOutcome(self, summary, info, mixed, smoothed)
+
+
+def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = None) -> dict:
+    """The layers quantized (converted by quantize_model with a quantizer still enabled), the weighted modules left
+    float and why (:mod:`quantcli.nn.linear_like`; a converted layer whose quantizers the preset, a rule or the
+    quality target disabled), the parametrized weights stored as values, and a one-line ``text``."""
+    modules = dict(model.named_modules())
+
+    def enabled(name: str) -> bool:
+        return any(getattr(getattr(modules[name], f"{k}_quantizer", None), "enabled", False)
+                   for k in ("input", "weight"))
+
+    quantized = [n for n in report.layers if enabled(n)]
+    slower = {d.layer: d.reason for d in (latency.layers if latency is not None else []) if d.decision == "float"}
+    floats = [*report.float_layers, *({"name": n, "type": type(modules[n]).__name__.removeprefix("Quant"),
+                                       "reason": f"latency placement: {slower[n]}" if n in slower else
+                                       "its quantizers are disabled (preset, config rule or quality target)"}
+                                      for n in report.layers if not enabled(n))]
+    text = f"{len(quantized)} quantized"
+    if floats:
+        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in floats[:3])
+        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (" ..." if len(floats) > 3 else "")
+    return {"quantized": quantized, "float": floats,
+            "resolved_parametrizations": list(report.resolved_parametrizations), "text": text}
+
+
+@dataclass
+class CalibrationOutcome:
+    """What a calibration did, for the CLI to render."""
+
+    job: CalibrationJob
+    summary: CalibrationSummary
+    info: dict  # as stored in the checkpoint
+    mixed: MixedPrecisionResult | None
+    smoothed: SmoothReport | None
+
+    @property
+    def target_met(self) -> bool:
+        return self.mixed is None or self.mixed.met
+
+    def to_dict(self) -> dict:
+        """``--json``'s data: the stored summary, the file written and the config patterns that matched nothing."""
+        return {**self.info, "out": str(self.job.out), "unmatched_patterns": self.job.report.unmatched_patterns}
+
+
+def _inputs(request: CalibrationRequest) -> list[tuple[str, Path | None]]:
+    """Every file or folder calibrate reads, named as the user gave it."""
+    model = request.model.rsplit(":", 1)[0] if ":" in request.model else request.model
+    config = Path(request.config)
+    opts = request.data_options
+    return [("the model", Path(model) if Path(model).exists() else None), ("--weights", request.weights),
+            ("--data", request.data), ("--holdout", request.holdout),
+            ("--config", config if config.is_file() else None), ("--tokenizer", getattr(opts, "tokenizer", None))]
+
+
+def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
+    if request.out is not None:
+        refuse_overwriting_inputs(request.out, _inputs(request), "--out")
+    if request.batch_size is not None and request.batch_size <= 0:
+        raise QuantCliError(f"--batch-size must be positive, got {request.batch_size}")
+    if request.smoothquant is not None and rank is not None:
+        raise QuantCliError("--smoothquant runs in one process; run calibrate without torchrun to smooth")
+    if request.placement not in ("auto", "all"):
+        raise QuantCliError(f"--placement must be auto or all, got {request.placement!r}")
+    if request.weight_method not in ("rtn", "gptq", "awq"):
+        raise QuantCliError(f"--weight-method must be rtn, gptq or awq, got {request.weight_method!r}")
+    if request.smoothquant is not None and not 0.0 <= request.smoothquant <= 1.0:
+        raise QuantCliError(f"--smoothquant alpha must be in [0, 1], got {request.smoothquant}")
+
+
+def _load_config(request: CalibrationRequest) -> QuantConfig:
+    cfg = load_config(request.config)
+    if request.fold_bn is not None:
+        cfg.fold_batchnorm = request.fold_bn
+    if request.target is not None:
+        cfg = dataclasses.replace(cfg, target=request.target)  # validated like a config file's target
+    return cfg
+
+
+def _data_options(request: CalibrationRequest, spec: ModelSpec) -> DataOptions:
+    opts = request.data_options
+    opts.model_folder = spec.path if spec.kind == "hf" else None
+    return opts
+
+
+def _calibration_batches(request: CalibrationRequest, rank: Rank | None, model: nn.Module,
+                         spec: ModelSpec) -> tuple[list[Batch], dict | None]:
+    """This rank's calibration batches (all of them in one process) and their preprocessing."""
+    batch_size = request.batch_size or defaults.BATCH_SIZE
+    if request.data is not None:
+        opts = _data_options(request, spec)
+        if rank is None:
+            return load_data(request.data, model, batch_size, request.num_samples, opts)
+        return load_shard(request.data, model, rank.rank, rank.world_size, batch_size, request.num_samples, opts)
+    if spec.kind == "sample":
+        from sample_models import SAMPLES
+        batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), request.num_samples)
+        return (batches if rank is None else strided(batches, rank.rank, rank.world_size)), None
+    raise DataError(f"{request.model} is not a sample model, so it needs calibration data: pass --data FILE")
+
+
+def _holdout(request: CalibrationRequest, rank: Rank | None, spec: ModelSpec, model: nn.Module,
+             batches: list[Batch]) -> tuple[list[Batch], tuple[list[Batch], str] | None]:
+    """``(calibration batches, (held-out batches, where they came from) or None)`` for --min-cosine/--min-snr."""
+    r = request
+    if r.min_cosine is None and r.min_snr is None:
+        if r.holdout is not None or r.max_float_layers is not None:
+            raise QuantCliError("--holdout and --max-float-layers go with --min-cosine or --min-snr")
+        return batches, None
+    check_target(r.min_cosine, r.min_snr)
+    if rank is not None:
+        raise QuantCliError("--min-cosine/--min-snr search in one process; run calibrate without torchrun")
+    if r.holdout is not None:
+        held, _ = load_data(r.holdout, model, r.batch_size or defaults.BATCH_SIZE, None, _data_options(r, spec))
+        return batches, (held, str(r.holdout))
+    if spec.kind == "sample":
+        from sample_models import SAMPLES
+        return batches, (SAMPLES[spec.spec].evaluation_batches(), f"{spec.spec}'s held-out split")
+    calib, held = split_holdout(batches)
+    return calib, (held, f"the last {num_samples(held)} samples of --data")
+
+
+def placement_summary(placement, target: str) -> dict:
+    """What the target's placement did (:mod:`quantcli.nn.placement`), as JSON data and one line of text."""
+    if placement is None:
+        return {"analysed": False, "text": "no placement analysis"}
+    d = placement.to_dict()
+    if target == "tensorrt":
+        d["text"] = ("quantized inputs and weights of every layer, no output quantizers, "
+                     f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's placement)")
+        if placement.residual_untraced:
+            d["text"] += (f"; {len(placement.residual_untraced)} blocks with a residual Add left as they are "
+                          f"(torch.fx cannot rewrite them: {', '.join(placement.residual_untraced)})")
+        if not placement.analysed:
+            d["text"] = f"{placement.note}: quantized inputs and weights of every layer, skip inputs not quantized"
+    elif not placement.analysed:
+        d["text"] = (f"{placement.note}: per-layer placement (inputs and weights of every layer, int32 biases); "
+                     "post-ReLU inputs and Convs that need an output quantizer are not detected, so such Convs "
+                     "may stay in float in onnxruntime")
+    else:
+        d["text"] = (f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
+                     f"{len(placement.output_quantized)} Conv output quantizers, int32 biases")
+    return d

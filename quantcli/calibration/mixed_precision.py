@@ -1,0 +1,280 @@
+"""Mixed precision to a quality target: keep the fewest layers in float needed to reach ``min_cosine`` /
+``min_snr`` against the float model on held-out data.
+
+The unit is a layer (its input and weight quantizers together): onnxruntime and TensorRT run a layer in
+integer arithmetic only when both its input and its weight are quantized, so keeping one of the two in float
+costs the layer's speed-up anyway and buys less accuracy than keeping both.
+
+Search (every quality below is measured on the whole held-out set, in PyTorch with quantcli's fake
+quantization, which gives the same integer codes as the exported graph in onnxruntime):
+
+1. the calibrated model as it is; done if it meets the target;
+2. rank the layers by sensitivity (:mod:`quantcli.analysis.sensitivity`, only that layer quantized) on a bounded
+   sample of the held-out data (``sample_samples``), worst first;
+3. bisect the smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (all layers
+   in float is the float model and always meets it; quality is assumed to grow with ``k`` along the ranking,
+   and every accepted step is measured, never assumed);
+4. prune: try to re-quantize each kept layer, least sensitive first, and keep it quantized if the target is
+   still met;
+5. dynamic int8 before float: each layer still kept, least sensitive first, is tried with dynamic int8
+   activations (ONNX ``DynamicQuantizeLinear -> MatMulInteger``, the ``int8-dynamic`` preset's layer: uint8 codes
+   from each tensor's own range, its int8 weights unchanged) and stays so if the target is still met. A Linear
+   layer only, with 8-bit symmetric weights and no output quantizer. onnxruntime runs that layer as
+   ``DynamicQuantizeMatMul``, an integer kernel: on a pretrained-like BERT (``benchmarks/bench_bert.py``) the
+   float ``MatMul`` a kept layer runs cost more than the rest of the quantized graph saved against
+   ``quantize_dynamic``. The layer's weight codes are the static layer's; its input quantizer's descriptor
+   becomes dynamic (saved in the checkpoint, re-applied by ``load_calibrated``).
+
+``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one).
+If the target needs more, the result keeps the cap's worth of the worst layers in float, reports
+``met=False`` with the quality reached and how many layers the target would need (the command exits 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from quantcli.analysis.quality import Quality
+from quantcli.analysis.sensitivity import layer_units, measure, quantizing, rank, reference_outputs
+from quantcli.errors import CalibrationError
+from quantcli.inputs.data import Batch, cap_samples, num_samples
+from quantcli.nn.dynamic import exportable
+from quantcli.nn.modes import keep_float
+from quantcli.nn.modules import QuantLinear
+from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.quant.descriptor import QuantDescriptor
+
+SENSITIVITY_SAMPLES = 64  # held-out samples the ranking passes use (one pass per layer)
+#: a layer's input quantizer when the target moves it to dynamic int8 (the int8-dynamic preset's input)
+DYNAMIC_INPUT = QuantDescriptor(num_bits=8, asymmetric=True, dynamic=True)
+
+
+def default_cap(num_layers: int) -> int:
+    """A quarter of the quantized layers (rounded up), at least one."""
+    return max(1, math.ceil(num_layers / 4))
+
+
+@dataclass
+class MixedPrecisionResult:
+    min_cosine: float | None
+    min_snr: float | None
+    before: Quality
+    after: Quality
+    met: bool
+    kept_float: list[str] = field(default_factory=list)  # layers, most sensitive first
+    dynamic: list[str] = field(default_factory=list)  # layers moved to dynamic int8 activations instead of float
+    quantizers_disabled: list[str] = field(default_factory=list)
+    layers_total: int = 0
+    cap: int = 0
+    needed: int | None = None  # layers the target needs along the ranking, when the cap was hit
+    holdout: str = ""
+    holdout_samples: int = 0
+    ranking: list[dict] = field(default_factory=list)
+    evaluations: int = 0  # full held-out passes
+    sensitivity_passes: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "min_cosine": self.min_cosine, "min_snr": self.min_snr, "met": self.met,
+            "before": self.before.to_dict(), "after": self.after.to_dict(),
+            "kept_float": self.kept_float, "layers_kept_float": len(self.kept_float), "dynamic": self.dynamic,
+            "quantizers_disabled": self.quantizers_disabled, "layers_total": self.layers_total, "cap": self.cap,
+            "needed": self.needed, "holdout": self.holdout, "holdout_samples": self.holdout_samples,
+            "ranking": self.ranking, "evaluations": self.evaluations,
+            "sensitivity_passes": self.sensitivity_passes, "seconds": round(self.seconds, 3),
+        }
+
+
+def split_holdout(batches: list[Batch]) -> tuple[list[Batch], list[Batch]]:
+    """``(calibration, held-out)``: the last quarter of the batches (at least one) is held out."""
+    if len(batches) < 2:
+        raise CalibrationError("--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data with at "
+                               "least 2 batches (the last quarter of them is held out)")
+    k = max(1, len(batches) // 4)
+    return batches[:-k], batches[-k:]
+
+
+def check_target(min_cosine: float | None, min_snr: float | None) -> None:
+    if min_cosine is None and min_snr is None:
+        raise CalibrationError("give a target: --min-cosine C and/or --min-snr DB")
+    if min_cosine is not None and not (-1.0 <= min_cosine <= 1.0):
+        raise CalibrationError(f"--min-cosine must be in [-1, 1], got {min_cosine}")
+    if min_snr is not None and not math.isfinite(min_snr):
+        raise CalibrationError(f"--min-snr must be a finite number of dB, got {min_snr}")
+
+
+def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | None = None,
+                min_snr: float | None = None, max_float_layers: int | None = None,
+                sample_samples: int = SENSITIVITY_SAMPLES, holdout_name: str = "",
+                progress: Callable[[str], None] | None = None, prefer_dynamic: bool = True) -> MixedPrecisionResult:
+    """Disable (keep in float) the fewest layers of a calibrated ``model`` needed to meet the target on
+    ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers).
+    ``prefer_dynamic``: step 5, kept layers that meet the target with dynamic int8 activations run so."""
+    check_target(min_cosine, min_snr)
+    if not holdout:
+        raise CalibrationError("no held-out batches to measure the target on")
+    t0 = time.perf_counter()
+    units = layer_units(model)
+    if not units:
+        raise CalibrationError("the model has no enabled quantizers to keep in float")
+    cap = default_cap(len(units)) if max_float_layers is None else max_float_layers
+    if cap < 0:
+        raise CalibrationError(f"--max-float-layers must be >= 0, got {cap}")
+    refs = reference_outputs(model, holdout)
+    res = MixedPrecisionResult(min_cosine, min_snr, Quality(None, None), Quality(None, None), False,
+                               layers_total=len(units), cap=cap, holdout=holdout_name,
+                               holdout_samples=num_samples(holdout))
+    search = _Search(model, holdout, refs, units, res)
+    res.before = search.quality_without([])
+    if search.meets(res.before):
+        res.after, res.met = res.before, True
+    else:
+        order = _rank_layers(model, holdout, units, sample_samples, res, progress)
+        if progress is not None:
+            progress("searching the fewest layers to keep in float")
+        res.kept_float = _fewest_float_layers(search, order, cap)
+        if res.met and prefer_dynamic:
+            _prefer_dynamic(search, res)
+        _keep_in_float(model, units, res)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+@dataclass
+class _Search:
+    """The quality of ``model`` with some layers kept in float, on the whole held-out set (each measurement
+    counted in ``res.evaluations``), and whether it meets the target."""
+
+    model: nn.Module
+    holdout: list[Batch]
+    refs: list
+    units: dict[str, list[str]]
+    res: MixedPrecisionResult
+
+    def quality_without(self, layers: list[str], dynamic: list[str] = ()) -> Quality:
+        """Quality with ``layers`` in float and the ``dynamic`` layers' inputs quantized at run time."""
+        self.res.evaluations += 1
+        off = [q for u in layers for q in self.units[u]]
+        with quantizing(self.model, inactive=off), dynamic_inputs(self.model, dynamic):
+            return measure(self.model, self.holdout, self.refs)
+
+    def meets(self, q: Quality) -> bool:
+        return q.meets(self.res.min_cosine, self.res.min_snr)
+
+
+def _rank_layers(model: nn.Module, holdout: list[Batch], units: dict[str, list[str]], sample_samples: int,
+                 res: MixedPrecisionResult, progress: Callable[[str], None] | None) -> list[str]:
+    """Step 2: the layers by sensitivity on a bounded sample of the held-out data, worst first."""
+    if progress is not None:
+        progress(f"ranking {len(units)} layers by sensitivity")
+    sample = cap_samples(holdout, sample_samples)
+    by = "snr" if res.min_cosine is None else "cosine"
+    ranked = rank(model, sample, units, by=by)
+    res.sensitivity_passes = len(units)
+    res.ranking = [r.to_dict() for r in ranked]
+    return [r.unit for r in ranked]
+
+
+def _fewest_float_layers(search: _Search, order: list[str], cap: int) -> list[str]:
+    """Steps 3 and 4: bisect the fewest of the worst layers to keep in float, then prune; within ``cap``.
+    Sets ``after``, ``met`` and (the cap hit) ``needed`` of the result; returns the layers kept in float."""
+    res = search.res
+    hi, known = _bisect(search, order)
+    limit = min(cap, len(order))
+    if hi > limit:  # the cap is hit: the best within it, and what the target would need
+        res.needed = hi
+        kept = order[:limit]
+        res.after = known.get(limit) or search.quality_without(kept)
+        res.met = False
+        return kept
+    kept = order[:hi]
+    after = known.get(hi) or search.quality_without(kept)
+    # prune: re-quantize kept layers the target does not need, least sensitive first
+    for u in reversed(list(kept)):
+        trial = [k for k in kept if k != u]
+        q = search.quality_without(trial)
+        if search.meets(q):
+            kept, after = trial, q
+    res.after, res.met = after, True
+    return kept
+
+
+def _bisect(search: _Search, order: list[str]) -> tuple[int, dict[int, Quality]]:
+    """The smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (``k = len(order)``
+    is the float model), and every quality measured on the way, by ``k``."""
+    known: dict[int, Quality] = {0: search.res.before}
+    lo, hi = 0, len(order)  # lo fails, hi meets
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        known[mid] = search.quality_without(order[:mid])
+        if search.meets(known[mid]):
+            hi = mid
+        else:
+            lo = mid
+    return hi, known
+
+
+def can_be_dynamic(model: nn.Module, layer: str) -> bool:
+    """``layer`` can run with dynamic int8 activations: a Linear whose input quantizer is enabled and static, with
+    8-bit symmetric calibrated weights (what ``DynamicQuantizeLinear -> MatMulInteger`` exports) and no output
+    quantizer (the dynamic export computes the float output itself)."""
+    m = model.get_submodule(layer)
+    if not isinstance(m, QuantLinear) or not m.input_quantizer.enabled or m.input_quantizer.desc.dynamic:
+        return False
+    out = getattr(m, "output_quantizer", None)
+    return (out is None or not out.enabled) and exportable(m) is None
+
+
+@contextmanager
+def dynamic_inputs(model: nn.Module, layers: Iterable[str]) -> Iterator[None]:
+    """Within the block, the input quantizers of ``layers`` quantize dynamically (uint8, per tensor, as ONNX
+    ``DynamicQuantizeLinear``); their descriptors come back after."""
+    saved = []
+    try:
+        for u in layers:
+            q = model.get_submodule(u).input_quantizer
+            saved.append((q, q.desc))
+            q.desc = DYNAMIC_INPUT
+        yield
+    finally:
+        for q, desc in saved:
+            q.desc = desc
+
+
+def make_dynamic(model: nn.Module, layer: str) -> None:
+    """For good: ``layer``'s input quantizer is dynamic (its calibrated range is dropped)."""
+    q = model.get_submodule(layer).input_quantizer
+    q.desc = DYNAMIC_INPUT
+    q.amax = None
+    q.amin = None
+
+
+def _prefer_dynamic(search: _Search, res: MixedPrecisionResult) -> None:
+    """Step 5: move kept layers, least sensitive first, from float to dynamic int8 where the target stays met."""
+    kept, dynamic = list(res.kept_float), []
+    for u in reversed(res.kept_float):
+        if not can_be_dynamic(search.model, u):
+            continue
+        trial_float = [k for k in kept if k != u]
+        q = search.quality_without(trial_float, dynamic + [u])
+        if search.meets(q):
+            kept, dynamic, res.after = trial_float, dynamic + [u], q
+    res.kept_float, res.dynamic = kept, dynamic
+    for u in dynamic:
+        make_dynamic(search.model, u)
+
+
+def _keep_in_float(model: nn.Module, units: dict[str, list[str]], res: MixedPrecisionResult) -> None:
+    """Switch off, for good, the quantizers of the layers the search keeps in float."""
+    qs = quantizers(model)
+    for u in res.kept_float:
+        for name in units[u]:
+            keep_float(qs[name])
+            res.quantizers_disabled.append(name)

@@ -1,0 +1,94 @@
+"""How a command ends: :func:`guarded` turns every error into one line and an exit code.
+
+Library code raises :class:`quantcli.errors.QuantCliError`; here it becomes its first line on stderr and exit 2
+(with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout). A failed numerical check (``verify``) or a
+missed quality target (``calibrate --min-cosine``) is a command's own exit code 1. Ctrl-C is 130, SIGTERM 143.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import warnings
+from dataclasses import dataclass
+
+import typer
+
+from quantcli.cli.output import err, print_json
+
+
+@dataclass
+class RunState:
+    """What this process's run of a command knows beyond its arguments."""
+
+    quiet: bool = False  # a torchrun rank other than 0: rank 0 reports for every rank
+    signalled: int | None = None  # the exit code of the SIGINT/SIGTERM received (entry's handlers), else None
+
+
+STATE = RunState()
+
+
+def fail(message: str, code: int = 2, as_json: bool = False, kind: str = "QuantCliError") -> None:
+    """One line on stderr (with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout), then exit."""
+    if STATE.quiet:
+        raise typer.Exit(code)
+    if as_json:
+        with contextlib.suppress(OSError):
+            print_json({"error": message, "exit_code": code, "kind": kind})
+    if err.is_terminal:
+        err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    else:
+        print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(code)
+
+
+def unexpected(e: BaseException) -> str:
+    """The one line for an exception no library code turned into a QuantCliError: named where the cause is
+    known (a full disk), else its type and first line."""
+    from quantcli.errors import first_line
+    from quantcli.files import no_space
+
+    if no_space(e):
+        where = f" writing {e.filename}" if isinstance(e, OSError) and e.filename else ""
+        return f"no space left on device{where}; free some space or write the output elsewhere (nothing was written)"
+    return f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''} (set QUANTCLI_DEBUG=1 for a traceback)"
+
+
+def interrupted_text(code: int) -> str:
+    return "interrupted" if code == 130 else "terminated"
+
+
+def guarded(command):
+    """A command's error guard. The command returns its exit code (``None``: 0). A QuantCliError becomes its
+    first line on stderr and exit 2; Ctrl-C exit 130 (SIGTERM 143), whatever it interrupted (an import that
+    turns the interrupt into an ImportError included); anything unexpected (a bug, an input we did not foresee)
+    one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set. With ``--json`` the error is
+    also a JSON object on stdout."""
+
+    @functools.wraps(command)
+    def run(*args, **kwargs):
+        from quantcli.errors import QuantCliError, first_line
+
+        as_json = bool(kwargs.get("as_json"))
+        try:
+            with warnings.catch_warnings():  # a library's warnings are not the tool's: stderr stays one line
+                if not os.environ.get("QUANTCLI_DEBUG"):
+                    warnings.simplefilter("ignore")
+                code = command(*args, **kwargs)
+        except typer.Exit:
+            raise
+        except BaseException as e:
+            if STATE.signalled is not None or isinstance(e, KeyboardInterrupt):
+                code = STATE.signalled or 130
+                fail(interrupted_text(code), code, as_json, "Interrupted")
+            if isinstance(e, QuantCliError):
+                fail(first_line(e), 2, as_json, type(e).__name__)
+            if not isinstance(e, Exception) or os.environ.get("QUANTCLI_DEBUG"):
+                raise
+            fail(unexpected(e), 2, as_json, type(e).__name__)
+        if code is not None:
+            raise typer.Exit(code)
+
+    return run

@@ -1,0 +1,124 @@
+"""``quantcli verify``: check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check
+failed; 2: bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.table import Table
+
+from quantcli.cli.files import checkpoint_inputs, external, refuse_inputs
+from quantcli.cli.guard import guarded
+from quantcli.cli.options import (
+    PREPROCESSING,
+    THRESHOLDS,
+    BatchSizeOpt,
+    DataOpt,
+    JsonOpt,
+    NumSamplesOpt,
+    Provider,
+    TrustCodeOpt,
+)
+from quantcli.cli.output import err, fmt, out, print_json, table
+
+
+@guarded
+@PREPROCESSING.add
+@THRESHOLDS.add
+def verify(
+    onnx_path: Annotated[Path, typer.Argument(help="The exported ONNX file.")],
+    reference: Annotated[Path, typer.Option("--reference", help="The calibrated checkpoint it was exported from.")],
+    data: DataOpt = None,
+    provider: Annotated[Provider, typer.Option("--provider", help="onnxruntime execution provider.")] = Provider.auto,
+    thresholds=None,
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="Rank quantized layers by their local quantization error.")] = False,
+    report_path: Annotated[Optional[Path], typer.Option("--report", help="Write every metric as JSON to this file.")] = None,
+    batch_size: BatchSizeOpt = None,
+    num_samples: NumSamplesOpt = None,
+    as_json: JsonOpt = False,
+    trust_code: TrustCodeOpt = False,
+    preprocessing=None,
+) -> int:
+    """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
+    from quantcli.files import atomic_write, writable_directory
+    from quantcli.inputs.checkpoint import load_calibrated
+    from quantcli.inputs.data import cap_samples
+    from quantcli.verify import verify_onnx
+
+    if report_path is not None:
+        writable_directory(report_path)  # before the work, not after it
+        refuse_inputs(report_path, [("the graph", onnx_path), ("the graph's external data", external(onnx_path)),
+                                     ("the reference checkpoint", reference), ("--data", data)], "--report")
+    ckpt = load_calibrated(reference, trust_code=trust_code)
+    if report_path is not None:
+        refuse_inputs(report_path, [("the model's file", ckpt.spec.path)], "--report")
+    batches = checkpoint_inputs(ckpt, data, batch_size, num_samples, preprocessing)
+    if batches is None and num_samples is not None:
+        batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
+    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider.value, per_layer=per_layer, **thresholds)
+    d = rep.to_dict()
+    if report_path is not None:
+        atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n"))
+    if as_json:
+        print_json(d)
+    else:
+        render_verify(rep, onnx_path, reference)
+    return 0 if rep.passed else 1
+
+
+def render_verify(rep, onnx_path: Path, reference: Path) -> None:
+    """The checks, the quality of every output, the per-layer ranking (--per-layer), then PASS or FAIL."""
+    out.print(f"verify {onnx_path} against {reference} — {rep.num_samples} samples, {rep.provider}")
+    if rep.provider_note:
+        err.print(f"warning: {rep.provider_note}")
+    st = rep.structure
+    out.print(table("checks", ("check", "threshold", "measured", "result", "where"), _check_rows(rep)))
+    for p in st["problems"][:20]:
+        out.print(f"  structure: {p}")
+    for note in st["notes"]:
+        out.print(f"  structure (info): {note}")
+    for c in rep.checks:
+        if not c.passed and c.detail and len(c.detail) > 120:
+            out.print(f"  {c.name}: {c.detail}")
+    out.print(_qualitytable(rep))
+    if rep.deployment.get("error"):
+        out.print(f"  deployment: {rep.deployment['error']}")
+    for note in rep.deployment.get("notes", []):
+        out.print(f"  deployment: {note}")
+    out.print(f"  per-quantizer evidence on {rep.fidelity['sample_size']} samples; {rep.seconds:.1f} s")
+    if rep.layers:
+        out.print(_layerstable(rep.layers))
+    out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
+
+
+def _check_rows(rep):
+    st = rep.structure
+    pruned = f", {len(st['pruned'])} pruned (unused)" if st["pruned"] else ""
+    yield ("structure", f"{st['quantizers_expected']} quantizers",
+           f"{st['quantizers_found']} found{pruned}, {len(st['problems'])} problem(s)",
+           "pass" if st["passed"] else "FAIL", ", ".join(st["layers_with_problems"][:3]) or "")
+    for c in rep.checks:
+        yield (c.name, ("<= " if c.kind == "max" else ">= ") + fmt(c.threshold), fmt(c.value),
+               "pass" if c.passed else "FAIL", "" if c.passed or not c.detail else c.detail[:120])
+
+
+def _qualitytable(rep) -> Table:
+    dep = rep.deployment.get("outputs", {})
+    rows = ((name, fmt(m["cosine"]), fmt(m["snr_db"]), fmt(m["max_abs_error"]), fmt(m.get("top1_agreement")),
+             fmt(rep.fidelity["outputs"][name]["rms_ratio"]), fmt(dep.get(name, {}).get("rms_ratio")))
+            for name, m in rep.quality["outputs"].items())
+    return table(f"quality vs the float model ({rep.quality['session']} session), deployment vs fake-quant",
+                  ("output", "cosine", "SNR dB", "max abs err", "top-1 agree", "exact rms ratio",
+                   "deployed rms ratio"), rows)
+
+
+def _layerstable(layers: list[dict]) -> Table:
+    rows = ((str(r["rank"]), r["quantizer"], r["kind"], fmt(r["snr_db"]), fmt(r["max_abs_error"]),
+             fmt(r["identical_codes"]), fmt(r["identical_codes_end_to_end"]), fmt(r.get("replay_steps")))
+            for r in layers)
+    return table("layers, worst local quantization error first",
+                  ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes", "end to end",
+                   "replay steps"), rows)

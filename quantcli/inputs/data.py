@@ -1,0 +1,350 @@
+"""Calibration / verification data: files -> a list of keyword batches for ``model(**batch)``.
+
+Formats: ``.npz`` (one array per forward argument, by name; ``arr_0, arr_1, ...`` positional), ``.npy`` (the
+single input), ``.pt`` (a tensor, a dict of tensors, or a list of such batches; read with
+``weights_only=True``), or a directory of such files (one batch per file, sequence lengths may differ).
+Whole arrays are split into batches of ``batch_size``; lists and directories are used batch by batch.
+float64 becomes float32; integer and bool arrays (token ids, masks) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from quantcli import defaults
+from quantcli.errors import DataError, first_line
+
+Batch = dict[str, torch.Tensor]
+_SUFFIXES = (".npz", ".npy", ".pt")
+
+
+def forward_parameters(model: nn.Module) -> tuple[list[str], list[str], bool]:
+    """(all named parameters of forward, the required ones, accepts **kwargs)."""
+    sig = inspect.signature(model.forward)
+    names, required, var_kw = [], [], False
+    for p in sig.parameters.values():
+        if p.kind is p.VAR_KEYWORD:
+            var_kw = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY):
+            names.append(p.name)
+            if p.default is p.empty:
+                required.append(p.name)
+    return names, required, var_kw
+
+
+def _tensor(x, where: str) -> torch.Tensor:
+    if isinstance(x, np.ndarray):
+        if x.dtype == object:
+            raise DataError(f"{where}: object arrays are not supported; save numeric arrays")
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, torch.Tensor):
+        raise DataError(f"{where}: expected an array or tensor, got {type(x).__name__}")
+    if x.is_complex():
+        raise DataError(f"{where}: complex values ({str(x.dtype).replace('torch.', '')}) cannot be model inputs; "
+                        "save the real (or magnitude) part")
+    if x.dtype == torch.float64:
+        x = x.to(torch.float32)
+    return x
+
+
+def _named(raw: dict, names: list[str], where: str) -> Batch:
+    positional = all(re.fullmatch(r"arr_\d+", k) for k in raw)
+    out = {}
+    for k, v in raw.items():
+        if positional:
+            i = int(k[4:])
+            if i >= len(names):
+                raise DataError(f"{where}: {k} is positional argument {i}, but forward takes {len(names)} ({', '.join(names)})")
+            k = names[i]
+        out[k] = _tensor(v, f"{where}[{k}]")
+    return out
+
+
+def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch], bool]:
+    """(batches, whole_arrays): whole arrays may be re-batched. ``mmap``: ``.npy`` and ``.pt`` tensors are
+    memory-mapped (copy-on-write), so only the pages of the batches used are ever read."""
+    where = str(path)
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                raw = {k: z[k] for k in z.files}
+            return [_named(raw, names, where)], True
+        if suffix == ".npy":
+            arr = np.load(path, allow_pickle=False, mmap_mode="c" if mmap else None)
+            if not names:
+                raise DataError(f"{where}: forward takes no arguments")
+            return [{names[0]: _tensor(arr, where)}], True
+        if suffix == ".pt":
+            obj = _load_pt(path, mmap)
+        else:
+            raise DataError(f"{where}: unknown data format {suffix!r}; use .npz, .npy, .pt or a directory of them")
+    except DataError:
+        raise
+    except Exception as e:
+        # a file that is not what its suffix says fails deep in numpy's or torch's readers, whose messages
+        # (pickle advice, a KeyError naming a byte) do not say so
+        detail = first_line(e)
+        if not has_signature(path, suffix):
+            kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
+                    ".pt": "a file written by torch.save"}[suffix]
+            raise DataError(f"cannot read {where}: it is not {kind}") from None
+        raise DataError(f"cannot read {where}: {detail}") from None
+    if isinstance(obj, torch.Tensor):
+        return [{names[0]: _tensor(obj, where)}] if names else [], True
+    if isinstance(obj, dict):
+        return [_named(obj, names, where)], True
+    if isinstance(obj, (list, tuple)):
+        batches = []
+        for i, b in enumerate(obj):
+            if isinstance(b, torch.Tensor):
+                batches.append({names[0]: _tensor(b, f"{where}[{i}]")})
+            elif isinstance(b, dict):
+                batches.append(_named(b, names, f"{where}[{i}]"))
+            else:
+                raise DataError(f"{where}[{i}]: a batch must be a tensor or a dict of tensors, got {type(b).__name__}")
+        return batches, False
+    raise DataError(f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}")
+
+
+def has_signature(path: Path, suffix: str) -> bool:
+    """Whether the file starts as its format does: a zip (.npz; .pt since torch 1.6), numpy's magic (.npy), a
+    pickle protocol 2+ opcode (a legacy torch.save .pt)."""
+    with open(path, "rb") as f:
+        head = f.read(6)
+    if suffix == ".npy":
+        return head == b"\x93NUMPY"
+    return head.startswith(b"PK\x03\x04") or (suffix == ".pt" and head[:1] == b"\x80")
+
+
+def _load_pt(path: Path, mmap: bool):
+    if mmap:
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # a file in the legacy (pre-zip) format cannot be mapped: read it whole
+            pass
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _split(batch: Batch, batch_size: int, where: str) -> list[Batch]:
+    sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items()}
+    if any(s is None for s in sizes.values()):
+        raise DataError(f"{where}: scalar arrays cannot be batched; give each input a leading sample dimension")
+    if len(set(sizes.values())) > 1:
+        raise DataError(f"{where}: inputs have different sample counts {sizes}")
+    n = next(iter(sizes.values()), 0)
+    return [{k: v[i : i + batch_size] for k, v in batch.items()} for i in range(0, n, batch_size)]
+
+
+def check_names(batch: Batch, model: nn.Module, where: str) -> None:
+    names, required, var_kw = forward_parameters(model)
+    for k in batch:
+        if k not in names and not var_kw:
+            raise DataError(f"{where}: input {k!r} is not an argument of forward({', '.join(names)})")
+    missing = [r for r in required if r not in batch]
+    if missing:
+        raise DataError(f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not provide "
+                        f"(it has {', '.join(batch) or 'nothing'})")
+
+
+def load_batches(path: str | Path, model: nn.Module, batch_size: int | None = defaults.BATCH_SIZE,
+                 num_samples: int | None = None, mmap: bool = False) -> list[Batch]:
+    """Read data for ``model`` and return keyword batches, capped at ``num_samples`` samples in total.
+    ``mmap``: memory-map ``.npy`` and ``.pt`` files (a torch.distributed rank reads only its own batches)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data {path} does not exist")
+    names, _, _ = forward_parameters(model)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix.lower() in _SUFFIXES)
+        if not files:
+            raise DataError(f"data directory {path} has no .npz, .npy or .pt files")
+        batches = []
+        for f in files:
+            bs, _ = _read(f, names, mmap)
+            batches += bs
+        whole = False
+    else:
+        batches, whole = _read(path, names, mmap)
+    if whole and batch_size:
+        batches = [s for b in batches for s in _split(b, batch_size, str(path))]
+    batches = cap_samples(batches, num_samples)
+    if not batches or all(_count(b) == 0 for b in batches):
+        raise DataError(f"data {path} holds no samples")
+    for b in batches:
+        check_names(b, model, str(path))
+    return batches
+
+
+def _count(batch: Batch) -> int:
+    v = next(iter(batch.values()), None)
+    return int(v.shape[0]) if v is not None and v.dim() else 1
+
+
+def cap_samples(batches: list[Batch], num_samples: int | None) -> list[Batch]:
+    if num_samples is None:
+        return batches
+    if num_samples <= 0:
+        raise DataError(f"--num-samples must be positive, got {num_samples}")
+    out, seen = [], 0
+    for b in batches:
+        if seen >= num_samples:
+            break
+        take = min(_count(b), num_samples - seen)
+        out.append({k: v[:take] for k, v in b.items()} if take < _count(b) else b)
+        seen += take
+    return out
+
+
+def num_samples(batches: list[Batch]) -> int:
+    return sum(_count(b) for b in batches)
+
+
+def describe(batch: Batch) -> str:
+    """``x: float32[32, 1, 8, 8], mask: int64[32, 9]`` for error messages."""
+    return ", ".join(f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}" for k, v in batch.items())
+
+
+def to_device(batch: Batch, device: torch.device) -> Batch:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def flat_outputs(out) -> list[torch.Tensor]:
+    """The tensors of a model's output in the exporter's order (a tensor, a tuple/list, or a dict)."""
+    if isinstance(out, dict):
+        return [v for v in out.values() if isinstance(v, torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [v for v in out if isinstance(v, torch.Tensor)]
+    return [out]
+
+
+def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
+    """``model(**batch)`` with errors turned into a DataError that names the inputs and their shapes."""
+    try:
+        return model(**batch)
+    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+        msg = first_line(e)
+        raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None
+
+
+@dataclass
+class DataOptions:
+    """How text files and image folders become tensors (tensor files ignore these).
+
+    ``model_folder``: a Hugging Face model folder (default tokenizer, ``preprocessor_config.json``);
+    ``stored``: the preprocessing a calibrated checkpoint recorded (verify's defaults).
+    """
+
+    tokenizer: str | Path | None = None
+    max_length: int | None = None
+    image_size: str | None = None
+    mean: str | None = None
+    std: str | None = None
+    model_folder: str | Path | None = None
+    stored: dict[str, Any] | None = None
+
+
+DEFAULT_MAX_LENGTH = defaults.MAX_LENGTH
+
+
+def load_data(path: str | Path, model: nn.Module, batch_size: int | None = defaults.BATCH_SIZE, num_samples: int | None = None,
+              options: DataOptions | None = None,
+              shard: tuple[int, int] | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+    """:func:`load_batches`, plus text files (``.txt``/``.jsonl``) and folders of JPEG/PNG images.
+
+    Returns ``(batches, preprocessing)``: ``preprocessing`` is plain data saying how text or images became
+    tensors (``None`` for tensor files); a calibrated checkpoint stores it so verify repeats it.
+    ``shard=(rank, world_size)`` keeps batches ``rank, rank + world_size, ...`` (a torch.distributed rank's
+    share, :mod:`quantcli.inputs.shard`); images of the other batches are not decoded.
+    """
+    from quantcli.inputs.text_data import TEXT_SUFFIXES
+
+    opts = options or DataOptions()
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data {path} does not exist")
+    batch_size = batch_size or defaults.BATCH_SIZE
+    names, _, var_kw = forward_parameters(model)
+    if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
+        batches, prep = _text_data(path, names, var_kw, batch_size, num_samples, opts, shard)
+    elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
+        batches, prep = _image_data(path, model, names, batch_size, num_samples, opts, shard)
+    else:
+        batches = load_batches(path, model, batch_size, num_samples, mmap=shard is not None)
+        return (batches if shard is None else batches[shard[0]::shard[1]]), None
+    # forward's order: the torchscript exporter names graph inputs in the batch's key order but passes them
+    # positionally in forward's order (a tokenizer returns token_type_ids before attention_mask)
+    batches = [{**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}} for b in batches]
+    for b in batches:
+        check_names(b, model, str(path))
+    return batches, prep
+
+
+def _text_data(path: Path, names: list[str], var_kw: bool, batch_size: int, num_samples: int | None,
+               opts: DataOptions, shard: tuple[int, int] | None) -> tuple[list[Batch], dict[str, Any]]:
+    """A text file tokenized (the tokenizer stored in a checkpoint, unless ``--tokenizer`` names one): batches,
+    and the preprocessing to store (tokenizer files, max length)."""
+    from quantcli.inputs.text_data import load_tokenizer, read_texts, text_batches, tokenizer_files
+
+    stored = opts.stored or {}
+    texts = read_texts(path)
+    if num_samples is not None:
+        texts = texts[:_positive_samples(num_samples)]
+    max_length = opts.max_length or (stored.get("max_length") if stored.get("kind") == "text" else None) \
+        or DEFAULT_MAX_LENGTH
+    folder = opts.tokenizer or opts.model_folder
+    kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
+    if opts.tokenizer is None and kept:
+        tok = load_tokenizer(None, {k: v.numpy().tobytes() for k, v in kept.items()})
+        source, files = stored.get("tokenizer", "stored in the checkpoint"), kept
+    else:
+        tok = load_tokenizer(folder)
+        source = str(folder)
+        files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
+                 for k, v in tokenizer_files(folder).items()}
+    batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
+    if shard is not None:
+        batches = batches[shard[0]::shard[1]]
+    return batches, {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
+
+
+def _image_data(path: Path, model: nn.Module, names: list[str], batch_size: int, num_samples: int | None,
+                opts: DataOptions, shard: tuple[int, int] | None) -> tuple[list[Batch], dict[str, Any]]:
+    """A folder of images decoded and normalised (the checkpoint's settings unless options override them):
+    batches, and the preprocessing to store (size, mean, std)."""
+    from quantcli.inputs.image_data import image_batches, image_settings, parse_floats, parse_size
+
+    stored = opts.stored or {}
+    if not names:
+        raise DataError(f"{path}: forward takes no arguments")
+    settings = image_settings(opts.model_folder, parse_size(opts.image_size), parse_floats(opts.mean, "--mean"),
+                              parse_floats(opts.std, "--std"), stored if stored.get("kind") == "image" else None)
+    if num_samples is not None:
+        _positive_samples(num_samples)
+    batches = image_batches(path, model, names[0], settings, batch_size, num_samples, shard)
+    prep = settings.to_plain()
+    prep["summary"] = settings.describe()
+    return batches, prep
+
+
+def _positive_samples(n: int) -> int:
+    if n <= 0:
+        raise DataError(f"--num-samples must be positive, got {n}")
+    return n
+
+
+def describe_preprocessing(prep: dict[str, Any] | None) -> str | None:
+    """One line for summaries: which tokenizer / image settings were used."""
+    if not prep:
+        return None
+    if prep["kind"] == "text":
+        return f"tokenized with {prep['tokenizer']} (max length {prep['max_length']}, padded per batch)"
+    return prep.get("summary")
