@@ -29,14 +29,6 @@ def test_test_command_is_the_one_ci_runs():
     assert "python -m pytest -q" in (README.parent / ".ci" / "run").read_text()
 
 
-def test_python_api_example_runs_as_written(tmp_path, monkeypatch):
-    text = README.read_text().split("## Python API", 1)[1]
-    code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, "README.md", "exec"), {})
-    assert (tmp_path / "digits.onnx").is_file()
-
-
 def _blocks_after(heading: str) -> list[str]:
     section = README.read_text().split(heading, 1)[1].split("\n## ", 1)[0]
     return [b.strip() for b in re.findall(r"```bash\n(.*?)```", section, re.S)]
