@@ -3,7 +3,8 @@ under ``if TYPE_CHECKING``.
 
 Every module of ``quantcli/``, ``calibrators/`` and ``exporters/`` is parsed with :mod:`ast` (nothing is
 imported); each import is resolved to the module it loads and compared with the importer's layer. A module in no
-layer fails too, so a new file has to be placed. The order, bottom-up, is the one the README states.
+layer fails too, so a new file has to be placed; so does a cycle (two modules importing each other, directly or
+round a loop). The order, bottom-up, is the one docs/architecture.md states.
 """
 
 from __future__ import annotations
@@ -16,28 +17,29 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("quantcli", "calibrators", "exporters")
 
-#: bottom-up; a module may import from its own layer and the ones before it. ``pkg.*`` places a whole package.
+#: bottom-up; a module may import from its own layer and the ones before it. ``pkg.*`` places a whole package: one
+#: rule per package (docs/architecture.md states the same order)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("quantcli", "quantcli.lazy", "quantcli.quant.arithmetic", "quantcli.errors", "quantcli.files")),
+    ("foundation", ("quantcli", "quantcli.lazy", "quantcli.errors", "quantcli.files", "quantcli.defaults")),
+    ("quant", ("quantcli.quant", "quantcli.quant.*", "quantcli.tensor_quant", "quantcli.affine")),
     ("calibrators", ("calibrators", "calibrators.*")),
-    ("descriptors", ("quantcli.quant.descriptor", "quantcli.quant.granularity", "quantcli.quant.formats")),
-    ("quantize ops", ("quantcli.quant.tensor_quant", "quantcli.quant.qdq", "quantcli.quant.affine")),
     ("nn", ("quantcli.nn", "quantcli.nn.*")),
-    ("inputs", ("quantcli.inputs.loading", "quantcli.inputs.data", "quantcli.inputs.hf_model", "quantcli.inputs.whole_module", "quantcli.inputs.trust",
-                "quantcli.inputs.text_data", "quantcli.inputs.image_data")),
+    ("inputs", ("quantcli.inputs", "quantcli.inputs.*")),
     ("exporters", ("exporters", "exporters.*")),
-    ("workflows", ("quantcli.calibration.calibrate", "quantcli.calibration.job", "quantcli.inputs.checkpoint", "quantcli.calibration.smoothquant", "quantcli.calibration.process_group",
-                   "quantcli.calibration.gptq", "quantcli.calibration.awq", "quantcli.calibration.weight_rounding",
-                   "quantcli.inputs.shard", "quantcli.analysis.quality", "quantcli.analysis.sensitivity", "quantcli.calibration.mixed_precision", "quantcli.calibration.latency_placement",
-                   "quantcli.analysis.analyze", "quantcli.analysis.report_html", "quantcli.analysis.inspect", "quantcli.verify",
-                   "quantcli.verify.*")),
-    ("cli", ("quantcli.cli", "quantcli.__main__")),
+    ("analysis", ("quantcli.analysis", "quantcli.analysis.*")),
+    ("calibration", ("quantcli.calibration", "quantcli.calibration.*")),
+    ("verify", ("quantcli.verify", "quantcli.verify.*")),
+    ("cli", ("quantcli.cli", "quantcli.cli.*", "quantcli.__main__")),
 ]
 
 #: package ``__init__`` modules whose attributes load lazily (PEP 562 ``__getattr__``): ``from quantcli import
 #: calibrate`` is an import of the module that defines ``calibrate``, and the facade's own ``importlib`` calls
 #: are that mechanism, not an edge of the facade (it imports nothing when it loads).
-FACADES = {"quantcli": "_LAZY"}
+FACADES = {"quantcli": "_LAZY", "calibrators": "_LAZY", "quantcli.cli": "_LAZY"}
+
+#: the import paths the public contract names (DESIGN.md), each the same module object as its ``quantcli.quant``
+#: module; nothing in the repository imports through them
+PUBLIC_PATHS = {"quantcli.tensor_quant": "quantcli.quant.tensor_quant", "quantcli.affine": "quantcli.quant.affine"}
 
 
 def layer_of(module: str, layers=LAYERS) -> int | None:
@@ -113,6 +115,71 @@ def imports_of(source: str, module: str, is_package: bool, known: set[str],
     return out
 
 
+def module_edges(source: str, module: str, is_package: bool, known: set[str],
+                 lazy: dict[str, dict[str, str]]) -> set[str]:
+    """The modules of ours that ``source`` itself names, anywhere in the file: ``from a.b import c`` is an edge to
+    ``a.b.c`` where that is a module, else to ``a.b``; a facade's name is an edge to the module defining it. The
+    packages a module sits in are not edges of it (Python runs their ``__init__`` first, but a package importing
+    its submodules is no cycle)."""
+    direct = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            direct |= {a.name for a in node.names if _ours(a.name)}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not _ours(target):
+                continue
+            subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known}
+            named = {lazy[target][a.name] for a in node.names if a.name in lazy.get(target, {})}
+            direct |= subs | named
+            if len(subs) + len(named) < len(node.names):
+                direct.add(target)
+        elif module not in lazy and isinstance(node, ast.Call):
+            name = _literal_module(node)
+            if name and _ours(name):
+                direct.add(name)
+    return direct - {module}
+
+
+def cycles(sources: dict[str, tuple[str, str, bool]]) -> list[list[str]]:
+    """Every group of modules that import each other round a loop (Tarjan's strongly connected components)."""
+    known = set(sources)
+    lazy = {m: lazy_names(sources[m][1], table) for m, table in FACADES.items() if m in sources}
+    graph = {m: sorted(module_edges(src, m, pkg, known, lazy) & known) for m, (_, src, pkg) in sources.items()}
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def violations(sources: dict[str, tuple[str, str, bool]], layers=LAYERS) -> list[str]:
     """``sources``: module -> (path, source, is_package). One message per upward edge or unplaced module."""
     known = set(sources)
@@ -122,7 +189,7 @@ def violations(sources: dict[str, tuple[str, str, bool]], layers=LAYERS) -> list
         here = layer_of(module, layers)
         if here is None:
             problems.append(f"{path}: module {module} is in no layer; place it in LAYERS (tests/test_layering.py) "
-                            "and the README's layer order")
+                            "and docs/architecture.md's layer order")
             continue
         edges = sorted(set(imports_of(source, module, is_package, known, lazy)))
         for line, imported in edges:
@@ -186,12 +253,14 @@ def test_control_an_upward_import_is_reported_with_file_line_and_edge():
     src = _synthetic(**{
         "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration.calibrate'}\n",
         "quantcli.quant.arithmetic": "import torch\n\n\ndef f():\n    from exporters.qdq import emit\n    return emit\n",
+        "quantcli.quant.__init__": "",
+        "quantcli.calibration.__init__": "",
         "quantcli.calibration.calibrate": "from quantcli import arithmetic\n",
         "exporters.__init__": "",
         "exporters.qdq": "from quantcli.quant.arithmetic import f\n",
     })
     assert violations(src) == [
-        "quantcli/quant/arithmetic.py:5: quantcli.quant.arithmetic (foundation) imports exporters.qdq (exporters), "
+        "quantcli/quant/arithmetic.py:5: quantcli.quant.arithmetic (quant) imports exporters.qdq (exporters), "
         "a layer above it",
     ]
 
@@ -201,10 +270,11 @@ def test_control_hidden_upward_imports_are_found():
     src = _synthetic(**{
         "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration.calibrate'}\n",
         "quantcli.errors": "",
+        "quantcli.calibration.__init__": "",
         "quantcli.calibration.calibrate": "",
         "quantcli.nn.__init__": "",
         "quantcli.nn.modules": "import sys\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                               "    from ..calibration import X\n",
+                               "    from ..calibration.calibrate import X\n",
         "quantcli.nn.config": "from quantcli import calibrate\n",
         "quantcli.nn.replace": "import importlib\nimportlib.import_module('quantcli.calibration.calibrate')\n",
         "quantcli.nn.dynamic": "import sys\nd = sys.modules.get('quantcli.calibration.calibrate')\n",
@@ -213,7 +283,7 @@ def test_control_hidden_upward_imports_are_found():
     problems = violations(src)
     assert [p.split(": ")[0] for p in problems] == [
         "quantcli/nn/config.py:1", "quantcli/nn/dynamic.py:2", "quantcli/nn/modules.py:4", "quantcli/nn/replace.py:2"]
-    assert all("imports quantcli.calibration.calibrate (workflows), a layer above it" in p for p in problems)
+    assert all("imports quantcli.calibration.calibrate (calibration), a layer above it" in p for p in problems)
 
 
 def test_control_unplaced_and_unknown_modules_fail():
@@ -227,13 +297,14 @@ def test_control_unplaced_and_unknown_modules_fail():
         "quantcli/calibration/calibrate.py:1: quantcli.calibration.calibrate imports quantcli.gone, which is not a module of this "
         "repository",
         "quantcli/newthing.py: module quantcli.newthing is in no layer; place it in LAYERS "
-        "(tests/test_layering.py) and the README's layer order",
+        "(tests/test_layering.py) and docs/architecture.md's layer order",
     ]
 
 
 def test_control_downward_and_same_layer_imports_pass():
     src = _synthetic(**{
         "quantcli.__init__": "__version__ = '0'\n",
+        "quantcli.quant.__init__": "",
         "quantcli.quant.arithmetic": "",
         "quantcli.errors": "",
         "quantcli.cli": "from quantcli import __version__\nfrom exporters import export_onnx\n",
@@ -250,31 +321,37 @@ def _stated(text: str, layer: str) -> set[str]:
 
 
 def _expected(patterns: tuple[str, ...]) -> set[str]:
-    """How the README names a layer's entries: a package as its folder, a module by its last name."""
+    """How docs/architecture.md names a layer's entries: a package as its folder, a package's ``__init__`` that is
+    a layer of its own by its path, a module by its last name."""
     out = set()
     for p in patterns:
         if p.endswith(".*"):
             out.add(p[:-2].replace(".", "/") + "/")
-        elif p not in PACKAGES and p + ".*" not in patterns:
+        elif p in PACKAGES:
+            if p + ".*" not in patterns:
+                out.add(f"{p}/__init__.py")
+        elif p + ".*" not in patterns:
             out.add(p.rsplit(".", 1)[1])
     return out
 
 
-def test_readme_states_the_layer_order():
-    stated = " ".join((ROOT / "README.md").read_text().split("Layers, bottom-up:", 1)[1].split("\n\n", 1)[0].split())
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+
+
+def test_architecture_states_the_layer_order():
+    stated = " ".join(ARCHITECTURE.read_text().split("Layers, bottom-up:", 1)[1].split("\n\n", 1)[0].split())
     positions = [stated.find(f"**{name}**") for name, _ in LAYERS]
     assert all(p >= 0 for p in positions) and positions == sorted(positions), stated
     for name, patterns in LAYERS:
         assert _stated(stated, name) == _expected(patterns), name
 
 
-def test_readme_layout_names_every_module():
+def test_architecture_layout_names_every_module():
     """Each file is in the layout table: by its path, or by its name in the row of its directory."""
-    rows = [line for line in (ROOT / "README.md").read_text().split("## Layout", 1)[1].splitlines()
-            if line.startswith("| ")]
+    rows = [line for line in ARCHITECTURE.read_text().split("## Layout", 1)[1].splitlines() if line.startswith("| ")]
     missing = []
     for path, _, is_package in repository_sources().values():
-        if is_package:
+        if is_package and path not in ("quantcli/__init__.py",):
             continue
         folder, name = path.rsplit("/", 1)
         if not any(f"`{path}`" in row or (f"`{folder}/`" in row and f"`{name}`" in row) for row in rows):
@@ -282,22 +359,42 @@ def test_readme_layout_names_every_module():
     assert missing == []
 
 
-def test_moved_names_still_import_from_their_old_modules():
-    """What moved down a layer is re-exported where it was, as the same object."""
+def test_no_import_cycles():
+    """Function-local imports included: two modules that need each other are one concept or a missing third."""
+    assert cycles(repository_sources()) == []
+
+
+def test_control_cycles_are_found_through_local_and_from_imports():
+    src = _synthetic(**{
+        "quantcli.__init__": "",
+        "quantcli.nn.__init__": "from quantcli.nn.replace import quantize_model\n",
+        "quantcli.nn.fold_bn": "def f():\n    from quantcli.nn.modes import m\n",
+        "quantcli.nn.modes": "from quantcli.nn import replace\n",
+        "quantcli.nn.replace": "from quantcli.nn.fold_bn import fold\nfrom quantcli.nn.config import C\n",
+        "quantcli.nn.config": "from quantcli.nn import replace\n",
+        "quantcli.inputs.loading": "def g():\n    from quantcli.inputs.hf_model import h\n",
+        "quantcli.inputs.hf_model": "from quantcli.inputs.loading import ModelSpec\n",
+        "quantcli.inputs.data": "from quantcli.inputs import loading\n",
+    })
+    assert cycles(src) == [["quantcli.inputs.hf_model", "quantcli.inputs.loading"],
+                           ["quantcli.nn.config", "quantcli.nn.fold_bn", "quantcli.nn.modes", "quantcli.nn.replace"]]
+    # a package importing its submodules, and submodules importing the package's siblings, is no cycle
+    del src["quantcli.nn.fold_bn"], src["quantcli.nn.config"], src["quantcli.inputs.hf_model"]
+    src["quantcli.nn.replace"] = ("quantcli/nn/replace.py", "from quantcli.nn.modes import m\n", False)
+    src["quantcli.nn.modes"] = ("quantcli/nn/modes.py", "from quantcli.nn.tensor_quantizer import T\n", False)
+    assert cycles(src) == []
+
+
+def test_public_paths_are_their_quant_modules_and_unused_inside():
+    """``quantcli.tensor_quant`` and ``quantcli.affine`` (the contract's import paths) are the very modules that
+    define the ops, and no module of the repository imports through them."""
     import importlib
 
-    moved = {
-        "exporters.qdq": ("quantcli.quant.qdq", ["QdqSpec", "constant_value", "symmetric_spec", "affine_spec", "e4m3_spec",
-                                           "check_opset", "emit", "symmetric_qdq", "symmetric_quantize", "affine_qdq",
-                                           "e4m3_qdq", "int32_bias_dq"]),
-        "exporters.formats": ("quantcli.quant.formats", ["OnnxQuantType", "INT8", "UINT8", "INT4", "UINT4", "INT16", "UINT16",
-                                                   "FP8_E4M3", "INT32", "ALL", "BY_ELEM_TYPE", "BY_NAME",
-                                                   "BLOCKED_MIN_OPSET", "MIN_OPSET", "integer_type", "emitted_type",
-                                                   "format_name", "required_opset"]),
-        "exporters.custom_ops": ("quantcli.quant.qdq", ["export_amax"]),
-        "exporters.dynamic_linear": ("quantcli.nn.dynamic", ["weight_spec", "dynamic_linear_symbolic"]),
-        "quantcli.quant.tensor_quant": ("quantcli.quant.arithmetic", ["affine_qparams"]),
-    }
-    for old, (new, names) in moved.items():
-        a, b = importlib.import_module(old), importlib.import_module(new)
-        assert [n for n in names if getattr(a, n, None) is not getattr(b, n)] == [], old
+    for public, defining in PUBLIC_PATHS.items():
+        assert importlib.import_module(public) is importlib.import_module(defining), public
+    sources = repository_sources()
+    known = set(sources)
+    lazy = {m: lazy_names(sources[m][1], table) for m, table in FACADES.items() if m in sources}
+    users = sorted(m for m, (_, src, pkg) in sources.items() if m not in PUBLIC_PATHS
+                   and module_edges(src, m, pkg, known, lazy) & set(PUBLIC_PATHS))
+    assert users == []

@@ -5,7 +5,6 @@ import math
 
 import pytest
 import torch
-from exporters.formats import format_name as export_format_name
 
 from calibrators.methods import AMAX_METHODS
 from quantcli.analysis.inspect import _format
@@ -14,6 +13,7 @@ from quantcli.analysis.report_html import render
 from quantcli.errors import first_line
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor, to_plain
+from quantcli.quant.formats import format_name
 from quantcli.verify.stats import PairStats
 
 FORMATS = [
@@ -37,10 +37,10 @@ def test_one_format_name_for_the_descriptor_inspect_and_the_module_repr(kwargs, 
 
 
 def test_export_format_names_in_errors():
-    assert export_format_name(8, False) == "int8"
-    assert export_format_name(4, True, True) == "uint4 blocked"
-    assert export_format_name((4, 3), False, True) == "fp8-e4m3"  # FP8 blocks are not named
-    assert export_format_name([4, 3], False) == "fp8-e4m3"  # as a checkpoint stores it
+    assert format_name(8, False) == "int8"
+    assert format_name(4, True, True) == "uint4 blocked"
+    assert format_name((4, 3), False, True) == "fp8-e4m3"  # FP8 blocks are not named
+    assert format_name([4, 3], False) == "fp8-e4m3"  # as a checkpoint stores it
 
 
 def test_to_plain_turns_every_tuple_into_a_list():

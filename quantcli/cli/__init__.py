@@ -8,6 +8,11 @@ One module per command (:mod:`~quantcli.cli.calibrate`, :mod:`~quantcli.cli.expo
 ``quantcli --help`` starts fast.
 """
 
-from quantcli.cli.entry import app, main
+from quantcli.lazy import lazy_getattr
 
-__all__ = ["app", "main"]
+# loaded on first use, so that this package imports nothing when it loads (no import cycle through it)
+_LAZY = {"app": "quantcli.cli.app", "main": "quantcli.cli.entry"}
+
+__all__ = list(_LAZY)
+
+__getattr__ = lazy_getattr("quantcli.cli", _LAZY)

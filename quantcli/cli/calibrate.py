@@ -17,7 +17,7 @@ from quantcli.cli.output import err, fmt, key_value_table, out, print_json, prog
 @guarded
 @PREPROCESSING.add
 def calibrate(
-    model: Annotated[str, typer.Argument(help="package.module:factory, path/to/file.py:factory, a sample model (digits_cnn, text_encoder), a Hugging Face model folder, or a torch.save(model) file (with --trust-pickle).")],
+    model: Annotated[str, typer.Argument(help="package.module:factory, path/to/file.py:factory, a sample model (digits_cnn, text_encoder, tiny_lm), a Hugging Face model folder, or a torch.save(model) file (with --trust-pickle).")],
     weights: Annotated[Optional[Path], typer.Option("--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True).")] = None,
     data: DataOpt = None,
     config: Annotated[str, typer.Option("--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or a YAML/JSON file.")] = defaults.CONFIG,
