@@ -1,1 +1,2 @@
-"""Performance scripts. Each prints ratios against a reference run in the same process; nothing here is asserted."""
+"""Performance scripts. Each prints ratios against a reference run in the same process; nothing here is
+asserted."""

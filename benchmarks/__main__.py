@@ -19,8 +19,11 @@ from benchmarks import (
 
 p = argparse.ArgumentParser(description=__doc__)
 p.add_argument("--device", default="cpu")
-p.add_argument("--quick", action="store_true",
-               help="skip the minutes-long per-candidate loop references; one run per row against onnxruntime")
+p.add_argument(
+    "--quick",
+    action="store_true",
+    help="skip the minutes-long per-candidate loop references; one run per row against onnxruntime",
+)
 a = p.parse_args()
 bench_startup.main([])
 print()

@@ -42,18 +42,29 @@ def _splits(name: str):
     """(float model, calibration batches, held-out batches for the target search, test batches)."""
     if name == "deep_encoder":
         from sample_models import structured
+
         model = structured.deep_encoder()
         calib, ev = structured.deep_encoder_batches("calib"), structured.deep_encoder_batches("eval")
     else:
         from sample_models import text_encoder
+
         model = text_encoder.build()
         calib, ev = text_encoder.calibration_batches(), text_encoder.evaluation_batches()
     # deep_encoder: 200 test samples (4 batches) bound the minutes its float and quantized passes take
     return model.eval(), calib, ev[:2], (ev[2:6] if name == "deep_encoder" else ev[2:])
 
 
-def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: Path, config: str = "int8",
-          smoothquant: float | None = None, prefer_dynamic: bool = True) -> dict:
+def _ours(
+    fmodel,
+    calib,
+    holdout,
+    method: str,
+    min_cosine: float | None,
+    path: Path,
+    config: str = "int8",
+    smoothquant: float | None = None,
+    prefer_dynamic: bool = True,
+) -> dict:
     from exporters import export_onnx
     from quantcli.calibration.calibrate import calibrate
     from quantcli.calibration.mixed_precision import meet_target
@@ -61,7 +72,8 @@ def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: P
 
     m = quantize_model(copy.deepcopy(fmodel), config)
     t = time.perf_counter()
-    if smoothquant is not None:  # as calibrate --smoothquant does: smooth, then calibrate the smoothed tensors
+    # as calibrate --smoothquant does: smooth, then calibrate the smoothed tensors
+    if smoothquant is not None:
         from quantcli.calibration.smoothquant import smooth_quant
 
         smooth_quant(m, calib, smoothquant, device="cpu")
@@ -69,7 +81,8 @@ def _ours(fmodel, calib, holdout, method: str, min_cosine: float | None, path: P
     kept = 0
     if min_cosine is not None:
         r = meet_target(m, holdout, min_cosine=min_cosine, prefer_dynamic=prefer_dynamic)
-        # layers the target moved to dynamic int8 activations instead of float are counted beside the float ones
+        # layers the target moved to dynamic int8 activations instead of float are counted beside the float
+        # ones
         kept = len(r.kept_float) if not r.dynamic else f"{len(r.kept_float)} (+{len(r.dynamic)} dynamic int8)"
     secs = time.perf_counter() - t
     with warnings.catch_warnings():
@@ -83,8 +96,17 @@ def _float_onnx(fmodel, example, path: Path) -> None:
     dyn = {n: {0: "batch", 1: "seq"} for n in names}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(fmodel, (), str(path), kwargs=dict(example), input_names=names, output_names=["out"],
-                          dynamic_axes=dyn, opset_version=17, dynamo=False)
+        torch.onnx.export(
+            fmodel,
+            (),
+            str(path),
+            kwargs=dict(example),
+            input_names=names,
+            output_names=["out"],
+            dynamic_axes=dyn,
+            opset_version=17,
+            dynamo=False,
+        )
 
 
 def _ort_references(fp32: Path, calib, d: Path) -> dict[str, dict]:
@@ -98,7 +120,8 @@ def _ort_references(fp32: Path, calib, d: Path) -> dict[str, dict]:
 
 
 def _ort_quantized(fp32: Path, calib, d: Path) -> dict[str, dict]:
-    """quantize_dynamic (per-channel int8 weights) and quantize_static (QDQ, MinMax, per-channel) of ``fp32``."""
+    """quantize_dynamic (per-channel int8 weights) and quantize_static (QDQ, MinMax, per-channel) of
+    ``fp32``."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         CalibrationMethod,
@@ -128,9 +151,16 @@ def _ort_quantized(fp32: Path, calib, d: Path) -> dict[str, dict]:
         pre = fp32
     st = d / "ort_static.onnx"
     t = time.perf_counter()
-    quantize_static(str(pre), str(st), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
-                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
-                    calibrate_method=CalibrationMethod.MinMax)
+    quantize_static(
+        str(pre),
+        str(st),
+        Reader(),
+        quant_format=QuantFormat.QDQ,
+        per_channel=True,
+        activation_type=QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        calibrate_method=CalibrationMethod.MinMax,
+    )
     out["onnxruntime quantize_static"] = {"path": st, "kept": "-", "calib s": time.perf_counter() - t}
     return out
 
@@ -142,8 +172,9 @@ def _session(path: Path, disabled_optimizers: tuple[str, ...] = ()):
     so.intra_op_num_threads = 1
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"],
-                                disabled_optimizers=list(disabled_optimizers))
+    return ort.InferenceSession(
+        str(path), so, providers=["CPUExecutionProvider"], disabled_optimizers=list(disabled_optimizers)
+    )
 
 
 def _feeds(sess, batch) -> dict:
@@ -162,9 +193,10 @@ def _quality(sess, refs, batches) -> tuple[float, float]:
 
 
 def _latencies(sessions: dict, batch, repeat: int, reference: str) -> dict[str, tuple[float, float]]:
-    """Per session: (best of ``repeat`` runs in seconds, the median over rounds of its time / the reference's
-    time in the same round). The sessions run interleaved, round after round, so that a change of machine load
-    hits them alike; the paired ratio is what stays steady on a loaded machine, where best-of is heavy-tailed."""
+    """Per session: (best of ``repeat`` runs in seconds, the median over rounds of its time / the
+    reference's time in the same round). The sessions run interleaved, round after round, so that a change
+    of machine load hits them alike; the paired ratio is what stays steady on a loaded machine, where
+    best-of is heavy-tailed."""
     feeds = {k: _feeds(s, batch) for k, s in sessions.items()}
     for k, s in sessions.items():
         s.run(None, feeds[k])  # warm-up
@@ -187,18 +219,26 @@ def accuracy_rows(name: str, repeat: int, methods=METHODS) -> tuple[list[dict], 
         _float_onnx(fmodel, {k: v[:2] for k, v in calib[0].items()}, fp32)
         variants = {"float (onnx, opset 17)": {"path": fp32, "kept": "all", "calib s": None}}
         for method in methods:
-            variants[f"quantcli --method {method}"] = _ours(fmodel, calib, holdout, method, None, d / f"{method}.onnx")
+            variants[f"quantcli --method {method}"] = _ours(
+                fmodel, calib, holdout, method, None, d / f"{method}.onnx"
+            )
         variants[f"quantcli --method auto --min-cosine {TARGET_COSINE}"] = _ours(
-            fmodel, calib, holdout, "auto", TARGET_COSINE, d / "auto_target.onnx")
+            fmodel, calib, holdout, "auto", TARGET_COSINE, d / "auto_target.onnx"
+        )
         variants[f"quantcli --method max --min-cosine {TARGET_COSINE}"] = _ours(
-            fmodel, calib, holdout, "max", TARGET_COSINE, d / "max_target.onnx")
-        variants["quantcli --smoothquant --method auto"] = _ours(fmodel, calib, holdout, "auto", None,
-                                                                 d / "sq_auto.onnx", smoothquant=0.5)
-        default = f"quantcli --smoothquant --method auto --min-cosine {TARGET_COSINE}"  # the README's quick start
-        variants[default] = _ours(fmodel, calib, holdout, "auto", TARGET_COSINE, d / "sq_auto_target.onnx",
-                                  smoothquant=0.5)
-        variants["quantcli --config int8-dynamic"] = _ours(fmodel, calib, holdout, "max", None, d / "dynamic.onnx",
-                                                           config="int8-dynamic")
+            fmodel, calib, holdout, "max", TARGET_COSINE, d / "max_target.onnx"
+        )
+        variants["quantcli --smoothquant --method auto"] = _ours(
+            fmodel, calib, holdout, "auto", None, d / "sq_auto.onnx", smoothquant=0.5
+        )
+        # the README's quick start
+        default = f"quantcli --smoothquant --method auto --min-cosine {TARGET_COSINE}"
+        variants[default] = _ours(
+            fmodel, calib, holdout, "auto", TARGET_COSINE, d / "sq_auto_target.onnx", smoothquant=0.5
+        )
+        variants["quantcli --config int8-dynamic"] = _ours(
+            fmodel, calib, holdout, "max", None, d / "dynamic.onnx", config="int8-dynamic"
+        )
         variants.update(_ort_references(fp32, calib, d))
         # not the reference (a user runs quantize_dynamic's file with default options): the same file without
         # onnxruntime's SkipLayerNormalization fusion, whose CPU kernel quantcli's graphs keep away
@@ -212,16 +252,29 @@ def accuracy_rows(name: str, repeat: int, methods=METHODS) -> tuple[list[dict], 
             cos, snr = _quality(sessions[k], refs, test)
             best, ratio = lat[k]
             v.update(cos=cos, snr=snr, ms=best * 1e3, ratio=ratio)
-            rows.append({"variant": k, "cosine": f"{cos:.5f}", "SNR dB": f"{snr:.2f}", "best ms": f"{best * 1e3:.1f}",
-                         "vs dynamic": f"{ratio:.2f}x", "kept in float": v["kept"],
-                         "calibrate s": "-" if v["calib s"] is None else f"{v['calib s']:.1f}"})
+            rows.append(
+                {
+                    "variant": k,
+                    "cosine": f"{cos:.5f}",
+                    "SNR dB": f"{snr:.2f}",
+                    "best ms": f"{best * 1e3:.1f}",
+                    "vs dynamic": f"{ratio:.2f}x",
+                    "kept in float": v["kept"],
+                    "calibrate s": "-" if v["calib s"] is None else f"{v['calib s']:.1f}",
+                }
+            )
         dyn = variants["onnxruntime quantize_dynamic"]["ms"]
         ours = variants[default]
-        verdict = {"cosine": ours["cos"], "ms": ours["ms"], "dynamic ms": dyn, "ratio": ours["ratio"],
-                   "dynamic cosine": variants["onnxruntime quantize_dynamic"]["cos"],
-                   "ratio to unfused": ours["ratio"] / variants[NO_SKIP]["ratio"],
-                   "test samples": sum(int(next(iter(b.values())).shape[0]) for b in test),
-                   "latency batch": list(next(iter(test[0].values())).shape)}
+        verdict = {
+            "cosine": ours["cos"],
+            "ms": ours["ms"],
+            "dynamic ms": dyn,
+            "ratio": ours["ratio"],
+            "dynamic cosine": variants["onnxruntime quantize_dynamic"]["cos"],
+            "ratio to unfused": ours["ratio"] / variants[NO_SKIP]["ratio"],
+            "test samples": sum(int(next(iter(b.values())).shape[0]) for b in test),
+            "latency batch": list(next(iter(test[0].values())).shape),
+        }
     return rows, verdict
 
 
@@ -237,6 +290,7 @@ def analyze_vs_verify(repeat: int = 3) -> dict:
     from quantcli.nn import quantize_model
     from quantcli.verify import verify_onnx
     from sample_models import text_encoder
+
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
         m, spec = load_model("text_encoder")
@@ -283,23 +337,38 @@ def main(argv=None):
     cols = ["variant", "cosine", "SNR dB", "best ms", "vs dynamic", "kept in float", "calibrate s"]
     for name in models:
         rows, v = accuracy_rows(name, a.repeat)
-        print(f"\n{name}: quality vs float on {v['test samples']} held-out samples (onnxruntime CPU); latency of one "
-              f"batch {v['latency batch']}, 1 thread, {a.repeat} interleaved rounds: best ms, and the median of "
-              f"the per-round ratio to quantize_dynamic; load average {os.getloadavg()[0]:.1f}")
+        print(
+            f"\n{name}: quality vs float on {v['test samples']} held-out samples (onnxruntime CPU); "
+            f"latency of one "
+            f"batch {v['latency batch']}, 1 thread, {a.repeat} interleaved rounds: best ms, and the "
+            f"median of "
+            f"the per-round ratio to quantize_dynamic; load average {os.getloadavg()[0]:.1f}"
+        )
         print(table(rows, cols))
         ok_cos, ok_lat = v["cosine"] >= TARGET_COSINE, v["ratio"] <= 1.0
-        print(f"goal, default path (--smoothquant --method auto --min-cosine {TARGET_COSINE}): cosine {v['cosine']:.5f} >= "
-              f"{TARGET_COSINE}: {_met(ok_cos)}; latency {v['ratio']:.2f}x quantize_dynamic's (median paired ratio; "
-              f"best {v['ms']:.1f} vs {v['dynamic ms']:.1f} ms) <= 1: {_met(ok_lat)}"
-              + ("" if ok_lat else f" (by {v['ratio'] - 1:+.0%})"))
-        print(f"  (information, not the goal: {v['ratio to unfused']:.2f}x quantize_dynamic's file loaded with "
-              f"disabled_optimizers=['SkipLayerNormFusion'], which a user would not do: the part of the margin that "
-              f"comes from keeping onnxruntime's slow SkipLayerNormalization kernel away)")
+        print(
+            f"goal, default path (--smoothquant --method auto --min-cosine {TARGET_COSINE}): cosine "
+            f"{v['cosine']:.5f} >= "
+            f"{TARGET_COSINE}: {_met(ok_cos)}; latency {v['ratio']:.2f}x quantize_dynamic's (median "
+            f"paired ratio; "
+            f"best {v['ms']:.1f} vs {v['dynamic ms']:.1f} ms) <= 1: {_met(ok_lat)}"
+            + ("" if ok_lat else f" (by {v['ratio'] - 1:+.0%})")
+        )
+        print(
+            f"  (information, not the goal: {v['ratio to unfused']:.2f}x quantize_dynamic's file loaded "
+            f"with "
+            f"disabled_optimizers=['SkipLayerNormFusion'], which a user would not do: the part of the "
+            f"margin that "
+            f"comes from keeping onnxruntime's slow SkipLayerNormalization kernel away)"
+        )
     t = analyze_vs_verify()
     ratio = t["analyze"] / t["verify"]
-    print(f"\nanalyze vs verify on text_encoder's {t['samples']} held-out samples (best of 3, interleaved): "
-          f"analyze {t['analyze']:.2f} s, verify {t['verify']:.2f} s, ratio {ratio:.2f}x < 2x: {_met(ratio < 2)}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\nanalyze vs verify on text_encoder's {t['samples']} held-out samples (best of 3, interleaved): "
+        f"analyze {t['analyze']:.2f} s, verify {t['verify']:.2f} s, ratio {ratio:.2f}x < 2x: "
+        f"{_met(ratio < 2)}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The transformers quick start on a pretrained-like BERT sentence encoder, against onnxruntime's quantize_dynamic.
+"""The transformers quick start on a pretrained-like BERT sentence encoder, against onnxruntime's
+quantize_dynamic.
 
 Model: :mod:`sample_models.pretrained_like` (all-MiniLM-L6-v2's shape: 6 layers, hidden 384, 12 heads,
 intermediate 1536; mean pooling, L2 normalisation). Why it represents pretrained encoders where
@@ -13,11 +14,12 @@ With outliers that large, per-tensor static int8 cannot meet cosine 0.995 even a
 Variants, all from the same float model: the float ONNX export; the README's quick start (``--smoothquant 0.5
 --method auto --min-cosine 0.995``) as ``calibrate`` runs it; the same without ``--min-cosine``; the
 ``int8-dynamic`` preset; the quick start as it was before ``--min-cosine`` tried dynamic int8 activations for
-the layers it keeps out of static int8 (they stayed float: a float MatMul each); onnxruntime's ``quantize_dynamic`` (per-channel int8 weights, its CPU recommendation for
-transformers). Quality: cosine of all outputs against the float PyTorch model on 4 held-out batches (128
-sentences) that neither calibration (8 batches) nor the ``--min-cosine`` search (2 batches) saw. Latency:
-onnxruntime CPU, 1 thread, default session options, one batch of 32 sentences, the variants interleaved round
-after round in one process: the median over rounds of each one's time relative to quantize_dynamic's.
+the layers it keeps out of static int8 (they stayed float: a float MatMul each); onnxruntime's
+``quantize_dynamic`` (per-channel int8 weights, its CPU recommendation for transformers). Quality: cosine of
+all outputs against the float PyTorch model on 4 held-out batches (128 sentences) that neither calibration (8
+batches) nor the ``--min-cosine`` search (2 batches) saw. Latency: onnxruntime CPU, 1 thread, default session
+options, one batch of 32 sentences, the variants interleaved round after round in one process: the median over
+rounds of each one's time relative to quantize_dynamic's.
 
 Goal (printed MET/MISSED): the quick start reaches cosine >= 0.995 at <= 1.0x quantize_dynamic's latency.
 
@@ -51,6 +53,7 @@ REFERENCE = "onnxruntime quantize_dynamic"
 
 def rows(repeat: int, profile_dir: Path | None = None) -> tuple[list[dict], dict]:
     from sample_models import pretrained_like
+
     fmodel = pretrained_like.build()
     calib, holdout, test = (pretrained_like.batches(s) for s in ("calib", "holdout", "test"))
     out = []
@@ -59,16 +62,27 @@ def rows(repeat: int, profile_dir: Path | None = None) -> tuple[list[dict], dict
         fp32 = d / "fp32.onnx"
         _float_onnx(fmodel, {k: v[:2] for k, v in calib[0].items()}, fp32)
         variants = {"float (onnx, opset 17)": {"path": fp32, "kept": "all", "calib s": None}}
-        variants[QUICK_START] = _ours(fmodel, calib, holdout, "auto", TARGET_COSINE, d / "quick.onnx",
-                                      smoothquant=0.5)
-        # what the quick start did before the target tried dynamic int8 for the layers it keeps out of static int8
+        variants[QUICK_START] = _ours(
+            fmodel, calib, holdout, "auto", TARGET_COSINE, d / "quick.onnx", smoothquant=0.5
+        )
+        # what the quick start did before the target tried dynamic int8 for the layers it keeps out of static
+        # int8
         variants["(before) quick start, kept layers in float"] = _ours(
-            fmodel, calib, holdout, "auto", TARGET_COSINE, d / "quick_float.onnx", smoothquant=0.5,
-            prefer_dynamic=False)
-        variants["--smoothquant 0.5 --method auto (no target)"] = _ours(fmodel, calib, holdout, "auto", None,
-                                                                         d / "sq.onnx", smoothquant=0.5)
-        variants["--config int8-dynamic"] = _ours(fmodel, calib, holdout, "max", None, d / "dyn.onnx",
-                                                  config="int8-dynamic")
+            fmodel,
+            calib,
+            holdout,
+            "auto",
+            TARGET_COSINE,
+            d / "quick_float.onnx",
+            smoothquant=0.5,
+            prefer_dynamic=False,
+        )
+        variants["--smoothquant 0.5 --method auto (no target)"] = _ours(
+            fmodel, calib, holdout, "auto", None, d / "sq.onnx", smoothquant=0.5
+        )
+        variants["--config int8-dynamic"] = _ours(
+            fmodel, calib, holdout, "max", None, d / "dyn.onnx", config="int8-dynamic"
+        )
         refs_paths = _ort_references(fp32, calib, d)
         variants[REFERENCE] = refs_paths[REFERENCE]
         with torch.inference_mode():
@@ -79,13 +93,27 @@ def rows(repeat: int, profile_dir: Path | None = None) -> tuple[list[dict], dict
             cos, snr = _quality(sessions[k], refs, test)
             best, ratio = lat[k]
             v.update(cos=cos, ratio=ratio, ms=best * 1e3)
-            out.append({"variant": k, "cosine": f"{cos:.5f}", "SNR dB": f"{snr:.2f}", "best ms": f"{best * 1e3:.1f}",
-                        "vs dynamic": f"{ratio:.2f}x", "kept in float": v["kept"]})
+            out.append(
+                {
+                    "variant": k,
+                    "cosine": f"{cos:.5f}",
+                    "SNR dB": f"{snr:.2f}",
+                    "best ms": f"{best * 1e3:.1f}",
+                    "vs dynamic": f"{ratio:.2f}x",
+                    "kept in float": v["kept"],
+                }
+            )
         if profile_dir is not None:
             _profile({k: variants[k]["path"] for k in (QUICK_START, REFERENCE)}, test[0], profile_dir)
         q = variants[QUICK_START]
-        verdict = {"cosine": q["cos"], "ratio": q["ratio"], "ms": q["ms"], "dynamic ms": variants[REFERENCE]["ms"],
-                   "dynamic cosine": variants[REFERENCE]["cos"], "batch": list(test[0]["input_ids"].shape)}
+        verdict = {
+            "cosine": q["cos"],
+            "ratio": q["ratio"],
+            "ms": q["ms"],
+            "dynamic ms": variants[REFERENCE]["ms"],
+            "dynamic cosine": variants[REFERENCE]["cos"],
+            "batch": list(test[0]["input_ids"].shape),
+        }
     return out, verdict
 
 
@@ -125,21 +153,30 @@ def _met(ok: bool) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeat", type=int, default=30, help="latency: N interleaved rounds")
-    p.add_argument("--profile", type=Path, default=None, help="also profile per op type; files in this folder")
+    p.add_argument(
+        "--profile", type=Path, default=None, help="also profile per op type; files in this folder"
+    )
     a = p.parse_args(argv)
     setup_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print(f"quick start on a pretrained-like BERT — {machine()}; CPU flags {cpu_flags()}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"quick start on a pretrained-like BERT — {machine()}; CPU flags {cpu_flags()}; "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     r, v = rows(a.repeat, a.profile)
-    print(f"\npretrained_like (6 layers, hidden 384): cosine vs float on 128 held-out sentences; latency of one batch "
-          f"{v['batch']}, 1 thread, {a.repeat} interleaved rounds (median paired ratio); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"\npretrained_like (6 layers, hidden 384): cosine vs float on 128 held-out sentences; latency of "
+        f"one batch "
+        f"{v['batch']}, 1 thread, {a.repeat} interleaved rounds (median paired ratio); "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(table(r, ["variant", "cosine", "SNR dB", "best ms", "vs dynamic", "kept in float"]))
     ok = v["cosine"] >= TARGET_COSINE and v["ratio"] <= 1.0
-    print(f"goal, quick start: cosine {v['cosine']:.5f} >= {TARGET_COSINE} and latency {v['ratio']:.2f}x "
-          f"quantize_dynamic's (best {v['ms']:.1f} vs {v['dynamic ms']:.1f} ms) <= 1.0: {_met(ok)} "
-          f"(quantize_dynamic's cosine {v['dynamic cosine']:.5f})")
+    print(
+        f"goal, quick start: cosine {v['cosine']:.5f} >= {TARGET_COSINE} and latency {v['ratio']:.2f}x "
+        f"quantize_dynamic's (best {v['ms']:.1f} vs {v['dynamic ms']:.1f} ms) <= 1.0: {_met(ok)} "
+        f"(quantize_dynamic's cosine {v['dynamic cosine']:.5f})"
+    )
 
 
 if __name__ == "__main__":

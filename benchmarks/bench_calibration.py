@@ -21,11 +21,17 @@ TARGETS = {"max": 1.15, "histogram": 1.50}
 
 def workloads(device: str):
     from sample_models import digits_cnn, text_encoder
-    x = torch.cat([b["x"] for b in digits_cnn.calibration_batches()] + [b["x"] for b in digits_cnn.evaluation_batches()])
+
+    x = torch.cat(
+        [b["x"] for b in digits_cnn.calibration_batches()] + [b["x"] for b in digits_cnn.evaluation_batches()]
+    )
     x = x.repeat(2, 1, 1, 1)[:2048]
     digits = [{"x": b.to(device)} for b in x.split(256)]
     text = [{k: v.to(device) for k, v in b.items()} for b in text_encoder.calibration_batches() * 4]
-    return {"digits_cnn (8 x 256)": ("digits_cnn", digits), "text_encoder (32 batches)": ("text_encoder", text)}
+    return {
+        "digits_cnn (8 x 256)": ("digits_cnn", digits),
+        "text_encoder (32 batches)": ("text_encoder", text),
+    }
 
 
 def _plain_pass(model, batches) -> None:
@@ -72,9 +78,17 @@ def measure(label: str, method: str, device: str = "cpu", repeat: int = 11) -> d
 
 def _row(label: str, method: str, tp: float, tc: float) -> dict:
     limit = TARGETS["max" if method == "max" else "histogram"]
-    return {"model": label, "method": method, "plain forward ms": f"{tp * 1e3:.1f}", "calibrate ms": f"{tc * 1e3:.1f}",
-            "ratio": f"{tc / tp:.2f}x", "target": f"<= {limit:.2f}x", "result": verdict(tc / tp <= limit),
-            "_plain_s": tp, "_calibrate_s": tc}
+    return {
+        "model": label,
+        "method": method,
+        "plain forward ms": f"{tp * 1e3:.1f}",
+        "calibrate ms": f"{tc * 1e3:.1f}",
+        "ratio": f"{tc / tp:.2f}x",
+        "target": f"<= {limit:.2f}x",
+        "result": verdict(tc / tp <= limit),
+        "_plain_s": tp,
+        "_calibrate_s": tc,
+    }
 
 
 def run(device: str = "cpu", threads: int = 1, processes: int = 2) -> list[dict]:
@@ -92,15 +106,29 @@ def run(device: str = "cpu", threads: int = 1, processes: int = 2) -> list[dict]
     rows = []
     for label in workloads("cpu"):
         for method in ("max", "entropy", "mse", "percentile"):
-            code = (f"import json, torch; torch.set_num_threads({threads}); from benchmarks.bench_calibration import measure; "
-                    f"print(json.dumps(measure({label!r}, {method!r}, {device!r})))")
+            code = (
+                f"import json, torch; torch.set_num_threads({threads}); from "
+                f"benchmarks.bench_calibration import measure; "
+                f"print(json.dumps(measure({label!r}, {method!r}, {device!r})))"
+            )
             found = []
             for _ in range(processes):
-                out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": str(threads),
-                                          "MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)})
+                out = subprocess.run(
+                    [sys.executable, "-c", code],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                    env={
+                        **os.environ,
+                        "OMP_NUM_THREADS": str(threads),
+                        "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
+                        "MALLOC_TRIM_THRESHOLD_": str(512 << 20),
+                    },
+                )
                 found.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            rows.append(_row(label, method, min(r["_plain_s"] for r in found), min(r["_calibrate_s"] for r in found)))
+            rows.append(
+                _row(label, method, min(r["_plain_s"] for r in found), min(r["_calibrate_s"] for r in found))
+            )
     return rows
 
 
@@ -112,7 +140,10 @@ def main(argv=None) -> list[dict]:
     setup_threads(a.threads)
     rows = run(a.device, a.threads)
     print(f"calibration overhead on {a.device} — {machine()}")
-    print("(each row in two fresh processes: fastest of 2 x 11 interleaved runs; calibrate excludes building the model)")
+    print(
+        "(each row in two fresh processes: fastest of 2 x 11 interleaved runs; calibrate excludes "
+        "building the model)"
+    )
     print(table(rows, ["model", "method", "plain forward ms", "calibrate ms", "ratio", "target", "result"]))
     return rows
 

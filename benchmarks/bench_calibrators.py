@@ -1,10 +1,10 @@
 """Calibrator speed and memory: vectorized amax searches vs per-candidate loops, collection overhead vs the
 matmul that produced the activation, state and peak memory for 10 vs 1000 batches.
 
-Two references for entropy (tests/reference_amax.py): the pure-Python loop (a Python loop over bins inside each
-candidate, minutes long, skipped by --quick) and the fair one (the same per-candidate loop, each candidate
-vectorised over bins in numpy, as the mse reference is). Targets, computed per row: entropy <= 10 ms per
-2048-bin histogram and >= 100x faster than the pure-Python loop.
+Two references for entropy (tests/reference_amax.py): the pure-Python loop (a Python loop over bins inside
+each candidate, minutes long, skipped by --quick) and the fair one (the same per-candidate loop, each
+candidate vectorised over bins in numpy, as the mse reference is). Targets, computed per row: entropy <= 10 ms
+per 2048-bin histogram and >= 100x faster than the pure-Python loop.
 
     python -m benchmarks.bench_calibrators [--device cpu|cuda] [--quick]
 """
@@ -43,12 +43,17 @@ def amax_rows(device: str, quick: bool) -> list[dict]:
 
     dense = HistogramCalibrator()  # worst case: data in every one of the 2048 bins, every candidate evaluated
     g = torch.Generator().manual_seed(1)
-    dense.collect(torch.cat([torch.rand(200_000, generator=g) * 1.99, torch.randn(200_000, generator=g).abs() * 0.3]))
+    dense.collect(
+        torch.cat([torch.rand(200_000, generator=g) * 1.99, torch.randn(200_000, generator=g).abs() * 0.3])
+    )
     refs = {"entropy": ref_entropy, "mse": ref_mse}
     fair = {"entropy": ref_entropy_vectorized, "mse": ref_mse}
     fns = {"entropy": compute_amax_entropy, "mse": compute_amax_mse, "percentile": compute_amax_percentile}
     rows = []
-    for label, c in (("2048 bins, GELU activation", _activation_hist(device=device)), ("2048 bins, every bin filled", dense)):
+    for label, c in (
+        ("2048 bins, GELU activation", _activation_hist(device=device)),
+        ("2048 bins, every bin filled", dense),
+    ):
         rows += _amax_rows_for(c, label, fns, refs, fair, sync, quick)
     rows += _per_channel_rows(fns, sync, quick, device)
     return rows
@@ -66,8 +71,13 @@ def _amax_rows_for(c, label, fns, refs, fair, sync, quick) -> list[dict]:
             t0 = time.perf_counter()
             want = fair[name](hn, en)
             t_ref = time.perf_counter() - t0
-            row.update({"fair reference ms": f"{t_ref * 1e3:.0f}", "vs fair": f"{t_ref / t_fast:.0f}x",
-                        "same bin": "yes" if got == want else f"no ({got} vs {want})"})
+            row.update(
+                {
+                    "fair reference ms": f"{t_ref * 1e3:.0f}",
+                    "vs fair": f"{t_ref / t_fast:.0f}x",
+                    "same bin": "yes" if got == want else f"no ({got} vs {want})",
+                }
+            )
         if name == "entropy" and not quick:  # pure-Python loop over bins inside each candidate: minutes
             t0 = time.perf_counter()
             want = refs[name](hn, en)
@@ -78,7 +88,9 @@ def _amax_rows_for(c, label, fns, refs, fair, sync, quick) -> list[dict]:
             met = t_fast * 1e3 <= ENTROPY_MS_TARGET
             if not quick:
                 met = met and t_ref / t_fast >= ENTROPY_LOOP_SPEEDUP_TARGET
-            row["target"] = (f"<= {ENTROPY_MS_TARGET:.0f} ms" + ("" if quick else f", >= {ENTROPY_LOOP_SPEEDUP_TARGET:.0f}x loop"))
+            row["target"] = f"<= {ENTROPY_MS_TARGET:.0f} ms" + (
+                "" if quick else f", >= {ENTROPY_LOOP_SPEEDUP_TARGET:.0f}x loop"
+            )
             row["result"] = verdict(met)
         elif name == "percentile":
             cdf = np.cumsum(hn) / hn.sum()
@@ -86,8 +98,13 @@ def _amax_rows_for(c, label, fns, refs, fair, sync, quick) -> list[dict]:
             for _ in range(20):
                 idx = next(i for i, v in enumerate(cdf) if v >= 0.9999)
             t_ref = (time.perf_counter() - t0) / 20
-            row.update({"fair reference ms": f"{t_ref * 1e3:.2f} (loop over bins)", "vs fair": f"{t_ref / t_fast:.1f}x",
-                        "same bin": "yes" if got == en[idx + 1] else "no"})
+            row.update(
+                {
+                    "fair reference ms": f"{t_ref * 1e3:.2f} (loop over bins)",
+                    "vs fair": f"{t_ref / t_fast:.1f}x",
+                    "same bin": "yes" if got == en[idx + 1] else "no",
+                }
+            )
         rows.append(row)
     return rows
 
@@ -100,11 +117,20 @@ def _per_channel_rows(fns, sync, quick, device) -> list[dict]:
     for name, fn in fns.items():
         t_batched = median_time(lambda fn=fn: fn(H, E), repeat=3, warmup=1, sync=sync)
         n_loop = 32 if quick else 96
-        t_loop = median_time(lambda fn=fn, n=n_loop: [fn(H[i], E[i]) for i in range(n)], repeat=1, warmup=0, sync=sync)
+        t_loop = median_time(
+            lambda fn=fn, n=n_loop: [fn(H[i], E[i]) for i in range(n)], repeat=1, warmup=0, sync=sync
+        )
         t_loop *= 768 / n_loop
-        rows.append({"method": name, "histogram": "768 channels", "quantcli ms": f"{t_batched * 1e3:.1f}",
-                     "fair reference ms": f"{t_loop * 1e3:.0f} (loop over channels)",
-                     "vs fair": f"{t_loop / t_batched:.1f}x", "same bin": "-"})
+        rows.append(
+            {
+                "method": name,
+                "histogram": "768 channels",
+                "quantcli ms": f"{t_batched * 1e3:.1f}",
+                "fair reference ms": f"{t_loop * 1e3:.0f} (loop over channels)",
+                "vs fair": f"{t_loop / t_batched:.1f}x",
+                "same bin": "-",
+            }
+        )
     return rows
 
 
@@ -118,12 +144,22 @@ def collect_rows(device: str) -> list[dict]:
     x = a @ w
     t_mm = median_time(lambda: a @ w, repeat=21, warmup=3, sync=sync)
     rows = []
-    for label, c in (("max, per-tensor", MaxCalibrator()), ("histogram, per-tensor", HistogramCalibrator()),
-                     ("histogram, per-channel (3072)", HistogramCalibrator(axis=1))):
+    for label, c in (
+        ("max, per-tensor", MaxCalibrator()),
+        ("histogram, per-tensor", HistogramCalibrator()),
+        ("histogram, per-channel (3072)", HistogramCalibrator(axis=1)),
+    ):
         c.collect(x)
         t = median_time(lambda c=c: c.collect(x), repeat=21, warmup=3, sync=sync)
-        rows.append({"collect": label, "activation": "64 x 3072", "collect ms": f"{t * 1e3:.3f}",
-                     "matmul ms": f"{t_mm * 1e3:.3f}", "collect / matmul": f"{t / t_mm:.2f}"})
+        rows.append(
+            {
+                "collect": label,
+                "activation": "64 x 3072",
+                "collect ms": f"{t * 1e3:.3f}",
+                "matmul ms": f"{t_mm * 1e3:.3f}",
+                "collect / matmul": f"{t / t_mm:.2f}",
+            }
+        )
     return rows
 
 
@@ -152,8 +188,14 @@ def memory_rows() -> list[dict]:
         c.collect(torch.randn(64, 3072))
     state = c._hist.numel() * c._hist.element_size() + c._exp.numel() * 8
     for n, p in peaks.items():
-        rows.append({"batches": n, "peak RSS MiB": f"{p:.1f}", "vs 10 batches": f"{p / peaks[10]:.3f}x",
-                     "per-channel histogram state": f"{state / 2**20:.1f} MiB"})
+        rows.append(
+            {
+                "batches": n,
+                "peak RSS MiB": f"{p:.1f}",
+                "vs 10 batches": f"{p / peaks[10]:.3f}x",
+                "per-channel histogram state": f"{state / 2**20:.1f} MiB",
+            }
+        )
     return rows
 
 
@@ -165,17 +207,41 @@ def main(argv=None):
     a = p.parse_args(argv)
     setup_threads(a.threads)
     print(f"calibrators on {a.device} — {machine()}")
-    print(f"\namax search (target: entropy <= {ENTROPY_MS_TARGET:.0f} ms per histogram and >= "
-          f"{ENTROPY_LOOP_SPEEDUP_TARGET:.0f}x faster than the pure-Python per-candidate loop; the fair reference "
-          "vectorises each candidate over bins in numpy)")
+    print(
+        f"\namax search (target: entropy <= {ENTROPY_MS_TARGET:.0f} ms per histogram and >= "
+        f"{ENTROPY_LOOP_SPEEDUP_TARGET:.0f}x faster than the pure-Python per-candidate loop; the fair "
+        f"reference "
+        "vectorises each candidate over bins in numpy)"
+    )
     rows = amax_rows(a.device, a.quick)
-    print(table(rows, ["method", "histogram", "quantcli ms", "fair reference ms", "vs fair", "pure-Python loop ms",
-                       "vs loop", "same bin", "target", "result"]))
+    print(
+        table(
+            rows,
+            [
+                "method",
+                "histogram",
+                "quantcli ms",
+                "fair reference ms",
+                "vs fair",
+                "pure-Python loop ms",
+                "vs loop",
+                "same bin",
+                "target",
+                "result",
+            ],
+        )
+    )
     print("\ncollection cost vs the matmul that produced the activation")
-    print(table(collect_rows(a.device), ["collect", "activation", "collect ms", "matmul ms", "collect / matmul"]))
+    print(
+        table(
+            collect_rows(a.device), ["collect", "activation", "collect ms", "matmul ms", "collect / matmul"]
+        )
+    )
     if a.device == "cpu":
         print("\nmemory: three calibrators, 64 x 3072 activations, separate processes")
-        print(table(memory_rows(), ["batches", "peak RSS MiB", "vs 10 batches", "per-channel histogram state"]))
+        print(
+            table(memory_rows(), ["batches", "peak RSS MiB", "vs 10 batches", "per-channel histogram state"])
+        )
 
 
 if __name__ == "__main__":

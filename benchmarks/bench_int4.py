@@ -2,14 +2,15 @@
 
 On ``tiny_lm`` (sample_models/tiny_lm.py), in one process, onnxruntime's CPU provider with 1 thread:
 
-- **perplexity** on the held-out windows of the fp32 ONNX graph, of quantcli's int4 graphs (``--weight-method``
-  rtn, gptq, awq; ``int4-weight-only``, block 128) and of onnxruntime's own int4 quantizer
-  (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``: its RTN default and its GPTQ config,
-  block 128) applied to the same fp32 ONNX file. Goals: gptq or awq within 5% of fp32, and at or below both of
-  onnxruntime's;
+- **perplexity** on the held-out windows of the fp32 ONNX graph, of quantcli's int4 graphs
+  (``--weight-method`` rtn, gptq, awq; ``int4-weight-only``, block 128) and of onnxruntime's own int4
+  quantizer (``onnxruntime.quantization.matmul_nbits_quantizer.MatMulNBitsQuantizer``: its RTN default and its
+  GPTQ config, block 128) applied to the same fp32 ONNX file. Goals: gptq or awq within 5% of fp32, and at or
+  below both of onnxruntime's;
 - every int4 layer fused into ``MatMulNBits`` (the optimized graph saved by onnxruntime and read back);
 - the graph's size <= 0.3x the fp32 file;
-- latency <= 1.0x onnxruntime's int4 graph (its RTN output), best of interleaved runs over the held-out batches;
+- latency <= 1.0x onnxruntime's int4 graph (its RTN output), best of interleaved runs over the held-out
+  batches;
 - the time of GPTQ and AWQ against RTN's (calibration of the same model and data, best of a few runs);
 - peak memory of ``quantcli calibrate tiny_lm --weight-method gptq`` at 64 and 256 samples (fresh processes).
 """
@@ -33,9 +34,9 @@ METHODS = ("rtn", "gptq", "awq")
 
 
 def _session(path, optimized: Path | None = None, accuracy_level: int | None = None):
-    """A CPU session, 1 thread; ``accuracy_level``: the compute precision of the MatMulNBits onnxruntime makes of a
-    DequantizeLinear -> MatMul (default 4: int8 activations; 1: float32, what an unset level means in a graph
-    that holds MatMulNBits itself, as onnxruntime's quantizer writes it)."""
+    """A CPU session, 1 thread; ``accuracy_level``: the compute precision of the MatMulNBits onnxruntime makes
+    of a DequantizeLinear -> MatMul (default 4: int8 activations; 1: float32, what an unset level means in a
+    graph that holds MatMulNBits itself, as onnxruntime's quantizer writes it)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -51,6 +52,7 @@ def _session(path, optimized: Path | None = None, accuracy_level: int | None = N
 
 def _perplexity(sess, batches) -> float:
     from sample_models import tiny_lm
+
     name = sess.get_inputs()[0].name
     return tiny_lm.perplexity(lambda ids: sess.run(None, {name: ids})[0], batches)
 
@@ -58,10 +60,19 @@ def _perplexity(sess, batches) -> float:
 def export_fp32(path: Path) -> None:
     """The trained model as a plain float ONNX graph (what onnxruntime's quantizer starts from)."""
     from sample_models import tiny_lm
+
     model = tiny_lm.build()
     ids = tiny_lm.calibration_batches()[0]["input_ids"][:2]
-    torch.onnx.export(model, (ids,), str(path), dynamo=False, opset_version=17, input_names=["input_ids"],
-                      output_names=["logits"], dynamic_axes={"input_ids": {0: "batch"}, "logits": {0: "batch"}})
+    torch.onnx.export(
+        model,
+        (ids,),
+        str(path),
+        dynamo=False,
+        opset_version=17,
+        input_names=["input_ids"],
+        output_names=["logits"],
+        dynamic_axes={"input_ids": {0: "batch"}, "logits": {0: "batch"}},
+    )
 
 
 def quantcli_int4(method: str, batches) -> tuple[torch.nn.Module, float]:
@@ -101,7 +112,8 @@ class _Reader:
 
 
 def ort_int4(fp32: Path, out: Path, algo: str, batches, accuracy_level: int | None = None) -> float:
-    """onnxruntime's MatMulNBitsQuantizer on ``fp32`` (its RTN default, or its GPTQ config); returns seconds."""
+    """onnxruntime's MatMulNBitsQuantizer on ``fp32`` (its RTN default, or its GPTQ config); returns
+    seconds."""
     from onnxruntime.quantization.matmul_nbits_quantizer import (
         GPTQWeightOnlyQuantConfig,
         MatMulNBitsQuantizer,
@@ -109,12 +121,15 @@ def ort_int4(fp32: Path, out: Path, algo: str, batches, accuracy_level: int | No
 
     t0 = time.perf_counter()
     cfg = GPTQWeightOnlyQuantConfig(calibration_data_reader=_Reader(batches)) if algo == "gptq" else None
-    q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=BLOCK, algo_config=cfg, accuracy_level=accuracy_level)
+    q = MatMulNBitsQuantizer(
+        onnx.load(str(fp32)), block_size=BLOCK, algo_config=cfg, accuracy_level=accuracy_level
+    )
     try:
         q.process()
     except ValueError as e:
-        # its GPTQ path packs asymmetric zero points wrongly where a layer's input is one block (K == block_size):
-        # "cannot reshape array of size 64 into shape (128,newaxis)"; the symmetric grid has no zero point
+        # its GPTQ path packs asymmetric zero points wrongly where a layer's input is one block (K ==
+        # block_size): "cannot reshape array of size 64 into shape (128,newaxis)"; the symmetric grid has no
+        # zero point
         print(f"onnxruntime {algo} (asymmetric, its default) failed: {e}; symmetric instead")
         cfg = GPTQWeightOnlyQuantConfig(calibration_data_reader=_Reader(batches)) if algo == "gptq" else None
         q = MatMulNBitsQuantizer(onnx.load(str(fp32)), block_size=BLOCK, is_symmetric=True, algo_config=cfg)
@@ -134,16 +149,21 @@ def _fusion(path: Path, folder: Path) -> tuple[int, int]:
 
 
 def _memory(samples: int) -> float:
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from tests.helpers import cli\n"
-            f"r = cli('calibrate', 'tiny_lm', '--config', 'int4-weight-only', '--weight-method', 'gptq', "
-            f"'--num-samples', '{samples}', '--out', '/dev/null/x.pt')\n")
-    return peak_rss_of(code.replace("'/dev/null/x.pt'", f"'{tempfile.gettempdir()}/bench_int4_{samples}.calib.pt'"))
+    code = (
+        "import torch; torch.set_num_threads(1)\n"
+        "from tests.helpers import cli\n"
+        f"r = cli('calibrate', 'tiny_lm', '--config', 'int4-weight-only', '--weight-method', 'gptq', "
+        f"'--num-samples', '{samples}', '--out', '/dev/null/x.pt')\n"
+    )
+    return peak_rss_of(
+        code.replace("'/dev/null/x.pt'", f"'{tempfile.gettempdir()}/bench_int4_{samples}.calib.pt'")
+    )
 
 
 def measure(folder: Path, rounds: int) -> tuple[list[dict], dict]:
     from exporters import export_onnx
     from sample_models import tiny_lm
+
     calib, held = tiny_lm.calibration_batches(), tiny_lm.evaluation_batches()
     fp32 = folder / "fp32.onnx"
     export_fp32(fp32)
@@ -159,22 +179,38 @@ def measure(folder: Path, rounds: int) -> tuple[list[dict], dict]:
         res = export_onnx(copy.deepcopy(model), example, path)
         facts["fused"][method] = (res.quantized_layers, *_fusion(path, folder))
         facts["seconds"][method] = min(times)
-        rows.append({"graph": f"quantcli {method}", "ppl": _perplexity(_session(path), held),
-                     "bytes": path.stat().st_size, "seconds": round(min(times), 3)})
+        rows.append(
+            {
+                "graph": f"quantcli {method}",
+                "ppl": _perplexity(_session(path), held),
+                "bytes": path.stat().st_size,
+                "seconds": round(min(times), 3),
+            }
+        )
     for algo in ("rtn", "gptq"):
         path = folder / f"ort_{algo}.onnx"
         sec = ort_int4(fp32, path, algo, calib)
-        rows.append({"graph": f"onnxruntime {algo}", "ppl": _perplexity(_session(path), held),
-                     "bytes": path.stat().st_size, "seconds": round(sec, 3)})
+        rows.append(
+            {
+                "graph": f"onnxruntime {algo}",
+                "ppl": _perplexity(_session(path), held),
+                "bytes": path.stat().st_size,
+                "seconds": round(sec, 3),
+            }
+        )
     feeds = [{"input_ids": b["input_ids"].numpy()} for b in held]
     ours = folder / "quantcli_gptq.onnx"
     ort_int4(fp32, folder / "ort_rtn_level4.onnx", "rtn", calib, accuracy_level=4)
-    sessions = {"quantcli": _session(ours, accuracy_level=1), "quantcli_default": _session(ours),
-                "onnxruntime": _session(folder / "ort_rtn.onnx"),
-                "onnxruntime_level4": _session(folder / "ort_rtn_level4.onnx")}
+    sessions = {
+        "quantcli": _session(ours, accuracy_level=1),
+        "quantcli_default": _session(ours),
+        "onnxruntime": _session(folder / "ort_rtn.onnx"),
+        "onnxruntime_level4": _session(folder / "ort_rtn_level4.onnx"),
+    }
     facts["ppl_level1"] = _perplexity(sessions["quantcli"], held)
-    facts["latency"] = best_interleaved({k: (lambda s=s: run_all(s, feeds)) for k, s in sessions.items()}, rounds,
-                                        warmup=1)
+    facts["latency"] = best_interleaved(
+        {k: (lambda s=s: run_all(s, feeds)) for k, s in sessions.items()}, rounds, warmup=1
+    )
     for r in rows:
         r["ppl_vs_fp32"] = round(r["ppl"] / facts["fp32_ppl"], 4)
         r["size_vs_fp32"] = round(r["bytes"] / facts["fp32_bytes"], 3)
@@ -188,8 +224,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip-memory", action="store_true", help="skip the two fresh-process memory runs")
     a = p.parse_args(argv)
     setup_threads(1)
-    print(f"# bench_int4: tiny_lm, block {BLOCK}, onnxruntime CPU provider, 1 thread; {machine()}; "
-          f"CPU flags: {cpu_flags()}")
+    print(
+        f"# bench_int4: tiny_lm, block {BLOCK}, onnxruntime CPU provider, 1 thread; {machine()}; "
+        f"CPU flags: {cpu_flags()}"
+    )
     with tempfile.TemporaryDirectory() as d:
         rows, facts = measure(Path(d), a.rounds)
     print(table(rows, ["graph", "ppl", "ppl_vs_fp32", "bytes", "size_vs_fp32", "seconds"]))
@@ -201,30 +239,47 @@ def main(argv: list[str] | None = None) -> None:
         ref = ppl[f"onnxruntime {algo}"]
         print(f"perplexity at or below onnxruntime {algo} ({best:.4f} vs {ref:.4f}): {verdict(best <= ref)}")
     for method, (layers, fused, nbits) in facts["fused"].items():
-        print(f"{method}: {fused} of {layers} int4 layers fused, {nbits} MatMulNBits in onnxruntime's graph: "
-              f"{verdict(layers > 0 and fused == layers == nbits)}")
+        print(
+            f"{method}: {fused} of {layers} int4 layers fused, {nbits} MatMulNBits in onnxruntime's graph: "
+            f"{verdict(layers > 0 and fused == layers == nbits)}"
+        )
     size = max(r["size_vs_fp32"] for r in rows if r["graph"].startswith("quantcli"))
     print(f"graph size <= 0.3x fp32 ({size:.3f}x): {verdict(size <= 0.3)}")
     lat = facts["latency"]
     ratio = lat["quantcli"] / lat["onnxruntime"]
-    print(f"latency vs onnxruntime's int4 graph (its accuracy_level unset: float32 compute), both float32 compute "
-          f"(session.qdq_matmulnbits_accuracy_level 1 for quantcli's; gptq perplexity then "
-          f"{facts['ppl_level1']:.4f}), best of {a.rounds} interleaved over the 8 held-out batches of 32x64: "
-          f"{lat['quantcli'] * 1e3:.1f} ms vs {lat['onnxruntime'] * 1e3:.1f} ms = {ratio:.2f}x: {verdict(ratio <= 1.0)}")
+    print(
+        f"latency vs onnxruntime's int4 graph (its accuracy_level unset: float32 compute), both float32 "
+        f"compute "
+        f"(session.qdq_matmulnbits_accuracy_level 1 for quantcli's; gptq perplexity then "
+        f"{facts['ppl_level1']:.4f}), best of {a.rounds} interleaved over the 8 held-out batches of 32x64: "
+        f"{lat['quantcli'] * 1e3:.1f} ms vs {lat['onnxruntime'] * 1e3:.1f} ms = {ratio:.2f}x: "
+        f"{verdict(ratio <= 1.0)}"
+    )
     dflt = lat["quantcli_default"] / lat["onnxruntime"]
-    print(f"  with default session options (level 4: int8 activations in MatMulNBits) quantcli's graph takes "
-          f"{lat['quantcli_default'] * 1e3:.1f} ms = {dflt:.2f}x: {verdict(dflt <= 1.0)} on tiny_lm (K = 128..384, "
-          f"where int8 compute does not pay); at decoder widths see python -m benchmarks.bench_int4_shapes")
+    print(
+        f"  with default session options (level 4: int8 activations in MatMulNBits) quantcli's graph takes "
+        f"{lat['quantcli_default'] * 1e3:.1f} ms = {dflt:.2f}x: {verdict(dflt <= 1.0)} on tiny_lm (K = "
+        f"128..384, "
+        f"where int8 compute does not pay); at decoder widths see python -m benchmarks.bench_int4_shapes"
+    )
     l4 = lat["quantcli_default"] / lat["onnxruntime_level4"]
-    print(f"  against onnxruntime's int4 graph made with accuracy_level=4 ({lat['onnxruntime_level4'] * 1e3:.1f} ms), "
-          f"both int8-activation compute: {l4:.2f}x: {verdict(l4 <= 1.0)}")
+    print(
+        f"  against onnxruntime's int4 graph made with accuracy_level=4 "
+        f"({lat['onnxruntime_level4'] * 1e3:.1f} ms), "
+        f"both int8-activation compute: {l4:.2f}x: {verdict(l4 <= 1.0)}"
+    )
     s = facts["seconds"]
-    print(f"weight rounding time vs rtn (calibration included, best of 3): gptq {s['gptq'] / s['rtn']:.2f}x "
-          f"({s['gptq']:.2f} s), awq {s['awq'] / s['rtn']:.2f}x ({s['awq']:.2f} s), rtn {s['rtn']:.2f} s")
+    print(
+        f"weight rounding time vs rtn (calibration included, best of 3): gptq {s['gptq'] / s['rtn']:.2f}x "
+        f"({s['gptq']:.2f} s), awq {s['awq'] / s['rtn']:.2f}x ({s['awq']:.2f} s), rtn {s['rtn']:.2f} s"
+    )
     if not a.skip_memory:
         m64, m256 = _memory(64), _memory(256)
-        print(f"peak RSS of calibrate --weight-method gptq: 64 samples {m64:.0f} MiB, 256 samples {m256:.0f} MiB "
-              f"({m256 / m64:.3f}x): flat {verdict(m256 <= 1.05 * m64)}")
+        print(
+            f"peak RSS of calibrate --weight-method gptq: 64 samples {m64:.0f} MiB, 256 samples "
+            f"{m256:.0f} MiB "
+            f"({m256 / m64:.3f}x): flat {verdict(m256 <= 1.05 * m64)}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,16 +1,18 @@
 """INT4 weight-only latency at decoder shapes: ``python -m benchmarks.bench_int4_shapes``.
 
 For each shape, a randomly initialised transformers ``LlamaForCausalLM`` (2 layers, nothing downloaded) goes
-through quantcli's real path (``quantcli calibrate FILE:factory --config int4-weight-only`` and ``quantcli export``,
-block 128 or ``--block``) and, from the same weights exported as a float ONNX graph, through onnxruntime's own
-quantizer (``MatMulNBitsQuantizer``, its RTN default, the same block). Both run on onnxruntime's CPU provider with 1 thread,
-in one process, interleaved (best of ``--rounds``), on batch 1 at a prefill length and at one token.
+through quantcli's real path (``quantcli calibrate FILE:factory --config int4-weight-only`` and ``quantcli
+export``, block 128 or ``--block``) and, from the same weights exported as a float ONNX graph, through
+onnxruntime's own quantizer (``MatMulNBitsQuantizer``, its RTN default, the same block). Both run on
+onnxruntime's CPU provider with 1 thread, in one process, interleaved (best of ``--rounds``), on batch 1 at a
+prefill length and at one token.
 
 Printed per shape and sequence length: the ratio quantcli / onnxruntime with default session options on both
-sides (the issue's goal: <= 1.0x), and at equal MatMulNBits accuracy levels (float32 compute: quantcli's graph in
-a session with ``session.qdq_matmulnbits_accuracy_level`` 1 against onnxruntime's graph as its quantizer writes
-it; int8 compute: quantcli's graph at level 4 against onnxruntime's made with ``accuracy_level=4``), and the
-relative RMS error of each int4 graph's logits against the float graph's (what the int8 compute costs).
+sides (the issue's goal: <= 1.0x), and at equal MatMulNBits accuracy levels (float32 compute: quantcli's graph
+in a session with ``session.qdq_matmulnbits_accuracy_level`` 1 against onnxruntime's graph as its quantizer
+writes it; int8 compute: quantcli's graph at level 4 against onnxruntime's made with ``accuracy_level=4``),
+and the relative RMS error of each int4 graph's logits against the float graph's (what the int8 compute
+costs).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ VOCAB = 1024
 #: (hidden, intermediate, heads): Llama-style widths (SwiGLU intermediate ~2.7x hidden)
 SHAPES = {"llama_h256": (256, 704, 4), "llama_h1024": (1024, 2816, 16), "llama_h2048": (2048, 5632, 32)}
 
-FACTORY = '''
+FACTORY = """
 import torch
 import transformers
 
@@ -54,7 +56,7 @@ def build(hidden, inter, heads):
                                    num_attention_heads=heads, num_key_value_heads=heads, vocab_size={vocab},
                                    max_position_embeddings=256, bos_token_id=0, eos_token_id=0)
     return LogitsOnly(transformers.LlamaForCausalLM(cfg)).eval()
-'''
+"""
 
 
 def _session(path: Path, accuracy_level: int | None = None):
@@ -89,12 +91,15 @@ def _onnxruntime(fp32: Path, out: Path, block: int, accuracy_level: int | None =
     return out
 
 
-def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int], rounds: int,
-            block: int = BLOCK) -> list[dict]:
+def measure(
+    folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int], rounds: int, block: int = BLOCK
+) -> list[dict]:
     import importlib.util
 
-    (folder / "lm.py").write_text(FACTORY.replace("{vocab}", str(VOCAB)) + "".join(
-        f"\n\ndef {n}():\n    return build{d}\n" for n, d in SHAPES.items()))
+    (folder / "lm.py").write_text(
+        FACTORY.replace("{vocab}", str(VOCAB))
+        + "".join(f"\n\ndef {n}():\n    return build{d}\n" for n, d in SHAPES.items())
+    )
     spec = importlib.util.spec_from_file_location("bench_lm", folder / "lm.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -102,13 +107,25 @@ def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int]
     fp32 = folder / f"{name}_fp32.onnx"
     ids = torch.zeros(1, max(seqs), dtype=torch.long)
     register()  # aten::diff, which transformers' masks call (quantcli's exporter registers it too)
-    torch.onnx.export(model, (ids,), str(fp32), dynamo=False, opset_version=17, input_names=["input_ids"],
-                      output_names=["logits"], dynamic_axes={"input_ids": {0: "batch", 1: "seq"}})
+    torch.onnx.export(
+        model,
+        (ids,),
+        str(fp32),
+        dynamo=False,
+        opset_version=17,
+        input_names=["input_ids"],
+        output_names=["logits"],
+        dynamic_axes={"input_ids": {0: "batch", 1: "seq"}},
+    )
     ours = _quantcli(folder, name, max(seqs), block)
     ort_default = _onnxruntime(fp32, folder / f"{name}_ort.onnx", block)
     ort_level4 = _onnxruntime(fp32, folder / f"{name}_ort4.onnx", block, accuracy_level=4)
-    sessions = {"q_default": _session(ours), "q_level1": _session(ours, 1),
-                "o_default": _session(ort_default), "o_level4": _session(ort_level4)}
+    sessions = {
+        "q_default": _session(ours),
+        "q_level1": _session(ours, 1),
+        "o_default": _session(ort_default),
+        "o_level4": _session(ort_level4),
+    }
     in_name = {k: s.get_inputs()[0].name for k, s in sessions.items()}
     fp32_session = _session(fp32)
     rows = []
@@ -119,18 +136,30 @@ def measure(folder: Path, name: str, dims: tuple[int, int, int], seqs: list[int]
         def err(key: str, feed=feed, ref=ref) -> float:
             """Relative RMS error of the logits against the float graph's."""
             out = sessions[key].run(None, {in_name[key]: feed})[0]
-            return round(float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref ** 2))), 4)
+            return round(float(np.sqrt(np.mean((out - ref) ** 2) / np.mean(ref**2))), 4)
 
-        lat = best_interleaved({k: (lambda s=s, k=k, f=feed: s.run(None, {in_name[k]: f})) for k, s in sessions.items()},
-                               rounds, warmup=2)
-        rows.append({"shape": name, "hidden": dims[0], "seq": seq,
-                     "quantcli_ms": round(lat["q_default"] * 1e3, 2), "ort_ms": round(lat["o_default"] * 1e3, 2),
-                     "default": round(lat["q_default"] / lat["o_default"], 3),
-                     "fp32_compute": round(lat["q_level1"] / lat["o_default"], 3),
-                     "int8_compute": round(lat["q_default"] / lat["o_level4"], 3),
-                     "q_level1_ms": round(lat["q_level1"] * 1e3, 2), "o_level4_ms": round(lat["o_level4"] * 1e3, 2),
-                     "err_q_default": err("q_default"), "err_q_level1": err("q_level1"),
-                     "err_o_default": err("o_default")})
+        lat = best_interleaved(
+            {k: (lambda s=s, k=k, f=feed: s.run(None, {in_name[k]: f})) for k, s in sessions.items()},
+            rounds,
+            warmup=2,
+        )
+        rows.append(
+            {
+                "shape": name,
+                "hidden": dims[0],
+                "seq": seq,
+                "quantcli_ms": round(lat["q_default"] * 1e3, 2),
+                "ort_ms": round(lat["o_default"] * 1e3, 2),
+                "default": round(lat["q_default"] / lat["o_default"], 3),
+                "fp32_compute": round(lat["q_level1"] / lat["o_default"], 3),
+                "int8_compute": round(lat["q_default"] / lat["o_level4"], 3),
+                "q_level1_ms": round(lat["q_level1"] * 1e3, 2),
+                "o_level4_ms": round(lat["o_level4"] * 1e3, 2),
+                "err_q_default": err("q_default"),
+                "err_q_level1": err("q_level1"),
+                "err_o_default": err("o_default"),
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -143,8 +172,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--block", type=int, default=BLOCK, help="block size, both quantizers")
     a = p.parse_args(argv)
     setup_threads(1)
-    print(f"# bench_int4_shapes: block {a.block}, onnxruntime CPU provider, 1 thread; {machine()}; "
-          f"CPU flags: {cpu_flags()}")
+    print(
+        f"# bench_int4_shapes: block {a.block}, onnxruntime CPU provider, 1 thread; {machine()}; "
+        f"CPU flags: {cpu_flags()}"
+    )
     seqs = [int(s) for s in a.seqs.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -152,11 +183,30 @@ def main(argv: list[str] | None = None) -> None:
             sub = Path(d) / name
             sub.mkdir()
             rows += measure(sub, name, SHAPES[name], seqs, a.rounds, a.block)
-    print(table(rows, ["shape", "seq", "quantcli_ms", "ort_ms", "default", "fp32_compute", "int8_compute",
-                       "q_level1_ms", "o_level4_ms", "err_q_default", "err_q_level1", "err_o_default"]))
+    print(
+        table(
+            rows,
+            [
+                "shape",
+                "seq",
+                "quantcli_ms",
+                "ort_ms",
+                "default",
+                "fp32_compute",
+                "int8_compute",
+                "q_level1_ms",
+                "o_level4_ms",
+                "err_q_default",
+                "err_q_level1",
+                "err_o_default",
+            ],
+        )
+    )
     for r in rows:
-        print(f"{r['shape']} seq {r['seq']}: quantcli / onnxruntime int4, default session options "
-              f"{r['default']:.2f}x: {verdict(r['default'] <= 1.0)}")
+        print(
+            f"{r['shape']} seq {r['seq']}: quantcli / onnxruntime int4, default session options "
+            f"{r['default']:.2f}x: {verdict(r['default'] <= 1.0)}"
+        )
 
 
 if __name__ == "__main__":

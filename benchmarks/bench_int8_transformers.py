@@ -1,17 +1,18 @@
 """``int8-dynamic`` and ``--smoothquant`` on transformers, against onnxruntime's own ``quantize_dynamic``.
 
-    python -m benchmarks.bench_int8_transformers [--rounds N] [--opset 17] [--models text_encoder,deep_encoder]
+    python -m benchmarks.bench_int8_transformers [--rounds N] [--opset 17] \\
+        [--models text_encoder,deep_encoder]
 
-Per model (``text_encoder``; ``sample_models.structured.deep_encoder``, 6 layers, hidden 384, outlier channels):
-the fp32 model exported with ``torch.onnx.export``, onnxruntime's ``quantize_dynamic`` of that file (per-channel
-int8 weights, the reference a user would otherwise run), and quantcli's ``int8-dynamic`` and ``int8`` presets,
-each with and without SmoothQuant (alpha 0.5), calibrated on the model's calibration lines and exported with
-``exporters.export_onnx`` at the same opset. Every graph runs in onnxruntime on the CPU provider with default
-session options and 1 thread. Cosine: of all held-out outputs against the float PyTorch model's, as ``quantcli
-verify`` computes it (for deep_encoder's unit-norm embeddings this is the mean per-sentence cosine); "error vs
-ort dyn" is ``(1 - cosine) / (1 - cosine of quantize_dynamic)``. Latency: one
-batch of 32 x 80 tokens, runs of every session interleaved round by round in this process, best of ``--rounds``
-per session (the machine is shared: the load average is printed beside the figures).
+Per model (``text_encoder``; ``sample_models.structured.deep_encoder``, 6 layers, hidden 384, outlier
+channels): the fp32 model exported with ``torch.onnx.export``, onnxruntime's ``quantize_dynamic`` of that file
+(per-channel int8 weights, the reference a user would otherwise run), and quantcli's ``int8-dynamic`` and
+``int8`` presets, each with and without SmoothQuant (alpha 0.5), calibrated on the model's calibration lines
+and exported with ``exporters.export_onnx`` at the same opset. Every graph runs in onnxruntime on the CPU
+provider with default session options and 1 thread. Cosine: of all held-out outputs against the float PyTorch
+model's, as ``quantcli verify`` computes it (for deep_encoder's unit-norm embeddings this is the mean
+per-sentence cosine); "error vs ort dyn" is ``(1 - cosine) / (1 - cosine of quantize_dynamic)``. Latency: one
+batch of 32 x 80 tokens, runs of every session interleaved round by round in this process, best of
+``--rounds`` per session (the machine is shared: the load average is printed beside the figures).
 
 Issue 15's goal applies to static int8 (rows ``int8``): cosine >= 0.995 and latency <= ``quantize_dynamic``'s;
 each such row prints MET or MISSED. Dynamic rows print their ratios to ``quantize_dynamic`` only.
@@ -52,7 +53,13 @@ class Subject:
 def subject(name: str) -> Subject:
     if name == "text_encoder":
         from sample_models import text_encoder
-        return Subject(name, text_encoder.build().eval(), text_encoder.calibration_batches(), text_encoder.evaluation_batches())
+
+        return Subject(
+            name,
+            text_encoder.build().eval(),
+            text_encoder.calibration_batches(),
+            text_encoder.evaluation_batches(),
+        )
     if name == "deep_encoder":
         from sample_models.structured import deep_encoder, deep_encoder_batches
 
@@ -64,8 +71,16 @@ def export_float(model: torch.nn.Module, example: dict[str, torch.Tensor], path:
     names = list(example)
     axes = {n: {0: "batch", 1: "tokens"} for n in names}
     axes["output"] = {0: "batch"}
-    torch.onnx.export(model, tuple(example.values()), str(path), dynamo=False, opset_version=opset,
-                      input_names=names, output_names=["output"], dynamic_axes=axes)
+    torch.onnx.export(
+        model,
+        tuple(example.values()),
+        str(path),
+        dynamo=False,
+        opset_version=opset,
+        input_names=names,
+        output_names=["output"],
+        dynamic_axes=axes,
+    )
 
 
 def session(path: Path) -> ort.InferenceSession:
@@ -86,9 +101,14 @@ def cosine(got: np.ndarray, ref: np.ndarray) -> float:
     return float(g @ r / np.sqrt((g @ g) * (r @ r)))
 
 
-def best_latencies(sessions: dict[str, ort.InferenceSession], batch: dict[str, np.ndarray], rounds: int) -> dict[str, float]:
-    """Best-of-``rounds`` seconds per session, the sessions interleaved within each round, after 2 warm-up runs."""
-    return best_interleaved({name: functools.partial(s.run, None, batch) for name, s in sessions.items()}, rounds, 2)
+def best_latencies(
+    sessions: dict[str, ort.InferenceSession], batch: dict[str, np.ndarray], rounds: int
+) -> dict[str, float]:
+    """Best-of-``rounds`` seconds per session, the sessions interleaved within each round, after 2 warm-up
+    runs."""
+    return best_interleaved(
+        {name: functools.partial(s.run, None, batch) for name, s in sessions.items()}, rounds, 2
+    )
 
 
 def latency_batch(subject: Subject) -> dict[str, np.ndarray]:
@@ -108,8 +128,9 @@ def measure(subject: Subject, workdir: Path, opset: int, rounds: int) -> list[di
     paths["fp32"] = workdir / f"{subject.name}-fp32.onnx"
     export_float(subject.model, subject.calib[0], paths["fp32"], opset)
     paths["ort quantize_dynamic"] = workdir / f"{subject.name}-ort-dynamic.onnx"
-    quantize_dynamic(str(paths["fp32"]), str(paths["ort quantize_dynamic"]), per_channel=True,
-                     weight_type=QuantType.QInt8)
+    quantize_dynamic(
+        str(paths["fp32"]), str(paths["ort quantize_dynamic"]), per_channel=True, weight_type=QuantType.QInt8
+    )
     seconds: dict[str, float] = {}
     for config, alpha in VARIANTS:
         label = config + ("" if alpha is None else f" + smoothquant {alpha}")
@@ -122,8 +143,10 @@ def measure(subject: Subject, workdir: Path, opset: int, rounds: int) -> list[di
         paths[label] = workdir / f"{subject.name}-{config}-{alpha}.onnx"
         export_onnx(model, subject.calib[0], paths[label], opset=opset)
     sessions = {label: session(p) for label, p in paths.items()}
-    cos = {label: cosine(np.concatenate([s.run(None, feeds(b))[0] for b in subject.evals]), reference)
-           for label, s in sessions.items()}
+    cos = {
+        label: cosine(np.concatenate([s.run(None, feeds(b))[0] for b in subject.evals]), reference)
+        for label, s in sessions.items()
+    }
     lat = best_latencies(sessions, latency_batch(subject), rounds)
     ref_lat, ref_cos = lat["ort quantize_dynamic"], cos["ort quantize_dynamic"]
     rows = []
@@ -131,34 +154,48 @@ def measure(subject: Subject, workdir: Path, opset: int, rounds: int) -> list[di
         goal = "-"
         if label.startswith("int8 ") or label == "int8":
             ok_cos, ok_lat = cos[label] >= GOAL_COSINE, lat[label] <= ref_lat
-            goal = ("MET" if ok_cos and ok_lat else "MISSED") + \
-                f" (cosine {'>=' if ok_cos else '<'} {GOAL_COSINE}, latency {'<=' if ok_lat else '>'} quantize_dynamic)"
-        rows.append({
-            "model": subject.name, "graph": label,
-            "cosine vs fp32": f"{cos[label]:.5f}",
-            "error vs ort dyn": f"{(1 - cos[label]) / (1 - ref_cos):.2f}x" if ref_cos < 1 else "-",
-            "latency ms": f"{lat[label] * 1e3:.1f}",
-            "vs ort dyn": f"{lat[label] / ref_lat:.2f}x",
-            "vs fp32": f"{lat[label] / lat['fp32']:.2f}x",
-            "calibrate s": f"{seconds[label]:.1f}" if label in seconds else "-",
-            "issue 15 goal (static)": goal,
-        })
+            goal = (
+                ("MET" if ok_cos and ok_lat else "MISSED")
+                + f" (cosine {'>=' if ok_cos else '<'} {GOAL_COSINE}, latency {'<=' if ok_lat else '>'} "
+                f"quantize_dynamic)"
+            )
+        rows.append(
+            {
+                "model": subject.name,
+                "graph": label,
+                "cosine vs fp32": f"{cos[label]:.5f}",
+                "error vs ort dyn": f"{(1 - cos[label]) / (1 - ref_cos):.2f}x" if ref_cos < 1 else "-",
+                "latency ms": f"{lat[label] * 1e3:.1f}",
+                "vs ort dyn": f"{lat[label] / ref_lat:.2f}x",
+                "vs fp32": f"{lat[label] / lat['fp32']:.2f}x",
+                "calibrate s": f"{seconds[label]:.1f}" if label in seconds else "-",
+                "issue 15 goal (static)": goal,
+            }
+        )
     return rows
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20, help="latency: best of N interleaved runs per graph")
-    p.add_argument("--opset", type=int, default=17, help="opset of every exported graph (17: LayerNormalization)")
+    p.add_argument(
+        "--opset", type=int, default=17, help="opset of every exported graph (17: LayerNormalization)"
+    )
     p.add_argument("--models", default="text_encoder,deep_encoder")
     a = p.parse_args(argv)
     setup_threads(1)
-    print(f"int8-dynamic / smoothquant vs onnxruntime quantize_dynamic: {machine()}; onnxruntime {ort.__version__}; "
-          f"opset {a.opset}; latency batch {LATENCY_SHAPE[0]}x{LATENCY_SHAPE[1]} tokens, 1 thread, best of {a.rounds}")
+    print(
+        f"int8-dynamic / smoothquant vs onnxruntime quantize_dynamic: {machine()}; onnxruntime "
+        f"{ort.__version__}; "
+        f"opset {a.opset}; latency batch {LATENCY_SHAPE[0]}x{LATENCY_SHAPE[1]} tokens, 1 thread, best of "
+        f"{a.rounds}"
+    )
     rows = rows_per_model(a.models.split(","), lambda name, d: measure(subject(name), d, a.opset, a.rounds))
     print(table(rows))
-    print(f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
-          "(2 cores shared: latency ratios are interleaved in one process, absolute ms are noisy)")
+    print(
+        f"load average (1, 5, 15 min): {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
+        "(2 cores shared: latency ratios are interleaved in one process, absolute ms are noisy)"
+    )
 
 
 if __name__ == "__main__":

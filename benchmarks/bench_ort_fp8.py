@@ -1,12 +1,13 @@
-"""FP8 graphs in onnxruntime: what the guards of :mod:`exporters.onnxruntime.compat` cost against the other ways to load
-the same graph correctly.
+"""FP8 graphs in onnxruntime: what the guards of :mod:`exporters.onnxruntime.compat` cost against the other
+ways to load the same graph correctly.
 
     python -m benchmarks.bench_ort_fp8
 
-Per sample model (fp8 preset, max calibration): latency over four held-out batches, 1 thread, best of interleaved
-runs in one process, as a ratio to the guarded graph with default options: the unguarded graph with
-``session_needs``' ``disabled_optimizers``, the unguarded graph at ``ORT_ENABLE_BASIC``, the guarded graph with
-optimizations off; and each one's largest output difference from the optimizations-off graph (0: bit-identical).
+Per sample model (fp8 preset, max calibration): latency over four held-out batches, 1 thread, best of
+interleaved runs in one process, as a ratio to the guarded graph with default options: the unguarded graph
+with ``session_needs``' ``disabled_optimizers``, the unguarded graph at ``ORT_ENABLE_BASIC``, the guarded
+graph with optimizations off; and each one's largest output difference from the optimizations-off graph (0:
+bit-identical).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ def _session(model: onnx.ModelProto, level=None, kwargs=None):
     so.log_severity_level = 3
     if level is not None:
         so.graph_optimization_level = level
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"], **(kwargs or {}))
+    return ort.InferenceSession(
+        model.SerializeToString(), so, providers=["CPUExecutionProvider"], **(kwargs or {})
+    )
 
 
 def measure(name: str, workdir: Path, repeat: int) -> dict:
@@ -53,14 +56,23 @@ def measure(name: str, workdir: Path, repeat: int) -> dict:
     }
     feeds = [{k: v.numpy() for k, v in b.items()} for b in sample.evaluation_batches()[:4]]
     ref = sessions["guarded, optimizations off"]
-    diff = {label: max(float(np.abs(s.run(None, f)[0] - ref.run(None, f)[0]).max()) for f in feeds)
-            for label, s in sessions.items()}
-    best = best_interleaved({label: functools.partial(run_all, s, feeds) for label, s in sessions.items()}, repeat)
+    diff = {
+        label: max(float(np.abs(s.run(None, f)[0] - ref.run(None, f)[0]).max()) for f in feeds)
+        for label, s in sessions.items()
+    }
+    best = best_interleaved(
+        {label: functools.partial(run_all, s, feeds) for label, s in sessions.items()}, repeat
+    )
     ref_t = best["guarded, default options"]
     row = {"model": name, "guards": str(guards), "guarded default ms": f"{ref_t * 1e3:.1f}"}
     row["guarded default max|diff|"] = f"{diff['guarded, default options']:.2g}"
-    row.update({label: f"{t / ref_t:.2f}x, max|diff| {diff[label]:.2g}" for label, t in best.items()
-                if label not in ("guarded, default options", "guarded, optimizations off")})
+    row.update(
+        {
+            label: f"{t / ref_t:.2f}x, max|diff| {diff[label]:.2g}"
+            for label, t in best.items()
+            if label not in ("guarded, default options", "guarded, optimizations off")
+        }
+    )
     row["optimizations off"] = f"{best['guarded, optimizations off'] / ref_t:.2f}x"
     return row
 

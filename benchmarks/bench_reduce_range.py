@@ -1,15 +1,15 @@
-"""``reduce_range`` (7-bit weights) on digits_cnn and text_encoder: accuracy against fp32, and how far onnxruntime's
-deployed session (default options) is from the fake-quant model, with and without it.
+"""``reduce_range`` (7-bit weights) on digits_cnn and text_encoder: accuracy against fp32, and how far
+onnxruntime's deployed session (default options) is from the fake-quant model, with and without it.
 
     python -m benchmarks.bench_reduce_range
 
 Per model and setting: held-out top-1 accuracy of the fp32 and fake-quant models and their logits' cosine; the
 quantized layers onnxruntime runs as integer kernels (the only ones a kernel can make deviate); the default
-session's largest logit deviation from the fake-quant model and top-1 agreement with it on this CPU; and the same
-with the non-VNNI u8s8 kernel emulated on those layers (:mod:`benchmarks.u8s8_avx2`), with the fraction of
-product pairs it saturates. On a CPU with VNNI the measured deviation has no saturation in it; the emulated one
-is what an AVX2-only CPU computes. Layers onnxruntime leaves in float cannot saturate, so the figures follow
-whatever the export's placement makes onnxruntime fuse.
+session's largest logit deviation from the fake-quant model and top-1 agreement with it on this CPU; and the
+same with the non-VNNI u8s8 kernel emulated on those layers (:mod:`benchmarks.u8s8_avx2`), with the fraction
+of product pairs it saturates. On a CPU with VNNI the measured deviation has no saturation in it; the emulated
+one is what an AVX2-only CPU computes. Layers onnxruntime leaves in float cannot saturate, so the figures
+follow whatever the export's placement makes onnxruntime fuse.
 """
 
 from __future__ import annotations
@@ -70,7 +70,9 @@ def measure(name: str, reduce_range: bool, workdir: Path) -> dict:
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    deployed = torch.cat([torch.from_numpy(sess.run(None, {k: v.numpy() for k, v in b.items()})[0]) for b in batches])
+    deployed = torch.cat(
+        [torch.from_numpy(sess.run(None, {k: v.numpy() for k, v in b.items()})[0]) for b in batches]
+    )
     stats = u8s8_avx2.Stats()
     handles = u8s8_avx2.install(model, fused, stats)
     try:
@@ -81,18 +83,24 @@ def measure(name: str, reduce_range: bool, workdir: Path) -> dict:
     scale = float(fq.abs().max())
 
     def dev(got):
-        return f"{float((got - fq).abs().max()) / scale:.2e}", f"{float((got.argmax(1) == fq.argmax(1)).float().mean()):.4f}"
+        return (
+            f"{float((got - fq).abs().max()) / scale:.2e}",
+            f"{float((got.argmax(1) == fq.argmax(1)).float().mean()):.4f}",
+        )
 
     d_max, d_agree = dev(deployed)
     e_max, e_agree = dev(emulated)
     return {
-        "model": name, "weights": "int7 (reduce_range)" if reduce_range else "int8",
+        "model": name,
+        "weights": "int7 (reduce_range)" if reduce_range else "int8",
         "top-1 fp32": f"{float((ref.argmax(1) == labels).float().mean()):.4f}",
         "top-1 quant": f"{float((fq.argmax(1) == labels).float().mean()):.4f}",
         "cosine vs fp32": f"{_cosine(fq, ref):.5f}",
         "u8s8 layers": f"{len(fused)}/{len(fusion.layers)}",
-        "deployed max dev": d_max, "deployed top-1 agree": d_agree,
-        "non-VNNI max dev": e_max, "non-VNNI top-1 agree": e_agree,
+        "deployed max dev": d_max,
+        "deployed top-1 agree": d_agree,
+        "non-VNNI max dev": e_max,
+        "non-VNNI top-1 agree": e_agree,
         "pairs saturated": f"{stats.saturated / stats.pairs:.2e}" if stats.pairs else "-",
     }
 

@@ -1,14 +1,15 @@
-"""The model zoo (tests/zoo) as a user would run it: per model, exporters x targets, verify's verdict, the quantized
-layers onnxruntime fuses (``inspect --runtime``), latency of the int8 graph against the fp32 graph and against
-onnxruntime's own quantization of the same model, and each graph's cosine to the float model as the factory builds it.
+"""The model zoo (tests/zoo) as a user would run it: per model, exporters x targets, verify's verdict, the
+quantized layers onnxruntime fuses (``inspect --runtime``), latency of the int8 graph against the fp32 graph
+and against onnxruntime's own quantization of the same model, and each graph's cosine to the float model as
+the factory builds it.
 
 onnxruntime's own: ``quant_pre_process`` then ``quantize_static`` (QDQ, int8 weights per channel, MinMax:
-:mod:`benchmarks.ort_peer`) for CNNs and ViTs, twice: with asymmetric uint8 activations (``peer``: what onnxruntime's
-documentation recommends on x86 CPUs with VNNI, the reference of issue 25's goal) and with symmetric int8
-activations (``peer s8``, its default-like setting nearest quantcli's preset); ``quantize_dynamic`` (per channel)
-for transformers. Latency: CPU provider, 1 thread, default options, the sessions timed interleaved (best of
-``--rounds``) on the first 8 held-out samples; only onnxruntime-target graphs are timed. ``rms_ratio`` is verify's
-``fidelity.rms_ratio`` value (docs/verify-criteria.md).
+:mod:`benchmarks.ort_peer`) for CNNs and ViTs, twice: with asymmetric uint8 activations (``peer``: what
+onnxruntime's documentation recommends on x86 CPUs with VNNI, the reference of issue 25's goal) and with
+symmetric int8 activations (``peer s8``, its default-like setting nearest quantcli's preset);
+``quantize_dynamic`` (per channel) for transformers. Latency: CPU provider, 1 thread, default options, the
+sessions timed interleaved (best of ``--rounds``) on the first 8 held-out samples; only onnxruntime-target
+graphs are timed. ``rms_ratio`` is verify's ``fidelity.rms_ratio`` value (docs/verify-criteria.md).
 
     python -m benchmarks.bench_zoo [--models resnet,vit] [--rounds 20]
 """
@@ -59,12 +60,20 @@ def export_float(name: str, data: dict[str, np.ndarray], path: Path) -> None:
     model = zoo.module(name).make()
     names = list(data)
     example = tuple(torch.from_numpy(v[:2]) for v in data.values())
-    torch.onnx.export(model, example, str(path), dynamo=False, opset_version=17, input_names=names,
-                      dynamic_axes={n: {0: "batch"} for n in names})
+    torch.onnx.export(
+        model,
+        example,
+        str(path),
+        dynamo=False,
+        opset_version=17,
+        input_names=names,
+        dynamic_axes={n: {0: "batch"} for n in names},
+    )
 
 
-def peer(name: str, fp32: Path, calib: dict[str, np.ndarray], folder: Path,
-         activations: str = "uint8") -> tuple[Path, str]:
+def peer(
+    name: str, fp32: Path, calib: dict[str, np.ndarray], folder: Path, activations: str = "uint8"
+) -> tuple[Path, str]:
     """onnxruntime's own quantization of the fp32 graph: (its path, what it was). ``activations`` applies to
     ``quantize_static`` (CNNs, ViTs): ``uint8`` or ``int8``."""
     from onnxruntime.quantization import QuantType, quant_pre_process, quantize_dynamic
@@ -97,7 +106,9 @@ def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: P
     rep = json.loads(out) if code in (0, 1) else {}
     row = {"verify": {0: "PASS", 1: "FAIL"}.get(code, "ERROR (exit 2)"), "graph": graph}
     if rep:
-        row["rms_ratio"] = max((o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan"))
+        row["rms_ratio"] = max(
+            (o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan")
+        )
         row["failed"] = ", ".join(f"{c['name']} ({c['detail']})" for c in rep["checks"] if not c["passed"])
     code, out = cli("inspect", graph, "--runtime", "onnxruntime", "--json")
     if code == 0:
@@ -107,7 +118,8 @@ def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: P
 
 
 def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[dict]:
-    """Every (exporter, target) row of one model, the onnxruntime-target graphs timed against fp32 and the peer."""
+    """Every (exporter, target) row of one model, the onnxruntime-target graphs timed against fp32 and the
+    peer."""
     calib_path, held_path = zoo.write_data(name, folder)
     with np.load(calib_path) as z:
         calib = {k: z[k] for k in z.files}
@@ -127,8 +139,12 @@ def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[di
     rows = []
     for target in targets:
         for exporter in exporters:
-            r = {"model": name, "exporter": exporter, "target": target,
-                 **quantcli_graph(name, target, exporter, folder, calib_path, held_path)}
+            r = {
+                "model": name,
+                "exporter": exporter,
+                "target": target,
+                **quantcli_graph(name, target, exporter, folder, calib_path, held_path),
+            }
             graph = r.pop("graph", None)
             if graph is not None:
                 r["cos int8"] = min_cosine(session(graph), held, ref)
@@ -158,8 +174,13 @@ def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[di
 def _fmt(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
-        out.append({k: (f"{v:.4f}" if k.startswith("cos") else f"{v:.3g}" if isinstance(v, float) else v)
-                    for k, v in r.items() if k != "failed"})
+        out.append(
+            {
+                k: (f"{v:.4f}" if k.startswith("cos") else f"{v:.3g}" if isinstance(v, float) else v)
+                for k, v in r.items()
+                if k != "failed"
+            }
+        )
     return out
 
 
@@ -171,21 +192,30 @@ def goals(rows: list[dict]) -> list[str]:
     errors = [r for r in graphs if r["verify"].startswith("ERROR")]
     default = [r for r in rows if r["exporter"] == "torchscript"]
     exported = [r for r in default if r["verify"] not in ("export failed", "calibrate failed")]
-    deploy = [r for r in rows if r["target"] == "onnxruntime" and r["exporter"] == "torchscript" and "int8/peer" in r]
+    deploy = [
+        r
+        for r in rows
+        if r["target"] == "onnxruntime" and r["exporter"] == "torchscript" and "int8/peer" in r
+    ]
     fast = [r for r in deploy if r["int8/peer"] <= 1.0 and r["cos int8"] >= r["cos peer"]]
     timed = [r for r in rows if "int8/fp32" in r]
     slower = [r for r in timed if r["int8/fp32"] > 1.0]
     names = lambda rs: ", ".join(f"{r['model']}/{r['exporter']}/{r['target']}" for r in rs) or "none"  # noqa: E731
     return [
-        f"verify: 0 false PASSes ({len(false_pass)}: {names(false_pass)}) and 0 false FAILs ({len(false_fail)}: "
+        f"verify: 0 false PASSes ({len(false_pass)}: {names(false_pass)}) and 0 false FAILs "
+        f"({len(false_fail)}: "
         f"{names(false_fail)}): {verdict(not false_pass and not false_fail)}",
         f"verify: 0 internal errors ({len(errors)}): {verdict(not errors)}",
         f"export: 100% of the zoo with the default exporter ({len(exported)}/{len(default)}): "
         f"{verdict(len(exported) == len(default))}",
-        f"deploy: int8 <= 1.0x onnxruntime's own quantization's latency at >= its cosine ({len(fast)}/{len(deploy)}; "
-        f"missed: {names([r for r in deploy if r not in fast])}): {verdict(len(fast) == len(deploy) and bool(deploy))}",
-        "mutations: 100% caught on >= 6 zoo models: python -m pytest -q -m zoo tests/zoo/test_mutation_campaign.py",
-        f"deploy (issue 25): no int8 graph slower than its float model ({len(timed) - len(slower)}/{len(timed)}; "
+        f"deploy: int8 <= 1.0x onnxruntime's own quantization's latency at >= its cosine "
+        f"({len(fast)}/{len(deploy)}; "
+        f"missed: {names([r for r in deploy if r not in fast])}): "
+        f"{verdict(len(fast) == len(deploy) and bool(deploy))}",
+        "mutations: 100% caught on >= 6 zoo models: python -m pytest -q -m zoo "
+        "tests/zoo/test_mutation_campaign.py",
+        f"deploy (issue 25): no int8 graph slower than its float model "
+        f"({len(timed) - len(slower)}/{len(timed)}; "
         f"slower: {names(slower)}): {verdict(bool(timed) and not slower)}",
     ]
 
@@ -202,15 +232,35 @@ def main(argv=None) -> None:
     names = args.models.split(",")
     unknown = [n for n in names if n not in zoo.MODELS and n not in zoo.CRITERIA_MODELS]
     if unknown:
-        raise SystemExit(f"unknown zoo model(s) {unknown}; choose from {', '.join([*zoo.MODELS, *zoo.CRITERIA_MODELS])}")
+        raise SystemExit(
+            f"unknown zoo model(s) {unknown}; choose from {', '.join([*zoo.MODELS, *zoo.CRITERIA_MODELS])}"
+        )
     print(f"model zoo: {machine()}; CPU flags: {cpu_flags()}; onnxruntime {ort.__version__}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for name in names:
             rows += measure(name, Path(d), args.exporters.split(","), args.targets.split(","), args.rounds)
             print(f"  {name} done; load average {os.getloadavg()[0]:.2f}", flush=True)
-    print(table(_fmt(rows), ["model", "exporter", "target", "verify", "rms_ratio", "fused", "int8/fp32",
-                             "int8/peer", "int8/peer s8", "peer/fp32", "cos int8", "cos peer", "peer"]))
+    print(
+        table(
+            _fmt(rows),
+            [
+                "model",
+                "exporter",
+                "target",
+                "verify",
+                "rms_ratio",
+                "fused",
+                "int8/fp32",
+                "int8/peer",
+                "int8/peer s8",
+                "peer/fp32",
+                "cos int8",
+                "cos peer",
+                "peer",
+            ],
+        )
+    )
     for r in rows:
         if r.get("failed"):
             print(f"  {r['model']}/{r['exporter']}/{r['target']} failed: {r['failed']}")

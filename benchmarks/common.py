@@ -19,9 +19,15 @@ def setup_threads(n: int = 1) -> None:
     torch.set_num_threads(n)
 
 
-def median_time(fn: Callable[..., object], repeat: int = 5, warmup: int = 1, sync: Callable[[], None] | None = None,
-                setup: Callable[[], object] | None = None) -> float:
+def median_time(
+    fn: Callable[..., object],
+    repeat: int = 5,
+    warmup: int = 1,
+    sync: Callable[[], None] | None = None,
+    setup: Callable[[], object] | None = None,
+) -> float:
     """Median wall time of ``fn()`` (or ``fn(setup())``, setup untimed) in seconds after ``warmup`` calls."""
+
     def once() -> float:
         arg = setup() if setup else None
         if sync:
@@ -39,8 +45,8 @@ def median_time(fn: Callable[..., object], repeat: int = 5, warmup: int = 1, syn
 
 def best_interleaved(runs: dict[str, Callable[[], object]], rounds: int, warmup: int = 0) -> dict[str, float]:
     """Best-of-``rounds`` wall time (seconds) of each callable, the callables interleaved within each round so
-    that every one sees the same machine state; ``warmup`` untimed calls of each first (first runs allocate and
-    pick kernels)."""
+    that every one sees the same machine state; ``warmup`` untimed calls of each first (first runs allocate
+    and pick kernels)."""
     for fn in runs.values():
         for _ in range(warmup):
             fn()
@@ -54,15 +60,16 @@ def best_interleaved(runs: dict[str, Callable[[], object]], rounds: int, warmup:
 
 
 def run_all(session, feeds: list[dict]) -> None:
-    """One run of an onnxruntime ``session`` on each feed dict: what a latency figure over several batches times."""
+    """One run of an onnxruntime ``session`` on each feed dict: what a latency figure over several batches
+    times."""
     for f in feeds:
         session.run(None, f)
 
 
 def rows_per_model(names: Iterable[str], measure: Callable[[str, Path], list[dict]]) -> list[dict]:
     """The rows ``measure(name, folder)`` returns for each model, every file written to one temporary folder
-    (removed afterwards). A model whose optional dependency is missing (ImportError) is skipped with a line saying
-    so; after each model the 1-minute load average is printed (latency figures are read beside it)."""
+    (removed afterwards). A model whose optional dependency is missing (ImportError) is skipped with a line
+    saying so; after each model the 1-minute load average is printed (latency figures are read beside it)."""
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as d:
         for name in names:
@@ -94,8 +101,9 @@ def peak_rss_of(code: str, env: dict | None = None) -> float:
     e = dict(os.environ)
     e.update(env or {})
     e.setdefault("OMP_NUM_THREADS", "1")
-    out = subprocess.run([sys.executable, "-c", code + PEAK_RSS_SNIPPET], capture_output=True, text=True, env=e,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", code + PEAK_RSS_SNIPPET], capture_output=True, text=True, env=e, check=True
+    )
     return peak_rss_from(out.stdout)
 
 
@@ -104,7 +112,9 @@ def machine() -> str:
 
     cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{platform.system()} {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s), {gpu}"
+    threads = torch.get_num_threads()
+    system = f"{platform.system()} {cpu}, {os.cpu_count()} cores"
+    return f"{system}, torch {torch.__version__}, {threads} thread(s), {gpu}"
 
 
 def table(rows: list[dict], columns: list[str] | None = None) -> str:

@@ -31,7 +31,8 @@ OPTIONS = {"ActivationSymmetric": True, "WeightSymmetric": True}
 
 
 class Reader(CalibrationDataReader):
-    """Batches of ``BATCH`` samples cut from whole arrays, as ``quantcli calibrate --batch-size 32`` cuts them."""
+    """Batches of ``BATCH`` samples cut from whole arrays, as ``quantcli calibrate --batch-size 32`` cuts
+    them."""
 
     def __init__(self, data: dict[str, np.ndarray]):
         n = len(next(iter(data.values())))
@@ -42,14 +43,18 @@ class Reader(CalibrationDataReader):
 
 
 def calibrate(fp32: str, data: dict[str, np.ndarray], method: str) -> tuple[object, float]:
-    """Calibration alone: the steps ``quantize_static`` runs before it quantizes. Returns the tensor ranges and
-    the seconds of running the batches and computing the ranges; building the calibrator (the graph augmented
-    with every quantizable op's outputs, its session) is left out, as building the quantized model is on
-    quantcli's side."""
+    """Calibration alone: the steps ``quantize_static`` runs before it quantizes. Returns the tensor ranges
+    and the seconds of running the batches and computing the ranges; building the calibrator (the graph
+    augmented with every quantizable op's outputs, its session) is left out, as building the quantized model
+    is on quantcli's side."""
     ops = list(set(QLinearOpsRegistry) | set(QDQRegistry))
     with tempfile.TemporaryDirectory(prefix="ort.quant.") as d:
-        calibrator = create_calibrator(Path(fp32), ops, augmented_model_path=str(Path(d) / "augmented.onnx"),
-                                       calibrate_method=getattr(CalibrationMethod, method))
+        calibrator = create_calibrator(
+            Path(fp32),
+            ops,
+            augmented_model_path=str(Path(d) / "augmented.onnx"),
+            calibrate_method=getattr(CalibrationMethod, method),
+        )
         t = time.perf_counter()
         calibrator.collect_data(Reader(data))
         ranges = calibrator.compute_data()
@@ -58,17 +63,26 @@ def calibrate(fp32: str, data: dict[str, np.ndarray], method: str) -> tuple[obje
         return ranges, seconds
 
 
-def quantize(fp32: str, data: dict[str, np.ndarray], out: str, method: str, activations: str = "int8") -> None:
+def quantize(
+    fp32: str, data: dict[str, np.ndarray], out: str, method: str, activations: str = "int8"
+) -> None:
     """Calibrate and write the Q/DQ graph: the peer's whole job.
 
     ``activations``: ``int8`` (symmetric, the settings nearest quantcli's ``int8`` preset) or ``uint8``
-    (asymmetric ``QUInt8``, what onnxruntime's quantization guide recommends on x86-64 CPUs with AVX2/AVX-512 VNNI:
-    its u8s8 kernels then run without the s8-to-u8 conversion)."""
+    (asymmetric ``QUInt8``, what onnxruntime's quantization guide recommends on x86-64 CPUs with AVX2/AVX-512
+    VNNI: its u8s8 kernels then run without the s8-to-u8 conversion)."""
     unsigned = activations == "uint8"
-    quantize_static(fp32, out, Reader(data), quant_format=QuantFormat.QDQ,
-                    activation_type=QuantType.QUInt8 if unsigned else QuantType.QInt8,
-                    weight_type=QuantType.QInt8, per_channel=True, calibrate_method=getattr(CalibrationMethod, method),
-                    extra_options={**OPTIONS, "ActivationSymmetric": not unsigned})
+    quantize_static(
+        fp32,
+        out,
+        Reader(data),
+        quant_format=QuantFormat.QDQ,
+        activation_type=QuantType.QUInt8 if unsigned else QuantType.QInt8,
+        weight_type=QuantType.QInt8,
+        per_channel=True,
+        calibrate_method=getattr(CalibrationMethod, method),
+        extra_options={**OPTIONS, "ActivationSymmetric": not unsigned},
+    )
 
 
 def _hwm_mib() -> float:

@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 #: model name -> the MODEL spec ``quantcli calibrate`` takes for it
-SPECS = {"digits_cnn": "digits_cnn", "text_encoder": "text_encoder", "resnet_cnn": "sample_models.structured:resnet_cnn"}
+SPECS = {
+    "digits_cnn": "digits_cnn",
+    "text_encoder": "text_encoder",
+    "resnet_cnn": "sample_models.structured:resnet_cnn",
+}
 BATCH = 32
 
 
@@ -23,12 +27,14 @@ def build(name: str) -> nn.Module:
 
 
 def arrays(name: str, n: int) -> dict[str, np.ndarray]:
-    """``n`` samples of ``name``'s bundled data (repeated where it has fewer), one fixed-shape array per input.
+    """``n`` samples of ``name``'s bundled data (repeated where it has fewer), one fixed-shape array per
+    input.
 
     text_encoder's lines are padded to the longest line (token 0, mask 0), as one batch of them would be.
     """
     if name == "digits_cnn":
         from sample_models import digits_cnn
+
         x = torch.cat([b["x"] for b in digits_cnn.calibration_batches() + digits_cnn.evaluation_batches()])
         return {"x": _repeat(x, n).numpy()}
     if name == "resnet_cnn":
@@ -37,6 +43,7 @@ def arrays(name: str, n: int) -> dict[str, np.ndarray]:
         return {"x": torch.cat([b["x"] for b in resnet_batches(n)]).numpy()}
     if name == "text_encoder":
         from sample_models import text_encoder
+
         batches = text_encoder.calibration_batches() + text_encoder.evaluation_batches()
         width = max(b["input_ids"].shape[1] for b in batches)
         out = {}
@@ -65,5 +72,6 @@ def export_fp32(model: nn.Module, data: dict[str, np.ndarray], path: str) -> Non
     axes = {k: ({0: "batch", 1: "seq"} if v.dtype == np.int64 else {0: "batch"}) for k, v in data.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(model, example, path, dynamo=False, opset_version=13, input_names=list(data),
-                          dynamic_axes=axes)
+        torch.onnx.export(
+            model, example, path, dynamo=False, opset_version=13, input_names=list(data), dynamic_axes=axes
+        )

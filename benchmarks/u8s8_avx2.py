@@ -1,15 +1,16 @@
 """What a uint8 x int8 integer kernel computes on an x86 CPU without VNNI, emulated in PyTorch.
 
 onnxruntime's u8s8 GEMM and symmetric-conv kernels for AVX2 (and AVX-512 without VNNI) multiply with
-``VPMADDUBSW``: each pair of adjacent uint8 x int8 products along the reduction axis is added into a *saturating*
-signed 16-bit lane, then widened to int32 (``VPMADDWD``). 255 * 127 * 2 = 64770 does not fit in 16 bits, so a pair
-of large products clips at 32767; VNNI (``VPDPBUSD``) accumulates in 32 bits and never clips. onnxruntime runs
-int8 activations as uint8 (code + 128), so even small activations make large products.
+``VPMADDUBSW``: each pair of adjacent uint8 x int8 products along the reduction axis is added into a
+*saturating* signed 16-bit lane, then widened to int32 (``VPMADDWD``). 255 * 127 * 2 = 64770 does not fit in
+16 bits, so a pair of large products clips at 32767; VNNI (``VPDPBUSD``) accumulates in 32 bits and never
+clips. onnxruntime runs int8 activations as uint8 (code + 128), so even small activations make large products.
 
-:func:`saturating_dot` computes the kernel's int32 sums; :func:`install` adds, to each given quantized layer of a
-fake-quant model, the difference between those sums and the exact ones (times the scales), so that the model
-computes what a deployed session on such a CPU computes for those layers. An emulation, not a measurement:
-the pairing follows the kernels' K order ((kh, kw, cin) for convolutions, onnxruntime's NHWC layout).
+:func:`saturating_dot` computes the kernel's int32 sums; :func:`install` adds, to each given quantized layer
+of a fake-quant model, the difference between those sums and the exact ones (times the scales), so that the
+model computes what a deployed session on such a CPU computes for those layers. An emulation, not a
+measurement: the pairing follows the kernels' K order ((kh, kw, cin) for convolutions, onnxruntime's NHWC
+layout).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from quantcli.quant import arithmetic
 I16_MIN, I16_MAX = -32768, 32767
 
 
-def saturating_dot(a_u8: torch.Tensor, w_s8: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, int, int]:
+def saturating_dot(
+    a_u8: torch.Tensor, w_s8: torch.Tensor, chunk: int = 4096
+) -> tuple[torch.Tensor, int, int]:
     """(int64 sums (M, N) as VPMADDUBSW + VPMADDWD compute them, saturated pairs, pairs).
 
     Args:
@@ -40,12 +43,12 @@ def saturating_dot(a_u8: torch.Tensor, w_s8: torch.Tensor, chunk: int = 4096) ->
     out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.int64)
     saturated = 0
     for s in range(0, a.shape[0], chunk):
-        rows = a[s:s + chunk]
+        rows = a[s : s + chunk]
         for k in range(0, a.shape[1], 2):
             pair = rows[:, k, None] * w[None, k] + rows[:, k + 1, None] * w[None, k + 1]
             clipped = pair.clamp(I16_MIN, I16_MAX)
             saturated += int((clipped != pair).sum())
-            out[s:s + chunk] += clipped
+            out[s : s + chunk] += clipped
     return out, saturated, a.shape[0] * w.shape[1] * (a.shape[1] // 2)
 
 
@@ -53,11 +56,14 @@ def _codes(q, x: torch.Tensor) -> torch.Tensor:
     d = q.desc
     bound = arithmetic.symmetric_bound(d.num_bits, d.unsigned)
     qmin, qmax = arithmetic.integer_range(d.num_bits, d.unsigned, d.narrow_range)
-    return arithmetic.quantize_linear(x, arithmetic.symmetric_scale(q.amax, bound), 0, qmin, qmax), arithmetic.symmetric_scale(q.amax, bound)
+    return arithmetic.quantize_linear(
+        x, arithmetic.symmetric_scale(q.amax, bound), 0, qmin, qmax
+    ), arithmetic.symmetric_scale(q.amax, bound)
 
 
 def _rows(module: nn.Module, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Callable]:
-    """(activation rows (M, K), weight (K, N), fold: (M, N) -> the layer's output layout), K in the kernel's order."""
+    """(activation rows (M, K), weight (K, N), fold: (M, N) -> the layer's output layout), K in the kernel's
+    order."""
     if isinstance(module, nn.Linear):
         lead = x.shape[:-1]
         return x.reshape(-1, x.shape[-1]), w.t(), lambda y: y.reshape(*lead, -1)
@@ -81,7 +87,8 @@ class Stats:
 
 
 def install(model: nn.Module, layers: Iterable[str], stats: Stats | None = None) -> list:
-    """Forward hooks on ``layers`` (module names) that add the non-VNNI kernel's error; returns the handles."""
+    """Forward hooks on ``layers`` (module names) that add the non-VNNI kernel's error; returns the
+    handles."""
     modules = dict(model.named_modules())
     handles = []
 
@@ -104,4 +111,3 @@ def install(model: nn.Module, layers: Iterable[str], stats: Stats | None = None)
     for name in layers:
         handles.append(modules[name].register_forward_hook(hook))
     return handles
-

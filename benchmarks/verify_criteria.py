@@ -1,8 +1,8 @@
-"""Where verify's ``fidelity.rms_ratio`` criterion comes from: its value on correct exports (both exporters, both
-targets) of the deeper ViT-Tiny- and EfficientNet-B0-sized models and the campaign's six zoo models (every zoo
-model's value: ``python -m benchmarks.bench_zoo``, column rms_ratio), and, for every mutation
-of the campaign (tests/zoo/campaign.py) on six zoo models, its value and which checks fail. docs/verify-criteria.md
-records a run.
+"""Where verify's ``fidelity.rms_ratio`` criterion comes from: its value on correct exports (both exporters,
+both targets) of the deeper ViT-Tiny- and EfficientNet-B0-sized models and the campaign's six zoo models
+(every zoo model's value: ``python -m benchmarks.bench_zoo``, column rms_ratio), and, for every mutation of
+the campaign (tests/zoo/campaign.py) on six zoo models, its value and which checks fail.
+docs/verify-criteria.md records a run.
 
     python -m benchmarks.verify_criteria [--models resnet,vit] [--mutations resnet,bert]
 """
@@ -57,7 +57,9 @@ def mutations(names: list[str], folder: Path) -> list[dict]:
                 failed = [c["name"] for c in rep["checks"] if not c["passed"]]
                 if not rep["structure"]["passed"]:
                     failed.insert(0, "structure")
-                row["rms_ratio"] = max((o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan"))
+                row["rms_ratio"] = max(
+                    (o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan")
+                )
                 row["failed"] = ", ".join(failed)
                 row["caught without rms_ratio"] = "yes" if set(failed) - {"fidelity.rms_ratio"} else "no"
             rows.append(row)
@@ -71,8 +73,11 @@ def _fmt(rows):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default=",".join(zoo.CRITERIA_MODELS),
-                    help="correct exports to measure besides the campaign's models (the whole zoo's values: bench_zoo)")
+    ap.add_argument(
+        "--models",
+        default=",".join(zoo.CRITERIA_MODELS),
+        help="correct exports to measure besides the campaign's models (the whole zoo's values: bench_zoo)",
+    )
     ap.add_argument("--mutations", default=",".join(CAMPAIGN_MODELS), help="models the campaign mutates")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -83,13 +88,19 @@ def main(argv=None) -> None:
         correct = correct_exports(list(dict.fromkeys(names + mutated)), Path(d))
         broken = mutations(mutated, Path(d))
     print(table(_fmt(correct), ["model", "exporter", "target", "verify", "rms_ratio", "failed"]))
-    print(table(_fmt(broken), ["model", "mutation", "exit", "rms_ratio", "failed", "caught without rms_ratio"]))
+    print(
+        table(_fmt(broken), ["model", "mutation", "exit", "rms_ratio", "failed", "caught without rms_ratio"])
+    )
     ok = [r["rms_ratio"] for r in correct if "rms_ratio" in r]
     arithmetic = {label for label, _ in campaign.ARITHMETIC}
-    only_rms = [r for r in broken if r["mutation"] in arithmetic and r.get("caught without rms_ratio") == "no"]
+    only_rms = [
+        r for r in broken if r["mutation"] in arithmetic and r.get("caught without rms_ratio") == "no"
+    ]
     print(f"correct exports: rms_ratio max {max(ok, default=float('nan')):.3g} over {len(ok)} graphs")
-    print(f"arithmetic mutations caught only by rms_ratio: {len(only_rms)} "
-          f"(their smallest rms_ratio: {min((r['rms_ratio'] for r in only_rms), default=float('nan')):.3g})")
+    print(
+        f"arithmetic mutations caught only by rms_ratio: {len(only_rms)} "
+        f"(their smallest rms_ratio: {min((r['rms_ratio'] for r in only_rms), default=float('nan')):.3g})"
+    )
 
 
 if __name__ == "__main__":

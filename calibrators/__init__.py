@@ -1,8 +1,8 @@
 """Calibrators fill ``amax``: :class:`MaxCalibrator`, :class:`HistogramCalibrator`, and the amax methods
 (entropy, mse, percentile) as pure functions of a histogram in :mod:`calibrators.histogram`.
 
-The calibrators load on first use of an attribute (as :mod:`quantcli` does), so that :mod:`calibrators.methods`,
-the method names ``quantcli --help`` lists, imports without torch.
+The calibrators load on first use of an attribute (as :mod:`quantcli` does), so that
+:mod:`calibrators.methods`, the method names ``quantcli --help`` lists, imports without torch.
 """
 
 from __future__ import annotations

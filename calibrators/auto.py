@@ -2,11 +2,11 @@
 
 Candidates are the amax each method would choose for the quantizer: ``max`` (the running max), and
 ``percentile``, ``mse``, ``entropy`` from one histogram. The criterion, evaluated by the caller
-(:mod:`quantcli.calibration.calibrate`), is the **mean squared error of the quantized layer's output against the float
-layer's output** on a bounded sample of that layer's calibration inputs, with the layer's weights quantized
-as they will be deployed. Histogram-MSE scores the error of ``x`` alone, weighting every value equally; the
-layer's output weights each input channel by its weights, so clipping an outlier channel that the layer reads
-with large weights costs what it really costs.
+(:mod:`quantcli.calibration.calibrate`), is the **mean squared error of the quantized layer's output against
+the float layer's output** on a bounded sample of that layer's calibration inputs, with the layer's weights
+quantized as they will be deployed. Histogram-MSE scores the error of ``x`` alone, weighting every value
+equally; the layer's output weights each input channel by its weights, so clipping an outlier channel that the
+layer reads with large weights costs what it really costs.
 
 This module holds the data-independent parts: the bounded input sample and the choice rule.
 """

@@ -57,7 +57,8 @@ class Calibrator:
         return int(self._bad_batch)
 
     def _merged_from_ranks(self, num_batches: int, amax_shape: tuple[int, ...]) -> None:
-        """Bookkeeping after ``load_merged``: the batches of every rank; non-finite ones were refused before."""
+        """Bookkeeping after ``load_merged``: the batches of every rank; non-finite ones were refused
+        before."""
         self._batches = num_batches
         self._kept_shape = tuple(amax_shape)
         self._bad_batch = None
@@ -68,7 +69,8 @@ class Calibrator:
         shape = tuple(x.shape[d] if d in axes else 1 for d in range(x.dim())) if axes else ()
         if self._kept_shape is not None and shape != self._kept_shape:
             raise CalibrationError(
-                f"{self.label}: the per-axis dimensions changed between batches, {self._kept_shape} -> {shape} "
+                f"{self.label}: the per-axis dimensions changed between batches, {self._kept_shape} -> "
+                f"{shape} "
                 f"(axis={self.axis}); calibrate per-tensor or keep those dimensions fixed"
             )
         self._kept_shape = shape
@@ -83,7 +85,8 @@ class Calibrator:
                     "check the input data and the model's numerics"
                 )
             return
-        idx = torch.full((), self._batches, dtype=torch.long, device=batch_max.device)  # a fill, not a host copy
+        # a fill, not a host copy
+        idx = torch.full((), self._batches, dtype=torch.long, device=batch_max.device)
         if self._bad_batch is None:
             self._bad_batch = torch.full((), -1, dtype=torch.long, device=batch_max.device)
         self._bad_batch = torch.where(bad & (self._bad_batch < 0), idx, self._bad_batch)

@@ -5,7 +5,8 @@ Afterwards every rank holds the statistics of every rank's batches: the state on
 collecting all the batches itself, so ``compute_amax`` gives the same amax, bit for bit.
 
 - ``MaxCalibrator``: ``all_reduce(MAX)`` of the running max (a float max is exact and order invariant).
-- ``MinMaxCalibrator``: ``MAX`` of the max and ``MAX`` of ``-min`` (that is ``MIN`` of the min: negation is exact).
+- ``MinMaxCalibrator``: ``MAX`` of the max and ``MAX`` of ``-min`` (that is ``MIN`` of the min: negation is
+  exact).
 - ``HistogramCalibrator``: each channel's histogram covers ``[0, 2**e)``. First ``MAX`` of ``e`` (the widest
   range), then every rank re-bins its counts onto that range with the pairwise bin sums ``collect`` uses when
   a range grows, then ``SUM`` of the int64 counts. With a power-of-two ``num_bins`` every re-binned count is
@@ -42,7 +43,8 @@ from quantcli.errors import CalibrationError
 
 
 def world_size(group=None) -> int:
-    """Ranks in ``group`` (the default group when ``None``); 1 when ``torch.distributed`` is not initialised."""
+    """Ranks in ``group`` (the default group when ``None``); 1 when ``torch.distributed`` is not
+    initialised."""
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
@@ -67,7 +69,8 @@ def identity(cal: Calibrator) -> tuple:
 
 
 def fingerprint(calibrators: Sequence[Calibrator]) -> int:
-    """A 62-bit digest of every calibrator's :func:`identity`, in order (the same on every rank iff they agree)."""
+    """A 62-bit digest of every calibrator's :func:`identity`, in order (the same on every rank iff they
+    agree)."""
     digest = hashlib.sha256(repr([identity(c) for c in calibrators]).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
 
@@ -78,9 +81,10 @@ HEADER = 4 + 2 * MAX_DIMS  # saw data, non-finite code, ndim, -ndim, dims, -dims
 
 
 def header(cal: Calibrator, rank: int, world: int) -> list[int]:
-    """This rank's integer header of one calibrator, for an ``all_reduce(MAX)``: whether it saw data, its first
-    non-finite batch (encoded so that the lowest rank wins), and the amax shape beside its negation, so that
-    the MAX also yields the smallest value over the ranks that saw data: they agree iff both are equal."""
+    """This rank's integer header of one calibrator, for an ``all_reduce(MAX)``: whether it saw data, its
+    first non-finite batch (encoded so that the lowest rank wins), and the amax shape beside its negation,
+    so that the MAX also yields the smallest value over the ranks that saw data: they agree iff both are
+    equal."""
     if cal.num_batches == 0:
         return [0, -1] + [_ABSENT] * (HEADER - 2)
     shape = () if isinstance(cal, MinMaxCalibrator) else tuple(cal.amax_shape)
@@ -101,18 +105,25 @@ def agreed_shapes(labels: Sequence[str], headers: torch.Tensor, world: int) -> l
     for label, h in zip(labels, headers.tolist()):
         if h[1] >= 0:
             rank, batch = world - (h[1] >> 32), h[1] & (2**32 - 1)
-            raise CalibrationError(f"{label}: non-finite values (NaN or inf) in calibration batch {batch} of rank "
-                                   f"{rank}; check the input data and the model's numerics")
+            raise CalibrationError(
+                f"{label}: non-finite values (NaN or inf) in calibration batch {batch} "
+                f"of rank "
+                f"{rank}; check the input data and the model's numerics"
+            )
         if not h[0]:
             shapes.append(None)
             continue
         ndim = h[2]
         if ndim > MAX_DIMS:
-            raise CalibrationError(f"{label}: an amax of rank {ndim} cannot be merged across ranks (at most {MAX_DIMS})")
+            raise CalibrationError(
+                f"{label}: an amax of rank {ndim} cannot be merged across ranks (at most {MAX_DIMS})"
+            )
         dims, low = h[4 : 4 + ndim], [-d for d in h[4 + MAX_DIMS : 4 + MAX_DIMS + ndim]]
         if ndim != -h[3] or dims != low:
-            raise CalibrationError(f"{label}: the per-axis dimensions differ between ranks (axis kept); "
-                                   "calibrate per-tensor or keep those dimensions fixed")
+            raise CalibrationError(
+                f"{label}: the per-axis dimensions differ between ranks (axis kept); "
+                "calibrate per-tensor or keep those dimensions fixed"
+            )
         shapes.append(tuple(dims))
     return shapes
 
@@ -131,7 +142,9 @@ def max_part(cal: Calibrator, shape: tuple[int, ...], channels: int) -> torch.Te
         return torch.full((channels,), float("-inf")) if amax is None else amax.reshape(-1).float().cpu()
     if isinstance(cal, MinMaxCalibrator):
         rng = cal.running_range()
-        return torch.full((2,), float("-inf")) if rng is None else torch.stack([-rng[0], rng[1]]).float().cpu()
+        return (
+            torch.full((2,), float("-inf")) if rng is None else torch.stack([-rng[0], rng[1]]).float().cpu()
+        )
     exp = cal.range_exponent()
     return torch.full((channels,), float("-inf")) if exp is None else exp.reshape(-1).float().cpu()
 
@@ -159,8 +172,11 @@ def merge_calibrators(calibrators: Sequence[Calibrator], group=None) -> None:
     agree = torch.tensor([n, -n, fp, -fp], dtype=torch.long, device=dev)
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
     if agree.tolist() != [n, -n, fp, -fp]:
-        raise CalibrationError("the ranks calibrate different quantizers (names, kinds or settings differ); every "
-                               "rank must quantize the same model with the same config, method and num_bins")
+        raise CalibrationError(
+            "the ranks calibrate different quantizers (names, kinds or settings differ); "
+            "every "
+            "rank must quantize the same model with the same config, method and num_bins"
+        )
     if n == 0:
         return
     # 2. who saw data, what shape, any non-finite batch
@@ -176,8 +192,11 @@ def merge_calibrators(calibrators: Sequence[Calibrator], group=None) -> None:
     dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
     pieces = maxima.cpu().split([_max_width(c, channels) for c, _, channels in live])
     # 4. every histogram, re-binned onto the agreed ranges, and every batch count
-    counts = [counts_part(c, p.long(), channels) for (c, _, channels), p in zip(live, pieces)
-              if isinstance(c, HistogramCalibrator)]
+    counts = [
+        counts_part(c, p.long(), channels)
+        for (c, _, channels), p in zip(live, pieces)
+        if isinstance(c, HistogramCalibrator)
+    ]
     batches = torch.tensor([c.num_batches for c, _, _ in live], dtype=torch.long)
     summed = torch.cat([*counts, batches]).to(dev)
     dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)

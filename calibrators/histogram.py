@@ -21,8 +21,9 @@ from quantcli.quant import arithmetic
 
 
 def _chunk_elements(device: torch.device) -> int:
-    """candidates x bins x channels evaluated at once. On the CPU about one 2048-bin channel (a couple of MiB
-    per temporary, cache-resident: larger chunks measured 2-3x slower per element); on a GPU, many channels."""
+    """candidates x bins x channels evaluated at once. On the CPU about one 2048-bin channel (a couple of
+    MiB per temporary, cache-resident: larger chunks measured 2-3x slower per element); on a GPU, many
+    channels."""
     return 1 << 24 if device.type == "cuda" else 1 << 18
 
 
@@ -36,7 +37,9 @@ def _prepare(hist, bin_edges):
     if e.dim() == 1:
         e = e.unsqueeze(0).expand(h.shape[0], -1)
     if h.dim() != 2 or e.shape != (h.shape[0], h.shape[1] + 1):
-        raise ValueError(f"hist {tuple(h.shape)} and bin_edges {tuple(e.shape)} do not fit: need edges = bins + 1")
+        raise ValueError(
+            f"hist {tuple(h.shape)} and bin_edges {tuple(e.shape)} do not fit: need edges = bins + 1"
+        )
     if (h.sum(dim=1) <= 0).any():
         raise CalibrationError("the histogram is empty (no values collected)")
     return h, e, squeeze, was_numpy
@@ -61,13 +64,16 @@ def _candidates(num_bins: int, start_bin: int, stride: int, device) -> torch.Ten
 
 
 def _data_end(h: torch.Tensor) -> torch.Tensor:
-    """Per row, one past the last non-empty bin: candidates beyond it clip nothing and only coarsen the grid."""
+    """Per row, one past the last non-empty bin: candidates beyond it clip nothing and only coarsen the
+    grid."""
     nz = (h > 0).to(torch.long)
     pos = torch.arange(1, h.shape[1] + 1, device=h.device).unsqueeze(0)
     return (nz * pos).amax(dim=1)  # (C,)
 
 
-def _pick(cand: torch.Tensor, score: torch.Tensor, stop: torch.Tensor, last: bool, valid=None) -> torch.Tensor:
+def _pick(
+    cand: torch.Tensor, score: torch.Tensor, stop: torch.Tensor, last: bool, valid=None
+) -> torch.Tensor:
     """Best candidate per row among those <= stop (the row's data end); stop itself if none is. ``valid``:
     that mask, if the caller has it; ``None`` where every candidate is valid (a single row)."""
     if valid is None and score.shape[0] > 1:
@@ -95,7 +101,9 @@ def _bounds(cand: torch.Tensor, nq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @functools.lru_cache(maxsize=32)
-def _range_bounds(start: int, stop: int, step: int, nq: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _range_bounds(
+    start: int, stop: int, step: int, nq: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``range(start, stop, step)`` as a tensor and its :func:`_bounds`: data-independent, so cached. The
     bounds of the first ``K`` candidates are the first ``K * (nq + 1)`` entries."""
     cand = torch.arange(start, stop, step, device=device)
@@ -140,8 +148,14 @@ def _bin_terms(tables, bounds: torch.Tensor, k_last: torch.Tensor, nq: int, dtyp
     return inner, s_last, n_last
 
 
-def _entropy_divergences(h: torch.Tensor, tables, cand: torch.Tensor, inner: torch.Tensor, s_last: torch.Tensor,
-                         n_last: torch.Tensor) -> torch.Tensor:
+def _entropy_divergences(
+    h: torch.Tensor,
+    tables,
+    cand: torch.Tensor,
+    inner: torch.Tensor,
+    s_last: torch.Tensor,
+    n_last: torch.Tensor,
+) -> torch.Tensor:
     """KL(P_i || Q_i) for every candidate i (columns), as TensorRT's calibrator defines them.
 
     P_i: the first i bins, with the mass beyond bin i added to bin i-1. Q_i: the first i bins merged into
@@ -168,8 +182,9 @@ def _entropy_divergences(h: torch.Tensor, tables, cand: torch.Tensor, inner: tor
     return kl.masked_fill_(impossible | kl.isnan(), float("inf"))
 
 
-def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = False, stride: int = 1,
-                         start_bin: int = 128):
+def compute_amax_entropy(
+    hist, bin_edges, num_bits: int = 8, unsigned: bool = False, stride: int = 1, start_bin: int = 128
+):
     """amax minimising the KL divergence between the histogram and its quantized version (TensorRT).
 
     ``2**(num_bits - 1 + unsigned)`` quantization bins; candidates are bin edges ``start_bin, start_bin +
@@ -195,19 +210,31 @@ def compute_amax_entropy(hist, bin_edges, num_bits: int = 8, unsigned: bool = Fa
     all_cand, all_bounds, all_last = _range_bounds(start, num_bins + 1, stride, nq, str(h.device))
     stop = _data_end(h)
     per_row = max(1, _chunk_elements(h.device) // (all_cand.numel() * nq))
-    best = [_entropy_best(h[r : r + per_row], stop[r : r + per_row], start, stride, nq, all_cand, all_bounds, all_last)
-            for r in range(0, h.shape[0], per_row)]
+    best = [
+        _entropy_best(
+            h[r : r + per_row], stop[r : r + per_row], start, stride, nq, all_cand, all_bounds, all_last
+        )
+        for r in range(0, h.shape[0], per_row)
+    ]
     idx = torch.cat(best) if len(best) > 1 else best[0]
     amax = e.gather(1, idx.view(-1, 1)).squeeze(1)
     return _finish(amax, squeeze, was_numpy)
 
 
-def _entropy_best(hr: torch.Tensor, st: torch.Tensor, start: int, stride: int, nq: int, all_cand: torch.Tensor,
-                  all_bounds: torch.Tensor, all_last: torch.Tensor) -> torch.Tensor:
-    """The entropy search for one chunk of histogram rows ``hr`` ``(rows, bins)`` whose data ends at bins ``st``:
-    per row, the index of the bin edge with the smallest KL divergence (see :func:`compute_amax_entropy`).
-    ``all_cand``, ``all_bounds``, ``all_last``: every candidate of the range and its quantization bins
-    (:func:`_range_bounds`)."""
+def _entropy_best(
+    hr: torch.Tensor,
+    st: torch.Tensor,
+    start: int,
+    stride: int,
+    nq: int,
+    all_cand: torch.Tensor,
+    all_bounds: torch.Tensor,
+    all_last: torch.Tensor,
+) -> torch.Tensor:
+    """The entropy search for one chunk of histogram rows ``hr`` ``(rows, bins)`` whose data ends at bins
+    ``st``: per row, the index of the bin edge with the smallest KL divergence (see
+    :func:`compute_amax_entropy`). ``all_cand``, ``all_bounds``, ``all_last``: every candidate of the range
+    and its quantization bins (:func:`_range_bounds`)."""
     # candidates past the data clip nothing: the first n of the range are those up to the chunk's data end
     n = max(0, (int(st.max()) - start) // stride + 1)
     if n == 0:
@@ -242,7 +269,11 @@ def _fake_quant_positive(centers: torch.Tensor, amax: torch.Tensor, num_bits, un
     """Quantize-dequantize non-negative values with quantcli's arithmetic (float64 for the search)."""
     if isinstance(num_bits, (tuple, list)):
         scale = arithmetic.symmetric_scale(amax, arithmetic.FP8_E4M3_MAX)
-        v = torch.clamp(centers.to(torch.float32) / scale.to(torch.float32), -arithmetic.FP8_E4M3_MAX, arithmetic.FP8_E4M3_MAX)
+        v = torch.clamp(
+            centers.to(torch.float32) / scale.to(torch.float32),
+            -arithmetic.FP8_E4M3_MAX,
+            arithmetic.FP8_E4M3_MAX,
+        )
         return v.to(torch.float8_e4m3fn).to(torch.float64) * scale.to(torch.float64)
     bound = arithmetic.symmetric_bound(num_bits, unsigned)
     scale = arithmetic.symmetric_scale(amax.to(torch.float32), bound)  # float32 scale, as deployed
@@ -251,9 +282,9 @@ def _fake_quant_positive(centers: torch.Tensor, amax: torch.Tensor, num_bits, un
 
 
 def _mse_errors_fast(hr: torch.Tensor, cr: torch.Tensor, amax_c: torch.Tensor, bound: int) -> torch.Tensor:
-    """Integer-grid errors for every candidate in float32: ``s**2 * sum_j h_j (t_j - q(t_j))**2`` with ``t = c / s``,
-    in blocks of candidates small enough to stay in cache, two reused buffers and a matrix-vector product
-    for the weighted sum (one pass over a many-MiB grid per op cost more than the arithmetic)."""
+    """Integer-grid errors for every candidate in float32: ``s**2 * sum_j h_j (t_j - q(t_j))**2`` with ``t = c
+    / s``, in blocks of candidates small enough to stay in cache, two reused buffers and a matrix-vector
+    product for the weighted sum (one pass over a many-MiB grid per op cost more than the arithmetic)."""
     s = arithmetic.symmetric_scale(amax_c.to(torch.float32), bound)  # (c, K) float32, as deployed
     c32, h32 = cr.to(torch.float32).unsqueeze(1), hr.to(torch.float32).unsqueeze(-1)  # (c, 1, B'), (c, B', 1)
     rows, k_all, width = s.shape[0], s.shape[1], cr.shape[1]
@@ -273,13 +304,15 @@ def _mse_errors_fast(hr: torch.Tensor, cr: torch.Tensor, amax_c: torch.Tensor, b
     return err * (s * s)
 
 
-def compute_amax_mse(hist, bin_edges, num_bits=8, unsigned: bool = False, stride: int = 1, start_bin: int = 128):
+def compute_amax_mse(
+    hist, bin_edges, num_bits=8, unsigned: bool = False, stride: int = 1, start_bin: int = 128
+):
     """amax minimising ``sum_j hist[j] * (c_j - fq(c_j; amax))**2`` over bin centres ``c_j``.
 
     ``fq`` is quantcli's own fake quantization (float32 scale ``amax / bound``) for integer ``num_bits``, or
-    FP8 E4M3 for ``num_bits=(4, 3)``. Candidates: bin edges ``start_bin, start_bin + stride, ...`` up to the end
-    of the data. Integer grids are scored in float32 first; the candidates within 1e-3 of the best are then
-    scored again in float64, so the chosen bin is the one an exact evaluation picks.
+    FP8 E4M3 for ``num_bits=(4, 3)``. Candidates: bin edges ``start_bin, start_bin + stride, ...`` up to the
+    end of the data. Integer grids are scored in float32 first; the candidates within 1e-3 of the best are
+    then scored again in float64, so the chosen bin is the one an exact evaluation picks.
     """
     h, e, squeeze, was_numpy = _prepare(hist, bin_edges)
     cand = _candidates(h.shape[1], start_bin, stride, h.device)
@@ -289,7 +322,12 @@ def compute_amax_mse(hist, bin_edges, num_bits=8, unsigned: bool = False, stride
     fp8 = isinstance(num_bits, (tuple, list))
     out = []
     for r in range(0, h.shape[0], per_row):
-        hr, cr, er, st = h[r : r + per_row], centers[r : r + per_row], e[r : r + per_row], stop[r : r + per_row]
+        hr, cr, er, st = (
+            h[r : r + per_row],
+            centers[r : r + per_row],
+            e[r : r + per_row],
+            stop[r : r + per_row],
+        )
         ck = cand[cand <= st.max()]
         if ck.numel() == 0:
             out.append(er.gather(1, st.view(-1, 1)).squeeze(1))
@@ -301,7 +339,9 @@ def compute_amax_mse(hist, bin_edges, num_bits=8, unsigned: bool = False, stride
         if fp8:
             err = _mse_exact(hr, cr, amax_c, num_bits, unsigned)
         else:
-            err = _mse_errors_fast(hr, cr, amax_c, arithmetic.symmetric_bound(num_bits, unsigned)).to(torch.float64)
+            err = _mse_errors_fast(hr, cr, amax_c, arithmetic.symmetric_bound(num_bits, unsigned)).to(
+                torch.float64
+            )
             valid = ck.view(1, -1) <= st.view(-1, 1)
             best = torch.where(valid, err, torch.full_like(err, float("inf"))).amin(dim=1, keepdim=True)
             close = valid & (err <= best * (1 + 1e-3) + 1e-30)

@@ -1,12 +1,13 @@
 """``HistogramCalibrator``: a streaming histogram of ``|x|``, per-tensor or per-channel, on ``x``'s device.
 
 Binning scheme (why the result depends only on the data, not on batch order or batch size): each channel's
-histogram covers ``[0, 2**e)`` with ``num_bins`` bins, ``e`` the smallest exponent with every value seen so far
-``< 2**e``. When a batch raises ``e`` by ``k``, adjacent groups of ``2**k`` bins are summed. With a power-of-two
-``num_bins`` the bin width is a power of two, every division is exact, and ``floor(floor(x/w)/2**k) ==
-floor(x/(w*2**k))``: the merged histogram is exactly the one that would have been built over the final range
-from the start. So the final histogram is a function of the multiset of values alone (other ``num_bins``
-agree within one bin). The price: the range is at most 2x the max, so at least half the bins hold data.
+histogram covers ``[0, 2**e)`` with ``num_bins`` bins, ``e`` the smallest exponent with every value seen so
+far ``< 2**e``. When a batch raises ``e`` by ``k``, adjacent groups of ``2**k`` bins are summed. With a
+power-of-two ``num_bins`` the bin width is a power of two, every division is exact, and
+``floor(floor(x/w)/2**k) == floor(x/(w*2**k))``: the merged histogram is exactly the one that would have been
+built over the final range from the start. So the final histogram is a function of the multiset of values
+alone (other ``num_bins`` agree within one bin). The price: the range is at most 2x the max, so at least half
+the bins hold data.
 """
 
 from __future__ import annotations
@@ -25,11 +26,19 @@ from quantcli import defaults
 
 class HistogramCalibrator(Calibrator):
     """Collects ``hist`` of shape ``(channels, num_bins)`` (channels = 1 per-tensor) and searches amax with
-    one of :data:`calibrators.histogram.METHODS`. State is ``O(channels * num_bins)``, whatever the batch count.
+    one of :data:`calibrators.histogram.METHODS`. State is ``O(channels * num_bins)``, whatever the batch
+    count.
     """
 
-    def __init__(self, num_bits: int = 8, axis=None, unsigned: bool = False, num_bins: int = defaults.NUM_BINS,
-                 skip_zeros: bool = False, name: str | None = None):
+    def __init__(
+        self,
+        num_bits: int = 8,
+        axis=None,
+        unsigned: bool = False,
+        num_bins: int = defaults.NUM_BINS,
+        skip_zeros: bool = False,
+        name: str | None = None,
+    ):
         super().__init__(num_bits, axis, unsigned, name)
         if not isinstance(num_bins, int) or num_bins < 2:
             raise ValueError(f"num_bins must be an int >= 2, got {num_bins!r}")
@@ -44,8 +53,9 @@ class HistogramCalibrator(Calibrator):
         self._flat_views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._spiky = False  # the last CPU batch had one dominant bin
 
-    def _scratch(self, shape: tuple[int, ...], device: torch.device,
-                 index_dtype: torch.dtype = torch.int32) -> tuple[torch.Tensor, torch.Tensor]:
+    def _scratch(
+        self, shape: tuple[int, ...], device: torch.device, index_dtype: torch.dtype = torch.int32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Reusable float32 / integer buffers: a fresh allocation per batch costs more (page faults) than the
         histogram itself. Sized by the largest batch seen, so memory does not grow with the batch count."""
         n = shape[0] * shape[1]
@@ -62,7 +72,8 @@ class HistogramCalibrator(Calibrator):
     def _absorb(self, counts: torch.Tensor, exp: int, batch_exp: int) -> bool:
         """Add another calibrator's counts of this very batch, made over ``[0, 2**exp)``; ``batch_exp`` is the
         batch's own exponent. Exact only if that range is no coarser than the one this calibrator would reach
-        itself, ``max(own, batch_exp)``: then the counts merge up to it. Returns False (collect yourself) if not.
+        itself, ``max(own, batch_exp)``: then the counts merge up to it. Returns False (collect yourself) if
+        not.
         """
         own = self._exp_int
         target = batch_exp if self._hist is None else max(own, batch_exp)
@@ -72,7 +83,9 @@ class HistogramCalibrator(Calibrator):
             self._hist = torch.zeros_like(counts)
         elif target > own:
             self._merge(torch.tensor([target - own]))
-        self._hist += counts if exp == target else _merged(counts, torch.tensor([target - exp]), self.num_bins)
+        self._hist += (
+            counts if exp == target else _merged(counts, torch.tensor([target - exp]), self.num_bins)
+        )
         self._exp = torch.tensor([target], dtype=torch.long)
         self._exp_int = target
         self._batches += 1
@@ -84,8 +97,12 @@ class HistogramCalibrator(Calibrator):
         axes, shape = self._kept(x)
         self._amax_shape = shape
         # per-tensor histograms on the CPU (small, and the range check below reads the host for free)
-        share = (shared.active() and not axes and x.device.type == "cpu"
-                 and (self._hist is None or self._exp_int is not None))
+        share = (
+            shared.active()
+            and not axes
+            and x.device.type == "cpu"
+            and (self._hist is None or self._exp_int is not None)
+        )
         if share:
             hit = shared.lookup(x, self._signature(shape))
             if hit is not None and self._absorb(*hit):
@@ -187,8 +204,8 @@ class HistogramCalibrator(Calibrator):
         return (counts.view(1, nb), self._exp_int, batch_exp) if want_counts else (None, None, None)
 
     def _flat_scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat float32 / bin-index CPU buffers of ``n`` elements (views of :meth:`_scratch`'s, kept per size).
-        Bin indices are int16 when every lane's bin fits: the passes over them move half the bytes."""
+        """Flat float32 / bin-index CPU buffers of ``n`` elements (views of :meth:`_scratch`'s, kept per
+        size). Bin indices are int16 when every lane's bin fits: the passes over them move half the bytes."""
         views = self._flat_views
         v = views.get(n)
         if v is None or v[0].data_ptr() != (self._buf_f.data_ptr() if self._buf_f is not None else None):
@@ -218,13 +235,15 @@ class HistogramCalibrator(Calibrator):
         return top.to(torch.float64).unsqueeze(1) * steps.unsqueeze(0)
 
     def range_exponent(self) -> torch.Tensor | None:
-        """``(channels,)`` int64 ``e``: channel ``c``'s histogram covers ``[0, 2**e[c])``; ``None`` before data."""
+        """``(channels,)`` int64 ``e``: channel ``c``'s histogram covers ``[0, 2**e[c])``; ``None`` before
+        data."""
         return None if self._hist is None else self._exp.clone()
 
     def counts_over(self, exp: torch.Tensor) -> torch.Tensor:
-        """``(channels, num_bins)`` int64: the counts re-binned onto the ranges ``[0, 2**exp[c])``, no narrower
-        than :meth:`range_exponent`, by the pairwise bin sums ``collect`` uses when a range grows: exactly the
-        histogram of the same values built over those ranges from the start (power-of-two ``num_bins``)."""
+        """``(channels, num_bins)`` int64: the counts re-binned onto the ranges ``[0, 2**exp[c])``, no
+        narrower than :meth:`range_exponent`, by the pairwise bin sums ``collect`` uses when a range grows:
+        exactly the histogram of the same values built over those ranges from the start (power-of-two
+        ``num_bins``)."""
         if self._hist is None:
             raise ValueError(f"{self.label}: no data collected")
         shift = exp.to(device=self._exp.device, dtype=torch.long).reshape(-1) - self._exp
@@ -232,8 +251,9 @@ class HistogramCalibrator(Calibrator):
             raise ValueError(f"{self.label}: counts_over needs ranges at least as wide as the histogram's")
         return _merged(self._hist, shift, self.num_bins)
 
-    def load_merged(self, hist: torch.Tensor, exp: torch.Tensor, num_batches: int,
-                    amax_shape: tuple[int, ...]) -> None:
+    def load_merged(
+        self, hist: torch.Tensor, exp: torch.Tensor, num_batches: int, amax_shape: tuple[int, ...]
+    ) -> None:
         """Take ``hist`` over ``[0, 2**exp)``, merged over every rank's ``num_batches`` batches in all, as the
         state; ``amax_shape`` as :attr:`amax_shape` (a rank that saw no batch cannot know it)."""
         self._hist = hist.to(torch.long).clone()
@@ -278,8 +298,10 @@ class HistogramCalibrator(Calibrator):
         self._spiky = False
 
     def __repr__(self) -> str:
-        return (f"HistogramCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned}, "
-                f"num_bins={self.num_bins}, skip_zeros={self.skip_zeros})")
+        return (
+            f"HistogramCalibrator(num_bits={self.num_bits}, axis={self.axis}, unsigned={self.unsigned}, "
+            f"num_bins={self.num_bins}, skip_zeros={self.skip_zeros})"
+        )
 
 
 _LANES, _LANE_ROW = 4, 1024
@@ -306,7 +328,8 @@ def _bincount_interleaved(idx: torch.Tensor, nb: int) -> torch.Tensor:
 
 
 def _merged(hist: torch.Tensor, shift: torch.Tensor, nb: int) -> torch.Tensor:
-    """``hist`` (channels, nb) with groups of ``2**shift[c]`` adjacent bins summed into bin ``i >> shift[c]``."""
+    """``hist`` (channels, nb) with groups of ``2**shift[c]`` adjacent bins summed into bin ``i >>
+    shift[c]``."""
     shift = shift.reshape(-1).clamp(min=0, max=62)
     src = torch.arange(nb, device=hist.device).unsqueeze(0)
     dst = torch.bitwise_right_shift(src, shift.unsqueeze(1)).clamp_(max=nb - 1)

@@ -62,7 +62,8 @@ class MaxCalibrator(Calibrator):
         return self._amax.clone()
 
     def running_amax(self) -> torch.Tensor | None:
-        """The max of ``|x|`` so far, float32 in :attr:`amax_shape`, unchecked; ``None`` before the first batch."""
+        """The max of ``|x|`` so far, float32 in :attr:`amax_shape`, unchecked; ``None`` before the first
+        batch."""
         if self._batches == 0:
             return None
         if self._amax is None:
@@ -72,7 +73,8 @@ class MaxCalibrator(Calibrator):
         return self._amax.clone()
 
     def load_merged(self, amax: torch.Tensor, num_batches: int) -> None:
-        """Take ``amax``, the running max merged over every rank's ``num_batches`` batches in all, as the state."""
+        """Take ``amax``, the running max merged over every rank's ``num_batches`` batches in all, as the
+        state."""
         self._amax, self._amax_f = amax.to(torch.float32).clone(), None
         self._merged_from_ranks(num_batches, tuple(amax.shape))
 
@@ -117,7 +119,8 @@ class MinMaxCalibrator(Calibrator):
         return self._min.clone(), self._max.clone()
 
     def load_merged(self, lo: torch.Tensor, hi: torch.Tensor, num_batches: int) -> None:
-        """Take ``(lo, hi)``, the range merged over every rank's ``num_batches`` batches in all, as the state."""
+        """Take ``(lo, hi)``, the range merged over every rank's ``num_batches`` batches in all, as the
+        state."""
         self._min, self._max = lo.to(torch.float32).clone(), hi.to(torch.float32).clone()
         self._merged_from_ranks(num_batches, ())
 

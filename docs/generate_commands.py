@@ -1,11 +1,13 @@
-"""Write each command's ``--help`` into docs/cli-reference.md, so that the reference and the CLI never disagree.
+"""Write each command's ``--help`` into docs/cli-reference.md, so that the reference and the CLI never
+disagree.
 
     python docs/generate_commands.py          # rewrite the generated sections
     python docs/generate_commands.py --check  # exit 1, naming each stale section, if the doc differs
 
-The help is rendered by click from the Typer app (``rich_markup_mode=None``: click's own plain formatter, no Rich
-panels), at a fixed width of 100 columns and without colour, so the text does not depend on the terminal. Each
-command's help sits between ``<!-- BEGIN GENERATED: quantcli CMD --help -->`` and ``<!-- END GENERATED -->``.
+The help is rendered by click from the Typer app (``rich_markup_mode=None``: click's own plain formatter, no
+Rich panels), at a fixed width of 100 columns and without colour, so the text does not depend on the terminal.
+Each command's help sits between ``<!-- BEGIN GENERATED: quantcli CMD --help -->`` and ``<!-- END GENERATED
+-->``.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ END = "<!-- END GENERATED -->"
 
 HEADER = """# Command reference
 
-Every option of every command, exactly as `--help` prints it. The sections between the `BEGIN GENERATED` and
-`END GENERATED` markers are written by `python docs/generate_commands.py` from the CLI itself (tests/test_docs.py
-fails when they are stale). What the commands are for, when to use which option, and examples:
-[commands.md](commands.md).
+Every option of every command, exactly as `--help` prints it. The sections between the `BEGIN GENERATED`
+and `END GENERATED` markers are written by `python docs/generate_commands.py` from the CLI itself
+(tests/test_docs.py fails when they are stale). What the commands are for, when to use which option, and
+examples: [commands.md](commands.md).
 """
 
 
@@ -32,8 +34,14 @@ def _help(command, info_name: str, parent=None):
     """(click Context, the help text with trailing spaces removed)."""
     import click
 
-    ctx = click.Context(command, info_name=info_name, parent=parent, terminal_width=WIDTH,
-                        max_content_width=WIDTH, color=False)
+    ctx = click.Context(
+        command,
+        info_name=info_name,
+        parent=parent,
+        terminal_width=WIDTH,
+        max_content_width=WIDTH,
+        color=False,
+    )
     return ctx, "\n".join(line.rstrip() for line in command.get_help(ctx).splitlines()).strip()
 
 
@@ -68,7 +76,8 @@ _SECTION = re.compile(r"<!-- BEGIN GENERATED: (.+?) -->\n(.*?)<!-- END GENERATED
 
 
 def stale_sections(doc: str, current: dict[str, str]) -> list[str]:
-    """The keys whose generated section in ``doc`` differs from the CLI's help, is missing, or is not a command."""
+    """The keys whose generated section in ``doc`` differs from the CLI's help, is missing, or is not a
+    command."""
     found = {m.group(1): m.group(0) for m in _SECTION.finditer(doc)}
     stale = [key for key, text in current.items() if found.get(key) != render_section(key, text)]
     stale += [key for key in found if key not in current]
@@ -81,8 +90,10 @@ def main(argv: list[str]) -> int:
         doc = DOC.read_text() if DOC.exists() else ""
         stale = stale_sections(doc, current)
         for key in stale:
-            print(f"{DOC.name}: section '{key}' differs from the CLI; run python docs/generate_commands.py",
-                  file=sys.stderr)
+            print(
+                f"{DOC.name}: section '{key}' differs from the CLI; run python docs/generate_commands.py",
+                file=sys.stderr,
+            )
         return 1 if stale else 0
     doc = DOC.read_text() if DOC.exists() else ""
     found = [m.group(1) for m in _SECTION.finditer(doc)]

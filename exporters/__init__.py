@@ -6,5 +6,6 @@ from __future__ import annotations
 def __getattr__(name):
     if name in ("export_onnx", "ExportResult"):
         from exporters import onnx_export
+
         return getattr(onnx_export, name)
     raise AttributeError(name)

@@ -1,8 +1,9 @@
 """ONNX translations, for the TorchScript exporter, of aten ops that models call and torch has none for.
 
-``aten::diff``: transformers' masks (``masking_utils.find_packed_sequence_indices``) call ``torch.diff`` whenever
-a decoder LM runs without an attention mask and without a KV cache, so every GPT-2/Llama/Qwen2 export stopped at
-"Exporting the operator 'aten::diff' to ONNX opset version 17 is not supported". The translation is the
+``aten::diff``: transformers' masks (``masking_utils.find_packed_sequence_indices``) call ``torch.diff``
+whenever a decoder LM runs without an attention mask and without a KV cache, so every GPT-2/Llama/Qwen2 export
+stopped at "Exporting the operator 'aten::diff' to ONNX opset version 17 is not supported". The translation is
+the
 definition: concatenate ``prepend``/``append`` along ``dim``, then ``n`` times ``x[1:] - x[:-1]`` (``Xor`` for
 bool, as ``torch.diff`` does), in standard ``Concat``/``Slice``/``Sub``. ``aten::cumsum``: torch's translation
 of the cumulative sum that follows (over a bool tensor) is corrected (:data:`CORRECTED`).
@@ -12,8 +13,8 @@ driver before ``torch.onnx.export``. Opset 11 and newer (negative axes in ``Slic
 
 :func:`unsupported_operator` turns either exporter's "no translation for this op" failure into one
 :class:`~quantcli.errors.ExportError` naming the op and what to try (another opset, the other exporter, or
-computing it with other ops), using :func:`torchscript_min_opset`, the lowest opset torch's TorchScript exporter
-translates an op at.
+computing it with other ops), using :func:`torchscript_min_opset`, the lowest opset torch's TorchScript
+exporter translates an op at.
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def _diff(g, x, n, dim, prepend, append):
     parts = [p for p in (prepend, x, append) if not sh._is_none(p)]
     if len(parts) > 1:
         x = g.op("Concat", *parts, axis_i=dim)
-    is_bool = sh._type_utils.JitScalarType.from_value(x, sh._type_utils.JitScalarType.UNDEFINED) \
+    is_bool = (
+        sh._type_utils.JitScalarType.from_value(x, sh._type_utils.JitScalarType.UNDEFINED)
         == sh._type_utils.JitScalarType.BOOL
+    )
     axes = _const(g, [dim])
     for _ in range(n):
         hi = g.op("Slice", x, _const(g, [1]), _const(g, [_INT64_MAX]), axes)
@@ -77,13 +80,15 @@ def _promoted_to_int64():
 _PROMOTED_TO_INT64: tuple = ()
 #: ops torch has no translation for
 MISSING = {"aten::diff": _diff}
-#: ops whose torch translation is wrong for some inputs: ``cumsum`` of a bool tensor (the same masks: ``(diff !=
-#: 1).cumsum(-1)``) became an ONNX ``CumSum`` of bool, which the checker rejects; and a constant ``dtype`` was ignored
+# : ops whose torch translation is wrong for some inputs: ``cumsum`` of a bool tensor (the same masks: ``(diff
+# != : 1).cumsum(-1)``) became an ONNX ``CumSum`` of bool, which the checker rejects; and a constant ``dtype``
+# was ignored
 CORRECTED = {"aten::cumsum": _cumsum}
 
 
 def _load_torch_symbolics() -> None:
-    """Import torch's ``symbolic_opsetN`` modules: its registry fills as they load (an export loads them too)."""
+    """Import torch's ``symbolic_opsetN`` modules: its registry fills as they load (an export loads them
+    too)."""
     import torch.onnx._internal.torchscript_exporter as te
 
     for m in pkgutil.iter_modules(te.__path__):
@@ -92,8 +97,8 @@ def _load_torch_symbolics() -> None:
 
 
 def torchscript_min_opset(op: str) -> int | None:
-    """The lowest opset at which torch's TorchScript exporter translates ``op`` (``aten::col2im`` -> 18), or None
-    when it has no translation at all (or the installed torch keeps its registry elsewhere)."""
+    """The lowest opset at which torch's TorchScript exporter translates ``op`` (``aten::col2im`` -> 18), or
+    None when it has no translation at all (or the installed torch keeps its registry elsewhere)."""
     try:
         from torch.onnx._internal.torchscript_exporter import registration
 
@@ -119,7 +124,10 @@ def register() -> None:
     _registered = True
 
 
-_TORCHSCRIPT_UNSUPPORTED = re.compile(r"Exporting the operator '([\w:.]+)' to ONNX opset version (\d+) is not supported")
+_TORCHSCRIPT_UNSUPPORTED = re.compile(
+    r"Exporting the operator '([\w:.]+)' to ONNX opset version (\d+) is "
+    r"not supported"
+)
 _DYNAMO_UNSUPPORTED = re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)'")
 
 
@@ -135,8 +143,9 @@ def _dynamo_op(e: BaseException) -> str | None:
 
 
 def unsupported_operator(e: BaseException, exporter: str, opset: int):
-    """The :class:`~quantcli.errors.ExportError` for an op ``exporter`` has no ONNX translation for at ``opset``
-    (the op's name and what to try, in place of torch's message and IR dump), or None for other failures."""
+    """The :class:`~quantcli.errors.ExportError` for an op ``exporter`` has no ONNX translation for at
+    ``opset`` (the op's name and what to try, in place of torch's message and IR dump), or None for other
+    failures."""
     from quantcli.errors import ExportError
 
     if exporter == "torchscript":
@@ -151,11 +160,15 @@ def unsupported_operator(e: BaseException, exporter: str, opset: int):
         if since is not None and opset < since <= 21:
             fix = f"torch translates it from opset {since}: pass --opset {since}, or try --exporter dynamo"
         else:
-            fix = ("torch has no ONNX translation for it at any opset: try --exporter dynamo (torch.export "
-                   "translates more ops), or compute it with other ops in the model's forward")
+            fix = (
+                "torch has no ONNX translation for it at any opset: try --exporter dynamo (torch.export "
+                "translates more ops), or compute it with other ops in the model's forward"
+            )
         return ExportError(f"the TorchScript exporter cannot export operator {op} at opset {opset}; {fix}")
     if since is not None and since <= 21:
         fix = f"try --exporter torchscript (it translates {op} from opset {since})"
     else:
         fix = "neither torch exporter translates it: compute it with other ops in the model's forward"
-    return ExportError(f"the dynamo exporter has no ONNX translation for operator {op} (opset {opset}); {fix}")
+    return ExportError(
+        f"the dynamo exporter has no ONNX translation for operator {op} (opset {opset}); {fix}"
+    )

@@ -1,4 +1,5 @@
-"""ONNX for a Linear with dynamic int8 activations: the pattern onnxruntime fuses into ``DynamicQuantizeMatMul``.
+"""ONNX for a Linear with dynamic int8 activations: the pattern onnxruntime fuses into
+``DynamicQuantizeMatMul``.
 
 ::
 
@@ -7,14 +8,15 @@
       -> Cast(float) -> Mul(., Mul(x scale, W scale)) -> Add(., bias)
 
 This is what onnxruntime's ``quantize_dynamic`` writes for a MatMul, and exactly the chain its
-``MatMulIntegerToFloatFusion`` (``matmul_integer_to_float.cc``: MatMulInteger -> Cast -> Mul whose other input is
-a Mul of the two scales, then an Add of a constant 1-D bias) and ``DynamicQuantizeMatMulFusion``
+``MatMulIntegerToFloatFusion`` (``matmul_integer_to_float.cc``: MatMulInteger -> Cast -> Mul whose other input
+is a Mul of the two scales, then an Add of a constant 1-D bias) and ``DynamicQuantizeMatMulFusion``
 (``dynamic_quantize_matmul_fusion.cc``: the ``DynamicQuantizeLinear`` feeding only that node, constant weight
 codes and scale) match. Each layer gets its own ``DynamicQuantizeLinear``, so q/k/v projections of one tensor
 each fuse into a ``DynamicQuantizeMatMul`` (which quantizes its input itself).
 
-The layer builds the pattern itself (:mod:`quantcli.nn.dynamic`: ``DynamicLinearFunction.symbolic``); the weight codes are emitted as
-``QuantizeLinear(Transpose(W))``, and :mod:`exporters.fold` stores them as an int8 initializer.
+The layer builds the pattern itself (:mod:`quantcli.nn.dynamic`: ``DynamicLinearFunction.symbolic``); the
+weight codes are emitted as ``QuantizeLinear(Transpose(W))``, and :mod:`exporters.fold` stores them as an int8
+initializer.
 
 :func:`dynamic_quantizer_map` adds the dynamic quantizers to the quantizer map in ``metadata_props``:
 the ``DynamicQuantizeLinear`` codes output -> the input quantizer, the weight codes -> the weight quantizer.
@@ -87,8 +89,21 @@ def dynamic_layers(model: onnx.ModelProto) -> list[DynamicLayer]:
                     out = add.output[0]
         if len(n.input) > 3 and n.input[3] in inits:
             w_zp = to_numpy(inits[n.input[3]])
-        layers.append(DynamicLayer(n.name, dql.input[0], dql.output[0], dql.output[1], dql.output[2], n.input[1],
-                                   w_scale, w_zp, out, qmap.get(dql.output[0]), qmap.get(n.input[1])))
+        layers.append(
+            DynamicLayer(
+                n.name,
+                dql.input[0],
+                dql.output[0],
+                dql.output[1],
+                dql.output[2],
+                n.input[1],
+                w_scale,
+                w_zp,
+                out,
+                qmap.get(dql.output[0]),
+                qmap.get(n.input[1]),
+            )
+        )
     return layers
 
 
@@ -99,8 +114,8 @@ def _only(consumers, tensor: str, op_type: str) -> onnx.NodeProto | None:
 
 def dynamic_quantizer_map(model: onnx.ModelProto, quantizer_names) -> dict[str, str]:
     """Quantizer map entries for the dynamic layers: codes output -> input quantizer, weight codes -> weight
-    quantizer. The layer's module is found from the MatMulInteger's node scope (``/layers.0/attention/query/...``)
-    or, for the dynamo exporter, its name-scope metadata."""
+    quantizer. The layer's module is found from the MatMulInteger's node scope
+    (``/layers.0/attention/query/...``) or, for the dynamo exporter, its name-scope metadata."""
     known = set(quantizer_names)
     nodes = {n.name: n for n in model.graph.node}
     out = {}
@@ -117,6 +132,7 @@ def _module_of(node: onnx.NodeProto, known: set[str]) -> str | None:
     """The module whose ``input_quantizer`` (a name in ``known``) the layer node belongs to: the dynamo name
     scopes, else the TorchScript node scope with Sequential/ModuleList children resolved, else its enclosing
     modules outward."""
+
     def has_input_quantizer(module: str) -> bool:
         return (f"{module}.input_quantizer" if module else "input_quantizer") in known
 

@@ -1,20 +1,20 @@
 """The torch.export-based exporter: quantize ops as ``torch.library`` custom ops with ONNX translations.
 
-Before tracing, every enabled quantizer gets its :class:`~quantcli.quant.qdq.QdqSpec`, computed from its real amax
-and the shape of the tensor it sees (torch.export traces with fake tensors, so values are read first).
+Before tracing, every enabled quantizer gets its :class:`~quantcli.quant.qdq.QdqSpec`, computed from its real
+amax and the shape of the tensor it sees (torch.export traces with fake tensors, so values are read first).
 While exporting, each quantizer's export hook (:mod:`quantcli.nn.export_hooks`, set for the trace and removed
 after it) calls ``quantcli::qdq`` with the spec's tensors; the op's eager kernel is ONNX's Q/DQ arithmetic
-(:mod:`quantcli.quant.arithmetic`), and its onnxscript translation emits the same
-``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path. Int32 biases and Linear
-layers with dynamic inputs get hooks that call ``quantcli::int32_bias`` and ``quantcli::dynamic_linear``.
+(:mod:`quantcli.quant.arithmetic`), and its onnxscript translation emits the same ``[Max, Min] ->
+QuantizeLinear -> DequantizeLinear`` nodes as the TorchScript path. Int32 biases and Linear layers with
+dynamic inputs get hooks that call ``quantcli::int32_bias`` and ``quantcli::dynamic_linear``.
 
-:class:`AttentionLayout` works around torch's decomposition of ``scaled_dot_product_attention`` (pytorch#136543,
-#141107): torch.export records the attention output as contiguous, the ONNX exporter's ``run_decompositions``
-re-traces it on CPU through ``_scaled_dot_product_flash_attention_for_cpu``, whose output has the (B, L, H, E)
-layout, so a model's ``out.transpose(1, 2).contiguous().view(B, L, H * E)`` (transformers' T5, Swin) loses its
-``contiguous`` as a no-op there, and the next fake-tensor pass, which computes the output contiguous again, fails
-with "Cannot view a tensor with shape ...". A copy to contiguous memory right after the attention (an ONNX
-``Identity``) gives its output one layout in every pass.
+:class:`AttentionLayout` works around torch's decomposition of ``scaled_dot_product_attention``
+(pytorch#136543, #141107): torch.export records the attention output as contiguous, the ONNX exporter's
+``run_decompositions`` re-traces it on CPU through ``_scaled_dot_product_flash_attention_for_cpu``, whose
+output has the (B, L, H, E) layout, so a model's ``out.transpose(1, 2).contiguous().view(B, L, H * E)``
+(transformers' T5, Swin) loses its ``contiguous`` as a no-op there, and the next fake-tensor pass, which
+computes the output contiguous again, fails with "Cannot view a tensor with shape ...". A copy to contiguous
+memory right after the attention (an ONNX ``Identity``) gives its output one layout in every pass.
 """
 
 from __future__ import annotations
@@ -41,8 +41,17 @@ from quantcli.quant.qdq import QdqSpec, affine_spec, check_opset, e4m3_spec, sym
 
 
 @torch.library.custom_op("quantcli::qdq", mutates_args=())
-def qdq(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-        axis: int, block_size: int, elem_type: int, clip: bool) -> torch.Tensor:
+def qdq(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    zero_point: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    axis: int,
+    block_size: int,
+    elem_type: int,
+    clip: bool,
+) -> torch.Tensor:
     """ONNX ``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` on ``x`` (float32 arithmetic)."""
     xin = x.to(torch.float32)
     if clip:
@@ -65,13 +74,15 @@ def call(x: torch.Tensor, spec: QdqSpec) -> torch.Tensor:
     clip = spec.lo is not None
     lo = spec.lo if clip else spec.scale
     hi = spec.hi if clip else spec.scale
-    return torch.ops.quantcli.qdq(x, spec.scale, spec.zero_point, lo, hi, spec.axis, spec.block_size,
-                                  spec.qtype.elem_type, clip)
+    return torch.ops.quantcli.qdq(
+        x, spec.scale, spec.zero_point, lo, hi, spec.axis, spec.block_size, spec.qtype.elem_type, clip
+    )
 
 
 @torch.library.custom_op("quantcli::int32_bias", mutates_args=())
 def int32_bias(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    """ONNX ``DequantizeLinear`` of int32 bias codes (held as float32) with a per-channel scale (zero point 0)."""
+    """ONNX ``DequantizeLinear`` of int32 bias codes (held as float32) with a per-channel scale (zero point
+    0)."""
     return arithmetic.dequantize_linear(codes, scale)
 
 
@@ -81,8 +92,8 @@ def _int32_bias_fake(codes, scale, zero_point):
 
 
 def call_int32_bias(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
-    """``codes``, ``scale``, ``zero_point``: real tensors computed before tracing, so torch.export lifts them as
-    constants (the graph holds the codes, not the arithmetic that made them)."""
+    """``codes``, ``scale``, ``zero_point``: real tensors computed before tracing, so torch.export lifts them
+    as constants (the graph holds the codes, not the arithmetic that made them)."""
     return torch.ops.quantcli.int32_bias(codes, scale, zero_point)
 
 
@@ -92,16 +103,27 @@ def _bias_translation(opset: int):
     op = getattr(onnxscript, f"opset{opset}")
 
     def int32_bias_onnx(codes, scale, zero_point):
-        return op.DequantizeLinear(op.Cast(codes, to=formats.INT32.elem_type), scale,
-                                   op.Cast(zero_point, to=formats.INT32.elem_type), axis=0)
+        return op.DequantizeLinear(
+            op.Cast(codes, to=formats.INT32.elem_type),
+            scale,
+            op.Cast(zero_point, to=formats.INT32.elem_type),
+            axis=0,
+        )
 
     return int32_bias_onnx
 
 
 @torch.library.custom_op("quantcli::dynamic_linear", mutates_args=())
-def dynamic_linear_op(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, w_zero_point: torch.Tensor,
-                      bias: torch.Tensor, has_bias: bool) -> torch.Tensor:
-    """``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul -> Add`` on ``x`` (:mod:`exporters.dynamic_linear`).
+def dynamic_linear_op(
+    x: torch.Tensor,
+    w_codes: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    bias: torch.Tensor,
+    has_bias: bool,
+) -> torch.Tensor:
+    """``DynamicQuantizeLinear -> MatMulInteger -> Cast -> Mul -> Add`` on ``x``
+    (:mod:`exporters.dynamic_linear`).
 
     ``w_codes`` int8 ``(K, N)``; ``w_scale`` float32 ``(N,)`` or scalar. The fake-quant value, in float32."""
     w = arithmetic.dequantize_linear(w_codes.to(torch.float32), w_scale, w_zero_point.to(torch.float32))
@@ -123,7 +145,9 @@ def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Ten
     w_t = w.t().to(torch.float32)
     if spec.lo is not None:
         w_t = torch.minimum(torch.maximum(w_t, spec.lo), spec.hi)
-    s = broadcast_onnx_param(spec.scale, tuple(w_t.shape), spec.axis if spec.scale.numel() > 1 else None, None)
+    s = broadcast_onnx_param(
+        spec.scale, tuple(w_t.shape), spec.axis if spec.scale.numel() > 1 else None, None
+    )
     codes = arithmetic.quantize_linear(w_t, s, 0, spec.qtype.qmin, spec.qtype.qmax).to(torch.int8)
     return codes, spec.scale, spec.zero_point.to(torch.int8)
 
@@ -183,8 +207,11 @@ def quantizer_spec(q, x_shape) -> QdqSpec:
 def _input_shapes(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """The shape of the tensor each static quantizer sees, from one eager forward."""
     shapes: dict[str, tuple[int, ...]] = {}
-    hooks = [q.register_forward_pre_hook(lambda m, a, n=n: shapes.__setitem__(n, tuple(a[0].shape)))
-             for n, q in quantizers(model).items() if q.mode == "quantize" and not q.dynamic_uint8]
+    hooks = [
+        q.register_forward_pre_hook(lambda m, a, n=n: shapes.__setitem__(n, tuple(a[0].shape)))
+        for n, q in quantizers(model).items()
+        if q.mode == "quantize" and not q.dynamic_uint8
+    ]
     try:
         with torch.no_grad():
             model(**example)
@@ -204,17 +231,23 @@ def _bias_hook(layer: nn.Module) -> Callable[[], torch.Tensor]:
     return functools.partial(call_int32_bias, codes, scale, torch.zeros_like(scale))
 
 
-def export_hooks_for(model: nn.Module, example: dict[str, torch.Tensor],
-                     opset: int) -> list[tuple[nn.Module, str, Callable]]:
-    """Every module's export hook (:mod:`quantcli.nn.export_hooks`), with the constants it carries read from real
-    values before tracing; raises :class:`ExportError` where a quantizer's format needs a newer opset."""
+def export_hooks_for(
+    model: nn.Module, example: dict[str, torch.Tensor], opset: int
+) -> list[tuple[nn.Module, str, Callable]]:
+    """Every module's export hook (:mod:`quantcli.nn.export_hooks`), with the constants it carries read from
+    real values before tracing; raises :class:`ExportError` where a quantizer's format needs a newer opset."""
     shapes = _input_shapes(model, example)
     hooks: list[tuple[nn.Module, str, Callable]] = []
     for module in model.modules():
         q = getattr(module, "input_quantizer", None)
         if isinstance(module, nn.Linear) and q is not None and q.mode == "quantize" and q.dynamic_uint8:
-            hooks.append((module, "export_hook",
-                          functools.partial(dynamic_linear, module, constants=_dynamic_linear_constants(module))))
+            hooks.append(
+                (
+                    module,
+                    "export_hook",
+                    functools.partial(dynamic_linear, module, constants=_dynamic_linear_constants(module)),
+                )
+            )
         if isinstance(module, QuantMixin) and module.int32_bias and module.bias is not None:
             hooks.append((module, "bias_export_hook", _bias_hook(module)))
     for n, q in quantizers(model).items():
@@ -237,8 +270,9 @@ class AttentionLayout(TorchFunctionMode):
         return out
 
 
-def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names,
-                  axes) -> None:
+def export_dynamo(
+    model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names, axes
+) -> None:
     """``torch.onnx.export(..., dynamo=True)`` with the quantize ops translated to Q/DQ nodes."""
     hooks = export_hooks_for(model, example, opset)
     dynamic_shapes = None
@@ -247,20 +281,34 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
     torch_onnx_log = logging.getLogger("torch.onnx")
     level = torch_onnx_log.level
     try:
-        with export_hooks(hooks), AttentionLayout(), warnings.catch_warnings(), \
-                contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with (
+            export_hooks(hooks),
+            AttentionLayout(),
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
             warnings.simplefilter("ignore")
             torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
             prog = torch.onnx.export(
-                model, (), kwargs=dict(example), dynamo=True, opset_version=opset,
-                custom_translation_table={torch.ops.quantcli.qdq.default: _translation(opset),
-                                          torch.ops.quantcli.int32_bias.default: _bias_translation(opset),
-                                          torch.ops.quantcli.dynamic_linear.default:
-                                              _dynamic_linear_translation(opset)},
-                input_names=input_names, output_names=output_names, dynamic_shapes=dynamic_shapes,
+                model,
+                (),
+                kwargs=dict(example),
+                dynamo=True,
+                opset_version=opset,
+                custom_translation_table={
+                    torch.ops.quantcli.qdq.default: _translation(opset),
+                    torch.ops.quantcli.int32_bias.default: _bias_translation(opset),
+                    torch.ops.quantcli.dynamic_linear.default: _dynamic_linear_translation(opset),
+                },
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_shapes=dynamic_shapes,
                 # no onnxscript optimizer: it merges identical Q/DQ pairs (q/k/v input quantizers share their
                 # input and scale), so a quantizer would lose its own pair; exporters.fold does the folding
-                optimize=False, verbose=False, report=False,
+                optimize=False,
+                verbose=False,
+                report=False,
             )
             prog.save(str(path))
     except ExportError:
@@ -269,6 +317,7 @@ def export_dynamo(model: nn.Module, example: dict[str, torch.Tensor], path, opse
         from exporters.aten_symbolics import unsupported_operator
 
         raise unsupported_operator(e, "dynamo", opset) or ExportError(
-            f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}") from None
+            f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}"
+        ) from None
     finally:
         torch_onnx_log.setLevel(level)

@@ -28,7 +28,8 @@ def make_initializer(name: str, values: np.ndarray, elem_type: int) -> onnx.Tens
         raw = torch.from_numpy(np.array(values, dtype=np.float32, order="C")).to(torch.float8_e4m3fn)
         return helper.make_tensor(name, elem_type, dims, raw.view(torch.uint8).numpy().tobytes(), raw=True)
     if elem_type in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4):
-        # two codes per byte, the first in the low nibble (ONNX's packing): half the bytes of int32_data varints
+        # two codes per byte, the first in the low nibble (ONNX's packing): half the bytes of int32_data
+        # varints
         nibbles = (np.asarray(values).astype(np.int64).reshape(-1) & 0xF).astype(np.uint8)
         if nibbles.size % 2:
             nibbles = np.append(nibbles, np.uint8(0))
@@ -59,7 +60,9 @@ def _representable(vals: np.ndarray, elem_type: int) -> bool:
         return False
     if t is formats.FP8_E4M3:
         return bool(np.all(np.abs(vals) <= t.qmax))
-    return bool(np.all(vals == np.round(vals)) and vals.min(initial=0) >= t.qmin and vals.max(initial=0) <= t.qmax)
+    return bool(
+        np.all(vals == np.round(vals)) and vals.min(initial=0) >= t.qmin and vals.max(initial=0) <= t.qmax
+    )
 
 
 def fold_casts(model: onnx.ModelProto) -> None:
@@ -84,8 +87,9 @@ def _attrs(node) -> dict:
     return {a.name: helper.get_attribute_value(a) for a in node.attribute}
 
 
-def quantize_codes(x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem_type: int, axis: int | None,
-                   block: int | None) -> np.ndarray:
+def quantize_codes(
+    x: np.ndarray, scale: np.ndarray, zp: np.ndarray, elem_type: int, axis: int | None, block: int | None
+) -> np.ndarray:
     """ONNX QuantizeLinear on numpy, with quantcli's arithmetic."""
     s = broadcast_onnx_param(torch.from_numpy(scale.astype(np.float32)), x.shape, axis, block)
     xt = torch.from_numpy(x.astype(np.float32))
@@ -108,8 +112,12 @@ def fold_weight_quantization(model: onnx.ModelProto) -> int:
         if n.op_type != "QuantizeLinear" or n.input[1] not in inits:
             continue
         chain, src = [], n.input[0]
-        while src not in inits and src in producers and producers[src].op_type in ("Max", "Min") \
-                and producers[src].input[1] in inits:
+        while (
+            src not in inits
+            and src in producers
+            and producers[src].op_type in ("Max", "Min")
+            and producers[src].input[1] in inits
+        ):
             chain.append(producers[src])
             src = producers[src].input[0]
         if src not in inits:
@@ -161,10 +169,21 @@ def narrow_types(model: onnx.ModelProto, targets: dict[str, int]) -> int:
                 retype[n.input[2]] = t
             if n.input[0] in inits:
                 retype[n.input[0]] = t
-    stale = set(retype) | {n.input[0] for n in g.node if n.op_type == "QuantizeLinear" and len(n.input) > 2
-                           and n.input[2] in retype} | {n.output[0] for n in g.node if n.op_type == "QuantizeLinear"
-                                                        and len(n.input) > 2 and n.input[2] in retype}
-    keep_vi = [v for v in g.value_info if v.name not in stale]  # typed int8 by the exporter: re-inferred later
+    stale = (
+        set(retype)
+        | {
+            n.input[0]
+            for n in g.node
+            if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in retype
+        }
+        | {
+            n.output[0]
+            for n in g.node
+            if n.op_type == "QuantizeLinear" and len(n.input) > 2 and n.input[2] in retype
+        }
+    )
+    # typed int8 by the exporter: re-inferred later
+    keep_vi = [v for v in g.value_info if v.name not in stale]
     del g.value_info[:]
     g.value_info.extend(keep_vi)
     for name, t in retype.items():
@@ -186,7 +205,8 @@ def drop_unused_initializers(model: onnx.ModelProto) -> None:
 
 
 def align_zero_points(model: onnx.ModelProto) -> None:
-    """Give every Q/DQ zero point its scale's shape (ONNX requires it; torch.export may lift a 0-d zero as [1])."""
+    """Give every Q/DQ zero point its scale's shape (ONNX requires it; torch.export may lift a 0-d zero as
+    [1])."""
     g = model.graph
     inits = initializer_map(g)
     for n in g.node:

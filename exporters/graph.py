@@ -14,11 +14,13 @@ from quantcli.errors import VerifyError, first_line
 from quantcli.quant import formats
 
 QUANTIZERS_KEY = "quantcli.quantizers"
-#: in the names of the Q/DQ copies :mod:`exporters.onnxruntime.placement` puts in front of ops that commute with quantization
+# : in the names of the Q/DQ copies :mod:`exporters.onnxruntime.placement` puts in front of ops that commute
+# with quantization
 PROPAGATED_MARK = "quantcli_propagated"
-PRUNED_KEY = "quantcli.pruned_quantizers"  # JSON list: quantizers removed as dead code (their output is unused)
-#: JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form onnxruntime
-#: runs as MatMulNBits (:mod:`exporters.matmul_nbits`); their quantizer's tensor is ``[out, in]``
+# JSON list: quantizers removed as dead code (their output is unused)
+PRUNED_KEY = "quantcli.pruned_quantizers"
+# : JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form
+# onnxruntime : runs as MatMulNBits (:mod:`exporters.matmul_nbits`); their quantizer's tensor is ``[out, in]``
 KN_WEIGHTS_KEY = "quantcli.kn_weights"
 
 
@@ -32,7 +34,9 @@ def read_onnx(path: str | Path) -> onnx.ModelProto:
         onnx.checker.check_model(model)
     except Exception as e:
         first = first_line(e, 160)
-        raise VerifyError(f"{path} is not a valid ONNX model ({first}); re-export it with `quantcli export`") from None
+        raise VerifyError(
+            f"{path} is not a valid ONNX model ({first}); re-export it with `quantcli export`"
+        ) from None
     return model
 
 
@@ -53,7 +57,7 @@ def scope_module_path(parts: list[str]) -> str:
     previous = None
     for part in parts:
         if previous is not None and part.startswith(previous + "."):
-            path.append(part[len(previous) + 1:])
+            path.append(part[len(previous) + 1 :])
         else:
             path.append(part)
         previous = part
@@ -107,7 +111,8 @@ class QdqPair:
     stored: str  # "runtime" (Q in the graph) or "initializer" (weights stored quantized)
     q_node: str | None
     dq_node: str
-    transposed: bool = False  # codes stored [in, out] (MatMulNBits form): the quantizer's weight is their transpose
+    # codes stored [in, out] (MatMulNBits form): the quantizer's weight is their transpose
+    transposed: bool = False
 
     def quantizer_layout(self, values: np.ndarray) -> np.ndarray:
         """``values`` in the layout of the quantizer's own tensor (weight codes or scales of this pair)."""
@@ -115,15 +120,21 @@ class QdqPair:
 
     def to_row(self) -> dict:
         s = self.scale
-        scale_txt = f"{float(s):.6g}" if s.size == 1 else f"[{float(s.min()):.4g} .. {float(s.max()):.4g}] ({s.size})"
+        scale_txt = (
+            f"{float(s):.6g}" if s.size == 1 else f"[{float(s.min()):.4g} .. {float(s.max()):.4g}] ({s.size})"
+        )
         zp = self.zero_point
         return {
-            "tensor": self.tensor, "output": self.output, "quantizer": self.quantizer, "format": self.format,
-            "axis": self.axis, "block_size": self.block_size, "scale": scale_txt,
-            "zero_point": float(zp) if zp.size == 1 else f"({zp.size} values)", "stored": self.stored,
+            "tensor": self.tensor,
+            "output": self.output,
+            "quantizer": self.quantizer,
+            "format": self.format,
+            "axis": self.axis,
+            "block_size": self.block_size,
+            "scale": scale_txt,
+            "zero_point": float(zp) if zp.size == 1 else f"({zp.size} values)",
+            "stored": self.stored,
         }
-
-
 
 
 def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
@@ -136,7 +147,13 @@ def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
 
 def is_int32_bias(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
     """A DequantizeLinear of stored int32 codes: the bias of an integer kernel (onnxruntime target)."""
-    return n.op_type == "DequantizeLinear" and n.input[0] in inits and inits[n.input[0]].data_type == onnx.TensorProto.INT32
+    return (
+        n.op_type == "DequantizeLinear"
+        and n.input[0] in inits
+        and inits[n.input[0]].data_type == onnx.TensorProto.INT32
+    )
+
+
 def kn_weights(model: onnx.ModelProto) -> set[str]:
     """The DequantizeLinear outputs whose weight codes the exporter stored as ``[in, out]`` (empty: none)."""
     for p in model.metadata_props:
@@ -146,7 +163,8 @@ def kn_weights(model: onnx.ModelProto) -> set[str]:
 
 
 def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
-    """Quantizers the exporter recorded as removed because nothing uses their output (empty for older files)."""
+    """Quantizers the exporter recorded as removed because nothing uses their output (empty for older
+    files)."""
     for p in model.metadata_props:
         if p.key == PRUNED_KEY:
             return list(json.loads(p.value))
@@ -169,7 +187,11 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
         src = producers.get(n.input[0])
         zp_name = n.input[2] if len(n.input) > 2 else None
         zp_t = inits.get(zp_name) if zp_name else None
-        elem = zp_t.data_type if zp_t is not None else (inits[n.input[0]].data_type if n.input[0] in inits else 0)
+        elem = (
+            zp_t.data_type
+            if zp_t is not None
+            else (inits[n.input[0]].data_type if n.input[0] in inits else 0)
+        )
         scale = to_numpy(inits[n.input[1]]) if n.input[1] in inits else np.array(np.nan)
         zp = to_numpy(zp_t) if zp_t is not None else np.zeros(())
         if src is not None and src.op_type == "QuantizeLinear":
@@ -177,11 +199,20 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
         else:
             tensor, stored, qn = n.input[0], "initializer", None
         scale_rank = scale.ndim
-        pairs.append(QdqPair(
-            tensor=tensor, output=n.output[0], quantizer=names.get(n.output[0]),
-            format=formats.BY_ELEM_TYPE[elem].name if elem in formats.BY_ELEM_TYPE else f"type{elem}",
-            axis=attrs.get("axis", 1) if scale_rank >= 1 and scale.size > 1 else None,
-            block_size=attrs.get("block_size") or None, scale=scale, zero_point=zp, stored=stored,
-            q_node=qn, dq_node=n.name, transposed=n.output[0] in kn,
-        ))
+        pairs.append(
+            QdqPair(
+                tensor=tensor,
+                output=n.output[0],
+                quantizer=names.get(n.output[0]),
+                format=formats.BY_ELEM_TYPE[elem].name if elem in formats.BY_ELEM_TYPE else f"type{elem}",
+                axis=attrs.get("axis", 1) if scale_rank >= 1 and scale.size > 1 else None,
+                block_size=attrs.get("block_size") or None,
+                scale=scale,
+                zero_point=zp,
+                stored=stored,
+                q_node=qn,
+                dq_node=n.name,
+                transposed=n.output[0] in kn,
+            )
+        )
     return pairs

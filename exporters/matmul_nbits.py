@@ -1,23 +1,23 @@
 """Weight-only blocked layers in the form onnxruntime runs as its N-bit kernel ``MatMulNBits``.
 
-Both torch exporters write a Linear with a blocked weight quantizer as ``DequantizeLinear(axis=1, block_size)`` on
-the ``[out, in]`` codes (per output channel, ``axis=0``, where the input dimension is one block), then
-``Gemm(transB=1)`` (2-D input) or ``Transpose -> MatMul -> Add`` (3-D input). onnxruntime's rule
-``DQMatMulToMatMulNBits`` (``qdq_selectors.cc``, ``DQMatMulNodeGroupSelector`` and ``ValidateDQForMatMulNBits``)
-takes neither: it wants the DequantizeLinear to feed MatMul's input B directly, with one consumer, no
-QuantizeLinear after the MatMul, the weight stored ``[K, N]`` (``[in, out]``) with ``axis=0``, a power-of-two
-``block_size >= 16``, 2-, 4- or 8-bit integer codes, a float scale, and weight, scale and zero point constant
-rank-2 initializers with the scale shaped ``[ceil(K / block), N]``.
+Both torch exporters write a Linear with a blocked weight quantizer as ``DequantizeLinear(axis=1,
+block_size)`` on the ``[out, in]`` codes (per output channel, ``axis=0``, where the input dimension is one
+block), then ``Gemm(transB=1)`` (2-D input) or ``Transpose -> MatMul -> Add`` (3-D input). onnxruntime's rule
+``DQMatMulToMatMulNBits`` (``qdq_selectors.cc``, ``DQMatMulNodeGroupSelector`` and
+``ValidateDQForMatMulNBits``) takes neither: it wants the DequantizeLinear to feed MatMul's input B directly,
+with one consumer, no QuantizeLinear after the MatMul, the weight stored ``[K, N]`` (``[in, out]``) with
+``axis=0``, a power-of-two ``block_size >= 16``, 2-, 4- or 8-bit integer codes, a float scale, and weight,
+scale and zero point constant rank-2 initializers with the scale shaped ``[ceil(K / block), N]``.
 
-:func:`to_matmul_nbits` rewrites each weight-only blocked layer into that form: the stored codes, scale and zero
-point are transposed (the same numbers: every code keeps its own scale; a per-channel scale becomes one block of
-the power of two >= K) and the ``Transpose`` goes. A ``Gemm`` becomes ``MatMul`` and a ``Sum`` with its bias:
-onnxruntime's level-1 ``MatMulAddFusion`` turns ``MatMul -> Add`` on a 2-D input into a ``Gemm``, and a Relu after
-that into a ``FusedGemm``, before the level-2 MatMulNBits rule runs, so the layer would stay in float; it matches
-``Add`` only. A 3-D layer keeps the exporter's ``Add`` (the fusion leaves dynamic 3-D shapes alone), which
-onnxruntime then folds into MatMulNBits' bias input. The DequantizeLinear keeps its output name, so the quantizer
-map still names its quantizer; the rewritten pairs are listed in the model's metadata (:data:`KN_WEIGHTS_KEY`)
-so readers know the codes are stored transposed.
+:func:`to_matmul_nbits` rewrites each weight-only blocked layer into that form: the stored codes, scale and
+zero point are transposed (the same numbers: every code keeps its own scale; a per-channel scale becomes one
+block of the power of two >= K) and the ``Transpose`` goes. A ``Gemm`` becomes ``MatMul`` and a ``Sum`` with
+its bias: onnxruntime's level-1 ``MatMulAddFusion`` turns ``MatMul -> Add`` on a 2-D input into a ``Gemm``,
+and a Relu after that into a ``FusedGemm``, before the level-2 MatMulNBits rule runs, so the layer would stay
+in float; it matches ``Add`` only. A 3-D layer keeps the exporter's ``Add`` (the fusion leaves dynamic 3-D
+shapes alone), which onnxruntime then folds into MatMulNBits' bias input. The DequantizeLinear keeps its
+output name, so the quantizer map still names its quantizer; the rewritten pairs are listed in the model's
+metadata (:data:`KN_WEIGHTS_KEY`) so readers know the codes are stored transposed.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def _attrs(node: onnx.NodeProto) -> dict:
 
 
 def _fusable_dq(dq: onnx.NodeProto, inits: dict) -> bool:
-    """A blocked weight DequantizeLinear along the input dimension of stored ``[out, in]`` codes, in a type and block
-    size MatMulNBits takes."""
+    """A blocked weight DequantizeLinear along the input dimension of stored ``[out, in]`` codes, in a type
+    and block size MatMulNBits takes."""
     if dq.op_type != "DequantizeLinear" or dq.input[0] not in inits or dq.input[1] not in inits:
         return False
     w, s = inits[dq.input[0]], inits[dq.input[1]]
@@ -49,8 +49,11 @@ def _fusable_dq(dq: onnx.NodeProto, inits: dict) -> bool:
         return False
     a = _attrs(dq)
     block = a.get("block_size", 0)
-    if w.data_type not in _NBITS_TYPES or len(w.dims) != 2 \
-            or s.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16):
+    if (
+        w.data_type not in _NBITS_TYPES
+        or len(w.dims) != 2
+        or s.data_type not in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)
+    ):
         return False
     if not block:  # per output channel: one block spanning the input dimension
         return a.get("axis", 1) in (0, -2) and list(s.dims) == [w.dims[0]]
@@ -58,8 +61,8 @@ def _fusable_dq(dq: onnx.NodeProto, inits: dict) -> bool:
 
 
 def _matmul_of(dq: onnx.NodeProto, consumers: dict, producers: dict, outputs: set[str]):
-    """(the MatMul or Gemm the weight feeds as input B, the Transpose between them or None), or None when the layer
-    is not a weight-only ``x @ W^T``."""
+    """(the MatMul or Gemm the weight feeds as input B, the Transpose between them or None), or None when the
+    layer is not a weight-only ``x @ W^T``."""
     readers = consumers.get(dq.output[0], [])
     if len(readers) != 1 or dq.output[0] in outputs:
         return None
@@ -73,7 +76,12 @@ def _matmul_of(dq: onnx.NodeProto, consumers: dict, producers: dict, outputs: se
         node = readers[0]
     elif node.op_type == "Gemm":
         a = _attrs(node)
-        if a.get("transB", 0) != 1 or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
+        if (
+            a.get("transB", 0) != 1
+            or a.get("transA", 0)
+            or a.get("alpha", 1.0) != 1.0
+            or a.get("beta", 1.0) != 1.0
+        ):
             return None
     else:
         return None
@@ -89,14 +97,17 @@ def _matmul_of(dq: onnx.NodeProto, consumers: dict, producers: dict, outputs: se
 
 
 def _transpose_initializer(t: onnx.TensorProto, inits: dict, graph: onnx.GraphProto) -> str:
-    """A ``[a, b]`` initializer as a new ``[b, a]`` one of the same type (a 1-D ``[a]`` one as ``[1, a]``); returns
-    its name."""
+    """A ``[a, b]`` initializer as a new ``[b, a]`` one of the same type (a 1-D ``[a]`` one as ``[1, a]``);
+    returns its name."""
     name = f"{t.name}_kn"
     if name not in inits:
         vals = to_numpy(t) if t.data_type in _NBITS_TYPES else onnx.numpy_helper.to_array(t)
         vals = np.ascontiguousarray(vals.T if vals.ndim == 2 else vals.reshape(1, -1))
-        new = make_initializer(name, vals.astype(np.float32), t.data_type) if t.data_type in _NBITS_TYPES else \
-            onnx.numpy_helper.from_array(vals, name)
+        new = (
+            make_initializer(name, vals.astype(np.float32), t.data_type)
+            if t.data_type in _NBITS_TYPES
+            else onnx.numpy_helper.from_array(vals, name)
+        )
         graph.initializer.append(new)
         inits[name] = new
     return name
@@ -122,20 +133,24 @@ def _rewrite(g: onnx.GraphProto, dq: onnx.NodeProto, node: onnx.NodeProto, trans
         return [node]
     bias = node.input[2] if len(node.input) > 2 and node.input[2] else None
     out = node.output[0]
-    mm = helper.make_node("MatMul", [node.input[0], dq.output[0]], [f"{out}_matmul" if bias else out],
-                          name=node.name)
+    mm = helper.make_node(
+        "MatMul", [node.input[0], dq.output[0]], [f"{out}_matmul" if bias else out], name=node.name
+    )
     if bias is None:
         return [mm]
     return [mm, helper.make_node("Sum", [mm.output[0], bias], [out], name=f"{node.name}/bias")]
 
 
-def _keep_activation_apart(node: onnx.NodeProto, n: int, consumers: dict, g: onnx.GraphProto, inits: dict) -> list:
-    """A ``Sum`` with a zero bias between a bias-free layer and a Relu/Clip that reads it (``x + 0`` is ``x``).
+def _keep_activation_apart(
+    node: onnx.NodeProto, n: int, consumers: dict, g: onnx.GraphProto, inits: dict
+) -> list:
+    """A ``Sum`` with a zero bias between a bias-free layer and a Relu/Clip that reads it (``x + 0`` is
+    ``x``).
 
-    onnxruntime's node-group selection takes a Relu or Clip right after the MatMul for one a QuantizeLinear would
-    make redundant, and without that QuantizeLinear drops the group (``GetQDQSelection``): the layer would stay in
-    float unless the Relu produces a graph output. Returns the node to add after ``node`` (none where nothing
-    needs it); ``n`` is the layer's output width.
+    onnxruntime's node-group selection takes a Relu or Clip right after the MatMul for one a QuantizeLinear
+    would make redundant, and without that QuantizeLinear drops the group (``GetQDQSelection``): the layer
+    would stay in float unless the Relu produces a graph output. Returns the node to add after ``node`` (none
+    where nothing needs it); ``n`` is the layer's output width.
     """
     out = node.output[0]
     readers = consumers.get(out, [])

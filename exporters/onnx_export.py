@@ -2,10 +2,10 @@
 
 Both torch exporters are supported. ``torchscript`` (``torch.onnx.export(..., dynamo=False)``) calls the
 quantize ops' ``symbolic`` functions; ``dynamo`` (torch.export) sees the same ops as ``torch.library`` custom
-ops whose ONNX translations emit the same nodes (:mod:`exporters.dynamo`). Then :mod:`exporters.fold`
-stores weights quantized, :mod:`exporters.onnxruntime.compat` guards float8 pairs against onnxruntime's optimizer (onnxruntime
-target), the model is checked with ``onnx.checker`` and shape inference, and the quant config and the quantizer
-of every DequantizeLinear go into ``metadata_props``.
+ops whose ONNX translations emit the same nodes (:mod:`exporters.dynamo`). Then :mod:`exporters.fold` stores
+weights quantized, :mod:`exporters.onnxruntime.compat` guards float8 pairs against onnxruntime's optimizer
+(onnxruntime target), the model is checked with ``onnx.checker`` and shape inference, and the quant config and
+the quantizer of every DequantizeLinear go into ``metadata_props``.
 """
 
 from __future__ import annotations
@@ -60,22 +60,30 @@ class ExportResult:
     output_names: list[str] = field(default_factory=list)
     external_data: bool = False
     dynamic_layers: int = 0  # DynamicQuantizeLinear -> MatMulInteger layers (exporters.dynamic_linear)
-    fp8_guards: int = 0  # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.onnxruntime.compat)
-    quantized_layers: int | None = None  # onnxruntime target: layers with Q/DQ, and how many it leaves in float
+    # Max(x, -inf) nodes that keep onnxruntime's float8 fusion bugs away (exporters.onnxruntime.compat)
+    fp8_guards: int = 0
+    # onnxruntime target: layers with Q/DQ, and how many it leaves in float
+    quantized_layers: int | None = None
     unfused_layers: int | None = None
     # onnxruntime target: weight-only blocked layers written in the MatMulNBits form (exporters.matmul_nbits)
     matmul_nbits_layers: int = 0
-    kn_weights: list[str] = field(default_factory=list, repr=False)  # their DequantizeLinear outputs (metadata)
+    # their DequantizeLinear outputs (metadata)
+    kn_weights: list[str] = field(default_factory=list, repr=False)
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
-    onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)  # other targets: what onnxruntime needs
+    # other targets: what onnxruntime needs
+    onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)
     target: str = "onnxruntime"
-    provider: str | None = None  # onnxruntime target: the execution provider the graph is shaped for (cpu, cuda)
-    # onnxruntime target: what exporters.onnxruntime.placement did, and for the CPU provider exporters.onnxruntime.cpu_fusions
+    # onnxruntime target: the execution provider the graph is shaped for (cpu, cuda)
+    provider: str | None = None
+    # onnxruntime target: what exporters.onnxruntime.placement did, and for the CPU provider
+    # exporters.onnxruntime.cpu_fusions
     placement: dict[str, int] = field(default_factory=dict)
-    # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their result
+    # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their
+    # result
     pruned_quantizers: list[str] = field(default_factory=list)
     opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
-    opset_note: str = ""  # an explicit opset below what the model's ops are best expressed in: what that costs
+    # an explicit opset below what the model's ops are best expressed in: what that costs
+    opset_note: str = ""
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "kn_weights"}
@@ -92,15 +100,27 @@ def check_exportable(model: nn.Module) -> None:
     missing = [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
-        raise ExportError(f"uncalibrated quantizer(s), amax missing: {', '.join(missing[:5])}{more}; run `quantcli calibrate` first")
-    dynamic = [n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic and not q.dynamic_uint8]
+        raise ExportError(
+            f"uncalibrated quantizer(s), amax missing: {', '.join(missing[:5])}{more}; run "
+            f"`quantcli calibrate` first"
+        )
+    dynamic = [
+        n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic and not q.dynamic_uint8
+    ]
     for module in model.modules():  # dynamic uint8 inputs export with their Linear (MatMulInteger)
         q = getattr(module, "input_quantizer", None)
         if q is not None and q.enabled and q.dynamic_uint8:
-            why = exportable(module) if isinstance(module, nn.Linear) else f"it quantizes a {type(module).__name__}"
+            why = (
+                exportable(module)
+                if isinstance(module, nn.Linear)
+                else f"it quantizes a {type(module).__name__}"
+            )
             if why is not None:
-                raise ExportError(f"{q.name}: a dynamic activation quantizer exports as DynamicQuantizeLinear -> "
-                                  f"MatMulInteger in a Linear layer with 8-bit integer weights, but {why}")
+                raise ExportError(
+                    f"{q.name}: a dynamic activation quantizer exports as "
+                    f"DynamicQuantizeLinear -> "
+                    f"MatMulInteger in a Linear layer with 8-bit integer weights, but {why}"
+                )
     if dynamic:
         raise ExportError(f"dynamic quantizers cannot be exported as static Q/DQ: {', '.join(dynamic[:5])}")
 
@@ -113,7 +133,9 @@ def _output_names(outputs) -> list[str]:
     return ["output_0"]
 
 
-def _dynamic_axes(example: dict[str, torch.Tensor], output_names: list[str], outputs) -> dict[str, dict[int, str]]:
+def _dynamic_axes(
+    example: dict[str, torch.Tensor], output_names: list[str], outputs
+) -> dict[str, dict[int, str]]:
     axes: dict[str, dict[int, str]] = {}
     for name, t in example.items():
         if t.dim() == 0:
@@ -122,7 +144,13 @@ def _dynamic_axes(example: dict[str, torch.Tensor], output_names: list[str], out
         if not t.dtype.is_floating_point and t.dim() >= 2:
             a[1] = "sequence"
         axes[name] = a
-    flat = list(outputs.values()) if isinstance(outputs, dict) else list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    flat = (
+        list(outputs.values())
+        if isinstance(outputs, dict)
+        else list(outputs)
+        if isinstance(outputs, (tuple, list))
+        else [outputs]
+    )
     for name, o in zip(output_names, flat):
         if isinstance(o, torch.Tensor) and o.dim() > 0:
             axes[name] = {0: "batch"}
@@ -171,9 +199,9 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
 
 def _hook_scopes(module: nn.Module) -> dict[str, str]:
     """TorchScript scope -> quantizer name for output quantizers run by a forward hook of a later module
-    (:func:`quantcli.nn.modules.apply_output_quantizer_after`): the hook runs in the scope of that module's parent,
-    so the node is named ``<parent>/output_quantizer/...``. quantize_model puts at most one such quantizer under a
-    parent, so the scope names one quantizer."""
+    (:func:`quantcli.nn.modules.apply_output_quantizer_after`): the hook runs in the scope of that module's
+    parent, so the node is named ``<parent>/output_quantizer/...``. quantize_model puts at most one such
+    quantizer under a parent, so the scope names one quantizer."""
     names = {id(m): n for n, m in module.named_modules()}
     out: dict[str, str] = {}
     for name, layer in module.named_modules():
@@ -201,21 +229,23 @@ def export_onnx(
 
     Args:
         example_inputs: keyword inputs for ``model(**example_inputs)``; their names become the graph's inputs.
-        opset: default: the lowest that the formats need (13 int8, 19 fp8, 21 int4/blocked; 18 with dynamo) and
-            the model's ops are best expressed in (17 with a LayerNorm: :mod:`exporters.opset`). Lower than the
-            formats need is an error; lower than the ops prefer is allowed (``ExportResult.opset_note``).
+        opset: default: the lowest that the formats need (13 int8, 19 fp8, 21 int4/blocked; 18 with dynamo)
+            and the model's ops are best expressed in (17 with a LayerNorm: :mod:`exporters.opset`). Lower
+            than the formats need is an error; lower than the ops prefer is allowed
+            (``ExportResult.opset_note``).
         exporter: ``torchscript`` or ``dynamo``.
         dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic.
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
         provider: onnxruntime target only: the execution provider the graph is for, ``cpu`` (default) or
             ``cuda``. For ``cpu`` the residual and GELU-bias Adds are written as ``Sum``
-            (:mod:`exporters.onnxruntime.cpu_fusions`), so onnxruntime's CPU provider forms no ``SkipLayerNormalization`` or
-            ``BiasGelu`` (slower there than what they replace); ``cuda`` leaves them to onnxruntime's fusions.
-            Naming it for another target is an error.
+            (:mod:`exporters.onnxruntime.cpu_fusions`), so onnxruntime's CPU provider forms no
+            ``SkipLayerNormalization`` or ``BiasGelu`` (slower there than what they replace); ``cuda`` leaves
+            them to onnxruntime's fusions. Naming it for another target is an error.
 
     For the onnxruntime target (the config's ``target``, default) float8 pairs get the guards of
-    :mod:`exporters.onnxruntime.compat`, so the graph loads with default session options, and the result counts the
-    quantized layers onnxruntime leaves in float (:func:`exporters.onnxruntime.fusion.inspect_fusion`).
+    :mod:`exporters.onnxruntime.compat`, so the graph loads with default session options, and the result
+    counts the quantized layers onnxruntime leaves in float
+    (:func:`exporters.onnxruntime.fusion.inspect_fusion`).
     """
     t0 = time.perf_counter()
     need, what = _required_opset(model, exporter, opset)
@@ -230,8 +260,17 @@ def export_onnx(
         outputs = model(**example)
     opset, reason, note = _resolve_opset(model, probe, opset, need, what)
     output_names = _output_names(outputs)
-    res = ExportResult(str(path), opset, exporter, input_names=list(example), output_names=output_names,
-                       opset_reason=reason, opset_note=note, target=target, provider=provider)
+    res = ExportResult(
+        str(path),
+        opset,
+        exporter,
+        input_names=list(example),
+        output_names=output_names,
+        opset_reason=reason,
+        opset_note=note,
+        target=target,
+        provider=provider,
+    )
     axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
         onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
@@ -256,22 +295,27 @@ def _required_opset(model: nn.Module, exporter: str, opset: int | None) -> tuple
         need, why = DYNAMO_MIN_OPSET, "the dynamo exporter"
     what = why if why == "the dynamo exporter" else f"{why} quantization"
     if opset is not None and opset < need:
-        raise ExportError(f"{what} needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out")
+        raise ExportError(
+            f"{what} needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out"
+        )
     if opset is not None and opset > 21:
         raise ExportError(f"opset {opset} is not supported; use 13..21")
     return need, what
 
 
 def _check_provider(provider: str | None, target: str) -> str | None:
-    """The onnxruntime execution provider to shape the graph for: ``cpu`` by default for the onnxruntime target
-    (its integer kernels are CPU kernels: the CUDA provider runs Q/DQ int8 graphs in float, GPU int8 goes through
-    TensorRT), none for other targets."""
+    """The onnxruntime execution provider to shape the graph for: ``cpu`` by default for the onnxruntime
+    target (its integer kernels are CPU kernels: the CUDA provider runs Q/DQ int8 graphs in float, GPU int8
+    goes through TensorRT), none for other targets."""
     if provider is not None and provider not in PROVIDERS:
         raise ExportError(f"unknown provider {provider!r}; choose cpu or cuda")
     if target != "onnxruntime":
         if provider is not None:
-            raise ExportError(f"--provider applies to the onnxruntime target; this model is calibrated for {target} "
-                              f"(leave --provider out, or calibrate with --target onnxruntime)")
+            raise ExportError(
+                f"--provider applies to the onnxruntime target; this model is calibrated for "
+                f"{target} "
+                f"(leave --provider out, or calibrate with --target onnxruntime)"
+            )
         return None
     return provider or "cpu"
 
@@ -283,22 +327,37 @@ def _check_destination(path: Path) -> Path:
     return writable_directory(path, ExportError)
 
 
-def _resolve_opset(model: nn.Module, probe: OpProbe, opset: int | None, need: int, what: str) -> tuple[int, str, str]:
+def _resolve_opset(
+    model: nn.Module, probe: OpProbe, opset: int | None, need: int, what: str
+) -> tuple[int, str, str]:
     """(the opset to export, why that one, what an explicit opset below the ops' best costs) from the formats'
     minimum ``need`` and the ops ``probe`` saw in a forward pass (:func:`exporters.opset.ops_opset`)."""
     best, best_why = ops_opset(model, probe)
     if opset is None:
-        return max(need, best), f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else ""), ""
+        return (
+            max(need, best),
+            f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else ""),
+            "",
+        )
     note = ""
     if opset < best and best == LAYER_NORM_OPSET:
-        note = (f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset {best}: "
-                f"onnxruntime fuses it back into LayerNormalization (forming no SkipLayerNormalization), other "
-                f"runtimes may not; leave --opset out for {best}")
+        note = (
+            f"{best_why.split(' (')[0]} is exported decomposed (ReduceMean, Sub, Pow, ...) below opset "
+            f"{best}: "
+            f"onnxruntime fuses it back into LayerNormalization (forming no SkipLayerNormalization), "
+            f"other "
+            f"runtimes may not; leave --opset out for {best}"
+        )
     return opset, "--opset", note
 
 
-def _export_graph(model: nn.Module, example: dict[str, torch.Tensor], raw: Path, res: ExportResult,
-                  axes: dict[str, dict[int, str]] | None) -> onnx.ModelProto:
+def _export_graph(
+    model: nn.Module,
+    example: dict[str, torch.Tensor],
+    raw: Path,
+    res: ExportResult,
+    axes: dict[str, dict[int, str]] | None,
+) -> onnx.ModelProto:
     """Run the chosen torch exporter into ``raw`` and load what it wrote."""
     if res.exporter == "torchscript":
         _export_torchscript(model, example, raw, res.opset, res.input_names, res.output_names, axes)
@@ -309,8 +368,13 @@ def _export_graph(model: nn.Module, example: dict[str, torch.Tensor], raw: Path,
     return onnx.load(str(raw))
 
 
-def _post_process(onnx_model: onnx.ModelProto, model: nn.Module, example: dict[str, torch.Tensor],
-                  res: ExportResult, weights_qdq: bool) -> dict[str, str]:
+def _post_process(
+    onnx_model: onnx.ModelProto,
+    model: nn.Module,
+    example: dict[str, torch.Tensor],
+    res: ExportResult,
+    weights_qdq: bool,
+) -> dict[str, str]:
     """The graph passes, in place: fold weights, name each DequantizeLinear's quantizer, narrow 4-bit types,
     place Q/DQ for onnxruntime, drop dead initializers and node stack traces, guard float8 pairs. Records what
     each did in ``res``; returns DequantizeLinear output -> quantizer name."""
@@ -340,10 +404,11 @@ def _post_process(onnx_model: onnx.ModelProto, model: nn.Module, example: dict[s
     return mapping
 
 
-def _stamp_metadata(onnx_model: onnx.ModelProto, mapping: dict[str, str], res: ExportResult,
-                    metadata: dict[str, str] | None) -> None:
-    """The model's ``metadata_props`` (quantcli version, exporter, quantizer map, target, pruned quantizers and
-    the caller's ``metadata``) and producer."""
+def _stamp_metadata(
+    onnx_model: onnx.ModelProto, mapping: dict[str, str], res: ExportResult, metadata: dict[str, str] | None
+) -> None:
+    """The model's ``metadata_props`` (quantcli version, exporter, quantizer map, target, pruned quantizers
+    and the caller's ``metadata``) and producer."""
     meta = {
         "quantcli.version": __version__,
         "quantcli.exporter": res.exporter,
@@ -377,8 +442,13 @@ def _save(onnx_model: onnx.ModelProto, path: Path, parent: Path, workdir: Path) 
     external = onnx_model.ByteSize() > EXTERNAL_DATA_BYTES if _small_enough_to_size(onnx_model) else True
     final = workdir / path.name
     if external:
-        onnx.save_model(onnx_model, str(final), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data")
+        onnx.save_model(
+            onnx_model,
+            str(final),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+        )
         os.replace(workdir / (path.name + ".data"), parent / (path.name + ".data"))
     else:
         onnx.save_model(onnx_model, str(final))
@@ -387,8 +457,8 @@ def _save(onnx_model: onnx.ModelProto, path: Path, parent: Path, workdir: Path) 
 
 
 def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) -> None:
-    """Fill ``res`` with what the saved graph holds: Q/DQ pairs by format, file size, dynamic layers and, for the
-    onnxruntime target, the quantized layers onnxruntime fuses (loading the file)."""
+    """Fill ``res`` with what the saved graph holds: Q/DQ pairs by format, file size, dynamic layers and, for
+    the onnxruntime target, the quantized layers onnxruntime fuses (loading the file)."""
     counts: dict[str, int] = {}
     for p in qdq_pairs(onnx_model):
         key = p.format + (" blocked" if p.block_size else "")
@@ -397,7 +467,8 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
     res.file_bytes = path.stat().st_size
     dyn = dynamic_layers(onnx_model)
     res.dynamic_layers = len(dyn)
-    if res.exporter == "dynamo":  # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
+    # the dynamo path writes dynamic layers' weight codes itself (nothing to fold)
+    if res.exporter == "dynamo":
         inits = {t.name for t in onnx_model.graph.initializer}
         res.weights_stored_quantized += sum(1 for d in dyn if d.weight in inits)
     if res.target == "onnxruntime":
@@ -407,7 +478,8 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
 
 
 def _pruned(model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str]) -> list[str]:
-    """Enabled quantizers without a DequantizeLinear whose output reaches no model output (traced by autograd).
+    """Enabled quantizers without a DequantizeLinear whose output reaches no model output (traced by
+    autograd).
 
     A quantizer that is absent and *is* used stays out of this list: verify reports it as missing.
     """
@@ -432,17 +504,21 @@ def _set_opset(model: onnx.ModelProto, opset: int) -> None:
 
 
 def _in_forward_order(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The example keyed in forward's parameter order: the exporters name graph inputs in that order, so a batch
-    whose keys come in another order (a tokenizer's ``token_type_ids`` before ``attention_mask``) must not
-    name the wrong input."""
+    """The example keyed in forward's parameter order: the exporters name graph inputs in that order, so a
+    batch whose keys come in another order (a tokenizer's ``token_type_ids`` before ``attention_mask``) must
+    not name the wrong input."""
     from quantcli.inputs.data import forward_parameters
 
     names, _, _ = forward_parameters(model)
-    return {**{k: example[k] for k in names if k in example}, **{k: v for k, v in example.items() if k not in names}}
+    return {
+        **{k: example[k] for k in names if k in example},
+        **{k: v for k, v in example.items() if k not in names},
+    }
 
 
 def _positional_args(model: nn.Module, example: dict[str, torch.Tensor]) -> tuple:
-    """Inputs in forward's parameter order (None for skipped optional ones); extra names as a trailing dict."""
+    """Inputs in forward's parameter order (None for skipped optional ones); extra names as a trailing
+    dict."""
     from quantcli.inputs.data import forward_parameters
 
     names, _, _ = forward_parameters(model)
@@ -462,8 +538,15 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(
-                model, args, str(path), dynamo=False, opset_version=opset,
-                input_names=input_names, output_names=output_names, dynamic_axes=axes, do_constant_folding=True,
+                model,
+                args,
+                str(path),
+                dynamo=False,
+                opset_version=opset,
+                input_names=input_names,
+                output_names=output_names,
+                dynamic_axes=axes,
+                do_constant_folding=True,
             )
         except ExportError:
             raise
@@ -475,13 +558,15 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                     raise nxt from None
                 cause = nxt
             raise aten_symbolics.unsupported_operator(e, "torchscript", opset) or ExportError(
-                f"torch.onnx.export failed: {first_line(e, 200)}") from None
+                f"torch.onnx.export failed: {first_line(e, 200)}"
+            ) from None
 
 
 @contextlib.contextmanager
 def native_output_silenced():
-    """Send what native code writes to stdout/stderr (torch prints its whole IR graph on an export error, whatever
-    ``verbose`` says) to nowhere, so ``--json`` output stays JSON; Python-level output is untouched."""
+    """Send what native code writes to stdout/stderr (torch prints its whole IR graph on an export error,
+    whatever ``verbose`` says) to nowhere, so ``--json`` output stays JSON; Python-level output is
+    untouched."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -1,14 +1,14 @@
 """The default ONNX opset: the lowest that the quantization formats need and the model's own ops are best
 expressed in.
 
-Formats set a hard minimum (an int8 per-axis QuantizeLinear needs 13, float8 19, int4 and blocked 21): below it the
-graph cannot be written. The model's ops set a preference: ``LayerNormalization`` exists from opset 17; below it
-the exporter decomposes a LayerNorm into ReduceMean/Sub/Pow/Sqrt/Div/Mul/Add. onnxruntime (1.31) fuses that pattern
-back into ``LayerNormalization`` (and loses the static shapes after it, so its ``SkipLayerNormalization`` fusion
-does not form); other runtimes may not. At 17 the onnxruntime target's export keeps ``SkipLayerNormalization``
-away itself (:mod:`exporters.onnxruntime.cpu_fusions`: its CPU kernel is slower than what it replaces); ``python -m
-benchmarks.bench_opset`` counts and times both opsets. An explicit opset below the preference is allowed (the
-LayerNorm is decomposed, and the export says so).
+Formats set a hard minimum (an int8 per-axis QuantizeLinear needs 13, float8 19, int4 and blocked 21): below
+it the graph cannot be written. The model's ops set a preference: ``LayerNormalization`` exists from opset 17;
+below it the exporter decomposes a LayerNorm into ReduceMean/Sub/Pow/Sqrt/Div/Mul/Add. onnxruntime (1.31)
+fuses that pattern back into ``LayerNormalization`` (and loses the static shapes after it, so its
+``SkipLayerNormalization`` fusion does not form); other runtimes may not. At 17 the onnxruntime target's
+export keeps ``SkipLayerNormalization`` away itself (:mod:`exporters.onnxruntime.cpu_fusions`: its CPU kernel
+is slower than what it replaces); ``python -m benchmarks.bench_opset`` counts and times both opsets. An
+explicit opset below the preference is allowed (the LayerNorm is decomposed, and the export says so).
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import formats
 
 LAYER_NORM_OPSET = 17  # ONNX LayerNormalization
-#: torch's TorchScript exporter translates ``scaled_dot_product_attention`` (transformers' default attention in
-#: Llama/Qwen2-style decoders, which have no LayerNorm) from opset 14; below it that export cannot be written
+# : torch's TorchScript exporter translates ``scaled_dot_product_attention`` (transformers' default attention
+# in : Llama/Qwen2-style decoders, which have no LayerNorm) from opset 14; below it that export cannot be
+# written
 ATTENTION_OPSET = 14
 
 
@@ -46,7 +47,8 @@ _ATTENTION_FUNCTIONS = (torch.nn.functional.scaled_dot_product_attention,)
 
 class OpProbe(TorchFunctionMode):
     """Records, during one forward pass, whether the model calls a layer norm (``nn.LayerNorm`` or
-    ``F.layer_norm`` called directly: module scans miss the functional form) and ``scaled_dot_product_attention``."""
+    ``F.layer_norm`` called directly: module scans miss the functional form) and
+    ``scaled_dot_product_attention``."""
 
     def __init__(self):
         super().__init__()

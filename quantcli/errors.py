@@ -7,8 +7,8 @@ from __future__ import annotations
 
 
 def first_line(e: BaseException, limit: int | None = None) -> str:
-    """The first non-blank line of ``str(e)`` (at most ``limit`` characters), or the exception's type name when
-    the message is empty: how a foreign exception is quoted inside a one-line error."""
+    """The first non-blank line of ``str(e)`` (at most ``limit`` characters), or the exception's type name
+    when the message is empty: how a foreign exception is quoted inside a one-line error."""
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line[:limit] if limit is not None else line
@@ -49,15 +49,15 @@ class VerifyError(QuantCliError):
 
 
 class GraphRunError(VerifyError):
-    """The graph loaded, and one of its nodes failed at run time on inputs the model ran on: the graph computes
-    something the model does not (verify reports it as the failed check ``graph.runs``, exit 1)."""
+    """The graph loaded, and one of its nodes failed at run time on inputs the model ran on: the graph
+    computes something the model does not (verify reports it as the failed check ``graph.runs``, exit 1)."""
 
     check = "graph.runs"
 
 
 class GraphOutputError(GraphRunError):
-    """The graph loaded and ran, but its outputs are not the model's (another count or shape): verify reports it
-    as the failed check ``graph.outputs``, exit 1."""
+    """The graph loaded and ran, but its outputs are not the model's (another count or shape): verify reports
+    it as the failed check ``graph.outputs``, exit 1."""
 
     check = "graph.outputs"
 

@@ -6,9 +6,10 @@ destination with :func:`os.replace`, which is atomic on one file system: a reade
 new one, never a part, and an error or interrupt leaves the old file (or nothing) in place.
 
 Temporary names carry the writing host and process id (``.x.calib.pt.<host>-<pid>-<random>.tmp``,
-``.quantcli-export-<host>-<pid>-<random>/``): an interrupt removes them (SIGTERM included, see ``quantcli.cli``), and one
-left by a process that no longer runs (killed with SIGKILL, a power cut) is removed by the next write to the
-same place. Files get the mode the umask gives (0644 with the usual 022), like any other tool's.
+``.quantcli-export-<host>-<pid>-<random>/``): an interrupt removes them (SIGTERM included, see
+``quantcli.cli``), and one left by a process that no longer runs (killed with SIGKILL, a power cut) is removed
+by the next write to the same place. Files get the mode the umask gives (0644 with the usual 022), like any
+other tool's.
 
 This module imports nothing of quantcli but :mod:`quantcli.errors`, so every layer can use it.
 """
@@ -31,7 +32,8 @@ _OWNER = re.compile(r"\.(\w+)-(\d+)-[^.]*\.tmp$|^\.quantcli-(?:[a-z]+-)?(\w+)-(\
 
 
 def _writer() -> str:
-    """``<host>-<pid>``: who writes a temporary name (the host: a shared file system sees other hosts' files)."""
+    """``<host>-<pid>``: who writes a temporary name (the host: a shared file system sees other hosts'
+    files)."""
     host = re.sub(r"\W", "_", socket.gethostname()) or "host"
     return f"{host}-{os.getpid()}"
 
@@ -78,7 +80,8 @@ def remove_stale(directory: Path, prefixes: Iterable[str]) -> list[Path]:
 
 
 def no_space(e: BaseException) -> bool:
-    """Whether ``e`` says the disk is full: ENOSPC/EDQUOT, or torch.save's errno-less ``file write failed``."""
+    """Whether ``e`` says the disk is full: ENOSPC/EDQUOT, or torch.save's errno-less ``file write
+    failed``."""
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     text = str(e)
@@ -95,8 +98,12 @@ def same_file(a: str | Path, b: str | Path) -> bool:
         return False
 
 
-def refuse_overwriting_inputs(out: str | Path, inputs: Iterable[tuple[str, str | Path | None]], option: str,
-                              error: type[QuantCliError] = QuantCliError) -> None:
+def refuse_overwriting_inputs(
+    out: str | Path,
+    inputs: Iterable[tuple[str, str | Path | None]],
+    option: str,
+    error: type[QuantCliError] = QuantCliError,
+) -> None:
     """Raise ``error`` when the output ``out`` is one of the files the command reads.
 
     ``inputs`` are ``(what, path)`` pairs (``None`` paths are skipped); a folder input (``--data images/``)
@@ -104,11 +111,16 @@ def refuse_overwriting_inputs(out: str | Path, inputs: Iterable[tuple[str, str |
     for what, path in inputs:
         if path is None:
             continue
-        inside = Path(path).is_dir() and Path(out).exists() and Path(os.path.realpath(out)).is_relative_to(
-            os.path.realpath(path))
+        inside = (
+            Path(path).is_dir()
+            and Path(out).exists()
+            and Path(os.path.realpath(out)).is_relative_to(os.path.realpath(path))
+        )
         if same_file(out, path) or inside:
-            raise error(f"{option} {out} is {what} ({path}) this command reads; writing it would destroy the "
-                        "input: give another output path")
+            raise error(
+                f"{option} {out} is {what} ({path}) this command reads; writing it would destroy the "
+                "input: give another output path"
+            )
 
 
 def writable_directory(path: str | Path, error: type[QuantCliError] = QuantCliError) -> Path:
@@ -120,7 +132,8 @@ def writable_directory(path: str | Path, error: type[QuantCliError] = QuantCliEr
     path = Path(path)
     if path.is_dir():
         raise error(f"cannot write {path}: it is a directory; give a file name")
-    if path.exists() and not path.is_file():  # a device (/dev/full), a FIFO: renaming over it would replace it
+    # a device (/dev/full), a FIFO: renaming over it would replace it
+    if path.exists() and not path.is_file():
         raise error(f"cannot write {path}: it is not a regular file; give a file name")
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
@@ -130,8 +143,9 @@ def writable_directory(path: str | Path, error: type[QuantCliError] = QuantCliEr
     return parent
 
 
-def atomic_write(path: str | Path, write: Callable[[str], object],
-                 error: type[QuantCliError] = QuantCliError) -> None:
+def atomic_write(
+    path: str | Path, write: Callable[[str], object], error: type[QuantCliError] = QuantCliError
+) -> None:
     """Call ``write(tmp_path)`` then rename over ``path``: no half-written file on failure.
 
     ``tmp_path`` is a fresh file beside ``path`` (same directory, so the rename is atomic); whatever
@@ -161,8 +175,10 @@ def disk_full_message(path: str | Path) -> str:
         free = f"{shutil.disk_usage(parent).free / 2**20:.0f} MiB free"
     except OSError:
         free = "free space unknown"
-    return (f"cannot write {path}: no space left on device ({free} in {parent}); free some space or write "
-            "it elsewhere (nothing was written)")
+    return (
+        f"cannot write {path}: no space left on device ({free} in {parent}); free some space or write "
+        "it elsewhere (nothing was written)"
+    )
 
 
 @contextlib.contextmanager
@@ -181,11 +197,14 @@ def staging_directory(directory: str | Path, prefix: str = ".quantcli-") -> Iter
         shutil.rmtree(work, ignore_errors=True)
 
 
-def write_together(folder: str | Path, files: dict[str, str], error: type[QuantCliError] = QuantCliError) -> None:
+def write_together(
+    folder: str | Path, files: dict[str, str], error: type[QuantCliError] = QuantCliError
+) -> None:
     """Write text ``files`` (name -> content) into ``folder``: all of them or none.
 
     They are written in a staging folder beside ``folder``, which becomes ``folder`` (one rename) when it does
-    not exist; else in one inside it, whose files are renamed into place (renames need no space). A failure leaves ``folder`` as it was."""
+    not exist; else in one inside it, whose files are renamed into place (renames need no space). A failure
+    leaves ``folder`` as it was."""
     folder = Path(folder)
     parent = folder if folder.is_dir() else (folder.parent if str(folder.parent) else Path("."))
     with staging_directory(parent, prefix=".quantcli-out-") as work:

@@ -13,8 +13,9 @@ from typing import Any
 
 
 def lazy_getattr(package: str, table: dict[str, str]) -> Callable[[str], Any]:
-    """A module-level ``__getattr__`` for ``package``: ``name`` is looked up in ``table`` (name -> the module that
-    defines it), imported, cached in the package's namespace, and returned; other names raise AttributeError."""
+    """A module-level ``__getattr__`` for ``package``: ``name`` is looked up in ``table`` (name -> the module
+    that defines it), imported, cached in the package's namespace, and returned; other names raise
+    AttributeError."""
 
     def __getattr__(name: str) -> Any:
         module = table.get(name)

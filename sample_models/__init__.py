@@ -32,10 +32,14 @@ class SampleModel:
 SAMPLES = {
     "digits_cnn": SampleModel("digits_cnn", "sample_models.digits_cnn", "CNN for scikit-learn's 8x8 digits"),
     "text_encoder": SampleModel(
-        "text_encoder", "sample_models.text_encoder", "BERT-style encoder: Python code vs prose (CPython stdlib)"
+        "text_encoder",
+        "sample_models.text_encoder",
+        "BERT-style encoder: Python code vs prose (CPython stdlib)",
     ),
     "tiny_lm": SampleModel(
-        "tiny_lm", "sample_models.tiny_lm", "GPT-style byte-level causal LM (CPython stdlib source), logits per position"
+        "tiny_lm",
+        "sample_models.tiny_lm",
+        "GPT-style byte-level causal LM (CPython stdlib source), logits per position",
     ),
 }
 

@@ -1,4 +1,5 @@
-"""``pretrained_like``: a MiniLM-sized BERT sentence encoder whose weights have the statistics of pretrained ones.
+"""``pretrained_like``: a MiniLM-sized BERT sentence encoder whose weights have the statistics of pretrained
+ones.
 
 A ``transformers`` ``BertModel`` (6 layers, hidden 384, 12 heads, intermediate 1536: all-MiniLM-L6-v2's shape)
 behind mean pooling over the attention mask and L2 normalisation, fed word-level sentences of CPython's own
@@ -12,8 +13,8 @@ gets the properties that decide how a pretrained encoder quantizes and runs, whi
   gains ~1 and biases ~0.05 elsewhere, in every LayerNorm but the last; the weights reading those channels are
   a fifth of the others' (as trained models learn), so the float model stays well conditioned.
 - **GELU outliers**: a few FFN channels with large pre-activations feed the down-projections outliers.
-- **attention that is not uniform**: random init (std 0.02) gives q.k ~ 0 and softmax ~ uniform; here each head's
-  key projection shares a component with its query projection and both are scaled so the logits spread
+- **attention that is not uniform**: random init (std 0.02) gives q.k ~ 0 and softmax ~ uniform; here each
+  head's key projection shares a component with its query projection and both are scaled so the logits spread
   over several units: per-head attention entropy well under log(T) (:func:`attention_entropy` measures it).
 - **real padding**: batches of 32 sentences of 4-64 word tokens ([CLS] ... [SEP]) padded to the longest, so
   ``attention_mask`` has zeros and the graph computes on padded positions as deployed encoders do.
@@ -36,9 +37,32 @@ from torch import nn
 from sample_models.structured import MeanPooledEncoder, seeded_encoder
 
 #: stdlib modules whose docstrings give the sentences (shipped with CPython: nothing is downloaded)
-MODULES = ("argparse", "collections", "functools", "inspect", "json", "logging", "pathlib", "subprocess",
-           "textwrap", "typing", "unittest.case", "email.message", "http.client", "decimal", "threading",
-           "tarfile", "zipfile", "shutil", "tempfile", "datetime", "pickle", "csv", "configparser", "ast")
+MODULES = (
+    "argparse",
+    "collections",
+    "functools",
+    "inspect",
+    "json",
+    "logging",
+    "pathlib",
+    "subprocess",
+    "textwrap",
+    "typing",
+    "unittest.case",
+    "email.message",
+    "http.client",
+    "decimal",
+    "threading",
+    "tarfile",
+    "zipfile",
+    "shutil",
+    "tempfile",
+    "datetime",
+    "pickle",
+    "csv",
+    "configparser",
+    "ast",
+)
 PAD, UNK, CLS, SEP = 0, 1, 2, 3
 VOCAB = 4000
 MAX_LEN = 66  # [CLS] + 64 words + [SEP]
@@ -49,7 +73,8 @@ OUTLIER_GAINS = (60.0, 25.0, 40.0, 15.0)
 OUTLIER_BIASES = (-20.0, 8.0, -12.0, 4.0)
 #: FFN intermediate channels whose pre-activation is scaled up (outlier GELU outputs)
 OUTLIER_FFN_CHANNELS = (7, 400, 901, 1333)
-#: the weights reading an outlier residual dimension are this fraction of the others (trained models learn small ones)
+# : the weights reading an outlier residual dimension are this fraction of the others (trained models learn
+# small ones)
 READER_SCALE = 0.2
 FFN_SCALE = 20.0
 
@@ -103,7 +128,7 @@ def batches(split: str = "calib") -> list[dict[str, torch.Tensor]]:
     order = torch.randperm(len(s), generator=torch.Generator().manual_seed(0)).tolist()
     s = [s[i] for i in order]
     start, count = {"calib": (0, 8), "holdout": (8, 2), "test": (10, 4)}[split]
-    return [tokenize(s[(start + i) * BATCH:(start + i + 1) * BATCH]) for i in range(count)]
+    return [tokenize(s[(start + i) * BATCH : (start + i + 1) * BATCH]) for i in range(count)]
 
 
 def build(seed: int = 0) -> MeanPooledEncoder:
@@ -112,9 +137,17 @@ def build(seed: int = 0) -> MeanPooledEncoder:
         from transformers import BertConfig
     except ImportError as e:  # pragma: no cover - the test extra installs it
         raise ImportError("pretrained_like needs transformers: pip install 'quantcli[hf]'") from e
-    config = BertConfig(vocab_size=VOCAB, hidden_size=384, num_hidden_layers=6, num_attention_heads=12,
-                        intermediate_size=1536, max_position_embeddings=512, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0, attn_implementation="eager")
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=12,
+        intermediate_size=1536,
+        max_position_embeddings=512,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
     return seeded_encoder(config, seed, _pretrained_statistics, batches("calib"), add_pooling_layer=False)
 
 
@@ -135,7 +168,8 @@ def _pretrained_statistics(bert: nn.Module, gen: torch.Generator) -> None:
     for layer in bert.encoder.layer:
         att = layer.attention.self
         # queries and keys share a per-head component, scaled so that the logits q.k / sqrt(d) spread over
-        # several units: peaked, position- and content-dependent attention instead of random init's uniform one
+        # several units: peaked, position- and content-dependent attention instead of random init's uniform
+        # one
         shared = torch.randn(hidden, hidden, generator=gen) * 0.06
         att.query.weight.copy_(shared + 0.03 * torch.randn(hidden, hidden, generator=gen))
         att.key.weight.copy_(shared + 0.03 * torch.randn(hidden, hidden, generator=gen))
@@ -166,10 +200,9 @@ def attention_entropy(model: MeanPooledEncoder, batch: dict[str, torch.Tensor]) 
 
 
 def outlier_ratio(model: MeanPooledEncoder, batch: dict[str, torch.Tensor]) -> float:
-    """Largest |activation| of the first encoder layer's input (a LayerNorm output) over its median channel max."""
+    """Largest |activation| of the first encoder layer's input (a LayerNorm output) over its median channel
+    max."""
     with torch.no_grad():
         x = model.bert.embeddings(input_ids=batch["input_ids"])
     m = x.abs().reshape(-1, x.shape[-1]).amax(0)
     return float(m.max() / m.median())
-
-

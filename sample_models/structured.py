@@ -34,11 +34,12 @@ OUTLIER_FFN_CHANNELS = (5, 300, 777, 1200)
 
 
 class MeanPooledEncoder(nn.Module):
-    """``BertModel`` -> mean over the attention mask -> centring -> L2 normalisation: a sentence-embedding model.
+    """``BertModel`` -> mean over the attention mask -> centring -> L2 normalisation: a sentence-embedding
+    model.
 
-    Inputs ``input_ids`` and ``attention_mask``, int64 ``(B, T)``; output float32 ``(B, hidden)``. ``center`` is
-    the mean pooled embedding of a reference set (as embedding pipelines centre or whiten): without it, every
-    byte-level line shares one dominant direction and any two embeddings have cosine ~0.98.
+    Inputs ``input_ids`` and ``attention_mask``, int64 ``(B, T)``; output float32 ``(B, hidden)``. ``center``
+    is the mean pooled embedding of a reference set (as embedding pipelines centre or whiten): without it,
+    every byte-level line shares one dominant direction and any two embeddings have cosine ~0.98.
     """
 
     def __init__(self, bert: nn.Module):
@@ -55,8 +56,9 @@ class MeanPooledEncoder(nn.Module):
         return torch.nn.functional.normalize(self.pooled(input_ids, attention_mask) - self.center, dim=-1)
 
 
-def deep_encoder(seed: int = 0, layers: int = 6, hidden: int = 384, heads: int = 12,
-                 intermediate: int = 1536) -> MeanPooledEncoder:
+def deep_encoder(
+    seed: int = 0, layers: int = 6, hidden: int = 384, heads: int = 12, intermediate: int = 1536
+) -> MeanPooledEncoder:
     """A 6-layer BERT sentence encoder with pretrained-like outlier channels and an unused pooler."""
     try:
         from transformers import BertConfig
@@ -64,16 +66,26 @@ def deep_encoder(seed: int = 0, layers: int = 6, hidden: int = 384, heads: int =
         raise ImportError("deep_encoder needs transformers: pip install 'quantcli[hf]'") from e
     from sample_models.text_encoder import MAX_LEN, VOCAB
 
-    config = BertConfig(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=heads, intermediate_size=intermediate,
-                        max_position_embeddings=MAX_LEN, initializer_range=0.04,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                        attn_implementation="eager")
-    return seeded_encoder(config, seed, _plant_outliers, deep_encoder_batches("calib", 64), add_pooling_layer=True)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=intermediate,
+        max_position_embeddings=MAX_LEN,
+        initializer_range=0.04,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+    return seeded_encoder(
+        config, seed, _plant_outliers, deep_encoder_batches("calib", 64), add_pooling_layer=True
+    )
 
 
-def seeded_encoder(config, seed: int, statistics, calib: list[dict[str, torch.Tensor]],
-                   add_pooling_layer: bool) -> MeanPooledEncoder:
+def seeded_encoder(
+    config, seed: int, statistics, calib: list[dict[str, torch.Tensor]], add_pooling_layer: bool
+) -> MeanPooledEncoder:
     """A ``BertModel(config)`` initialised from ``seed`` (the global RNG left as it was), given its weight
     statistics by ``statistics(bert, generator)``, mean-pooled and centred on the ``calib`` batches."""
     from transformers import BertModel
@@ -118,18 +130,22 @@ def _plant_outliers(bert: nn.Module, gen: torch.Generator) -> None:
         down.weight[:, ch] *= 0.1
 
 
-def deep_encoder_batches(split: str = "calib", num_samples: int | None = None) -> list[dict[str, torch.Tensor]]:
+def deep_encoder_batches(
+    split: str = "calib", num_samples: int | None = None
+) -> list[dict[str, torch.Tensor]]:
     """Byte-level token batches of CPython standard-library lines (``text_encoder``'s bundled data).
 
     ``split``: ``"calib"`` (256 lines, 8 batches) or ``"eval"`` (600 held-out lines, 12 batches); sequence
     lengths differ per batch. ``num_samples`` keeps the first batches up to that many lines.
     """
     from sample_models import text_encoder
+
     batches = text_encoder.calibration_batches() if split == "calib" else text_encoder.evaluation_batches()
     return _first_samples(batches, num_samples)
 
 
 # -- resnet_cnn ------------------------------------------------------------------------------------------
+
 
 class BasicBlock(nn.Module):
     """conv-bn-relu-conv-bn + shortcut, then relu (torchvision's BasicBlock layout)."""
@@ -143,7 +159,9 @@ class BasicBlock(nn.Module):
         self.bn2 = nn.BatchNorm2d(cout)
         self.downsample = None
         if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout))
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride=stride, bias=False), nn.BatchNorm2d(cout)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         identity = x if self.downsample is None else self.downsample(x)
@@ -176,13 +194,16 @@ def resnet_cnn(seed: int = 0, width: int = 32) -> ResNetCNN:
     return _seeded(lambda: ResNetCNN(width), seed)
 
 
-def resnet_batches(num_samples: int = 512, batch_size: int = 64, split: str = "calib") -> list[dict[str, torch.Tensor]]:
+def resnet_batches(
+    num_samples: int = 512, batch_size: int = 64, split: str = "calib"
+) -> list[dict[str, torch.Tensor]]:
     """scikit-learn's bundled digits (shipped in ``sample_models/data``) upsampled to 3x32x32 and normalised.
 
     ``split``: ``"calib"`` (the 512 calibration images, repeated with flips if more are asked for) or
     ``"eval"`` (held-out images).
     """
     from sample_models import digits_cnn
+
     with np.load(digits_cnn.SPLITS) as z:
         pixels = z[f"{split}_x"].astype(np.float32) / 16.0
     x = torch.from_numpy(pixels).reshape(-1, 1, 8, 8)
@@ -195,6 +216,7 @@ def resnet_batches(num_samples: int = 512, batch_size: int = 64, split: str = "c
 
 
 # -- conv1d_bn -------------------------------------------------------------------------------------------
+
 
 class Conv1dBN(nn.Module):
     """Input ``x`` float32 ``(N, 8, 512)``; six Conv1d+BN+ReLU+MaxPool(2) stages; output ``(N, classes)``."""
@@ -218,22 +240,27 @@ def conv1d_bn(seed: int = 0) -> Conv1dBN:
     return _seeded(Conv1dBN, seed)
 
 
-def conv1d_batches(num_samples: int = 512, batch_size: int = 64, seed: int = 0,
-                   length: int = 512) -> list[dict[str, torch.Tensor]]:
+def conv1d_batches(
+    num_samples: int = 512, batch_size: int = 64, seed: int = 0, length: int = 512
+) -> list[dict[str, torch.Tensor]]:
     """Deterministic synthetic sensor signals: per channel a few sinusoids plus noise, ``(B, 8, length)``."""
     g = torch.Generator().manual_seed(seed)
     t = torch.arange(length, dtype=torch.float32) / length
     freq = 1 + 40 * torch.rand(num_samples, 8, 3, 1, generator=g)
     phase = 6.2832 * torch.rand(num_samples, 8, 3, 1, generator=g)
     amp = torch.rand(num_samples, 8, 3, 1, generator=g)
-    x = (amp * torch.sin(6.2832 * freq * t + phase)).sum(2) + 0.1 * torch.randn(num_samples, 8, length, generator=g)
+    x = (amp * torch.sin(6.2832 * freq * t + phase)).sum(2) + 0.1 * torch.randn(
+        num_samples, 8, length, generator=g
+    )
     return [{"x": b} for b in x.split(batch_size)]
 
 
 # -- shared ----------------------------------------------------------------------------------------------
 
+
 def _seeded(make, seed: int) -> nn.Module:
-    """Build under a fixed seed (the caller's RNG state comes back), then give every BatchNorm real statistics."""
+    """Build under a fixed seed (the caller's RNG state comes back), then give every BatchNorm real
+    statistics."""
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -252,7 +279,9 @@ def _seeded(make, seed: int) -> nn.Module:
     return model.eval()
 
 
-def _first_samples(batches: list[dict[str, torch.Tensor]], num_samples: int | None) -> list[dict[str, torch.Tensor]]:
+def _first_samples(
+    batches: list[dict[str, torch.Tensor]], num_samples: int | None
+) -> list[dict[str, torch.Tensor]]:
     if num_samples is None:
         return batches
     out, n = [], 0

@@ -108,7 +108,12 @@ def _batches(prefix: str) -> list[dict[str, torch.Tensor]]:
     with np.load(SPLITS) as z:
         i = 0
         while f"{prefix}_{i}_input_ids" in z:
-            out.append({k: torch.from_numpy(z[f"{prefix}_{i}_{k}"].astype(np.int64)) for k in ("input_ids", "attention_mask")})
+            out.append(
+                {
+                    k: torch.from_numpy(z[f"{prefix}_{i}_{k}"].astype(np.int64))
+                    for k in ("input_ids", "attention_mask")
+                }
+            )
             i += 1
     return out
 

@@ -1,10 +1,10 @@
 """``tiny_lm``: a small GPT-style causal language model over bytes, trained on CPython's own standard library.
 
-One named input, ``input_ids`` (int64 ``[batch, seq]``, byte values 0..255, ``seq <= MAX_LEN``); one output, the
-next-byte logits ``[batch, seq, 256]`` for every position (a prefill graph; there is no KV cache). Token and
-position embeddings, two pre-norm decoder blocks (causal self-attention with separate q/k/v ``nn.Linear``
-projections, GELU feed-forward), a final LayerNorm and an ``lm_head``; about 0.43 M parameters, stored as float16
-(under 1 MB) and run in float32.
+One named input, ``input_ids`` (int64 ``[batch, seq]``, byte values 0..255, ``seq <= MAX_LEN``); one output,
+the next-byte logits ``[batch, seq, 256]`` for every position (a prefill graph; there is no KV cache). Token
+and position embeddings, two pre-norm decoder blocks (causal self-attention with separate q/k/v ``nn.Linear``
+projections, GELU feed-forward), a final LayerNorm and an ``lm_head``; about 0.43 M parameters, stored as
+float16 (under 1 MB) and run in float32.
 
 Every Linear reads 128 input features (one int4 block of 128) or a multiple of it -- except the second block's
 feed-forward output projection, which reads 330: its last block of 128 is partial (74), for the padding path.
@@ -105,7 +105,7 @@ def _batches(key: str, limit: int | None = None) -> list[dict[str, torch.Tensor]
     with np.load(SPLITS) as z:
         ids = torch.from_numpy(z[key].astype(np.int64))
     ids = ids[:limit] if limit is not None else ids
-    return [{"input_ids": ids[i:i + BATCH]} for i in range(0, len(ids), BATCH)]
+    return [{"input_ids": ids[i : i + BATCH]} for i in range(0, len(ids), BATCH)]
 
 
 def calibration_batches() -> list[dict[str, torch.Tensor]]:
@@ -124,8 +124,8 @@ def evaluation_labels() -> torch.Tensor:
 
 
 def nll_sum(logits: np.ndarray, input_ids: np.ndarray) -> tuple[float, int]:
-    """(sum of the next-byte negative log-likelihoods in nats, number of predictions) of one batch: position t's
-    logits ``[batch, seq, 256]`` predict byte t + 1 of ``input_ids``. float64, numerically stable."""
+    """(sum of the next-byte negative log-likelihoods in nats, number of predictions) of one batch: position
+    t's logits ``[batch, seq, 256]`` predict byte t + 1 of ``input_ids``. float64, numerically stable."""
     z = np.asarray(logits, np.float64)[:, :-1]
     target = np.asarray(input_ids)[:, 1:]
     top = z.max(-1, keepdims=True)
@@ -135,8 +135,8 @@ def nll_sum(logits: np.ndarray, input_ids: np.ndarray) -> tuple[float, int]:
 
 
 def perplexity(logits_of, batches: list[dict[str, torch.Tensor]]) -> float:
-    """exp(mean next-byte NLL) over ``batches``; ``logits_of(input_ids: np.ndarray) -> np.ndarray`` runs a model
-    (PyTorch or an onnxruntime session)."""
+    """exp(mean next-byte NLL) over ``batches``; ``logits_of(input_ids: np.ndarray) -> np.ndarray`` runs a
+    model (PyTorch or an onnxruntime session)."""
     total, count = 0.0, 0
     for b in batches:
         ids = b["input_ids"].numpy()

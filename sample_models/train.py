@@ -1,9 +1,9 @@
 """Re-train a sample model and rewrite its bundled weights and data: ``python -m sample_models.train NAME``.
 
 Deterministic (fixed seeds, one thread); under a minute on a 2-core CPU, ``tiny_lm`` about 4 minutes (2500
-steps). ``digits_cnn`` needs scikit-learn (``pip install -e .[train]``) for its bundled digits; ``text_encoder``
-and ``tiny_lm`` read CPython's own standard library sources (``tiny_lm``: whole ``.py`` files as bytes, every
-tenth file held out).
+steps). ``digits_cnn`` needs scikit-learn (``pip install -e .[train]``) for its bundled digits;
+``text_encoder`` and ``tiny_lm`` read CPython's own standard library sources (``tiny_lm``: whole ``.py`` files
+as bytes, every tenth file held out).
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ from torch import nn
 @contextlib.contextmanager
 def _deterministic(seed: int = 0):
     """Seeded, one thread, deterministic kernels; the caller's settings come back afterwards."""
-    state = (torch.are_deterministic_algorithms_enabled(), torch.get_num_threads(), torch.random.get_rng_state())
+    state = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+        torch.random.get_rng_state(),
+    )
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -61,14 +65,20 @@ def _train_digits(out_dir: Path | None) -> float:
     from sklearn.datasets import load_digits
 
     from sample_models import digits_cnn
+
     weights, splits = _targets(out_dir, digits_cnn.WEIGHTS, digits_cnn.SPLITS)
     digits = load_digits()
     pixels = digits.data.astype(np.uint8)
     labels = digits.target.astype(np.uint8)
     order = np.random.default_rng(0).permutation(len(labels))
     train, test = order[:1200], order[1200:]
-    np.savez_compressed(splits, calib_x=pixels[train[:512]], calib_y=labels[train[:512]],
-                        eval_x=pixels[test], eval_y=labels[test])
+    np.savez_compressed(
+        splits,
+        calib_x=pixels[train[:512]],
+        calib_y=labels[train[:512]],
+        eval_x=pixels[test],
+        eval_y=labels[test],
+    )
     x = torch.from_numpy(pixels[train].astype(np.float32) / 16).reshape(-1, 1, 8, 8)
     y = torch.from_numpy(labels[train].astype(np.int64))
     model = digits_cnn.DigitsCNN()
@@ -101,9 +111,16 @@ def _stdlib_lines(limit_files: int = 400) -> tuple[list[str], list[str]]:
             continue
         doc_lines = set()
         for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            if (
+                isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body
+            ):
                 first = node.body[0]
-                if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant) and isinstance(first.value.value, str):
+                if (
+                    isinstance(first, ast.Expr)
+                    and isinstance(getattr(first, "value", None), ast.Constant)
+                    and isinstance(first.value.value, str)
+                ):
                     doc_lines.update(range(first.lineno, first.end_lineno + 1))
                     for line in first.value.value.splitlines():
                         s = line.strip()
@@ -129,6 +146,7 @@ def train_text(out_dir: Path | None = None) -> float:
 
 def _train_text(out_dir: Path | None) -> float:
     from sample_models import text_encoder
+
     weights, splits = _targets(out_dir, text_encoder.WEIGHTS, text_encoder.SPLITS)
     prose, code = _stdlib_lines()
     rng = random.Random(0)
@@ -176,8 +194,8 @@ def _train_text(out_dir: Path | None) -> float:
 
 
 def _stdlib_text(max_bytes: int = 1_200_000) -> tuple[bytes, bytes]:
-    """(training text, held-out text): CPython's standard library ``.py`` files in name order, every tenth file
-    held out, each side cut at ``max_bytes`` (whole files)."""
+    """(training text, held-out text): CPython's standard library ``.py`` files in name order, every tenth
+    file held out, each side cut at ``max_bytes`` (whole files)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     train, held = bytearray(), bytearray()
     for i, f in enumerate(sorted(root.glob("*.py"))):
@@ -188,7 +206,7 @@ def _stdlib_text(max_bytes: int = 1_200_000) -> tuple[bytes, bytes]:
 
 
 def _windows(text: np.ndarray, starts: np.ndarray, length: int) -> np.ndarray:
-    return np.stack([text[s:s + length] for s in starts])
+    return np.stack([text[s : s + length] for s in starts])
 
 
 def train_tiny_lm(out_dir: Path | None = None, steps: int = 2500) -> float:
@@ -197,10 +215,12 @@ def train_tiny_lm(out_dir: Path | None = None, steps: int = 2500) -> float:
 
 
 def _train_tiny_lm(out_dir: Path | None, steps: int) -> float:
-    """AdamW with a cosine schedule on random 64-byte windows of the training text; returns held-out perplexity."""
+    """AdamW with a cosine schedule on random 64-byte windows of the training text; returns held-out
+    perplexity."""
     from safetensors.torch import save_file
 
     from sample_models import tiny_lm
+
     weights, splits = _targets(out_dir, tiny_lm.WEIGHTS, tiny_lm.SPLITS)
     train, held = (np.frombuffer(t, dtype=np.uint8) for t in _stdlib_text())
     rng = np.random.default_rng(0)
@@ -221,12 +241,14 @@ def _train_tiny_lm(out_dir: Path | None, steps: int) -> float:
         opt.step()
         sched.step()
     model.eval()
-    save_file({k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}, str(weights))
+    save_file(
+        {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}, str(weights)
+    )
     model = tiny_lm.build(pretrained=False)
     from safetensors.torch import load_file
 
     model.load_state_dict({k: v.to(torch.float32) for k, v in load_file(str(weights)).items()})
-    batches = [{"input_ids": torch.from_numpy(evals[i:i + 32].astype(np.int64))} for i in range(0, 256, 32)]
+    batches = [{"input_ids": torch.from_numpy(evals[i : i + 32].astype(np.int64))} for i in range(0, 256, 32)]
     with torch.no_grad():
         return tiny_lm.perplexity(lambda ids: model(torch.from_numpy(ids)).numpy(), batches)
 

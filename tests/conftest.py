@@ -1,9 +1,9 @@
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# `calibrate --placement auto` (the default) times layers in onnxruntime; what a test asserts must not depend on the
-# wall clock. CLIs started in a subprocess inherit this and quantize every layer as configured; in-process runs
-# (tests.helpers.cli) unset it and keep the default, auto, with the stub timer below.
+# `calibrate --placement auto` (the default) times layers in onnxruntime; what a test asserts must not depend
+# on the wall clock. CLIs started in a subprocess inherit this and quantize every layer as configured;
+# in-process runs (tests.helpers.cli) unset it and keep the default, auto, with the stub timer below.
 os.environ["QUANTCLI_PLACEMENT"] = "all"
 
 import numpy as np  # noqa: E402
@@ -23,13 +23,14 @@ def pytest_collection_modifyitems(config, items):
 
 
 def equal_times(paths, feeds, rounds):
-    """A stand-in for onnxruntime's profiler: every node takes no time, so integer kernels are never slower than
-    float and `--placement auto` keeps float only the layers onnxruntime does not fuse."""
+    """A stand-in for onnxruntime's profiler: every node takes no time, so integer kernels are never slower
+    than float and `--placement auto` keeps float only the layers onnxruntime does not fuse."""
     return [_NoTime() for _ in paths]
 
 
 def equal_graph_times(paths, feeds, rounds):
-    """A stand-in for whole-graph timing: every graph takes the same time (a tie keeps the per-layer choice)."""
+    """A stand-in for whole-graph timing: every graph takes the same time (a tie keeps the per-layer
+    choice)."""
     return [1.0 for _ in paths]
 
 
@@ -48,8 +49,9 @@ class _NoTime(dict):
 
 @pytest.fixture(autouse=True, scope="session")
 def _stub_placement_timer():
-    """Session-wide, so that module- and session-scoped fixtures that calibrate (set up before any function-scoped
-    fixture) see it too; a test that installs its own timer with ``monkeypatch`` gets this one back afterwards."""
+    """Session-wide, so that module- and session-scoped fixtures that calibrate (set up before any
+    function-scoped fixture) see it too; a test that installs its own timer with ``monkeypatch`` gets this one
+    back afterwards."""
     from quantcli.calibration import latency_placement
 
     with pytest.MonkeyPatch.context() as mp:

@@ -15,15 +15,23 @@ def cli(*args):
     """Invoke the quantcli app in-process; returns click's Result (exit_code, output, stdout, stderr).
 
     ``--placement`` keeps its default (auto): tests/conftest.py times layers with a stub in this process."""
-    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False, env={"QUANTCLI_PLACEMENT": None})
+    return runner.invoke(
+        app, [str(a) for a in args], catch_exceptions=False, env={"QUANTCLI_PLACEMENT": None}
+    )
 
 
 def cli_subprocess(*args, cwd=None, env=None):
     """Run ``python -m quantcli`` as a user would (no TTY)."""
     e = dict(os.environ)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "quantcli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=e, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "quantcli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=e,
+        timeout=300,
+    )
 
 
 def assert_clean_error(result, *fragments):

@@ -1,4 +1,5 @@
-"""Edits of exported ONNX graphs for the verify tests: each changes one thing and leaves the rest as exported."""
+"""Edits of exported ONNX graphs for the verify tests: each changes one thing and leaves the rest as
+exported."""
 
 import numpy as np
 import onnx
@@ -11,10 +12,13 @@ def _pair(m, quantizer):
 
 
 def _own_initializer(m, node_names, index, values):
-    """Give the named nodes a private copy of input ``index`` with ``values`` (shared constants stay untouched)."""
+    """Give the named nodes a private copy of input ``index`` with ``values`` (shared constants stay
+    untouched)."""
     name = f"mutated_{len(m.graph.initializer)}"
     ref = next(n for n in m.graph.node if n.name in node_names)
-    dtype = onnx.numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == ref.input[index])).dtype
+    dtype = onnx.numpy_helper.to_array(
+        next(t for t in m.graph.initializer if t.name == ref.input[index])
+    ).dtype
     m.graph.initializer.append(onnx.numpy_helper.from_array(np.asarray(values).astype(dtype), name))
     for n in m.graph.node:
         if n.name in node_names:
@@ -36,7 +40,9 @@ def zero_point_plus_one(m, quantizer):
     p = _pair(m, quantizer)
     dq = next(n for n in m.graph.node if n.name == p.dq_node)
     zp = initializer_values(m, dq.input[2])
-    _own_initializer(m, {p.dq_node, p.q_node}, 2, np.where(zp < np.iinfo(zp.dtype).max, zp.astype(np.int64) + 1, zp - 1))
+    _own_initializer(
+        m, {p.dq_node, p.q_node}, 2, np.where(zp < np.iinfo(zp.dtype).max, zp.astype(np.int64) + 1, zp - 1)
+    )
 
 
 def variant(m, edit, *args):
@@ -59,8 +65,6 @@ def add_to_initializer(m, name, index, delta):
     v.flat[index] += delta
     t = next(t for t in m.graph.initializer if t.name == name)
     t.CopyFrom(onnx.numpy_helper.from_array(v, name))
-
-
 
 
 def add_to_input_of(m, node_prefix, name, index, delta):

@@ -19,8 +19,8 @@ def run_model(model, feeds: dict) -> list:
 
 
 def onnx_and_torch(model, module: torch.nn.Module, batch: dict) -> tuple[np.ndarray, np.ndarray]:
-    """The first output of the ONNX ``model`` (ModelProto or path) in onnxruntime and of the PyTorch ``module`` on
-    one ``batch`` of tensors: the two sides of a parity check."""
+    """The first output of the ONNX ``model`` (ModelProto or path) in onnxruntime and of the PyTorch
+    ``module`` on one ``batch`` of tensors: the two sides of a parity check."""
     got = run_model(model, {k: v.numpy() for k, v in batch.items()})[0]
     with torch.inference_mode():
         want = module(**batch).numpy()
@@ -45,7 +45,10 @@ def ort_quantize_linear(x, scale, zp, elem_type, axis=None, block_size=None, ops
         helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], **attrs),
         helper.make_node("Cast", ["q"], ["y"], to=TensorProto.FLOAT),
     ]
-    inits = [numpy_helper.from_array(np.asarray(scale, np.float32), "s"), _zp_tensor(np.asarray(zp), elem_type)]
+    inits = [
+        numpy_helper.from_array(np.asarray(scale, np.float32), "s"),
+        _zp_tensor(np.asarray(zp), elem_type),
+    ]
     graph = helper.make_graph(nodes, "q", [xi], [yo], inits)
     ir = 10 if opset >= 21 else 9 if opset >= 19 else 8
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=ir)

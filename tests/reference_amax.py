@@ -12,10 +12,10 @@ import numpy as np
 
 
 def _entropy_search(hist, edges, num_bits, unsigned, stride, start_bin, divergence):
-    """The candidate loop both entropy references share (TensorRT's description): for each candidate ``i`` (the
-    first ``i`` bins kept, the outliers folded into the last), the reference distribution ``p``, and
-    ``divergence(bins, i, nq, p)``, the KL divergence of the ``nq``-level quantized ``q`` from it. Ties: the last
-    (largest) candidate."""
+    """The candidate loop both entropy references share (TensorRT's description): for each candidate ``i``
+    (the first ``i`` bins kept, the outliers folded into the last), the reference distribution ``p``, and
+    ``divergence(bins, i, nq, p)``, the KL divergence of the ``nq``-level quantized ``q`` from it. Ties: the
+    last (largest) candidate."""
     bins = np.array(hist, dtype=np.float64)
     bins[0] = bins[1]
     total = bins.sum()
@@ -87,5 +87,3 @@ def ref_mse(hist, edges, num_bits=8, unsigned=False, stride=1, start_bin=128):
         if err < best_err:
             best, best_err = edges[i], err
     return best
-
-

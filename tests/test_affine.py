@@ -1,5 +1,5 @@
-"""Affine quantization: torchao (``quantize_affine``, ``FakeQuantizeConfig``) and AIMET (``quantize``) signatures
-on ONNX arithmetic."""
+"""Affine quantization: torchao (``quantize_affine``, ``FakeQuantizeConfig``) and AIMET (``quantize``)
+signatures on ONNX arithmetic."""
 
 import pytest
 import torch
@@ -19,8 +19,40 @@ from quantcli.quant.affine import (
     quantize_dequantize,
 )
 
-SEED_OUT = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, -0.0, 1.0, 2.0, 2.0, 3.0, 4.0, 4.0, 5.0, 6.0, 7.0, 7.0, 8.0, 9.0,
-            10.0, 10.0, 11.0, 12.0, 13.0, 13.0, 14.0, 15.0, 15.0, 15.0, 15.0, 15.0, 15.0]
+SEED_OUT = [
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+    0.0,
+    -0.0,
+    1.0,
+    2.0,
+    2.0,
+    3.0,
+    4.0,
+    4.0,
+    5.0,
+    6.0,
+    7.0,
+    7.0,
+    8.0,
+    9.0,
+    10.0,
+    10.0,
+    11.0,
+    12.0,
+    13.0,
+    13.0,
+    14.0,
+    15.0,
+    15.0,
+    15.0,
+    15.0,
+    15.0,
+    15.0,
+]
 
 
 def seed_input():
@@ -51,7 +83,9 @@ def test_aimet_overload_errors():
 
 
 def test_aimet_signed_num_steps():
-    q = quantize(torch.tensor([-1000.0, 1000.0]), torch.tensor(1.0), torch.tensor(0.0), num_steps=255, signed=True)
+    q = quantize(
+        torch.tensor([-1000.0, 1000.0]), torch.tensor(1.0), torch.tensor(0.0), num_steps=255, signed=True
+    )
     assert q.tolist() == [-128.0, 127.0]
 
 
@@ -90,7 +124,9 @@ def test_torchao_block_size_table():
         # each block quantized on its own equals the whole
         if name == "per_axis1":
             for c in range(3):
-                qc = quantize_affine(x[:, c : c + 1], (3, 1, 10, 10), scale[:, c : c + 1], zp[:, c : c + 1], torch.int8)
+                qc = quantize_affine(
+                    x[:, c : c + 1], (3, 1, 10, 10), scale[:, c : c + 1], zp[:, c : c + 1], torch.int8
+                )
                 assert torch.equal(q[:, c : c + 1], qc)
         dq = dequantize_affine(q, bs, scale, zp, torch.int8)
         assert (dq - x).abs().max() <= scale.max() / 2 + 1e-6
@@ -98,15 +134,16 @@ def test_torchao_block_size_table():
 
 def test_symmetric_scale_is_amax_over_127_where_torchao_divides_by_127_5():
     # A documented difference from torchao (README, Python API): its choose_qparams_affine divides max|x| by
-    # (qmax - qmin) / 2 = 127.5 for int8; quantcli divides by 127, its symmetric scale amax / bound, so that +-amax
-    # land on codes +-127 exactly as in the rest of quantcli and in the exported graph.
+    # (qmax - qmin) / 2 = 127.5 for int8; quantcli divides by 127, its symmetric scale amax / bound, so that
+    # +-amax land on codes +-127 exactly as in the rest of quantcli and in the exported graph.
     x = torch.tensor([[-2.54, 1.0]])
     scale, zp = choose_qparams_affine(x, MappingType.SYMMETRIC, (1, 2), torch.int8)
     assert scale.item() == (torch.tensor(2.54) / 127).item()
     assert scale.item() != pytest.approx(2.54 / 127.5, rel=1e-4)
     assert zp.item() == 0
     q = quantize_affine(x, (1, 2), scale, zp, torch.int8)
-    assert q.tolist() == [[-127, 50]]  # -amax on -127; torchao's scale would put it at about -127.5, the grid's edge
+    # -amax on -127; torchao's scale would put it at about -127.5, the grid's edge
+    assert q.tolist() == [[-127, 50]]
 
 
 def test_torchao_asymmetric_uint8_zero_exact():
@@ -120,8 +157,14 @@ def test_torchao_asymmetric_uint8_zero_exact():
 
 def test_torchao_float_zero_point_domain():
     x = torch.tensor([[1.0, 1.5, 2.0, 3.0]])
-    scale, zp = choose_qparams_affine(x, MappingType.ASYMMETRIC, (1, 4), torch.uint4, preserve_zero=False,
-                                      zero_point_domain=ZeroPointDomain.FLOAT)
+    scale, zp = choose_qparams_affine(
+        x,
+        MappingType.ASYMMETRIC,
+        (1, 4),
+        torch.uint4,
+        preserve_zero=False,
+        zero_point_domain=ZeroPointDomain.FLOAT,
+    )
     q = quantize_affine(x, (1, 4), scale, zp, torch.uint4, zero_point_domain=ZeroPointDomain.FLOAT)
     assert q.min() == 0 and q.max() == 15
     dq = dequantize_affine(q, (1, 4), scale, zp, torch.uint4, zero_point_domain=ZeroPointDomain.FLOAT)
@@ -148,7 +191,10 @@ def test_fake_quantize_config_seed_examples():
     c = FakeQuantizeConfig(torch.int8, "per_token", is_symmetric=False)
     assert c.mapping_type is MappingType.ASYMMETRIC
     assert FakeQuantizeConfig(torch.int4, "per_channel").granularity == PerAxis(0)
-    assert FakeQuantizeConfig(torch.int4, PerAxis(0), MappingType.SYMMETRIC).mapping_type is MappingType.SYMMETRIC
+    assert (
+        FakeQuantizeConfig(torch.int4, PerAxis(0), MappingType.SYMMETRIC).mapping_type
+        is MappingType.SYMMETRIC
+    )
     for c in (
         FakeQuantizeConfig(torch.int4, group_size=32),
         FakeQuantizeConfig(torch.int4, group_size=32, is_symmetric=True),
@@ -166,7 +212,10 @@ def test_fake_quantize_config_seed_examples():
     [
         ({"granularity": "per_group"}, "group_size"),
         ({"granularity": "per_block"}, "per_block"),
-        ({"granularity": "per_channel", "mapping_type": MappingType.SYMMETRIC, "is_symmetric": False}, "contradicts"),
+        (
+            {"granularity": "per_channel", "mapping_type": MappingType.SYMMETRIC, "is_symmetric": False},
+            "contradicts",
+        ),
         ({"granularity": "per_channel", "range_learning": True}, "is_dynamic=False"),
         ({}, "granularity or group_size"),
         ({"granularity": "per_channel", "group_size": 8}, "group_size"),

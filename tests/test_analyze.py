@@ -35,7 +35,9 @@ def test_planted_bad_quantizer_ranks_first(planted):
     # clearly separated from the rest, not first by a rounding accident
     assert rows[0]["only_enabled"]["snr_db"] < rows[1]["only_enabled"]["snr_db"] - 10
     # every enabled quantizer is ranked, once, each with its only-off counterpart
-    assert sorted(r["quantizer"] for r in rows) == sorted(n for n, q in ck["quantizers"].items() if q["enabled"])
+    assert sorted(r["quantizer"] for r in rows) == sorted(
+        n for n, q in ck["quantizers"].items() if q["enabled"]
+    )
     assert all(r["only_disabled"] is not None for r in rows)
     # switching the planted one off recovers more than switching off any other
     best_off = max(rows, key=lambda r: r["only_disabled"]["snr_db"])
@@ -44,13 +46,17 @@ def test_planted_bad_quantizer_ranks_first(planted):
 
 
 def test_statistics_match_an_independent_pass(planted):
-    """max |x|, the signed range and the outlier ratio of one activation, from a forward hook on the float model."""
+    """max |x|, the signed range and the outlier ratio of one activation, from a forward hook on the float
+    model."""
     from sample_models import text_encoder
+
     rep, _, _ = planted
     row = next(r for r in rep["quantizers"] if r["quantizer"] == PLANTED)
     model = text_encoder.build()
     seen = []
-    model.layers[1].intermediate.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1)))
+    model.layers[1].intermediate.register_forward_pre_hook(
+        lambda m, a: seen.append(a[0].detach().reshape(-1))
+    )
     with torch.inference_mode():
         for b in text_encoder.evaluation_batches():
             model(**b)
@@ -71,8 +77,11 @@ def test_statistics_match_an_independent_pass(planted):
 def test_html_report_has_the_plots(planted):
     rep, out, _ = planted
     page = (out / "report.html").read_text()
-    assert page.startswith("<!DOCTYPE html>") and "<script" not in page and "http://" not in page.replace(
-        'xmlns="http://www.w3.org/2000/svg"', "")
+    assert (
+        page.startswith("<!DOCTYPE html>")
+        and "<script" not in page
+        and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    )
     svgs = [ET.fromstring("<svg" + c[: c.index("</svg>") + 6]) for c in page.split("<svg")[1:]]
     ns = "{http://www.w3.org/2000/svg}"
     ranking, hists = svgs[0], svgs[1:]
@@ -95,6 +104,8 @@ def test_errors_are_one_line_exit_2(tmp_path, calibrated):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", afile), "is a file")
-    assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", tmp_path / "no" / "dir"), "does not exist")
+    assert_clean_error(
+        cli("analyze", calibrated("digits_cnn"), "--out", tmp_path / "no" / "dir"), "does not exist"
+    )
     assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--num-samples", "0"), "--num-samples")
     assert not (tmp_path / "no").exists()

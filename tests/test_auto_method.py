@@ -1,10 +1,10 @@
 """``--method auto``: per activation quantizer, the candidate amax with the smallest layer-output MSE.
 
-The criterion is recomputed here independently: every layer's calibration inputs captured with a forward
-hook on the float model, quantized with a hand-written int8 fake quantization (round half to even, scale
-``amax / 127``), through ``F.linear`` with the per-channel int8 weight and the int32 bias the onnxruntime target
-simulates (units of x_scale * w_scale), against the float ``F.linear``. With 64
-samples every input row fits in the bounded sample, so this is the very criterion auto minimises.
+The criterion is recomputed here independently: every layer's calibration inputs captured with a forward hook
+on the float model, quantized with a hand-written int8 fake quantization (round half to even, scale ``amax /
+127``), through ``F.linear`` with the per-channel int8 weight and the int32 bias the onnxruntime target
+simulates (units of x_scale * w_scale), against the float ``F.linear``. With 64 samples every input row fits
+in the bounded sample, so this is the very criterion auto minimises.
 """
 
 import json
@@ -23,7 +23,8 @@ def _fq(x, amax, bound=127):
 
 
 def _int32_bias(bias, x_amax, w_amax):
-    """The onnxruntime target's bias: int32 codes in units of x_scale * w_scale (what QGemm adds), dequantized."""
+    """The onnxruntime target's bias: int32 codes in units of x_scale * w_scale (what QGemm adds),
+    dequantized."""
     unit = (torch.tensor(x_amax, dtype=torch.float32) / 127) * (w_amax.reshape(-1).to(torch.float32) / 127)
     return torch.round(bias / unit) * unit
 
@@ -35,6 +36,7 @@ def auto_run():
     from quantcli.nn import quantize_model
     from quantcli.nn.tensor_quantizer import quantizers
     from sample_models import text_encoder
+
     batches = cap_samples(text_encoder.calibration_batches(), 64)
     model = quantize_model(text_encoder.build())
     summary = calibrate(model, batches, "auto", device="cpu")
@@ -63,12 +65,15 @@ def test_every_layer_input_gets_a_choice_with_its_errors(auto_run):
 
 def test_choice_minimises_the_independent_layer_output_error(auto_run):
     from sample_models import text_encoder
+
     model, summary, batches, _ = auto_run
     flt = text_encoder.build()
     layers = {n: m for n, m in flt.named_modules() if isinstance(m, torch.nn.Linear)}
     seen = {n: [] for n in layers}
-    hooks = [m.register_forward_pre_hook(lambda mod, a, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
-             for n, m in layers.items()]
+    hooks = [
+        m.register_forward_pre_hook(lambda mod, a, n=n: seen[n].append(a[0].reshape(-1, a[0].shape[-1])))
+        for n, m in layers.items()
+    ]
     with torch.inference_mode():
         for b in batches:
             flt(**b)
@@ -83,9 +88,14 @@ def test_choice_minimises_the_independent_layer_output_error(auto_run):
         w_amax = w.abs().amax(dim=1, keepdim=True)
         wq = _fq(w, w_amax)
         y = F.linear(x, w, bias).double()
-        err = {m: float(((F.linear(_fq(x, torch.tensor(v)), wq, _int32_bias(bias, v, w_amax)).double() - y) ** 2)
-                        .mean())
-               for m, v in a["candidates"].items()}
+        err = {
+            m: float(
+                (
+                    (F.linear(_fq(x, torch.tensor(v)), wq, _int32_bias(bias, v, w_amax)).double() - y) ** 2
+                ).mean()
+            )
+            for m, v in a["candidates"].items()
+        }
         for m in CANDIDATES:  # the reported errors are these errors (to float rounding of the two passes)
             assert a["errors"][m] == pytest.approx(err[m], rel=1e-4, abs=1e-12), (name, m)
         assert err[a["method"]] <= err["max"] * (1 + 1e-6), name  # never worse than max
@@ -95,10 +105,21 @@ def test_choice_minimises_the_independent_layer_output_error(auto_run):
 
 
 def test_cli_reports_auto_choices(tmp_path):
-    r = cli("calibrate", "text_encoder", "--method", "auto", "--num-samples", "64", "--out", tmp_path / "a.pt",
-            "--json")
+    r = cli(
+        "calibrate",
+        "text_encoder",
+        "--method",
+        "auto",
+        "--num-samples",
+        "64",
+        "--out",
+        tmp_path / "a.pt",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     d = json.loads(r.stdout)
     assert d["method"] == "auto" and len(d["auto"]) == 13
-    r = cli("calibrate", "text_encoder", "--method", "auto", "--num-samples", "64", "--out", tmp_path / "a.pt")
+    r = cli(
+        "calibrate", "text_encoder", "--method", "auto", "--num-samples", "64", "--out", tmp_path / "a.pt"
+    )
     assert "auto choices" in r.output

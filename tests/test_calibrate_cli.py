@@ -13,7 +13,7 @@ import torch
 from quantcli import load_calibrated
 from tests.helpers import assert_clean_error, cli, cli_subprocess
 
-TINY = '''
+TINY = """
 import torch
 from torch import nn
 
@@ -36,7 +36,7 @@ def broken():
 
 def not_a_module():
     return 42
-'''
+"""
 
 
 @pytest.fixture
@@ -65,6 +65,7 @@ def test_reload_is_bit_identical_to_the_calibrated_model(tmp_path):
     from quantcli.inputs.loading import load_model
     from quantcli.nn import quantize_model, quantizers
     from sample_models import text_encoder
+
     model, spec = load_model("text_encoder")
     quantize_model(model, "int8")
     batches = text_encoder.calibration_batches()[:3]
@@ -87,7 +88,10 @@ def test_reload_is_bit_identical_to_the_calibrated_model(tmp_path):
     # the weights are quantized with the stored amax, as by hand
     q = reloaded.layers[0].attention.query
     from quantcli import fake_tensor_quant
-    assert torch.equal(q.weight_quantizer(q.weight), fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False))
+
+    assert torch.equal(
+        q.weight_quantizer(q.weight), fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False)
+    )
 
 
 @pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
@@ -98,7 +102,9 @@ def test_methods_json_summary(method, tmp_path):
     info = json.loads(r.stdout)
     # 4 layers x (input, weight), plus the output quantizers of Convs that no quantized layer reads directly
     extra = len(info["placement"]["output_quantized"])
-    assert info["method"] == method and info["num_samples"] == 128 and info["quantizers_calibrated"] == 8 + extra
+    assert (
+        info["method"] == method and info["num_samples"] == 128 and info["quantizers_calibrated"] == 8 + extra
+    )
     assert out.is_file()
 
 
@@ -107,6 +113,7 @@ def test_text_encoder_varying_lengths_and_integer_inputs(calibrated):
     assert ck.input_names == ["input_ids", "attention_mask"]
     assert ck.data["inputs"]["dtypes"] == ["int64", "int64"]
     from sample_models import text_encoder
+
     lengths = {b["input_ids"].shape[1] for b in text_encoder.calibration_batches()}
     assert len(lengths) > 3
 
@@ -141,7 +148,9 @@ def _write_data(tmp_path, kind):
     return p
 
 
-@pytest.mark.parametrize("kind", ["npz-named", "npz-positional", "npy", "pt-tensor", "pt-dict", "pt-list", "dir"])
+@pytest.mark.parametrize(
+    "kind", ["npz-named", "npz-positional", "npy", "pt-tensor", "pt-dict", "pt-list", "dir"]
+)
 def test_user_model_every_data_format(tiny, tmp_path, kind):
     data = _write_data(tmp_path, kind)
     out = tmp_path / "tiny.calib.pt"
@@ -171,7 +180,9 @@ def test_weights_safetensors_and_pt(tiny, tmp_path):
     data = _write_data(tmp_path, "npz-named")
     for w in ("w.safetensors", "w.pt"):
         out = tmp_path / f"{w}.calib.pt"
-        r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / w, "--data", data, "--out", out, "--json")
+        r = cli(
+            "calibrate", f"{tiny}:make", "--weights", tmp_path / w, "--data", data, "--out", out, "--json"
+        )
         assert r.exit_code == 0, r.output
         ck = load_calibrated(out)
         assert torch.equal(ck.model.fc.weight, m.fc.weight)
@@ -182,7 +193,9 @@ def test_module_spec_form(tmp_path):
     r = cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "missing.npz", "--out", out)
     assert_clean_error(r, "missing.npz", "does not exist")
     np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).random((16, 1, 8, 8), dtype=np.float32))
-    r = cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "x.npz", "--out", out, "--json")
+    r = cli(
+        "calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "x.npz", "--out", out, "--json"
+    )
     assert r.exit_code == 0, r.output
 
 
@@ -203,7 +216,17 @@ def test_bert_encoder_through_factory_file(tmp_path):
     mask[:, 9:] = 0
     np.savez(tmp_path / "tok.npz", input_ids=ids, attention_mask=mask)
     out = tmp_path / "bert.calib.pt"
-    r = cli("calibrate", f"{f}:make", "--data", tmp_path / "tok.npz", "--out", out, "--json", "--method", "percentile")
+    r = cli(
+        "calibrate",
+        f"{f}:make",
+        "--data",
+        tmp_path / "tok.npz",
+        "--out",
+        out,
+        "--json",
+        "--method",
+        "percentile",
+    )
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert any(n.startswith("encoder.layer.1.attention.self.query") for n in info["calibrated"])
@@ -224,7 +247,9 @@ def test_bad_model_specs(tiny, tmp_path):
     assert_clean_error(cli("calibrate", "no_such_model", "--out", out), "no_such_model", "factory")
     assert_clean_error(cli("calibrate", "nowhere/m.py:make", "--out", out), "does not exist")
     assert_clean_error(cli("calibrate", "no.such.pkg:make", "--out", out), "cannot import")
-    assert_clean_error(cli("calibrate", f"{tiny}:broken", "--out", out), "raised RuntimeError", "no GPU budget")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:broken", "--out", out), "raised RuntimeError", "no GPU budget"
+    )
     assert_clean_error(cli("calibrate", f"{tiny}:not_a_module", "--out", out), "int", "not a torch.nn.Module")
     assert_clean_error(cli("calibrate", f"{tiny}:missing", "--out", out), "no callable")
     assert_clean_error(cli("calibrate", f"{tiny}:make", "--out", out), "--data")
@@ -234,15 +259,24 @@ def test_bad_model_specs(tiny, tmp_path):
 def test_bad_weights(tiny, tmp_path):
     data = _write_data(tmp_path, "npz-named")
     out = tmp_path / "o.calib.pt"
-    torch.save({"fc.weight": torch.zeros(3, 7), "fc.bias": torch.zeros(3), "extra": torch.zeros(1)}, tmp_path / "w.pt")
+    torch.save(
+        {"fc.weight": torch.zeros(3, 7), "fc.bias": torch.zeros(3), "extra": torch.zeros(1)},
+        tmp_path / "w.pt",
+    )
     r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "w.pt", "--data", data, "--out", out)
     assert_clean_error(r, "conv.weight", "extra", "fc.weight (3, 7) vs model (3, 6)")
     torch.save(torch.nn.Linear(2, 2), tmp_path / "module.pt")
     r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "module.pt", "--data", data, "--out", out)
     assert_clean_error(r, "--trust-pickle")
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "nope.pt", "--data", data, "--out", out), "does not exist")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "nope.pt", "--data", data, "--out", out),
+        "does not exist",
+    )
     (tmp_path / "w.txt").write_text("hi")
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "w.txt", "--data", data, "--out", out), ".txt")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "w.txt", "--data", data, "--out", out),
+        ".txt",
+    )
     _assert_no_output(tmp_path)
 
 
@@ -253,27 +287,51 @@ def test_trust_pickle_reads_whole_module(tiny, tmp_path, monkeypatch):
     mod = importlib.import_module("tiny")
     torch.save(mod.Tiny(), tmp_path / "whole.pt")
     data = _write_data(tmp_path, "npz-named")
-    r = cli("calibrate", f"{tiny}:make", "--weights", tmp_path / "whole.pt", "--trust-pickle", "--data", data,
-            "--out", tmp_path / "o.calib.pt", "--json")
+    r = cli(
+        "calibrate",
+        f"{tiny}:make",
+        "--weights",
+        tmp_path / "whole.pt",
+        "--trust-pickle",
+        "--data",
+        data,
+        "--out",
+        tmp_path / "o.calib.pt",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
 
 
 def test_bad_data(tiny, tmp_path):
     out = tmp_path / "o.calib.pt"
     np.savez(tmp_path / "wrongname.npz", y=np.zeros((4, 6), np.float32))
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "wrongname.npz", "--out", out), "'y'", "forward(x, bias)")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--data", tmp_path / "wrongname.npz", "--out", out),
+        "'y'",
+        "forward(x, bias)",
+    )
     np.savez(tmp_path / "shape.npz", x=np.zeros((4, 5), np.float32))
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "shape.npz", "--out", out), "x: float32[4, 5]")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--data", tmp_path / "shape.npz", "--out", out), "x: float32[4, 5]"
+    )
     np.savez(tmp_path / "empty.npz", x=np.zeros((0, 6), np.float32))
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "empty.npz", "--out", out), "no samples")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--data", tmp_path / "empty.npz", "--out", out), "no samples"
+    )
     x = np.ones((4, 6), np.float32)
     x[2, 3] = np.nan
     np.savez(tmp_path / "nan.npz", x=x)
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "nan.npz", "--out", out), "fc.input_quantizer", "NaN")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--data", tmp_path / "nan.npz", "--out", out),
+        "fc.input_quantizer",
+        "NaN",
+    )
     (tmp_path / "d.csv").write_text("1,2")
     assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "d.csv", "--out", out), ".csv")
     (tmp_path / "junk.npz").write_bytes(b"not a zip")
-    assert_clean_error(cli("calibrate", f"{tiny}:make", "--data", tmp_path / "junk.npz", "--out", out), "cannot read")
+    assert_clean_error(
+        cli("calibrate", f"{tiny}:make", "--data", tmp_path / "junk.npz", "--out", out), "cannot read"
+    )
     _assert_no_output(tmp_path)
 
 
@@ -283,10 +341,14 @@ def test_bad_options(tmp_path):
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert_clean_error(cli("calibrate", "digits_cnn", "--config", "int3", "--out", out), "int3")
     (tmp_path / "c.yaml").write_text("rules:\n  - {pattern: '*', colour: red}\n")
-    assert_clean_error(cli("calibrate", "digits_cnn", "--config", tmp_path / "c.yaml", "--out", out), "colour")
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--config", tmp_path / "c.yaml", "--out", out), "colour"
+    )
     if not torch.cuda.is_available():
         assert_clean_error(cli("calibrate", "digits_cnn", "--device", "cuda", "--out", out), "no CUDA GPU")
-    assert_clean_error(cli("calibrate", "digits_cnn", "--out", tmp_path / "no" / "dir" / "o.calib.pt"), "does not exist")
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--out", tmp_path / "no" / "dir" / "o.calib.pt"), "does not exist"
+    )
     _assert_no_output(tmp_path)
 
 
@@ -297,7 +359,12 @@ def test_calibrate_on_cuda(tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["device"].startswith("cuda")
     cpu = tmp_path / "p.calib.pt"
-    assert cli("calibrate", "digits_cnn", "--device", "cpu", "--method", "entropy", "--out", cpu, "--json").exit_code == 0
+    assert (
+        cli(
+            "calibrate", "digits_cnn", "--device", "cpu", "--method", "entropy", "--out", cpu, "--json"
+        ).exit_code
+        == 0
+    )
     a, b = load_calibrated(out), load_calibrated(cpu)
     for (n, qa), qb in zip(a.quantizer_info.items(), b.quantizer_info.values()):
         assert torch.allclose(qa["amax"], qb["amax"], rtol=1e-5), n
@@ -308,7 +375,10 @@ def test_inspect_checkpoint(calibrated):
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     rows = {q["name"]: q for q in info["quantizers"]}
-    assert rows["fc1.weight_quantizer"]["format"] == "int4" and rows["fc1.weight_quantizer"]["block_sizes"] == {"-1": 128}  # JSON keys are strings
+    # JSON keys are strings
+    assert rows["fc1.weight_quantizer"]["format"] == "int4" and rows["fc1.weight_quantizer"][
+        "block_sizes"
+    ] == {"-1": 128}
     assert not rows["fc1.input_quantizer"]["enabled"]
     assert info["inputs"]["names"] == ["x"]
     table = cli("inspect", calibrated("digits_cnn"))
@@ -336,12 +406,20 @@ def test_console_script_imports_a_model_module_from_the_working_directory(tmp_pa
     script = Path(sys.executable).parent / "quantcli"
     assert script.exists(), script
     (tmp_path / "mymodel_qa.py").write_text(
-        "import torch\n\ndef make():\n    torch.manual_seed(0)\n    return torch.nn.Sequential(torch.nn.Linear(4, 3))\n")
+        "import torch\n\ndef make():\n    torch.manual_seed(0)\n    return "
+        "torch.nn.Sequential(torch.nn.Linear(4, 3))\n"
+    )
     np.savez(tmp_path / "d.npz", np.random.default_rng(0).random((8, 4), dtype=np.float32))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONPATH", None)
-    r = subprocess.run([str(script), "calibrate", "mymodel_qa:make", "--data", "d.npz", "--out", "o.pt", "--json"],
-                       cwd=tmp_path, capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [str(script), "calibrate", "mymodel_qa:make", "--data", "d.npz", "--out", "o.pt", "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "o.pt").is_file()
 
@@ -352,13 +430,17 @@ def test_data_file_that_is_not_its_format_says_so(tmp_path):
     out = tmp_path / "o.pt"
     for suffix, kind in ((".pt", "torch.save"), (".npz", ".npz archive"), (".npy", ".npy array")):
         (tmp_path / f"junk{suffix}").write_text("this is not data\n")
-        assert_clean_error(cli("calibrate", "digits_cnn", "--data", tmp_path / f"junk{suffix}", "--out", out),
-                           f"junk{suffix}: it is not", kind)
+        assert_clean_error(
+            cli("calibrate", "digits_cnn", "--data", tmp_path / f"junk{suffix}", "--out", out),
+            f"junk{suffix}: it is not",
+            kind,
+        )
     assert not out.exists()
 
 
 def test_method_choices_come_from_the_registry():
-    """--method offers exactly calibrators.methods.CALIBRATION_METHODS, in its order, and refuses anything else."""
+    """--method offers exactly calibrators.methods.CALIBRATION_METHODS, in its order, and refuses anything
+    else."""
     from calibrators.methods import CALIBRATION_METHODS
 
     assert f"<{'|'.join(CALIBRATION_METHODS)}>" in cli("calibrate", "--help").stdout

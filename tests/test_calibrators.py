@@ -91,8 +91,8 @@ def test_entropy_clips_far_outlier():
 def test_mse_many_255_one_256():
     x = torch.cat([torch.full((10_000,), 255.0), torch.tensor([256.0])])
     # bins are 0.25 wide over [0, 512): the values sit at bin centres 255.125 (10,000) and 256.125 (1); the
-    # candidates are bin edges. Hand-computed squared errors, err(a) = 10000 * d_bulk^2 + d_outlier^2:
-    # signed (bound 127): a=255.0 clips both, 156.25 + 1.27 = 157.5; a=255.25 (scale 2.0098) puts the bulk on code
+    # candidates are bin edges. Hand-computed squared errors, err(a) = 10000 * d_bulk^2 + d_outlier^2: signed
+    # (bound 127): a=255.0 clips both, 156.25 + 1.27 = 157.5; a=255.25 (scale 2.0098) puts the bulk on code
     # 127 = 255.25, 156.25 + 0.77 = 157.0; a=256.25 (scale 2.0177) puts it on code 126 = 254.23, about 8,000.
     # -> 255.25, below both the max (256) and the 100th percentile (256.25).
     c8 = HistogramCalibrator()
@@ -136,7 +136,10 @@ def test_skip_zeros():
     # without skipping, the 99th percentile is zero-dominated
     c2 = HistogramCalibrator()
     c2.collect(x)
-    assert c2.compute_amax("percentile", percentile=50).item() < c.compute_amax("percentile", percentile=50).item()
+    assert (
+        c2.compute_amax("percentile", percentile=50).item()
+        < c.compute_amax("percentile", percentile=50).item()
+    )
 
 
 # ----------------------------------------------------------------------------- vectorized == reference
@@ -146,10 +149,21 @@ def test_skip_zeros():
 @pytest.mark.parametrize(
     "fast, slow, cases",
     [
-        (compute_amax_entropy, ref_entropy, [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
-        (ref_entropy_vectorized, ref_entropy,
-         [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}]),
-        (compute_amax_mse, ref_mse, [{"start_bin": 64}, {"num_bits": 4, "unsigned": True, "stride": 2, "start_bin": 16}]),
+        (
+            compute_amax_entropy,
+            ref_entropy,
+            [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}],
+        ),
+        (
+            ref_entropy_vectorized,
+            ref_entropy,
+            [{"start_bin": 128}, {"num_bits": 6, "unsigned": True, "stride": 3, "start_bin": 40}],
+        ),
+        (
+            compute_amax_mse,
+            ref_mse,
+            [{"start_bin": 64}, {"num_bits": 4, "unsigned": True, "stride": 2, "start_bin": 16}],
+        ),
     ],
     ids=["entropy", "fair-entropy-reference", "mse"],
 )
@@ -192,7 +206,9 @@ def test_histogram_independent_of_batch_order_and_size():
         c = HistogramCalibrator()
         for chunk in data[perm].split(batch):
             c.collect(chunk)
-        results.append((c.hist, c.bin_edges, {m: c.compute_amax(m).item() for m in ("entropy", "mse", "percentile")}))
+        results.append(
+            (c.hist, c.bin_edges, {m: c.compute_amax(m).item() for m in ("entropy", "mse", "percentile")})
+        )
     h0, e0, a0 = results[0]
     for h, e, a in results[1:]:
         assert torch.equal(h, h0) and torch.equal(e, e0)  # exactly the same histogram
@@ -309,7 +325,9 @@ def test_shared_searches_search_equal_histograms_once(monkeypatch):
     methods = {m: counted(fn) for m, fn in histogram_calibrator.METHODS.items()}
     monkeypatch.setattr(histogram_calibrator, "METHODS", methods)
     with shared_searches():
-        got = {c: {m: c.compute_amax(m) for m in ("entropy", "mse", "percentile")} for c in (same, twin, other)}
+        got = {
+            c: {m: c.compute_amax(m) for m in ("entropy", "mse", "percentile")} for c in (same, twin, other)
+        }
         p99 = [c.compute_amax("percentile", percentile=99.0) for c in (same, twin)]
     assert len(calls) == 3 * 2 + 1  # twin reuses same's searches; another setting is a new search
     assert torch.equal(p99[0], p99[1])
@@ -335,7 +353,8 @@ def test_cpu_histogram_equals_direct_count_on_spiky_and_smooth_batches():
     g = torch.Generator().manual_seed(11)
     batches = [torch.randn(3000 + 7 * i, generator=g) * (1 + 5 * (i > 3)) for i in range(8)]
     batches = [b.relu() if i % 2 else b for i, b in enumerate(batches)]
-    batches = [b.view(-1, 10)[:, :7] if b.numel() % 10 == 0 else b for b in batches]  # non-contiguous ones too
+    # non-contiguous ones too
+    batches = [b.view(-1, 10)[:, :7] if b.numel() % 10 == 0 else b for b in batches]
     c = HistogramCalibrator(num_bins=256)
     for b in batches:
         c.collect(b)
@@ -358,11 +377,16 @@ def test_entropy_float32_screening_is_close_and_the_choice_is_float64s(scale):
     cand = torch.arange(128, 1025)
     bounds, k_last = histogram._bounds(cand, 128)
     tables = histogram._entropy_tables(hh)
-    screened = histogram._entropy_divergences(hh, tables, cand, *histogram._bin_terms(tables, bounds, k_last, 128, torch.float32))
-    exact = histogram._entropy_divergences(hh, tables, cand, *histogram._bin_terms(tables, bounds, k_last, 128, torch.float64))
+    screened = histogram._entropy_divergences(
+        hh, tables, cand, *histogram._bin_terms(tables, bounds, k_last, 128, torch.float32)
+    )
+    exact = histogram._entropy_divergences(
+        hh, tables, cand, *histogram._bin_terms(tables, bounds, k_last, 128, torch.float64)
+    )
     finite = torch.isfinite(exact)
     assert torch.equal(finite, torch.isfinite(screened))
-    assert float((screened - exact)[finite].abs().max()) < 1e-5  # the docstring's bound; 1e-4 is the re-scoring window
+    # the docstring's bound; 1e-4 is the re-scoring window
+    assert float((screened - exact)[finite].abs().max()) < 1e-5
     best = int(cand[len(cand) - 1 - int(torch.argmin(exact.flip(-1)))])  # the last of equal minima
     assert float(compute_amax_entropy(h, e)) == pytest.approx(float(e[best]))
 

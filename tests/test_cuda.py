@@ -1,5 +1,5 @@
-"""The CUDA path end to end: calibrate() never waits on the GPU between batches, and the fake-quant ops give the
-CPU's codes. Marked ``cuda``: skipped without a GPU (conftest.py)."""
+"""The CUDA path end to end: calibrate() never waits on the GPU between batches, and the fake-quant ops give
+the CPU's codes. Marked ``cuda``: skipped without a GPU (conftest.py)."""
 
 import numpy as np
 import pytest
@@ -17,20 +17,26 @@ pytestmark = pytest.mark.cuda
 def _sample(name: str):
     from quantcli.inputs.loading import load_model
     from sample_models import digits_cnn, text_encoder
+
     model, _ = load_model(name)
-    batches = (digits_cnn.calibration_batches() if name == "digits_cnn" else text_encoder.calibration_batches())[:4]
+    batches = (
+        digits_cnn.calibration_batches() if name == "digits_cnn" else text_encoder.calibration_batches()
+    )[:4]
     return model, [{k: v.cuda() for k, v in b.items()} for b in batches]
 
 
 @pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
 @pytest.mark.parametrize("method", ["max", "entropy"])
-@pytest.mark.parametrize("config", ["int8", {"preset": "int8", "rules": [{"pattern": "*.input_quantizer", "axis": -1}]}],
-                         ids=["per-tensor", "per-channel-activations"])
+@pytest.mark.parametrize(
+    "config",
+    ["int8", {"preset": "int8", "rules": [{"pattern": "*.input_quantizer", "axis": -1}]}],
+    ids=["per-tensor", "per-channel-activations"],
+)
 def test_calibrate_never_synchronizes_between_batches(name, method, config):
-    # the whole observing pass over a quantized model (TensorQuantizers in calibrate mode, their Max or Histogram
-    # calibrators, q/k/v sharing one observation) must queue work without a host synchronisation: sync-debug
-    # mode "error" raises on any. The first batch (state is allocated) and the amax search after the last batch
-    # may synchronise; every batch in between may not. The batches already live on the GPU.
+    # the whole observing pass over a quantized model (TensorQuantizers in calibrate mode, their Max or
+    # Histogram calibrators, q/k/v sharing one observation) must queue work without a host synchronisation:
+    # sync-debug mode "error" raises on any. The first batch (state is allocated) and the amax search after
+    # the last batch may synchronise; every batch in between may not. The batches already live on the GPU.
     if name == "digits_cnn" and not isinstance(config, str):
         pytest.skip("conv activations are NCHW: a per-channel axis -1 would be per column")
     model, batches = _sample(name)
@@ -63,14 +69,19 @@ def test_calibrate_never_synchronizes_between_batches(name, method, config):
 
 
 def _values(scale: float, n: int = 100_000) -> torch.Tensor:
-    """Normal values plus exact ties (k + 0.5) * scale for a power-of-two ``scale``, and far out-of-range values."""
+    """Normal values plus exact ties (k + 0.5) * scale for a power-of-two ``scale``, and far out-of-range
+    values."""
     g = torch.Generator().manual_seed(0)
     ties = (torch.arange(-140, 140, dtype=torch.float64) + 0.5) * scale
-    return torch.cat([torch.randn(n, generator=g) * 80 * scale, ties.float(), torch.tensor([1e6, -1e6, 0.0, -0.0])])
+    return torch.cat(
+        [torch.randn(n, generator=g) * 80 * scale, ties.float(), torch.tensor([1e6, -1e6, 0.0, -0.0])]
+    )
 
 
-@pytest.mark.parametrize("num_bits, unsigned, narrow", [(8, False, False), (8, False, True), (4, False, False),
-                                                         (8, True, False), (6, False, True)])
+@pytest.mark.parametrize(
+    "num_bits, unsigned, narrow",
+    [(8, False, False), (8, False, True), (4, False, False), (8, True, False), (6, False, True)],
+)
 def test_integer_codes_equal_the_cpus(num_bits, unsigned, narrow):
     bound = arithmetic.symmetric_bound(num_bits, unsigned)
     amax = torch.tensor(bound * 2.0**-4)  # scale 2**-4 exactly
@@ -80,8 +91,10 @@ def test_integer_codes_equal_the_cpus(num_bits, unsigned, narrow):
     cpu, _ = tensor_quant(x, amax, num_bits, unsigned, narrow)
     gpu, _ = tensor_quant(x.cuda(), amax.cuda(), num_bits, unsigned, narrow)
     assert torch.equal(gpu.cpu(), cpu)
-    assert torch.equal(fake_tensor_quant(x.cuda(), amax.cuda(), num_bits, unsigned, narrow).cpu(),
-                       fake_tensor_quant(x, amax, num_bits, unsigned, narrow))
+    assert torch.equal(
+        fake_tensor_quant(x.cuda(), amax.cuda(), num_bits, unsigned, narrow).cpu(),
+        fake_tensor_quant(x, amax, num_bits, unsigned, narrow),
+    )
 
 
 def test_per_channel_and_blocked_codes_equal_the_cpus():
@@ -108,14 +121,19 @@ def test_fp8_and_affine_equal_the_cpus():
     cpu = arithmetic.quantize_e4m3(x, scale).to(torch.float32)
     gpu = arithmetic.quantize_e4m3(x.cuda(), scale.cuda()).to(torch.float32)
     assert torch.equal(gpu.cpu(), cpu)
-    assert torch.equal(arithmetic.fake_quant_e4m3(x.cuda(), torch.tensor(448.0, device="cuda")).cpu(),
-                       arithmetic.fake_quant_e4m3(x, torch.tensor(448.0)))
+    assert torch.equal(
+        arithmetic.fake_quant_e4m3(x.cuda(), torch.tensor(448.0, device="cuda")).cpu(),
+        arithmetic.fake_quant_e4m3(x, torch.tensor(448.0)),
+    )
     y = torch.linspace(-3, 5, 100_001)
-    assert torch.equal(fake_affine_tensor_quant(y.cuda(), -1.3, 4.1, 8).cpu(), fake_affine_tensor_quant(y, -1.3, 4.1, 8))
+    assert torch.equal(
+        fake_affine_tensor_quant(y.cuda(), -1.3, 4.1, 8).cpu(), fake_affine_tensor_quant(y, -1.3, 4.1, 8)
+    )
 
 
 def test_tensor_quantizer_on_cuda_equals_cpu():
     from quantcli import QuantDescriptor
+
     q = TensorQuantizer(QuantDescriptor(num_bits=8, axis=0, amax=None), name="q")
     x = torch.randn(16, 4096, generator=torch.Generator().manual_seed(2))
     q.set_amax(x.abs().amax(1, keepdim=True) * 0.7)  # 30% clipped: saturation exercised

@@ -1,5 +1,5 @@
-"""Decoder LMs (GPT-2, Llama/Qwen2-style) export with both exporters and verify; an op no exporter translates is
-named with what to try (issues 23 and 26)."""
+"""Decoder LMs (GPT-2, Llama/Qwen2-style) export with both exporters and verify; an op no exporter translates
+is named with what to try (issues 23 and 26)."""
 
 import json
 
@@ -18,14 +18,20 @@ tokenizers = pytest.importorskip("tokenizers")
 
 # ------------------------------------------------------------------ aten::diff / aten::cumsum translations
 
+
 class Masks(nn.Module):
     """What transformers' find_packed_sequence_indices computes, plus the other forms of torch.diff."""
 
     def forward(self, pos, x, flags):
         d = torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1)
         packed = (d != 1).cumsum(-1)
-        return (packed, torch.diff(x, n=2, dim=0, append=x[:1]), torch.diff(flags, dim=1),
-                flags.to(torch.int32).cumsum(1), x.cumsum(dim=1, dtype=torch.float64))
+        return (
+            packed,
+            torch.diff(x, n=2, dim=0, append=x[:1]),
+            torch.diff(flags, dim=1),
+            flags.to(torch.int32).cumsum(1),
+            x.cumsum(dim=1, dtype=torch.float64),
+        )
 
 
 def test_diff_and_cumsum_translations_equal_torch_in_onnxruntime(tmp_path):
@@ -34,8 +40,9 @@ def test_diff_and_cumsum_translations_equal_torch_in_onnxruntime(tmp_path):
     flags = torch.tensor([[True, False, False, True], [False, False, True, True]])
     aten_symbolics.register()
     path = tmp_path / "masks.onnx"
-    torch.onnx.export(Masks(), (pos, x, flags), str(path), dynamo=False, opset_version=17,
-                      input_names=["pos", "x", "flags"])
+    torch.onnx.export(
+        Masks(), (pos, x, flags), str(path), dynamo=False, opset_version=17, input_names=["pos", "x", "flags"]
+    )
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     got = sess.run(None, {"pos": pos.numpy(), "x": x.numpy(), "flags": flags.numpy()})
     expected = Masks()(pos, x, flags)
@@ -44,9 +51,9 @@ def test_diff_and_cumsum_translations_equal_torch_in_onnxruntime(tmp_path):
         assert g.dtype == e.numpy().dtype and np.array_equal(g, e.numpy())
 
 
-# ------------------------------------------------------------------ an op the TorchScript exporter cannot write
+# ---------------------------------------------------------------- an op the TorchScript exporter cannot write
 
-UNSUPPORTED = '''
+UNSUPPORTED = """
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -68,14 +75,21 @@ class RunningMax(nn.Module):
 
     def forward(self, x):
         return torch.cummax(self.fc(x), dim=-1).values  # aten::cummax: no ONNX translation in torch
-'''
+"""
 
 
-@pytest.mark.parametrize("factory,exporter,fragments", [
-    ("Folding", "torchscript", ("aten::col2im", "at opset 13", "--opset 18", "--exporter dynamo")),
-    ("RunningMax", "torchscript", ("aten::cummax", "at opset 13", "--exporter dynamo", "no ONNX translation")),
-    ("RunningMax", "dynamo", ("aten::cummax", "dynamo exporter", "neither torch exporter", "other ops")),
-])
+@pytest.mark.parametrize(
+    "factory,exporter,fragments",
+    [
+        ("Folding", "torchscript", ("aten::col2im", "at opset 13", "--opset 18", "--exporter dynamo")),
+        (
+            "RunningMax",
+            "torchscript",
+            ("aten::cummax", "at opset 13", "--exporter dynamo", "no ONNX translation"),
+        ),
+        ("RunningMax", "dynamo", ("aten::cummax", "dynamo exporter", "neither torch exporter", "other ops")),
+    ],
+)
 def test_an_op_torch_cannot_export_is_named_with_what_to_try(tmp_path, factory, exporter, fragments):
     (tmp_path / "ops.py").write_text(UNSUPPORTED)
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((8, 1, 12)).astype(np.float32))
@@ -86,11 +100,16 @@ def test_an_op_torch_cannot_export_is_named_with_what_to_try(tmp_path, factory, 
     assert_clean_error(r, *fragments)  # one line on stderr, nothing on stdout: no IR dump, no traceback
     r = cli("export", out, "--onnx", tmp_path / "m.onnx", "--exporter", exporter, "--json")
     error = json.loads(r.stdout)  # stdout holds the error object alone: torch's IR dump would break the parse
-    assert r.exit_code == 2 and error["exit_code"] == 2 and error["error"] == r.stderr.strip().removeprefix("error: ")
+    assert (
+        r.exit_code == 2
+        and error["exit_code"] == 2
+        and error["error"] == r.stderr.strip().removeprefix("error: ")
+    )
     assert not (tmp_path / "m.onnx").exists()
 
 
 # ------------------------------------------------------------------ decoder LMs end to end
+
 
 def _check_runtime(onnx_path, layers: int) -> None:
     r = cli("inspect", onnx_path, "--runtime", "onnxruntime", "--json")
@@ -111,7 +130,7 @@ def _export_and_verify(ck, onnx_path, data, exporter, layers: int) -> dict:
     return res
 
 
-FACTORY = '''
+FACTORY = """
 import torch
 import transformers
 
@@ -128,15 +147,17 @@ class LogitsOnly(torch.nn.Module):
 def gpt2():
     torch.manual_seed(0)
     return LogitsOnly(transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0)).eval())
+        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32, bos_token_id=0, eos_token_id=0,
+    )).eval())
 
 
 def llama():  # the default attention (scaled_dot_product_attention): opset 14
     torch.manual_seed(0)
     return LogitsOnly(transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=64, max_position_embeddings=32, bos_token_id=0, eos_token_id=0)).eval())
-'''
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=64, max_position_embeddings=32, bos_token_id=0, eos_token_id=0,
+    )).eval())
+"""
 
 
 @pytest.mark.parametrize("factory,layers,opset", [("gpt2", 9, 17), ("llama", 15, 14)])
@@ -144,7 +165,9 @@ def test_decoder_factory_exports_with_torchscript(tmp_path, factory, layers, ops
     (tmp_path / "lm.py").write_text(FACTORY)
     np.savez(tmp_path / "ids.npz", input_ids=np.random.default_rng(0).integers(0, 64, (12, 10)))
     ck = tmp_path / "lm.calib.pt"
-    r = cli("calibrate", f"{tmp_path / 'lm.py'}:{factory}", "--data", tmp_path / "ids.npz", "--out", ck, "--json")
+    r = cli(
+        "calibrate", f"{tmp_path / 'lm.py'}:{factory}", "--data", tmp_path / "ids.npz", "--out", ck, "--json"
+    )
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)["layers"]["quantized"]) == layers
     res = _export_and_verify(ck, tmp_path / "lm.onnx", tmp_path / "ids.npz", "torchscript", layers)
@@ -153,14 +176,17 @@ def test_decoder_factory_exports_with_torchscript(tmp_path, factory, layers, ops
 
 
 def _tokenizer(texts, pad: bool = True):
-    """A WordLevel tokenizer trained here on the texts: nothing downloaded. ``pad=False``: no padding token, only an
-    end-of-sequence token, as GPT-2's and Llama's tokenizers have."""
+    """A WordLevel tokenizer trained here on the texts: nothing downloaded. ``pad=False``: no padding token,
+    only an end-of-sequence token, as GPT-2's and Llama's tokenizers have."""
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.train_from_iterator(texts, tokenizers.trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    tok.train_from_iterator(
+        texts, tokenizers.trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"])
+    )
     special = {"pad_token": "[PAD]"} if pad else {"eos_token": "[EOS]"}
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", **special,
-                                                model_input_names=["input_ids", "attention_mask"])
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", **special, model_input_names=["input_ids", "attention_mask"]
+    )
 
 
 def _texts():
@@ -169,23 +195,42 @@ def _texts():
     import json as json_module
     import textwrap
 
-    return [ln.strip() for m in (json_module, argparse, textwrap) for ln in m.__doc__.splitlines() if ln.strip()]
+    return [
+        ln.strip() for m in (json_module, argparse, textwrap) for ln in m.__doc__.splitlines() if ln.strip()
+    ]
 
 
 def _causal_lm(kind: str, vocab: int):
     common = dict(vocab_size=vocab, bos_token_id=None, eos_token_id=None, pad_token_id=0)
     if kind == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64,
-                                                                    **common))
-    cls, cfg = {"llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
-                "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config)}[kind]
-    return cls(cfg(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2,
-                   num_key_value_heads=1, max_position_embeddings=64, **common))
+        return transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, **common)
+        )
+    cls, cfg = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    }[kind]
+    return cls(
+        cfg(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+            **common,
+        )
+    )
 
 
-@pytest.mark.parametrize("kind,layers,exporters", [("gpt2", 9, ("torchscript", "dynamo")),
-                                                   ("llama", 15, ("torchscript", "dynamo")),
-                                                   ("qwen2", 15, ("torchscript",))])
+@pytest.mark.parametrize(
+    "kind,layers,exporters",
+    [
+        ("gpt2", 9, ("torchscript", "dynamo")),
+        ("llama", 15, ("torchscript", "dynamo")),
+        ("qwen2", 15, ("torchscript",)),
+    ],
+)
 def test_causal_lm_folder_with_text_data(tmp_path, kind, layers, exporters):
     texts = _texts()
     tok = _tokenizer(texts, pad=kind != "llama")  # Llama's: an end-of-sequence token and no padding token
@@ -214,11 +259,19 @@ def _full_sequence_logits(onnx_path, model, tok, texts) -> None:
         tok.pad_token = tok.eos_token
     enc = tok(texts, padding=True, return_tensors="np")
     sess = ort.InferenceSession(str(onnx_path), providers=["CPUExecutionProvider"])
-    (logits,) = sess.run(None, {"input_ids": enc["input_ids"].astype(np.int64),
-                                "attention_mask": enc["attention_mask"].astype(np.int64)})
+    (logits,) = sess.run(
+        None,
+        {
+            "input_ids": enc["input_ids"].astype(np.int64),
+            "attention_mask": enc["attention_mask"].astype(np.int64),
+        },
+    )
     with torch.inference_mode():
-        ref = model(input_ids=torch.from_numpy(enc["input_ids"]), attention_mask=torch.from_numpy(
-            enc["attention_mask"]), use_cache=False).logits.numpy()
+        ref = model(
+            input_ids=torch.from_numpy(enc["input_ids"]),
+            attention_mask=torch.from_numpy(enc["attention_mask"]),
+            use_cache=False,
+        ).logits.numpy()
     assert logits.shape == ref.shape == (*enc["input_ids"].shape, len(tok.get_vocab()))
     keep = enc["attention_mask"].astype(bool)
     a, b = logits[keep].ravel(), ref[keep].ravel()

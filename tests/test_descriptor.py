@@ -14,9 +14,17 @@ def test_defaults_and_empty_dict():
 
 
 def test_dict_only_non_defaults_and_round_trip():
-    d = QuantDescriptor(num_bits=4, name="w", axis=(0, 1), amax=[1.0, 2.5], unsigned=True, calib_method="histogram")
-    assert d.dict() == {"num_bits": 4, "name": "w", "axis": (0, 1), "amax": [1.0, 2.5], "unsigned": True,
-                        "calib_method": "histogram"}
+    d = QuantDescriptor(
+        num_bits=4, name="w", axis=(0, 1), amax=[1.0, 2.5], unsigned=True, calib_method="histogram"
+    )
+    assert d.dict() == {
+        "num_bits": 4,
+        "name": "w",
+        "axis": (0, 1),
+        "amax": [1.0, 2.5],
+        "unsigned": True,
+        "calib_method": "histogram",
+    }
     assert QuantDescriptor(**d.dict()) == d
 
 

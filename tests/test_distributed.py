@@ -21,8 +21,10 @@ import torch
 from tests.helpers import cli
 
 WORLD = 2
-PER_CHANNEL = {"digits_cnn": [{"pattern": "*input_quantizer", "axis": 1}],
-               "text_encoder": [{"pattern": "*input_quantizer", "axis": -1}]}
+PER_CHANNEL = {
+    "digits_cnn": [{"pattern": "*input_quantizer", "axis": 1}],
+    "text_encoder": [{"pattern": "*input_quantizer", "axis": -1}],
+}
 
 
 @dataclass(frozen=True)
@@ -41,20 +43,27 @@ class Scenario:
 METHODS = ("max", "entropy", "mse", "percentile")
 SCENARIOS = (
     [Scenario(m, "int8", meth, "strided") for m in ("digits_cnn", "text_encoder") for meth in METHODS]
-    + [Scenario(m, "per-channel", meth, "strided", 128) for m in ("digits_cnn", "text_encoder") for meth in METHODS]
-    + [Scenario("digits_cnn", "uint8-asymmetric", "max", "strided"),
-       Scenario("digits_cnn", "int8", "entropy", "blocks"),
-       Scenario("digits_cnn", "int8", "entropy", "uneven"),
-       Scenario("digits_cnn", "int8", "percentile", "rank0_empty"),
-       Scenario("digits_cnn", "per-channel", "max", "blocks"),
-       Scenario("text_encoder", "int8", "mse", "uneven"),
-       Scenario("text_encoder", "per-channel", "percentile", "rank1_empty", 128)]
+    + [
+        Scenario(m, "per-channel", meth, "strided", 128)
+        for m in ("digits_cnn", "text_encoder")
+        for meth in METHODS
+    ]
+    + [
+        Scenario("digits_cnn", "uint8-asymmetric", "max", "strided"),
+        Scenario("digits_cnn", "int8", "entropy", "blocks"),
+        Scenario("digits_cnn", "int8", "entropy", "uneven"),
+        Scenario("digits_cnn", "int8", "percentile", "rank0_empty"),
+        Scenario("digits_cnn", "per-channel", "max", "blocks"),
+        Scenario("text_encoder", "int8", "mse", "uneven"),
+        Scenario("text_encoder", "per-channel", "percentile", "rank1_empty", 128),
+    ]
 )
 
 
 def _batches(model: str) -> list[dict[str, torch.Tensor]]:
     """Five batches: an odd count, so the strided shares are uneven too."""
     from sample_models import SAMPLES
+
     return SAMPLES[model].calibration_batches()[:5]
 
 
@@ -84,6 +93,7 @@ def _quantized(sc: Scenario, target: str | None = None):
 def _calibrated_state(sc: Scenario, batches: list) -> tuple[dict, dict]:
     """(state dict: weights, amax and amin of every quantizer; summary) after calibrating on ``batches``."""
     from quantcli import calibrate
+
     model = _quantized(sc)
     summary = calibrate(model, batches, sc.method, num_bins=sc.num_bins, device="cpu")
     enabled = {n: m.enabled for n, m in model.named_modules() if hasattr(m, "start_calibration")}
@@ -104,9 +114,13 @@ def _synthetic_batches(rank: int) -> list[torch.Tensor]:
 def _synthetic_calibrators():
     from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
 
-    return {"hist": HistogramCalibrator(axis=None, num_bins=2048), "hist_axis": HistogramCalibrator(axis=1, num_bins=256),
-            "hist_skip": HistogramCalibrator(axis=1, num_bins=128, skip_zeros=True),
-            "max_axis": MaxCalibrator(axis=1), "minmax": MinMaxCalibrator()}
+    return {
+        "hist": HistogramCalibrator(axis=None, num_bins=2048),
+        "hist_axis": HistogramCalibrator(axis=1, num_bins=256),
+        "hist_skip": HistogramCalibrator(axis=1, num_bins=128, skip_zeros=True),
+        "max_axis": MaxCalibrator(axis=1),
+        "minmax": MinMaxCalibrator(),
+    }
 
 
 def _synthetic_state(cals: dict) -> dict:
@@ -142,7 +156,9 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
         for x in _synthetic_batches(rank):
             for c in cals.values():
                 c.collect(x)
-        results["synthetic_exponents"] = {k: c.range_exponent() for k, c in cals.items() if k.startswith("hist")}
+        results["synthetic_exponents"] = {
+            k: c.range_exponent() for k, c in cals.items() if k.startswith("hist")
+        }
         merge_calibrators(list(cals.values()))
         results["synthetic"] = _synthetic_state(cals)
 
@@ -156,16 +172,22 @@ def _rank(rank: int, init_file: str, out_dir: str) -> None:
         sc = Scenario("digits_cnn", "int8", "max", "strided")
         good = _batches("digits_cnn")[:1]
         bad = [{"x": good[0]["x"].clone().fill_(float("nan"))}]
-        results["nan_on_rank1"] = failure(lambda: calibrate(_quantized(sc), bad if rank else good, device="cpu"))
+        results["nan_on_rank1"] = failure(
+            lambda: calibrate(_quantized(sc), bad if rank else good, device="cpu")
+        )
         wrong = [{"x": torch.zeros(4, 3, 8, 8)}]  # three channels for a one-channel conv
-        results["bad_shape_on_rank0"] = failure(lambda: calibrate(_quantized(sc), good if rank else wrong, device="cpu"))
+        results["bad_shape_on_rank0"] = failure(
+            lambda: calibrate(_quantized(sc), good if rank else wrong, device="cpu")
+        )
         other = Scenario("digits_cnn", "per-channel" if rank else "int8", "entropy", "strided")
         # the tensorrt target's placement is the same for both configs: only the activation axis differs
         results["ranks_disagree"] = failure(
-            lambda: calibrate(_quantized(other, "tensorrt"), good, "entropy", device="cpu"))
+            lambda: calibrate(_quantized(other, "tensorrt"), good, "entropy", device="cpu")
+        )
         results["no_batches_anywhere"] = failure(lambda: calibrate(_quantized(sc), [], device="cpu"))
         results["bins_disagree"] = failure(
-            lambda: calibrate(_quantized(sc), good, "mse", num_bins=1024 if rank else 2048, device="cpu"))
+            lambda: calibrate(_quantized(sc), good, "mse", num_bins=1024 if rank else 2048, device="cpu")
+        )
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
@@ -223,8 +245,11 @@ def test_an_error_on_one_rank_raises_the_same_error_on_every_rank(ranks):
     assert a == b and a[0] == "CalibrationError" and "differ between ranks" in a[1]
     a, b = ranks[0]["bins_disagree"], ranks[1]["bins_disagree"]
     assert a == b and a[0] == "CalibrationError" and "calibrate different quantizers" in a[1]
-    assert ranks[0]["no_batches_anywhere"] == ranks[1]["no_batches_anywhere"] == (
-        "CalibrationError", "no calibration batches on any rank")
+    assert (
+        ranks[0]["no_batches_anywhere"]
+        == ranks[1]["no_batches_anywhere"]
+        == ("CalibrationError", "no calibration batches on any rank")
+    )
 
 
 # ------------------------------------------------------------------------------------------ the CLI
@@ -235,10 +260,32 @@ def test_torchrun_cli_writes_the_one_process_checkpoint(tmp_path):
     r = cli("calibrate", "digits_cnn", "--method", "entropy", "--out", one, "--json", "--device", "cpu")
     assert r.exit_code == 0, r.output
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "quantcli", "calibrate", "digits_cnn", "--method", "entropy", "--out", str(two), "--json",
-                        "--device", "cpu"],  # Gloo, also on a host with fewer GPUs than ranks
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "quantcli",
+            "calibrate",
+            "digits_cnn",
+            "--method",
+            "entropy",
+            "--out",
+            str(two),
+            "--json",
+            "--device",
+            "cpu",
+        ],  # Gloo, also on a host with fewer GPUs than ranks
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)  # one JSON document: rank 0 alone prints
     assert info["ranks"] == 2 and info["num_samples"] == 512 and info["num_batches"] == 8
@@ -246,7 +293,8 @@ def test_torchrun_cli_writes_the_one_process_checkpoint(tmp_path):
     assert a["state_dict"].keys() == b["state_dict"].keys()
     assert all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
     assert torch.equal(a["inputs"]["example"]["x"], b["inputs"]["example"]["x"])
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["one.calib.pt", "two.calib.pt"]  # no temp files left
+    # no temp files left
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["one.calib.pt", "two.calib.pt"]
 
 
 def _free_port() -> int:
@@ -259,6 +307,7 @@ def test_ranks_fail_together_and_report_once(tmp_path):
     """Two ranks started by hand, as torchrun starts them. Rank 1's file cannot be read; rank 0 never opens it
     (each rank reads only its own files of a directory), so the one error line names rank 1."""
     from sample_models import digits_cnn
+
     data = tmp_path / "batches"
     data.mkdir()
     for i, b in enumerate(digits_cnn.calibration_batches()[:4]):
@@ -267,16 +316,44 @@ def test_ranks_fail_together_and_report_once(tmp_path):
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        procs.append(subprocess.Popen([sys.executable, "-m", "quantcli", "calibrate", "digits_cnn", "--data", str(data),
-                                       "--out", str(tmp_path / "out.calib.pt"), "--device", "cpu"], cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "quantcli",
+                    "calibrate",
+                    "digits_cnn",
+                    "--data",
+                    str(data),
+                    "--out",
+                    str(tmp_path / "out.calib.pt"),
+                    "--device",
+                    "cpu",
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [2, 2], outs
     text = "".join(o + e for o, e in outs)
     lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: rank 1: cannot read") and "b1.npz" in lines[0], text
+    assert len(lines) == 1 and lines[0].startswith("error: rank 1: cannot read") and "b1.npz" in lines[0], (
+        text
+    )
     assert not (tmp_path / "out.calib.pt").exists()
     assert sorted(x.name for x in tmp_path.iterdir()) == ["batches"]
 
@@ -303,8 +380,9 @@ def test_torchrun_environment_and_rank_device(monkeypatch):
 
 
 def test_shards_partition_the_one_process_batches(tmp_path):
-    """Every tensor format: the ranks' shares are the one-process batches at positions r, r+N, ... (a directory
-    of batch files by file; single .npy/.pt files memory-mapped); together, each batch exactly once."""
+    """Every tensor format: the ranks' shares are the one-process batches at positions r, r+N, ... (a
+    directory of batch files by file; single .npy/.pt files memory-mapped); together, each batch exactly
+    once."""
     from quantcli.inputs.data import load_batches
     from quantcli.inputs.loading import load_model
     from quantcli.inputs.shard import load_shard
@@ -318,15 +396,22 @@ def test_shards_partition_the_one_process_batches(tmp_path):
     folder.mkdir()
     for i in range(5):
         np.savez(folder / f"b{i}.npz", x=x[i * 14 : (i + 1) * 14])
-    for path, kwargs in [(tmp_path / "all.npy", {"batch_size": 16}), (folder, {}), (folder, {"num_samples": 40}),
-                         (tmp_path / "all.npy", {"batch_size": 16, "num_samples": 50}),
-                         (tmp_path / "all.pt", {"batch_size": 16}), (tmp_path / "list.pt", {})]:
+    for path, kwargs in [
+        (tmp_path / "all.npy", {"batch_size": 16}),
+        (folder, {}),
+        (folder, {"num_samples": 40}),
+        (tmp_path / "all.npy", {"batch_size": 16, "num_samples": 50}),
+        (tmp_path / "all.pt", {"batch_size": 16}),
+        (tmp_path / "list.pt", {}),
+    ]:
         whole = load_batches(path, model, kwargs.get("batch_size", 32), kwargs.get("num_samples"))
         for world in (2, 3, 7):
             shares = [load_shard(path, model, r, world, **kwargs)[0] for r in range(world)]
             for r, share in enumerate(shares):
                 want = whole[r::world]
-                assert len(share) == len(want) and all(torch.equal(a["x"], b["x"]) for a, b in zip(share, want))
+                assert len(share) == len(want) and all(
+                    torch.equal(a["x"], b["x"]) for a, b in zip(share, want)
+                )
             assert sum(len(s) for s in shares) == len(whole)
 
 

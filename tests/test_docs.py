@@ -1,10 +1,12 @@
-"""The docs are true: their examples run, the command reference is the CLI's own --help, and every link resolves.
+"""The docs are true: their examples run, the command reference is the CLI's own --help, and every link
+resolves.
 
 Examples: every ```bash block of docs/*.md runs, line by line, through the real Typer app in this process (one
-temporary folder per page, so a later block uses an earlier block's files), and every ```python block is executed
-there too; a block that should not run says so, and why, in an HTML comment on the line before it:
-``<!-- example: not run (REASON) -->``. A ```yaml (or other) block after ``<!-- example: file NAME -->`` is written
-to NAME in that folder first, for the commands after it. Output belongs in ```text or ```console blocks.
+temporary folder per page, so a later block uses an earlier block's files), and every ```python block is
+executed there too; a block that should not run says so, and why, in an HTML comment on the line before it:
+``<!-- example: not run (REASON) -->``. A ```yaml (or other) block after ``<!-- example: file NAME -->`` is
+written to NAME in that folder first, for the commands after it. Output belongs in ```text or ```console
+blocks.
 """
 
 from __future__ import annotations
@@ -36,16 +38,26 @@ def blocks(path: Path) -> list[dict]:
         while not lines[j].startswith("```"):
             j += 1
         skip, file = NOT_RUN.search(before), FILE.search(before)
-        out.append({"lang": m.group(1), "code": "\n".join(lines[i + 1:j]) + "\n", "line": i + 1,
-                    "skip": skip and skip.group(1), "file": file and file.group(1)})
+        out.append(
+            {
+                "lang": m.group(1),
+                "code": "\n".join(lines[i + 1 : j]) + "\n",
+                "line": i + 1,
+                "skip": skip and skip.group(1),
+                "file": file and file.group(1),
+            }
+        )
         i = j + 1
     return out
 
 
 def commands(code: str) -> list[list[str]]:
     """A bash block's commands as argv lists: comments dropped, backslash continuations joined."""
-    return [argv for argv in (shlex.split(line, comments=True) for line in code.replace("\\\n", " ").splitlines())
-            if argv]
+    return [
+        argv
+        for argv in (shlex.split(line, comments=True) for line in code.replace("\\\n", " ").splitlines())
+        if argv
+    ]
 
 
 def _runnable(path: Path) -> list[dict]:
@@ -53,15 +65,18 @@ def _runnable(path: Path) -> list[dict]:
 
 
 def test_every_bash_block_is_quantcli_or_says_why_it_is_not_run():
-    """A shell block that is not quantcli commands (torchrun, a benchmark, a loop) carries its reason not to run."""
+    """A shell block that is not quantcli commands (torchrun, a benchmark, a loop) carries its reason not to
+    run."""
     for path in DOCS:
         for b in blocks(path):
             if b["lang"] in ("bash", "sh", "shell") and not b["skip"]:
                 assert b["lang"] == "bash", f"{path.name}:{b['line']}: use ```bash"
                 for argv in commands(b["code"]):
                     assert argv[0] == "quantcli" and not {"|", ">", "&&", ";"} & set(argv), (
-                        f"{path.name}:{b['line']}: {shlex.join(argv)!r} is not a plain quantcli command: make it one, "
-                        "or mark the block <!-- example: not run (why; what covers it) -->")
+                        f"{path.name}:{b['line']}: {shlex.join(argv)!r} is not a plain quantcli command: "
+                        f"make it one, "
+                        "or mark the block <!-- example: not run (why; what covers it) -->"
+                    )
             if b["skip"]:
                 assert len(b["skip"].strip()) > 10, f"{path.name}:{b['line']}: say why the example is not run"
 
@@ -121,7 +136,8 @@ def _anchors(path: Path) -> set[str]:
 
 
 def test_relative_links_resolve():
-    """Every relative link of README.md and docs/*.md names a file that exists, and a heading of it if it has #."""
+    """Every relative link of README.md and docs/*.md names a file that exists, and a heading of it if it has
+    #."""
     broken = []
     for path in [ROOT / "README.md", *DOCS]:
         text = re.sub(r"^```.*?^```", "", path.read_text(), flags=re.S | re.M)

@@ -15,20 +15,40 @@ def _pairs(path):
     return {p.quantizer: p for p in qdq_pairs(onnx.load(str(path)))}
 
 
-@pytest.mark.parametrize("model, config", [("digits_cnn", "int8"), ("text_encoder", "int8"),
-                                           ("digits_cnn", "int4-weight-only"), ("digits_cnn", "fp8"),
-                                           ("digits_cnn", "uint8-asymmetric")])
+@pytest.mark.parametrize(
+    "model, config",
+    [
+        ("digits_cnn", "int8"),
+        ("text_encoder", "int8"),
+        ("digits_cnn", "int4-weight-only"),
+        ("digits_cnn", "fp8"),
+        ("digits_cnn", "uint8-asymmetric"),
+    ],
+)
 def test_same_graph_both_ways(model, config, calibrated, exported, tmp_path):
     ts = exported(model, config)
     dyn = tmp_path / "dynamo.onnx"
     r = cli("export", calibrated(model, config), "--onnx", dyn, "--exporter", "dynamo")
     assert r.exit_code == 0, r.output
     a, b = _pairs(ts), _pairs(dyn)
-    assert set(a) == set(b) == set(load_calibrated(calibrated(model, config)).quantizer_info) - {
-        n for n, q in load_calibrated(calibrated(model, config)).quantizer_info.items() if not q["enabled"]}
+    assert (
+        set(a)
+        == set(b)
+        == set(load_calibrated(calibrated(model, config)).quantizer_info)
+        - {
+            n
+            for n, q in load_calibrated(calibrated(model, config)).quantizer_info.items()
+            if not q["enabled"]
+        }
+    )
     for name in a:
         pa, pb = a[name], b[name]
-        assert (pa.format, pa.stored, pa.axis, pa.block_size) == (pb.format, pb.stored, pb.axis, pb.block_size), name
+        assert (pa.format, pa.stored, pa.axis, pa.block_size) == (
+            pb.format,
+            pb.stored,
+            pb.axis,
+            pb.block_size,
+        ), name
         assert np.array_equal(pa.scale, pb.scale) and np.array_equal(pa.zero_point, pb.zero_point), name
     ck = load_calibrated(calibrated(model, config))
     feeds = {k: v.numpy() for k, v in ck.example.items()}
@@ -40,7 +60,16 @@ def test_same_graph_both_ways(model, config, calibrated, exported, tmp_path):
 
 
 def test_dynamo_needs_opset_18(calibrated, tmp_path):
-    r = cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "o.onnx", "--exporter", "dynamo", "--opset", "13")
+    r = cli(
+        "export",
+        calibrated("digits_cnn"),
+        "--onnx",
+        tmp_path / "o.onnx",
+        "--exporter",
+        "dynamo",
+        "--opset",
+        "13",
+    )
     assert_clean_error(r, "dynamo exporter", ">= 18")
 
 
@@ -54,7 +83,7 @@ def test_dynamo_dynamic_sequence(calibrated, tmp_path):
     assert np.abs(got - want).max() < 1e-3 * max(1.0, np.abs(want).max())
 
 
-T5_FACTORY = '''
+T5_FACTORY = """
 import torch
 import transformers
 
@@ -72,15 +101,15 @@ def make():
     torch.manual_seed(0)
     return Encoder(transformers.T5EncoderModel(transformers.T5Config(
         vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)).eval())
-'''
+"""
 
 
 @pytest.mark.parametrize("static", [False, True])
 def test_dynamo_exports_attention_whose_output_is_viewed_after_transpose(tmp_path, static):
     """transformers' T5 (and Swin): scaled_dot_product_attention with a learned bias in its mask, then
-    ``.transpose(1, 2).contiguous()`` and a view. torch's decomposition re-traces the attention through another
-    kernel whose output has another layout, drops the ``contiguous`` and failed with "Cannot view a tensor with
-    shape ..." (pytorch#136543); exporters.dynamo.AttentionLayout keeps one layout."""
+    ``.transpose(1, 2).contiguous()`` and a view. torch's decomposition re-traces the attention through
+    another kernel whose output has another layout, drops the ``contiguous`` and failed with "Cannot view a
+    tensor with shape ..." (pytorch#136543); exporters.dynamo.AttentionLayout keeps one layout."""
     pytest.importorskip("transformers")
     (tmp_path / "t5.py").write_text(T5_FACTORY)
     rng = np.random.default_rng(0)

@@ -19,8 +19,8 @@ from tests.ort_util import onnx_and_torch
 
 T = onnx.TensorProto
 FORMATS = {
-    # config: (opset, activation elem type or None, weight elem type, blocked weights)
-    # the onnxruntime target (default) stores int8 activation codes as uint8 + 128 (exporters.onnxruntime.placement)
+    # config: (opset, activation elem type or None, weight elem type, blocked weights) the onnxruntime target
+    # (default) stores int8 activation codes as uint8 + 128 (exporters.onnxruntime.placement)
     "int8": (13, T.UINT8, T.INT8, False),
     "int8-per-tensor": (13, T.UINT8, T.INT8, False),
     "uint8-asymmetric": (13, T.UINT8, T.INT8, False),
@@ -34,10 +34,13 @@ def _opset(m):
 
 
 def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
-    """Each enabled quantizer's float32 scale by the formula in numpy, not by quantcli's code: a weight's amax is
-    max |w| taken here from the weights themselves (per output channel for the per-channel presets), an
-    activation's is the calibrated amax (min and max for uint8-asymmetric); scale = amax / bound in float32."""
-    bound = {"int8": 127, "int8-per-tensor": 127, "uint8-asymmetric": 127, "fp8": 448, "int4-weight-only": 7}[config]
+    """Each enabled quantizer's float32 scale by the formula in numpy, not by quantcli's code: a weight's
+    amax is max |w| taken here from the weights themselves (per output channel for the per-channel
+    presets), an activation's is the calibrated amax (min and max for uint8-asymmetric); scale = amax /
+    bound in float32."""
+    bound = {"int8": 127, "int8-per-tensor": 127, "uint8-asymmetric": 127, "fp8": 448, "int4-weight-only": 7}[
+        config
+    ]
     params = dict(ck.model.named_parameters())
     out = {}
     for name, q in quantizers(ck.model).items():
@@ -45,11 +48,15 @@ def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
             continue
         if name.endswith("weight_quantizer"):
             w = params[name.rsplit(".", 1)[0] + ".weight"].detach().numpy().astype(np.float32)
-            if config == "int4-weight-only":  # blocks of 128 along the input dimension (fewer where it is shorter)
+            # blocks of 128 along the input dimension (fewer where it is shorter)
+            if config == "int4-weight-only":
                 a = np.abs(w.reshape(w.shape[0], w.shape[1], -1))
                 k = a.shape[1]
-                amax = np.abs(w.reshape(w.shape[0], -1)).max(1) if q.desc.axis == 0 else (
-                    a.reshape(w.shape[0], -1, min(k, 128), a.shape[2]).max(2).reshape(-1))
+                amax = (
+                    np.abs(w.reshape(w.shape[0], -1)).max(1)
+                    if q.desc.axis == 0
+                    else (a.reshape(w.shape[0], -1, min(k, 128), a.shape[2]).max(2).reshape(-1))
+                )
             elif config in ("int8-per-tensor", "fp8"):
                 amax = np.abs(w).max(keepdims=True).reshape(1)
             else:
@@ -60,9 +67,12 @@ def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
             lo = np.minimum(q.amin.detach().numpy().astype(np.float32), np.float32(0))
             out[name] = ((hi - lo) / np.float32(255)).astype(np.float32).reshape(-1)
         else:
-            # post-ReLU inputs use the unsigned grid [0, 255] under the onnxruntime target (quantcli.nn.placement)
+            # post-ReLU inputs use the unsigned grid [0, 255] under the onnxruntime target
+            # (quantcli.nn.placement)
             b = 255 if q.desc.unsigned else bound
-            out[name] = (q.amax.detach().numpy().astype(np.float32) / np.float32(b)).astype(np.float32).reshape(-1)
+            out[name] = (
+                (q.amax.detach().numpy().astype(np.float32) / np.float32(b)).astype(np.float32).reshape(-1)
+            )
     return out
 
 
@@ -86,17 +96,29 @@ def test_digits_every_format(config, calibrated, exported):
         if name.endswith("weight_quantizer"):
             assert p.stored == "initializer" and inits[p.tensor].data_type == w_type, name
         else:
-            assert p.stored == "runtime" and p.format == {T.INT8: "int8", T.UINT8: "uint8", T.FLOAT8E4M3FN: "fp8-e4m3"}[act_type]
-    zp_types = {t.data_type for n in model.graph.node if n.op_type == "DequantizeLinear" for t in model.graph.initializer
-                if len(n.input) > 2 and t.name == n.input[2]}
-    # integer activations: Conv/Gemm biases are int32 DequantizeLinears (onnxruntime's QLinearConv/QGemm add them)
+            assert (
+                p.stored == "runtime"
+                and p.format == {T.INT8: "int8", T.UINT8: "uint8", T.FLOAT8E4M3FN: "fp8-e4m3"}[act_type]
+            )
+    zp_types = {
+        t.data_type
+        for n in model.graph.node
+        if n.op_type == "DequantizeLinear"
+        for t in model.graph.initializer
+        if len(n.input) > 2 and t.name == n.input[2]
+    }
+    # integer activations: Conv/Gemm biases are int32 DequantizeLinears (onnxruntime's QLinearConv/QGemm add
+    # them)
     assert zp_types == ({act_type, w_type} - {None}) | ({T.INT32} if act_type in (T.INT8, T.UINT8) else set())
     if blocked:
         assert any(p.block_size for p in pairs.values())
         assert not any(n.op_type == "QuantizeLinear" for n in model.graph.node)  # weight-only: no runtime Q
     # no float weight is left in the file
-    float_weights = [t.name for t in model.graph.initializer if t.name.endswith(".weight") and t.data_type == T.FLOAT
-                     and not t.name.startswith("bn")]
+    float_weights = [
+        t.name
+        for t in model.graph.initializer
+        if t.name.endswith(".weight") and t.data_type == T.FLOAT and not t.name.startswith("bn")
+    ]
     assert float_weights == []
     rep = verify_onnx(path, ck, deployment=False)
     assert rep.structure["passed"], rep.structure["problems"]
@@ -112,8 +134,12 @@ def test_int8_file_is_about_4x_smaller(calibrated, exported, tmp_path):
     assert big.stat().st_size > 2.5 * small.stat().st_size
     m = onnx.load(str(big))
     # one per quantizer; the copies in front of MaxPool/Flatten are the fc1 input quantizer's
-    enabled = [n for n, q in load_calibrated(calibrated("digits_cnn", "int8")).quantizer_info.items() if q["enabled"]]
-    assert sum(n.op_type == "QuantizeLinear" and PROPAGATED_MARK not in n.name for n in m.graph.node) == len(enabled)
+    enabled = [
+        n for n, q in load_calibrated(calibrated("digits_cnn", "int8")).quantizer_info.items() if q["enabled"]
+    ]
+    assert sum(n.op_type == "QuantizeLinear" and PROPAGATED_MARK not in n.name for n in m.graph.node) == len(
+        enabled
+    )
     assert verify_onnx(big, calibrated("digits_cnn", "int8"), deployment=False).passed
 
 
@@ -121,7 +147,9 @@ def test_text_encoder_dynamic_batch_and_sequence(calibrated, exported):
     path = exported("text_encoder", "int8")
     ck = load_calibrated(calibrated("text_encoder", "int8"))
     model = onnx.load(str(path))
-    dims = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input}
+    dims = {
+        i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim] for i in model.graph.input
+    }
     assert dims == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"]}
     from sample_models.text_encoder import tokenize
 
@@ -147,7 +175,11 @@ def test_metadata_and_summary_json(calibrated, tmp_path):
     info = json.loads(r.stdout)
     enabled = [n for n, q in load_calibrated(calibrated("digits_cnn")).quantizer_info.items() if q["enabled"]]
     acts = sum(not n.endswith("weight_quantizer") for n in enabled)
-    assert info["pairs_by_format"] == {"int8": 4, "uint8": acts} and info["weights_stored_quantized"] == 4 and info["opset"] == 13
+    assert (
+        info["pairs_by_format"] == {"int8": 4, "uint8": acts}
+        and info["weights_stored_quantized"] == 4
+        and info["opset"] == 13
+    )
     m = onnx.load(str(out))
     meta = {p.key: p.value for p in m.metadata_props}
     assert meta["quantcli.version"] and json.loads(meta["quantcli.config"])["preset"] == "int8"
@@ -158,8 +190,12 @@ def test_inspect_onnx_lists_pairs(exported):
     r = cli("inspect", exported("digits_cnn", "int4-weight-only"), "--json")
     rows = json.loads(r.stdout)
     assert rows["opset"] == 21
-    assert {p["quantizer"] for p in rows["pairs"]} == {"conv1.weight_quantizer", "conv2.weight_quantizer",
-                                                       "fc1.weight_quantizer", "fc2.weight_quantizer"}
+    assert {p["quantizer"] for p in rows["pairs"]} == {
+        "conv1.weight_quantizer",
+        "conv2.weight_quantizer",
+        "fc1.weight_quantizer",
+        "fc2.weight_quantizer",
+    }
     assert {p["format"] for p in rows["pairs"]} == {"int4"}
 
 
@@ -185,10 +221,13 @@ def _export_and_compare(model, x, tmp_path, opset=None):
 @pytest.mark.parametrize("num_bits", [8, 6, 4])
 def test_narrow_range_parity_beyond_amax(num_bits, tmp_path):
     torch.manual_seed(0)
-    m = quantize_model(Two().eval(), {"rules": [{"pattern": "*", "narrow_range": True, "num_bits": num_bits}]})
+    m = quantize_model(
+        Two().eval(), {"rules": [{"pattern": "*", "narrow_range": True, "num_bits": num_bits}]}
+    )
     x = torch.randn(64, 4) * 3
     calibrate(m, [{"x": x}], device="cpu")
-    m.a.input_quantizer.set_amax(torch.tensor(0.5))  # most values lie beyond amax: clipped to -bound, not -bound-1
+    # most values lie beyond amax: clipped to -bound, not -bound-1
+    m.a.input_quantizer.set_amax(torch.tensor(0.5))
     xt = torch.randn(256, 4) * 3
     got, want, model = _export_and_compare(m, xt, tmp_path)
     assert np.array_equal(got, want) or np.abs(got - want).max() < 1e-5
@@ -229,7 +268,9 @@ def test_fp8_saturates_at_448_in_onnxruntime(per_channel, tmp_path):
     assert np.abs(got - want).max() <= 1e-5 * max(1, np.abs(want).max())
     pairs = {p.quantizer: p for p in qdq_pairs(model)}
     w = m.a.weight.detach().numpy()
-    want_scale = (np.abs(w).max(1) if per_channel else np.abs(w).max(keepdims=True).reshape(1)) / np.float32(448)
+    want_scale = (np.abs(w).max(1) if per_channel else np.abs(w).max(keepdims=True).reshape(1)) / np.float32(
+        448
+    )
     got_scale = pairs["a.weight_quantizer"].scale.reshape(-1)
     assert got_scale.shape == ((3,) if per_channel else (1,))
     assert np.array_equal(got_scale, want_scale.astype(np.float32))
@@ -242,9 +283,15 @@ def test_fp8_saturates_at_448_in_onnxruntime(per_channel, tmp_path):
 
 def test_not_a_checkpoint(tmp_path):
     torch.save({"a": torch.zeros(1)}, tmp_path / "x.pt")
-    assert_clean_error(cli("export", tmp_path / "x.pt", "--onnx", tmp_path / "o.onnx"), "not a quantcli calibrated checkpoint")
+    assert_clean_error(
+        cli("export", tmp_path / "x.pt", "--onnx", tmp_path / "o.onnx"),
+        "not a quantcli calibrated checkpoint",
+    )
     (tmp_path / "t.pt").write_text("hello")
-    assert_clean_error(cli("export", tmp_path / "t.pt", "--onnx", tmp_path / "o.onnx"), "not a quantcli calibrated checkpoint")
+    assert_clean_error(
+        cli("export", tmp_path / "t.pt", "--onnx", tmp_path / "o.onnx"),
+        "not a quantcli calibrated checkpoint",
+    )
     assert_clean_error(cli("export", tmp_path / "none.pt", "--onnx", tmp_path / "o.onnx"), "does not exist")
     assert not (tmp_path / "o.onnx").exists()
 
@@ -253,23 +300,37 @@ def test_not_a_checkpoint_says_what_the_file_is(exported, tmp_path):
     """The message used to be torch's unpickler detail ("cannot read it: 174812789", or torch's weights_only
     advice, cut mid-word for an ONNX file passed where the checkpoint goes): say what the file is."""
     (tmp_path / "t.pt").write_text("hello")
-    assert_clean_error(cli("export", tmp_path / "t.pt", "--onnx", tmp_path / "o.onnx"), "not a file written by torch.save")
-    assert_clean_error(cli("export", exported("digits_cnn"), "--onnx", tmp_path / "o.onnx"), "looks like an ONNX graph")
-    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", exported("digits_cnn")),
-                       "looks like an ONNX graph", ".calib.pt")
+    assert_clean_error(
+        cli("export", tmp_path / "t.pt", "--onnx", tmp_path / "o.onnx"), "not a file written by torch.save"
+    )
+    assert_clean_error(
+        cli("export", exported("digits_cnn"), "--onnx", tmp_path / "o.onnx"), "looks like an ONNX graph"
+    )
+    assert_clean_error(
+        cli("verify", exported("digits_cnn"), "--reference", exported("digits_cnn")),
+        "looks like an ONNX graph",
+        ".calib.pt",
+    )
     assert not (tmp_path / "o.onnx").exists()
 
 
 def test_opset_too_low_names_format(calibrated, tmp_path):
     out = tmp_path / "o.onnx"
-    assert_clean_error(cli("export", calibrated("digits_cnn", "fp8"), "--onnx", out, "--opset", "17"), "fp8-e4m3", ">= 19")
-    assert_clean_error(cli("export", calibrated("digits_cnn", "int4-weight-only"), "--onnx", out, "--opset", "19"),
-                       "int4", ">= 21")
+    assert_clean_error(
+        cli("export", calibrated("digits_cnn", "fp8"), "--onnx", out, "--opset", "17"), "fp8-e4m3", ">= 19"
+    )
+    assert_clean_error(
+        cli("export", calibrated("digits_cnn", "int4-weight-only"), "--onnx", out, "--opset", "19"),
+        "int4",
+        ">= 21",
+    )
     assert not out.exists()
 
 
 def test_unwritable_output(calibrated, tmp_path):
-    assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "no" / "o.onnx"), "does not exist")
+    assert_clean_error(
+        cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "no" / "o.onnx"), "does not exist"
+    )
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o500)
@@ -277,7 +338,9 @@ def test_unwritable_output(calibrated, tmp_path):
         import os
 
         if not os.access(ro, os.W_OK):  # root can write anywhere
-            assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", ro / "o.onnx"), "not writable")
+            assert_clean_error(
+                cli("export", calibrated("digits_cnn"), "--onnx", ro / "o.onnx"), "not writable"
+            )
     finally:
         ro.chmod(0o700)
     assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "o.txt"), ".onnx")
@@ -286,7 +349,9 @@ def test_unwritable_output(calibrated, tmp_path):
 def test_directory_as_output_is_refused_before_exporting(calibrated, tmp_path):
     target = tmp_path / "o.onnx"
     target.mkdir()
-    assert_clean_error(cli("export", calibrated("digits_cnn"), "--onnx", target), "is a directory", "file name")
+    assert_clean_error(
+        cli("export", calibrated("digits_cnn"), "--onnx", target), "is a directory", "file name"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx"] and not any(target.iterdir())
 
 
@@ -307,7 +372,11 @@ def test_external_data_for_large_models(calibrated, tmp_path, monkeypatch):
 
     monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_BYTES", 1000)
     out = tmp_path / "big.onnx"
-    res = export_onnx(load_calibrated(calibrated("digits_cnn")).model, load_calibrated(calibrated("digits_cnn")).example, out)
+    res = export_onnx(
+        load_calibrated(calibrated("digits_cnn")).model,
+        load_calibrated(calibrated("digits_cnn")).example,
+        out,
+    )
     assert res.external_data and (tmp_path / "big.onnx.data").is_file()
     m = onnx.load(str(out))
     onnx.checker.check_model(str(out))
@@ -327,8 +396,11 @@ def test_learned_amax_exports_as_constant(tmp_path):
 
 def test_checkpoint_exports_after_the_factory_file_is_gone(tmp_path):
     src = tmp_path / "net.py"
-    src.write_text("import torch\nfrom torch import nn\n"
-                   "def make():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n")
+    src.write_text(
+        "import torch\nfrom torch import nn\n"
+        "def make():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(4, 8), "
+        "nn.ReLU(), nn.Linear(8, 2))\n"
+    )
     np.savez(tmp_path / "d.npz", np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32))
     ck = tmp_path / "net.calib.pt"
     assert cli("calibrate", f"{src}:make", "--data", tmp_path / "d.npz", "--out", ck).exit_code == 0
@@ -365,8 +437,15 @@ class AllLayers(nn.Module):
 WEIGHT_LAYOUT = {
     "int8": {"c1": 0, "c2": 0, "c3": 0, "fc": 0, "t1": 1, "t2": 1, "t3": 1},
     "fp8": dict.fromkeys(("c1", "c2", "c3", "fc", "t1", "t2", "t3")),
-    "int4-weight-only": {"c1": {1: 2}, "c2": {1: 2}, "c3": {1: 2}, "fc": {-1: 2}, "t1": {0: 2}, "t2": {0: 2},
-                         "t3": {0: 2}},
+    "int4-weight-only": {
+        "c1": {1: 2},
+        "c2": {1: 2},
+        "c3": {1: 2},
+        "fc": {-1: 2},
+        "t1": {0: 2},
+        "t2": {0: 2},
+        "t3": {0: 2},
+    },
 }
 
 
@@ -378,8 +457,11 @@ def test_every_layer_type_exports_per_channel_and_matches_onnxruntime(config, ex
     g = torch.Generator().manual_seed(1)
 
     def batch(n):
-        return {"seq": torch.randn(n, 4, 8, generator=g), "img": torch.randn(n, 4, 6, 6, generator=g),
-                "vol": torch.randn(n, 2, 4, 4, 4, generator=g)}
+        return {
+            "seq": torch.randn(n, 4, 8, generator=g),
+            "img": torch.randn(n, 4, 6, 6, generator=g),
+            "vol": torch.randn(n, 2, 4, 4, 4, generator=g),
+        }
 
     calibrate(m, [batch(8) for _ in range(3)], "max", device="cpu")
     for layer, want in WEIGHT_LAYOUT[config].items():
@@ -397,12 +479,13 @@ def test_every_layer_type_exports_per_channel_and_matches_onnxruntime(config, ex
         bound = np.float32(127 if config == "int8" else 448)
         amax = w.max() if axis is None else np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1).max(1)
         got = pairs[f"{layer}.weight_quantizer"].scale.reshape(-1)
-        assert np.array_equal(got, (np.asarray(amax, np.float32) / bound).reshape(-1)), layer  # one scale per channel
+        # one scale per channel
+        assert np.array_equal(got, (np.asarray(amax, np.float32) / bound).reshape(-1)), layer
         assert pairs[f"{layer}.weight_quantizer"].axis == (None if axis is None else axis), layer
     feeds = batch(5)
     got, want = onnx_and_torch(graph, m, feeds)
-    # not bit-exact: onnxruntime's convolutions sum in another order than torch's, and a sum that lands next to a
-    # rounding boundary of the next quantizer flips that code by one step
+    # not bit-exact: onnxruntime's convolutions sum in another order than torch's, and a sum that lands next
+    # to a rounding boundary of the next quantizer flips that code by one step
     assert np.abs(got - want).max() <= 1e-4 * max(1.0, np.abs(want).max())
     names = set(pairs)
     from quantcli.nn import quantizers
@@ -434,8 +517,10 @@ def test_torchscript_scopes_of_nested_containers_name_the_module():
     from exporters.graph import scope_module_path
 
     # torch names a Sequential/ModuleList child "<container scope>.<index>" in node scopes
-    assert scope_module_path(["layer2", "layer2.0", "downsample", "downsample.0", "input_quantizer"]) == \
-        "layer2.0.downsample.0.input_quantizer"
+    assert (
+        scope_module_path(["layer2", "layer2.0", "downsample", "downsample.0", "input_quantizer"])
+        == "layer2.0.downsample.0.input_quantizer"
+    )
     assert scope_module_path(["features", "features.3", "weight_quantizer"]) == "features.3.weight_quantizer"
     assert scope_module_path(["fc1", "input_quantizer"]) == "fc1.input_quantizer"
     # a container inside a container: ModuleList "layers" of Sequentials -> scopes "layers.1", "layers.1.0"

@@ -1,5 +1,5 @@
-"""Export hooks (quantcli.nn.export_hooks): set for a block, used by forward while set, gone afterwards even when
-the block (or the dynamo export around it) fails."""
+"""Export hooks (quantcli.nn.export_hooks): set for a block, used by forward while set, gone afterwards even
+when the block (or the dynamo export around it) fails."""
 
 import pytest
 import torch
@@ -35,8 +35,12 @@ def _calibrated(config="int8") -> tuple[nn.Module, dict[str, torch.Tensor]]:
 
 
 def _hooks_left(model: nn.Module) -> list[str]:
-    return [f"{n}.{h}" for n, m in model.named_modules() for h in ("export_hook", "bias_export_hook")
-            if h in m.__dict__]
+    return [
+        f"{n}.{h}"
+        for n, m in model.named_modules()
+        for h in ("export_hook", "bias_export_hook")
+        if h in m.__dict__
+    ]
 
 
 def test_a_hook_replaces_the_quantizer_while_set_and_is_removed_when_the_block_raises():
@@ -63,7 +67,9 @@ def test_an_unknown_hook_is_refused_and_the_ones_set_before_it_are_removed():
     model, _ = _calibrated()
     q = model.fc.input_quantizer
     with pytest.raises(ValueError, match="has no export hook 'bias_export_hook'"):
-        with export_hooks([(model.conv, "bias_export_hook", lambda: None), (q, "bias_export_hook", lambda: None)]):
+        with export_hooks(
+            [(model.conv, "bias_export_hook", lambda: None), (q, "bias_export_hook", lambda: None)]
+        ):
             pass
     assert _hooks_left(model) == []
 
@@ -75,8 +81,11 @@ def test_dynamo_export_traces_through_the_hooks_and_removes_them_when_it_fails(t
 
     def failing_export(m, *args, **kwargs):
         during["quantizers"] = {n for n, q in quantizers(m).items() if "export_hook" in q.__dict__}
-        during["biases"] = {n: mod.bias_export_hook() for n, mod in m.named_modules()
-                            if isinstance(mod, QuantMixin) and "bias_export_hook" in mod.__dict__}
+        during["biases"] = {
+            n: mod.bias_export_hook()
+            for n, mod in m.named_modules()
+            if isinstance(mod, QuantMixin) and "bias_export_hook" in mod.__dict__
+        }
         raise RuntimeError("the tracer gave up")
 
     monkeypatch.setattr(torch.onnx, "export", failing_export)
@@ -85,7 +94,9 @@ def test_dynamo_export_traces_through_the_hooks_and_removes_them_when_it_fails(t
     enabled = {n for n, q in quantizers(model).items() if q.enabled}
     assert during["quantizers"] == enabled and enabled
     # the int32 bias the hook adds: bias rounded to the grid of x_scale * w_scale (half a step at most)
-    step = arithmetic.bias_scale(model.conv.input_quantizer.integer_scale(), model.conv.weight_quantizer.integer_scale())
+    step = arithmetic.bias_scale(
+        model.conv.input_quantizer.integer_scale(), model.conv.weight_quantizer.integer_scale()
+    )
     got = during["biases"]["conv"]
     assert torch.all((got - model.conv.bias.detach()).abs() <= step / 2 + 1e-7)
     assert not torch.equal(got, model.conv.bias.detach())

@@ -1,8 +1,8 @@
 """The fault campaign of issue 24: outputs that are inputs, interrupts and kills during writes, full disks,
 damaged checkpoints, --json on failures, the error path with the installed typer.
 
-Interrupts are sent to a subprocess at a point it reports (a marker file its patched writer creates), never after
-a fixed sleep."""
+Interrupts are sent to a subprocess at a point it reports (a marker file its patched writer creates), never
+after a fixed sleep."""
 
 import errno
 import json
@@ -25,7 +25,7 @@ from tests.helpers import assert_clean_error, cli, cli_subprocess
 REPO = Path(__file__).resolve().parents[1]
 
 
-# --------------------------------------------------------------------------------------------- outputs = inputs
+# ------------------------------------------------------------------------------------------- outputs = inputs
 
 
 def _digits_data(path: Path) -> Path:
@@ -56,7 +56,9 @@ def test_calibrate_refuses_an_out_that_is_an_input(tmp_path):
 
     torch.save(build().state_dict(), w)
     wb = w.read_bytes()
-    assert_clean_error(cli("calibrate", "digits_cnn", "--weights", w, "--data", data, "--out", w), "--weights")
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--weights", w, "--data", data, "--out", w), "--weights"
+    )
     _unchanged(w, wb)
 
 
@@ -87,7 +89,7 @@ def test_analyze_refuses_a_report_file_that_is_an_input(calibrated, tmp_path):
     _unchanged(ck, before)
 
 
-# --------------------------------------------------------------------------------------------- analyze: check first, all or nothing
+# ----------------------------------------------------------------------- analyze: check first, all or nothing
 
 
 def test_analyze_checks_its_folder_before_the_analysis(calibrated, tmp_path, monkeypatch):
@@ -100,7 +102,9 @@ def test_analyze_checks_its_folder_before_the_analysis(calibrated, tmp_path, mon
     taken = tmp_path / "taken"
     (taken / "report.html").mkdir(parents=True)  # a file name the report cannot take
     assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", taken), "report.html", "directory")
-    assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", tmp_path / "no" / "a"), "does not exist")
+    assert_clean_error(
+        cli("analyze", calibrated("digits_cnn"), "--out", tmp_path / "no" / "a"), "does not exist"
+    )
     ro = tmp_path / "ro"
     ro.mkdir()
     ro.chmod(0o555)
@@ -128,14 +132,18 @@ def _full_disk_after(monkeypatch, name: str):
 def test_analyze_on_a_full_disk_writes_nothing(calibrated, tmp_path, monkeypatch):
     _full_disk_after(monkeypatch, "report.html")
     out = tmp_path / "a"
-    assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", out, "--num-samples", "8"),
-                       "no space left on device")
+    assert_clean_error(
+        cli("analyze", calibrated("digits_cnn"), "--out", out, "--num-samples", "8"),
+        "no space left on device",
+    )
     assert not out.exists()
     assert os.listdir(tmp_path) == []
     out.mkdir()
     (out / "analysis.json").write_text("old")
-    assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--out", out, "--num-samples", "8"),
-                       "no space left on device")
+    assert_clean_error(
+        cli("analyze", calibrated("digits_cnn"), "--out", out, "--num-samples", "8"),
+        "no space left on device",
+    )
     assert os.listdir(out) == ["analysis.json"] and (out / "analysis.json").read_text() == "old"
 
 
@@ -145,15 +153,26 @@ def test_write_together_is_all_or_nothing(tmp_path, monkeypatch):
     _full_disk_after(monkeypatch, "b.txt")
     with pytest.raises(QuantCliError, match="no space left on device"):
         files.write_together(tmp_path / "f", {"a.txt": "new", "b.txt": "new"})
-    assert (tmp_path / "f" / "a.txt").read_text() == "1" and sorted(os.listdir(tmp_path / "f")) == ["a.txt", "b.txt"]
+    assert (tmp_path / "f" / "a.txt").read_text() == "1" and sorted(os.listdir(tmp_path / "f")) == [
+        "a.txt",
+        "b.txt",
+    ]
 
 
 # --------------------------------------------------------------------------------------------- full disks
 
 
-@pytest.mark.parametrize("failure", [OSError(errno.ENOSPC, "No space left on device"),
-                                     RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
-                                                  "failed writing file data/0: file write failed")])
+@pytest.mark.parametrize(
+    "failure",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError(
+            "[enforce fail at inline_container.cc:672] . "
+            "PytorchStreamWriter "
+            "failed writing file data/0: file write failed"
+        ),
+    ],
+)
 def test_a_full_disk_is_named(tmp_path, failure):
     out = tmp_path / "c.calib.pt"
     out.write_text("old")
@@ -170,8 +189,11 @@ def test_a_full_disk_is_named(tmp_path, failure):
 
 def test_full_disk_through_the_cli(tmp_path, monkeypatch):
     def full(obj, f, *a, **k):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file "
-                           "data/0: file write failed")
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
+            "file "
+            "data/0: file write failed"
+        )
 
     monkeypatch.setattr(torch, "save", full)
     r = cli("calibrate", "digits_cnn", "--out", tmp_path / "d.calib.pt", "--num-samples", "16", "--json")
@@ -185,8 +207,13 @@ def test_help_to_a_full_device_is_one_line():
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     with open("/dev/full", "w") as full:
-        r = subprocess.run([sys.executable, "-m", "quantcli", "--help"], stdout=full, stderr=subprocess.PIPE,
-                           text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "quantcli", "--help"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert "no space left on device" in r.stderr
@@ -194,7 +221,8 @@ def test_help_to_a_full_device_is_one_line():
 
 def test_destinations_that_are_not_regular_files_are_refused(tmp_path):
     """Renaming over a device or a FIFO would replace it (as root, ``--report /dev/null`` would replace the
-    system's /dev/null): a FIFO stands in for a device here, so the test harms nothing when the check is missing."""
+    system's /dev/null): a FIFO stands in for a device here, so the test harms nothing when the check is
+    missing."""
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
     with pytest.raises(QuantCliError, match="not a regular file"):
@@ -202,7 +230,7 @@ def test_destinations_that_are_not_regular_files_are_refused(tmp_path):
     assert fifo.is_fifo()
 
 
-# --------------------------------------------------------------------------------------------- damaged checkpoints
+# ---------------------------------------------------------------------------------------- damaged checkpoints
 
 
 def _first_quantizer_emptied(d):
@@ -227,21 +255,25 @@ def test_malformed_checkpoints_are_named(calibrated, tmp_path, edit):
     ck = tmp_path / "c.calib.pt"
     torch.save(data, ck)
     for args in (("export", ck, "--onnx", tmp_path / "m.onnx"), ("analyze", ck)) + (
-            () if edit == "rules not a list" else (("inspect", ck),)):  # inspect does not build the config
+        () if edit == "rules not a list" else (("inspect", ck),)
+    ):  # inspect does not build the config
         assert_clean_error(cli(*args), str(ck), "damaged")
 
 
 # --------------------------------------------------------------------------------------------- --json errors
 
 
-@pytest.mark.parametrize("args", [
-    ("calibrate", "--json"),  # usage error: missing MODEL
-    ("calibrate", "digits_cnn", "--bogus", "--json"),
-    ("inspect", "missing.calib.pt", "--json"),
-    ("export", "missing.calib.pt", "--onnx", "m.onnx", "--json"),
-    ("verify", "missing.onnx", "--reference", "missing.calib.pt", "--json"),
-    ("analyze", "missing.calib.pt", "--json"),
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("calibrate", "--json"),  # usage error: missing MODEL
+        ("calibrate", "digits_cnn", "--bogus", "--json"),
+        ("inspect", "missing.calib.pt", "--json"),
+        ("export", "missing.calib.pt", "--onnx", "m.onnx", "--json"),
+        ("verify", "missing.onnx", "--reference", "missing.calib.pt", "--json"),
+        ("analyze", "missing.calib.pt", "--json"),
+    ],
+)
 def test_json_errors_are_json_on_stdout(args, tmp_path):
     r = cli_subprocess(*args, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
@@ -261,12 +293,12 @@ def test_json_error_on_nan_data(tmp_path):
     assert d["exit_code"] == 2 and d["error"] in r.stderr
 
 
-# --------------------------------------------------------------------------------------------- the error path in main
+# ------------------------------------------------------------------------------------- the error path in main
 
 
 def test_unexpected_errors_reaching_main_are_one_line(monkeypatch, capsys):
-    """main() with the installed typer: an exception outside any command's guard (here: printing --help) is one
-    line and exit 2, not an AttributeError about click's exceptions."""
+    """main() with the installed typer: an exception outside any command's guard (here: printing --help) is
+    one line and exit 2, not an AttributeError about click's exceptions."""
     from quantcli.cli import entry
 
     def broken_help(*a, **k):
@@ -287,7 +319,8 @@ def test_unexpected_errors_reaching_main_are_one_line(monkeypatch, capsys):
 
 
 def test_a_closed_pipe_is_quiet(monkeypatch, capfd):
-    """``quantcli inspect x --json | head -1``: the reader closed the pipe; no error line, exit 141 (SIGPIPE)."""
+    """``quantcli inspect x --json | head -1``: the reader closed the pipe; no error line, exit 141
+    (SIGPIPE)."""
     from quantcli.cli import entry
 
     def closed(*a, **k):
@@ -310,49 +343,89 @@ def test_debug_shows_the_real_traceback_then_exit_2():
     if not os.path.exists("/dev/full"):
         pytest.skip("no /dev/full")
     with open("/dev/full", "w") as full:
-        r = subprocess.run([sys.executable, "-m", "quantcli", "--help"], stdout=full, stderr=subprocess.PIPE,
-                           text=True, timeout=120, env={**os.environ, "QUANTCLI_DEBUG": "1"})
+        r = subprocess.run(
+            [sys.executable, "-m", "quantcli", "--help"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, "QUANTCLI_DEBUG": "1"},
+        )
     assert r.returncode == 2, r.stderr
     assert "OSError: [Errno 28]" in r.stderr and "AttributeError" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: no space left on device")
 
 
-OLD_TYPER = "0.12.0"  # the lower bound in pyproject.toml, typer>=0.12 (whose code is the typer-slim distribution)
+# the lower bound in pyproject.toml, typer>=0.12 (whose code is the typer-slim distribution)
+OLD_TYPER = "0.12.0"
 
 
 def test_error_path_with_the_oldest_allowed_typer(tmp_path):
     """The same error path with typer 0.12 (which uses the click package, not a vendored copy)."""
     target = tmp_path / "old"
-    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
-                        f"typer-slim=={OLD_TYPER}", "click==8.1.7"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--target",
+            str(target),
+            f"typer-slim=={OLD_TYPER}",
+            "click==8.1.7",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode != 0:
         pytest.skip(f"typer {OLD_TYPER} cannot be installed here: {r.stderr.strip()[-200:]}")
     env = {"PYTHONPATH": os.pathsep.join([str(target), str(REPO)])}
     probe = cli_subprocess("--version", env=env)
-    check = subprocess.run([sys.executable, "-c", "import typer; print(typer.__version__)"], capture_output=True,
-                           text=True, env={**os.environ, **env})
+    check = subprocess.run(
+        [sys.executable, "-c", "import typer; print(typer.__version__)"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+    )
     assert check.stdout.strip() == OLD_TYPER and probe.returncode == 0, probe.stderr
     r = cli_subprocess("calibrate", "--bogus", "--json", env=env)
     assert r.returncode == 2 and r.stderr.startswith("error: ") and json.loads(r.stdout)["exit_code"] == 2
     r = cli_subprocess("inspect", tmp_path / "missing.calib.pt", env=env)
     assert_clean_error(r, "does not exist")
     with open("/dev/full", "w") as full:
-        r = subprocess.run([sys.executable, "-m", "quantcli", "--help"], stdout=full, stderr=subprocess.PIPE,
-                           text=True, timeout=120, env={**os.environ, **env})
+        r = subprocess.run(
+            [sys.executable, "-m", "quantcli", "--help"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env},
+        )
     assert r.returncode == 2 and "no space left on device" in r.stderr and "Traceback" not in r.stderr
     with open("/dev/full", "w") as full:  # QUANTCLI_DEBUG: the real traceback, then the one line, exit 2
-        r = subprocess.run([sys.executable, "-m", "quantcli", "--help"], stdout=full, stderr=subprocess.PIPE,
-                           text=True, timeout=120, env={**os.environ, **env, "QUANTCLI_DEBUG": "1"})
-    assert r.returncode == 2 and "OSError: [Errno 28]" in r.stderr and "AttributeError" not in r.stderr, r.stderr
+        r = subprocess.run(
+            [sys.executable, "-m", "quantcli", "--help"],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={**os.environ, **env, "QUANTCLI_DEBUG": "1"},
+        )
+    assert r.returncode == 2 and "OSError: [Errno 28]" in r.stderr and "AttributeError" not in r.stderr, (
+        r.stderr
+    )
     assert r.stderr.strip().splitlines()[-1].startswith("error: no space left on device")
 
 
 # --------------------------------------------------------------------------------------------- signals
 
 
-# Runs quantcli's main with ``torch.save`` (or ``onnx.save_model``) patched: the real write, then a marker file,
-# then a wait, so the test signals the process while the temporary file or folder exists.
-PAUSED_WRITER = textwrap.dedent('''
+# Runs quantcli's main with ``torch.save`` (or ``onnx.save_model``) patched: the real write, then a marker
+# file, then a wait, so the test signals the process while the temporary file or folder exists.
+PAUSED_WRITER = textwrap.dedent("""
     import os, sys, time
     mark, module, attr = sys.argv[1:4]
     mod = __import__(module)
@@ -368,16 +441,21 @@ PAUSED_WRITER = textwrap.dedent('''
     sys.argv = ["quantcli", *sys.argv[4:]]
     from quantcli.cli import main
     main()
-''')
+""")
 
 
 def _start_paused(tmp_path, module, attr, *args):
     mark = tmp_path / "paused.marker"
     script = tmp_path / "paused.py"
     script.write_text(PAUSED_WRITER)
-    proc = subprocess.Popen([sys.executable, str(script), str(mark), module, attr, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(mark), module, attr, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     deadline = time.monotonic() + 300
     while not mark.exists():
         assert proc.poll() is None, proc.communicate()
@@ -394,8 +472,9 @@ def _leftovers(folder: Path) -> list[str]:
 def test_signal_during_checkpoint_write_cleans_up(tmp_path, sig, code):
     out = tmp_path / "x.calib.pt"
     out.write_bytes(b"previous")
-    proc, mark = _start_paused(tmp_path, "torch", "save", "calibrate", "digits_cnn", "--out", out,
-                               "--num-samples", "16")
+    proc, mark = _start_paused(
+        tmp_path, "torch", "save", "calibrate", "digits_cnn", "--out", out, "--num-samples", "16"
+    )
     assert Path(mark.read_text()).name.startswith(".x.calib.pt.")  # the temporary file exists now
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=120)
@@ -406,7 +485,9 @@ def test_signal_during_checkpoint_write_cleans_up(tmp_path, sig, code):
 
 def test_sigterm_during_export_removes_the_staging_folder(calibrated, tmp_path):
     out = tmp_path / "m.onnx"
-    proc, mark = _start_paused(tmp_path, "onnx", "save_model", "export", calibrated("digits_cnn"), "--onnx", out)
+    proc, mark = _start_paused(
+        tmp_path, "onnx", "save_model", "export", calibrated("digits_cnn"), "--onnx", out
+    )
     assert any(p.startswith(".quantcli-export-") for p in os.listdir(tmp_path))
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -416,7 +497,9 @@ def test_sigterm_during_export_removes_the_staging_folder(calibrated, tmp_path):
 
 def test_leftovers_of_a_killed_writer_are_removed_by_the_next_run(tmp_path):
     out = tmp_path / "x.calib.pt"
-    proc, _ = _start_paused(tmp_path, "torch", "save", "calibrate", "digits_cnn", "--out", out, "--num-samples", "16")
+    proc, _ = _start_paused(
+        tmp_path, "torch", "save", "calibrate", "digits_cnn", "--out", out, "--num-samples", "16"
+    )
     proc.send_signal(signal.SIGKILL)  # no handler runs
     proc.communicate(timeout=120)
     left = _leftovers(tmp_path)
@@ -432,7 +515,7 @@ def test_leftovers_of_a_killed_writer_are_removed_by_the_next_run(tmp_path):
 
 
 # Runs quantcli's main with an import of torch that, like numpy's, turns an interrupt into an ImportError
-INTERRUPTED_IMPORT = textwrap.dedent('''
+INTERRUPTED_IMPORT = textwrap.dedent("""
     import importlib.abc, importlib.machinery, sys, time
     mark = sys.argv[1]
 
@@ -453,16 +536,21 @@ INTERRUPTED_IMPORT = textwrap.dedent('''
     sys.argv = ["quantcli", *sys.argv[2:]]
     from quantcli.cli import main
     main()
-''')
+""")
 
 
 def test_ctrl_c_inside_a_lazy_import_is_exit_130(tmp_path):
     mark = tmp_path / "import.marker"
     script = tmp_path / "slow_import.py"
     script.write_text(INTERRUPTED_IMPORT)
-    proc = subprocess.Popen([sys.executable, str(script), str(mark), "calibrate", "digits_cnn", "--json"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(mark), "calibrate", "digits_cnn", "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     deadline = time.monotonic() + 120
     while not mark.exists():
         assert proc.poll() is None, proc.communicate()
@@ -475,12 +563,13 @@ def test_ctrl_c_inside_a_lazy_import_is_exit_130(tmp_path):
     assert json.loads(out)["exit_code"] == 130
 
 
-# --------------------------------------------------------------------------------------------- stderr stays one line
+# -------------------------------------------------------------------------------------- stderr stays one line
 
 
 def test_runtime_errors_stay_off_stderr(calibrated, exported, tmp_path):
-    """A graph onnxruntime loads but cannot run: its own coloured [E:onnxruntime:...] lines stay off stderr. The
-    failure is verify's verdict (graph.runs fails, exit 1, the node named in the report), said once, by quantcli."""
+    """A graph onnxruntime loads but cannot run: its own coloured [E:onnxruntime:...] lines stay off stderr.
+    The failure is verify's verdict (graph.runs fails, exit 1, the node named in the report), said once, by
+    quantcli."""
     import onnx
 
     m = onnx.load(exported("digits_cnn"))
@@ -489,7 +578,8 @@ def test_runtime_errors_stay_off_stderr(calibrated, exported, tmp_path):
     onnx.save(m, tmp_path / "bad.onnx")
     r = cli_subprocess("verify", tmp_path / "bad.onnx", "--reference", calibrated("digits_cnn"), "--json")
     assert r.returncode == 1, r.stderr
-    assert r.stderr == ""  # onnxruntime logs "[E:onnxruntime:...] Non-zero status code ..." at its default level
+    # onnxruntime logs "[E:onnxruntime:...] Non-zero status code ..." at its default level
+    assert r.stderr == ""
     failed = {c["name"]: c["detail"] for c in json.loads(r.stdout)["checks"] if not c["passed"]}
     assert conv.name in failed["graph.runs"]
 
@@ -503,7 +593,8 @@ def test_complex_data_is_refused_in_one_line(calibrated, exported, tmp_path):
 
 def test_library_warnings_do_not_reach_stderr(calibrated, tmp_path):
     script = tmp_path / "noisy.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import sys, warnings
         import quantcli.analysis.inspect
         real = quantcli.analysis.inspect.inspect_checkpoint
@@ -516,9 +607,15 @@ def test_library_warnings_do_not_reach_stderr(calibrated, tmp_path):
         sys.argv = ["quantcli", *sys.argv[1:]]
         from quantcli.cli import main
         main()
-    '''))
-    r = subprocess.run([sys.executable, str(script), "inspect", str(calibrated("digits_cnn"))], capture_output=True,
-                       text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    """)
+    )
+    r = subprocess.run(
+        [sys.executable, str(script), "inspect", str(calibrated("digits_cnn"))],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stderr == ""
 
@@ -569,8 +666,20 @@ def test_analyze_takes_mean_and_std(tmp_path, monkeypatch):
         return real(ckpt, batches, **k)
 
     monkeypatch.setattr(quantcli.analysis.analyze, "analyze", spy)
-    r = cli("analyze", ck, "--data", tmp_path / "imgs", "--mean", "0.5", "--std", "0.25", "--out", tmp_path / "a",
-            "--num-samples", "4")
+    r = cli(
+        "analyze",
+        ck,
+        "--data",
+        tmp_path / "imgs",
+        "--mean",
+        "0.5",
+        "--std",
+        "0.25",
+        "--out",
+        tmp_path / "a",
+        "--num-samples",
+        "4",
+    )
     assert r.exit_code == 0, r.output
     from PIL import Image
 

@@ -1,7 +1,8 @@
-"""torchrun failures from the fault campaign (issue 24): an error while joining is printed once, a stalled rank is
-named after --dist-timeout, a rank that dies is reported as such. Two ranks started by hand, as torchrun starts
-them (see tests/test_distributed.py); the stalled rank waits in a test hook (QUANTCLI_TEST_STALL) after creating
-a marker file, so the test acts when the marker exists, never after a fixed sleep."""
+"""torchrun failures from the fault campaign (issue 24): an error while joining is printed once, a stalled
+rank is named after --dist-timeout, a rank that dies is reported as such. Two ranks started by hand, as
+torchrun starts them (see tests/test_distributed.py); the stalled rank waits in a test hook
+(QUANTCLI_TEST_STALL) after creating a marker file, so the test acts when the marker exists, never after a
+fixed sleep."""
 
 import os
 import signal
@@ -16,14 +17,37 @@ def _ranks(tmp_path, *args, stall_rank=None, marker=None):
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+        }
         env.pop("QUANTCLI_TEST_STALL", None)
         if rank == stall_rank:
             env["QUANTCLI_TEST_STALL"] = f"{rank}:{marker}"
-        procs.append(subprocess.Popen([sys.executable, "-m", "quantcli", "calibrate", "digits_cnn",
-                                       "--out", str(tmp_path / "out.calib.pt"), *map(str, args)], cwd=tmp_path,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "quantcli",
+                    "calibrate",
+                    "digits_cnn",
+                    "--out",
+                    str(tmp_path / "out.calib.pt"),
+                    *map(str, args),
+                ],
+                cwd=tmp_path,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     return procs
 
 

@@ -1,5 +1,5 @@
-"""Crafted checkpoints run no code without --trust-code (issue 24, security): every case checks that a marker file
-the named code would write is never written."""
+"""Crafted checkpoints run no code without --trust-code (issue 24, security): every case checks that a marker
+file the named code would write is never written."""
 
 import json
 import os
@@ -14,15 +14,16 @@ import torch
 from quantcli.files import atomic_write
 from tests.helpers import assert_clean_error, cli, cli_subprocess
 
-# writes the marker at import, then builds the digits_cnn sample model (so a load that goes through would work)
-EVIL = '''
+# writes the marker at import, then builds the digits_cnn sample model (so a load that goes through would
+# work)
+EVIL = """
 import os
 open(os.environ["QUANTCLI_TEST_MARKER"], "a").write("ran\\n")
 
 def make():
     from sample_models.digits_cnn import build
     return build()
-'''
+"""
 
 
 def _crafted(src: Path, dst: Path, model: dict) -> Path:
@@ -42,12 +43,17 @@ def marker(tmp_path, monkeypatch):
 def test_file_spec_without_stored_source_runs_nothing(calibrated, tmp_path, marker):
     evil = tmp_path / "evil.py"
     evil.write_text(EVIL)
-    ck = _crafted(calibrated("digits_cnn"), tmp_path / "c.calib.pt",
-                  {"kind": "file", "spec": f"{evil}:make", "path": str(evil), "source": None})
-    for args in (("export", ck, "--onnx", tmp_path / "m.onnx"),
-                 ("verify", tmp_path / "m.onnx", "--reference", ck),
-                 ("analyze", ck, "--out", tmp_path / "a"),
-                 ("export", ck, "--onnx", tmp_path / "m.onnx", "--trust-code")):  # no stored bytes to approve
+    ck = _crafted(
+        calibrated("digits_cnn"),
+        tmp_path / "c.calib.pt",
+        {"kind": "file", "spec": f"{evil}:make", "path": str(evil), "source": None},
+    )
+    for args in (
+        ("export", ck, "--onnx", tmp_path / "m.onnx"),
+        ("verify", tmp_path / "m.onnx", "--reference", ck),
+        ("analyze", ck, "--out", tmp_path / "a"),
+        ("export", ck, "--onnx", tmp_path / "m.onnx", "--trust-code"),
+    ):  # no stored bytes to approve
         assert_clean_error(cli(*args), "does not store its source", "nothing is run")
         assert not marker.exists(), args
     assert not (tmp_path / "m.onnx").exists() and not (tmp_path / "a").exists()
@@ -66,13 +72,17 @@ def test_stored_source_must_match_the_file_byte_for_byte(calibrated, tmp_path, m
     evil = tmp_path / "evil.py"
     evil.write_text(EVIL)
     stored = EVIL.replace('"ran\\n"', '"stored\\n"')
-    ck = _crafted(calibrated("digits_cnn"), tmp_path / "c.calib.pt",
-                  {"kind": "file", "spec": f"{evil}:make", "path": str(evil), "source": stored})
+    ck = _crafted(
+        calibrated("digits_cnn"),
+        tmp_path / "c.calib.pt",
+        {"kind": "file", "spec": f"{evil}:make", "path": str(evil), "source": stored},
+    )
     assert_clean_error(cli("export", ck, "--onnx", tmp_path / "m.onnx"), "changed on disk", "--trust-code")
     assert not marker.exists()
     r = cli("inspect", ck, "--json")
     assert json.loads(r.stdout)["model_code"]["needs_trust_code"] is True
-    evil.write_bytes(stored.replace("\n", "\r\n").encode())  # same text, other bytes: still not the stored code
+    # same text, other bytes: still not the stored code
+    evil.write_bytes(stored.replace("\n", "\r\n").encode())
     assert_clean_error(cli("export", ck, "--onnx", tmp_path / "m.onnx"), "changed on disk")
     assert not marker.exists()
 
@@ -81,8 +91,11 @@ def test_no_message_prints_the_named_files_content(calibrated, tmp_path, marker)
     secret = tmp_path / "secrets.txt"
     secret.write_text("hunter2\n")  # as Python: NameError naming it
     for source in (None, "def make():\n    pass\n"):
-        ck = _crafted(calibrated("digits_cnn"), tmp_path / "c.calib.pt",
-                      {"kind": "file", "spec": f"{secret}:make", "path": str(secret), "source": source})
+        ck = _crafted(
+            calibrated("digits_cnn"),
+            tmp_path / "c.calib.pt",
+            {"kind": "file", "spec": f"{secret}:make", "path": str(secret), "source": source},
+        )
         for args in (("export", ck, "--onnx", tmp_path / "m.onnx"), ("inspect", ck)):
             r = cli(*args)
             assert "hunter2" not in r.output, r.output
@@ -98,18 +111,30 @@ def test_module_from_the_working_directory_is_not_imported(calibrated, tmp_path,
     _write_cwdmod(work)
     env = {"QUANTCLI_TEST_MARKER": str(marker)}
     # a checkpoint that names it and lies about its distribution
-    ck = _crafted(calibrated("digits_cnn"), work / "c.calib.pt",
-                  {"kind": "module", "spec": "cwdmod:make", "path": None, "source": None,
-                   "extra": {"distribution": "quantcli", "version": "0.1.0"}})
-    for args in (("export", ck, "--onnx", work / "m.onnx"), ("verify", work / "m.onnx", "--reference", ck),
-                 ("analyze", ck, "--out", work / "a")):
+    ck = _crafted(
+        calibrated("digits_cnn"),
+        work / "c.calib.pt",
+        {
+            "kind": "module",
+            "spec": "cwdmod:make",
+            "path": None,
+            "source": None,
+            "extra": {"distribution": "quantcli", "version": "0.1.0"},
+        },
+    )
+    for args in (
+        ("export", ck, "--onnx", work / "m.onnx"),
+        ("verify", work / "m.onnx", "--reference", ck),
+        ("analyze", ck, "--out", work / "a"),
+    ):
         r = cli_subprocess(*args, cwd=work, env=env)
         assert_clean_error(r, "cwdmod", "--trust-code", "nothing was imported")
         assert not marker.exists(), args
     r = cli_subprocess("inspect", ck, "--json", cwd=work, env=env)
     assert r.returncode == 0 and json.loads(r.stdout)["model_code"]["needs_trust_code"] is True
     assert not marker.exists()
-    # calibrated honestly from that folder: the user's own command imports it; a checkpoint still needs consent
+    # calibrated honestly from that folder: the user's own command imports it; a checkpoint still needs
+    # consent
     honest = work / "h.calib.pt"
     x = work / "x.pt"
     torch.save({"x": torch.rand(8, 1, 8, 8)}, x)
@@ -117,8 +142,11 @@ def test_module_from_the_working_directory_is_not_imported(calibrated, tmp_path,
     assert r.returncode == 0, r.stderr
     assert marker.read_text() == "ran\n"
     marker.unlink()
-    assert_clean_error(cli_subprocess("export", honest, "--onnx", work / "m.onnx", cwd=work, env=env),
-                       "no installed distribution", "--trust-code")
+    assert_clean_error(
+        cli_subprocess("export", honest, "--onnx", work / "m.onnx", cwd=work, env=env),
+        "no installed distribution",
+        "--trust-code",
+    )
     assert not marker.exists() and not (work / "m.onnx").exists()
     r = cli_subprocess("export", honest, "--onnx", work / "m.onnx", "--trust-code", cwd=work, env=env)
     assert r.returncode == 0, r.stderr
@@ -139,24 +167,43 @@ def test_module_shadowing_an_installed_package_is_not_imported(calibrated, tmp_p
     (work / "sample_models" / "__init__.py").write_text(EVIL)
     (work / "sample_models" / "digits_cnn.py").write_text(EVIL.replace("make", "build"))
     env = {"QUANTCLI_TEST_MARKER": str(marker)}
-    # the CLI puts the working directory last on sys.path (python -m puts it first): a regular install wins and
-    # loads; an editable one (a meta-path finder, consulted after sys.path) would lose to it, and is refused
+    # the CLI puts the working directory last on sys.path (python -m puts it first): a regular install wins
+    # and loads; an editable one (a meta-path finder, consulted after sys.path) would lose to it, and is
+    # refused
     r = cli_subprocess("export", ck, "--onnx", work / "m.onnx", cwd=work, env=env)
     assert r.returncode == 0 or "working directory" in r.stderr, r.stderr
     assert not marker.exists()
     # a script run from that folder has it first: the library refuses before importing anything
-    script = ("import sys; sys.path.insert(0, ''); from quantcli import load_calibrated; "
-              f"load_calibrated({str(ck)!r})")
-    r = subprocess.run([sys.executable, "-c", script], cwd=work, capture_output=True, text=True,
-                       env={**os.environ, **env}, timeout=300)
-    assert r.returncode == 1 and "UntrustedCodeError" in r.stderr and "working directory" in r.stderr, r.stderr
+    script = (
+        "import sys; sys.path.insert(0, ''); from quantcli import load_calibrated; "
+        f"load_calibrated({str(ck)!r})"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **env},
+        timeout=300,
+    )
+    assert r.returncode == 1 and "UntrustedCodeError" in r.stderr and "working directory" in r.stderr, (
+        r.stderr
+    )
     assert not marker.exists()
 
 
 def test_standard_library_module_is_not_imported(calibrated, tmp_path):
-    ck = _crafted(calibrated("digits_cnn"), tmp_path / "c.calib.pt",
-                  {"kind": "module", "spec": "this:make", "path": None, "source": None,
-                   "extra": {"distribution": "quantcli", "version": "0.1.0"}})
+    ck = _crafted(
+        calibrated("digits_cnn"),
+        tmp_path / "c.calib.pt",
+        {
+            "kind": "module",
+            "spec": "this:make",
+            "path": None,
+            "source": None,
+            "extra": {"distribution": "quantcli", "version": "0.1.0"},
+        },
+    )
     r = cli_subprocess("export", ck, "--onnx", tmp_path / "m.onnx", cwd=tmp_path)
     assert_clean_error(r, "this:make".split(":")[0], "--trust-code")
     assert "Zen of Python" not in r.stdout + r.stderr  # `import this` prints it
@@ -164,10 +211,14 @@ def test_standard_library_module_is_not_imported(calibrated, tmp_path):
 
 def test_checkpoint_naming_no_known_model_kind_runs_nothing(calibrated, tmp_path, marker):
     _write_cwdmod(tmp_path)
-    ck = _crafted(calibrated("digits_cnn"), tmp_path / "c.calib.pt",
-                  {"kind": "other", "spec": "cwdmod:make", "path": None, "source": None})
-    r = cli_subprocess("export", ck, "--onnx", tmp_path / "m.onnx", cwd=tmp_path,
-                       env={"QUANTCLI_TEST_MARKER": str(marker)})
+    ck = _crafted(
+        calibrated("digits_cnn"),
+        tmp_path / "c.calib.pt",
+        {"kind": "other", "spec": "cwdmod:make", "path": None, "source": None},
+    )
+    r = cli_subprocess(
+        "export", ck, "--onnx", tmp_path / "m.onnx", cwd=tmp_path, env={"QUANTCLI_TEST_MARKER": str(marker)}
+    )
     assert_clean_error(r, "damaged", "model")
     assert not marker.exists()
 

@@ -43,15 +43,18 @@ def test_relu_replaced_by_identity_before_an_unsigned_quantizer(calibrated, expo
 
 
 def test_relu_deleted_and_its_consumer_rewired(calibrated, exported, tmp_path):
-    code, rep = _verify(variant(onnx.load(exported("digits_cnn")), _delete_relu, 1), calibrated("digits_cnn"),
-                        tmp_path)
+    code, rep = _verify(
+        variant(onnx.load(exported("digits_cnn")), _delete_relu, 1), calibrated("digits_cnn"), tmp_path
+    )
     assert code == 1
     assert "fc1.input_quantizer" in _failed(rep)["fidelity.codes"]
 
 
 def _bias_codes(m, layer):
     inits = initializer_map(m.graph)
-    return next(n.input[0] for n in m.graph.node if is_int32_bias(n, inits) and n.name.startswith(f"/{layer}/"))
+    return next(
+        n.input[0] for n in m.graph.node if is_int32_bias(n, inits) and n.name.startswith(f"/{layer}/")
+    )
 
 
 @pytest.mark.parametrize("delta", [3, 30, 300])
@@ -59,7 +62,9 @@ def test_int32_bias_codes_are_compared_exactly(calibrated, exported, tmp_path, d
     m = onnx.load(exported("digits_cnn"))
     codes = _bias_codes(m, "fc1")
     channel = _most_active_fc1_channel(calibrated("digits_cnn"))
-    code, rep = _verify(variant(m, add_to_initializer, codes, channel, delta), calibrated("digits_cnn"), tmp_path)
+    code, rep = _verify(
+        variant(m, add_to_initializer, codes, channel, delta), calibrated("digits_cnn"), tmp_path
+    )
     assert code == 1
     assert rep["structure"]["layers_with_problems"] == ["fc1.bias"]
     problem = rep["structure"]["problems"][0]
@@ -72,6 +77,7 @@ def _most_active_fc1_channel(ck):
 
     from quantcli import load_calibrated
     from sample_models import SAMPLES
+
     model, seen = load_calibrated(ck).float_model(), []
     model.fc1.register_forward_hook(lambda _m, _i, out: seen.append(out))
     with torch.no_grad():
@@ -115,13 +121,16 @@ def _identity(m, name):
 
 def test_last_layer_replaced_by_identity_is_a_verdict(calibrated, exported, tmp_path):
     """The graph loads and runs but its output has another shape: a failed check, not an exit-2 error."""
-    code, rep = _verify(variant(onnx.load(exported("digits_cnn")), _identity, "/fc2/Gemm"), calibrated("digits_cnn"),
-                        tmp_path)
+    code, rep = _verify(
+        variant(onnx.load(exported("digits_cnn")), _identity, "/fc2/Gemm"), calibrated("digits_cnn"), tmp_path
+    )
     assert code == 1
     assert "[16, 64], the model's [16, 10]" in _failed(rep)["graph.outputs"]
 
 
-@pytest.mark.parametrize("node", ["/conv1/weight_quantizer/DequantizeLinear", "/Flatten/quantcli_propagated/DQ"])
+@pytest.mark.parametrize(
+    "node", ["/conv1/weight_quantizer/DequantizeLinear", "/Flatten/quantcli_propagated/DQ"]
+)
 def test_graph_onnxruntime_cannot_load_is_named_not_an_internal_error(calibrated, exported, tmp_path, node):
     """Swapped DequantizeLinear inputs: the structure check read them before onnxruntime refused the graph and
     crashed (a tensor size mismatch, a KeyError); the user gets onnxruntime's reason."""
@@ -129,4 +138,6 @@ def test_graph_onnxruntime_cannot_load_is_named_not_an_internal_error(calibrated
 
     path = tmp_path / "g.onnx"
     onnx.save(variant(onnx.load(exported("digits_cnn")), _swap_inputs, node), path)
-    assert_clean_error(cli("verify", path, "--reference", calibrated("digits_cnn")), "onnxruntime cannot load")
+    assert_clean_error(
+        cli("verify", path, "--reference", calibrated("digits_cnn")), "onnxruntime cannot load"
+    )

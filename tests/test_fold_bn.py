@@ -21,12 +21,12 @@ from quantcli.verify import verify_onnx
 from sample_models import structured
 from tests.helpers import cli
 
-U = 2.0 ** -24  # float32 unit roundoff
+U = 2.0**-24  # float32 unit roundoff
 
 
 def _randomise_bn(bn: nn.modules.batchnorm._BatchNorm, g: torch.Generator, negative: bool = True) -> None:
-    """Statistics far from identity: small variances (so eps matters), means and betas that a missing bias term
-    would lose, and some negative gammas."""
+    """Statistics far from identity: small variances (so eps matters), means and betas that a missing bias
+    term would lose, and some negative gammas."""
     n = bn.num_features
     with torch.no_grad():
         bn.running_var.copy_(0.01 + 0.05 * torch.rand(n, generator=g))
@@ -43,13 +43,28 @@ LAYERS = {
     # name: (layer, BatchNorm, input shape)
     "conv1d": (lambda: nn.Conv1d(6, 8, 5, padding=2), lambda: nn.BatchNorm1d(8, eps=1e-3), (4, 6, 20)),
     "conv2d_nobias": (lambda: nn.Conv2d(6, 8, 3, bias=False), lambda: nn.BatchNorm2d(8), (4, 6, 9, 9)),
-    "conv2d_groups": (lambda: nn.Conv2d(6, 8, 3, groups=2), lambda: nn.BatchNorm2d(8, eps=1e-3), (4, 6, 9, 9)),
+    "conv2d_groups": (
+        lambda: nn.Conv2d(6, 8, 3, groups=2),
+        lambda: nn.BatchNorm2d(8, eps=1e-3),
+        (4, 6, 9, 9),
+    ),
     "conv3d": (lambda: nn.Conv3d(3, 4, 3), lambda: nn.BatchNorm3d(4, eps=1e-3), (2, 3, 5, 5, 5)),
-    "convT1d": (lambda: nn.ConvTranspose1d(6, 8, 4, stride=2), lambda: nn.BatchNorm1d(8, eps=1e-3), (4, 6, 10)),
-    "convT2d_groups": (lambda: nn.ConvTranspose2d(6, 9, 3, stride=2, groups=3, bias=False),
-                       lambda: nn.BatchNorm2d(9, eps=1e-3), (4, 6, 5, 5)),
+    "convT1d": (
+        lambda: nn.ConvTranspose1d(6, 8, 4, stride=2),
+        lambda: nn.BatchNorm1d(8, eps=1e-3),
+        (4, 6, 10),
+    ),
+    "convT2d_groups": (
+        lambda: nn.ConvTranspose2d(6, 9, 3, stride=2, groups=3, bias=False),
+        lambda: nn.BatchNorm2d(9, eps=1e-3),
+        (4, 6, 5, 5),
+    ),
     "linear": (lambda: nn.Linear(12, 7), lambda: nn.BatchNorm1d(7, eps=1e-3), (16, 12)),
-    "linear_bn_no_affine": (lambda: nn.Linear(12, 7), lambda: nn.BatchNorm1d(7, eps=1e-3, affine=False), (16, 12)),
+    "linear_bn_no_affine": (
+        lambda: nn.Linear(12, 7),
+        lambda: nn.BatchNorm1d(7, eps=1e-3, affine=False),
+        (16, 12),
+    ),
 }
 
 
@@ -95,16 +110,25 @@ def test_folded_layer_equals_layer_then_batchnorm_to_float_rounding(kind):
     assert "bn.running_var" not in folded.state_dict()
     with torch.no_grad():
         got = folded(x).double()
-    fan_in = folded.layer.weight[0].numel() if not isinstance(folded.layer, nn.ConvTranspose1d | nn.ConvTranspose2d) \
+    fan_in = (
+        folded.layer.weight[0].numel()
+        if not isinstance(folded.layer, nn.ConvTranspose1d | nn.ConvTranspose2d)
         else folded.layer.weight.shape[0] * int(np.prod(folded.layer.weight.shape[2:]))
+    )
     # worst-case float32 error of a sum of fan_in products plus a bias, each factor rounded once
     tol = (fan_in + 3) * U * _magnitude(folded.layer, x)
     assert bool(((got - want).abs() <= tol).all()), float(((got - want).abs() - tol).max())
 
     # the tolerance is tight: the fold without eps, or without the mean/bias term, falls outside it
     def folded_with(s, t):
-        w, b = fold_parameters(model.layer.weight, model.layer.bias, s, t,
-                               1 if "convT" in kind else 0, getattr(model.layer, "groups", 1))
+        w, b = fold_parameters(
+            model.layer.weight,
+            model.layer.bias,
+            s,
+            t,
+            1 if "convT" in kind else 0,
+            getattr(model.layer, "groups", 1),
+        )
         m2 = copy.deepcopy(folded)
         with torch.no_grad():
             m2.layer.weight.copy_(w)
@@ -215,7 +239,10 @@ def test_untraceable_model_folds_every_pair_from_the_recorded_forward():
     m, x, want = _untraceable()
     report = fold_batchnorm(m, {"x": x})
     assert report.detection == "recorded" and not report.skipped
-    assert sorted((f.layer, f.batchnorm) for f in report.folded) == [("conv", "bn"), ("features.0", "features.1")]
+    assert sorted((f.layer, f.batchnorm) for f in report.folded) == [
+        ("conv", "bn"),
+        ("features.0", "features.1"),
+    ]
     with torch.no_grad():
         torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
@@ -225,7 +252,10 @@ class ConvLayer(nn.Module):
 
     def __init__(self, cin, cout):
         super().__init__()
-        self.convolution, self.normalization = nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout)
+        self.convolution, self.normalization = (
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+            nn.BatchNorm2d(cout),
+        )
 
     def forward(self, x):
         return torch.relu(self.normalization(self.convolution(x)))
@@ -257,8 +287,12 @@ def test_untraceable_model_folds_inside_submodules_that_trace():
     report = fold_batchnorm(m)  # no example batch: torch.fx, per submodule
     assert report.detection == "fx per submodule"
     assert sorted((f.layer, f.batchnorm) for f in report.folded) == [
-        ("stages.0.convolution", "stages.0.normalization"), ("stem.convolution", "stem.normalization")]
-    assert [b for b, _ in report.skipped] == ["stages.1.normalization"] and "two names" in report.skipped[0][1]
+        ("stages.0.convolution", "stages.0.normalization"),
+        ("stem.convolution", "stem.normalization"),
+    ]
+    assert [b for b, _ in report.skipped] == ["stages.1.normalization"] and "two names" in report.skipped[0][
+        1
+    ]
     with torch.no_grad():
         torch.testing.assert_close(m(x), want, rtol=1e-5, atol=1e-5)
 
@@ -267,7 +301,8 @@ class LinearBN(nn.Module):
     def __init__(self, seq_first: bool):
         super().__init__()
         self.fc = nn.Linear(5, 5)
-        self.bn = nn.BatchNorm1d(5)  # on (N, 5, 5) it normalises dim 1, the positions, not the Linear's features
+        # on (N, 5, 5) it normalises dim 1, the positions, not the Linear's features
+        self.bn = nn.BatchNorm1d(5)
         self.seq_first = seq_first
 
     def forward(self, x):
@@ -354,8 +389,10 @@ def folded_checkpoints(tmp_path_factory):
     """resnet_cnn and conv1d_bn, calibrated (8 samples) through the library and saved; small inputs."""
     root = tmp_path_factory.mktemp("folded")
     made = {}
-    for name, batches in (("resnet_cnn", structured.resnet_batches(16, 8)),
-                          ("conv1d_bn", structured.conv1d_batches(16, 8, length=64))):
+    for name, batches in (
+        ("resnet_cnn", structured.resnet_batches(16, 8)),
+        ("conv1d_bn", structured.conv1d_batches(16, 8, length=64)),
+    ):
         spec = parse_spec(f"sample_models.structured:{name}")
         model = getattr(structured, name)()
         unfolded = copy.deepcopy(model)
@@ -382,7 +419,8 @@ def test_structured_models_fold_every_batchnorm_and_reload_bit_identically(name,
         got = ck.float_model()(x=x).double()
     assert float((got - ref).abs().max()) <= 1e-4 * float(ref.abs().max())
     assert torch.load(path, weights_only=True)["batchnorm_folds"] == [
-        {"layer": f.layer, "batchnorm": f.batchnorm} for f in report.folded]
+        {"layer": f.layer, "batchnorm": f.batchnorm} for f in report.folded
+    ]
 
 
 @pytest.mark.parametrize("name", ["resnet_cnn", "conv1d_bn"])
@@ -395,11 +433,14 @@ def test_folded_graph_has_no_batchnorm_and_matches_the_fake_quant_model(name, fo
     assert not [n for n in graph.graph.node if n.op_type == "BatchNormalization"]
     report = verify_onnx(out, ck, batches[1:], provider="cpu", per_layer=True, deployment=False)
     assert report.passed, (report.checks, report.structure)
-    # every quantizer, given onnxruntime's own input to its QuantizeLinear, gives onnxruntime's codes, all of them
+    # every quantizer, given onnxruntime's own input to its QuantizeLinear, gives onnxruntime's codes, all of
+    # them
     assert report.layers and all(r["identical_codes"] == 1.0 for r in report.layers), report.layers
     # end to end, the float convolutions of two libraries may put a value on the other side of a rounding tie
     # now and then (a one-code flip that then propagates): almost every code still agrees
-    e2e = [r["identical_codes_end_to_end"] for r in report.layers if r["identical_codes_end_to_end"] is not None]
+    e2e = [
+        r["identical_codes_end_to_end"] for r in report.layers if r["identical_codes_end_to_end"] is not None
+    ]
     assert e2e and min(e2e) >= 0.99, report.layers
 
 
@@ -409,10 +450,16 @@ def test_cli_reports_folding_and_no_fold_bn_keeps_batchnorm(tmp_path):
     info = json.loads(r.stdout)["batchnorm"]
     assert info["fold_batchnorm"] is True
     assert info["folded"] == [{"layer": "conv1", "batchnorm": "bn1"}, {"layer": "conv2", "batchnorm": "bn2"}]
-    r = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "b.pt", "--json", "--no-fold-bn")
+    r = cli(
+        "calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "b.pt", "--json", "--no-fold-bn"
+    )
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["batchnorm"] == {"fold_batchnorm": False, "folded": [], "not_folded": [],
-                                                 "detection": "none"}
+    assert json.loads(r.stdout)["batchnorm"] == {
+        "fold_batchnorm": False,
+        "folded": [],
+        "not_folded": [],
+        "detection": "none",
+    }
     unfolded = load_calibrated(tmp_path / "b.pt")
     assert isinstance(unfolded.model.bn1, nn.BatchNorm2d) and not unfolded.config.fold_batchnorm
     assert isinstance(load_calibrated(tmp_path / "a.pt").model.bn1, nn.Identity)

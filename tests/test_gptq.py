@@ -1,5 +1,5 @@
-"""GPTQ (quantcli.calibration.gptq) against an independent reference: a plain numpy loop over the columns of a 64x64 layer,
-no lazy blocks, float64 -- the algorithm as the paper's equations state it."""
+"""GPTQ (quantcli.calibration.gptq) against an independent reference: a plain numpy loop over the columns of a
+64x64 layer, no lazy blocks, float64 -- the algorithm as the paper's equations state it."""
 
 import numpy as np
 import pytest
@@ -8,9 +8,12 @@ import torch
 from quantcli.calibration.gptq import HessianAccumulator, gptq_weights
 
 
-def _reference(w: np.ndarray, x: np.ndarray, scale: np.ndarray, qmin: int, qmax: int, damp: float) -> np.ndarray:
+def _reference(
+    w: np.ndarray, x: np.ndarray, scale: np.ndarray, qmin: int, qmax: int, damp: float
+) -> np.ndarray:
     """Each column as it was when rounded: q_j = clip(round(w_j / s_j)) s_j, then the later columns move by
-    -(w_j - q_j) / U_jj * U_j,j+1: with U the upper Cholesky factor of (H + damp mean(diag H) I)^-1, H = 2 X.T X."""
+    -(w_j - q_j) / U_jj * U_j,j+1: with U the upper Cholesky factor of (H + damp mean(diag H) I)^-1, H = 2 X.T
+    X."""
     h = 2.0 * x.T.astype(np.float64) @ x.astype(np.float64)
     dead = np.diag(h) == 0
     h[dead, dead] = 1.0
@@ -46,8 +49,9 @@ def test_gptq_equals_a_plain_loop_over_columns(rng, block):
     for chunk in np.array_split(x, 5):  # streaming: five batches of different sizes
         acc.add(torch.from_numpy(chunk))
     assert acc.rows == 512
-    got = gptq_weights(torch.from_numpy(w), acc.hessian, torch.from_numpy(amax), 4, damp=0.01, lazy=24,
-                       dtype=torch.float64).numpy()
+    got = gptq_weights(
+        torch.from_numpy(w), acc.hessian, torch.from_numpy(amax), 4, damp=0.01, lazy=24, dtype=torch.float64
+    ).numpy()
     want = _reference(w, x, scale, -8, 7, 0.01)
     assert np.allclose(got, want, rtol=1e-9, atol=1e-12)
     codes_got, codes_want = np.clip(np.round(got / scale), -8, 7), np.clip(np.round(want / scale), -8, 7)
@@ -86,4 +90,6 @@ def test_the_quantizer_maps_gptq_weights_to_gptq_codes(rng):
     before = gptq_weights(torch.from_numpy(w), acc.hessian, amax, 4)
     fq = fake_quant_symmetric(before, expand_amax(amax, (64, 64)), 4)
     scale = np.repeat(amax.numpy() / np.float32(7), 32, axis=1)
-    assert np.array_equal(fq.numpy(), (np.clip(np.round(before.numpy() / scale), -8, 7) * scale).astype(np.float32))
+    assert np.array_equal(
+        fq.numpy(), (np.clip(np.round(before.numpy() / scale), -8, 7) * scale).astype(np.float32)
+    )

@@ -1,6 +1,7 @@
 """``--config int8-dynamic``: activations quantized at run time exactly as ONNX ``DynamicQuantizeLinear``
-(uint8, per tensor), Linear layers exported as ``DynamicQuantizeLinear -> MatMulInteger``, which onnxruntime
-runs as its dynamic integer kernels. Reference values come from onnxruntime itself and from hand-worked cases."""
+(uint8, per tensor), Linear layers exported as ``DynamicQuantizeLinear -> MatMulInteger``, which
+onnxruntime runs as its dynamic integer kernels. Reference values come from onnxruntime itself and from
+hand-worked cases."""
 
 import collections
 import json
@@ -28,10 +29,16 @@ U = 2.0**-24  # float32 unit roundoff
 
 def _ort_dql(x: np.ndarray):
     """onnxruntime's DynamicQuantizeLinear on ``x``: (codes, scale, zero point)."""
-    g = helper.make_graph([helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])], "dql",
-                          [helper.make_tensor_value_info("x", T.FLOAT, list(x.shape))],
-                          [helper.make_tensor_value_info("y", T.UINT8, list(x.shape)),
-                           helper.make_tensor_value_info("s", T.FLOAT, []), helper.make_tensor_value_info("z", T.UINT8, [])])
+    g = helper.make_graph(
+        [helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])],
+        "dql",
+        [helper.make_tensor_value_info("x", T.FLOAT, list(x.shape))],
+        [
+            helper.make_tensor_value_info("y", T.UINT8, list(x.shape)),
+            helper.make_tensor_value_info("s", T.FLOAT, []),
+            helper.make_tensor_value_info("z", T.UINT8, []),
+        ],
+    )
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     m.ir_version = 8
     so = ort.SessionOptions()
@@ -73,7 +80,9 @@ def test_codes_scale_and_zero_point_equal_onnxruntime(case):
     # the fake-quant quantizer returns exactly (codes - zero point) * scale
     with torch.no_grad():
         fq = _quantizer()(torch.from_numpy(x)).numpy()
-    np.testing.assert_array_equal(fq, ((codes.astype(np.float32) - np.float32(zp)) * np.float32(scale)).astype(np.float32))
+    np.testing.assert_array_equal(
+        fq, ((codes.astype(np.float32) - np.float32(zp)) * np.float32(scale)).astype(np.float32)
+    )
 
 
 def test_hand_worked_cases():
@@ -106,8 +115,13 @@ def _layer_tensors(path, batch):
     layers = dynamic_layers(model)
     names = []
     for d in layers:
-        for t, elem in ((d.input, T.FLOAT), (d.codes, T.UINT8), (d.scale, T.FLOAT), (d.zero_point, T.UINT8),
-                        (d.output, T.FLOAT)):
+        for t, elem in (
+            (d.input, T.FLOAT),
+            (d.codes, T.UINT8),
+            (d.scale, T.FLOAT),
+            (d.zero_point, T.UINT8),
+            (d.output, T.FLOAT),
+        ):
             if t not in {o.name for o in model.graph.output}:
                 model.graph.output.append(helper.make_tensor_value_info(t, elem, None))
             names.append(t)
@@ -139,7 +153,9 @@ def _check_layers_against_pytorch(path, model, batch):
         s, z = arithmetic.dynamic_qparams(x)
         assert float(s) == outs[d.scale] and float(z) == float(outs[d.zero_point]), d.input_quantizer
         codes = arithmetic.quantize_linear(x, s, z, 0, 255)
-        np.testing.assert_array_equal(codes.numpy(), outs[d.codes].astype(np.float32), err_msg=d.input_quantizer)
+        np.testing.assert_array_equal(
+            codes.numpy(), outs[d.codes].astype(np.float32), err_msg=d.input_quantizer
+        )
         with torch.no_grad():
             mine = layer(x).numpy().astype(np.float64)
         wq = layer.weight_quantizer
@@ -161,8 +177,16 @@ def text_dynamic(calibrated, exported):
 
 
 def test_calibrate_says_activations_need_no_calibration(calibrated):
-    r = cli("calibrate", "text_encoder", "--config", "int8-dynamic", "--num-samples", "64", "--out",
-            str(calibrated("text_encoder", "int8-dynamic")) + ".again.pt")
+    r = cli(
+        "calibrate",
+        "text_encoder",
+        "--config",
+        "int8-dynamic",
+        "--num-samples",
+        "64",
+        "--out",
+        str(calibrated("text_encoder", "int8-dynamic")) + ".again.pt",
+    )
     assert r.exit_code == 0, r.output
     assert "13 quantized at run time" in r.output and "nothing to calibrate" in r.output
     data = torch.load(calibrated("text_encoder", "int8-dynamic"), weights_only=True)
@@ -175,6 +199,7 @@ def test_calibrate_says_activations_need_no_calibration(calibrated):
 def test_text_encoder_layers_match_onnxruntime(text_dynamic):
     ck, onnx_path = text_dynamic
     from sample_models import text_encoder
+
     model = load_calibrated(ck).model
     for batch in text_encoder.evaluation_batches()[:2]:
         _check_layers_against_pytorch(onnx_path, model, batch)
@@ -221,13 +246,17 @@ def test_dynamo_exports_the_same_pattern(text_dynamic, tmp_path):
     r = cli("export", ck, "--onnx", out, "--exporter", "dynamo", "--json")
     assert r.exit_code == 0, r.output
     res = json.loads(r.output)
-    assert res["dynamic_layers"] == 13 and res["weights_stored_quantized"] == 13 and res["unfused_layers"] == 0
+    assert (
+        res["dynamic_layers"] == 13 and res["weights_stored_quantized"] == 13 and res["unfused_layers"] == 0
+    )
     from sample_models import text_encoder
+
     _check_layers_against_pytorch(out, load_calibrated(ck).model, text_encoder.evaluation_batches()[0])
 
 
 def test_convolutions_stay_float(calibrated, exported):
     from sample_models import digits_cnn
+
     ck = calibrated("digits_cnn", "int8-dynamic")
     data = torch.load(ck, weights_only=True)
     kinds = {n: type(m) for n, m in digits_cnn.build().named_modules()}
@@ -244,12 +273,16 @@ def test_convolutions_stay_float(calibrated, exported):
 
 def test_unexportable_dynamic_layer_is_a_clear_error(tmp_path):
     cfg = tmp_path / "cfg.yaml"
-    cfg.write_text("preset: int8-dynamic\nrules:\n  - pattern: classifier.weight_quantizer\n    enable: false\n")
+    cfg.write_text(
+        "preset: int8-dynamic\nrules:\n  - pattern: classifier.weight_quantizer\n    enable: false\n"
+    )
     ck = tmp_path / "text_encoder.calib.pt"
     r = cli("calibrate", "text_encoder", "--config", cfg, "--num-samples", "32", "--out", ck)
     assert r.exit_code == 0, r.output
     out = tmp_path / "text_encoder.onnx"
-    assert_clean_error(cli("export", ck, "--onnx", out), "classifier.input_quantizer", "weight quantizer is disabled")
+    assert_clean_error(
+        cli("export", ck, "--onnx", out), "classifier.input_quantizer", "weight quantizer is disabled"
+    )
     assert not out.exists()
 
 
@@ -276,7 +309,8 @@ class _Nested(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)])
+            [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()) for _ in range(2)]
+        )
 
     def forward(self, x):
         for layer in self.layers:
@@ -289,6 +323,7 @@ def test_dynamic_layers_in_nested_containers_are_mapped(tmp_path, exporter):
     from exporters import export_onnx
     from exporters.graph import quantizer_map
     from quantcli import calibrate, quantize_model
+
     torch.manual_seed(0)
     model = quantize_model(_Nested(), "int8-dynamic")
     batch = {"x": torch.randn(4, 8)}
@@ -298,8 +333,14 @@ def test_dynamic_layers_in_nested_containers_are_mapped(tmp_path, exporter):
     graph = onnx.load(path)
     layers = dynamic_layers(graph)
     qmap = quantizer_map(graph)
-    assert sorted(qmap[d.codes] for d in layers) == ["layers.0.0.input_quantizer", "layers.1.0.input_quantizer"]
-    assert sorted(qmap[d.weight] for d in layers) == ["layers.0.0.weight_quantizer", "layers.1.0.weight_quantizer"]
+    assert sorted(qmap[d.codes] for d in layers) == [
+        "layers.0.0.input_quantizer",
+        "layers.1.0.input_quantizer",
+    ]
+    assert sorted(qmap[d.weight] for d in layers) == [
+        "layers.0.0.weight_quantizer",
+        "layers.1.0.weight_quantizer",
+    ]
 
 
 def test_dynamic_quantizer_outside_a_linear_does_not_export():
@@ -320,6 +361,7 @@ class _Unused(torch.nn.Module):
 
 def test_a_dynamic_layer_that_never_runs_is_left_out():
     from quantcli import calibrate, quantize_model
+
     torch.manual_seed(0)
     model = quantize_model(_Unused(), "int8-dynamic")
     summary = calibrate(model, [{"x": torch.randn(4, 8)}], device="cpu")
@@ -332,6 +374,7 @@ def test_checkpoint_reload_is_bit_identical(text_dynamic):
     ck, _ = text_dynamic
     from quantcli import calibrate, quantize_model
     from sample_models import text_encoder
+
     model = quantize_model(text_encoder.build(), "int8-dynamic")
     calibrate(model, text_encoder.calibration_batches(), device="cpu")
     batch = text_encoder.evaluation_batches()[0]

@@ -1,4 +1,5 @@
-"""Layers that are a Linear or a Conv in all but name are quantized; what stays float is reported (issue 23)."""
+"""Layers that are a Linear or a Conv in all but name are quantized; what stays float is reported (issue
+23)."""
 
 import pytest
 import torch
@@ -17,7 +18,8 @@ from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 
 def _quant(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """Symmetric int8 fake quantization written out: round half to even of x / (amax / 127), clamp to [-128, 127]."""
+    """Symmetric int8 fake quantization written out: round half to even of x / (amax / 127), clamp to [-128,
+    127]."""
     scale = amax / 127.0
     return torch.clamp(torch.round(x / scale), -128, 127) * scale
 
@@ -53,7 +55,9 @@ def test_conv1d_fake_quant_equals_a_hand_computation_with_the_transposed_weight(
     assert m.a.weight_quantizer.amax.shape == (1, 12)
     assert torch.equal(m.a.weight_quantizer.amax.flatten(), w.abs().amax(dim=0))
     x = _batches(1, seed=5)[0]["x"]
-    expected = torch.matmul(_quant(x, m.a.input_quantizer.amax), _quant(w, m.a.weight_quantizer.amax)) + m.a.bias
+    expected = (
+        torch.matmul(_quant(x, m.a.input_quantizer.amax), _quant(w, m.a.weight_quantizer.amax)) + m.a.bias
+    )
     with torch.no_grad():
         got = m.a(x)
     assert torch.allclose(got, expected, rtol=0, atol=1e-5)
@@ -75,8 +79,10 @@ def test_gpt2_every_projection_quantized_embeddings_reported():
     quantize_model(model)
     report = model.quantcli_report
     assert sorted(report.layers) == sorted(conv1d + ["lm_head"])
-    assert {f["name"]: f["type"] for f in report.float_layers} == {"transformer.wte": "Embedding",
-                                                                   "transformer.wpe": "Embedding"}
+    assert {f["name"]: f["type"] for f in report.float_layers} == {
+        "transformer.wte": "Embedding",
+        "transformer.wpe": "Embedding",
+    }
     assert all("lookup" in f["reason"] for f in report.float_layers)
     layer = model.transformer.h[0].attn.c_attn
     assert isinstance(layer, Conv1D) and layer.weight_quantizer.desc.axis == 1
@@ -92,7 +98,9 @@ def test_summary_counts_layers_whose_quantizers_are_disabled_as_float():
     summary = layers_summary(model.quantcli_report, model)
     assert summary["quantized"] == ["lm_head"]
     disabled = {f["name"]: f["type"] for f in summary["float"] if "disabled" in f["reason"]}
-    assert disabled == {f"transformer.h.0.{n}": "Conv1D" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert disabled == {
+        f"transformer.h.0.{n}": "Conv1D" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
 
 
 class MyLinear(nn.Module):
@@ -121,7 +129,9 @@ class StdConv(nn.Conv2d):
     """Weight standardisation (timm's StdConv2d): a Conv2d subclass computing something else."""
 
     def forward(self, x):
-        w = (self.weight - self.weight.mean(dim=(1, 2, 3), keepdim=True)) / (self.weight.std(dim=(1, 2, 3), keepdim=True) + 1e-5)
+        w = (self.weight - self.weight.mean(dim=(1, 2, 3), keepdim=True)) / (
+            self.weight.std(dim=(1, 2, 3), keepdim=True) + 1e-5
+        )
         return F.conv2d(x, w, self.bias, self.stride, self.padding)
 
 
@@ -137,9 +147,17 @@ def test_modules_are_found_by_what_they_compute():
     assert linear_layout(Conv1D(6, 6)) == 1  # square: the layout is told apart by the values
     assert linear_layout(LinearGelu(6, 4)) is None
     assert linear_layout(NoBias(6, 4)) is None
-    m = nn.ModuleDict({"lin": MyLinear(6, 4), "gelu": LinearGelu(6, 4), "nobias": NoBias(6, 4),
-                       "std": StdConv(3, 4, 3), "log": LoggingConv(3, 4, 3), "emb": nn.Embedding(10, 4),
-                       "sub": nn.modules.linear.NonDynamicallyQuantizableLinear(4, 4)})
+    m = nn.ModuleDict(
+        {
+            "lin": MyLinear(6, 4),
+            "gelu": LinearGelu(6, 4),
+            "nobias": NoBias(6, 4),
+            "std": StdConv(3, 4, 3),
+            "log": LoggingConv(3, 4, 3),
+            "emb": nn.Embedding(10, 4),
+            "sub": nn.modules.linear.NonDynamicallyQuantizableLinear(4, 4),
+        }
+    )
     quantize_model(m)
     report = m.quantcli_report
     assert sorted(report.layers) == ["lin", "log"]
@@ -164,7 +182,9 @@ def test_converted_subclass_and_probe_layer_compute_as_before_with_quantizers_of
 
 def _weight_normed():
     """wav2vec2's positional convolution: a grouped Conv1d under weight_norm (dim=2)."""
-    conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(8, 8, 5, padding=2, groups=4), name="weight", dim=2)
+    conv = nn.utils.parametrizations.weight_norm(
+        nn.Conv1d(8, 8, 5, padding=2, groups=4), name="weight", dim=2
+    )
     return nn.Sequential(nn.Conv1d(3, 8, 3), nn.GELU(), conv)
 
 

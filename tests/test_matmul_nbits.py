@@ -1,10 +1,11 @@
 """Weight-only blocked layers export in the form onnxruntime runs as MatMulNBits (exporters.matmul_nbits).
 
 A model of three Linear layers -- with and without bias, one with 200 input features (the last block of 128 is
-partial), one whose input is a single block -- is calibrated with the real CLI, exported with both exporters for
-2-D and 3-D (``[batch, seq, in]``) inputs, and checked against values computed here: the stored codes against a
-numpy quantization of the weights, the graph against the fake-quant model in onnxruntime with optimizations off,
-and onnxruntime's own optimized graph (``SessionOptions.optimized_model_filepath``) for MatMulNBits nodes.
+partial), one whose input is a single block -- is calibrated with the real CLI, exported with both exporters
+for 2-D and 3-D (``[batch, seq, in]``) inputs, and checked against values computed here: the stored codes
+against a numpy quantization of the weights, the graph against the fake-quant model in onnxruntime with
+optimizations off, and onnxruntime's own optimized graph (``SessionOptions.optimized_model_filepath``) for
+MatMulNBits nodes.
 """
 
 import json
@@ -21,7 +22,7 @@ from quantcli import load_calibrated
 from quantcli.verify import verify_onnx
 from tests.helpers import cli
 
-MODEL_SOURCE = '''
+MODEL_SOURCE = """
 import torch
 from torch import nn
 
@@ -40,7 +41,7 @@ class ThreeLinear(nn.Module):
 def build():
     torch.manual_seed(0)
     return ThreeLinear()
-'''
+"""
 T = onnx.TensorProto
 LAYERS = ("fc_a", "fc_b", "fc_c")
 
@@ -58,8 +59,17 @@ def _calibrate(root, rank: int, config: str = "int4-weight-only"):
     data = root / f"x{rank}.npz"
     np.savez(data, x=rng.standard_normal(shape).astype(np.float32))
     out = root / f"r{rank}-{abs(hash(config))}.calib.pt"
-    r = cli("calibrate", f"{root / 'three_linear.py'}:build", "--data", data, "--config", config, "--out", out,
-            "--json")
+    r = cli(
+        "calibrate",
+        f"{root / 'three_linear.py'}:build",
+        "--data",
+        data,
+        "--config",
+        config,
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     return out
 
@@ -72,14 +82,15 @@ def _export(root, ck, exporter: str):
 
 
 def _hand_codes(w: np.ndarray, bits: int, block: int = 128, unsigned: bool = False) -> np.ndarray:
-    """Symmetric blocked codes of an ``[out, in]`` weight along ``in``, by numpy: the last block padded with zeros
-    for its max, scale = amax / bound in float32, round half to even (unsigned: the grid [0, 2**bits - 1])."""
+    """Symmetric blocked codes of an ``[out, in]`` weight along ``in``, by numpy: the last block padded with
+    zeros for its max, scale = amax / bound in float32, round half to even (unsigned: the grid [0, 2**bits -
+    1])."""
     n, k = w.shape
     blocks = -(-k // block)
     padded = np.zeros((n, blocks * block), np.float32)
     padded[:, :k] = w
     amax = np.abs(padded.reshape(n, blocks, block)).max(-1).astype(np.float32)
-    bound = np.float32(2 ** bits - 1 if unsigned else 2 ** (bits - 1) - 1)
+    bound = np.float32(2**bits - 1 if unsigned else 2 ** (bits - 1) - 1)
     scale = np.repeat(amax / bound, block, axis=1)[:, :k]
     return np.clip(np.round(w / scale), 0 if unsigned else -bound - 1, bound)
 
@@ -110,7 +121,9 @@ def _check_form(graph: onnx.ModelProto, ck, bits: int, unsigned: bool = False) -
         elem = {(4, False): T.INT4, (8, False): T.INT8, (4, True): T.UINT4}[(bits, unsigned)]
         assert codes.data_type == elem and list(codes.dims) == [w.shape[1], w.shape[0]]
         assert list(inits[dq.input[1]].dims) == [-(-w.shape[1] // 128), w.shape[0]]
-        assert np.array_equal(to_numpy(codes).T.astype(np.float32), _hand_codes(w, bits, unsigned=unsigned)), layer
+        assert np.array_equal(
+            to_numpy(codes).T.astype(np.float32), _hand_codes(w, bits, unsigned=unsigned)
+        ), layer
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -147,14 +160,17 @@ def test_int4_layers_export_as_matmul_nbits(model_file, exporter, rank, tmp_path
 
 
 def test_the_session_not_the_graph_sets_the_accuracy_level(model_file, tmp_path):
-    """docs/int4.md and benchmarks/bench_int4_shapes.py read their latencies on this: onnxruntime's fusion of the
-    exported DequantizeLinear -> MatMul gives every MatMulNBits the session's
+    """docs/int4.md and benchmarks/bench_int4_shapes.py read their latencies on this: onnxruntime's fusion of
+    the exported DequantizeLinear -> MatMul gives every MatMulNBits the session's
     ``session.qdq_matmulnbits_accuracy_level``, 4 (int8 compute) unless set, whatever the graph holds."""
     path, _ = _export(model_file, _calibrate(model_file, 3), "torchscript")
 
     def levels(config):
         nodes = [n for n in _optimized(path, tmp_path, config).graph.node if n.op_type == "MatMulNBits"]
-        return [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("accuracy_level") for n in nodes]
+        return [
+            {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}.get("accuracy_level")
+            for n in nodes
+        ]
 
     assert levels(None) == [4, 4, 4]
     assert levels({"session.qdq_matmulnbits_accuracy_level": "1"}) == [1, 1, 1]
@@ -163,8 +179,14 @@ def test_the_session_not_the_graph_sets_the_accuracy_level(model_file, tmp_path)
 @pytest.mark.parametrize("bits, unsigned", [(8, False)], ids=["int8"])
 def test_8bit_and_uint4_weight_only_blocked_are_matmul_nbits_too(model_file, tmp_path, bits, unsigned):
     config = model_file / f"w{bits}{unsigned}.json"
-    config.write_text(json.dumps({"preset": "int4-weight-only", "rules": [
-        {"pattern": "*.weight_quantizer", "num_bits": bits, "unsigned": unsigned}]}))
+    config.write_text(
+        json.dumps(
+            {
+                "preset": "int4-weight-only",
+                "rules": [{"pattern": "*.weight_quantizer", "num_bits": bits, "unsigned": unsigned}],
+            }
+        )
+    )
     ck_path = _calibrate(model_file, 3, str(config))
     path, res = _export(model_file, ck_path, "torchscript")
     assert res["matmul_nbits_layers"] == 3 and res["unfused_layers"] == 0
@@ -174,7 +196,8 @@ def test_8bit_and_uint4_weight_only_blocked_are_matmul_nbits_too(model_file, tmp
 
 
 def test_a_stored_code_changed_after_the_rewrite_fails_verify(model_file, tmp_path):
-    """The structure check reads the transposed codes back in the quantizer's layout: one flipped code is caught."""
+    """The structure check reads the transposed codes back in the quantizer's layout: one flipped code is
+    caught."""
     ck_path = _calibrate(model_file, 2)
     path, _ = _export(model_file, ck_path, "torchscript")
     graph = onnx.load(str(path))
@@ -187,11 +210,15 @@ def test_a_stored_code_changed_after_the_rewrite_fails_verify(model_file, tmp_pa
     onnx.save(graph, str(bad))
     report = verify_onnx(bad, load_calibrated(ck_path), deployment=False)
     assert not report.structure["passed"]
-    assert any("fc_c.weight_quantizer" in p and "1 stored weight code" in p for p in report.structure["problems"])
+    assert any(
+        "fc_c.weight_quantizer" in p and "1 stored weight code" in p for p in report.structure["problems"]
+    )
 
 
-@pytest.mark.parametrize("n, blocks, want", [(200, 2, 128), (256, 2, 128), (300, 3, 128), (130, 2, 128),
-                                             (12, 4, 3), (64, 1, 64), (6, 3, 2)])
+@pytest.mark.parametrize(
+    "n, blocks, want",
+    [(200, 2, 128), (256, 2, 128), (300, 3, 128), (130, 2, 128), (12, 4, 3), (64, 1, 64), (6, 3, 2)],
+)
 def test_a_blocked_amax_shape_reads_as_the_power_of_two_block_that_fits(n, blocks, want):
     from quantcli.quant.granularity import block_of, granularity_of
 
@@ -215,7 +242,9 @@ def test_partial_last_block_calibrates_with_zero_padding_and_refuses_ambiguous_s
     want = np.stack([np.abs(w[:, :128]).max(1), np.abs(w[:, 128:]).max(1)], 1)  # the last block: 72 channels
     assert np.array_equal(q.amax.numpy(), want)
     # blocks of 100 over 300 channels would read back as blocks of 128 (3 blocks either way): refused
-    odd = quantize_model(torch.nn.Sequential(torch.nn.Linear(300, 8)), {"preset": "int4-weight-only", "block_size": 100})
+    odd = quantize_model(
+        torch.nn.Sequential(torch.nn.Linear(300, 8)), {"preset": "int4-weight-only", "block_size": 100}
+    )
     odd[0].weight_quantizer.start_calibration("max")
     with pytest.raises(ConfigError, match="power-of-two"):
         odd[0].weight_quantizer.collect(odd[0].weight.detach())
@@ -234,18 +263,32 @@ def test_uint4_with_zero_points_rewrites_to_the_same_function(op, rng, tmp_path)
     codes = rng.integers(0, 16, size=(n, k))
     zp = rng.integers(0, 16, size=(n, 2))
     scale = (rng.random((n, 2)) * 0.1 + 0.01).astype(np.float32)
-    inits = [make_initializer("w", codes, T.UINT4), make_initializer("zp", zp, T.UINT4),
-             numpy_helper.from_array(scale, "s"), numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b")]
-    nodes = [helper.make_node("DequantizeLinear", ["w", "s", "zp"], ["wd"], axis=1, block_size=128, name="dq")]
+    inits = [
+        make_initializer("w", codes, T.UINT4),
+        make_initializer("zp", zp, T.UINT4),
+        numpy_helper.from_array(scale, "s"),
+        numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), "b"),
+    ]
+    nodes = [
+        helper.make_node("DequantizeLinear", ["w", "s", "zp"], ["wd"], axis=1, block_size=128, name="dq")
+    ]
     if op == "Gemm":
         nodes.append(helper.make_node("Gemm", ["x", "wd", "b"], ["y"], transB=1, name="fc"))
         x_shape, y_shape = ["batch", k], ["batch", n]
     else:
-        nodes += [helper.make_node("Transpose", ["wd"], ["wt"], perm=[1, 0]),
-                  helper.make_node("MatMul", ["x", "wt"], ["m"], name="fc"), helper.make_node("Add", ["m", "b"], ["y"])]
+        nodes += [
+            helper.make_node("Transpose", ["wd"], ["wt"], perm=[1, 0]),
+            helper.make_node("MatMul", ["x", "wt"], ["m"], name="fc"),
+            helper.make_node("Add", ["m", "b"], ["y"]),
+        ]
         x_shape, y_shape = ["batch", 5, k], ["batch", 5, n]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, x_shape)],
-                              [helper.make_tensor_value_info("y", T.FLOAT, y_shape)], inits)
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", T.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", T.FLOAT, y_shape)],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     before = tmp_path / "before.onnx"
     onnx.save(model, str(before))

@@ -15,6 +15,7 @@ TOKENS = 16  # short sequences keep the 6-layer encoder's many passes cheap
 
 def _tokens(split: str, n: int) -> dict[str, np.ndarray]:
     from sample_models import structured
+
     ids, mask = [], []
     for b in structured.deep_encoder_batches(split, n):
         pad = max(0, TOKENS - b["input_ids"].shape[1])
@@ -36,8 +37,21 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
     hold = _tokens("eval", 16)
     np.savez(tmp_path / "hold.npz", **hold)
     out = tmp_path / "enc.calib.pt"
-    r = cli("calibrate", "sample_models.structured:deep_encoder", "--data", tmp_path / "calib.npz",
-            "--holdout", tmp_path / "hold.npz", "--method", "auto", "--min-cosine", "0.995", "--out", out, "--json")
+    r = cli(
+        "calibrate",
+        "sample_models.structured:deep_encoder",
+        "--data",
+        tmp_path / "calib.npz",
+        "--holdout",
+        tmp_path / "hold.npz",
+        "--method",
+        "auto",
+        "--min-cosine",
+        "0.995",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     mp = json.loads(r.stdout)["mixed_precision"]
     assert mp["met"] and mp["before"]["cosine"] < 0.995 <= mp["after"]["cosine"]
@@ -52,9 +66,11 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
     assert ck.data["calibration"]["mixed_precision"]["kept_float"] == kept  # the checkpoint says which
     stored = ck.data["quantizers"]
     assert sorted(n for n, q in stored.items() if not q["enabled"]) == sorted(
-        f"{layer}.{kind}_quantizer" for layer in kept for kind in ("input", "weight"))
+        f"{layer}.{kind}_quantizer" for layer in kept for kind in ("input", "weight")
+    )
     assert sorted(n for n, q in stored.items() if q["descriptor"].get("dynamic")) == sorted(
-        f"{layer}.input_quantizer" for layer in mp["dynamic"])
+        f"{layer}.input_quantizer" for layer in mp["dynamic"]
+    )
     assert _cosine(ck.model, ref, batch) >= 0.995
     # the fewest along the search: re-quantizing any one kept layer misses the target
     from quantcli.nn.tensor_quantizer import quantizers
@@ -72,49 +88,87 @@ def test_min_cosine_meets_its_target_on_the_deep_encoder(tmp_path):
 
 def test_cap_hit_exits_1_with_the_best_reached_and_exports_and_verifies(tmp_path):
     out = tmp_path / "te.calib.pt"
-    r = cli("calibrate", "text_encoder", "--min-cosine", "0.99999999", "--max-float-layers", "1", "--out", out,
-            "--json")
+    r = cli(
+        "calibrate",
+        "text_encoder",
+        "--min-cosine",
+        "0.99999999",
+        "--max-float-layers",
+        "1",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 1, r.output
     assert "target not met" in r.stderr and "--max-float-layers 1" in r.stderr
     mp = json.loads(r.stdout)["mixed_precision"]
     assert not mp["met"] and mp["needed"] > 1 and mp["layers_kept_float"] == 1
     assert mp["after"]["cosine"] >= mp["before"]["cosine"]
-    # the checkpoint with one layer in float exports and verifies: its pair is absent, as the structure check expects
+    # the checkpoint with one layer in float exports and verifies: its pair is absent, as the structure check
+    # expects
     assert cli("export", out, "--onnx", tmp_path / "te.onnx").exit_code == 0
     v = cli("verify", tmp_path / "te.onnx", "--reference", out, "--json")
     assert v.exit_code == 0, v.output
     rep = json.loads(v.stdout)
     assert rep["structure"]["quantizers_expected"] == 24  # 26 quantizers less the kept layer's two
     assert rep["quality"]["outputs"][next(iter(rep["quality"]["outputs"]))]["cosine"] == pytest.approx(
-        mp["after"]["cosine"], abs=1e-6)
+        mp["after"]["cosine"], abs=1e-6
+    )
 
 
 def test_target_options_errors(tmp_path):
     assert_clean_error(cli("calibrate", "text_encoder", "--holdout", tmp_path / "h.npz"), "--min-cosine")
     assert_clean_error(cli("calibrate", "text_encoder", "--min-cosine", "1.5"), "--min-cosine must be in")
     np.savez(tmp_path / "one.npz", x=np.zeros((4, 1, 8, 8), np.float32))
-    assert_clean_error(cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "one.npz",
-                           "--min-cosine", "0.99", "--out", tmp_path / "o.pt"), "--holdout")
+    assert_clean_error(
+        cli(
+            "calibrate",
+            "sample_models.digits_cnn:build",
+            "--data",
+            tmp_path / "one.npz",
+            "--min-cosine",
+            "0.99",
+            "--out",
+            tmp_path / "o.pt",
+        ),
+        "--holdout",
+    )
     assert not (tmp_path / "o.pt").exists()
 
 
 def test_layers_the_target_needs_become_dynamic_int8_not_float_and_verify(tmp_path):
     """Step 5 of the search: a layer the target would keep in float runs with dynamic int8 activations
-    (DynamicQuantizeLinear -> MatMulInteger, an integer kernel in onnxruntime) when that still meets the target;
-    the checkpoint re-creates it, the graph exports it as the int8-dynamic preset's pattern, verify passes."""
+    (DynamicQuantizeLinear -> MatMulInteger, an integer kernel in onnxruntime) when that still meets the
+    target; the checkpoint re-creates it, the graph exports it as the int8-dynamic preset's pattern, verify
+    passes."""
     import onnx
 
     from quantcli.inputs.checkpoint import load_calibrated
     from sample_models import pretrained_like
+
     (tmp_path / "calib").mkdir()
     for i, b in enumerate(pretrained_like.batches("calib")[:3]):
         torch.save(b, tmp_path / "calib" / f"b{i}.pt")
     hold = {k: v.numpy() for k, v in pretrained_like.batches("holdout")[0].items()}
     np.savez(tmp_path / "hold.npz", **hold)
     out = tmp_path / "enc.calib.pt"
-    r = cli("calibrate", "sample_models.pretrained_like:build", "--data", tmp_path / "calib", "--holdout",
-            tmp_path / "hold.npz", "--smoothquant", "0.5", "--method", "auto", "--min-cosine", "0.995", "--out", out,
-            "--json")
+    r = cli(
+        "calibrate",
+        "sample_models.pretrained_like:build",
+        "--data",
+        tmp_path / "calib",
+        "--holdout",
+        tmp_path / "hold.npz",
+        "--smoothquant",
+        "0.5",
+        "--method",
+        "auto",
+        "--min-cosine",
+        "0.995",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     mp = json.loads(r.stdout)["mixed_precision"]
     assert mp["met"] and mp["dynamic"], mp  # deep_encoder's kept layers meet the target with dynamic inputs
@@ -128,6 +182,15 @@ def test_layers_the_target_needs_become_dynamic_int8_not_float_and_verify(tmp_pa
     assert cli("export", out, "--onnx", tmp_path / "enc.onnx").exit_code == 0
     g = onnx.load(tmp_path / "enc.onnx").graph
     assert sum(n.op_type == "MatMulInteger" for n in g.node) == len(mp["dynamic"])
-    v = cli("verify", tmp_path / "enc.onnx", "--reference", out, "--data", tmp_path / "hold.npz",
-            "--min-cosine", "0.995", "--json")
+    v = cli(
+        "verify",
+        tmp_path / "enc.onnx",
+        "--reference",
+        out,
+        "--data",
+        tmp_path / "hold.npz",
+        "--min-cosine",
+        "0.995",
+        "--json",
+    )
     assert v.exit_code == 0, v.output  # the exact codes check covers the dynamic layers too

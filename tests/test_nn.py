@@ -71,10 +71,13 @@ def test_quantized_forward_matches_functional():
     calibrate(m, _batches(), device="cpu")
     x = _batches(1)[0]["x"]
     from quantcli import fake_tensor_quant
+
     q = m.conv
     want = torch.nn.functional.conv2d(
         fake_tensor_quant(x, q.input_quantizer.amax, 8, False, False),
-        fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False), q.bias)
+        fake_tensor_quant(q.weight, q.weight_quantizer.amax, 8, False, False),
+        q.bias,
+    )
     got = q(x)
     assert torch.equal(got, want)
 
@@ -93,8 +96,11 @@ def test_presets():
         "int8": lambda m: m.head.weight_quantizer.desc.axis == 0,
         "int8-per-tensor": lambda m: m.head.weight_quantizer.desc.axis is None,
         "fp8": lambda m: m.head.input_quantizer.desc.is_fp8 and m.head.weight_quantizer.desc.is_fp8,
-        "int4-weight-only": lambda m: not m.head.input_quantizer.enabled and m.head.weight_quantizer.desc.num_bits == 4
-        and m.conv.weight_quantizer.desc.block_sizes == {1: 128},
+        "int4-weight-only": lambda m: (
+            not m.head.input_quantizer.enabled
+            and m.head.weight_quantizer.desc.num_bits == 4
+            and m.conv.weight_quantizer.desc.block_sizes == {1: 128}
+        ),
         "uint8-asymmetric": lambda m: m.head.input_quantizer.desc.asymmetric,
     }.items():
         m = quantize_model(Net().eval(), preset)
@@ -160,11 +166,13 @@ def test_dynamic_quantizer_computes_amax_per_call():
     q = TensorQuantizer(QuantDescriptor(dynamic=True, axis=0), name="q")
     x = torch.tensor([[0.7, -2.0], [0.5, 0.1]])
     y = q(x)
-    # row 0: amax 2, scale 2/127: 0.7 -> code round(44.45) = 44; row 1: amax 0.5, scale 0.5/127: 0.1 -> round(25.4)
-    # = 25. An identity gives 0.7 and 0.1; one amax for the whole tensor (2) gives 0.1 -> 6 * 2/127 = 0.0945.
+    # row 0: amax 2, scale 2/127: 0.7 -> code round(44.45) = 44; row 1: amax 0.5, scale 0.5/127: 0.1 ->
+    # round(25.4) = 25. An identity gives 0.7 and 0.1; one amax for the whole tensor (2) gives 0.1 -> 6 *
+    # 2/127 = 0.0945.
     want = torch.tensor([[44 * 2.0 / 127, -2.0], [0.5, 25 * 0.5 / 127]])
     assert torch.allclose(y, want, rtol=0, atol=1e-6)
-    assert q(x * 4)[1, 1].item() == pytest.approx(4 * 25 * 0.5 / 127, abs=1e-6)  # amax follows each call's input
+    # amax follows each call's input
+    assert q(x * 4)[1, 1].item() == pytest.approx(4 * 25 * 0.5 / 127, abs=1e-6)
 
 
 def test_histogram_methods_recompute_without_new_data():

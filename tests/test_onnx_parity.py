@@ -34,12 +34,14 @@ def test_int8_per_tensor(amax, rng):
 
 
 def _ties(scale: float, lo: int, hi: int) -> np.ndarray:
-    """(k + 0.5) * scale for k in [lo, hi): exact ties when ``scale`` is a power of two (no rounding anywhere)."""
+    """(k + 0.5) * scale for k in [lo, hi): exact ties when ``scale`` is a power of two (no rounding
+    anywhere)."""
     return ((np.arange(lo, hi, dtype=np.float64) + 0.5) * scale).astype(np.float32)
 
 
 def _count_ties(x: np.ndarray, scale) -> int:
-    """How many x / scale are exactly halfway between two integers (float64 is exact for power-of-two scales)."""
+    """How many x / scale are exactly halfway between two integers (float64 is exact for power-of-two
+    scales)."""
     r = np.asarray(x, np.float64) / np.asarray(scale, np.float64)
     return int(np.sum(r - np.floor(r) == 0.5))
 
@@ -76,13 +78,15 @@ def test_int4_blocked_opset21(rng):
     amax[:, 0] = 7 * 0.25
     codes, _ = tensor_quant(torch.from_numpy(w), amax, 4, False, False)
     scale = arithmetic.symmetric_scale(amax, 7).numpy()
-    ort = ort_quantize_linear(w, scale, np.zeros(scale.shape, np.int8), TensorProto.INT4, axis=1,
-                              block_size=32, opset=21)
+    ort = ort_quantize_linear(
+        w, scale, np.zeros(scale.shape, np.int8), TensorProto.INT4, axis=1, block_size=32, opset=21
+    )
     assert np.array_equal(codes.numpy(), ort)
 
 
 def _e4m3_midpoints() -> np.ndarray:
-    """Every value exactly halfway between two neighbouring finite E4M3 numbers, both signs, and beyond 448."""
+    """Every value exactly halfway between two neighbouring finite E4M3 numbers, both signs, and beyond
+    448."""
     grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float64).numpy()
     grid = np.unique(grid[np.isfinite(grid)])
     mids = (grid[:-1] + grid[1:]) / 2
@@ -92,10 +96,13 @@ def _e4m3_midpoints() -> np.ndarray:
 @pytest.mark.parametrize("amax", [10.0, 448.0, 28.0])
 def test_fp8_e4m3_opset19(amax, rng):
     # amax 448 and 28 give power-of-two scales (1, 2**-4): every midpoint times the scale is an exact tie,
-    # which both sides must round to the even mantissa; amax 10 gives an inexact scale (ties only approximately)
+    # which both sides must round to the even mantissa; amax 10 gives an inexact scale (ties only
+    # approximately)
     scale = arithmetic.symmetric_scale(torch.tensor(amax), arithmetic.FP8_E4M3_MAX)
     ties = (_e4m3_midpoints().astype(np.float64) * float(scale)).astype(np.float32)
-    x = np.concatenate([rng.standard_normal(N).astype(np.float32) * amax / 2, ties, np.float32([1e4, -1e4, 0.0, amax])])
+    x = np.concatenate(
+        [rng.standard_normal(N).astype(np.float32) * amax / 2, ties, np.float32([1e4, -1e4, 0.0, amax])]
+    )
     ours = arithmetic.quantize_e4m3(torch.from_numpy(x), scale).to(torch.float32).numpy()
     ort = ort_quantize_linear(x, scale.numpy(), np.zeros((), np.float32), TensorProto.FLOAT8E4M3FN, opset=19)
     assert np.array_equal(ours, ort)
@@ -122,5 +129,6 @@ def test_narrow_grids_match_after_clip(num_bits, rng):
     ort = ort_quantize_linear(clipped, s.numpy(), np.int8(0), TensorProto.INT8)
     assert np.array_equal(codes.numpy(), ort)
     tail = codes[N:].numpy()  # codes of the ties, from -bound - 3.5 up: to even, then narrow at both ends
-    want = np.clip(np.round(np.arange(-bound - 4, bound + 4) + 0.5), -bound, bound)  # numpy rounds half to even
+    # numpy rounds half to even
+    want = np.clip(np.round(np.arange(-bound - 4, bound + 4) + 0.5), -bound, bound)
     assert np.array_equal(tail, want)

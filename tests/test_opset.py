@@ -1,4 +1,5 @@
-"""The default opset: the lowest the formats need and the model's ops are best expressed in (exporters.opset)."""
+"""The default opset: the lowest the formats need and the model's ops are best expressed in
+(exporters.opset)."""
 
 import json
 
@@ -59,7 +60,9 @@ def test_probe_sees_functional_and_module_layer_norm():
     assert ops_opset(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)))[0] == 17  # modules: no forward needed
 
 
-@pytest.mark.parametrize("functional, config, want", [(True, "int8", 17), (False, "int8", 13), (True, "fp8", 19)])
+@pytest.mark.parametrize(
+    "functional, config, want", [(True, "int8", 17), (False, "int8", 13), (True, "fp8", 19)]
+)
 def test_default_opset_is_the_highest_of_formats_and_ops(functional, config, want, tmp_path):
     m = _calibrated(FunctionalNorm(functional), config)
     x = torch.randn(3, 7, 16)
@@ -80,7 +83,11 @@ def test_text_encoder_defaults_to_17_and_explicit_13_decomposes_with_a_note(cali
     r = cli("export", calibrated("text_encoder", "int8"), "--onnx", out, "--opset", "13", "--json")
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
-    assert info["opset"] == 13 and info["opset_reason"] == "--opset" and "SkipLayerNormalization" in info["opset_note"]
+    assert (
+        info["opset"] == 13
+        and info["opset_reason"] == "--opset"
+        and "SkipLayerNormalization" in info["opset_note"]
+    )
     g13 = onnx.load(str(out))
     assert "LayerNormalization" not in _ops(g13) and "ReduceMean" in _ops(g13)
     text = cli("export", calibrated("text_encoder", "int8"), "--onnx", out).stdout
@@ -88,8 +95,11 @@ def test_text_encoder_defaults_to_17_and_explicit_13_decomposes_with_a_note(cali
 
 
 def test_explicit_opset_below_the_format_minimum_is_still_an_error(calibrated, tmp_path):
-    assert_clean_error(cli("export", calibrated("text_encoder", "fp8"), "--onnx", tmp_path / "o.onnx", "--opset", "17"),
-                       "fp8-e4m3", ">= 19")
+    assert_clean_error(
+        cli("export", calibrated("text_encoder", "fp8"), "--onnx", tmp_path / "o.onnx", "--opset", "17"),
+        "fp8-e4m3",
+        ">= 19",
+    )
 
 
 ATTENTION = '''
@@ -119,8 +129,8 @@ def make():
 
 
 def _torch_attention_opset() -> int:
-    """The opset torch's TorchScript exporter first translates aten::scaled_dot_product_attention at, read from
-    torch's own symbolic_opsetN modules (not from quantcli)."""
+    """The opset torch's TorchScript exporter first translates aten::scaled_dot_product_attention at, read
+    from torch's own symbolic_opsetN modules (not from quantcli)."""
     import importlib
 
     for n in range(9, 22):
@@ -143,7 +153,9 @@ def attention_checkpoint(tmp_path):
     return ck, tmp_path / "x.npy"
 
 
-def test_attention_without_opset_exports_at_the_opset_torch_translates_it_and_verifies(attention_checkpoint, tmp_path):
+def test_attention_without_opset_exports_at_the_opset_torch_translates_it_and_verifies(
+    attention_checkpoint, tmp_path
+):
     want = _torch_attention_opset()
     assert want == 14  # torch 2.x: symbolic_opset14.scaled_dot_product_attention
     ck, data = attention_checkpoint
@@ -157,10 +169,15 @@ def test_attention_without_opset_exports_at_the_opset_torch_translates_it_and_ve
     assert r.exit_code == 0, r.output
 
 
-def test_attention_with_a_too_old_explicit_opset_is_a_clean_error_naming_the_op(attention_checkpoint, tmp_path):
+def test_attention_with_a_too_old_explicit_opset_is_a_clean_error_naming_the_op(
+    attention_checkpoint, tmp_path
+):
     ck, _ = attention_checkpoint
     r = cli("export", ck, "--onnx", tmp_path / "a.onnx", "--opset", "13")
-    assert_clean_error(r, "aten::scaled_dot_product_attention", "opset 13", f"--opset {_torch_attention_opset()}")
+    assert_clean_error(
+        r, "aten::scaled_dot_product_attention", "opset 13", f"--opset {_torch_attention_opset()}"
+    )
     assert not (tmp_path / "a.onnx").exists()
-    r = cli("export", ck, "--onnx", tmp_path / "a.onnx", "--opset", "15", "--json")  # an explicit opset is kept
+    # an explicit opset is kept
+    r = cli("export", ck, "--onnx", tmp_path / "a.onnx", "--opset", "15", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["opset"] == 15, r.output

@@ -1,5 +1,5 @@
-"""FP8 and INT4 graphs in onnxruntime with default session options: they load, and compute what the graph computes
-with optimizations off (which is what the fake-quant model computes)."""
+"""FP8 and INT4 graphs in onnxruntime with default session options: they load, and compute what the graph
+computes with optimizations off (which is what the fake-quant model computes)."""
 
 import numpy as np
 import onnx
@@ -105,8 +105,8 @@ def test_int4_sample_graphs_load_with_default_options(model, calibrated, exporte
 
 
 class _Fp8Shapes(nn.Module):
-    """Every pattern onnxruntime mis-handles: Conv -> Relu -> Q, Linear without bias (Gemm with two DQ inputs),
-    Linear on a 3-D input (MatMul), a Transpose before a Q, ConvTranspose."""
+    """Every pattern onnxruntime mis-handles: Conv -> Relu -> Q, Linear without bias (Gemm with two DQ
+    inputs), Linear on a 3-D input (MatMul), a Transpose before a Q, ConvTranspose."""
 
     def __init__(self):
         super().__init__()

@@ -1,8 +1,10 @@
 """Q/DQ placement per deployment target.
 
-onnxruntime: per pattern (Conv+BN+ReLU, Conv -> residual Add, Linear with bias, q/k/v sharing an input, Gemm and
+onnxruntime: per pattern (Conv+BN+ReLU, Conv -> residual Add, Linear with bias, q/k/v sharing an input, Gemm
+    and
 MatMul) the integer kernels onnxruntime's optimizer makes of the exported graph (read from
-``SessionOptions.optimized_model_filepath``), and exact parity of the optimizations-off graph with the fake-quant
+``SessionOptions.optimized_model_filepath``), and exact parity of the optimizations-off graph with the
+fake-quant
 model: every quantizer's DequantizeLinear output equals the PyTorch quantizer's output on the same run.
 tensorrt: the placement NVIDIA recommends, checked on the graph's structure (no TensorRT here).
 """
@@ -127,9 +129,11 @@ def assert_exact(m, path, shape):
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     captured = {}
     qs = quantizers(m)
+
     def keep(q):
         def hook(_mod, _args, out):
             captured.setdefault(q, out.detach().numpy())
+
         return hook
 
     hooks = [qs[q].register_forward_hook(keep(q)) for q in set(qmap.values())]
@@ -195,7 +199,9 @@ def test_residual_add_convs_get_an_output_quantizer(tmp_path):
 class ConvPoolMean(nn.Module):
     def __init__(self):
         super().__init__()
-        self.features = nn.Sequential(nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(2))
+        self.features = nn.Sequential(
+            nn.Conv1d(4, 8, 3, padding=1), nn.BatchNorm1d(8), nn.ReLU(), nn.MaxPool1d(2)
+        )
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
@@ -221,8 +227,16 @@ def test_conv_relu_pool_before_a_float_op_quantizes_after_the_pool(tmp_path):
         q.set_mode("disabled")
     x = _batches(shape, 1, seed=4)[0]["x"]
     with torch.inference_mode():
-        assert torch.equal(f.features(x), f.features[3](f.features[2](f.features[1](
-            torch.nn.functional.conv1d(x, f.features[0].weight, f.features[0].bias, padding=1)))))
+        assert torch.equal(
+            f.features(x),
+            f.features[3](
+                f.features[2](
+                    f.features[1](
+                        torch.nn.functional.conv1d(x, f.features[0].weight, f.features[0].bias, padding=1)
+                    )
+                )
+            ),
+        )
         assert not torch.equal(m.features(x), f.features(x))
 
 
@@ -259,7 +273,8 @@ def test_qkv_share_one_quantizelinear_and_matmul_fuses(tmp_path):
     path = _export(m, shape, tmp_path)
     graph = onnx.load(str(path))
     qs = [n for n in graph.graph.node if n.op_type == "QuantizeLinear"]
-    assert len(qs) == 1  # one Q of the LayerNorm output; three DequantizeLinear, one per projection's quantizer
+    # one Q of the LayerNorm output; three DequantizeLinear, one per projection's quantizer
+    assert len(qs) == 1
     assert sorted(quantizer_map(graph).values()).count("q.input_quantizer") == 1
     zp = {t.name: t for t in graph.graph.initializer}[qs[0].input[2]]
     assert zp.data_type == T.UINT8 and onnx.numpy_helper.to_array(zp) == 128  # int8 codes as uint8 + 128
@@ -307,7 +322,9 @@ def test_tensorrt_quantizes_the_skip_input_and_no_outputs(tmp_path):
     assert len(adds) == 4
     for add in adds:  # one operand from a Conv (through BatchNormalization), the other a DequantizeLinear
         kinds = sorted(producers[i].op_type for i in add.input)
-        assert kinds == ["BatchNormalization", "DequantizeLinear"] or kinds == ["Conv", "DequantizeLinear"], kinds
+        assert kinds == ["BatchNormalization", "DequantizeLinear"] or kinds == ["Conv", "DequantizeLinear"], (
+            kinds
+        )
         dq = next(producers[i] for i in add.input if producers[i].op_type == "DequantizeLinear")
         assert qmap[dq.output[0]].endswith("residual_quantizer")
     for conv in (n for n in g.node if n.op_type == "Conv"):  # no Q on a Conv output, a DQ on both inputs
@@ -315,8 +332,11 @@ def test_tensorrt_quantizes_the_skip_input_and_no_outputs(tmp_path):
     for n in g.node:  # MaxPool left to TensorRT: it reads float, no Q/DQ copies around it
         if n.op_type == "MaxPool":
             assert producers[n.input[0]].op_type != "DequantizeLinear"
-    zps = {t.data_type for t in g.initializer if any(t.name == n.input[2] for n in g.node
-                                                     if n.op_type in ("QuantizeLinear", "DequantizeLinear"))}
+    zps = {
+        t.data_type
+        for t in g.initializer
+        if any(t.name == n.input[2] for n in g.node if n.op_type in ("QuantizeLinear", "DequantizeLinear"))
+    }
     assert zps == {T.INT8}  # no uint8 activations and no int32 biases for TensorRT
     # the inserted quantizers survive a checkpoint round trip and the graph stays exact
     got, want = onnx_and_torch(path, m, resnet_batches(8, 8, split="eval")[0])
@@ -328,8 +348,17 @@ def test_tensorrt_quantizes_the_skip_input_and_no_outputs(tmp_path):
 
 def test_cli_target_is_stored_exported_and_shown(tmp_path):
     ck = tmp_path / "trt.calib.pt"
-    r = cli("calibrate", "sample_models.structured:resnet_cnn", "--data", _npz(tmp_path), "--target", "tensorrt",
-            "--out", ck, "--json")
+    r = cli(
+        "calibrate",
+        "sample_models.structured:resnet_cnn",
+        "--data",
+        _npz(tmp_path),
+        "--target",
+        "tensorrt",
+        "--out",
+        ck,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["target"] == "tensorrt" and len(info["placement"]["residual_quantized"]) == 4
@@ -358,12 +387,17 @@ def test_cli_default_target_is_onnxruntime_and_fully_fused(calibrated, tmp_path)
 
 
 def test_cli_bad_target(tmp_path):
-    assert_clean_error(cli("calibrate", "digits_cnn", "--target", "coreml", "--out", tmp_path / "x.pt"),
-                       "unknown target", "onnxruntime, tensorrt")
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--target", "coreml", "--out", tmp_path / "x.pt"),
+        "unknown target",
+        "onnxruntime, tensorrt",
+    )
     assert not (tmp_path / "x.pt").exists()
     cfg = tmp_path / "c.yaml"
     cfg.write_text("target: tflite\n")
-    assert_clean_error(cli("calibrate", "digits_cnn", "--config", cfg, "--out", tmp_path / "x.pt"), "unknown target")
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--config", cfg, "--out", tmp_path / "x.pt"), "unknown target"
+    )
 
 
 def _npz(tmp_path):
@@ -381,7 +415,8 @@ def _one_thread():
 
 
 def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
-    # digits_cnn under the tensorrt target has the per-layer placement every checkpoint had before targets existed
+    # digits_cnn under the tensorrt target has the per-layer placement every checkpoint had before targets
+    # existed
     ck = tmp_path / "t.calib.pt"
     assert cli("calibrate", "digits_cnn", "--target", "tensorrt", "--out", ck, "--json").exit_code == 0
     raw = torch.load(ck, weights_only=True)
@@ -390,7 +425,9 @@ def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
     torch.save(raw, old)
     a, b = load_calibrated(ck), load_calibrated(old)
     assert b.config.target == "onnxruntime"
-    assert not any(hasattr(m, "output_quantizer") or getattr(m, "int32_bias", False) for m in b.model.modules())
+    assert not any(
+        hasattr(m, "output_quantizer") or getattr(m, "int32_bias", False) for m in b.model.modules()
+    )
     assert not any(q.desc.unsigned for q in quantizers(b.model).values())
     batch = b.evaluation_batches()[0]
     with torch.inference_mode():

@@ -1,4 +1,5 @@
-"""The public Python names (the README's Python API) resolve to what they promise, whatever was imported first."""
+"""The public Python names (the README's Python API) resolve to what they promise, whatever was imported
+first."""
 
 import importlib
 import inspect
@@ -39,14 +40,26 @@ def test_contract_names():
     assert QuantDescriptor is ScaledQuantDescriptor
     assert fake_tensor_quant == FakeTensorQuantFunction.apply
     assert callable(tensor_quant)
-    assert inspect.isfunction(quantcli.calibrate) and list(inspect.signature(quantcli.calibrate).parameters)[:3] == [
-        "model", "batches", "method"]
+    assert inspect.isfunction(quantcli.calibrate) and list(inspect.signature(quantcli.calibrate).parameters)[
+        :3
+    ] == ["model", "batches", "method"]
     assert inspect.isfunction(quantcli.quantize_model) and inspect.isfunction(quantcli.verify_onnx)
     assert inspect.isfunction(quantcli.load_calibrated)
     from calibrators import HistogramCalibrator, MaxCalibrator  # noqa: F401
     from exporters import export_onnx
-    assert list(inspect.signature(export_onnx).parameters)[:5] == ["model", "example_inputs", "path", "opset", "exporter"]
-    assert list(inspect.signature(quantcli.verify_onnx).parameters)[:3] == ["onnx_path", "calibrated", "batches"]
+
+    assert list(inspect.signature(export_onnx).parameters)[:5] == [
+        "model",
+        "example_inputs",
+        "path",
+        "opset",
+        "exporter",
+    ]
+    assert list(inspect.signature(quantcli.verify_onnx).parameters)[:3] == [
+        "onnx_path",
+        "calibrated",
+        "batches",
+    ]
 
 
 def test_cli_help_lists_only_built_commands():

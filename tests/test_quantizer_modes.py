@@ -1,4 +1,5 @@
-"""quantcli.nn.modes: quantizers switched for a block come back exactly as they were, whatever the block does."""
+"""quantcli.nn.modes: quantizers switched for a block come back exactly as they were, whatever the block
+does."""
 
 import pytest
 import torch
@@ -69,8 +70,8 @@ def test_keep_float_is_permanent():
 
 
 def test_keep_float_inside_the_block_outlasts_the_restore():
-    # calibrate() pauses quantizers, then switches off those of layers that never ran: they must stay off, not come
-    # back in the mode they had before the pause
+    # calibrate() pauses quantizers, then switches off those of layers that never ran: they must stay off, not
+    # come back in the mode they had before the pause
     m, qs = _model()
     q = qs["2.weight_quantizer"]
     assert q.mode == "quantize"

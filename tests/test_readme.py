@@ -18,7 +18,9 @@ def _block_after(heading: str) -> str:
 def test_quick_start_command_runs_as_written(tmp_path):
     command = _block_after("## Quick start")
     env = dict(os.environ, PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    r = subprocess.run(["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    r = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "PASS" in r.stdout
     assert (tmp_path / "digits_cnn.calib.pt").is_file() and (tmp_path / "digits_cnn.onnx").is_file()
@@ -59,7 +61,9 @@ def test_own_model_quick_starts_run_as_written(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
     for i in range(4):
         (tmp_path / "images" / f"{i % 2}").mkdir(parents=True, exist_ok=True)
-        Image.fromarray(rng.integers(0, 256, (40 + 8 * i, 48, 3), dtype=np.uint8)).save(tmp_path / "images" / f"{i % 2}" / f"{i}.png")
+        Image.fromarray(rng.integers(0, 256, (40 + 8 * i, 48, 3), dtype=np.uint8)).save(
+            tmp_path / "images" / f"{i % 2}" / f"{i}.png"
+        )
     monkeypatch.chdir(tmp_path)
     blocks = _blocks_after("## Quick start: your own model")
     assert len(blocks) == 2
@@ -85,7 +89,8 @@ def test_transformers_quick_start_runs_as_written(tmp_path, monkeypatch):
     from tests.test_user_models_data import TEXTS, make_bert_folder
 
     make_bert_folder(tmp_path / "my-encoder")
-    (tmp_path / "texts.txt").write_text("\n".join(TEXTS * 10) + "\n")  # 80 lines: 3 batches, the last held out
+    # 80 lines: 3 batches, the last held out
+    (tmp_path / "texts.txt").write_text("\n".join(TEXTS * 10) + "\n")
     (tmp_path / "held-out.txt").write_text("\n".join(reversed(TEXTS)) + "\n")
     monkeypatch.chdir(tmp_path)
     lines = _blocks_after("## Quick start: transformers")[0].splitlines()

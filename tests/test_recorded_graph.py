@@ -1,10 +1,11 @@
 """Placement and BatchNorm folding read the graph the exporter records (issue 25, item 1).
 
 The model's structure comes from one forward on the example batch (``quantcli.nn.recorded_graph``), so a model
-whose ``forward`` branches on a Python argument, unpacks shapes in Python or calls a module twice gets the full
-placement; ``torch.fx`` symbolic tracing, which fails on the first two, is kept only where no example exists.
-The judge of "full placement" is onnxruntime itself: its optimized graph runs every quantized layer as an integer
-kernel (``inspect --runtime``), and the optimizations-off graph gives the fake-quant model's codes (verify).
+whose ``forward`` branches on a Python argument, unpacks shapes in Python or calls a module twice gets the
+full placement; ``torch.fx`` symbolic tracing, which fails on the first two, is kept only where no example
+exists. The judge of "full placement" is onnxruntime itself: its optimized graph runs every quantized layer as
+an integer kernel (``inspect --runtime``), and the optimizations-off graph gives the fake-quant model's codes
+(verify).
 """
 
 import json
@@ -46,8 +47,13 @@ def test_record_follows_python_control_flow_in_place_ops_and_reuse():
     m = _Reused().eval()
     g = record(m, {"x": torch.randn(1, 4, 5, 5)}, _leaf)
     ops = [(n.op, n.target if isinstance(n.target, str) else n.target.__name__) for n in g.nodes]
-    assert ops == [("placeholder", "x"), ("call_module", "conv"), ("call_module", "relu"), ("call_module", "conv"),
-                   ("call_method", "add_")]
+    assert ops == [
+        ("placeholder", "x"),
+        ("call_module", "conv"),
+        ("call_module", "relu"),
+        ("call_module", "conv"),
+        ("call_method", "add_"),
+    ]
     x, conv1, relu, conv2, add = g.nodes
     assert conv1.args == (x,) and relu.args == (conv1,) and conv2.args == (relu,)
     assert add.args == (conv2, x)  # the in-place Add reads the second conv's output and the input
@@ -65,7 +71,7 @@ def test_record_leaves_the_model_as_it_was():
     assert {n: mod.mode for n, mod in q.named_modules() if hasattr(mod, "mode")} == modes
 
 
-# ------------------------------------------------------------------------------------------- a model fx cannot trace
+# ------------------------------------------------------------------------------------ a model fx cannot trace
 
 PITCH = textwrap.dedent('''
     import torch
@@ -85,8 +91,8 @@ PITCH = textwrap.dedent('''
 
 
     class Pitch(nn.Module):
-        """A 1-D pitch CNN: Conv -> ReLU -> BatchNorm -> MaxPool blocks, a branch on a Python argument, a shape
-        unpacked in Python."""
+        """A 1-D pitch CNN: Conv -> ReLU -> BatchNorm -> MaxPool blocks, a branch on a Python argument, a
+        shape unpacked in Python."""
 
         def __init__(self):
             super().__init__()
@@ -154,7 +160,9 @@ def test_untraceable_model_runs_every_layer_as_an_integer_kernel(pitch, tmp_path
     r = cli("inspect", path, "--runtime", "onnxruntime", "--json")
     rep = json.loads(r.stdout)
     assert {x["layer"]: x["kernel"] for x in rep["layers"]} == {
-        **{f"blocks.{i}.conv": "QLinearConv" for i in range(4)}, "head": "QGemm"}
+        **{f"blocks.{i}.conv": "QLinearConv" for i in range(4)},
+        "head": "QGemm",
+    }
     assert rep["unfused_layers"] == 0
     # the BatchNorms that cannot fold stay in float between the Conv's Q and the next quantizer
     assert sum(n.op_type == "BatchNormalization" for n in onnx.load(str(path)).graph.node) == 4
@@ -164,7 +172,7 @@ def test_untraceable_model_runs_every_layer_as_an_integer_kernel(pitch, tmp_path
     assert checks["fidelity.codes"]["passed"] and checks["fidelity.codes"]["value"] == 1.0
 
 
-# ------------------------------------------------------------------------------------------- BatchNorm subclasses
+# --------------------------------------------------------------------------------------- BatchNorm subclasses
 
 
 class BatchNormAct(nn.BatchNorm2d):
@@ -196,7 +204,7 @@ def test_a_batchnorm_subclass_with_its_own_forward_is_not_folded():
         assert torch.equal(m(x), want)
 
 
-# ------------------------------------------------------------------------------------------- tensorrt residuals
+# ----------------------------------------------------------------------------------------- tensorrt residuals
 
 
 class ConvLayer(nn.Module):
@@ -211,8 +219,8 @@ class ConvLayer(nn.Module):
 
 
 class HFStyleBlock(nn.Module):
-    """Hugging Face ResNet's basic layer: the main path inside submodules of its own, the shortcut (an Identity)
-    computed after it, and the sum in place."""
+    """Hugging Face ResNet's basic layer: the main path inside submodules of its own, the shortcut (an
+    Identity) computed after it, and the sum in place."""
 
     def __init__(self):
         super().__init__()
@@ -247,7 +255,7 @@ def test_tensorrt_finds_residuals_whose_shortcut_is_computed_last():
     assert p.residual_untraced == {}
 
 
-HF_STYLE = textwrap.dedent('''
+HF_STYLE = textwrap.dedent("""
     import torch
     from tests.test_recorded_graph import HFStyleNet
 
@@ -255,20 +263,32 @@ HF_STYLE = textwrap.dedent('''
     def make():
         torch.manual_seed(0)
         return HFStyleNet().eval()
-''')
+""")
 
 
 def test_tensorrt_residual_quantizers_keep_the_export_scopes(tmp_path):
-    """The block's forward is rewritten with its submodules still called as modules, so the exported graph names
-    every Q/DQ pair (inlining them lost the scopes: pairs reported missing, replay steps of 1.9 on HF ResNet)."""
+    """The block's forward is rewritten with its submodules still called as modules, so the exported graph
+    names every Q/DQ pair (inlining them lost the scopes: pairs reported missing, replay steps of 1.9 on HF
+    ResNet)."""
     (tmp_path / "hf_style.py").write_text(HF_STYLE)
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((32, 3, 8, 8)).astype(np.float32))
     ck, path = tmp_path / "h.calib.pt", tmp_path / "h.onnx"
-    r = cli("calibrate", tmp_path / "hf_style.py:make", "--data", tmp_path / "x.npy", "--target", "tensorrt",
-            "--out", ck, "--json")
+    r = cli(
+        "calibrate",
+        tmp_path / "hf_style.py:make",
+        "--data",
+        tmp_path / "x.npy",
+        "--target",
+        "tensorrt",
+        "--out",
+        ck,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["placement"]["residual_quantized"] == ["blocks.0.residual_quantizer",
-                                                                       "blocks.1.residual_quantizer"]
+    assert json.loads(r.stdout)["placement"]["residual_quantized"] == [
+        "blocks.0.residual_quantizer",
+        "blocks.1.residual_quantizer",
+    ]
     assert cli("export", ck, "--onnx", path).exit_code == 0
     v = cli("verify", path, "--reference", ck, "--data", tmp_path / "x.npy", "--json")
     assert v.exit_code == 0, v.stdout

@@ -1,4 +1,5 @@
-"""``reduce_range``: 8-bit weights on a 7-bit grid, so a non-VNNI u8s8 kernel's 16-bit pair sums cannot saturate."""
+"""``reduce_range``: 8-bit weights on a 7-bit grid, so a non-VNNI u8s8 kernel's 16-bit pair sums cannot
+saturate."""
 
 import onnx
 import pytest
@@ -15,10 +16,18 @@ from tests.helpers import cli
 
 
 def test_reduce_range_puts_8_bit_weights_on_a_7_bit_narrow_grid():
-    cfg = load_config({"preset": "int8", "reduce_range": True,
-                       "rules": [{"pattern": "fc2.weight_quantizer", "num_bits": 4}]})
+    cfg = load_config(
+        {
+            "preset": "int8",
+            "reduce_range": True,
+            "rules": [{"pattern": "fc2.weight_quantizer", "num_bits": 4}],
+        }
+    )
     qs = quantizers(quantize_model(build(), cfg))
-    assert (qs["conv1.weight_quantizer"].desc.num_bits, qs["conv1.weight_quantizer"].desc.narrow_range) == (7, True)
+    assert (qs["conv1.weight_quantizer"].desc.num_bits, qs["conv1.weight_quantizer"].desc.narrow_range) == (
+        7,
+        True,
+    )
     assert qs["fc1.weight_quantizer"].desc.axis == 0  # the preset's per-channel axis is kept
     assert qs["fc2.weight_quantizer"].desc.num_bits == 4  # a rule's own width is left alone
     assert qs["conv1.input_quantizer"].desc.num_bits == 8  # activations keep 8 bits
@@ -35,8 +44,11 @@ def test_reduced_weights_export_as_int8_codes_within_63_and_stay_exact(tmp_path)
     assert cli("calibrate", "digits_cnn", "--config", cfg, "--out", ck, "--json").exit_code == 0
     assert cli("export", ck, "--onnx", out, "--json").exit_code == 0
     m = onnx.load(str(out))
-    weights = [numpy_helper.to_array(t) for t in m.graph.initializer
-               if t.data_type == onnx.TensorProto.INT8 and len(t.dims) > 1]
+    weights = [
+        numpy_helper.to_array(t)
+        for t in m.graph.initializer
+        if t.data_type == onnx.TensorProto.INT8 and len(t.dims) > 1
+    ]
     assert len(weights) == 4
     assert all(w.min() >= -63 and w.max() <= 63 for w in weights)
     assert max(int(abs(w).max()) for w in weights) == 63  # the grid is used up to its bound

@@ -1,6 +1,6 @@
-"""`quantcli inspect OUT.onnx --runtime onnxruntime`: what onnxruntime runs each quantized layer as, and why not
-an integer kernel. Fused graphs are built by hand in the form onnxruntime's QDQ selectors take; the exported
-sample graphs are checked against onnxruntime's own optimized graph, whatever their placement."""
+"""`quantcli inspect OUT.onnx --runtime onnxruntime`: what onnxruntime runs each quantized layer as, and why
+not an integer kernel. Fused graphs are built by hand in the form onnxruntime's QDQ selectors take; the
+exported sample graphs are checked against onnxruntime's own optimized graph, whatever their placement."""
 
 import collections
 import json
@@ -28,10 +28,16 @@ def _layer_graph(op, *, act_type=T.UINT8, out_type=T.UINT8, out_zp=0, relu=True,
     """x -> Q -> DQ -> op(W DQ int8 per channel, bias) [-> Relu] -> Q -> DQ -> y, one layer per consumer."""
     np_act = {T.UINT8: np.uint8, T.INT8: np.int8}
     sx, cout = np.float32(0.02), 8
-    inits = [_init("sx", sx, np.float32), _init("zx", 0, np_act[act_type]),
-             _init("so", 0.05, np.float32), _init("zo", out_zp, np_act[out_type])]
-    nodes = [helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"], name="x_q"),
-             helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"], name="x_dq")]
+    inits = [
+        _init("sx", sx, np.float32),
+        _init("zx", 0, np_act[act_type]),
+        _init("so", 0.05, np.float32),
+        _init("zo", out_zp, np_act[out_type]),
+    ]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "sx", "zx"], ["xq"], name="x_q"),
+        helper.make_node("DequantizeLinear", ["xq", "sx", "zx"], ["xd"], name="x_dq"),
+    ]
     qmap = {"xd": "in.input_quantizer"}
     outs = []
     for k in range(consumers):
@@ -43,14 +49,26 @@ def _layer_graph(op, *, act_type=T.UINT8, out_type=T.UINT8, out_zp=0, relu=True,
             w, xshape = rng.integers(-127, 128, (16, cout)), ["N", 5, 16]
         sw = rng.uniform(0.001, 0.01, cout).astype(np.float32)
         axis = 1 if op == "MatMul" else 0
-        inits += [_init(f"w{k}", w, np.int8), _init(f"sw{k}", sw, np.float32), _init(f"zw{k}", np.zeros(cout), np.int8)]
-        nodes.append(helper.make_node("DequantizeLinear", [f"w{k}", f"sw{k}", f"zw{k}"], [f"wd{k}"], axis=axis,
-                                      name=f"w{k}_dq"))
+        inits += [
+            _init(f"w{k}", w, np.int8),
+            _init(f"sw{k}", sw, np.float32),
+            _init(f"zw{k}", np.zeros(cout), np.int8),
+        ]
+        nodes.append(
+            helper.make_node(
+                "DequantizeLinear", [f"w{k}", f"sw{k}", f"zw{k}"], [f"wd{k}"], axis=axis, name=f"w{k}_dq"
+            )
+        )
         qmap[f"wd{k}"] = f"layer{k}.weight_quantizer"
         ins = ["xd", f"wd{k}"]
         if bias == "int32" and op != "MatMul":
-            inits += [_init(f"b{k}", rng.integers(-1000, 1000, cout), np.int32), _init(f"sb{k}", sx * sw, np.float32)]
-            nodes.append(helper.make_node("DequantizeLinear", [f"b{k}", f"sb{k}"], [f"bd{k}"], axis=0, name=f"b{k}_dq"))
+            inits += [
+                _init(f"b{k}", rng.integers(-1000, 1000, cout), np.int32),
+                _init(f"sb{k}", sx * sw, np.float32),
+            ]
+            nodes.append(
+                helper.make_node("DequantizeLinear", [f"b{k}", f"sb{k}"], [f"bd{k}"], axis=0, name=f"b{k}_dq")
+            )
             ins.append(f"bd{k}")
         elif bias == "float" and op != "MatMul":
             inits.append(_init(f"b{k}", rng.standard_normal(cout), np.float32))
@@ -61,8 +79,10 @@ def _layer_graph(op, *, act_type=T.UINT8, out_type=T.UINT8, out_zp=0, relu=True,
         if relu:
             nodes.append(helper.make_node("Relu", [y], [f"r{k}"], name=f"relu{k}"))
             y = f"r{k}"
-        nodes += [helper.make_node("QuantizeLinear", [y, "so", "zo"], [f"yq{k}"], name=f"out{k}_q"),
-                  helper.make_node("DequantizeLinear", [f"yq{k}", "so", "zo"], [f"out{k}"], name=f"out{k}_dq")]
+        nodes += [
+            helper.make_node("QuantizeLinear", [y, "so", "zo"], [f"yq{k}"], name=f"out{k}_q"),
+            helper.make_node("DequantizeLinear", [f"yq{k}", "so", "zo"], [f"out{k}"], name=f"out{k}_dq"),
+        ]
         outs.append(helper.make_tensor_value_info(f"out{k}", T.FLOAT, YSHAPE[op]))
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", T.FLOAT, xshape)], outs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
@@ -87,13 +107,21 @@ def _save(model, tmp_path, name="g.onnx"):
     return path
 
 
-@pytest.mark.parametrize("op, kernel", [("Conv", "QLinearConv"), ("Gemm", "QGemm"), ("MatMul", "QLinearMatMul")])
+@pytest.mark.parametrize(
+    "op, kernel", [("Conv", "QLinearConv"), ("Gemm", "QGemm"), ("MatMul", "QLinearMatMul")]
+)
 def test_a_graph_in_the_fusable_form_is_reported_fused(op, kernel, tmp_path):
     path = _save(_layer_graph(op), tmp_path)
     rep = inspect_fusion(path)
     assert rep.load_error is None
     (layer,) = rep.layers
-    assert (layer.layer, layer.op_type, layer.kernel, layer.fused, layer.reasons) == ("layer0", op, kernel, True, [])
+    assert (layer.layer, layer.op_type, layer.kernel, layer.fused, layer.reasons) == (
+        "layer0",
+        op,
+        kernel,
+        True,
+        [],
+    )
     assert layer.quantizers == ["in.input_quantizer", "layer0.weight_quantizer"]
     kinds = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
     assert kinds[kernel] == 1 and kinds[op] == 0  # independent look at onnxruntime's graph
@@ -118,7 +146,9 @@ def test_float_bias_without_output_q_is_diagnosed(tmp_path):
     m = _without_output_q(_layer_graph("Conv", bias="float", relu=False), "Conv")
     (layer,) = inspect_fusion(_save(m, tmp_path)).layers
     assert layer.fused is False
-    assert any(r.startswith("float bias") for r in layer.reasons) and any("QLinearConv needs" in r for r in layer.reasons)
+    assert any(r.startswith("float bias") for r in layer.reasons) and any(
+        "QLinearConv needs" in r for r in layer.reasons
+    )
 
 
 def test_int8_activation_shared_by_two_layers_is_diagnosed_on_x86(tmp_path):
@@ -126,19 +156,28 @@ def test_int8_activation_shared_by_two_layers_is_diagnosed_on_x86(tmp_path):
 
     if platform.machine().lower() in ("arm64", "aarch64"):
         pytest.skip("onnxruntime fuses int8 activations on ARM")
-    rep = inspect_fusion(_save(_layer_graph("Conv", act_type=T.INT8, out_type=T.INT8, out_zp=-128, consumers=2),
-                               tmp_path))
+    rep = inspect_fusion(
+        _save(_layer_graph("Conv", act_type=T.INT8, out_type=T.INT8, out_zp=-128, consumers=2), tmp_path)
+    )
     assert [r.fused for r in rep.layers] == [False, False]
     for layer in rep.layers:
         assert any("quantized once for 2 consumers" in r for r in layer.reasons), layer.reasons
     # the same layer alone (one consumer): onnxruntime converts the int8 pair to uint8 and fuses it
-    alone = inspect_fusion(_save(_layer_graph("Conv", act_type=T.INT8, out_type=T.INT8, out_zp=-128), tmp_path,
-                                 "alone.onnx"))
+    alone = inspect_fusion(
+        _save(_layer_graph("Conv", act_type=T.INT8, out_type=T.INT8, out_zp=-128), tmp_path, "alone.onnx")
+    )
     assert [r.fused for r in alone.layers] == [True]
 
 
-@pytest.mark.parametrize("model, config", [("digits_cnn", "int8"), ("text_encoder", "int8"),
-                                           ("digits_cnn", "int4-weight-only"), ("text_encoder", "fp8")])
+@pytest.mark.parametrize(
+    "model, config",
+    [
+        ("digits_cnn", "int8"),
+        ("text_encoder", "int8"),
+        ("digits_cnn", "int4-weight-only"),
+        ("text_encoder", "fp8"),
+    ],
+)
 def test_sample_graphs_report_what_onnxruntime_runs(model, config, exported):
     path = exported(model, config)
     r = cli("inspect", path, "--runtime", "onnxruntime", "--json")
@@ -150,7 +189,8 @@ def test_sample_graphs_report_what_onnxruntime_runs(model, config, exported):
     assert {r["node"] for r in rep["layers"]} <= layer_ops
     optimized = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
     fused = [r for r in rep["layers"] if r["fused"]]
-    assert len(fused) == sum(optimized[k] for k in INTEGER_KERNELS)  # every integer kernel is one of our layers
+    # every integer kernel is one of our layers
+    assert len(fused) == sum(optimized[k] for k in INTEGER_KERNELS)
     assert rep["unfused_layers"] == len(rep["layers"]) - len(fused)
     for r in rep["layers"]:
         assert r["fused"] == (r["kernel"] in INTEGER_KERNELS)
@@ -161,8 +201,9 @@ def test_sample_graphs_report_what_onnxruntime_runs(model, config, exported):
         assert all(r["reasons"][0].startswith("float8") for r in rep["layers"])
     if config == "int4-weight-only":
         # convs have no weight-only kernel; the Linear layers are written in the MatMulNBits form
-        assert {r["op_type"]: (r["fused"], r["kernel"]) for r in rep["layers"] if r["op_type"] == "MatMul"} \
-            == {"MatMul": (True, "MatMulNBits")}
+        assert {
+            r["op_type"]: (r["fused"], r["kernel"]) for r in rep["layers"] if r["op_type"] == "MatMul"
+        } == {"MatMul": (True, "MatMulNBits")}
         assert all(r["fused"] == (r["op_type"] == "MatMul") for r in rep["layers"])
         assert sum(r["op_type"] == "MatMul" for r in rep["layers"]) == 2  # fc1, fc2
 
@@ -202,7 +243,8 @@ def test_runtime_needs_an_onnx_file(calibrated):
 
 def test_layers_without_a_clear_quantizer_name_are_counted_and_named_by_node(tmp_path):
     m = _layer_graph("Conv", consumers=3)
-    qmap = {"wd0": "a.weight_quantizer", "wd1": "a.weight_quantizer"}  # ambiguous for two layers, none for the third
+    # ambiguous for two layers, none for the third
+    qmap = {"wd0": "a.weight_quantizer", "wd1": "a.weight_quantizer"}
     del m.metadata_props[:]
     m.metadata_props.add(key=QUANTIZERS_KEY, value=json.dumps(qmap))
     rep = inspect_fusion(_save(m, tmp_path))

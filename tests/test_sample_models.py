@@ -15,6 +15,7 @@ def _sha(path):
 
 def test_weights_small_and_bundled():
     from sample_models import digits_cnn, text_encoder, tiny_lm
+
     for mod in (digits_cnn, text_encoder, tiny_lm):
         assert mod.WEIGHTS.is_file() and mod.WEIGHTS.stat().st_size < 1_000_000
         assert mod.SPLITS.is_file()
@@ -43,8 +44,10 @@ def test_digits_retraining_is_deterministic(tmp_path):
 
 
 def test_tiny_lm_perplexity_on_held_out_text():
-    """Byte-level perplexity on windows of files never trained on: 4.23 when trained (a uniform guess is 256)."""
+    """Byte-level perplexity on windows of files never trained on: 4.23 when trained (a uniform guess is
+    256)."""
     from sample_models import tiny_lm
+
     model = SAMPLES["tiny_lm"].build()
     batches = SAMPLES["tiny_lm"].evaluation_batches()
     assert sum(b["input_ids"].shape[0] for b in batches) == 256

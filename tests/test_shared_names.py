@@ -1,5 +1,5 @@
-"""Names and small formulas defined once (issue 12) and read by several modules: each reader prints or computes
-what it did before it used the shared definition. Expected values are written out by hand."""
+"""Names and small formulas defined once (issue 12) and read by several modules: each reader prints or
+computes what it did before it used the shared definition. Expected values are written out by hand."""
 
 import math
 
@@ -44,10 +44,20 @@ def test_export_format_names_in_errors():
 
 
 def test_to_plain_turns_every_tuple_into_a_list():
-    data = {"num_bits": (4, 3), "rules": [{"axis": (0, 1)}], "block_sizes": {-1: 128, "scale_bits": (4, 3)},
-            "name": "w", "amax": [[1.0, 2.0]]}
-    assert to_plain(data) == {"num_bits": [4, 3], "rules": [{"axis": [0, 1]}],
-                              "block_sizes": {-1: 128, "scale_bits": [4, 3]}, "name": "w", "amax": [[1.0, 2.0]]}
+    data = {
+        "num_bits": (4, 3),
+        "rules": [{"axis": (0, 1)}],
+        "block_sizes": {-1: 128, "scale_bits": (4, 3)},
+        "name": "w",
+        "amax": [[1.0, 2.0]],
+    }
+    assert to_plain(data) == {
+        "num_bits": [4, 3],
+        "rules": [{"axis": [0, 1]}],
+        "block_sizes": {-1: 128, "scale_bits": [4, 3]},
+        "name": "w",
+        "amax": [[1.0, 2.0]],
+    }
     assert QuantDescriptor(num_bits=(4, 3), axis=(0, 1)).to_yaml() == "num_bits: [4, 3]\naxis: [0, 1]\n"
 
 
@@ -71,20 +81,31 @@ def test_sensitivity_and_verify_agree_on_one_pair():
     assert stats.snr_db == pytest.approx(10 * math.log10(13.5 / 0.75))
 
 
-@pytest.mark.parametrize("error, limit, want", [
-    (ValueError("bad value\nat line 3"), None, "bad value"),
-    (ValueError("\n  indented first\nsecond"), None, "indented first"),
-    (KeyError(), None, "KeyError"),
-    (RuntimeError("x" * 300), 200, "x" * 200),
-])
+@pytest.mark.parametrize(
+    "error, limit, want",
+    [
+        (ValueError("bad value\nat line 3"), None, "bad value"),
+        (ValueError("\n  indented first\nsecond"), None, "indented first"),
+        (KeyError(), None, "KeyError"),
+        (RuntimeError("x" * 300), 200, "x" * 200),
+    ],
+)
 def test_first_line(error, limit, want):
     assert first_line(error, limit) == want
 
 
 def test_the_html_report_lists_the_methods_in_registry_order():
-    page = render({"checkpoint": "m.calib.pt", "num_samples": 8, "sensitivity_samples": 8,
-                   "overall": {"cosine": 1.0, "snr_db": 60.0}, "seconds": {}, "quantizers": []})
-    header = page[page.index("<th>amax</th>"):]
+    page = render(
+        {
+            "checkpoint": "m.calib.pt",
+            "num_samples": 8,
+            "sensitivity_samples": 8,
+            "overall": {"cosine": 1.0, "snr_db": 60.0},
+            "seconds": {},
+            "quantizers": [],
+        }
+    )
+    header = page[page.index("<th>amax</th>") :]
     assert header.startswith("<th>amax</th><th>max</th><th>percentile</th><th>mse</th><th>entropy</th></tr>")
     assert AMAX_METHODS == ("max", "percentile", "mse", "entropy")
 

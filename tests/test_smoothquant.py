@@ -1,8 +1,9 @@
-"""``calibrate --smoothquant [ALPHA]``: per-channel smoothing factors moved from Linear inputs into their weights.
+"""``calibrate --smoothquant [ALPHA]``: per-channel smoothing factors moved from Linear inputs into their
+weights.
 
 The float model must compute the same outputs after smoothing (to float rounding, with a bound a wrong fold
-exceeds by orders of magnitude), the folds go where they are exact, a checkpoint reloads bit for bit, the export
-verifies, and per-tensor int8 on ``deep_encoder`` (outlier channels) gets better."""
+exceeds by orders of magnitude), the folds go where they are exact, a checkpoint reloads bit for bit, the
+export verifies, and per-tensor int8 on ``deep_encoder`` (outlier channels) gets better."""
 
 import copy
 import json
@@ -44,7 +45,8 @@ def test_scales_hand_computed():
     assert smoothing_scales(act, w, 0.0).tolist() == [1.0, 1.0, 1.0, 0.25]
 
 
-# -- deep_encoder (post-LN BERT): q/k/v and FFN inputs are LayerNorm outputs that also feed the residual -------
+# -- deep_encoder (post-LN BERT): q/k/v and FFN inputs are LayerNorm outputs that also feed the residual
+# -------
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +62,15 @@ def deep():
     plain = quantize_model(copy.deepcopy(float_model), "int8")
     smoothed = quantize_model(copy.deepcopy(float_model), "int8")
     report = smooth_quant(smoothed, calib, 0.5, device="cpu")
-    return dict(calib=calib, evals=evals, reference=reference, plain=plain, smoothed=smoothed, report=report,
-                float_model=float_model)
+    return dict(
+        calib=calib,
+        evals=evals,
+        reference=reference,
+        plain=plain,
+        smoothed=smoothed,
+        report=report,
+        float_model=float_model,
+    )
 
 
 def _float_outputs(model, batches):
@@ -88,12 +97,16 @@ def test_folds_go_where_they_are_exact(deep):
         assert folds[(f"{p}.intermediate.dense",)] == ("mul", None)  # LayerNorm output + residual again
         assert folds[(f"{p}.output.dense",)] == ("mul", None)  # after GELU
     muls = smoothed_layers(deep["smoothed"])
-    assert "bert.encoder.layer.0.output.dense" in muls and "bert.encoder.layer.0.attention.output.dense" not in muls
+    assert (
+        "bert.encoder.layer.0.output.dense" in muls
+        and "bert.encoder.layer.0.attention.output.dense" not in muls
+    )
     assert deep["report"].groups[0].scale_max > 2.0  # the planted outliers are really being moved
 
 
 def test_a_wrong_fold_breaks_the_bound(deep):
-    """The bound above is tight enough to catch a fold through GELU (down-projection into the up-projection)."""
+    """The bound above is tight enough to catch a fold through GELU (down-projection into the
+    up-projection)."""
     model = quantize_model(copy.deepcopy(deep["float_model"]), "int8")
     layers = {n: m for n, m in model.named_modules() if n.endswith("output.dense") and "attention" not in n}
     down = "bert.encoder.layer.0.output.dense"
@@ -106,8 +119,10 @@ def test_a_wrong_fold_breaks_the_bound(deep):
 
 
 def test_smoothing_improves_per_tensor_int8(deep):
-    """Measured (layers=2, 16 calibration / 32 held-out lines, seeds 0-2): cosine 0.982 -> 0.997, 0.916 -> 0.993,
-    0.977 -> 0.999 (6 layers, 64 lines: 0.972 -> 0.996). Asserted: a gain of at least 0.005 (seed 0: 0.015)."""
+    """Measured (layers=2, 16 calibration / 32 held-out lines, seeds 0-2): cosine 0.982 -> 0.997, 0.916 ->
+    0.993, 0.977 -> 0.999 (6 layers, 64 lines: 0.972 -> 0.996). Asserted: a gain of at least 0.005 (seed 0:
+    0.015)."""
+
     def cosine(model):
         calibrate(model, deep["calib"], device="cpu")
         with torch.no_grad():
@@ -137,7 +152,9 @@ class PreLN(nn.Module):
 
     def forward(self, x):
         y = self.ln(x)
-        return x + self.fc3(torch.nn.functional.gelu(self.fc2(torch.relu(self.fc1(y))))) + self.q(y) * self.k(y)
+        return (
+            x + self.fc3(torch.nn.functional.gelu(self.fc2(torch.relu(self.fc1(y))))) + self.q(y) * self.k(y)
+        )
 
 
 def test_pre_ln_folds_into_layernorm_and_linear():
@@ -171,7 +188,8 @@ class ArgmaxPreLN(PreLN):
 
 
 def test_without_float_outputs_only_muls():
-    """Integer outputs cannot show a fold exact: every group gets an explicit Mul, and the outputs stay equal."""
+    """Integer outputs cannot show a fold exact: every group gets an explicit Mul, and the outputs stay
+    equal."""
     torch.manual_seed(0)
     model = ArgmaxPreLN()
     x = torch.randn(16, 10, 16)
@@ -207,18 +225,22 @@ def test_scale_of_a_shared_input_uses_every_reader():
 @pytest.fixture(scope="module")
 def smoothed_text(tmp_path_factory):
     from sample_models import text_encoder
+
     model = quantize_model(text_encoder.build(), "int8")
     batches = text_encoder.calibration_batches()[:2]
     report = smooth_quant(model, batches, 0.5, device="cpu")
     calibrate(model, batches, device="cpu")
     path = tmp_path_factory.mktemp("sq") / "text_encoder.calib.pt"
-    save_calibrated(path, model, ModelSpec("sample", "text_encoder"), batches[0], {"smoothquant": report.to_dict()})
+    save_calibrated(
+        path, model, ModelSpec("sample", "text_encoder"), batches[0], {"smoothquant": report.to_dict()}
+    )
     return model, path, report
 
 
 def test_reload_is_bit_identical(smoothed_text):
     model, path, _ = smoothed_text
     from sample_models import text_encoder
+
     loaded = load_calibrated(path).model
     assert smoothed_layers(loaded) == smoothed_layers(model) != []
     for b in text_encoder.evaluation_batches()[:2]:
@@ -230,8 +252,10 @@ def test_reload_is_bit_identical(smoothed_text):
 
 def test_explicit_mul_exports_as_a_mul(smoothed_text, tmp_path):
     from exporters import export_onnx
+
     model, _, _ = smoothed_text
     from sample_models import text_encoder
+
     path = tmp_path / "text_encoder.onnx"
     export_onnx(model, text_encoder.calibration_batches()[0], path)
     g = onnx.load(str(path)).graph
@@ -247,7 +271,9 @@ def test_explicit_mul_exports_as_a_mul(smoothed_text, tmp_path):
 def test_cli_smoothquant_export_verify(tmp_path):
     ck, onnx_path = tmp_path / "text_encoder.calib.pt", tmp_path / "text_encoder.onnx"
     # a bare --smoothquant at the end of the line takes alpha 0.5 (subprocess: the real entry point)
-    r = cli_subprocess("calibrate", "text_encoder", "--num-samples", "64", "--out", ck, "--json", "--smoothquant")
+    r = cli_subprocess(
+        "calibrate", "text_encoder", "--num-samples", "64", "--out", ck, "--json", "--smoothquant"
+    )
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)["smoothquant"]
     assert info["alpha"] == 0.5 and info["counts"] == {"layernorm": 0, "linear": 2, "mul": 7}
@@ -261,7 +287,9 @@ def test_cli_smoothquant_export_verify(tmp_path):
 
 def test_cli_alpha_out_of_range(tmp_path):
     out = tmp_path / "x.calib.pt"
-    assert_clean_error(cli("calibrate", "text_encoder", "--smoothquant", "1.5", "--out", out), "--smoothquant", "[0, 1]")
+    assert_clean_error(
+        cli("calibrate", "text_encoder", "--smoothquant", "1.5", "--out", out), "--smoothquant", "[0, 1]"
+    )
     assert not out.exists()
 
 
@@ -277,6 +305,7 @@ def test_dynamo_export_verifies(smoothed_text, tmp_path):
     from exporters import export_onnx
     from quantcli.verify import verify_onnx
     from sample_models import text_encoder
+
     model, ck, _ = smoothed_text
     path = tmp_path / "te-dynamo.onnx"
     export_onnx(model, text_encoder.calibration_batches()[0], path, exporter="dynamo")

@@ -1,4 +1,5 @@
-"""`quantcli --help` starts fast because the CLI module imports neither torch nor onnx (the README's claim)."""
+"""`quantcli --help` starts fast because the CLI module imports neither torch nor onnx (the README's
+claim)."""
 
 import subprocess
 import sys
@@ -22,7 +23,9 @@ def test_importing_the_cli_imports_no_heavy_module():
 def test_help_runs_with_heavy_modules_blocked(args):
     # a module set to None in sys.modules raises ImportError on import: any heavy import on this path fails
     blocked = "; ".join(f"sys.modules[{m!r}] = None" for m in HEAVY)
-    r = _python(f"import sys; {blocked}; sys.argv = ['quantcli'] + {args!r}; from quantcli.cli import main; main()")
+    r = _python(
+        f"import sys; {blocked}; sys.argv = ['quantcli'] + {args!r}; from quantcli.cli import main; main()"
+    )
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr
     assert r.stdout.strip(), "no help text"
@@ -30,5 +33,7 @@ def test_help_runs_with_heavy_modules_blocked(args):
 
 def test_the_check_can_fail():
     # the same probe run on a module that imports torch reports it: the test above is not vacuous
-    r = _python(f"import sys, quantcli.calibration.calibrate; print([m for m in {HEAVY!r} if m in sys.modules])")
+    r = _python(
+        f"import sys, quantcli.calibration.calibrate; print([m for m in {HEAVY!r} if m in sys.modules])"
+    )
     assert "torch" in r.stdout

@@ -6,8 +6,10 @@ from sample_models import structured
 
 
 def test_cnns_are_deterministic_and_batchnorm_is_not_identity():
-    for make, batches in ((structured.resnet_cnn, structured.resnet_batches(8, 8)),
-                          (structured.conv1d_bn, structured.conv1d_batches(8, 8))):
+    for make, batches in (
+        (structured.resnet_cnn, structured.resnet_batches(8, 8)),
+        (structured.conv1d_bn, structured.conv1d_batches(8, 8)),
+    ):
         a, b = make(), make()
         x = batches[0]["x"]
         with torch.no_grad():
@@ -25,10 +27,13 @@ def test_deep_encoder_has_outliers_an_unused_pooler_and_informative_embeddings()
     def record(name, pick):
         def hook(module, inputs, output):
             seen[name] = pick(inputs, output)  # returns None: the output is left alone
+
         return hook
 
-    hooks = [model.bert.pooler.register_forward_hook(record("pooler", lambda i, o: o)),
-             model.bert.encoder.layer[2].output.dense.register_forward_hook(record("down_in", lambda i, o: i[0]))]
+    hooks = [
+        model.bert.pooler.register_forward_hook(record("pooler", lambda i, o: o)),
+        model.bert.encoder.layer[2].output.dense.register_forward_hook(record("down_in", lambda i, o: i[0])),
+    ]
     with torch.no_grad():
         out = model(**batch)
     for h in hooks:
@@ -45,12 +50,15 @@ def test_deep_encoder_has_outliers_an_unused_pooler_and_informative_embeddings()
 
 def test_pretrained_like_encoder_has_the_statistics_its_docstring_claims():
     from sample_models import pretrained_like
+
     model = pretrained_like.build()
     batches = pretrained_like.batches("test")
     b = batches[0]
     # real padding: sentences of different lengths padded to the longest
     lengths = b["attention_mask"].sum(1)
-    assert b["input_ids"].shape[0] == 32 and int(lengths.max()) == b["input_ids"].shape[1] > int(lengths.min())
+    assert b["input_ids"].shape[0] == 32 and int(lengths.max()) == b["input_ids"].shape[1] > int(
+        lengths.min()
+    )
     assert (b["input_ids"][b["attention_mask"] == 0] == pretrained_like.PAD).all()
     # the splits are disjoint sentences
     calib = {tuple(r.tolist()) for x in pretrained_like.batches("calib") for r in x["input_ids"]}

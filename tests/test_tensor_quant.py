@@ -17,10 +17,13 @@ from quantcli.quant.tensor_quant import (
 
 def test_aliases():
     x = torch.tensor([0.3, -2.0])
-    assert torch.equal(tensor_quant(x, torch.tensor(1.0))[0], TensorQuantFunction.apply(x, torch.tensor(1.0))[0])
+    assert torch.equal(
+        tensor_quant(x, torch.tensor(1.0))[0], TensorQuantFunction.apply(x, torch.tensor(1.0))[0]
+    )
     assert tensor_quant.tensor_quant == TensorQuantFunction.apply
     assert fake_tensor_quant == FakeTensorQuantFunction.apply
     from quantcli import QuantDescriptor
+
     assert QuantDescriptor is ScaledQuantDescriptor
 
 
@@ -109,7 +112,10 @@ def test_learned_amax_gradcheck_float64():
         xin = x.reshape(2, 32) if amax.dim() else x
         amax = amax.clone().requires_grad_(True)
         assert torch.autograd.gradcheck(
-            lambda a, xin=xin: FakeTensorQuantFunction.apply(xin, a, 8, False, False), (amax,), eps=1e-7, atol=1e-5
+            lambda a, xin=xin: FakeTensorQuantFunction.apply(xin, a, 8, False, False),
+            (amax,),
+            eps=1e-7,
+            atol=1e-5,
         )
 
 
@@ -134,8 +140,8 @@ def test_scaled_e4m3():
     x = torch.tensor([0.0, 1.0, -1.0, 100.0, 1e6])
     y = scaled_e4m3(x, torch.tensor(448.0), 4, 3)
     assert y.tolist()[:3] == [0.0, 1.0, -1.0]
-    # e4m3 spacing is 8 in [64, 128): 100 lies halfway between 96 (mantissa 0b100) and 104 (0b101); a tie goes to
-    # the even mantissa
+    # e4m3 spacing is 8 in [64, 128): 100 lies halfway between 96 (mantissa 0b100) and 104 (0b101); a tie goes
+    # to the even mantissa
     assert y[3].item() == 96.0
     assert y[4].item() == 448.0
     with pytest.raises(ValueError, match="E4M3"):

@@ -12,7 +12,7 @@ from quantcli.errors import UntrustedCodeError
 from tests.helpers import assert_clean_error, cli, cli_subprocess
 
 # the factory module writes a marker file when it is executed (at import), wherever it runs from
-FACTORY = '''
+FACTORY = """
 import os
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ open(os.environ["QUANTCLI_TEST_MARKER"], "a").write("ran\\n")
 def build():
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-'''
+"""
 
 
 @pytest.fixture
@@ -66,8 +66,9 @@ def test_stored_source_needs_trust_code(stored_source_checkpoint, tmp_path):
     assert json.loads(r.stdout)["model_loads"] is None
     assert not marker.exists()
     # inspect --trust-code rebuilds the model from the stored source (in a fresh process, so the code runs)
-    r = cli_subprocess("inspect", ck, "--trust-code", "--json", cwd=tmp_path,
-                       env={"QUANTCLI_TEST_MARKER": str(marker)})
+    r = cli_subprocess(
+        "inspect", ck, "--trust-code", "--json", cwd=tmp_path, env={"QUANTCLI_TEST_MARKER": str(marker)}
+    )
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert marker.read_text() == "ran\n"
@@ -76,8 +77,16 @@ def test_stored_source_needs_trust_code(stored_source_checkpoint, tmp_path):
     assert rep["model_loads"]["parameters"] == (4 * 8 + 8) + (8 * 2 + 2)  # the factory's two Linear layers
 
     # a fresh process, as a user runs it (this one still holds the module calibration imported from disk)
-    r = cli_subprocess("export", ck, "--onnx", onnx, "--trust-code", "--json", cwd=tmp_path,
-                       env={"QUANTCLI_TEST_MARKER": str(marker)})
+    r = cli_subprocess(
+        "export",
+        ck,
+        "--onnx",
+        onnx,
+        "--trust-code",
+        "--json",
+        cwd=tmp_path,
+        env={"QUANTCLI_TEST_MARKER": str(marker)},
+    )
     assert r.returncode == 0, r.stderr
     assert onnx.is_file() and marker.read_text() == "ran\n"
     r = cli("verify", onnx, "--reference", ck, "--trust-code", "--json")
@@ -104,6 +113,11 @@ def test_changed_factory_file_needs_trust_code(tmp_path, monkeypatch):
 def test_installed_module_and_samples_need_no_flag(calibrated, tmp_path):
     np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).random((8, 1, 8, 8), dtype=np.float32))
     ck = tmp_path / "m.calib.pt"
-    assert cli("calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "x.npz", "--out", ck).exit_code == 0
+    assert (
+        cli(
+            "calibrate", "sample_models.digits_cnn:build", "--data", tmp_path / "x.npz", "--out", ck
+        ).exit_code
+        == 0
+    )
     assert cli("export", ck, "--onnx", tmp_path / "m.onnx").exit_code == 0
     assert cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "d.onnx").exit_code == 0

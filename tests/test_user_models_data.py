@@ -14,9 +14,23 @@ transformers = pytest.importorskip("transformers")
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
-WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + "the a cat dog sat on mat good bad movie was is very not".split()
-TEXTS = ["the cat sat on the mat", "a dog was very good", "the movie was not bad", "very good movie",
-         "a cat is a cat", "bad dog", "the mat was good", "not very bad at all"]
+WORDS = [
+    "[PAD]",
+    "[UNK]",
+    "[CLS]",
+    "[SEP]",
+    "[MASK]",
+] + "the a cat dog sat on mat good bad movie was is very not".split()
+TEXTS = [
+    "the cat sat on the mat",
+    "a dog was very good",
+    "the movie was not bad",
+    "very good movie",
+    "a cat is a cat",
+    "bad dog",
+    "the mat was good",
+    "not very bad at all",
+]
 
 
 def make_tokenizer(folder):
@@ -27,9 +41,16 @@ def make_tokenizer(folder):
 
 
 def make_bert_folder(folder, head=True, tokenizer=True):
-    cfg = transformers.BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=64, num_labels=3,
-                                  initializer_range=0.2)
+    cfg = transformers.BertConfig(
+        vocab_size=len(WORDS),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=64,
+        num_labels=3,
+        initializer_range=0.2,
+    )
     torch.manual_seed(0)
     cls = transformers.BertForSequenceClassification if head else transformers.BertModel
     model = cls(cfg).eval()
@@ -86,8 +107,19 @@ def test_base_model_mean_pooling_jsonl_and_bin_weights(tmp_path):
     lines = [json.dumps({"text": t, "label": i}) for i, t in enumerate(TEXTS)]
     (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "enc.calib.pt"
-    r = cli("calibrate", folder, "--pooling", "mean", "--data", tmp_path / "d.jsonl", "--max-length", "5",
-            "--out", out, "--json")
+    r = cli(
+        "calibrate",
+        folder,
+        "--pooling",
+        "mean",
+        "--data",
+        tmp_path / "d.jsonl",
+        "--max-length",
+        "5",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     ck = load_calibrated(out)
     example = ck.example
@@ -112,19 +144,35 @@ def _png(path, array):
 
 def _cnn():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
-                               torch.nn.Flatten(), torch.nn.Linear(4, 2)).eval()
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4, 2),
+    ).eval()
 
 
 def test_image_folder_decoded_converted_and_normalised(tmp_path):
     torch.save(_cnn(), tmp_path / "cnn.pt")
     imgs = tmp_path / "imgs"
-    _png(imgs / "a_red.png", np.full((10, 14, 3), (255, 0, 0), np.uint8))  # a solid colour stays solid when resized
+    # a solid colour stays solid when resized
+    _png(imgs / "a_red.png", np.full((10, 14, 3), (255, 0, 0), np.uint8))
     _png(imgs / "b_gray.png", np.full((9, 9), 128, np.uint8))  # L: converted to RGB (128, 128, 128)
     _png(imgs / "nested" / "c.png", np.random.default_rng(0).integers(0, 256, (12, 12, 3), dtype=np.uint8))
     out = tmp_path / "cnn.calib.pt"
-    r = cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--image-size", "6x8",
-            "--out", out, "--json")
+    r = cli(
+        "calibrate",
+        tmp_path / "cnn.pt",
+        "--trust-pickle",
+        "--data",
+        imgs,
+        "--image-size",
+        "6x8",
+        "--out",
+        out,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["num_samples"] == 3 and "converted to RGB: 1 from L" in info["preprocessing"]
@@ -143,13 +191,31 @@ def test_image_folder_decoded_converted_and_normalised(tmp_path):
 
 
 def test_preprocessor_config_gives_the_defaults(tmp_path):
-    cfg = transformers.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
-                                 num_attention_heads=2, intermediate_size=32, num_labels=2)
+    cfg = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        num_channels=3,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+    )
     torch.manual_seed(0)
     transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(tmp_path / "vit"))
-    (tmp_path / "vit" / "preprocessor_config.json").write_text(json.dumps(
-        {"do_resize": True, "size": {"height": 8, "width": 8}, "do_normalize": True,
-         "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_rescale": True, "rescale_factor": 1 / 255}))
+    (tmp_path / "vit" / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "do_resize": True,
+                "size": {"height": 8, "width": 8},
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+            }
+        )
+    )
     _png(tmp_path / "imgs" / "w.png", np.full((20, 20, 3), 255, np.uint8))
     _png(tmp_path / "imgs" / "k.jpg", np.zeros((20, 30, 3), np.uint8))
     out = tmp_path / "vit.calib.pt"
@@ -158,7 +224,9 @@ def test_preprocessor_config_gives_the_defaults(tmp_path):
     assert "preprocessor_config.json" in json.loads(r.stdout)["preprocessing"]
     x = torch.load(out, weights_only=True)["inputs"]["example"]["pixel_values"]
     assert x.shape == (2, 3, 8, 8)
-    assert torch.allclose(x[0], torch.full((3, 8, 8), -1.0)) and torch.allclose(x[1], torch.full((3, 8, 8), 1.0))
+    assert torch.allclose(x[0], torch.full((3, 8, 8), -1.0)) and torch.allclose(
+        x[1], torch.full((3, 8, 8), 1.0)
+    )
 
 
 # ------------------------------------------------------------------------------------------ bad input
@@ -172,7 +240,9 @@ def test_bad_folders_texts_and_images(bert, tmp_path):
     _, d = bert
     texts = d / "texts.txt"
     (tmp_path / "plain").mkdir()
-    assert_clean_error(cli("calibrate", tmp_path / "plain", "--data", texts), "not a Hugging Face model folder")
+    assert_clean_error(
+        cli("calibrate", tmp_path / "plain", "--data", texts), "not a Hugging Face model folder"
+    )
     fake = tmp_path / "fake"
     shutil.copytree(d / "clf", fake)
     cfg = json.loads((fake / "config.json").read_text())
@@ -186,7 +256,9 @@ def test_bad_folders_texts_and_images(bert, tmp_path):
     notok = tmp_path / "notok"
     make_bert_folder(notok, tokenizer=False)
     assert_clean_error(cli("calibrate", notok, "--data", texts), "no tokenizer", "--tokenizer")
-    assert_clean_error(cli("calibrate", d / "clf", "--pooling", "mean", "--data", texts), "--pooling", "task head")
+    assert_clean_error(
+        cli("calibrate", d / "clf", "--pooling", "mean", "--data", texts), "--pooling", "task head"
+    )
     (tmp_path / "empty.txt").write_text("\n  \n")
     assert_clean_error(cli("calibrate", d / "clf", "--data", tmp_path / "empty.txt"), "holds no text")
     (tmp_path / "latin1.txt").write_bytes("ok\ncaf\xe9\n".encode("latin-1"))
@@ -201,12 +273,18 @@ def test_bad_folders_texts_and_images(bert, tmp_path):
     assert_clean_error(r, "cannot decode image", "broken.jpg")
     (imgs / "broken.jpg").unlink()
     Image.fromarray(np.full((4, 4), 4000, np.uint16)).save(imgs / "deep.png")
-    assert_clean_error(cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs), "deep.png", "16-bit")
+    assert_clean_error(
+        cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs), "deep.png", "16-bit"
+    )
     (imgs / "deep.png").unlink()
-    assert_clean_error(cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--mean", "0.5,0.5"),
-                       "--mean has 2 values")
-    assert_clean_error(cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--image-size", "big"),
-                       "--image-size")
+    assert_clean_error(
+        cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--mean", "0.5,0.5"),
+        "--mean has 2 values",
+    )
+    assert_clean_error(
+        cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", imgs, "--image-size", "big"),
+        "--image-size",
+    )
     _no_output(tmp_path)
 
 

@@ -24,15 +24,27 @@ from tests.mutations import (
 REPO = Path(__file__).resolve().parents[1]
 
 
-CHECKS = ["fidelity.codes", "fidelity.replay_steps", "fidelity.replay_outputs", "fidelity.rms_ratio",
-          "reference.transformations",
-          "deployment.loads"]
+CHECKS = [
+    "fidelity.codes",
+    "fidelity.replay_steps",
+    "fidelity.replay_outputs",
+    "fidelity.rms_ratio",
+    "reference.transformations",
+    "deployment.loads",
+]
 
 
 @pytest.mark.parametrize("config", ["int8", "int8-per-tensor", "uint8-asymmetric", "fp8", "int4-weight-only"])
 def test_passes_for_every_format(config, calibrated, exported):
-    r = cli("verify", exported("digits_cnn", config), "--reference", calibrated("digits_cnn", config), "--json",
-            "--min-cosine", "0.99")
+    r = cli(
+        "verify",
+        exported("digits_cnn", config),
+        "--reference",
+        calibrated("digits_cnn", config),
+        "--json",
+        "--min-cosine",
+        "0.99",
+    )
     rep = json.loads(r.stdout)
     assert r.exit_code == 0, rep["checks"]
     assert rep["passed"] and rep["structure"]["passed"]
@@ -67,10 +79,21 @@ def test_text_encoder_passes_with_deployment_reported(calibrated, exported, tmp_
     report = tmp_path / "r.json"
     onnx_path, ck = exported("text_encoder", "int8"), calibrated("text_encoder", "int8")
     # --max-abs-diff makes the exact session (optimizations off) cover every input, not only the sample
-    r = cli("verify", onnx_path, "--reference", ck, "--report", report, "--min-snr", "20", "--max-abs-diff", "1e9")
+    r = cli(
+        "verify", onnx_path, "--reference", ck, "--report", report, "--min-snr", "20", "--max-abs-diff", "1e9"
+    )
     assert r.exit_code == 0, r.output
     rep = json.loads(report.read_text())
-    assert set(rep) >= {"passed", "checks", "structure", "fidelity", "quality", "deployment", "layers", "provider"}
+    assert set(rep) >= {
+        "passed",
+        "checks",
+        "structure",
+        "fidelity",
+        "quality",
+        "deployment",
+        "layers",
+        "provider",
+    }
     assert rep["deployment"]["graph_optimization"] == "ORT_ENABLE_ALL" and rep["deployment"]["error"] is None
     assert rep["fidelity"]["exact_samples"] == rep["num_samples"] == 600
     # the reported deviations are the ones onnxruntime gives when asked directly
@@ -86,8 +109,17 @@ def test_text_encoder_passes_with_deployment_reported(calibrated, exported, tmp_
 
 
 def test_threshold_failure_is_exit_1(calibrated, exported):
-    r = cli("verify", exported("digits_cnn"), "--reference", calibrated("digits_cnn"), "--min-snr", "90", "--json",
-            "--max-abs-diff", "1e9")
+    r = cli(
+        "verify",
+        exported("digits_cnn"),
+        "--reference",
+        calibrated("digits_cnn"),
+        "--min-snr",
+        "90",
+        "--json",
+        "--max-abs-diff",
+        "1e9",
+    )
     assert r.exit_code == 1
     rep = json.loads(r.stdout)
     snr = next(c for c in rep["checks"] if c["name"] == "quality.min_snr_db")
@@ -95,8 +127,15 @@ def test_threshold_failure_is_exit_1(calibrated, exported):
     worst = rep["fidelity"]["outputs"]["output_0"]["max_abs_diff"]
     assert worst > 0  # onnxruntime accumulates in another order than PyTorch: a few ulps somewhere
     for limit, code in ((worst / 2, 1), (worst, 0)):  # --max-abs-diff is an explicit absolute bound
-        r = cli("verify", exported("digits_cnn"), "--reference", calibrated("digits_cnn"), "--max-abs-diff", limit,
-                "--json")
+        r = cli(
+            "verify",
+            exported("digits_cnn"),
+            "--reference",
+            calibrated("digits_cnn"),
+            "--max-abs-diff",
+            limit,
+            "--json",
+        )
         assert r.exit_code == code, r.stdout
         check = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "fidelity.max_abs_diff")
         assert check["passed"] == (code == 0) and check["value"] == worst
@@ -116,9 +155,15 @@ def _pair(m, quantizer):
 def test_scale_off_by_one_ulp_fails_and_names_layer(calibrated, exported, tmp_path):
     def edit(m):
         p = _pair(m, "conv2.input_quantizer")
-        t = next(t for t in m.graph.initializer if t.name == next(n for n in m.graph.node if n.name == p.dq_node).input[1])
+        t = next(
+            t
+            for t in m.graph.initializer
+            if t.name == next(n for n in m.graph.node if n.name == p.dq_node).input[1]
+        )
         v = onnx.numpy_helper.to_array(t).astype(np.float32)
-        t.CopyFrom(onnx.numpy_helper.from_array(np.nextafter(v, np.float32(np.inf)).astype(np.float32), t.name))
+        t.CopyFrom(
+            onnx.numpy_helper.from_array(np.nextafter(v, np.float32(np.inf)).astype(np.float32), t.name)
+        )
 
     bad = _tampered(exported("digits_cnn"), tmp_path / "ulp.onnx", edit)
     r = cli("verify", bad, "--reference", calibrated("digits_cnn"), "--json")
@@ -159,7 +204,9 @@ def test_removed_qdq_pair_fails_and_names_layer(calibrated, exported, tmp_path):
     assert r.exit_code == 1
     rep = json.loads(r.stdout)
     assert rep["structure"]["layers_with_problems"] == ["fc2.input_quantizer"]
-    assert rep["structure"]["problems"] == ["fc2.input_quantizer: Q/DQ pair missing from the graph (its output is used)"]
+    assert rep["structure"]["problems"] == [
+        "fc2.input_quantizer: Q/DQ pair missing from the graph (its output is used)"
+    ]
     assert rep["structure"]["pruned"] == []  # fc2 reads it: missing, not pruned
 
 
@@ -171,7 +218,9 @@ def test_per_layer_ranks_badly_calibrated_layer_first(calibrated, tmp_path):
     ck["state_dict"][f"{target}.amax"] = bad
     torch.save(ck, tmp_path / "bad.calib.pt")
     assert cli("export", tmp_path / "bad.calib.pt", "--onnx", tmp_path / "bad.onnx").exit_code == 0
-    r = cli("verify", tmp_path / "bad.onnx", "--reference", tmp_path / "bad.calib.pt", "--per-layer", "--json")
+    r = cli(
+        "verify", tmp_path / "bad.onnx", "--reference", tmp_path / "bad.calib.pt", "--per-layer", "--json"
+    )
     rep = json.loads(r.stdout)
     assert rep["layers"][0]["quantizer"] == target and rep["layers"][0]["rank"] == 1
     assert rep["layers"][0]["snr_db"] < rep["layers"][1]["snr_db"]
@@ -182,37 +231,55 @@ def test_bad_input(calibrated, exported, tmp_path):
     ref = calibrated("digits_cnn")
     (tmp_path / "corrupt.onnx").write_bytes(b"\x08\x07garbage")
     assert_clean_error(cli("verify", tmp_path / "corrupt.onnx", "--reference", ref), "not a valid ONNX model")
-    assert_clean_error(cli("verify", exported("text_encoder"), "--reference", ref), "do not match the checkpoint")
+    assert_clean_error(
+        cli("verify", exported("text_encoder"), "--reference", ref), "do not match the checkpoint"
+    )
     np.savez(tmp_path / "wrong.npz", x=np.zeros((4, 1, 9, 9), np.float32))
-    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", ref, "--data", tmp_path / "wrong.npz"),
-                       "has shape [4, 1, 9, 9] but the graph expects")
+    assert_clean_error(
+        cli("verify", exported("digits_cnn"), "--reference", ref, "--data", tmp_path / "wrong.npz"),
+        "has shape [4, 1, 9, 9] but the graph expects",
+    )
     np.savez(tmp_path / "ok.npz", x=np.random.default_rng(0).random((5, 1, 8, 8), dtype=np.float32))
     r = cli("verify", exported("digits_cnn"), "--reference", ref, "--data", tmp_path / "ok.npz", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["num_samples"] == 5
     if not torch.cuda.is_available():
-        assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", ref, "--provider", "cuda"), "CUDA")
-    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", tmp_path / "nope.pt"), "does not exist")
+        assert_clean_error(
+            cli("verify", exported("digits_cnn"), "--reference", ref, "--provider", "cuda"), "CUDA"
+        )
+    assert_clean_error(
+        cli("verify", exported("digits_cnn"), "--reference", tmp_path / "nope.pt"), "does not exist"
+    )
 
 
 def test_ci_example_script(tmp_path):
     script = REPO / "examples" / "ci.sh"
     r = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert (tmp_path / "digits_cnn.onnx").is_file() and json.loads((tmp_path / "report.json").read_text())["passed"]
-    r = subprocess.run(["bash", str(script), str(tmp_path)], capture_output=True, text=True, timeout=600,
-                       env={**__import__("os").environ, "MIN_SNR": "99"})
+    assert (tmp_path / "digits_cnn.onnx").is_file() and json.loads((tmp_path / "report.json").read_text())[
+        "passed"
+    ]
+    r = subprocess.run(
+        ["bash", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "MIN_SNR": "99"},
+    )
     assert r.returncode == 1, r.stdout + r.stderr  # the job fails on a failed check
 
 
 def test_auto_provider_falls_back_to_cpu_when_cuda_cannot_load(calibrated, exported, monkeypatch):
     from quantcli.errors import VerifyError
     from quantcli.verify import sessions, verify_onnx
+
     real = sessions.open_session
     monkeypatch.setattr(sessions, "choose_provider", lambda p="auto": "CUDAExecutionProvider")
 
     def session(model, provider, optimize):
         if provider == "CUDAExecutionProvider":
-            raise VerifyError("onnxruntime cannot load the model: libcudnn.so.9: cannot open shared object file")
+            raise VerifyError(
+                "onnxruntime cannot load the model: libcudnn.so.9: cannot open shared object file"
+            )
         return real(model, provider, optimize)
 
     monkeypatch.setattr(sessions, "open_session", session)
@@ -222,12 +289,14 @@ def test_auto_provider_falls_back_to_cpu_when_cuda_cannot_load(calibrated, expor
         verify_onnx(exported("digits_cnn"), calibrated("digits_cnn"), provider="cuda", deployment=False)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Mutations. Each edits a copy of one exported graph; the library is called where the CLI is not what is tested.
+# -----------------------------------------------------------------------------------------------------------
+# Mutations. Each edits a copy of one exported graph; the library is called where the CLI is not what is
+# tested.
 
 
 def _verify(tmp_path, model, ck, batches, **kw):
     from quantcli.verify import verify_onnx
+
     path = tmp_path / f"m{len(list(tmp_path.iterdir()))}.onnx"
     onnx.save(model, str(path))
     return verify_onnx(path, ck, batches, deployment=False, **kw)
@@ -260,8 +329,8 @@ def _failed(rep):
 
 
 def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrated, exported, tmp_path):
-    """The issue's cases: +0.4 on one element of fc2's bias (int32 codes under the onnxruntime target), a Relu ->
-    Identity (BatchNorm is folded into the convs, so digits_cnn has no float layer without quantizers:
+    """The issue's cases: +0.4 on one element of fc2's bias (int32 codes under the onnxruntime target), a Relu
+    -> Identity (BatchNorm is folded into the convs, so digits_cnn has no float layer without quantizers:
     text_encoder's LayerNorm below is that case)."""
     from quantcli.inputs.checkpoint import load_calibrated
 
@@ -277,8 +346,9 @@ def test_mutations_that_keep_every_qdq_fail_through_fidelity_on_digits(calibrate
     # the structure check compares int32 bias codes exactly (issue 24); fidelity sees the change too
     assert rep.structure["layers_with_problems"] == ["fc2.bias"], rep.structure["problems"]
     assert "fidelity.replay_outputs" in _failed(rep), _failed(rep)
-    # every Relu of digits_cnn feeds an unsigned (uint8, zero point 0) QuantizeLinear, which clamps negative values
-    # to 0 itself: removing one changes nothing (onnxruntime removes them too); a Relu -> Exp does change values
+    # every Relu of digits_cnn feeds an unsigned (uint8, zero point 0) QuantizeLinear, which clamps negative
+    # values to 0 itself: removing one changes nothing (onnxruntime removes them too); a Relu -> Exp does
+    # change values
     relu = variant(model, replace_op, "Relu", 0, "Exp")
     rep = _verify(tmp_path, relu, ck, batches)
     assert rep.structure["passed"] and "fidelity.replay_steps" in _failed(rep)
@@ -325,7 +395,9 @@ def test_deployed_deviation_can_be_a_check(calibrated, exported):
     assert check["value"] == measured and not check["passed"] and r.exit_code == 1
     r = cli("verify", onnx_path, "--reference", ck, "--json", "--max-deploy-ratio", str(measured))
     assert r.exit_code == 0
-    assert_clean_error(cli("verify", onnx_path, "--reference", ck, "--max-rms-ratio", "-1"), "--max-rms-ratio")
+    assert_clean_error(
+        cli("verify", onnx_path, "--reference", ck, "--max-rms-ratio", "-1"), "--max-rms-ratio"
+    )
 
 
 def test_a_large_deployment_gap_is_explained(monkeypatch):
@@ -344,31 +416,62 @@ def test_a_large_deployment_gap_is_explained(monkeypatch):
     section = driver._deployment(None, ["y"], deployed, exact, qerr, None)
     assert section["outputs"]["y"]["rms_ratio"] == pytest.approx(0.2)
     assert section["outputs"]["y"]["exact_rms_ratio"] == pytest.approx(0.005)
-    assert len(section["notes"]) == 1 and "reduce_range" in section["notes"][0] and "no VNNI" in section["notes"][0]
-    close = {"y": stats([0.012, 0, 0, 0])}  # as close to the simulation as the exact session: nothing to explain
+    assert (
+        len(section["notes"]) == 1
+        and "reduce_range" in section["notes"][0]
+        and "no VNNI" in section["notes"][0]
+    )
+    # as close to the simulation as the exact session: nothing to explain
+    close = {"y": stats([0.012, 0, 0, 0])}
     assert driver._deployment(None, ["y"], close, exact, qerr, None)["notes"] == []
 
 
 def test_non_finite_data_is_bad_input_not_a_numerical_failure(calibrated, exported, tmp_path):
-    """NaN in the data used to give exit 1 and a FAIL table (NaN != NaN in every comparison): bad input, exit 2,
-    and no report file written."""
+    """NaN in the data used to give exit 1 and a FAIL table (NaN != NaN in every comparison): bad input, exit
+    2, and no report file written."""
     ref = calibrated("digits_cnn")
     x = np.random.default_rng(0).random((5, 1, 8, 8), dtype=np.float32)
     x[3, 0, 2, 2] = np.nan
     np.savez(tmp_path / "nan.npz", x=x)
     report = tmp_path / "report.json"
-    assert_clean_error(cli("verify", exported("digits_cnn"), "--reference", ref, "--data", tmp_path / "nan.npz",
-                           "--report", report), "'x'", "non-finite")
+    assert_clean_error(
+        cli(
+            "verify",
+            exported("digits_cnn"),
+            "--reference",
+            ref,
+            "--data",
+            tmp_path / "nan.npz",
+            "--report",
+            report,
+        ),
+        "'x'",
+        "non-finite",
+    )
     assert not report.exists()
 
 
 def test_fp8_graph_for_tensorrt_passes_with_the_options_it_needs_in_onnxruntime(tmp_path):
-    """A correct FP8 export for the TensorRT target (float8 pairs unguarded, as TensorRT needs them) used to fail
+    """A correct FP8 export for the TensorRT target (float8 pairs unguarded, as TensorRT needs them) used to
+    fail
     verify (exit 1): its deployed session used onnxruntime's default optimizers, which cannot load it. It is
     deployed with the optimizers it needs left out, and the report says so."""
     ck, onnx_path = tmp_path / "fp8.pt", tmp_path / "fp8.onnx"
-    assert cli("calibrate", "digits_cnn", "--config", "fp8", "--target", "tensorrt", "--num-samples", "64",
-               "--out", ck).exit_code == 0
+    assert (
+        cli(
+            "calibrate",
+            "digits_cnn",
+            "--config",
+            "fp8",
+            "--target",
+            "tensorrt",
+            "--num-samples",
+            "64",
+            "--out",
+            ck,
+        ).exit_code
+        == 0
+    )
     assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
     r = cli("verify", onnx_path, "--reference", ck, "--num-samples", "32", "--json")
     rep = json.loads(r.stdout)
@@ -382,5 +485,8 @@ def test_report_destination_is_checked_before_verifying(calibrated, tmp_path):
     """--report in a folder that does not exist is bad input found before any work: the ONNX file is not even
     opened (a missing graph would otherwise be the error reported)."""
     report = tmp_path / "no" / "report.json"
-    assert_clean_error(cli("verify", tmp_path / "missing.onnx", "--reference", calibrated("digits_cnn"),
-                           "--report", report), f"cannot write {report}", "does not exist")
+    assert_clean_error(
+        cli("verify", tmp_path / "missing.onnx", "--reference", calibrated("digits_cnn"), "--report", report),
+        f"cannot write {report}",
+        "does not exist",
+    )

@@ -1,7 +1,7 @@
 """verify on a model that changes tensors in place, as torchvision's and Hugging Face's ResNets do (``out +=
-identity``, ``ReLU(inplace=True)``): the replay hands the model onnxruntime's DequantizeLinear outputs and keeps
-the quantizers' outputs, and the model's in-place ops must change neither (issue 23: ``fidelity.codes`` 0.0016
-at ``layer1.0.conv2.output_quantizer`` of a correct torchvision resnet18 export)."""
+identity``, ``ReLU(inplace=True)``): the replay hands the model onnxruntime's DequantizeLinear outputs and
+keeps the quantizers' outputs, and the model's in-place ops must change neither (issue 23: ``fidelity.codes``
+0.0016 at ``layer1.0.conv2.output_quantizer`` of a correct torchvision resnet18 export)."""
 
 import json
 
@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import cli
 
-INPLACE = '''
+INPLACE = """
 import torch
 from torch import nn
 
@@ -46,7 +46,7 @@ class Net(nn.Module):
 def make():
     torch.manual_seed(0)
     return Net().eval()
-'''
+"""
 IN_PLACE_TARGETS = ["stem.output_quantizer", "block.conv2.output_quantizer"]
 
 
@@ -56,7 +56,9 @@ def inplace(tmp_path_factory):
     (root / "inplace.py").write_text(INPLACE)
     np.savez(root / "d.npz", x=np.random.default_rng(0).standard_normal((32, 3, 8, 8)).astype(np.float32))
     ck, graph = root / "m.calib.pt", root / "m.onnx"
-    assert cli("calibrate", f"{root / 'inplace.py'}:make", "--data", root / "d.npz", "--out", ck).exit_code == 0
+    assert (
+        cli("calibrate", f"{root / 'inplace.py'}:make", "--data", root / "d.npz", "--out", ck).exit_code == 0
+    )
     assert cli("export", ck, "--onnx", graph).exit_code == 0
     return root, ck, graph
 
@@ -66,7 +68,8 @@ def test_in_place_ops_do_not_change_the_evidence(inplace):
     r = cli("verify", graph, "--reference", ck, "--data", root / "d.npz", "--json")
     rep = json.loads(r.stdout)
     quantizers = rep["fidelity"]["quantizers"]
-    assert set(IN_PLACE_TARGETS) <= set(quantizers)  # the placement quantizes both outputs that change in place
+    # the placement quantizes both outputs that change in place
+    assert set(IN_PLACE_TARGETS) <= set(quantizers)
     for name in IN_PLACE_TARGETS:  # before the fix: 0.52 and 0.33, onnxruntime's evidence overwritten
         assert quantizers[name]["identical_codes"] == 1.0, (name, quantizers[name])
         assert quantizers[name]["identical_codes_end_to_end"] == 1.0, (name, quantizers[name])
@@ -90,18 +93,21 @@ def test_captured_quantizer_outputs_are_the_quantizers_own(inplace):
 
 
 def test_a_node_failing_at_run_time_is_the_graphs_fault_not_bad_input():
-    """onnxruntime refusing the inputs is bad input (exit 2); a node of a graph that loaded failing on them is a
-    failed check (``graph.runs``, exit 1): the mutation campaign's deleted Adds made ViT's Reshape fail."""
+    """onnxruntime refusing the inputs is bad input (exit 2); a node of a graph that loaded failing on them is
+    a failed check (``graph.runs``, exit 1): the mutation campaign's deleted Adds made ViT's Reshape fail."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper
 
     from quantcli.errors import GraphRunError, VerifyError
     from quantcli.verify import sessions
+
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
     shape = onnx.numpy_helper.from_array(np.array([3, -1], np.int64), "shape")
-    graph = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["y"], name="r")], "g", [x], [y], [shape])
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"], name="r")], "g", [x], [y], [shape]
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     assert sessions.run(sess, {"x": np.zeros((3, 4), np.float32)}, "b")[0].shape == (3, 4)

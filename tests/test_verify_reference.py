@@ -1,7 +1,8 @@
-"""verify's float reference is the model as loaded, before quantcli transforms it (BatchNorm folding, SmoothQuant,
-placement rewrites): a transformation that changes what the model computes fails ``reference.transformations``
-instead of hiding behind a PASS (issue 23: BatchNorm folding deleted timm's BatchNormAct2d activations, and
-verify, comparing with the same folded model, passed a graph at cosine -0.001 to the user's model)."""
+"""verify's float reference is the model as loaded, before quantcli transforms it (BatchNorm folding,
+SmoothQuant, placement rewrites): a transformation that changes what the model computes fails
+``reference.transformations`` instead of hiding behind a PASS (issue 23: BatchNorm folding deleted timm's
+BatchNormAct2d activations, and verify, comparing with the same folded model, passed a graph at cosine -0.001
+to the user's model)."""
 
 import json
 
@@ -32,8 +33,8 @@ def _pipeline(spec, data, root):
 
 def test_a_transformation_that_changes_an_activation_fails_verify(user_model, tmp_path, monkeypatch):
     """A rewrite that replaces ``act`` (a ReLU) by a Softplus after placement, in calibrate and in every later
-    load alike (a non-negative activation, so the placement's uint8 grid still holds): the graph, the fake-quant
-    model and the transformed float model all agree; only the model as loaded differs."""
+    load alike (a non-negative activation, so the placement's uint8 grid still holds): the graph, the
+    fake-quant model and the transformed float model all agree; only the model as loaded differs."""
     from quantcli.calibration import job
     from quantcli.inputs import checkpoint
     from quantcli.nn.replace import quantize_model
@@ -49,7 +50,8 @@ def test_a_transformation_that_changes_an_activation_fails_verify(user_model, tm
     check = next(c for c in rep["checks"] if c["name"] == "reference.transformations")
     assert code == 1 and not check["passed"] and check["value"] > 0.1, check
     assert rep["reference"]["float_model"] == "as loaded"
-    # every other check compares the graph with the fake-quant model, which carries the same rewrite: it passes
+    # every other check compares the graph with the fake-quant model, which carries the same rewrite: it
+    # passes
     assert all(c["passed"] for c in rep["checks"] if c["name"].startswith("fidelity"))
 
 
@@ -61,7 +63,8 @@ def test_correct_transformations_pass_and_the_reference_is_the_model_as_loaded(u
     loaded = load_calibrated(ck)
     assert loaded.has_original
     fmodel = loaded.float_model()
-    assert not any("quantizer" in n for n, _ in fmodel.named_modules())  # the user's model, no quantcli modules
+    # the user's model, no quantcli modules
+    assert not any("quantizer" in n for n, _ in fmodel.named_modules())
     from quantcli.inputs.loading import build_model
 
     x = torch.from_numpy(np.load(data)["x"][:4])

@@ -1,5 +1,6 @@
-"""--weight-method rtn|gptq|awq (quantcli.calibration.weight_rounding, quantcli.calibration.awq) on weight-only layers: AWQ's search
-against a numpy computation of the error it minimises, and the sample decoder end to end through the CLI."""
+"""--weight-method rtn|gptq|awq (quantcli.calibration.weight_rounding, quantcli.calibration.awq) on
+weight-only layers: AWQ's search against a numpy computation of the error it minimises, and the sample decoder
+end to end through the CLI."""
 
 import json
 
@@ -15,7 +16,8 @@ from tests.helpers import assert_clean_error, cli
 
 
 def _rtn_error(w: np.ndarray, x: np.ndarray, block: int) -> float:
-    """sum over the samples of |x (W - Q(W)).T|^2 with Q: blocks of ``block`` input channels, amax = max |w|."""
+    """sum over the samples of |x (W - Q(W)).T|^2 with Q: blocks of ``block`` input channels, amax = max
+    |w|."""
     out, k = w.shape
     amax = np.abs(w.reshape(out, k // block, block)).max(-1)
     scale = np.repeat(amax.astype(np.float32) / np.float32(7), block, axis=1)
@@ -53,8 +55,17 @@ def lm_checkpoints(tmp_path_factory):
     out = {}
     for method in ("rtn", "gptq", "awq"):
         path = root / f"{method}.calib.pt"
-        r = cli("calibrate", "tiny_lm", "--config", "int4-weight-only", "--weight-method", method, "--out", path,
-                "--json")
+        r = cli(
+            "calibrate",
+            "tiny_lm",
+            "--config",
+            "int4-weight-only",
+            "--weight-method",
+            method,
+            "--out",
+            path,
+            "--json",
+        )
         assert r.exit_code == 0, r.output
         out[method] = (path, json.loads(r.stdout))
     return out
@@ -62,14 +73,19 @@ def lm_checkpoints(tmp_path_factory):
 
 def _perplexity(model) -> float:
     with torch.no_grad():
-        return tiny_lm.perplexity(lambda ids: model(input_ids=torch.from_numpy(ids)).numpy(),
-                                  tiny_lm.evaluation_batches())
+        return tiny_lm.perplexity(
+            lambda ids: model(input_ids=torch.from_numpy(ids)).numpy(), tiny_lm.evaluation_batches()
+        )
 
 
 def test_weight_methods_are_stored_and_gptq_beats_rounding(lm_checkpoints):
     infos = {m: info["weight_rounding"] for m, (_, info) in lm_checkpoints.items()}
     assert infos["rtn"] == {"method": "rtn"}
-    assert infos["gptq"]["method"] == "gptq" and infos["gptq"]["layers"] == 13 and infos["gptq"]["rows"] == 256 * 64
+    assert (
+        infos["gptq"]["method"] == "gptq"
+        and infos["gptq"]["layers"] == 13
+        and infos["gptq"]["rows"] == 256 * 64
+    )
     assert infos["awq"]["method"] == "awq" and infos["awq"]["layers"] == 13
     for m, (path, _) in lm_checkpoints.items():  # stored in the checkpoint itself
         assert load_calibrated(path).data["calibration"]["weight_rounding"]["method"] == m
@@ -79,15 +95,16 @@ def test_weight_methods_are_stored_and_gptq_beats_rounding(lm_checkpoints):
 
 
 def test_awq_folds_keep_the_float_model(lm_checkpoints):
-    """AWQ moved scales into the weights and 1/s into LayerNorms, Linears or Muls: with every quantizer off the
-    model computes what the trained model computes, to float rounding."""
+    """AWQ moved scales into the weights and 1/s into LayerNorms, Linears or Muls: with every quantizer off
+    the model computes what the trained model computes, to float rounding."""
     ck = load_calibrated(lm_checkpoints["awq"][0])
     ids = tiny_lm.evaluation_batches()[0]["input_ids"]
     with torch.no_grad(), quantizer_modes(ck.model, "disabled"):
         got = ck.model(input_ids=ids)
     want = tiny_lm.build()(ids).detach()
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    assert sum(ck.data["calibration"]["weight_rounding"]["folds"].values()) == 9  # 9 tensors read by 13 layers
+    # 9 tensors read by 13 layers
+    assert sum(ck.data["calibration"]["weight_rounding"]["folds"].values()) == 9
 
 
 def test_gptq_checkpoint_keeps_the_float_model_before_rounding(lm_checkpoints):
@@ -116,10 +133,14 @@ def test_gptq_checkpoint_exports_exactly(lm_checkpoints, tmp_path):
 
 
 def test_bad_weight_method_and_no_weight_only_layers(tmp_path):
-    assert_clean_error(cli("calibrate", "digits_cnn", "--weight-method", "sgd", "--out", tmp_path / "a.pt"),
-                       "--weight-method", "sgd")
-    assert_clean_error(cli("calibrate", "digits_cnn", "--weight-method", "gptq", "--out", tmp_path / "b.pt"),
-                       "weight-only")
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--weight-method", "sgd", "--out", tmp_path / "a.pt"),
+        "--weight-method",
+        "sgd",
+    )
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--weight-method", "gptq", "--out", tmp_path / "b.pt"), "weight-only"
+    )
     assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b.pt").exists()
 
 
@@ -139,7 +160,9 @@ def test_weight_rounding_runs_on_the_models_cuda_device(method):
         calibrate(model, batches, device=device)
         if method == "gptq":
             report = gptq(model, batches)
-            assert report.layers and all(p.device.type == torch.device(device).type for p in model.parameters())
+            assert report.layers and all(
+                p.device.type == torch.device(device).type for p in model.parameters()
+            )
         return model.cpu()
 
     cpu, gpu = run("cpu"), run("cuda")

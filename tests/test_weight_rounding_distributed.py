@@ -1,5 +1,6 @@
-"""--weight-method gptq/awq under torch.distributed: two ranks (CPU, Gloo), each with its own share of the sample
-decoder's calibration batches, end with the checkpoint one process makes from all of them, tensor for tensor."""
+"""--weight-method gptq/awq under torch.distributed: two ranks (CPU, Gloo), each with its own share of the
+sample decoder's calibration batches, end with the checkpoint one process makes from all of them, tensor for
+tensor."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ METHODS = ("gptq", "awq")
 
 def _batches() -> list[dict[str, torch.Tensor]]:
     from sample_models import SAMPLES
+
     return SAMPLES["tiny_lm"].calibration_batches()[:5]  # odd: the strided shares differ in size
 
 
@@ -76,14 +78,42 @@ def test_torchrun_cli_gptq_writes_the_one_process_checkpoint(tmp_path):
     from tests.helpers import cli
 
     one, two = tmp_path / "one.calib.pt", tmp_path / "two.calib.pt"
-    args = ["calibrate", "tiny_lm", "--config", "int4-weight-only", "--weight-method", "gptq", "--num-samples", "96",
-            "--json", "--device", "cpu"]
+    args = [
+        "calibrate",
+        "tiny_lm",
+        "--config",
+        "int4-weight-only",
+        "--weight-method",
+        "gptq",
+        "--num-samples",
+        "96",
+        "--json",
+        "--device",
+        "cpu",
+    ]
     r = cli(*args, "--out", one)
     assert r.exit_code == 0, r.output
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        "-m", "quantcli", *args, "--out", str(two)],
-                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "quantcli",
+            *args,
+            "--out",
+            str(two),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr
     info = json.loads(p.stdout)
     assert info["ranks"] == 2 and info["weight_rounding"]["rows"] == 96 * 64

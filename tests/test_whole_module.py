@@ -14,8 +14,9 @@ from tests.helpers import assert_clean_error, cli
 
 def _cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(4, 3)).eval()
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)
+    ).eval()
 
 
 @pytest.fixture
@@ -32,8 +33,12 @@ def files(tmp_path):
 def test_whole_module_needs_trust_pickle_then_trust_code(files):
     m, d = files
     out = d / "cnn.calib.pt"
-    assert_clean_error(cli("calibrate", d / "cnn.pt", "--data", d / "x.npz", "--out", out),
-                       "--trust-pickle", "pickled whole module", "run any code")
+    assert_clean_error(
+        cli("calibrate", d / "cnn.pt", "--data", d / "x.npz", "--out", out),
+        "--trust-pickle",
+        "pickled whole module",
+        "run any code",
+    )
     assert not out.exists()
     r = cli("calibrate", d / "cnn.pt", "--trust-pickle", "--data", d / "x.npz", "--out", out, "--json")
     assert r.exit_code == 0, r.output
@@ -67,7 +72,9 @@ def test_state_dict_and_torchscript_are_refused_with_what_to_pass(files):
     r = cli("calibrate", d / "ts.pt", "--data", d / "x.npz", "--out", d / "o.calib.pt", "--trust-pickle")
     assert_clean_error(r, "TorchScript", "cannot be inserted", "--trust-pickle", "--weights")
     (d / "junk.pt").write_bytes(b"not a checkpoint")
-    assert_clean_error(cli("calibrate", d / "junk.pt", "--data", d / "x.npz", "--trust-pickle"), "cannot read")
+    assert_clean_error(
+        cli("calibrate", d / "junk.pt", "--data", d / "x.npz", "--trust-pickle"), "cannot read"
+    )
     r = cli("calibrate", "sample_models.digits_cnn:build", "--weights", d / "junk.pt", "--data", d / "x.npz")
     assert_clean_error(r, "cannot read", "junk.pt")
     assert "--trust-pickle" not in r.output  # a damaged file is not a pickle to trust

@@ -1,19 +1,21 @@
-"""What onnxruntime's default session does to quantcli's Q/DQ graphs beyond fusing them: the optimizer passes that
-mis-handle float8 and the graph form that avoids them, and the session options a graph needs in onnxruntime to
-compute what it computes with optimizations off (:func:`session_needs`).
+"""What onnxruntime's default session does to quantcli's Q/DQ graphs beyond fusing them: the optimizer passes
+that mis-handle float8 and the graph form that avoids them, and the session options a graph needs in
+onnxruntime to compute what it computes with optimizations off (:func:`session_needs`).
 
 onnxruntime's default session (``ORT_ENABLE_ALL``, checked against 1.31) runs three passes written for integer
-Q/DQ that match float8 Q/DQ too (sources in microsoft/onnxruntime, ``onnxruntime/core/optimizer/qdq_transformer/``):
+Q/DQ that match float8 Q/DQ too (sources in microsoft/onnxruntime,
+``onnxruntime/core/optimizer/qdq_transformer/``):
 
-* ``QDQSelectorActionTransformer`` (``selectors_actions/qdq_selectors.cc``): the Gemm and MatMul selectors check
-  for int8/int16/int4 but not float8, so ``DQ -> Gemm [-> Q]`` becomes ``QGemm`` and ``DQ -> MatMul`` becomes
-  ``MatMulIntegerToFloat`` (``QLinearMatMul``, ``QLinearConv`` with an output Q). Those kernels have no float8
+* ``QDQSelectorActionTransformer`` (``selectors_actions/qdq_selectors.cc``): the Gemm and MatMul selectors
+  check for int8/int16/int4 but not float8, so ``DQ -> Gemm [-> Q]`` becomes ``QGemm`` and ``DQ -> MatMul``
+  becomes ``MatMulIntegerToFloat`` (``QLinearMatMul``, ``QLinearConv`` with an output Q). Those kernels have
+  no float8
   type: the session fails to load (onnxruntime #22269). A Gemm's float bias does not stop it when a Q follows:
   ``WeightBiasQuantization`` first turns the bias into an int32 DequantizeLinear (and changes its value).
-* ``ReluQuantRewrite`` (``relu_quantizelinear.cc``) deletes a Relu whose only consumer is a QuantizeLinear unless
-  the zero point is int8 other than -128 or uint8 other than 0. A float8 zero point passes that test, so the Relu
-  disappears and negative values reach the signed E4M3 grid: the model loads and computes something else
-  (digits_cnn: 5% top-1 agreement with the fake-quant model).
+* ``ReluQuantRewrite`` (``relu_quantizelinear.cc``) deletes a Relu whose only consumer is a QuantizeLinear
+  unless the zero point is int8 other than -128 or uint8 other than 0. A float8 zero point passes that test,
+  so the Relu disappears and negative values reach the signed E4M3 grid: the model loads and computes
+  something else (digits_cnn: 5% top-1 agreement with the fake-quant model).
 * ``WeightBiasQuantization``: above.
 
 * ``QDQPropagationTransformer`` moves a Q backwards through Transpose/Reshape/... and the drop-Q/DQ rules of
@@ -21,16 +23,18 @@ Q/DQ that match float8 Q/DQ too (sources in microsoft/onnxruntime, ``onnxruntime
   (text_encoder: fails to load even when every DQ is guarded).
 
 The guarded form: an exact identity, ``Max(x, -inf)``, after every float8 activation DequantizeLinear and
-before every float8 activation QuantizeLinear. No selector sees a DequantizeLinear feeding an op, no rewrite or
-propagation sees an op feeding a Q, so the graph loads with default options and computes what it computes with
-optimizations off, bit for bit (``Max`` with -inf passes NaN and infinities through). It costs one elementwise pass per guard; float8
-has no integer kernel in onnxruntime's CPU provider, so nothing fusable is lost. TensorRT wants a
-DequantizeLinear directly before the op it runs in FP8, so the guards are for graphs meant for onnxruntime.
+before every float8 activation QuantizeLinear. No selector sees a DequantizeLinear feeding an op, no rewrite
+or propagation sees an op feeding a Q, so the graph loads with default options and computes what it computes
+with optimizations off, bit for bit (``Max`` with -inf passes NaN and infinities through). It costs one
+elementwise pass per guard; float8 has no integer kernel in onnxruntime's CPU provider, so nothing fusable is
+lost. TensorRT wants a DequantizeLinear directly before the op it runs in FP8, so the guards are for graphs
+meant for onnxruntime.
 
 Blocked (int4) weight-only graphs load and fuse into ``MatMulNBits``, whose default accuracy level
 (``session.qdq_matmulnbits_accuracy_level`` = 4) quantizes the activations to int8 on the fly: text_encoder's
-logits move by up to 0.016 (of 2.8) against the optimizations-off graph; accuracy level 1 (float32) leaves 1e-6.
-That is a speed/precision choice, not a bug: :func:`session_needs` asks for level 1 only with ``exact=True``.
+logits move by up to 0.016 (of 2.8) against the optimizations-off graph; accuracy level 1 (float32) leaves
+1e-6. That is a speed/precision choice, not a bug: :func:`session_needs` asks for level 1 only with
+``exact=True``.
 """
 
 from __future__ import annotations
@@ -43,8 +47,14 @@ from onnx import helper, numpy_helper
 
 from exporters.graph import consumer_map, initializer_map, producer_map
 
-FP8_TYPES = frozenset({onnx.TensorProto.FLOAT8E4M3FN, onnx.TensorProto.FLOAT8E4M3FNUZ,
-                       onnx.TensorProto.FLOAT8E5M2, onnx.TensorProto.FLOAT8E5M2FNUZ})
+FP8_TYPES = frozenset(
+    {
+        onnx.TensorProto.FLOAT8E4M3FN,
+        onnx.TensorProto.FLOAT8E4M3FNUZ,
+        onnx.TensorProto.FLOAT8E5M2,
+        onnx.TensorProto.FLOAT8E5M2FNUZ,
+    }
+)
 GUARD_OP = "Max"
 GUARD_CONSTANT = "quantcli_fp8_guard_neg_inf"
 GUARD_SUFFIX = "/fp8_guard"
@@ -89,7 +99,8 @@ class Fp8Exposure:
 
 
 def fp8_exposure(model: onnx.ModelProto) -> Fp8Exposure:
-    """The float8 patterns of ``model`` that onnxruntime's default optimizer breaks (empty: none, or guarded)."""
+    """The float8 patterns of ``model`` that onnxruntime's default optimizer breaks (empty: none, or
+    guarded)."""
     g = model.graph
     inits = initializer_map(g)
     producers = producer_map(g)
@@ -137,7 +148,10 @@ def guard_fp8(model: onnx.ModelProto) -> int:
             if readers:
                 out = fresh(n.output[0] + "_guarded")
                 after.setdefault(id(n), []).append(
-                    helper.make_node(GUARD_OP, [n.output[0], GUARD_CONSTANT], [out], name=(n.name or out) + GUARD_SUFFIX))
+                    helper.make_node(
+                        GUARD_OP, [n.output[0], GUARD_CONSTANT], [out], name=(n.name or out) + GUARD_SUFFIX
+                    )
+                )
                 for c in readers:
                     for k, i in enumerate(c.input):
                         if i == n.output[0]:
@@ -148,7 +162,10 @@ def guard_fp8(model: onnx.ModelProto) -> int:
             if p is not None and not is_guard(p):
                 out = fresh(n.input[0] + "_guarded")
                 before.setdefault(id(n), []).append(
-                    helper.make_node(GUARD_OP, [n.input[0], GUARD_CONSTANT], [out], name=(n.name or out) + GUARD_SUFFIX))
+                    helper.make_node(
+                        GUARD_OP, [n.input[0], GUARD_CONSTANT], [out], name=(n.name or out) + GUARD_SUFFIX
+                    )
+                )
                 n.input[0] = out
                 count += 1
     if not count:
@@ -251,17 +268,30 @@ def session_needs(model: onnx.ModelProto, exact: bool = False) -> SessionNeeds:
         n = _matmulnbits_candidates(model)
         if n:
             entries.append(MATMULNBITS_ACCURACY)
-            reasons.append(f"{n} weight-only MatMul become MatMulNBits, which by default quantizes its activations "
-                           "to int8 (accuracy level 4); level 1 keeps them float32")
+            reasons.append(
+                f"{n} weight-only MatMul become MatMulNBits, which by default quantizes its "
+                f"activations "
+                "to int8 (accuracy level 4); level 1 keeps them float32"
+            )
     if not exp:
         return SessionNeeds((), tuple(entries), tuple(reasons))
     if exp.dq_feeding_ops:
-        reasons.append(f"{len(exp.dq_feeding_ops)} float8 DequantizeLinear feed ops directly: onnxruntime would fuse "
-                       "them into integer kernels that have no float8 type and fail to load (onnxruntime #22269)")
+        reasons.append(
+            f"{len(exp.dq_feeding_ops)} float8 DequantizeLinear feed ops directly: onnxruntime "
+            f"would fuse "
+            "them into integer kernels that have no float8 type and fail to load (onnxruntime "
+            "#22269)"
+        )
     if exp.relu_into_q:
-        reasons.append(f"{len(exp.relu_into_q)} Relu feed a float8 QuantizeLinear: onnxruntime's ReluQuantRewrite "
-                       "would delete them and change the results")
+        reasons.append(
+            f"{len(exp.relu_into_q)} Relu feed a float8 QuantizeLinear: onnxruntime's "
+            f"ReluQuantRewrite "
+            "would delete them and change the results"
+        )
     if len(exp.q_after_ops) > len(exp.relu_into_q):
-        reasons.append(f"{len(exp.q_after_ops) - len(exp.relu_into_q)} float8 QuantizeLinear read an op's output: "
-                       "onnxruntime may move them across data-movement ops that have no float8 kernel")
+        reasons.append(
+            f"{len(exp.q_after_ops) - len(exp.relu_into_q)} float8 QuantizeLinear read an op's "
+            f"output: "
+            "onnxruntime may move them across data-movement ops that have no float8 kernel"
+        )
     return SessionNeeds(FP8_UNSAFE_OPTIMIZERS, tuple(entries), tuple(reasons))

@@ -1,13 +1,14 @@
 """What onnxruntime made of each quantized layer: an integer kernel, or float between Q/DQ, and why.
 
 :func:`inspect_fusion` loads the graph the way a user does (``InferenceSession(path)``: default options,
-``ORT_ENABLE_ALL``), saves the graph onnxruntime runs (``SessionOptions.optimized_model_filepath``) and looks up
-every quantized layer of the exported graph in it. A layer is a Conv/ConvTranspose/Gemm/MatMul that reads a
+``ORT_ENABLE_ALL``), saves the graph onnxruntime runs (``SessionOptions.optimized_model_filepath``) and looks
+up every quantized layer of the exported graph in it. A layer is a Conv/ConvTranspose/Gemm/MatMul that reads a
 DequantizeLinear output, named after the module its quantizers belong to (the quantizer map in
-``metadata_props``). *Fused* is what onnxruntime did (the op type it runs the layer as); *reasons* is a diagnosis of an
-unfused layer from the conditions of onnxruntime's QDQ selectors (``qdq_selectors.cc``), the passes that run
-before them (``qdq_s8_to_u8.cc``, ``weight_bias_quantization.cc``, ``ensure_unique_dq_for_node_unit.cc``) and
-the guards of :mod:`exporters.onnxruntime.compat`. A reason is reported only where one of those conditions explains it.
+``metadata_props``). *Fused* is what onnxruntime did (the op type it runs the layer as); *reasons* is a
+diagnosis of an unfused layer from the conditions of onnxruntime's QDQ selectors (``qdq_selectors.cc``), the
+passes that run before them (``qdq_s8_to_u8.cc``, ``weight_bias_quantization.cc``,
+``ensure_unique_dq_for_node_unit.cc``) and the guards of :mod:`exporters.onnxruntime.compat`. A reason is
+reported only where one of those conditions explains it.
 """
 
 from __future__ import annotations
@@ -27,10 +28,21 @@ from exporters.onnxruntime import compat
 from quantcli.errors import VerifyError, first_line
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
-INTEGER_KERNELS = frozenset({
-    "QLinearConv", "QLinearConvTranspose", "QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "MatMulNBits",
-    "DynamicQuantizeMatMul", "MatMulInteger", "ConvInteger", "QAttention", "NhwcQLinearConv",
-})
+INTEGER_KERNELS = frozenset(
+    {
+        "QLinearConv",
+        "QLinearConvTranspose",
+        "QGemm",
+        "QLinearMatMul",
+        "MatMulIntegerToFloat",
+        "MatMulNBits",
+        "DynamicQuantizeMatMul",
+        "MatMulInteger",
+        "ConvInteger",
+        "QAttention",
+        "NhwcQLinearConv",
+    }
+)
 LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
 DYNAMIC_OPS = ("MatMulInteger",)  # a DynamicQuantizeLinear -> MatMulInteger layer (exporters.dynamic_linear)
 _MOVES = ("Transpose", "Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")  # weight layout changes
@@ -50,7 +62,8 @@ class LayerFusion:
     kernel: str | None  # the op type onnxruntime runs it as; None: not found in the optimized graph
     fused: bool | None  # an integer kernel; None when it could not be traced
     reasons: list[str] = field(default_factory=list)  # why not fused, where the diagnosis can tell
-    optimized_node: str | None = None  # the name of the node onnxruntime runs it as (its profiler's name for it)
+    # the name of the node onnxruntime runs it as (its profiler's name for it)
+    optimized_node: str | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -69,10 +82,17 @@ class FusionReport:
         return [r for r in self.layers if not r.fused]
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "runtime": "onnxruntime", "provider": self.provider, "load_error": self.load_error,
-                "session_needs": list(self.needs.reasons), "disabled_optimizers": list(self.needs.disabled_optimizers),
-                "quantized_layers": len(self.layers),
-                "unfused_layers": len(self.unfused), "layers": [r.to_dict() for r in self.layers]}
+        return {
+            "path": self.path,
+            "runtime": "onnxruntime",
+            "provider": self.provider,
+            "load_error": self.load_error,
+            "session_needs": list(self.needs.reasons),
+            "disabled_optimizers": list(self.needs.disabled_optimizers),
+            "quantized_layers": len(self.layers),
+            "unfused_layers": len(self.unfused),
+            "layers": [r.to_dict() for r in self.layers],
+        }
 
 
 # ------------------------------------------------------------------------------------------- the graph
@@ -139,15 +159,19 @@ def _layer_name(quantizers: list[str], node: onnx.NodeProto) -> str:
 
 
 def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, list[str]]]:
-    """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul reading a DequantizeLinear.
+    """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul reading a
+    DequantizeLinear.
 
     Named after the module of its quantizers in the quantizer map, else after the node.
     """
     g = _Graph(model)
     out = []
     for n in model.graph.node:
-        if n.op_type in DYNAMIC_OPS and n.input[0] in g.producers \
-                and g.producers[n.input[0]].op_type == "DynamicQuantizeLinear":
+        if (
+            n.op_type in DYNAMIC_OPS
+            and n.input[0] in g.producers
+            and g.producers[n.input[0]].op_type == "DynamicQuantizeLinear"
+        ):
             names = [g.qmap[i] for i in n.input[:2] if i in g.qmap]
             out.append((_layer_name(names, n), n, names))
             continue
@@ -157,7 +181,8 @@ def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, 
         names = [g.qmap[dq.output[0]] for dq in dqs if dq.output[0] in g.qmap]
         if dqs:
             out.append((_layer_name(names, n), n, names))
-    # one module is one node: a name claimed by several nodes means the map is ambiguous there; name them by node
+    # one module is one node: a name claimed by several nodes means the map is ambiguous there; name them by
+    # node
     claimed = collections.Counter(name for name, _, _ in out)
     return [(name if claimed[name] == 1 else n.name or n.output[0], n, names) for name, n, names in out]
 
@@ -177,38 +202,54 @@ def _activation_type(g: _Graph, dq: onnx.NodeProto, reasons: list[str], int8_all
         return t
     q = g.producers.get(dq.input[0])
     if q is None or q.op_type != "QuantizeLinear":
-        reasons.append("int8 activation without its QuantizeLinear: onnxruntime fuses only uint8 activations on x86")
+        reasons.append(
+            "int8 activation without its QuantizeLinear: onnxruntime fuses only uint8 activations on x86"
+        )
         return None
     edges = sum(len(g.consumers.get(d.output[0], [])) for d in g.consumers.get(q.output[0], []))
     if len(g.consumers.get(q.output[0], [])) != 1 or edges != 1 or g.zero_point(q) is None:
-        reasons.append(f"int8 activation quantized once for {max(edges, 1)} consumers: on x86 onnxruntime fuses only "
-                       "uint8 activations and converts an int8 QuantizeLinear only when it has one consumer "
-                       "(QDQS8ToU8Transformer); quantize activations as uint8")
+        reasons.append(
+            f"int8 activation quantized once for {max(edges, 1)} consumers: on x86 onnxruntime "
+            f"fuses only "
+            "uint8 activations and converts an int8 QuantizeLinear only when it has one consumer "
+            "(QDQS8ToU8Transformer); quantize activations as uint8"
+        )
         return None
     return _UINT8
 
 
 def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.NodeProto | None, bool]:
-    """(the Q that takes the layer's output, through an absorbed Relu/Clip; whether the output path allows a fusion)."""
+    """(the Q that takes the layer's output, through an absorbed Relu/Clip; whether the output path allows a
+    fusion)."""
     out = n.output[0]
     readers = g.consumers.get(out, [])
     if out in g.outputs:
         return None, True
-    if len(readers) == 1 and readers[0].op_type in ("Relu", "Clip") and readers[0].output[0] not in g.outputs \
-            and len(g.consumers.get(readers[0].output[0], [])) == 1:
+    if (
+        len(readers) == 1
+        and readers[0].op_type in ("Relu", "Clip")
+        and readers[0].output[0] not in g.outputs
+        and len(g.consumers.get(readers[0].output[0], [])) == 1
+    ):
         act = readers[0]
         nxt = g.consumers[act.output[0]][0]
         if nxt.op_type != "QuantizeLinear":
-            reasons.append(f"the {act.op_type} after it feeds {nxt.op_type}, not a QuantizeLinear: onnxruntime fuses a "
-                           f"{act.op_type} into the layer only when a Q takes its output")
+            reasons.append(
+                f"the {act.op_type} after it feeds {nxt.op_type}, not a QuantizeLinear: "
+                f"onnxruntime fuses a "
+                f"{act.op_type} into the layer only when a Q takes its output"
+            )
             return None, False
         zp, t = g.zero_point(nxt), g.quant_type(nxt)
         if act.op_type == "Relu" and t in _TYPE_MIN and zp is not None:
             low = zp + 128 if t == _INT8 else zp  # int8 grids reach the fusion as uint8 (zero point + 128)
             if low != 0:
-                reasons.append(f"the Relu before its output Q is not absorbed: the Q's zero point ({zp}, "
-                               f"{_type_name(t)}) is not the grid's lowest code; quantize post-ReLU activations "
-                               "unsigned (uint8, zero point 0)")
+                reasons.append(
+                    f"the Relu before its output Q is not absorbed: the Q's zero point ({zp}, "
+                    f"{_type_name(t)}) is not the grid's lowest code; quantize post-ReLU "
+                    f"activations "
+                    "unsigned (uint8, zero point 0)"
+                )
                 return nxt, False
         return nxt, True
     qs = [c for c in readers if c.op_type == "QuantizeLinear"]
@@ -218,7 +259,9 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
     if len(qs) == 1:
         return qs[0], True
     if readers and readers[0].op_type == "BatchNormalization":
-        reasons.append("BatchNormalization between the layer and the next QuantizeLinear (fold it into the layer)")
+        reasons.append(
+            "BatchNormalization between the layer and the next QuantizeLinear (fold it into the layer)"
+        )
     return None, True
 
 
@@ -250,48 +293,66 @@ def _bias_ok(g: _Graph, n: onnx.NodeProto, x_dq, w_dq, out_q, reasons: list[str]
         why.append("no QuantizeLinear takes its output")
     if not axis_ok:
         why.append("the weight is not quantized per tensor or per output channel")
-    reasons.append("float bias: onnxruntime makes a bias int32 (which the fusion needs) only when the input is "
-                   "quantized per tensor and a Q takes the output" + (f"; here {' and '.join(why)}" if why else ""))
+    reasons.append(
+        "float bias: onnxruntime makes a bias int32 (which the fusion needs) only when the input "
+        "is "
+        "quantized per tensor and a Q takes the output" + (f"; here {' and '.join(why)}" if why else "")
+    )
     return False
 
 
 def _weight_only(g: _Graph, n: onnx.NodeProto, w_dq) -> list[str]:
     """Why a layer with float activations is not MatMulNBits (the only weight-only integer kernel)."""
     if n.op_type not in ("MatMul", "Gemm"):
-        return [f"weight-only quantization: onnxruntime has no integer {n.op_type} kernel for float activations "
-                "(only MatMul -> MatMulNBits); it runs in float on dequantized weights"]
+        return [
+            f"weight-only quantization: onnxruntime has no integer {n.op_type} kernel for float "
+            f"activations "
+            "(only MatMul -> MatMulNBits); it runs in float on dequantized weights"
+        ]
     t = g.quant_type(w_dq)
     if t not in (onnx.TensorProto.INT4, onnx.TensorProto.UINT4, _INT8, _UINT8):
         return [f"weight-only {_type_name(t)}: MatMulNBits takes 2-, 4- or 8-bit integer weights"]
     a = g.attrs(n)
     if n.op_type == "Gemm" and (a.get("transB", 0) or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0):
-        return ["a Gemm with transB=1: onnxruntime turns a weight-only DequantizeLinear -> Gemm into MatMulNBits only "
-                "for transB=0 (weights stored as (in, out))"]
+        return [
+            "a Gemm with transB=1: onnxruntime turns a weight-only DequantizeLinear -> Gemm into "
+            "MatMulNBits only "
+            "for transB=0 (weights stored as (in, out))"
+        ]
     wa = g.attrs(w_dq)
     bs = wa.get("block_size", 0)
     if bs and (wa.get("axis", 1) != 0 or bs < 16 or bs & (bs - 1)):
-        return [f"blocked weights (block {bs}, axis {wa.get('axis', 1)}): MatMulNBits needs blocks along axis 0 of "
-                "an (in, out) weight, a power of two >= 16"]
+        return [
+            f"blocked weights (block {bs}, axis {wa.get('axis', 1)}): MatMulNBits needs blocks along "
+            f"axis 0 of "
+            "an (in, out) weight, a power of two >= 16"
+        ]
     return []
 
 
 def diagnose(model: onnx.ModelProto, node: onnx.NodeProto, int8_allowed: bool | None = None) -> list[str]:
-    """Why onnxruntime's CPU QDQ fusions would not take ``node`` (empty: no condition found that blocks it)."""
+    """Why onnxruntime's CPU QDQ fusions would not take ``node`` (empty: no condition found that blocks
+    it)."""
     return _diagnose(_Graph(model), node, _int8_allowed() if int8_allowed is None else int8_allowed)
 
 
 def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
     reasons: list[str] = []
-    if node.op_type in DYNAMIC_OPS:  # MatMulInteger is itself an integer kernel; these are what its fusions need
+    # MatMulInteger is itself an integer kernel; these are what its fusions need
+    if node.op_type in DYNAMIC_OPS:
         if node.input[1] not in g.inits:
-            reasons.append("its weight codes are computed at run time (exported with --weights-qdq?), not a "
-                           "constant: the MatMulIntegerToFloat fusion needs constant weights")
+            reasons.append(
+                "its weight codes are computed at run time (exported with --weights-qdq?), not a "
+                "constant: the MatMulIntegerToFloat fusion needs constant weights"
+            )
         return reasons
     x_dq, x_guarded = g.dq_of(node.input[0])
     w_dq, w_guarded = g.dq_of(node.input[1], _MOVES)
     if x_guarded or w_guarded or (x_dq is not None and g.quant_type(x_dq) in compat.FP8_TYPES):
-        return ["float8: onnxruntime has no float8 integer kernel, so it runs in float on dequantized values "
-                "(guarded against onnxruntime's float8 fusion bugs so that the graph loads)"]
+        return [
+            "float8: onnxruntime has no float8 integer kernel, so it runs in float on dequantized values "
+            "(guarded against onnxruntime's float8 fusion bugs so that the graph loads)"
+        ]
     if w_dq is None:
         return ["its weight is not quantized (no DequantizeLinear on it)"]
     if x_dq is None:
@@ -311,11 +372,18 @@ def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
         q_t = g.quant_type(out_q)
         q_t = _UINT8 if q_t == _INT8 and not int8_allowed else q_t
         if q_t != x_t:
-            reasons.append(f"its output Q ({_type_name(g.quant_type(out_q))}) and input ({_type_name(x_t)}) "
-                           "differ in type")
+            reasons.append(
+                f"its output Q ({_type_name(g.quant_type(out_q))}) and input ({_type_name(x_t)}) "
+                "differ in type"
+            )
     if node.op_type in ("Conv", "ConvTranspose", "Gemm"):
         _bias_ok(g, node, x_dq, w_dq, out_q, reasons)
-        if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] and g.attrs(node).get("beta", 1.0) != 1.0:
+        if (
+            node.op_type == "Gemm"
+            and len(node.input) > 2
+            and node.input[2]
+            and g.attrs(node).get("beta", 1.0) != 1.0
+        ):
             reasons.append("Gemm with beta != 1")
     if node.op_type == "ConvTranspose":
         reasons.append("onnxruntime's CPU QDQ fusions have no rule for ConvTranspose")
@@ -336,10 +404,12 @@ def _dynamic_output(g: _Graph, node: onnx.NodeProto) -> list[str]:
     return chain
 
 
-def _find_dynamic(by_output: dict[str, onnx.NodeProto], g: _Graph, node: onnx.NodeProto) -> onnx.NodeProto | None:
-    """The node that computes a dynamic layer in onnxruntime's graph (``by_output``: its producer map): the one
-    writing the last tensor of its chain (``MatMulIntegerToFloatFusion`` and ``DynamicQuantizeMatMulFusion`` keep
-    the Add's or Mul's output)."""
+def _find_dynamic(
+    by_output: dict[str, onnx.NodeProto], g: _Graph, node: onnx.NodeProto
+) -> onnx.NodeProto | None:
+    """The node that computes a dynamic layer in onnxruntime's graph (``by_output``: its producer map): the
+    one writing the last tensor of its chain (``MatMulIntegerToFloatFusion`` and
+    ``DynamicQuantizeMatMulFusion`` keep the Add's or Mul's output)."""
     chain = _dynamic_output(g, node)
     for t in reversed(chain):
         n = by_output.get(t)
@@ -351,10 +421,27 @@ def _find_dynamic(by_output: dict[str, onnx.NodeProto], g: _Graph, node: onnx.No
 def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | None:
     """The node onnxruntime made of ``node``: same name, or a fusion named after it ("fused X", "X/...")."""
     name, out = node.name, node.output[0]
-    kernels = [n for n in optimized.graph.node if n.op_type in INTEGER_KERNELS or any(
-        k in n.op_type for k in ("Conv", "Gemm", "MatMul"))]  # not the Q/DQ/Mul/Cast nodes fusions name after it
-    cands = [n for n in kernels if name and (
-        n.name == name or n.name.endswith(" " + name) or n.name.startswith(name + "/") or n.name.startswith(name + "_"))]
+    kernels = [
+        n
+        for n in optimized.graph.node
+        if n.op_type in INTEGER_KERNELS
+        or any(
+            # not the Q/DQ/Mul/Cast nodes fusions name after it
+            k in n.op_type
+            for k in ("Conv", "Gemm", "MatMul")
+        )
+    ]
+    cands = [
+        n
+        for n in kernels
+        if name
+        and (
+            n.name == name
+            or n.name.endswith(" " + name)
+            or n.name.startswith(name + "/")
+            or n.name.startswith(name + "_")
+        )
+    ]
     if not cands:  # NCHWc and layout passes name nodes after the output tensor
         cands = [n for n in kernels if n.name in (out, out + "_nchwc") or out in n.output]
     if not cands:
@@ -363,14 +450,15 @@ def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | 
     return cands[0]
 
 
-_ABSORBED = ("Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Add", "BatchNormalization")  # float fusions
+# float fusions
+_ABSORBED = ("Relu", "Clip", "LeakyRelu", "Sigmoid", "HardSigmoid", "Add", "BatchNormalization")
 
 
 def find_float(model: onnx.ModelProto, optimized: onnx.ModelProto, name: str) -> onnx.NodeProto | None:
     """The node onnxruntime runs the float layer node ``name`` of ``model`` as, in its ``optimized`` graph.
 
-    Like :func:`_find`, and where onnxruntime fused the activation after the layer into it (``FusedConv``,
-    an NCHWc ``Conv`` named after the activation's output tensor), the node that writes that activation's output.
+    Like :func:`_find`, and where onnxruntime fused the activation after the layer into it (``FusedConv``, an
+    NCHWc ``Conv`` named after the activation's output tensor), the node that writes that activation's output.
     """
     node = next((n for n in model.graph.node if n.name == name), None)
     if node is None:
@@ -383,13 +471,17 @@ def find_float(model: onnx.ModelProto, optimized: onnx.ModelProto, name: str) ->
         if len(readers) != 1 or readers[0].op_type not in _ABSORBED:
             return None
         cur = readers[0]
-        got = _find(optimized, onnx.helper.make_node(node.op_type, list(node.input), [cur.output[0]], name=""))
+        got = _find(
+            optimized, onnx.helper.make_node(node.op_type, list(node.input), [cur.output[0]], name="")
+        )
     return got
 
 
-def optimized_graph(path: str | Path, provider: str = "cpu",
-                    disabled_optimizers: list[str] | None = None) -> onnx.ModelProto:
-    """The graph onnxruntime runs for ``path`` with default options (ORT_ENABLE_ALL); raises on a load failure."""
+def optimized_graph(
+    path: str | Path, provider: str = "cpu", disabled_optimizers: list[str] | None = None
+) -> onnx.ModelProto:
+    """The graph onnxruntime runs for ``path`` with default options (ORT_ENABLE_ALL); raises on a load
+    failure."""
     import onnxruntime as ort
 
     work = Path(tempfile.mkdtemp(prefix="quantcli-ort-"))
@@ -398,10 +490,16 @@ def optimized_graph(path: str | Path, provider: str = "cpu",
         so.log_severity_level = 4  # fatal only: a load failure is reported once, by quantcli
         so.intra_op_num_threads = 1
         so.optimized_model_filepath = str(work / "optimized.onnx")
-        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.onnx.data")
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_file_name", "optimized.onnx.data"
+        )
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
-        ort.InferenceSession(str(path), so, providers=[PROVIDERS[provider]],
-                             **({"disabled_optimizers": disabled_optimizers} if disabled_optimizers else {}))
+        ort.InferenceSession(
+            str(path),
+            so,
+            providers=[PROVIDERS[provider]],
+            **({"disabled_optimizers": disabled_optimizers} if disabled_optimizers else {}),
+        )
         return onnx.load(str(work / "optimized.onnx"), load_external_data=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -434,21 +532,53 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
         optimized = None
     for layer, node, names in layers:
         if optimized is None:
-            report.layers.append(LayerFusion(layer, node.name, node.op_type, names, None, False,
-                                             ["the session did not load with default options"], None))
+            report.layers.append(
+                LayerFusion(
+                    layer,
+                    node.name,
+                    node.op_type,
+                    names,
+                    None,
+                    False,
+                    ["the session did not load with default options"],
+                    None,
+                )
+            )
             continue
-        got = _find_dynamic(optimized_producers, g, node) if node.op_type in DYNAMIC_OPS else _find(optimized, node)
+        got = (
+            _find_dynamic(optimized_producers, g, node)
+            if node.op_type in DYNAMIC_OPS
+            else _find(optimized, node)
+        )
         kernel = got.op_type if got is not None else None
         fused = None if got is None else kernel in INTEGER_KERNELS
         if fused or provider != "cpu":
-            reasons = [] if fused else ["onnxruntime's CUDA provider has no QDQ integer fusion except weight-only "
-                                        "MatMul -> MatMulNBits (int8 on GPUs goes through the TensorRT provider)"]
+            reasons = (
+                []
+                if fused
+                else [
+                    "onnxruntime's CUDA provider has no QDQ integer fusion except "
+                    "weight-only "
+                    "MatMul -> MatMulNBits (int8 on GPUs goes through the TensorRT "
+                    "provider)"
+                ]
+            )
         else:
             reasons = _diagnose(g, node, int8_allowed)
         if fused is False and not reasons:
             reasons = ["not matched by onnxruntime's QDQ fusions (no known condition explains it)"]
         if fused is None:
             reasons = ["not found in onnxruntime's optimized graph (renamed or merged by a fusion)"] + reasons
-        report.layers.append(LayerFusion(layer, node.name, node.op_type, names, kernel, fused, reasons,
-                                         got.name if got is not None else None))
+        report.layers.append(
+            LayerFusion(
+                layer,
+                node.name,
+                node.op_type,
+                names,
+                kernel,
+                fused,
+                reasons,
+                got.name if got is not None else None,
+            )
+        )
     return report

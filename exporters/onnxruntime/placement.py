@@ -1,18 +1,19 @@
-"""Graph passes for the onnxruntime target: the exported Q/DQ graph in the form onnxruntime's QDQ fusions take.
+"""Graph passes for the onnxruntime target: the exported Q/DQ graph in the form onnxruntime's QDQ fusions
+take.
 
 None of them changes a value the graph computes (the fake-quant model stays bit-exact with the graph run with
 optimizations off); they change only how the same codes are expressed:
 
 1. :func:`uint8_activations`: a signed int8 activation grid with zero point 0 is emitted as uint8 with zero
-   point 128. ``saturate(round(x / s) + 128)`` over ``[0, 255]`` is ``saturate(round(x / s))`` over ``[-128, 127]``
-   plus 128 (same scale, same rounding, same saturation), and dequantization subtracts the 128 again. On x86
-   onnxruntime's Conv/MatMul/Gemm selectors take only uint8 activations (``QDQIsInt8Allowed`` is false off
-   ARM); its own int8 -> uint8 rewrite (``qdq_s8_to_u8.cc``) skips a Q that feeds several nodes, so emitting
-   uint8 directly avoids that trap.
+   point 128. ``saturate(round(x / s) + 128)`` over ``[0, 255]`` is ``saturate(round(x / s))`` over ``[-128,
+   127]`` plus 128 (same scale, same rounding, same saturation), and dequantization subtracts the 128 again.
+   On x86 onnxruntime's Conv/MatMul/Gemm selectors take only uint8 activations (``QDQIsInt8Allowed`` is false
+   off ARM); its own int8 -> uint8 rewrite (``qdq_s8_to_u8.cc``) skips a Q that feeds several nodes, so
+   emitting uint8 directly avoids that trap.
 2. :func:`share_quantize`: QuantizeLinear nodes with the same input and the same scale and zero point (q/k/v
    projections reading one tensor, a branch and its shortcut) become one Q; every quantizer keeps its own
-   DequantizeLinear (``EnsureUniqueDQForNodeUnit`` wants one DQ per consumer anyway, and verify maps quantizers
-   by DQ output).
+   DequantizeLinear (``EnsureUniqueDQForNodeUnit`` wants one DQ per consumer anyway, and verify maps
+   quantizers by DQ output).
 3. :func:`propagate_quantize`: a Q after ops that commute with quantization (MaxPool, Flatten, Reshape,
    Transpose, Squeeze, Unsqueeze) gets an identical Q -> DQ in front of each of them, up to the producer, so a
    Conv -> Relu -> MaxPool -> Flatten -> Q chain becomes Conv -> Relu -> Q -> DQ -> MaxPool -> Q -> DQ -> ...:
@@ -42,7 +43,8 @@ def _drop_value_info(model: onnx.ModelProto, names: set[str]) -> None:
 
 
 def uint8_activations(model: onnx.ModelProto) -> int:
-    """Emit int8 activation Q/DQ pairs with a scalar zero point 0 as uint8 with zero point 128; returns how many Qs."""
+    """Emit int8 activation Q/DQ pairs with a scalar zero point 0 as uint8 with zero point 128; returns how
+    many Qs."""
     g = model.graph
     inits = initializer_map(model.graph)
     consumers = consumer_map(model)
@@ -52,7 +54,12 @@ def uint8_activations(model: onnx.ModelProto) -> int:
         if n.op_type != "QuantizeLinear" or len(n.input) < 3 or n.input[0] in inits:
             continue
         zp = inits.get(n.input[2])
-        if zp is None or zp.data_type != onnx.TensorProto.INT8 or to_numpy(zp).size != 1 or to_numpy(zp).item() != 0:
+        if (
+            zp is None
+            or zp.data_type != onnx.TensorProto.INT8
+            or to_numpy(zp).size != 1
+            or to_numpy(zp).item() != 0
+        ):
             continue
         readers = consumers.get(n.output[0], [])
         if not all(r.op_type == "DequantizeLinear" and r.input[2] == n.input[2] for r in readers):
@@ -74,8 +81,11 @@ def _source(name: str, producers: dict[str, onnx.NodeProto]) -> str:
     """The tensor behind float Casts: a Q reads float, so a Cast to float of its input is the same values (the
     TorchScript exporter reads q/k/v's shared input through such Casts)."""
     n = producers.get(name)
-    while n is not None and n.op_type == "Cast" and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT
-                                                           for a in n.attribute):
+    while (
+        n is not None
+        and n.op_type == "Cast"
+        and any(a.name == "to" and a.i == onnx.TensorProto.FLOAT for a in n.attribute)
+    ):
         name = n.input[0]
         n = producers.get(name)
     return name
@@ -123,7 +133,8 @@ def share_quantize(model: onnx.ModelProto) -> int:
 
 
 def propagate_quantize(model: onnx.ModelProto) -> int:
-    """Copy each activation Q (with its DQ) backwards across ops that commute with quantization; returns copies."""
+    """Copy each activation Q (with its DQ) backwards across ops that commute with quantization; returns
+    copies."""
     g = model.graph
     inits = initializer_map(model.graph)
     outputs = {o.name for o in g.output}
@@ -134,15 +145,23 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
         producers = producer_map(g)
         consumers = consumer_map(model)
         for q in list(g.node):
-            if q.op_type != "QuantizeLinear" or q.input[0] in inits or len(q.input) < 3 \
-                    or q.input[2] not in inits or inits[q.input[2]].data_type not in _EIGHT_BIT:
+            if (
+                q.op_type != "QuantizeLinear"
+                or q.input[0] in inits
+                or len(q.input) < 3
+                or q.input[2] not in inits
+                or inits[q.input[2]].data_type not in _EIGHT_BIT
+            ):
                 continue  # float8 has no MaxPool/Transpose kernels in onnxruntime: leave it
             op = producers.get(q.input[0])
             if op is None or op.op_type not in COMMUTING_OPS or op.output[0] in outputs:
                 continue
-            if op.input[0] in inits or any(c.op_type != "QuantizeLinear" or _key(c, inits) is None
-                                           or _key(c, inits)[1:] != _key(q, inits)[1:]
-                                           for c in consumers.get(op.output[0], [])):
+            if op.input[0] in inits or any(
+                c.op_type != "QuantizeLinear"
+                or _key(c, inits) is None
+                or _key(c, inits)[1:] != _key(q, inits)[1:]
+                for c in consumers.get(op.output[0], [])
+            ):
                 continue  # a float reader of the op's output would see quantized values: not exact any more
             src = op.input[0]
             src_producer = producers.get(src)
@@ -151,8 +170,9 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
             base = f"{op.name or op.output[0]}/{PROPAGATED_MARK}"
             q_new = helper.make_node("QuantizeLinear", [src, *q.input[1:]], [base + "_q"], name=base + "/Q")
             q_new.attribute.extend(q.attribute)
-            dq_new = helper.make_node("DequantizeLinear", [base + "_q", *q.input[1:]], [base + "_dq"],
-                                      name=base + "/DQ")
+            dq_new = helper.make_node(
+                "DequantizeLinear", [base + "_q", *q.input[1:]], [base + "_dq"], name=base + "/DQ"
+            )
             dq_new.attribute.extend(a for a in q.attribute if a.name in ("axis", "block_size"))
             op.input[0] = base + "_dq"
             nodes = list(g.node)
@@ -166,8 +186,9 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
 
 
 def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` without the Q/DQ copies :func:`propagate_quantize` added: the same values, with every
-    quantizer's own QuantizeLinear reading the float tensor it quantizes (for local error measurements)."""
+    """A copy of ``model`` without the Q/DQ copies :func:`propagate_quantize` added: the same values, with
+    every quantizer's own QuantizeLinear reading the float tensor it quantizes (for local error
+    measurements)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -177,7 +198,8 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     for out, dq in dqs.items():
         q = producers.get(dq.input[0])
         if q is None or q.op_type != "QuantizeLinear" or PROPAGATED_MARK not in q.name:
-            continue  # not a copy as propagate_quantize makes them (an edited graph): left as it is, to be judged
+            # not a copy as propagate_quantize makes them (an edited graph): left as it is, to be judged
+            continue
         source[out] = q.input[0]
         stripped |= {id(dq), id(q)}
     for n in g.node:
@@ -185,7 +207,8 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
             if name in source:
                 n.input[i] = source[name]
     read = {x for n in g.node if id(n) not in stripped for x in n.input}
-    keep = [n for n in g.node if id(n) not in stripped or any(o in read for o in n.output)]  # a Q read elsewhere stays
+    # a Q read elsewhere stays
+    keep = [n for n in g.node if id(n) not in stripped or any(o in read for o in n.output)]
     del g.node[:]
     g.node.extend(keep)
     return m

@@ -2,10 +2,10 @@
 
 :func:`node_times` runs the graph the way a user deploys it (``InferenceSession(path)`` with default options:
 ``ORT_ENABLE_ALL``, the CPU provider, onnxruntime's default threads), so the nodes it times are those of the
-graph onnxruntime runs after its fusions (:func:`exporters.onnxruntime.fusion.optimized_graph` saves the same graph).
-Several graphs are timed interleaved, run by run, so that what they are compared on saw the same machine load.
-The profiler writes one JSON trace per session (Chrome trace format); each executed node is an event with
-``cat == "Node"`` and ``name == "<node name>_kernel_time"``, its duration ``dur`` in microseconds.
+graph onnxruntime runs after its fusions (:func:`exporters.onnxruntime.fusion.optimized_graph` saves the same
+graph). Several graphs are timed interleaved, run by run, so that what they are compared on saw the same
+machine load. The profiler writes one JSON trace per session (Chrome trace format); each executed node is an
+event with ``cat == "Node"`` and ``name == "<node name>_kernel_time"``, its duration ``dur`` in microseconds.
 """
 
 from __future__ import annotations
@@ -23,20 +23,21 @@ from exporters.onnxruntime.fusion import PROVIDERS
 _SUFFIX = "_kernel_time"
 
 
-def node_times(paths: list[str | Path], feeds: dict[str, np.ndarray], rounds: int = 20,
-               provider: str = "cpu") -> list[dict[str, float]]:
+def node_times(
+    paths: list[str | Path], feeds: dict[str, np.ndarray], rounds: int = 20, provider: str = "cpu"
+) -> list[dict[str, float]]:
     """Median time of each node of onnxruntime's optimized graph of each of ``paths``, in microseconds.
 
-    The graphs are timed interleaved, run by run (graph 1, graph 2, graph 1, ...), so a change of the machine's
-    load while they run weighs on all of them alike: what a comparison of their nodes needs.
+    The graphs are timed interleaved, run by run (graph 1, graph 2, graph 1, ...), so a change of the
+    machine's load while they run weighs on all of them alike: what a comparison of their nodes needs.
 
     Args:
-        feeds: the sessions' inputs, by input name (numpy arrays of the graphs' input types); each session gets
-            the ones it declares.
+        feeds: the sessions' inputs, by input name (numpy arrays of the graphs' input types); each session
+            gets the ones it declares.
         rounds: timed runs of each graph; one more run before them warms each session up and is not counted.
 
-    Nodes that did not run (a branch not taken) are absent. Raises what onnxruntime raises when a graph does not
-    load or run. The profiles are written to a temporary folder that is removed before returning.
+    Nodes that did not run (a branch not taken) are absent. Raises what onnxruntime raises when a graph does
+    not load or run. The profiles are written to a temporary folder that is removed before returning.
     """
     import onnxruntime as ort
 
@@ -72,10 +73,12 @@ def _medians(events: list[dict]) -> dict[str, float]:
     return {n: statistics.median(d[1:] if len(d) > 1 else d) for n, d in by_node.items()}
 
 
-def graph_times(paths: list[str | Path], feeds: dict[str, np.ndarray], rounds: int = 20,
-                provider: str = "cpu") -> list[float]:
-    """Median wall time of one run of each of ``paths`` in milliseconds, default session options, the graphs run
-    interleaved (one run of each per round, after one warm-up round) so that a change of load weighs on all alike."""
+def graph_times(
+    paths: list[str | Path], feeds: dict[str, np.ndarray], rounds: int = 20, provider: str = "cpu"
+) -> list[float]:
+    """Median wall time of one run of each of ``paths`` in milliseconds, default session options, the graphs
+    run interleaved (one run of each per round, after one warm-up round) so that a change of load weighs on
+    all alike."""
     import time
 
     import onnxruntime as ort

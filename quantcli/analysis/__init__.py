@@ -1,1 +1,2 @@
-"""Measuring a calibrated model: quality metrics, per-quantizer sensitivity, the analyze report (JSON, HTML) and inspect."""
+"""Measuring a calibrated model: quality metrics, per-quantizer sensitivity, the analyze report (JSON, HTML)
+and inspect."""

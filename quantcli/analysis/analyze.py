@@ -3,10 +3,10 @@
 Two kinds of work, priced differently:
 
 * **statistics** — one float pass over all the data: per activation quantizer a histogram of ``|x|``
-  (:class:`calibrators.HistogramCalibrator`, per tensor), the signed range, the outlier ratio
-  ``max|x| / p99.99(|x|)`` and the amax each method would choose (``max``; ``percentile``, ``mse``, ``entropy``
-  from the histogram with :mod:`calibrators.histogram`'s pure functions); per weight quantizer the same
-  from the weight itself. The checkpoint stores amax, not histograms, so they are collected here.
+  (:class:`calibrators.HistogramCalibrator`, per tensor), the signed range, the outlier ratio ``max|x| /
+  p99.99(|x|)`` and the amax each method would choose (``max``; ``percentile``, ``mse``, ``entropy`` from the
+  histogram with :mod:`calibrators.histogram`'s pure functions); per weight quantizer the same from the weight
+  itself. The checkpoint stores amax, not histograms, so they are collected here.
 * **sensitivity** — per quantizer, the model's output quality (cosine, SNR vs float) with only that
   quantizer on, and with only it off: two passes per quantizer, so they run on a bounded sample of the data
   (the first ``sample_samples`` samples), the float outputs of that sample computed once and reused. Ranked
@@ -50,9 +50,14 @@ class AnalysisReport:
     seconds: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
-        return {"checkpoint": self.checkpoint, "num_samples": self.num_samples,
-                "sensitivity_samples": self.sensitivity_samples, "overall": self.overall,
-                "quantizers": self.quantizers, "seconds": self.seconds}
+        return {
+            "checkpoint": self.checkpoint,
+            "num_samples": self.num_samples,
+            "sensitivity_samples": self.sensitivity_samples,
+            "overall": self.overall,
+            "quantizers": self.quantizers,
+            "seconds": self.seconds,
+        }
 
 
 class _Observer:
@@ -84,8 +89,16 @@ def _method_amax(hist: torch.Tensor, edges: torch.Tensor, absmax: float, desc, p
     return out
 
 
-def _stats(name: str, q, hist: torch.Tensor, edges: torch.Tensor, lo: float, hi: float, percentile: float,
-           methods: bool) -> dict:
+def _stats(
+    name: str,
+    q,
+    hist: torch.Tensor,
+    edges: torch.Tensor,
+    lo: float,
+    hi: float,
+    percentile: float,
+    methods: bool,
+) -> dict:
     absmax = max(-lo, hi)
     # the bin's right edge can pass the largest value when it falls in the same bin
     p = min(absmax, float(compute_amax_percentile(hist[0].to(torch.float64), edges[0], OUTLIER_PERCENTILE)))
@@ -95,8 +108,11 @@ def _stats(name: str, q, hist: torch.Tensor, edges: torch.Tensor, lo: float, hi:
     d = q.desc
     fmt = format_name(d.num_bits, d.unsigned or d.asymmetric)  # the grid's name: no " asymmetric" here
     return {
-        "min": lo, "max": hi, "absmax": absmax,
-        "p99_99": p, "outlier_ratio": absmax / p if p > 0 else None,
+        "min": lo,
+        "max": hi,
+        "absmax": absmax,
+        "p99_99": p,
+        "outlier_ratio": absmax / p if p > 0 else None,
         "amax": None if amax is None else float(amax.max()),
         "amax_min": None if amax is None else float(amax.min()),
         "per_channel": amax is not None and amax.numel() > 1,
@@ -106,8 +122,14 @@ def _stats(name: str, q, hist: torch.Tensor, edges: torch.Tensor, lo: float, hi:
     }
 
 
-def analyze(ckpt: Calibrated, batches: list[Batch], *, sample_samples: int = SAMPLE_SAMPLES,
-            only_disabled: bool = True, progress: Callable[[str, int, int], None] | None = None) -> AnalysisReport:
+def analyze(
+    ckpt: Calibrated,
+    batches: list[Batch],
+    *,
+    sample_samples: int = SAMPLE_SAMPLES,
+    only_disabled: bool = True,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> AnalysisReport:
     """Statistics over ``batches`` and sensitivity on their first ``sample_samples`` samples.
 
     ``progress(stage, done, total)`` is called as passes complete. Raises :class:`CalibrationError` if the
@@ -131,16 +153,38 @@ def analyze(ckpt: Calibrated, batches: list[Batch], *, sample_samples: int = SAM
     overall = measure(model, sample, refs)
     names = [n for n in qs if n in stats]
     total = len(names) * (2 if only_disabled else 1)
-    rows = _ranked_rows(model, sample, refs, names, stats, only_disabled,
-                        None if progress is None else (lambda k: progress("sensitivity", k, total)))
+    rows = _ranked_rows(
+        model,
+        sample,
+        refs,
+        names,
+        stats,
+        only_disabled,
+        None if progress is None else (lambda k: progress("sensitivity", k, total)),
+    )
     t_sens = time.perf_counter() - t1
-    return AnalysisReport(ckpt.path, num_samples(batches), num_samples(sample), overall.to_dict(), rows,
-                          {"statistics": round(t_stats, 3), "sensitivity": round(t_sens, 3),
-                           "passes": 1 + total + 2, "total": round(time.perf_counter() - t0, 3)})
+    return AnalysisReport(
+        ckpt.path,
+        num_samples(batches),
+        num_samples(sample),
+        overall.to_dict(),
+        rows,
+        {
+            "statistics": round(t_stats, 3),
+            "sensitivity": round(t_sens, 3),
+            "passes": 1 + total + 2,
+            "total": round(time.perf_counter() - t0, 3),
+        },
+    )
 
 
-def _statistics(model: nn.Module, qs: dict, batches: list[Batch], percentile: float,
-                progress: Callable[[str, int, int], None] | None) -> dict[str, dict]:
+def _statistics(
+    model: nn.Module,
+    qs: dict,
+    batches: list[Batch],
+    percentile: float,
+    progress: Callable[[str, int, int], None] | None,
+) -> dict[str, dict]:
     """Per quantizer: activations from one float pass over every batch (observers on the activation
     quantizers; a layer the data never reaches has none), weights from the weights themselves."""
     acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer")}
@@ -173,16 +217,28 @@ def _statistics(model: nn.Module, qs: dict, batches: list[Batch], percentile: fl
     return stats
 
 
-def _ranked_rows(model: nn.Module, sample: list[Batch], refs, names: list[str], stats: dict[str, dict],
-                 only_disabled: bool, progress: Callable[[int], None] | None) -> list[dict]:
+def _ranked_rows(
+    model: nn.Module,
+    sample: list[Batch],
+    refs,
+    names: list[str],
+    stats: dict[str, dict],
+    only_disabled: bool,
+    progress: Callable[[int], None] | None,
+) -> list[dict]:
     """Sensitivity of each quantizer on the bounded sample, worst first, each row with its statistics."""
-    ranked = rank(model, sample, {n: [n] for n in names}, refs, only_disabled=only_disabled, by="snr",
-                  progress=progress)
+    ranked = rank(
+        model, sample, {n: [n] for n in names}, refs, only_disabled=only_disabled, by="snr", progress=progress
+    )
     rows = []
     for i, r in enumerate(ranked, 1):
-        row = {"rank": i, "quantizer": r.unit, "kind": "weight" if r.unit.endswith("weight_quantizer") else "input",
-               "only_enabled": r.only_enabled.to_dict(),
-               "only_disabled": None if r.only_disabled is None else r.only_disabled.to_dict()}
+        row = {
+            "rank": i,
+            "quantizer": r.unit,
+            "kind": "weight" if r.unit.endswith("weight_quantizer") else "input",
+            "only_enabled": r.only_enabled.to_dict(),
+            "only_disabled": None if r.only_disabled is None else r.only_disabled.to_dict(),
+        }
         row.update(stats[r.unit])
         rows.append(row)
     return rows

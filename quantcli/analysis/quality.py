@@ -14,8 +14,8 @@ import torch
 
 
 def cosine(dot: float, n_got: float, n_ref: float) -> float | None:
-    """Cosine similarity ``<g, r> / (|g| |r|)`` from the sums ``<g, r>``, ``|g|^2`` and ``|r|^2``; ``None`` when
-    either vector is all zeros."""
+    """Cosine similarity ``<g, r> / (|g| |r|)`` from the sums ``<g, r>``, ``|g|^2`` and ``|r|^2``; ``None``
+    when either vector is all zeros."""
     den = math.sqrt(n_got * n_ref)
     return dot / den if den > 0 else None
 
@@ -45,7 +45,8 @@ class Quality:
 
 
 class QualityMeter:
-    """Streaming sums per output: ``<q, f>``, ``|q|^2``, ``|f|^2``, ``|q - f|^2`` (memory independent of data)."""
+    """Streaming sums per output: ``<q, f>``, ``|q|^2``, ``|f|^2``, ``|q - f|^2`` (memory independent of
+    data)."""
 
     def __init__(self):
         self.sums: list[list[float]] = []

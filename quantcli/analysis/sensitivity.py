@@ -41,8 +41,10 @@ def quantizing(model: nn.Module, active: Iterable[str] | None = None, inactive: 
 def reference_outputs(model: nn.Module, batches: list[Batch]) -> list[list[torch.Tensor]]:
     """The float model's outputs (every quantizer passing through), per batch."""
     with quantizing(model, active=()), torch.inference_mode():
-        return [[t.detach().clone() for t in flat_outputs(run_model(model, b, f"batch {i}"))]
-                for i, b in enumerate(batches)]
+        return [
+            [t.detach().clone() for t in flat_outputs(run_model(model, b, f"batch {i}"))]
+            for i, b in enumerate(batches)
+        ]
 
 
 def measure(model: nn.Module, batches: list[Batch], refs: list[list[torch.Tensor]]) -> Quality:
@@ -62,8 +64,12 @@ class UnitSensitivity:
     only_disabled: Quality | None = None
 
     def to_dict(self) -> dict:
-        return {"unit": self.unit, "quantizers": self.quantizers, "only_enabled": self.only_enabled.to_dict(),
-                "only_disabled": None if self.only_disabled is None else self.only_disabled.to_dict()}
+        return {
+            "unit": self.unit,
+            "quantizers": self.quantizers,
+            "only_enabled": self.only_enabled.to_dict(),
+            "only_disabled": None if self.only_disabled is None else self.only_disabled.to_dict(),
+        }
 
 
 def _badness(q: Quality, by: str) -> tuple[float, float]:
@@ -73,9 +79,16 @@ def _badness(q: Quality, by: str) -> tuple[float, float]:
     return (snr, cos) if by == "snr" else (cos, snr)
 
 
-def rank(model: nn.Module, batches: list[Batch], units: dict[str, list[str]], refs=None, *,
-         only_disabled: bool = False, by: str = "cosine",
-         progress: Callable[[int], None] | None = None) -> list[UnitSensitivity]:
+def rank(
+    model: nn.Module,
+    batches: list[Batch],
+    units: dict[str, list[str]],
+    refs=None,
+    *,
+    only_disabled: bool = False,
+    by: str = "cosine",
+    progress: Callable[[int], None] | None = None,
+) -> list[UnitSensitivity]:
     """Every unit's quality with only it quantized (and, with ``only_disabled``, with all but it), ranked
     worst first by the only-enabled ``by`` metric (``cosine`` or ``snr``; ties by the other).
     ``progress`` is called with the number of passes done."""
@@ -98,7 +111,8 @@ def rank(model: nn.Module, batches: list[Batch], units: dict[str, list[str]], re
 
 
 def layer_units(model: nn.Module) -> dict[str, list[str]]:
-    """Enabled quantizers grouped by the layer that owns them (``layer.input_quantizer`` / ``.weight_quantizer``)."""
+    """Enabled quantizers grouped by the layer that owns them (``layer.input_quantizer`` /
+    ``.weight_quantizer``)."""
     units: dict[str, list[str]] = {}
     for name, q in quantizers(model).items():
         if q.enabled:

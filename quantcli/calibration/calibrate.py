@@ -40,8 +40,10 @@ class CalibrationSummary:
     num_samples: int
     calibrated: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # disabled or dynamic
-    dynamic: list[str] = field(default_factory=list)  # quantized at run time (int8-dynamic): nothing to calibrate
-    not_called: list[str] = field(default_factory=list)  # on no forward path: disabled, with their layer's weights
+    # quantized at run time (int8-dynamic): nothing to calibrate
+    dynamic: list[str] = field(default_factory=list)
+    # on no forward path: disabled, with their layer's weights
+    not_called: list[str] = field(default_factory=list)
     amax_min: float | None = None
     amax_max: float | None = None
     seconds: float = 0.0
@@ -80,7 +82,9 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         return torch.device("cpu")
     if device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise QuantCliError(f"--device {device} was asked for, but no CUDA GPU is available; use --device cpu or auto")
+            raise QuantCliError(
+                f"--device {device} was asked for, but no CUDA GPU is available; use --device cpu or auto"
+            )
         dev = torch.device(device)
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise QuantCliError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) present")
@@ -105,8 +109,9 @@ def calibrate(
     every rank with that rank's own batches (a rank may have none): each calibrator's statistics are merged
     across the ranks before amax is computed (:mod:`calibrators.distributed`), so every rank gets the amax one
     process would get over all the ranks' batches, bit for bit (with a power-of-two ``num_bins``). An error on
-    one rank raises on every rank (:mod:`quantcli.calibration.process_group`); the summary counts every rank's batches.
-    Every rank of the group must call it (to calibrate on one rank alone, pass a group of that rank only).
+    one rank raises on every rank (:mod:`quantcli.calibration.process_group`); the summary counts every rank's
+    batches. Every rank of the group must call it (to calibrate on one rank alone, pass a group of that rank
+    only).
 
     Args:
         batches: keyword batches for ``model(**batch)`` (this rank's share under ``torch.distributed``).
@@ -122,18 +127,28 @@ def calibrate(
     ranks = world_size(group)
     t0 = time.perf_counter()
     if method == "auto" and ranks > 1:
-        raise CalibrationError("--method auto chooses from each rank's own input sample; run it in one process")
+        raise CalibrationError(
+            "--method auto chooses from each rank's own input sample; run it in one process"
+        )
     with one_outcome(group):
         qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
     auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
     dynamic = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8}
     try:
-        # activations are calibrated on the float model (as TensorRT does): every other quantizer stands aside,
-        # so the pass costs a forward plus the observers and nothing else
+        # activations are calibrated on the float model (as TensorRT does): every other quantizer stands
+        # aside, so the pass costs a forward plus the observers and nothing else
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
-            total_batches, total_samples, calls = _observe_activations(model, batches, dev, dynamic, progress, group)
-            summary = CalibrationSummary(method, str(dev), total_batches, total_samples,
-                                         settings={"percentile": percentile, "num_bins": num_bins}, ranks=ranks)
+            total_batches, total_samples, calls = _observe_activations(
+                model, batches, dev, dynamic, progress, group
+            )
+            summary = CalibrationSummary(
+                method,
+                str(dev),
+                total_batches,
+                total_samples,
+                settings={"percentile": percentile, "num_bins": num_bins},
+                ranks=ranks,
+            )
             _activation_amax(qs, acts, calls, method, {"percentile": percentile}, summary, auto, group)
     finally:
         _stop_observers(acts, auto)
@@ -144,10 +159,16 @@ def calibrate(
     return summary
 
 
-def _observe_activations(model: nn.Module, batches: Sequence[Batch], dev: torch.device, dynamic: dict,
-                         progress: Callable[[int], None] | None, group) -> tuple[int, int, dict[str, int]]:
-    """The observing pass over this rank's batches. Returns (batches, samples, calls of each dynamic quantizer),
-    summed over every rank."""
+def _observe_activations(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    dev: torch.device,
+    dynamic: dict,
+    progress: Callable[[int], None] | None,
+    group,
+) -> tuple[int, int, dict[str, int]]:
+    """The observing pass over this rank's batches. Returns (batches, samples, calls of each dynamic
+    quantizer), summed over every rank."""
     seen = [0, 0]  # batches, samples
     with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
         for i, batch in enumerate(batches):
@@ -163,8 +184,16 @@ def _observe_activations(model: nn.Module, batches: Sequence[Batch], dev: torch.
     return total_batches, total_samples, dict(zip(calls, dynamic_calls))
 
 
-def _activation_amax(qs: dict, acts: dict, calls: dict[str, int], method: str, kwargs: dict,
-                     summary: CalibrationSummary, auto: dict, group) -> None:
+def _activation_amax(
+    qs: dict,
+    acts: dict,
+    calls: dict[str, int],
+    method: str,
+    kwargs: dict,
+    summary: CalibrationSummary,
+    auto: dict,
+    group,
+) -> None:
     """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
     dynamic one never called, or an observer that saw nothing) are left out and reported."""
     merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
@@ -239,7 +268,9 @@ def _calibrate_weights(model: nn.Module, qs: dict, method: str, num_bins: int, k
 
 def _start_observers(qs: dict, method: str, num_bins: int) -> dict:
     """Switch every enabled, static activation quantizer to observing; returns them by name."""
-    acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic}
+    acts = {
+        n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic
+    }
     for q in acts.values():
         q.start_calibration("entropy" if method == "auto" else method, num_bins)  # auto: a histogram
     return acts
@@ -265,13 +296,20 @@ def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _Au
     states = {}
     for name, q in acts.items():
         layer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        if (not name.endswith("input_quantizer") or q.desc.asymmetric or q._block is not None
-                or getattr(layer, "input_quantizer", None) is not q or not hasattr(layer, "weight_quantizer")):
+        if (
+            not name.endswith("input_quantizer")
+            or q.desc.asymmetric
+            or q._block is not None
+            or getattr(layer, "input_quantizer", None) is not q
+            or not hasattr(layer, "weight_quantizer")
+        ):
             continue
         nb = q.desc.num_bits
-        st = _AutoState(layer, MaxCalibrator(nb if isinstance(nb, int) else tuple(nb), q.desc.axis, q.desc.unsigned,
-                                             name=name),
-                        InputSample(num_batches, rows_last=isinstance(layer, nn.Linear)))
+        st = _AutoState(
+            layer,
+            MaxCalibrator(nb if isinstance(nb, int) else tuple(nb), q.desc.axis, q.desc.unsigned, name=name),
+            InputSample(num_batches, rows_last=isinstance(layer, nn.Linear)),
+        )
         st.hook = q.register_forward_pre_hook(st.observe)
         states[name] = st
     return states
@@ -304,13 +342,19 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
     pick = choose(errors) if errors else "max"
     q.set_amax(cands[pick])
     q.histogram = hist
-    return {"method": pick, "amax": float(cands[pick].max()),
-            "errors": {m: errors.get(m) for m in cands}, "candidates": {m: float(a.max()) for m, a in cands.items()}}
+    return {
+        "method": pick,
+        "amax": float(cands[pick].max()),
+        "errors": {m: errors.get(m) for m in cands},
+        "candidates": {m: float(a.max()) for m, a in cands.items()},
+    }
 
 
-def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary,
-                          auto: dict | None = None) -> None:
-    """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and reported."""
+def _load_activation_amax(
+    qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary, auto: dict | None = None
+) -> None:
+    """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and
+    reported."""
     for name, q in acts.items():
         if q.calibrator is not None and q.calibrator.num_batches == 0:
             # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
@@ -325,7 +369,8 @@ def _load_activation_amax(qs: dict, acts: dict, method: str, kwargs: dict, summa
 
 
 def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
-    """Disable an activation quantizer whose layer never ran, and its layer's weight quantizer; report both."""
+    """Disable an activation quantizer whose layer never ran, and its layer's weight quantizer; report
+    both."""
     layer = name.rsplit(".", 1)[0]
     for qn in (name, f"{layer}.weight_quantizer"):
         if qn in qs:
@@ -338,7 +383,9 @@ def recompute_amax(model: nn.Module, method: str, *, percentile: float = default
     ``calibrate(..., method in {entropy, mse, percentile})`` collected: no second pass over the data.
     Returns the quantizers updated."""
     if method not in HISTOGRAM_METHODS:
-        raise CalibrationError(f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}")
+        raise CalibrationError(
+            f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}"
+        )
     done = []
     with shared_searches():
         for name, q in quantizers(model).items():

@@ -1,21 +1,22 @@
 """GPTQ (Frantar et al., 2023): round a Linear layer's weights column by column, each column's rounding error
 compensated in the columns not yet rounded, weighted by the inverse Hessian of the layer's calibration inputs.
 
-For a layer ``y = x @ W.T`` with ``W`` of shape ``(out, in)``, the layer-output error of rounded weights ``Q`` over
-the calibration inputs ``X`` (``(n, in)``) is ``tr((W - Q) H (W - Q).T) / 2`` with ``H = 2 X.T X``. GPTQ quantizes
-column ``j`` (one input channel), then moves the others by ``-(w_j - q_j) / [H^-1]_jj * [H^-1]_j,j+1:``, which
-minimises that error for the remaining columns; ``H^-1`` is used through the upper Cholesky factor of ``H^-1``
-(numerically stable), with ``damp * mean(diag H)`` added to the diagonal. The updates are applied lazily per
-block of ``lazy`` columns (one matrix product per block instead of one per column).
+For a layer ``y = x @ W.T`` with ``W`` of shape ``(out, in)``, the layer-output error of rounded weights ``Q``
+over the calibration inputs ``X`` (``(n, in)``) is ``tr((W - Q) H (W - Q).T) / 2`` with ``H = 2 X.T X``. GPTQ
+quantizes column ``j`` (one input channel), then moves the others by ``-(w_j - q_j) / [H^-1]_jj *
+[H^-1]_j,j+1:``, which minimises that error for the remaining columns; ``H^-1`` is used through the upper
+Cholesky factor of ``H^-1`` (numerically stable), with ``damp * mean(diag H)`` added to the diagonal. The
+updates are applied lazily per block of ``lazy`` columns (one matrix product per block instead of one per
+column).
 
 The grid is the weight quantizer's own: the scale of every element comes from the quantizer's calibrated amax
-(per output channel or per block of the input dimension, :mod:`quantcli.quant.granularity`), which GPTQ does not change,
-and each column is rounded with quantcli's arithmetic on float32 values (:mod:`quantcli.quant.arithmetic`). What
-:func:`gptq_weights` returns is the matrix of values each column had when it was rounded: the quantizer maps it
-to exactly GPTQ's codes, and the exported graph stores those codes.
+(per output channel or per block of the input dimension, :mod:`quantcli.quant.granularity`), which GPTQ does
+not change, and each column is rounded with quantcli's arithmetic on float32 values
+(:mod:`quantcli.quant.arithmetic`). What :func:`gptq_weights` returns is the matrix of values each column had
+when it was rounded: the quantizer maps it to exactly GPTQ's codes, and the exported graph stores those codes.
 
-:class:`HessianAccumulator` collects ``2 X.T X`` streaming over batches (memory: one ``in x in`` matrix per layer,
-whatever the number of samples), in float64 on the layer's device.
+:class:`HessianAccumulator` collects ``2 X.T X`` streaming over batches (memory: one ``in x in`` matrix per
+layer, whatever the number of samples), in float64 on the layer's device.
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ def _grid(amax: torch.Tensor, shape: tuple[int, int], num_bits: int, unsigned: b
     return scale, lo, hi
 
 
-def inverse_hessian_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_hessian_factor(
+    hessian: torch.Tensor, damp: float = DEFAULT_DAMP
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(upper Cholesky factor of ``(H + damp * mean(diag H) I)^-1``, dead input channels).
 
     A channel that never saw a non-zero input (``H_jj == 0``) gets ``H_jj = 1``: its weights cannot matter."""
@@ -68,12 +71,23 @@ def inverse_hessian_factor(hessian: torch.Tensor, damp: float = DEFAULT_DAMP) ->
         inv = torch.cholesky_inverse(low)
         return torch.linalg.cholesky(inv, upper=True), dead
     except RuntimeError as e:  # torch.linalg.LinAlgError: not positive definite even with damping
-        raise CalibrationError(f"GPTQ: the damped Hessian is not positive definite ({e}); raise the damping") from None
+        raise CalibrationError(
+            f"GPTQ: the damped Hessian is not positive definite ({e}); raise the damping"
+        ) from None
 
 
-def gptq_weights(weight: torch.Tensor, hessian: torch.Tensor, amax: torch.Tensor, num_bits: int, *,
-                 unsigned: bool = False, narrow_range: bool = False, damp: float = DEFAULT_DAMP,
-                 lazy: int = DEFAULT_LAZY, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def gptq_weights(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    amax: torch.Tensor,
+    num_bits: int,
+    *,
+    unsigned: bool = False,
+    narrow_range: bool = False,
+    damp: float = DEFAULT_DAMP,
+    lazy: int = DEFAULT_LAZY,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """GPTQ on one ``(out, in)`` weight. Returns float32 ``(out, in)``: each column as it was when rounded.
 
     Args:
@@ -98,7 +112,9 @@ def gptq_weights(weight: torch.Tensor, hessian: torch.Tensor, amax: torch.Tensor
             col = block[:, i].to(torch.float32)  # rounded as the float32 weight the model will hold
             j = i1 + i
             before[:, j] = col
-            q = arithmetic.dequantize_linear(arithmetic.quantize_linear(col, scale[:, j], 0, lo[:, j], hi[:, j]), scale[:, j])
+            q = arithmetic.dequantize_linear(
+                arithmetic.quantize_linear(col, scale[:, j], 0, lo[:, j], hi[:, j]), scale[:, j]
+            )
             e = (block[:, i] - q.to(dtype)) / f[i, i]
             block[:, i:] -= e[:, None] * f[i, i:][None, :]
             err[:, i] = e

@@ -4,8 +4,9 @@ every amax, meet a quality target, summarise and save. Nothing is printed here; 
 
 Under ``torchrun`` each rank runs every step on its own share of the data (``rank`` is its
 :class:`quantcli.calibration.process_group.Rank`, ``None`` in one process): the statistics are merged inside
-:func:`quantcli.calibration.calibrate.calibrate`, only rank 0 writes the checkpoint, and a failure on any rank inside a
-:func:`~quantcli.calibration.process_group.one_outcome` block stops every rank there, so all ranks end the same way.
+:func:`quantcli.calibration.calibrate.calibrate`, only rank 0 writes the checkpoint, and a failure on any rank
+inside a :func:`~quantcli.calibration.process_group.one_outcome` block stops every rank there, so all ranks
+end the same way.
 """
 
 from __future__ import annotations
@@ -50,10 +51,10 @@ if TYPE_CHECKING:
     from quantcli.calibration.weight_rounding import WeightRoundingReport
 
 
-
 @dataclass
 class CalibrationRequest:
-    """What ``quantcli calibrate`` was asked to do: its options, parsed (see ``quantcli calibrate --help``)."""
+    """What ``quantcli calibrate`` was asked to do: its options, parsed (see ``quantcli calibrate
+    --help``)."""
 
     model: str
     weights: Path | None = None
@@ -77,7 +78,8 @@ class CalibrationRequest:
     holdout: Path | None = None
     max_float_layers: int | None = None
     weight_method: str = defaults.WEIGHT_METHOD  # rtn, gptq or awq (quantcli.calibration.weight_rounding)
-    placement: str = defaults.PLACEMENT  # auto: layers onnxruntime would not run faster quantized stay float; all: every layer
+    # auto: layers onnxruntime would not run faster quantized stay float; all: every layer
+    placement: str = defaults.PLACEMENT
 
 
 @dataclass
@@ -92,9 +94,11 @@ class CalibrationJob:
     batches: list[Batch]
     holdout: tuple[list[Batch], str] | None  # held-out batches for a quality target, and where they came from
     preprocessing: dict | None  # how text or images became tensors (None for tensor files)
-    original: dict  # the state dict of the model as loaded, before quantcli transformed it (verify's reference)
+    # the state dict of the model as loaded, before quantcli transformed it (verify's reference)
+    original: dict
     weight_rounding: WeightRoundingReport | None = None  # --weight-method gptq/awq: what it did
-    unrounded: dict | None = None  # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
+    # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
+    unrounded: dict | None = None
     latency: LatencyPlacement | None = None  # --placement auto for onnxruntime: what place_for_latency chose
 
     @classmethod
@@ -105,7 +109,9 @@ class CalibrationJob:
             cfg = _load_config(request)
             if rank is None:
                 resolve_device(request.device)
-            model, spec = load_model(request.model, request.weights, request.trust_pickle, pooling=request.pooling)
+            model, spec = load_model(
+                request.model, request.weights, request.trust_pickle, pooling=request.pooling
+            )
             if request.out is None:  # the default name: known once the model is
                 refuse_overwriting_inputs(f"{spec.stem}.calib.pt", _inputs(request), "the default --out")
             if request.pooling != "none" and spec.kind != "hf":
@@ -120,7 +126,8 @@ class CalibrationJob:
 
     @property
     def report(self):
-        """What :func:`quantcli.nn.quantize_model` did (layers, placement, BatchNorm folds, unmatched patterns)."""
+        """What :func:`quantcli.nn.quantize_model` did (layers, placement, BatchNorm folds, unmatched
+        patterns)."""
         return self.model.quantcli_report
 
     @property
@@ -144,8 +151,15 @@ class CalibrationJob:
             from quantcli.calibration.weight_rounding import awq
 
             self.weight_rounding = awq(self.model, self.batches, device=device)
-        summary = calibrate_amax(self.model, self.batches, r.method, percentile=r.percentile, num_bins=r.num_bins,
-                                 device=device, progress=progress)
+        summary = calibrate_amax(
+            self.model,
+            self.batches,
+            r.method,
+            percentile=r.percentile,
+            num_bins=r.num_bins,
+            device=device,
+            progress=progress,
+        )
         if r.weight_method == "gptq":  # rounds within the calibrated grid, on the device calibration used
             from quantcli.calibration.weight_rounding import gptq
 
@@ -155,21 +169,30 @@ class CalibrationJob:
         return summary
 
     def place_for_latency(self, summary: CalibrationSummary) -> LatencyPlacement:
-        """``--placement auto`` for onnxruntime: keep float the layers onnxruntime would not run faster quantized,
-        measured on this machine (:mod:`quantcli.calibration.latency_placement`). Under torchrun rank 0 measures and every
-        rank applies its decision, so that all ranks hold the same model."""
+        """``--placement auto`` for onnxruntime: keep float the layers onnxruntime would not run faster
+        quantized, measured on this machine (:mod:`quantcli.calibration.latency_placement`). Under torchrun
+        rank 0 measures and every rank applies its decision, so that all ranks hold the same model."""
         from quantcli.calibration.latency_placement import LatencyPlacement, apply, measure_and_decide
 
         if self.request.placement == "all":
-            self.latency = LatencyPlacement("all", False, "--placement all: every layer quantized as configured")
+            self.latency = LatencyPlacement(
+                "all", False, "--placement all: every layer quantized as configured"
+            )
         elif self.config.target != "onnxruntime":
-            self.latency = LatencyPlacement("auto", False, f"not applicable to the {self.config.target} target "
-                                            "(measured for onnxruntime's CPU provider only)")
+            self.latency = LatencyPlacement(
+                "auto",
+                False,
+                f"not applicable to the {self.config.target} "
+                f"target "
+                "(measured for onnxruntime's CPU provider only)",
+            )
         else:
             placement = None
             with one_outcome():
                 if (self.rank is None or self.rank.rank == 0) and not self.batches:
-                    placement = LatencyPlacement("auto", False, "not measured: no calibration batch on rank 0")
+                    placement = LatencyPlacement(
+                        "auto", False, "not measured: no calibration batch on rank 0"
+                    )
                 elif self.rank is None or self.rank.rank == 0:
                     placement = measure_and_decide(self.model, example_of(self.batches[0]))
             if self.rank is not None:
@@ -186,14 +209,21 @@ class CalibrationJob:
         if self.holdout is None:
             return None
         r = self.request
-        mixed = meet_target(self.model, self.holdout[0], min_cosine=r.min_cosine, min_snr=r.min_snr,
-                            max_float_layers=r.max_float_layers, holdout_name=self.holdout[1])
+        mixed = meet_target(
+            self.model,
+            self.holdout[0],
+            min_cosine=r.min_cosine,
+            min_snr=r.min_snr,
+            max_float_layers=r.max_float_layers,
+            holdout_name=self.holdout[1],
+        )
         summary.calibrated = [n for n in summary.calibrated if n not in mixed.quantizers_disabled]
         summary.skipped += mixed.quantizers_disabled
         return mixed
 
-    def summarise(self, summary: CalibrationSummary, mixed: MixedPrecisionResult | None,
-                  smoothed: SmoothReport | None) -> dict:
+    def summarise(
+        self, summary: CalibrationSummary, mixed: MixedPrecisionResult | None, smoothed: SmoothReport | None
+    ) -> dict:
         """The summary the checkpoint stores (and ``--json`` prints)."""
         info = summary.to_dict()
         if mixed is not None:
@@ -207,8 +237,11 @@ class CalibrationJob:
         info["layers"] = layers_summary(self.report, self.model, self.latency)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
-        info["weight_rounding"] = (self.weight_rounding.to_dict() if self.weight_rounding is not None
-                                   else {"method": self.request.weight_method})
+        info["weight_rounding"] = (
+            self.weight_rounding.to_dict()
+            if self.weight_rounding is not None
+            else {"method": self.request.weight_method}
+        )
         if self.preprocessing is not None:
             info["preprocessing"] = describe_preprocessing(self.preprocessing)
         return info
@@ -217,8 +250,16 @@ class CalibrationJob:
         """Rank 0 writes the checkpoint (atomically); the others write nothing and learn whether it worked."""
         with one_outcome():
             if self.rank is None or self.rank.rank == 0:
-                save_calibrated(self.out, self.model, self.spec, self.batches[0], info, self.preprocessing,
-                                self.original, self.unrounded)
+                save_calibrated(
+                    self.out,
+                    self.model,
+                    self.spec,
+                    self.batches[0],
+                    info,
+                    self.preprocessing,
+                    self.original,
+                    self.unrounded,
+                )
 
     def finish(self, summary: CalibrationSummary, smoothed: SmoothReport | None) -> CalibrationOutcome:
         """Keep float the layers that would run slower quantized, meet the quality target, summarise, save."""
@@ -230,27 +271,47 @@ class CalibrationJob:
 
 
 def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = None) -> dict:
-    """The layers quantized (converted by quantize_model with a quantizer still enabled), the weighted modules left
-    float and why (:mod:`quantcli.nn.linear_like`; a converted layer whose quantizers the preset, a rule or the
-    quality target disabled), the parametrized weights stored as values, and a one-line ``text``."""
+    """The layers quantized (converted by quantize_model with a quantizer still enabled), the weighted modules
+    left float and why (:mod:`quantcli.nn.linear_like`; a converted layer whose quantizers the preset, a rule
+    or the quality target disabled), the parametrized weights stored as values, and a one-line ``text``."""
     modules = dict(model.named_modules())
 
     def enabled(name: str) -> bool:
-        return any(getattr(getattr(modules[name], f"{k}_quantizer", None), "enabled", False)
-                   for k in ("input", "weight"))
+        return any(
+            getattr(getattr(modules[name], f"{k}_quantizer", None), "enabled", False)
+            for k in ("input", "weight")
+        )
 
     quantized = [n for n in report.layers if enabled(n)]
-    slower = {d.layer: d.reason for d in (latency.layers if latency is not None else []) if d.decision == "float"}
-    floats = [*report.float_layers, *({"name": n, "type": type(modules[n]).__name__.removeprefix("Quant"),
-                                       "reason": f"latency placement: {slower[n]}" if n in slower else
-                                       "its quantizers are disabled (preset, config rule or quality target)"}
-                                      for n in report.layers if not enabled(n))]
+    slower = {
+        d.layer: d.reason for d in (latency.layers if latency is not None else []) if d.decision == "float"
+    }
+    floats = [
+        *report.float_layers,
+        *(
+            {
+                "name": n,
+                "type": type(modules[n]).__name__.removeprefix("Quant"),
+                "reason": f"latency placement: {slower[n]}"
+                if n in slower
+                else "its quantizers are disabled (preset, config rule or quality target)",
+            }
+            for n in report.layers
+            if not enabled(n)
+        ),
+    ]
     text = f"{len(quantized)} quantized"
     if floats:
         shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in floats[:3])
-        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (" ..." if len(floats) > 3 else "")
-    return {"quantized": quantized, "float": floats,
-            "resolved_parametrizations": list(report.resolved_parametrizations), "text": text}
+        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (
+            " ..." if len(floats) > 3 else ""
+        )
+    return {
+        "quantized": quantized,
+        "float": floats,
+        "resolved_parametrizations": list(report.resolved_parametrizations),
+        "text": text,
+    }
 
 
 @dataclass
@@ -268,8 +329,13 @@ class CalibrationOutcome:
         return self.mixed is None or self.mixed.met
 
     def to_dict(self) -> dict:
-        """``--json``'s data: the stored summary, the file written and the config patterns that matched nothing."""
-        return {**self.info, "out": str(self.job.out), "unmatched_patterns": self.job.report.unmatched_patterns}
+        """``--json``'s data: the stored summary, the file written and the config patterns that matched
+        nothing."""
+        return {
+            **self.info,
+            "out": str(self.job.out),
+            "unmatched_patterns": self.job.report.unmatched_patterns,
+        }
 
 
 def _inputs(request: CalibrationRequest) -> list[tuple[str, Path | None]]:
@@ -277,9 +343,14 @@ def _inputs(request: CalibrationRequest) -> list[tuple[str, Path | None]]:
     model = request.model.rsplit(":", 1)[0] if ":" in request.model else request.model
     config = Path(request.config)
     opts = request.data_options
-    return [("the model", Path(model) if Path(model).exists() else None), ("--weights", request.weights),
-            ("--data", request.data), ("--holdout", request.holdout),
-            ("--config", config if config.is_file() else None), ("--tokenizer", getattr(opts, "tokenizer", None))]
+    return [
+        ("the model", Path(model) if Path(model).exists() else None),
+        ("--weights", request.weights),
+        ("--data", request.data),
+        ("--holdout", request.holdout),
+        ("--config", config if config.is_file() else None),
+        ("--tokenizer", getattr(opts, "tokenizer", None)),
+    ]
 
 
 def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
@@ -312,25 +383,31 @@ def _data_options(request: CalibrationRequest, spec: ModelSpec) -> DataOptions:
     return opts
 
 
-def _calibration_batches(request: CalibrationRequest, rank: Rank | None, model: nn.Module,
-                         spec: ModelSpec) -> tuple[list[Batch], dict | None]:
+def _calibration_batches(
+    request: CalibrationRequest, rank: Rank | None, model: nn.Module, spec: ModelSpec
+) -> tuple[list[Batch], dict | None]:
     """This rank's calibration batches (all of them in one process) and their preprocessing."""
     batch_size = request.batch_size or defaults.BATCH_SIZE
     if request.data is not None:
         opts = _data_options(request, spec)
         if rank is None:
             return load_data(request.data, model, batch_size, request.num_samples, opts)
-        return load_shard(request.data, model, rank.rank, rank.world_size, batch_size, request.num_samples, opts)
+        return load_shard(
+            request.data, model, rank.rank, rank.world_size, batch_size, request.num_samples, opts
+        )
     if spec.kind == "sample":
         from sample_models import SAMPLES
+
         batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), request.num_samples)
         return (batches if rank is None else strided(batches, rank.rank, rank.world_size)), None
     raise DataError(f"{request.model} is not a sample model, so it needs calibration data: pass --data FILE")
 
 
-def _holdout(request: CalibrationRequest, rank: Rank | None, spec: ModelSpec, model: nn.Module,
-             batches: list[Batch]) -> tuple[list[Batch], tuple[list[Batch], str] | None]:
-    """``(calibration batches, (held-out batches, where they came from) or None)`` for --min-cosine/--min-snr."""
+def _holdout(
+    request: CalibrationRequest, rank: Rank | None, spec: ModelSpec, model: nn.Module, batches: list[Batch]
+) -> tuple[list[Batch], tuple[list[Batch], str] | None]:
+    """``(calibration batches, (held-out batches, where they came from) or None)`` for
+    --min-cosine/--min-snr."""
     r = request
     if r.min_cosine is None and r.min_snr is None:
         if r.holdout is not None or r.max_float_layers is not None:
@@ -340,10 +417,13 @@ def _holdout(request: CalibrationRequest, rank: Rank | None, spec: ModelSpec, mo
     if rank is not None:
         raise QuantCliError("--min-cosine/--min-snr search in one process; run calibrate without torchrun")
     if r.holdout is not None:
-        held, _ = load_data(r.holdout, model, r.batch_size or defaults.BATCH_SIZE, None, _data_options(r, spec))
+        held, _ = load_data(
+            r.holdout, model, r.batch_size or defaults.BATCH_SIZE, None, _data_options(r, spec)
+        )
         return batches, (held, str(r.holdout))
     if spec.kind == "sample":
         from sample_models import SAMPLES
+
         return batches, (SAMPLES[spec.spec].evaluation_batches(), f"{spec.spec}'s held-out split")
     calib, held = split_holdout(batches)
     return calib, (held, f"the last {num_samples(held)} samples of --data")
@@ -355,18 +435,31 @@ def placement_summary(placement, target: str) -> dict:
         return {"analysed": False, "text": "no placement analysis"}
     d = placement.to_dict()
     if target == "tensorrt":
-        d["text"] = ("quantized inputs and weights of every layer, no output quantizers, "
-                     f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's placement)")
+        d["text"] = (
+            "quantized inputs and weights of every layer, no output quantizers, "
+            f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's "
+            f"placement)"
+        )
         if placement.residual_untraced:
-            d["text"] += (f"; {len(placement.residual_untraced)} blocks with a residual Add left as they are "
-                          f"(torch.fx cannot rewrite them: {', '.join(placement.residual_untraced)})")
+            d["text"] += (
+                f"; {len(placement.residual_untraced)} blocks with a residual Add left as they are "
+                f"(torch.fx cannot rewrite them: {', '.join(placement.residual_untraced)})"
+            )
         if not placement.analysed:
-            d["text"] = f"{placement.note}: quantized inputs and weights of every layer, skip inputs not quantized"
+            d["text"] = (
+                f"{placement.note}: quantized inputs and weights of every layer, skip inputs not quantized"
+            )
     elif not placement.analysed:
-        d["text"] = (f"{placement.note}: per-layer placement (inputs and weights of every layer, int32 biases); "
-                     "post-ReLU inputs and Convs that need an output quantizer are not detected, so such Convs "
-                     "may stay in float in onnxruntime")
+        d["text"] = (
+            f"{placement.note}: per-layer placement (inputs and weights of every layer, int32 "
+            f"biases); "
+            "post-ReLU inputs and Convs that need an output quantizer are not detected, so such "
+            "Convs "
+            "may stay in float in onnxruntime"
+        )
     else:
-        d["text"] = (f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
-                     f"{len(placement.output_quantized)} Conv output quantizers, int32 biases")
+        d["text"] = (
+            f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
+            f"{len(placement.output_quantized)} Conv output quantizers, int32 biases"
+        )
     return d

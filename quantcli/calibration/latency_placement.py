@@ -1,30 +1,34 @@
 """Latency-aware placement for onnxruntime: keep in float the layers that would not run faster quantized.
 
-A quantized layer is worth its Q/DQ only where onnxruntime runs it as an integer kernel that beats the float one.
-A layer onnxruntime does not fuse runs in float between its Q/DQ (its weight dequantized at every run, its input
-quantized and dequantized again): slower than float. A fused layer can still be slower than float on a given CPU
-(small shapes, no VNNI). Both are measured on the machine that runs calibrate, with the calibration example batch:
+A quantized layer is worth its Q/DQ only where onnxruntime runs it as an integer kernel that beats the float
+one. A layer onnxruntime does not fuse runs in float between its Q/DQ (its weight dequantized at every run,
+its input quantized and dequantized again): slower than float. A fused layer can still be slower than float on
+a given CPU (small shapes, no VNNI). Both are measured on the machine that runs calibrate, with the
+calibration example batch:
 
-1. export the calibrated model (int8) and the same model with every quantizer off (float), default exporter/opset;
-2. per quantized layer of the int8 graph, what onnxruntime runs it as (:func:`exporters.onnxruntime.fusion.inspect_fusion`)
-   and, from onnxruntime's profiler (:func:`exporters.onnxruntime.profile.node_times`), its cost: the kernel node plus the
-   QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear nodes that feed it (:func:`int8_cost`); the float cost is
-   the time of the same layer's node (same module scope) in onnxruntime's graph of the float export;
-3. :func:`decide` (pure): not fused -> float; int8 cost > float cost x (1 + ``margin``) -> float; else quantized;
-4. the whole graph decides between per-layer choices: a layer kept float between quantized ones brings Q/DQ and
-   layout changes that no single node's time shows, so when the measured choice keeps float more than the layers
-   onnxruntime does not fuse, both graphs (and the float one) are exported and timed whole, interleaved
-   (:func:`exporters.onnxruntime.profile.graph_times`, :data:`GRAPH_TIMER`), and the measured choice stands only if its
-   graph is faster (:func:`prefer_faster_graph`, pure); and when the int8 graph is still more than 10% slower than
-   the float one, every layer is kept float (:func:`float_if_slower`): no gain to deploy on this CPU, said so in the report
-   (``--placement all`` quantizes anyway).
+1. export the calibrated model (int8) and the same model with every quantizer off (float), default
+   exporter/opset;
+2. per quantized layer of the int8 graph, what onnxruntime runs it as
+   (:func:`exporters.onnxruntime.fusion.inspect_fusion`) and, from onnxruntime's profiler
+   (:func:`exporters.onnxruntime.profile.node_times`), its cost: the kernel node plus the
+   QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear nodes that feed it (:func:`int8_cost`); the float
+   cost is the time of the same layer's node (same module scope) in onnxruntime's graph of the float export;
+3. :func:`decide` (pure): not fused -> float; int8 cost > float cost x (1 + ``margin``) -> float; else
+   quantized;
+4. the whole graph decides between per-layer choices: a layer kept float between quantized ones brings Q/DQ
+   and layout changes that no single node's time shows, so when the measured choice keeps float more than the
+   layers onnxruntime does not fuse, both graphs (and the float one) are exported and timed whole, interleaved
+   (:func:`exporters.onnxruntime.profile.graph_times`, :data:`GRAPH_TIMER`), and the measured choice stands
+   only if its graph is faster (:func:`prefer_faster_graph`, pure); and when the int8 graph is still more than
+   10% slower than the float one, every layer is kept float (:func:`float_if_slower`): no gain to deploy on
+   this CPU, said so in the report (``--placement all`` quantizes anyway).
 
-:func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the chosen
-layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so that the
-checkpoint, export and verify follow the choice.
+:func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the
+chosen layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so
+that the checkpoint, export and verify follow the choice.
 
-The timing sources are :data:`TIMER` and :data:`GRAPH_TIMER` (module attributes, or arguments): tests replace them
-with stubs, so that nothing they assert depends on wall-clock time.
+The timing sources are :data:`TIMER` and :data:`GRAPH_TIMER` (module attributes, or arguments): tests replace
+them with stubs, so that nothing they assert depends on wall-clock time.
 """
 
 from __future__ import annotations
@@ -49,16 +53,16 @@ from quantcli.inputs.data import Batch
 from quantcli.nn.modes import keep_float
 from quantcli.nn.tensor_quantizer import quantizers
 
-#: An int8 layer must be more than 20% slower than float to be kept in float. Node times of small layers on a shared
-#: CPU vary by 10-20% between medians of 20 runs; a smaller margin would flip layers whose two kernels are about as
-#: fast from one calibration to the next, and such a layer loses nothing by staying quantized.
+# : An int8 layer must be more than 20% slower than float to be kept in float. Node times of small layers on a
+# shared : CPU vary by 10-20% between medians of 20 runs; a smaller margin would flip layers whose two kernels
+# are about as : fast from one calibration to the next, and such a layer loses nothing by staying quantized.
 MARGIN = 0.2
-#: ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a layer of
-#: a few microseconds a difference of one or two is its resolution, not the kernels'
+# : ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a
+# layer of : a few microseconds a difference of one or two is its resolution, not the kernels'
 MIN_DIFF_US = 2.0
-#: the int8 graph must be more than 10% slower than the float graph, whole, before every layer is kept float: whole
-#: graph medians of 20 interleaved runs moved by 5-10% between calibrations here (resnet 0.88x-1.04x), and a model
-#: as fast either way should not turn float by chance
+# : the int8 graph must be more than 10% slower than the float graph, whole, before every layer is kept float:
+# whole : graph medians of 20 interleaved runs moved by 5-10% between calibrations here (resnet 0.88x-1.04x),
+# and a model : as fast either way should not turn float by chance
 GRAPH_MARGIN = 0.1
 ROUNDS = 20  # timed runs per graph (after one warm-up run); the median of each node is used
 
@@ -95,14 +99,19 @@ class LayerDecision:
     decision: str  # "quantized" or "float"
     reason: str
     quantizers: list[str] = field(default_factory=list)
-    fused: bool | None = None  # what onnxruntime made of the quantized layer (a float decision of a fused one: time)
+    # what onnxruntime made of the quantized layer (a float decision of a fused one: time)
+    fused: bool | None = None
     applicable: bool = True  # False: float8, weight-only, not 8-bit: left as configured whatever it costs
 
     def to_dict(self) -> dict:
-        return {"layer": self.layer, "kernel": self.kernel,
-                "int8_us": None if self.int8_us is None else round(self.int8_us, 2),
-                "float_us": None if self.float_us is None else round(self.float_us, 2),
-                "decision": self.decision, "reason": self.reason}
+        return {
+            "layer": self.layer,
+            "kernel": self.kernel,
+            "int8_us": None if self.int8_us is None else round(self.int8_us, 2),
+            "float_us": None if self.float_us is None else round(self.float_us, 2),
+            "decision": self.decision,
+            "reason": self.reason,
+        }
 
 
 @dataclass
@@ -116,8 +125,8 @@ class LatencyPlacement:
     margin: float = MARGIN
     seconds: float = 0.0  # exporting and timing
     quantizers_disabled: list[str] = field(default_factory=list)  # filled by apply()
-    # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"; "int8": the
-    # int8 graph's when it was slower than float and every layer was kept float
+    # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"; "int8":
+    # the int8 graph's when it was slower than float and every layer was kept float
     graph_ms: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -132,24 +141,35 @@ class LatencyPlacement:
         text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure)"
         if self.graph_ms.get("float"):
             ratio = self.graph_ms["chosen"] / self.graph_ms["float"]
-            text += (f"; the int8 graph takes {ratio:.2f}x the float graph's time on this CPU"
-                     + (" (slower than float)" if ratio > 1 else ""))
+            text += f"; the int8 graph takes {ratio:.2f}x the float graph's time on this CPU" + (
+                " (slower than float)" if ratio > 1 else ""
+            )
         if kept:
             shown = "; ".join(f"{d.layer} ({d.reason})" for d in self.layers if d.decision == FLOAT)
             text += f": {shown}"
         return text
 
     def to_dict(self) -> dict:
-        return {"mode": self.mode, "measured": self.measured, "note": self.note, "margin": self.margin,
-                "seconds": round(self.seconds, 3), "graph_ms": {k: round(v, 4) for k, v in self.graph_ms.items()},
-                "kept_float": self.kept_float, "quantizers_disabled": list(self.quantizers_disabled),
-                "layers": [d.to_dict() for d in self.layers], "text": self.text}
+        return {
+            "mode": self.mode,
+            "measured": self.measured,
+            "note": self.note,
+            "margin": self.margin,
+            "seconds": round(self.seconds, 3),
+            "graph_ms": {k: round(v, 4) for k, v in self.graph_ms.items()},
+            "kept_float": self.kept_float,
+            "quantizers_disabled": list(self.quantizers_disabled),
+            "layers": [d.to_dict() for d in self.layers],
+            "text": self.text,
+        }
 
 
 # ------------------------------------------------------------------------------------------- the decision
 
 
-def decide(costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = MIN_DIFF_US) -> list[LayerDecision]:
+def decide(
+    costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = MIN_DIFF_US
+) -> list[LayerDecision]:
     """Per layer: float when onnxruntime does not fuse it or its int8 cost exceeds the float cost by more than
     ``margin`` (a fraction) and more than ``min_diff_us``; quantized otherwise, also when a figure is missing
     (nothing measured against it)."""
@@ -159,51 +179,96 @@ def decide(costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = 
         if c.not_applicable:
             reason = c.not_applicable
         elif c.fused is False:
-            decision, reason = FLOAT, f"onnxruntime runs it in float between Q/DQ ({c.kernel or 'not loaded'})"
+            decision, reason = (
+                FLOAT,
+                f"onnxruntime runs it in float between Q/DQ ({c.kernel or 'not loaded'})",
+            )
         elif c.fused is None:
             reason = "not found in onnxruntime's optimized graph: left quantized"
         elif c.int8_us is None or c.float_us is None:
             reason = "not timed: left quantized"
         elif c.int8_us > c.float_us * (1 + margin) and c.int8_us - c.float_us > min_diff_us:
             decision = FLOAT
-            reason = (f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us: "
-                      f"more than {margin:.0%} slower")
+            reason = (
+                f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us: "
+                f"more than {margin:.0%} slower"
+            )
         else:
             reason = f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us"
-        out.append(LayerDecision(c.layer, c.kernel, c.int8_us, c.float_us, decision, reason, list(c.quantizers),
-                                 c.fused, c.not_applicable is None))
+        out.append(
+            LayerDecision(
+                c.layer,
+                c.kernel,
+                c.int8_us,
+                c.float_us,
+                decision,
+                reason,
+                list(c.quantizers),
+                c.fused,
+                c.not_applicable is None,
+            )
+        )
     return out
 
 
-def prefer_faster_graph(decisions: list[LayerDecision], measured_ms: float,
-                        fused_only_ms: float) -> list[LayerDecision]:
+def prefer_faster_graph(
+    decisions: list[LayerDecision], measured_ms: float, fused_only_ms: float
+) -> list[LayerDecision]:
     """The decisions to keep, given the whole-graph times of the measured choice and of the choice that keeps
     float only the layers onnxruntime does not fuse: the measured one when its graph is at least as fast, else
-    the layers it kept float for their kernels' times go back to quantized, with both graph times in the reason."""
+    the layers it kept float for their kernels' times go back to quantized, with both graph times in the
+    reason."""
     if measured_ms <= fused_only_ms:
         return decisions
     out = []
     for d in decisions:
         if d.decision == FLOAT and d.fused:
-            d = LayerDecision(d.layer, d.kernel, d.int8_us, d.float_us, QUANTIZED,
-                              f"{d.reason}; quantized all the same: the whole graph ran {measured_ms:.3g} ms with "
-                              f"such layers in float vs {fused_only_ms:.3g} ms quantized", list(d.quantizers), d.fused)
+            d = LayerDecision(
+                d.layer,
+                d.kernel,
+                d.int8_us,
+                d.float_us,
+                QUANTIZED,
+                f"{d.reason}; quantized all the same: the whole graph ran {measured_ms:.3g} "
+                f"ms with "
+                f"such layers in float vs {fused_only_ms:.3g} ms quantized",
+                list(d.quantizers),
+                d.fused,
+            )
         out.append(d)
     return out
 
 
-def float_if_slower(decisions: list[LayerDecision], int8_ms: float, float_ms: float,
-                    margin: float = GRAPH_MARGIN) -> list[LayerDecision]:
-    """The decisions to keep when the chosen int8 graph takes ``int8_ms`` and the float graph ``float_ms``: an int8
-    graph more than ``margin`` slower than float on this CPU is no gain to deploy, so then every layer placement
-    weighs is kept float (``--placement all`` quantizes them anyway), with both times in the reason; otherwise the
-    decisions as they are."""
+def float_if_slower(
+    decisions: list[LayerDecision], int8_ms: float, float_ms: float, margin: float = GRAPH_MARGIN
+) -> list[LayerDecision]:
+    """The decisions to keep when the chosen int8 graph takes ``int8_ms`` and the float graph ``float_ms``: an
+    int8 graph more than ``margin`` slower than float on this CPU is no gain to deploy, so then every layer
+    placement weighs is kept float (``--placement all`` quantizes them anyway), with both times in the reason;
+    otherwise the decisions as they are."""
     if int8_ms <= float_ms * (1 + margin):
         return decisions
-    why = (f"the whole int8 graph ran {int8_ms:.3g} ms vs {float_ms:.3g} ms in float on this CPU: every layer kept "
-           "float (--placement all quantizes anyway)")
-    return [LayerDecision(d.layer, d.kernel, d.int8_us, d.float_us, FLOAT, why if d.decision != FLOAT else d.reason,
-                          list(d.quantizers), d.fused, d.applicable) if d.applicable else d for d in decisions]
+    why = (
+        f"the whole int8 graph ran {int8_ms:.3g} ms vs {float_ms:.3g} ms in float on this CPU: every "
+        f"layer kept "
+        "float (--placement all quantizes anyway)"
+    )
+    return [
+        LayerDecision(
+            d.layer,
+            d.kernel,
+            d.int8_us,
+            d.float_us,
+            FLOAT,
+            why if d.decision != FLOAT else d.reason,
+            list(d.quantizers),
+            d.fused,
+            d.applicable,
+        )
+        if d.applicable
+        else d
+        for d in decisions
+    ]
 
 
 def _kernel_choices(decisions: list[LayerDecision]) -> list[str]:
@@ -211,7 +276,9 @@ def _kernel_choices(decisions: list[LayerDecision]) -> list[str]:
     return [d.layer for d in decisions if d.decision == FLOAT and d.fused]
 
 
-def _float_layers_copy(model: nn.Module, decisions: list[LayerDecision], layers: set[str] | None) -> nn.Module:
+def _float_layers_copy(
+    model: nn.Module, decisions: list[LayerDecision], layers: set[str] | None
+) -> nn.Module:
     """A copy of ``model`` with the quantizers of the ``decisions``' float layers off (``layers``: only those
     among them; None: every quantizer off, the float model)."""
     plain = copy.deepcopy(model)
@@ -228,12 +295,16 @@ def _float_layers_copy(model: nn.Module, decisions: list[LayerDecision], layers:
     return plain
 
 
-def whole_graph_check(model: nn.Module, example: Batch, decisions: list[LayerDecision],
-                      graph_timer: Callable | None = None, rounds: int = ROUNDS) -> tuple[list[LayerDecision],
-                                                                                          dict[str, float]]:
-    """Step 4: export the float graph and the chosen graph (and, when kernel times kept layers float, the graph
-    keeping float only the unfused layers), time them whole and keep the faster choice. Returns the decisions and
-    the graph times."""
+def whole_graph_check(
+    model: nn.Module,
+    example: Batch,
+    decisions: list[LayerDecision],
+    graph_timer: Callable | None = None,
+    rounds: int = ROUNDS,
+) -> tuple[list[LayerDecision], dict[str, float]]:
+    """Step 4: export the float graph and the chosen graph (and, when kernel times kept layers float, the
+    graph keeping float only the unfused layers), time them whole and keep the faster choice. Returns the
+    decisions and the graph times."""
     graph_timer = graph_timer or GRAPH_TIMER
     kernel_float = set(_kernel_choices(decisions))
     unfused = {d.layer for d in decisions if d.decision == FLOAT} - kernel_float
@@ -259,8 +330,9 @@ def whole_graph_check(model: nn.Module, example: Batch, decisions: list[LayerDec
 
 def int8_cost(optimized: onnx.ModelProto, kernel: str, times: dict[str, float]) -> float | None:
     """The time of node ``kernel`` of onnxruntime's ``optimized`` graph plus the Q/DQ nodes that feed it: a
-    QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear producing one of its inputs, and the Q before such a DQ.
-    A Q/DQ read by ``k`` nodes counts ``1/k`` (its time is shared by its readers). ``None``: the kernel was not timed.
+    QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear producing one of its inputs, and the Q before such a
+    DQ. A Q/DQ read by ``k`` nodes counts ``1/k`` (its time is shared by its readers). ``None``: the kernel
+    was not timed.
     """
     if kernel not in times:
         return None
@@ -289,7 +361,8 @@ def int8_cost(optimized: onnx.ModelProto, kernel: str, times: dict[str, float]) 
 
 
 def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
-    """Why a layer is left as configured: placement weighs 8-bit integer layers (input and weight quantized)."""
+    """Why a layer is left as configured: placement weighs 8-bit integer layers (input and weight
+    quantized)."""
     m = modules.get(layer)
     if m is None:
         return "not mapped to a module of the model: left quantized"
@@ -309,7 +382,9 @@ def _layer_quantizers(model: nn.Module, layer: str) -> list[str]:
     return [n for n, q in quantizers(model).items() if n.rsplit(".", 1)[0] == layer and q.enabled]
 
 
-def measure(model: nn.Module, example: Batch, timer: Callable | None = None, rounds: int = ROUNDS) -> list[LayerCost]:
+def measure(
+    model: nn.Module, example: Batch, timer: Callable | None = None, rounds: int = ROUNDS
+) -> list[LayerCost]:
     """Export ``model`` (calibrated) and its float version to a temporary folder, time both in onnxruntime on
     ``example`` and return each quantized layer's costs. Raises what export or onnxruntime raise."""
     timer = timer or TIMER
@@ -333,16 +408,27 @@ def measure(model: nn.Module, example: Batch, timer: Callable | None = None, rou
     costs = []
     for lf in report.layers:
         f = find_float(float_model, optf, lf.node)
-        costs.append(LayerCost(
-            lf.layer, lf.kernel, lf.fused,
-            int8_cost(opt8, lf.optimized_node, t8) if lf.optimized_node else None,
-            tf.get(f.name) if f is not None else None,
-            _layer_quantizers(model, lf.layer), _not_applicable(modules, lf.layer)))
+        costs.append(
+            LayerCost(
+                lf.layer,
+                lf.kernel,
+                lf.fused,
+                int8_cost(opt8, lf.optimized_node, t8) if lf.optimized_node else None,
+                tf.get(f.name) if f is not None else None,
+                _layer_quantizers(model, lf.layer),
+                _not_applicable(modules, lf.layer),
+            )
+        )
     return costs
 
 
-def measure_and_decide(model: nn.Module, example: Batch, timer: Callable | None = None,
-                       margin: float = MARGIN, graph_timer: Callable | None = None) -> LatencyPlacement:
+def measure_and_decide(
+    model: nn.Module,
+    example: Batch,
+    timer: Callable | None = None,
+    margin: float = MARGIN,
+    graph_timer: Callable | None = None,
+) -> LatencyPlacement:
     """:func:`measure` then :func:`decide`; a model that does not export or load is not measured (``measured``
     False, the reason in ``note``), never an error. The model is not changed (see :func:`apply`)."""
     t0 = time.perf_counter()
@@ -350,11 +436,24 @@ def measure_and_decide(model: nn.Module, example: Batch, timer: Callable | None 
         costs = measure(model, example, timer)
         decisions, ms = whole_graph_check(model, example, decide(costs, margin), graph_timer)
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
-        return LatencyPlacement("auto", False, f"not measured: {type(e).__name__}: {first_line(e, 200)}",
-                                margin=margin, seconds=time.perf_counter() - t0)
-    return LatencyPlacement("auto", True, "measured with onnxruntime's profiler (CPU provider, default options) on "
-                            "the example batch, then the whole graphs", decisions, margin,
-                            time.perf_counter() - t0, graph_ms=ms)
+        return LatencyPlacement(
+            "auto",
+            False,
+            f"not measured: {type(e).__name__}: {first_line(e, 200)}",
+            margin=margin,
+            seconds=time.perf_counter() - t0,
+        )
+    return LatencyPlacement(
+        "auto",
+        True,
+        "measured with onnxruntime's profiler (CPU provider, default "
+        "options) on "
+        "the example batch, then the whole graphs",
+        decisions,
+        margin,
+        time.perf_counter() - t0,
+        graph_ms=ms,
+    )
 
 
 def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:

@@ -9,17 +9,17 @@ Search (every quality below is measured on the whole held-out set, in PyTorch wi
 quantization, which gives the same integer codes as the exported graph in onnxruntime):
 
 1. the calibrated model as it is; done if it meets the target;
-2. rank the layers by sensitivity (:mod:`quantcli.analysis.sensitivity`, only that layer quantized) on a bounded
-   sample of the held-out data (``sample_samples``), worst first;
+2. rank the layers by sensitivity (:mod:`quantcli.analysis.sensitivity`, only that layer quantized) on a
+   bounded sample of the held-out data (``sample_samples``), worst first;
 3. bisect the smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (all layers
    in float is the float model and always meets it; quality is assumed to grow with ``k`` along the ranking,
    and every accepted step is measured, never assumed);
 4. prune: try to re-quantize each kept layer, least sensitive first, and keep it quantized if the target is
    still met;
 5. dynamic int8 before float: each layer still kept, least sensitive first, is tried with dynamic int8
-   activations (ONNX ``DynamicQuantizeLinear -> MatMulInteger``, the ``int8-dynamic`` preset's layer: uint8 codes
-   from each tensor's own range, its int8 weights unchanged) and stays so if the target is still met. A Linear
-   layer only, with 8-bit symmetric weights and no output quantizer. onnxruntime runs that layer as
+   activations (ONNX ``DynamicQuantizeLinear -> MatMulInteger``, the ``int8-dynamic`` preset's layer: uint8
+   codes from each tensor's own range, its int8 weights unchanged) and stays so if the target is still met. A
+   Linear layer only, with 8-bit symmetric weights and no output quantizer. onnxruntime runs that layer as
    ``DynamicQuantizeMatMul``, an integer kernel: on a pretrained-like BERT (``benchmarks/bench_bert.py``) the
    float ``MatMul`` a kept layer runs cost more than the rest of the quantized graph saved against
    ``quantize_dynamic``. The layer's weight codes are the static layer's; its input quantizer's descriptor
@@ -68,7 +68,8 @@ class MixedPrecisionResult:
     after: Quality
     met: bool
     kept_float: list[str] = field(default_factory=list)  # layers, most sensitive first
-    dynamic: list[str] = field(default_factory=list)  # layers moved to dynamic int8 activations instead of float
+    # layers moved to dynamic int8 activations instead of float
+    dynamic: list[str] = field(default_factory=list)
     quantizers_disabled: list[str] = field(default_factory=list)
     layers_total: int = 0
     cap: int = 0
@@ -82,21 +83,35 @@ class MixedPrecisionResult:
 
     def to_dict(self) -> dict:
         return {
-            "min_cosine": self.min_cosine, "min_snr": self.min_snr, "met": self.met,
-            "before": self.before.to_dict(), "after": self.after.to_dict(),
-            "kept_float": self.kept_float, "layers_kept_float": len(self.kept_float), "dynamic": self.dynamic,
-            "quantizers_disabled": self.quantizers_disabled, "layers_total": self.layers_total, "cap": self.cap,
-            "needed": self.needed, "holdout": self.holdout, "holdout_samples": self.holdout_samples,
-            "ranking": self.ranking, "evaluations": self.evaluations,
-            "sensitivity_passes": self.sensitivity_passes, "seconds": round(self.seconds, 3),
+            "min_cosine": self.min_cosine,
+            "min_snr": self.min_snr,
+            "met": self.met,
+            "before": self.before.to_dict(),
+            "after": self.after.to_dict(),
+            "kept_float": self.kept_float,
+            "layers_kept_float": len(self.kept_float),
+            "dynamic": self.dynamic,
+            "quantizers_disabled": self.quantizers_disabled,
+            "layers_total": self.layers_total,
+            "cap": self.cap,
+            "needed": self.needed,
+            "holdout": self.holdout,
+            "holdout_samples": self.holdout_samples,
+            "ranking": self.ranking,
+            "evaluations": self.evaluations,
+            "sensitivity_passes": self.sensitivity_passes,
+            "seconds": round(self.seconds, 3),
         }
 
 
 def split_holdout(batches: list[Batch]) -> tuple[list[Batch], list[Batch]]:
     """``(calibration, held-out)``: the last quarter of the batches (at least one) is held out."""
     if len(batches) < 2:
-        raise CalibrationError("--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data with at "
-                               "least 2 batches (the last quarter of them is held out)")
+        raise CalibrationError(
+            "--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data "
+            "with at "
+            "least 2 batches (the last quarter of them is held out)"
+        )
     k = max(1, len(batches) // 4)
     return batches[:-k], batches[-k:]
 
@@ -110,10 +125,18 @@ def check_target(min_cosine: float | None, min_snr: float | None) -> None:
         raise CalibrationError(f"--min-snr must be a finite number of dB, got {min_snr}")
 
 
-def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | None = None,
-                min_snr: float | None = None, max_float_layers: int | None = None,
-                sample_samples: int = SENSITIVITY_SAMPLES, holdout_name: str = "",
-                progress: Callable[[str], None] | None = None, prefer_dynamic: bool = True) -> MixedPrecisionResult:
+def meet_target(
+    model: nn.Module,
+    holdout: list[Batch],
+    *,
+    min_cosine: float | None = None,
+    min_snr: float | None = None,
+    max_float_layers: int | None = None,
+    sample_samples: int = SENSITIVITY_SAMPLES,
+    holdout_name: str = "",
+    progress: Callable[[str], None] | None = None,
+    prefer_dynamic: bool = True,
+) -> MixedPrecisionResult:
     """Disable (keep in float) the fewest layers of a calibrated ``model`` needed to meet the target on
     ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers).
     ``prefer_dynamic``: step 5, kept layers that meet the target with dynamic int8 activations run so."""
@@ -128,9 +151,17 @@ def meet_target(model: nn.Module, holdout: list[Batch], *, min_cosine: float | N
     if cap < 0:
         raise CalibrationError(f"--max-float-layers must be >= 0, got {cap}")
     refs = reference_outputs(model, holdout)
-    res = MixedPrecisionResult(min_cosine, min_snr, Quality(None, None), Quality(None, None), False,
-                               layers_total=len(units), cap=cap, holdout=holdout_name,
-                               holdout_samples=num_samples(holdout))
+    res = MixedPrecisionResult(
+        min_cosine,
+        min_snr,
+        Quality(None, None),
+        Quality(None, None),
+        False,
+        layers_total=len(units),
+        cap=cap,
+        holdout=holdout_name,
+        holdout_samples=num_samples(holdout),
+    )
     search = _Search(model, holdout, refs, units, res)
     res.before = search.quality_without([])
     if search.meets(res.before):
@@ -169,8 +200,14 @@ class _Search:
         return q.meets(self.res.min_cosine, self.res.min_snr)
 
 
-def _rank_layers(model: nn.Module, holdout: list[Batch], units: dict[str, list[str]], sample_samples: int,
-                 res: MixedPrecisionResult, progress: Callable[[str], None] | None) -> list[str]:
+def _rank_layers(
+    model: nn.Module,
+    holdout: list[Batch],
+    units: dict[str, list[str]],
+    sample_samples: int,
+    res: MixedPrecisionResult,
+    progress: Callable[[str], None] | None,
+) -> list[str]:
     """Step 2: the layers by sensitivity on a bounded sample of the held-out data, worst first."""
     if progress is not None:
         progress(f"ranking {len(units)} layers by sensitivity")
@@ -207,8 +244,8 @@ def _fewest_float_layers(search: _Search, order: list[str], cap: int) -> list[st
 
 
 def _bisect(search: _Search, order: list[str]) -> tuple[int, dict[int, Quality]]:
-    """The smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (``k = len(order)``
-    is the float model), and every quality measured on the way, by ``k``."""
+    """The smallest ``k`` such that keeping the ``k`` worst layers in float meets the target (``k =
+    len(order)`` is the float model), and every quality measured on the way, by ``k``."""
     known: dict[int, Quality] = {0: search.res.before}
     lo, hi = 0, len(order)  # lo fails, hi meets
     while hi - lo > 1:
@@ -222,9 +259,9 @@ def _bisect(search: _Search, order: list[str]) -> tuple[int, dict[int, Quality]]
 
 
 def can_be_dynamic(model: nn.Module, layer: str) -> bool:
-    """``layer`` can run with dynamic int8 activations: a Linear whose input quantizer is enabled and static, with
-    8-bit symmetric calibrated weights (what ``DynamicQuantizeLinear -> MatMulInteger`` exports) and no output
-    quantizer (the dynamic export computes the float output itself)."""
+    """``layer`` can run with dynamic int8 activations: a Linear whose input quantizer is enabled and static,
+    with 8-bit symmetric calibrated weights (what ``DynamicQuantizeLinear -> MatMulInteger`` exports) and no
+    output quantizer (the dynamic export computes the float output itself)."""
     m = model.get_submodule(layer)
     if not isinstance(m, QuantLinear) or not m.input_quantizer.enabled or m.input_quantizer.desc.dynamic:
         return False
@@ -257,7 +294,8 @@ def make_dynamic(model: nn.Module, layer: str) -> None:
 
 
 def _prefer_dynamic(search: _Search, res: MixedPrecisionResult) -> None:
-    """Step 5: move kept layers, least sensitive first, from float to dynamic int8 where the target stays met."""
+    """Step 5: move kept layers, least sensitive first, from float to dynamic int8 where the target stays
+    met."""
     kept, dynamic = list(res.kept_float), []
     for u in reversed(res.kept_float):
         if not can_be_dynamic(search.model, u):

@@ -1,14 +1,16 @@
-"""One rank of a ``torch.distributed`` job: joining it from ``torchrun``'s environment, and one outcome for all.
+"""One rank of a ``torch.distributed`` job: joining it from ``torchrun``'s environment, and one outcome for
+all.
 
 ``torchrun`` starts one process per rank with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set. :func:`join_from_environment` reads them, picks the rank's device (``cuda:LOCAL_RANK``
 when there are GPUs, else the CPU) and initialises the default process group (NCCL on CUDA, Gloo on the CPU).
 
 :func:`one_outcome` marks a step boundary: every rank runs the step; then one small collective tells every
-rank whether any rank failed (one ``all_reduce`` of one integer), and if one did, every rank raises that error (the lowest failing rank's), so a
-failure is reported once (by rank 0) and no rank is left waiting in a later collective. Before it, a monitored
-barrier (Gloo's) waits at most the job's timeout (``--dist-timeout``) for every rank, so a rank that stalls is
-named instead of hanging the others for Gloo's default 30 minutes; a rank whose process died is reported as such.
+rank whether any rank failed (one ``all_reduce`` of one integer), and if one did, every rank raises that error
+(the lowest failing rank's), so a failure is reported once (by rank 0) and no rank is left waiting in a later
+collective. Before it, a monitored barrier (Gloo's) waits at most the job's timeout (``--dist-timeout``) for
+every rank, so a rank that stalls is named instead of hanging the others for Gloo's default 30 minutes; a rank
+whose process died is reported as such.
 """
 
 from __future__ import annotations
@@ -40,14 +42,17 @@ class Rank:
 
 
 def torchrun_environment() -> tuple[int, int, int] | None:
-    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` when launched by ``torchrun`` with more than one rank, else ``None``."""
+    """``(RANK, WORLD_SIZE, LOCAL_RANK)`` when launched by ``torchrun`` with more than one rank, else
+    ``None``."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return None
     try:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         local = int(os.environ.get("LOCAL_RANK", rank))
     except ValueError:
-        raise QuantCliError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+        raise QuantCliError(
+            "RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)"
+        ) from None
     return (rank, size, local) if size > 1 else None
 
 
@@ -60,13 +65,19 @@ def rank_device(device: str, local_rank: int) -> torch.device:
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if device not in ("auto", "cuda"):
-        raise QuantCliError(f"--device {device}: under torchrun every rank uses cuda:LOCAL_RANK; "
-                            "pass --device cuda, auto or cpu")
+        raise QuantCliError(
+            f"--device {device}: under torchrun every rank uses cuda:LOCAL_RANK; "
+            "pass --device cuda, auto or cpu"
+        )
     if not torch.cuda.is_available():
-        raise QuantCliError("--device cuda was asked for, but no CUDA GPU is available; use --device cpu or auto")
+        raise QuantCliError(
+            "--device cuda was asked for, but no CUDA GPU is available; use --device cpu or auto"
+        )
     if local_rank >= torch.cuda.device_count():
-        raise NoGpuForRank(f"LOCAL_RANK {local_rank} has no GPU: {torch.cuda.device_count()} CUDA device(s) "
-                            "on this host; start at most that many processes per node")
+        raise NoGpuForRank(
+            f"LOCAL_RANK {local_rank} has no GPU: {torch.cuda.device_count()} CUDA device(s) "
+            "on this host; start at most that many processes per node"
+        )
     return torch.device("cuda", local_rank)
 
 
@@ -77,8 +88,8 @@ _monitor = None  # a Gloo group for the monitored barrier when the default group
 
 
 class JoinError(QuantCliError):
-    """Joining the job failed. ``every_rank``: the same error on every rank (the arguments), reported by rank 0
-    alone; otherwise this rank's own (its GPU, its connection), reported by the rank."""
+    """Joining the job failed. ``every_rank``: the same error on every rank (the arguments), reported by rank
+    0 alone; otherwise this rank's own (its GPU, its connection), reported by the rank."""
 
     def __init__(self, message: str, rank: int, every_rank: bool):
         super().__init__(message)
@@ -108,12 +119,20 @@ def join_from_environment(device: str = "auto", timeout: float = DEFAULT_TIMEOUT
     if not dist.is_initialized():
         wait = datetime.timedelta(seconds=_timeout)
         try:
-            dist.init_process_group(backend, rank=rank, world_size=size, timeout=wait,
-                                    **({"device_id": dev} if dev.type == "cuda" else {}))
+            dist.init_process_group(
+                backend,
+                rank=rank,
+                world_size=size,
+                timeout=wait,
+                **({"device_id": dev} if dev.type == "cuda" else {}),
+            )
             _monitor = dist.new_group(backend="gloo", timeout=wait) if backend != "gloo" else None
         except Exception as e:  # a rendezvous that cannot be reached, a port in use, ...
-            raise JoinError(f"rank {rank}: cannot join the torch.distributed job ({backend}): "
-                            f"{first_line(e)}", rank, False) from None
+            raise JoinError(
+                f"rank {rank}: cannot join the torch.distributed job ({backend}): {first_line(e)}",
+                rank,
+                False,
+            ) from None
     return Rank(rank, size, local, dev, backend)
 
 
@@ -126,8 +145,8 @@ def leave() -> None:
 
 
 class RankStalled(QuantCliError):
-    """A rank did not reach a step boundary within the job's timeout, or its process ended. ``speak``: this rank
-    must report it even if it is not rank 0 (rank 0 is the one that stalled)."""
+    """A rank did not reach a step boundary within the job's timeout, or its process ended. ``speak``: this
+    rank must report it even if it is not rank 0 (rank 0 is the one that stalled)."""
 
     def __init__(self, message: str, speak: bool = False):
         super().__init__(message)
@@ -152,15 +171,25 @@ def explain(e: BaseException) -> QuantCliError | None:
     stalled = re.search(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier", text)
     if stalled:
         ranks = stalled.group(1).strip(" ,")
-        return RankStalled(f"rank {ranks} did not reach the step boundary within --dist-timeout {_timeout:g} s: it "
-                           "stalled (or died); every rank stops. See that rank's output, or raise --dist-timeout "
-                           "if it is only slow")
+        return RankStalled(
+            f"rank {ranks} did not reach the step boundary within --dist-timeout "
+            f"{_timeout:g} s: it "
+            "stalled (or died); every rank stops. See that rank's output, or raise "
+            "--dist-timeout "
+            "if it is only slow"
+        )
     if any(k in text for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
-        return RankStalled("another rank's process ended without reporting an error (killed, out of memory?); the "
-                           "job cannot go on: see torchrun's summary for which rank and why")
+        return RankStalled(
+            "another rank's process ended without reporting an error (killed, out of "
+            "memory?); the "
+            "job cannot go on: see torchrun's summary for which rank and why"
+        )
     if "Timed out" in text or "timed out" in text:
-        return RankStalled(f"a rank did not answer within --dist-timeout {_timeout:g} s (stalled or died); every "
-                           "rank stops. Raise --dist-timeout if a rank is only slow")
+        return RankStalled(
+            f"a rank did not answer within --dist-timeout {_timeout:g} s (stalled or died); "
+            f"every "
+            "rank stops. Raise --dist-timeout if a rank is only slow"
+        )
     return None
 
 
@@ -169,16 +198,23 @@ def _barrier(group) -> None:
     if group is not None or (_monitor is None and dist.get_backend() != "gloo"):
         return  # a sub-group (tests) or no Gloo group to monitor with
     try:
-        dist.monitored_barrier(group=_monitor, timeout=datetime.timedelta(seconds=_timeout), wait_all_ranks=True)
+        dist.monitored_barrier(
+            group=_monitor, timeout=datetime.timedelta(seconds=_timeout), wait_all_ranks=True
+        )
     except RuntimeError as e:
         why = explain(e)
         if dist.get_rank() == 0 or why is None:
             raise (why or e) from None
         if "ended without reporting" in str(why):  # rank 0 left: it reports why
             raise why from None
-        raise RankStalled(f"rank 0 did not answer at the step boundary within --dist-timeout {_timeout:g} s: it "
-                          "stalled; every rank stops. See rank 0's output, or raise --dist-timeout if it is only "
-                          "slow", speak=True) from None
+        raise RankStalled(
+            f"rank 0 did not answer at the step boundary within --dist-timeout {_timeout:g} "
+            f"s: it "
+            "stalled; every rank stops. See rank 0's output, or raise --dist-timeout if it is "
+            "only "
+            "slow",
+            speak=True,
+        ) from None
 
 
 class RankFailed(QuantCliError):
@@ -215,7 +251,9 @@ def agree(failure: BaseException | None, group=None) -> None:
     rank = dist.get_rank(group)
     _test_stall(rank)
     _barrier(group)
-    flag = torch.tensor([world - rank if failure is not None else 0], dtype=torch.long, device=comm_device(group))
+    flag = torch.tensor(
+        [world - rank if failure is not None else 0], dtype=torch.long, device=comm_device(group)
+    )
     try:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     except RuntimeError as e:

@@ -12,7 +12,8 @@ The division is folded into the op that produced ``X`` where that keeps the floa
 - ``layernorm``: ``X`` is a LayerNorm's output: its weight and bias are divided by ``s`` (valid where every
   reader of the LayerNorm's output is smoothed by ``s``, as in pre-LN transformers);
 - ``linear``: ``X`` is channel-wise linear in an earlier Linear's output (attention's output projection reads
-  ``softmax(.) @ V``, linear in each channel of V): that Linear's output rows (weight rows and bias) are divided;
+  ``softmax(.) @ V``, linear in each channel of V): that Linear's output rows (weight rows and bias) are
+  divided;
 - ``mul``: otherwise (the FFN down-projection after GELU; a post-LN transformer's LayerNorm, whose output also
   feeds the residual Add) each reader gets an explicit ``Mul`` by ``1 / s`` (:mod:`quantcli.nn.smooth`), one
   ONNX ``Mul`` in the exported graph.
@@ -44,8 +45,9 @@ from quantcli.nn.smooth import attach, smoothed_layers
 DEFAULT_ALPHA = 0.5
 #: s is kept in [1e-5, 1e5] so that 1 / s and W * s stay finite for near-zero maxima
 SCALE_RANGE = (1e-5, 1e5)
-#: a trial fold is accepted when every output moves by at most this fraction of its largest magnitude:
-#: float32 rounding of a 6-layer encoder moves outputs by ~1e-6 of it, a fold through GELU or a residual by >1e-2
+# : a trial fold is accepted when every output moves by at most this fraction of its largest magnitude: :
+# float32 rounding of a 6-layer encoder moves outputs by ~1e-6 of it, a fold through GELU or a residual by
+# >1e-2
 FOLD_RTOL = 1e-4
 #: how many earlier Linear layers (nearest first) are tried as the producer of a Linear's input
 LINEAR_CANDIDATES = 3
@@ -64,8 +66,13 @@ class SmoothGroup:
     scale_max: float
 
     def to_dict(self) -> dict:
-        return {"consumers": self.consumers, "fold": self.fold, "into": self.into,
-                "scale_min": self.scale_min, "scale_max": self.scale_max}
+        return {
+            "consumers": self.consumers,
+            "fold": self.fold,
+            "into": self.into,
+            "scale_min": self.scale_min,
+            "scale_max": self.scale_max,
+        }
 
 
 @dataclass
@@ -82,15 +89,20 @@ class SmoothReport:
         return out
 
     def to_dict(self) -> dict:
-        return {"alpha": self.alpha, "counts": self.counts(), "groups": [g.to_dict() for g in self.groups],
-                "skipped": self.skipped, "seconds": round(self.seconds, 4)}
+        return {
+            "alpha": self.alpha,
+            "counts": self.counts(),
+            "groups": [g.to_dict() for g in self.groups],
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 4),
+        }
 
 
 def smoothing_scales(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: float) -> torch.Tensor:
     """``s = act_amax**alpha / weight_amax**(1 - alpha)`` per input channel, 1 where either max is 0.
 
-    ``act_amax``, ``weight_amax``: ``(C,)`` non-negative maxima (activation over the data, weight over the output
-    rows of every reader). Returns float32 ``(C,)`` in :data:`SCALE_RANGE`.
+    ``act_amax``, ``weight_amax``: ``(C,)`` non-negative maxima (activation over the data, weight over the
+    output rows of every reader). Returns float32 ``(C,)`` in :data:`SCALE_RANGE`.
     """
     a, w = act_amax.float(), weight_amax.float()
     live = (a > 0) & (w > 0)  # a dead channel or an all-zero weight column: nothing to migrate
@@ -98,12 +110,17 @@ def smoothing_scales(act_amax: torch.Tensor, weight_amax: torch.Tensor, alpha: f
     return torch.where(live, s, torch.ones_like(s)).clamp(*SCALE_RANGE)
 
 
-def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFAULT_ALPHA, *,
-                 device: str | torch.device = "auto") -> SmoothReport:
+def smooth_quant(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    alpha: float = DEFAULT_ALPHA,
+    *,
+    device: str | torch.device = "auto",
+) -> SmoothReport:
     """Smooth every Linear layer of a quantized ``model`` whose input quantizer is enabled, in place.
 
-    The float model (quantizers disabled) computes the same outputs before and after, to float rounding.
-    Run it before :func:`quantcli.calibration.calibrate.calibrate` (which then calibrates the smoothed tensors).
+    The float model (quantizers disabled) computes the same outputs before and after, to float rounding. Run
+    it before :func:`quantcli.calibration.calibrate.calibrate` (which then calibrates the smoothed tensors).
     """
     if not 0.0 <= alpha <= 1.0:
         raise CalibrationError(f"--smoothquant alpha must be in [0, 1], got {alpha}")
@@ -115,13 +132,18 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
     dev = resolve_device(device)
     model.eval()
     model.to(dev)
-    layers = {n: m for n, m in model.named_modules()
-              if isinstance(m, (QuantLinear, QuantLinearLike)) and m.input_quantizer.enabled}
+    layers = {
+        n: m
+        for n, m in model.named_modules()
+        if isinstance(m, (QuantLinear, QuantLinearLike)) and m.input_quantizer.enabled
+    }
     report = SmoothReport(alpha)
     tied = _tied_weights(model, layers)
     layers = {n: m for n, m in layers.items() if n not in tied}
     if not layers and tied:
-        raise CalibrationError(f"no Linear layer to smooth: {', '.join(tied)} share their weight with another module")
+        raise CalibrationError(
+            f"no Linear layer to smooth: {', '.join(tied)} share their weight with another module"
+        )
     if not layers:
         raise CalibrationError("no Linear layer with an enabled input quantizer: nothing to smooth")
     check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batches[0], dev).items()}
@@ -133,9 +155,13 @@ def smooth_quant(model: nn.Module, batches: Sequence[Batch], alpha: float = DEFA
             act = torch.stack([obs.act_amax[c] for c in consumers]).amax(0)
             w = torch.stack([_weight_in_amax(layers[c]) for c in consumers]).amax(0)
             s = smoothing_scales(act, w, alpha)
-            # no floating-point output to compare (e.g. class ids): no trial can show a fold exact, so Muls only
-            fold, into = (_choose_fold(model, check, reference, obs, inp, consumers, layers) if reference
-                          else ("mul", None))
+            # no floating-point output to compare (e.g. class ids): no trial can show a fold exact, so Muls
+            # only
+            fold, into = (
+                _choose_fold(model, check, reference, obs, inp, consumers, layers)
+                if reference
+                else ("mul", None)
+            )
             plans.append((consumers, fold, into, s))
     # outside inference mode: the Muls' buffers must be ordinary tensors (export traces them)
     with torch.no_grad():
@@ -176,12 +202,14 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
             amax[name] = m if name not in amax else torch.maximum(amax[name], m)
             if first[0]:  # the very object (not x, a new one): q, k and v are given one tensor
                 inputs.setdefault(name, []).append(args[0])
+
         return hook
 
     def order_hook(name):
         def hook(module, args):
             if first[0]:
                 order.setdefault(name, len(order))
+
         return hook
 
     def ln_hook(name):
@@ -189,13 +217,18 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
             if first[0] and isinstance(output, torch.Tensor):
                 ln_out[id(output)] = name
                 held.append(output)
+
         return hook
 
     handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in layers.items()]
-    handles += [m.register_forward_pre_hook(order_hook(n)) for n, m in model.named_modules()
-                if isinstance(m, (nn.Linear, QuantLinearLike))]
-    handles += [m.register_forward_hook(ln_hook(n)) for n, m in model.named_modules()
-                if isinstance(m, nn.LayerNorm)]
+    handles += [
+        m.register_forward_pre_hook(order_hook(n))
+        for n, m in model.named_modules()
+        if isinstance(m, (nn.Linear, QuantLinearLike))
+    ]
+    handles += [
+        m.register_forward_hook(ln_hook(n)) for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)
+    ]
     try:
         for i, batch in enumerate(batches):
             run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
@@ -206,8 +239,13 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
         for h in handles:
             h.remove()
     skipped = {n: "never called during calibration" for n in layers if n not in amax}
-    skipped.update({n: "called on more than one tensor per forward (one s cannot fit both)"
-                    for n, xs in inputs.items() if len({id(x) for x in xs}) > 1})
+    skipped.update(
+        {
+            n: "called on more than one tensor per forward (one s cannot fit both)"
+            for n, xs in inputs.items()
+            if len({id(x) for x in xs}) > 1
+        }
+    )
     groups = [(i, [c for c in cs if c not in skipped]) for i, cs in groups]
     groups = [(i, cs) for i, cs in groups if cs]
     obs = _Observed(amax, groups, order, dict(ln_out), skipped)
@@ -226,8 +264,9 @@ def _group(inputs: dict[str, list[torch.Tensor]], order: dict[str, int]) -> list
 # ------------------------------------------------------------------------------------------ folding
 
 
-def _choose_fold(model, check, reference, obs: _Observed, inp: int, consumers: list[str],
-                 layers: dict[str, QuantLinear]) -> tuple[str, str | None]:
+def _choose_fold(
+    model, check, reference, obs: _Observed, inp: int, consumers: list[str], layers: dict[str, QuantLinear]
+) -> tuple[str, str | None]:
     """The first fold that keeps the model's outputs equal under random factors, else ``mul``."""
     channels = _features(layers[consumers[0]])[0]
     r = torch.empty(channels).uniform_(-1.0, 1.0, generator=torch.Generator().manual_seed(channels)).exp()
@@ -238,12 +277,15 @@ def _choose_fold(model, check, reference, obs: _Observed, inp: int, consumers: l
             candidates.append(("layernorm", obs.ln_outputs[inp]))
     else:
         start = min(obs.order[c] for c in consumers)
-        earlier = sorted((n for n, i in obs.order.items() if i < start and n not in consumers),
-                         key=lambda n: -obs.order[n])
+        earlier = sorted(
+            (n for n, i in obs.order.items() if i < start and n not in consumers), key=lambda n: -obs.order[n]
+        )
         linears = [n for n in earlier if _features(model.get_submodule(n))[1] == channels]
         candidates += [("linear", n) for n in linears[:LINEAR_CANDIDATES]]
     for fold, into in candidates:
-        if _fold_holds(model, check, reference, layers, consumers, fold, into, r.to(layers[consumers[0]].weight.device)):
+        if _fold_holds(
+            model, check, reference, layers, consumers, fold, into, r.to(layers[consumers[0]].weight.device)
+        ):
             return fold, into
     return "mul", None
 
@@ -265,7 +307,9 @@ def _close(a: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(((a - ref).abs() <= FOLD_RTOL * scale).all())
 
 
-def _apply(model, layers, consumers, fold, into, s, explicit: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _apply(
+    model, layers, consumers, fold, into, s, explicit: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Divide channel j of the readers' input by ``s[j]`` and multiply their weight columns by it.
     ``explicit=False`` (a trial): ``mul`` is not applied; returns (tensor, original copy) pairs to restore."""
     saved: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -294,8 +338,9 @@ def _apply(model, layers, consumers, fold, into, s, explicit: bool) -> list[tupl
 
 
 def _tied_weights(model: nn.Module, layers: dict[str, nn.Module]) -> dict[str, str]:
-    """Layers whose weight is also another module's parameter (an LM head tied to the token embedding): scaling
-    it in place would change that module too, so the float model would no longer compute the original."""
+    """Layers whose weight is also another module's parameter (an LM head tied to the token embedding):
+    scaling it in place would change that module too, so the float model would no longer compute the
+    original."""
     owners: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
@@ -335,27 +380,46 @@ def _outputs(out) -> list[torch.Tensor]:
     return []
 
 
-# ------------------------------------------------------------------------------------------ for other scalings
+# ----------------------------------------------------------------------------------------- for other scalings
 
 
-def plan_folds(model: nn.Module, layers: dict[str, QuantLinear], batch: Batch, device: torch.device,
-               ) -> tuple[list[tuple[list[str], str, str | None]], dict[str, str]]:
+def plan_folds(
+    model: nn.Module,
+    layers: dict[str, QuantLinear],
+    batch: Batch,
+    device: torch.device,
+) -> tuple[list[tuple[list[str], str, str | None]], dict[str, str]]:
     """Where a per-input-channel scaling of ``layers`` (any Linear layers, e.g. AWQ's weight-only ones) folds:
     ``(consumers, fold, into)`` per tensor read (the layers reading it, ``layernorm``/``linear``/``mul``, the
-    module absorbing ``1 / s``), found on one batch by the trials :func:`smooth_quant` runs; and the layers left out
-    with why."""
+    module absorbing ``1 / s``), found on one batch by the trials :func:`smooth_quant` runs; and the layers
+    left out with why."""
     check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batch, device).items()}
     with quantizer_modes(model, "disabled"), torch.inference_mode():
         obs = _observe(model, layers, [batch], device)
         reference = _outputs(run_model(model, check, where="calibration batch 0"))
-        plans = [(consumers, *(_choose_fold(model, check, reference, obs, inp, consumers, layers) if reference
-                               else ("mul", None))) for inp, consumers in obs.groups]
+        plans = [
+            (
+                consumers,
+                *(
+                    _choose_fold(model, check, reference, obs, inp, consumers, layers)
+                    if reference
+                    else ("mul", None)
+                ),
+            )
+            for inp, consumers in obs.groups
+        ]
     return plans, obs.skipped
 
 
-def apply_scales(model: nn.Module, layers: dict[str, QuantLinear], consumers: list[str], fold: str,
-                 into: str | None, s: torch.Tensor) -> None:
-    """Multiply the weight columns of ``consumers`` by ``s`` and divide their input by it (folded into ``into``, or
-    an explicit Mul), as planned by :func:`plan_folds`."""
+def apply_scales(
+    model: nn.Module,
+    layers: dict[str, QuantLinear],
+    consumers: list[str],
+    fold: str,
+    into: str | None,
+    s: torch.Tensor,
+) -> None:
+    """Multiply the weight columns of ``consumers`` by ``s`` and divide their input by it (folded into
+    ``into``, or an explicit Mul), as planned by :func:`plan_folds`."""
     with torch.no_grad():
         _apply(model, layers, consumers, fold, into, s.detach().clone().to(torch.float32), explicit=True)

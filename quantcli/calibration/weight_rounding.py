@@ -1,14 +1,16 @@
-"""Weight-rounding PTQ for weight-only layers: ``rtn`` (round to nearest, what calibration alone does), ``gptq``
-(:mod:`quantcli.calibration.gptq`) and ``awq`` (:mod:`quantcli.calibration.awq`), chosen with ``quantcli calibrate --weight-method``.
+"""Weight-rounding PTQ for weight-only layers: ``rtn`` (round to nearest, what calibration alone does),
+``gptq`` (:mod:`quantcli.calibration.gptq`) and ``awq`` (:mod:`quantcli.calibration.awq`), chosen with
+``quantcli calibrate --weight-method``.
 
 Both data-driven methods need, per weight-only Linear, only ``H = 2 X.T X`` of its inputs (AWQ also the mean
-``|x|`` per input channel), accumulated streaming over the calibration batches on the model's device: memory is
-one ``in x in`` float64 matrix per layer (GPTQ, layer by layer: one at a time), whatever the number of samples. Under ``torch.distributed`` every rank
-accumulates its own batches and the statistics are summed over the ranks (``all_reduce(SUM)`` in float64, where
-every product of two float32 inputs is exact): each rank then holds the statistics of all the batches. The sums
-are associated differently than in one process (a difference of about 1e-16 of the sum, float64 rounding), far
-below the float32 precision GPTQ's updates run in; on the sample decoder two ranks give one process's weights
-bit for bit (``tests/test_weight_rounding_distributed.py``), but that is not guaranteed for every input.
+``|x|`` per input channel), accumulated streaming over the calibration batches on the model's device: memory
+is one ``in x in`` float64 matrix per layer (GPTQ, layer by layer: one at a time), whatever the number of
+samples. Under ``torch.distributed`` every rank accumulates its own batches and the statistics are summed over
+the ranks (``all_reduce(SUM)`` in float64, where every product of two float32 inputs is exact): each rank then
+holds the statistics of all the batches. The sums are associated differently than in one process (a difference
+of about 1e-16 of the sum, float64 rounding), far below the float32 precision GPTQ's updates run in; on the
+sample decoder two ranks give one process's weights bit for bit
+(``tests/test_weight_rounding_distributed.py``), but that is not guaranteed for every input.
 
 ``awq`` runs before calibration (it rescales weights; their amax is then calibrated on the scaled weights),
 ``gptq`` after it (it keeps the calibrated amax and moves the weights within that grid).
@@ -46,8 +48,14 @@ class WeightRoundingReport:
     details: dict = field(default_factory=dict)  # method-specific (awq: alpha and fold per input)
 
     def to_dict(self) -> dict:
-        return {"method": self.method, "layers": len(self.layers), "skipped": self.skipped, "rows": self.rows,
-                "seconds": round(self.seconds, 4), **self.details}
+        return {
+            "method": self.method,
+            "layers": len(self.layers),
+            "skipped": self.skipped,
+            "rows": self.rows,
+            "seconds": round(self.seconds, 4),
+            **self.details,
+        }
 
 
 def weight_only_layers(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[str, str]]:
@@ -67,12 +75,18 @@ def weight_only_layers(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[s
     return layers, skipped
 
 
-def accumulate_hessians(model: nn.Module, layers: dict[str, nn.Linear], batches: Sequence[Batch],
-                        device: torch.device, extra=None, group=None,
-                        modes: str | dict[str, str] = "disabled") -> dict[str, HessianAccumulator]:
-    """One pass of the model over ``batches`` with its quantizers in ``modes`` (default: all disabled, the float
-    model): each layer's :class:`~quantcli.calibration.gptq.HessianAccumulator`, summed over the ranks. ``extra(name, x)``
-    sees every input too."""
+def accumulate_hessians(
+    model: nn.Module,
+    layers: dict[str, nn.Linear],
+    batches: Sequence[Batch],
+    device: torch.device,
+    extra=None,
+    group=None,
+    modes: str | dict[str, str] = "disabled",
+) -> dict[str, HessianAccumulator]:
+    """One pass of the model over ``batches`` with its quantizers in ``modes`` (default: all disabled, the
+    float model): each layer's :class:`~quantcli.calibration.gptq.HessianAccumulator`, summed over the ranks.
+    ``extra(name, x)`` sees every input too."""
     acc = {n: HessianAccumulator(m.in_features, m.weight.device) for n, m in layers.items()}
 
     def hook(name):
@@ -80,6 +94,7 @@ def accumulate_hessians(model: nn.Module, layers: dict[str, nn.Linear], batches:
             acc[name].add(args[0])
             if extra is not None:
                 extra(name, args[0])
+
         return pre
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in layers.items()]
@@ -113,14 +128,21 @@ def model_device(model: nn.Module) -> torch.device:
     return p.device if p is not None else torch.device("cpu")
 
 
-def gptq(model: nn.Module, batches: Sequence[Batch], *, damp: float = DEFAULT_DAMP, group=None,
-         sequential: bool = True) -> WeightRoundingReport:
+def gptq(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    *,
+    damp: float = DEFAULT_DAMP,
+    group=None,
+    sequential: bool = True,
+) -> WeightRoundingReport:
     """GPTQ every weight-only layer of a calibrated ``model`` in place (its weight amax stays), on the model's
     device. Call it on every rank under ``torch.distributed`` with that rank's batches.
 
-    ``sequential`` (the paper's order): one pass over the data per layer, in module order, each layer's Hessian
-    taken on the inputs the layers already rounded produce (their weight quantizers on, everything else off), one
-    Hessian in memory at a time. Otherwise one pass of the float model collects every layer's Hessian at once.
+    ``sequential`` (the paper's order): one pass over the data per layer, in module order, each layer's
+    Hessian taken on the inputs the layers already rounded produce (their weight quantizers on, everything
+    else off), one Hessian in memory at a time. Otherwise one pass of the float model collects every layer's
+    Hessian at once.
     """
     t0 = time.perf_counter()
     layers, skipped = weight_only_layers(model)
@@ -128,12 +150,15 @@ def gptq(model: nn.Module, batches: Sequence[Batch], *, damp: float = DEFAULT_DA
     report = WeightRoundingReport("gptq", skipped=skipped)
     missing = [n for n, m in layers.items() if m.weight_quantizer.amax is None]
     if missing:
-        raise CalibrationError(f"GPTQ needs calibrated weight quantizers first; no amax: {', '.join(missing[:3])}")
+        raise CalibrationError(
+            f"GPTQ needs calibrated weight quantizers first; no amax: {', '.join(missing[:3])}"
+        )
     stages = [[n] for n in layers] if sequential else [list(layers)]
     modes = dict.fromkeys(quantizers(model), "disabled")
     for stage in stages:
-        acc = accumulate_hessians(model, {n: layers[n] for n in stage}, batches, model_device(model), group=group,
-                                  modes=modes)
+        acc = accumulate_hessians(
+            model, {n: layers[n] for n in stage}, batches, model_device(model), group=group, modes=modes
+        )
         for name in stage:
             if acc[name].rows == 0:
                 report.skipped[name] = "never called during calibration"
@@ -150,8 +175,15 @@ def gptq(model: nn.Module, batches: Sequence[Batch], *, damp: float = DEFAULT_DA
 def _round_layer(m: QuantLinear, acc: HessianAccumulator, damp: float) -> None:
     q = m.weight_quantizer
     d = q.desc
-    new = gptq_weights(m.weight.detach(), acc.hessian, q.amax, d.num_bits, unsigned=d.unsigned,
-                       narrow_range=d.narrow_range, damp=damp)
+    new = gptq_weights(
+        m.weight.detach(),
+        acc.hessian,
+        q.amax,
+        d.num_bits,
+        unsigned=d.unsigned,
+        narrow_range=d.narrow_range,
+        damp=damp,
+    )
     with torch.no_grad():
         m.weight.copy_(new.to(m.weight.dtype))
 
@@ -161,11 +193,18 @@ def _block_of(q) -> int | None:
     return q._block[1] if q._block is not None else None
 
 
-def awq(model: nn.Module, batches: Sequence[Batch], *, device: str | torch.device = "auto", group=None,
-        alphas: tuple[float, ...] = ALPHAS) -> WeightRoundingReport:
-    """AWQ's scale search for every weight-only layer of a quantized ``model`` (before calibration), in place: the
-    weights of the layers reading one tensor are multiplied by the chosen ``s``, their input divided by it (folded
-    into the LayerNorm or Linear producing it where that keeps the float model equal, else an explicit Mul)."""
+def awq(
+    model: nn.Module,
+    batches: Sequence[Batch],
+    *,
+    device: str | torch.device = "auto",
+    group=None,
+    alphas: tuple[float, ...] = ALPHAS,
+) -> WeightRoundingReport:
+    """AWQ's scale search for every weight-only layer of a quantized ``model`` (before calibration), in place:
+    the weights of the layers reading one tensor are multiplied by the chosen ``s``, their input divided by it
+    (folded into the LayerNorm or Linear producing it where that keeps the float model equal, else an explicit
+    Mul)."""
     from quantcli.calibration.calibrate import resolve_device
     from quantcli.calibration.smoothquant import apply_scales, plan_folds
 
@@ -192,9 +231,16 @@ def awq(model: nn.Module, batches: Sequence[Batch], *, device: str | torch.devic
         if acc[first].rows == 0:
             continue
         q = layers[first].weight_quantizer
-        s, alpha, _ = search_scale([layers[c].weight for c in consumers], sums[first] / acc[first].rows,
-                                   acc[first].hessian, q.desc.num_bits, _block_of(q), unsigned=q.desc.unsigned,
-                                   narrow_range=q.desc.narrow_range, alphas=alphas)
+        s, alpha, _ = search_scale(
+            [layers[c].weight for c in consumers],
+            sums[first] / acc[first].rows,
+            acc[first].hessian,
+            q.desc.num_bits,
+            _block_of(q),
+            unsigned=q.desc.unsigned,
+            narrow_range=q.desc.narrow_range,
+            alphas=alphas,
+        )
         apply_scales(model, layers, consumers, fold, into, s)
         report.layers += consumers
         chosen[",".join(consumers)] = {"alpha": alpha, "fold": fold, "into": into}
@@ -207,5 +253,7 @@ def awq(model: nn.Module, batches: Sequence[Batch], *, device: str | torch.devic
 
 def _need_layers(method: str, layers: dict) -> None:
     if not layers:
-        raise CalibrationError(f"--weight-method {method} applies to weight-only integer Linear layers (e.g. "
-                               "--config int4-weight-only); this model and config have none")
+        raise CalibrationError(
+            f"--weight-method {method} applies to weight-only integer Linear layers (e.g. "
+            "--config int4-weight-only); this model and config have none"
+        )

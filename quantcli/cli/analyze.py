@@ -1,4 +1,5 @@
-"""``quantcli analyze``: rank quantizers by sensitivity, with statistics and plots (an HTML report and JSON)."""
+"""``quantcli analyze``: rank quantizers by sensitivity, with statistics and plots (an HTML report and
+JSON)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,20 @@ from quantcli.cli.output import fmt, out, print_json, progress, table
 def analyze(
     calibrated: CalibratedArg,
     data: DataOpt = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="Folder for report.html and analysis.json (default <checkpoint>.analysis).")] = None,
-    num_samples: Annotated[int, typer.Option("--num-samples", help="Samples the sensitivity passes use (two passes per quantizer); statistics use all the data.")] = defaults.SENSITIVITY_SAMPLES,
+    out_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out", help="Folder for report.html and analysis.json (default <checkpoint>.analysis)."
+        ),
+    ] = None,
+    num_samples: Annotated[
+        int,
+        typer.Option(
+            "--num-samples",
+            help="Samples the sensitivity passes use (two passes per quantizer); statistics use all the "
+            "data.",
+        ),
+    ] = defaults.SENSITIVITY_SAMPLES,
     batch_size: BatchSizeOpt = None,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
@@ -34,16 +47,22 @@ def analyze(
     from quantcli.files import write_together
     from quantcli.inputs.checkpoint import load_calibrated
 
-    out_dir = _analysis_folder(out_dir or Path(f"{calibrated.with_suffix('').name}.analysis"),
-                               [("the checkpoint", calibrated), ("--data", data)])
+    out_dir = _analysis_folder(
+        out_dir or Path(f"{calibrated.with_suffix('').name}.analysis"),
+        [("the checkpoint", calibrated), ("--data", data)],
+    )
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
     _analysis_folder(out_dir, [("the model's file", ckpt.spec.path)])
     batches = checkpoint_inputs(ckpt, data, batch_size, None, preprocessing)
     if batches is None:
         batches = ckpt.evaluation_batches() or [ckpt.example]
     with progress(100, "analyzing", not as_json) as advance:
-        rep = run_analysis(ckpt, batches, sample_samples=num_samples,
-                           progress=None if advance is None else (lambda stage, k, n: advance(int(99 * k / n))))
+        rep = run_analysis(
+            ckpt,
+            batches,
+            sample_samples=num_samples,
+            progress=None if advance is None else (lambda stage, k, n: advance(int(99 * k / n))),
+        )
     d = rep.to_dict()
     write_together(out_dir, {"analysis.json": json.dumps(d, indent=1) + "\n", "report.html": render(d)})
     html_path, json_path = out_dir / "report.html", out_dir / "analysis.json"
@@ -70,17 +89,43 @@ def _analysis_folder(out_dir: Path, inputs) -> Path:
 def render_analyze(d: dict, calibrated: Path, html_path: Path, json_path: Path) -> None:
     """The 20 most sensitive quantizers, with each amax method's amax, the time, the files written."""
     ov = d["overall"]
-    rows = ((str(r["rank"]), r["quantizer"], fmt(r["only_enabled"]["cosine"]), fmt(r["only_enabled"]["snr_db"]),
-             fmt((r["only_disabled"] or {}).get("cosine")), fmt(r["outlier_ratio"]), fmt(r["amax"]),
-             *(fmt((r["method_amax"] or {}).get(m)) for m in AMAX_METHODS))
-            for r in d["quantizers"][:20])
-    out.print(table(f"quantcli analyze {calibrated}: {d['num_samples']} samples, sensitivity on "
-                     f"{d['sensitivity_samples']}; all on: cosine {fmt(ov['cosine'])}, SNR {fmt(ov['snr_db'])} dB",
-                     ("rank", "quantizer", "cos only on", "SNR only on", "cos only off", "outlier ratio", "amax",
-                      *AMAX_METHODS), rows))
+    rows = (
+        (
+            str(r["rank"]),
+            r["quantizer"],
+            fmt(r["only_enabled"]["cosine"]),
+            fmt(r["only_enabled"]["snr_db"]),
+            fmt((r["only_disabled"] or {}).get("cosine")),
+            fmt(r["outlier_ratio"]),
+            fmt(r["amax"]),
+            *(fmt((r["method_amax"] or {}).get(m)) for m in AMAX_METHODS),
+        )
+        for r in d["quantizers"][:20]
+    )
+    out.print(
+        table(
+            f"quantcli analyze {calibrated}: {d['num_samples']} samples, sensitivity on "
+            f"{d['sensitivity_samples']}; all on: cosine {fmt(ov['cosine'])}, SNR "
+            f"{fmt(ov['snr_db'])} dB",
+            (
+                "rank",
+                "quantizer",
+                "cos only on",
+                "SNR only on",
+                "cos only off",
+                "outlier ratio",
+                "amax",
+                *AMAX_METHODS,
+            ),
+            rows,
+        )
+    )
     if len(d["quantizers"]) > 20:
         out.print(f"... {len(d['quantizers']) - 20} more in the report")
     sec = d["seconds"]
-    out.print(f"time {sec['total']:.2f} s (statistics {sec['statistics']:.2f} s, sensitivity {sec['sensitivity']:.2f} s, "
-              f"{sec['passes']} forward passes)")
+    out.print(
+        f"time {sec['total']:.2f} s (statistics {sec['statistics']:.2f} s, sensitivity "
+        f"{sec['sensitivity']:.2f} s, "
+        f"{sec['passes']} forward passes)"
+    )
     out.print(f"written {html_path} and {json_path}")

@@ -11,7 +11,8 @@ from quantcli.cli import analyze, calibrate, export, inspect, verify
 
 app = typer.Typer(
     name="quantcli",
-    help="Post-training quantization for PyTorch -> ONNX Runtime / TensorRT: calibrate, export Q/DQ ONNX, verify.",
+    help="Post-training quantization for PyTorch -> ONNX Runtime / TensorRT: calibrate, export Q/DQ ONNX, "
+    "verify.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

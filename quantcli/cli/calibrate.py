@@ -1,4 +1,5 @@
-"""``quantcli calibrate``: insert quantizers into a model and calibrate every amax; write a calibrated checkpoint."""
+"""``quantcli calibrate``: insert quantizers into a model and calibrate every amax; write a calibrated
+checkpoint."""
 
 from __future__ import annotations
 
@@ -17,41 +18,236 @@ from quantcli.cli.output import err, fmt, key_value_table, out, print_json, prog
 @guarded
 @PREPROCESSING.add
 def calibrate(
-    model: Annotated[str, typer.Argument(help="package.module:factory, path/to/file.py:factory, a sample model (digits_cnn, text_encoder, tiny_lm), a Hugging Face model folder, or a torch.save(model) file (with --trust-pickle).")],
-    weights: Annotated[Optional[Path], typer.Option("--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True).")] = None,
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="package.module:factory, path/to/file.py:factory, a sample "
+            "model (digits_cnn, text_encoder, tiny_lm), a Hugging Face "
+            "model folder, or a torch.save(model) file (with "
+            "--trust-pickle)."
+        ),
+    ],
+    weights: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--weights", help="State dict: .safetensors, or .pt/.pth (read with weights_only=True)."
+        ),
+    ] = None,
     data: DataOpt = None,
-    config: Annotated[str, typer.Option("--config", help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or a YAML/JSON file.")] = defaults.CONFIG,
-    target: Annotated[Optional[str], typer.Option("--target", help="Runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt. Overrides the config file's target.")] = None,
-    method: Annotated[Method, typer.Option("--method", help="Activation amax method; auto: per quantizer, the candidate (max, percentile, mse, entropy) with the smallest error of its layer's output.")] = Method(defaults.METHOD),
-    percentile: Annotated[float, typer.Option("--percentile", help="Percentile for --method percentile.")] = defaults.PERCENTILE,
-    num_bins: Annotated[int, typer.Option("--num-bins", help="Histogram bins for entropy/mse/percentile.")] = defaults.NUM_BINS,
+    config: Annotated[
+        str,
+        typer.Option(
+            "--config",
+            help="Preset (int8, "
+            "int8-per-tensor, "
+            "uint8-asymmetric, fp8, "
+            "int4-weight-only, "
+            "int8-dynamic) or a YAML/JSON "
+            "file.",
+        ),
+    ] = defaults.CONFIG,
+    target: Annotated[
+        Optional[str],
+        typer.Option(
+            "--target",
+            help="Runtime the Q/DQ placement is "
+            "for: onnxruntime (default) or "
+            "tensorrt. Overrides the config "
+            "file's target.",
+        ),
+    ] = None,
+    method: Annotated[
+        Method,
+        typer.Option(
+            "--method",
+            help="Activation amax "
+            "method; auto: per "
+            "quantizer, the "
+            "candidate (max, "
+            "percentile, mse, "
+            "entropy) with the "
+            "smallest error of "
+            "its layer's output.",
+        ),
+    ] = Method(defaults.METHOD),
+    percentile: Annotated[
+        float, typer.Option("--percentile", help="Percentile for --method percentile.")
+    ] = defaults.PERCENTILE,
+    num_bins: Annotated[
+        int, typer.Option("--num-bins", help="Histogram bins for entropy/mse/percentile.")
+    ] = defaults.NUM_BINS,
     batch_size: BatchSizeOpt = None,
     num_samples: NumSamplesOpt = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:i].")] = defaults.DEVICE,
-    out_path: Annotated[Optional[Path], typer.Option("--out", help="Calibrated checkpoint to write (default <model>.calib.pt).")] = None,
+    out_path: Annotated[
+        Optional[Path],
+        typer.Option("--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
+    ] = None,
     as_json: JsonOpt = False,
-    trust_pickle: Annotated[bool, typer.Option("--trust-pickle", help="Allow a MODEL or --weights that is a pickled whole module, torch.save(model) (unpickling runs code from the file).")] = False,
-    pooling: Annotated[str, typer.Option("--pooling", help="Hugging Face base model output: none (last_hidden_state) or mean (mean over unmasked tokens, 'embeddings').")] = defaults.POOLING,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle",
+            help="Allow a MODEL or --weights "
+            "that is a pickled whole "
+            "module, torch.save(model) "
+            "(unpickling runs code from "
+            "the file).",
+        ),
+    ] = False,
+    pooling: Annotated[
+        str,
+        typer.Option(
+            "--pooling",
+            help="Hugging Face base model "
+            "output: none "
+            "(last_hidden_state) or "
+            "mean (mean over unmasked "
+            "tokens, 'embeddings').",
+        ),
+    ] = defaults.POOLING,
     preprocessing=None,
-    min_cosine: Annotated[Optional[float], typer.Option("--min-cosine", help="Keep the fewest layers in float needed for this cosine to the float model on held-out data.")] = None,
-    min_snr: Annotated[Optional[float], typer.Option("--min-snr", help="The same for an SNR target in dB.")] = None,
-    holdout: Annotated[Optional[Path], typer.Option("--holdout", help="Held-out data for --min-cosine/--min-snr (default: a sample model's held-out split, else the last quarter of --data's batches).")] = None,
-    max_float_layers: Annotated[Optional[int], typer.Option("--max-float-layers", help="With a target: at most N layers kept in float (default a quarter of the quantized layers); beyond it, exit 1.")] = None,
-    fold_bn: Annotated[Optional[bool], typer.Option("--fold-bn/--no-fold-bn", help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).")] = None,
-    smoothquant: Annotated[Optional[float], typer.Option("--smoothquant", metavar="[ALPHA]", help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA / max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding LayerNorm/Linear where exact, else an explicit Mul.")] = None,
-    weight_method: Annotated[str, typer.Option("--weight-method", help="How weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq (second-order, from the calibration inputs' Hessian) or awq (activation-aware per-channel scales).")] = defaults.WEIGHT_METHOD,
-    placement: Annotated[str, typer.Option("--placement", envvar="QUANTCLI_PLACEMENT", show_envvar=True, help="onnxruntime target: auto (default) keeps in float the layers onnxruntime would not run faster quantized on this machine (not fused into an integer kernel, or an integer kernel with its Q/DQ more than 20% slower than float, timed with onnxruntime's profiler on the example batch); all quantizes every layer as configured.")] = defaults.PLACEMENT,
-    dist_timeout: Annotated[float, typer.Option("--dist-timeout", help="Under torchrun: seconds a rank waits for the others at a step boundary (and to join) before the job stops, naming the rank that stalled.")] = defaults.DIST_TIMEOUT,
+    min_cosine: Annotated[
+        Optional[float],
+        typer.Option(
+            "--min-cosine",
+            help="Keep the fewest "
+            "layers in float "
+            "needed for this "
+            "cosine to the float "
+            "model on held-out "
+            "data.",
+        ),
+    ] = None,
+    min_snr: Annotated[
+        Optional[float], typer.Option("--min-snr", help="The same for an SNR target in dB.")
+    ] = None,
+    holdout: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--holdout",
+            help="Held-out data for "
+            "--min-cosine/--min-snr "
+            "(default: a sample model's "
+            "held-out split, else the "
+            "last quarter of --data's "
+            "batches).",
+        ),
+    ] = None,
+    max_float_layers: Annotated[
+        Optional[int],
+        typer.Option(
+            "--max-float-layers",
+            help="With a "
+            "target: at "
+            "most N "
+            "layers "
+            "kept in "
+            "float "
+            "(default a "
+            "quarter of "
+            "the "
+            "quantized "
+            "layers); "
+            "beyond it, "
+            "exit 1.",
+        ),
+    ] = None,
+    fold_bn: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--fold-bn/--no-fold-bn",
+            help="Fold each "
+            "BatchNorm into "
+            "the "
+            "Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).",
+        ),
+    ] = None,
+    smoothquant: Annotated[
+        Optional[float],
+        typer.Option(
+            "--smoothquant",
+            metavar="[ALPHA]",
+            help="SmoothQuant: move activation outliers of Linear inputs into the weights, s = max|X|^ALPHA "
+            "/ max|W|^(1-ALPHA) per channel (ALPHA default 0.5), folded into the preceding "
+            "LayerNorm/Linear where exact, else an explicit Mul.",
+        ),
+    ] = None,
+    weight_method: Annotated[
+        str,
+        typer.Option(
+            "--weight-method",
+            help="How "
+            "weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq "
+            "(second-order, from the calibration inputs' Hessian) or awq (activation-aware per-channel "
+            "scales).",
+        ),
+    ] = defaults.WEIGHT_METHOD,
+    placement: Annotated[
+        str,
+        typer.Option(
+            "--placement",
+            envvar="QUANTCLI_PLACEMENT",
+            show_envvar=True,
+            help="onnxruntime target: auto (default) keeps in float the layers onnxruntime would not run "
+            "faster quantized on this machine (not fused into an integer kernel, or an integer kernel "
+            "with its Q/DQ more than 20% slower than float, timed with onnxruntime's profiler on the "
+            "example batch); all quantizes "
+            "every layer as configured.",
+        ),
+    ] = defaults.PLACEMENT,
+    dist_timeout: Annotated[
+        float,
+        typer.Option(
+            "--dist-timeout",
+            help="Under "
+            "torchrun: "
+            "seconds a "
+            "rank "
+            "waits for "
+            "the "
+            "others at "
+            "a step "
+            "boundary "
+            "(and to "
+            "join) "
+            "before "
+            "the job "
+            "stops, "
+            "naming "
+            "the rank "
+            "that "
+            "stalled.",
+        ),
+    ] = defaults.DIST_TIMEOUT,
 ) -> Optional[int]:
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.calibration.job import CalibrationJob, CalibrationRequest
 
     request = CalibrationRequest(
-        model=model, weights=weights, data=data, config=config, target=target, method=method.value,
-        percentile=percentile, num_bins=num_bins, batch_size=batch_size, num_samples=num_samples, device=device,
-        out=out_path, trust_pickle=trust_pickle, pooling=pooling, data_options=preprocessing, fold_bn=fold_bn,
-        smoothquant=smoothquant, min_cosine=min_cosine, min_snr=min_snr, holdout=holdout,
-        max_float_layers=max_float_layers, weight_method=weight_method, placement=placement,
+        model=model,
+        weights=weights,
+        data=data,
+        config=config,
+        target=target,
+        method=method.value,
+        percentile=percentile,
+        num_bins=num_bins,
+        batch_size=batch_size,
+        num_samples=num_samples,
+        device=device,
+        out=out_path,
+        trust_pickle=trust_pickle,
+        pooling=pooling,
+        data_options=preprocessing,
+        fold_bn=fold_bn,
+        smoothquant=smoothquant,
+        min_cosine=min_cosine,
+        min_snr=min_snr,
+        holdout=holdout,
+        max_float_layers=max_float_layers,
+        weight_method=weight_method,
+        placement=placement,
     )
     with torchrun_rank(device, dist_timeout) as rank:
         job = CalibrationJob.load(request, rank)
@@ -64,8 +260,9 @@ def calibrate(
 
 @contextlib.contextmanager
 def torchrun_rank(device: str, timeout: float):
-    """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet (an error every
-    rank has while joining too), name a stalled or dead rank, leave at the end. Otherwise yield ``None``."""
+    """Under ``torchrun``: join the job (yield this process's Rank), keep every rank but 0 quiet (an error
+    every rank has while joining too), name a stalled or dead rank, leave at the end. Otherwise yield
+    ``None``."""
     from quantcli.calibration.process_group import (
         JoinError,
         RankStalled,
@@ -112,7 +309,10 @@ def _calibrate_warnings(outcome) -> None:
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
     if outcome.summary.not_called:
-        err.print(f"warning: never called during calibration, left unquantized: {', '.join(outcome.summary.not_called)}")
+        err.print(
+            f"warning: never called during calibration, left unquantized: "
+            f"{', '.join(outcome.summary.not_called)}"
+        )
     for bn, reason in report.batchnorm.skipped:
         err.print(f"warning: BatchNorm {bn} not folded: {reason}")
 
@@ -123,9 +323,17 @@ def _calibrate_setup_rows(outcome):
 
     job, summary, cfg = outcome.job, outcome.summary, outcome.job.config
     yield "method", f"{summary.method} ({cfg.source})"
-    yield "device", summary.device if job.rank is None else f"{summary.device} ({job.rank.backend}, one per rank)"
-    yield "data", (f"{summary.num_samples} samples in {summary.num_batches} batches"
-                   + (f" over {summary.ranks} ranks" if summary.ranks > 1 else ""))
+    yield (
+        "device",
+        summary.device if job.rank is None else f"{summary.device} ({job.rank.backend}, one per rank)",
+    )
+    yield (
+        "data",
+        (
+            f"{summary.num_samples} samples in {summary.num_batches} batches"
+            + (f" over {summary.ranks} ranks" if summary.ranks > 1 else "")
+        ),
+    )
     if job.preprocessing is not None:
         yield "preprocessing", describe_preprocessing(job.preprocessing)
     yield "target", f"{cfg.target}: {outcome.info['placement']['text']}"
@@ -134,8 +342,13 @@ def _calibrate_setup_rows(outcome):
         yield "latency placement", latency["text"]
     bn = job.report.batchnorm
     if bn.folded or bn.skipped:
-        yield "BatchNorm folded", (f"{len(bn.folded)} of {len(bn.folded) + len(bn.skipped)}: "
-                                   + (", ".join(f"{f.batchnorm} into {f.layer}" for f in bn.folded) or "none"))
+        yield (
+            "BatchNorm folded",
+            (
+                f"{len(bn.folded)} of {len(bn.folded) + len(bn.skipped)}: "
+                + (", ".join(f"{f.batchnorm} into {f.layer}" for f in bn.folded) or "none")
+            ),
+        )
     elif not cfg.fold_batchnorm:
         yield "BatchNorm folded", "off (--no-fold-bn / fold_batchnorm: false)"
 
@@ -147,21 +360,39 @@ def _calibrate_result_rows(outcome):
     yield "quantizers calibrated", str(len(summary.calibrated))
     yield "quantizers skipped", f"{len(summary.skipped)} (disabled or dynamic)"
     if summary.dynamic:
-        yield "dynamic activations", (f"{len(summary.dynamic)} quantized at run time (uint8 from each tensor's "
-                                      "min and max, as DynamicQuantizeLinear): nothing to calibrate")
+        yield (
+            "dynamic activations",
+            (
+                f"{len(summary.dynamic)} quantized at run time (uint8 from each "
+                f"tensor's "
+                "min and max, as DynamicQuantizeLinear): nothing to calibrate"
+            ),
+        )
     if smoothed is not None:
         n = smoothed.counts()
-        yield "smoothquant", (f"alpha {smoothed.alpha}: {len(smoothed.groups)} inputs smoothed; 1/s folded into "
-                              f"{n['layernorm']} LayerNorm(s) and {n['linear']} Linear(s), {n['mul']} explicit Mul(s)"
-                              + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else ""))
+        yield (
+            "smoothquant",
+            (
+                f"alpha {smoothed.alpha}: {len(smoothed.groups)} inputs smoothed; 1/s folded "
+                f"into "
+                f"{n['layernorm']} LayerNorm(s) and {n['linear']} Linear(s), {n['mul']} "
+                f"explicit Mul(s)"
+                + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else "")
+            ),
+        )
     if summary.amax_min is not None:
         yield "amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}"
     if summary.auto:
         from collections import Counter
 
         picks = Counter(a["method"] for a in summary.auto.values())
-        yield "auto choices", (", ".join(f"{n} {m}" for m, n in picks.most_common())
-                               + " (smallest layer-output MSE; per quantizer in --json)")
+        yield (
+            "auto choices",
+            (
+                ", ".join(f"{n} {m}" for m, n in picks.most_common())
+                + " (smallest layer-output MSE; per quantizer in --json)"
+            ),
+        )
     if mixed is not None:
         yield "quality target", _target_text(mixed)
         yield "kept in float", ", ".join(mixed.kept_float) or "none"
@@ -175,15 +406,26 @@ def _target_missed(mixed) -> None:
     """Exit 1's explanation (stderr, also with --json): what the target needs and what the cap allowed."""
     if mixed is None or mixed.met:
         return
-    err.print(f"target not met: it needs {mixed.needed} of {mixed.layers_total} layers in float, more than "
-              f"--max-float-layers {mixed.cap}; the checkpoint keeps the {mixed.cap} most sensitive in float "
-              f"(cosine {fmt(mixed.after.cosine)}, SNR {fmt(mixed.after.snr_db)} dB)")
+    err.print(
+        f"target not met: it needs {mixed.needed} of {mixed.layers_total} layers in float, more than "
+        f"--max-float-layers {mixed.cap}; the checkpoint keeps the {mixed.cap} most sensitive in float "
+        f"(cosine {fmt(mixed.after.cosine)}, SNR {fmt(mixed.after.snr_db)} dB)"
+    )
 
 
 def _target_text(mixed) -> str:
-    goal = " and ".join(x for x in (f"cosine >= {mixed.min_cosine}" if mixed.min_cosine is not None else "",
-                                    f"SNR >= {mixed.min_snr} dB" if mixed.min_snr is not None else "") if x)
-    return (f"{goal} on {mixed.holdout_samples} held-out samples ({mixed.holdout}): "
-            f"{'met' if mixed.met else 'NOT met'}; cosine {fmt(mixed.before.cosine)} -> {fmt(mixed.after.cosine)}, "
-            f"SNR {fmt(mixed.before.snr_db)} -> {fmt(mixed.after.snr_db)} dB with {len(mixed.kept_float)} of "
-            f"{mixed.layers_total} layers in float")
+    goal = " and ".join(
+        x
+        for x in (
+            f"cosine >= {mixed.min_cosine}" if mixed.min_cosine is not None else "",
+            f"SNR >= {mixed.min_snr} dB" if mixed.min_snr is not None else "",
+        )
+        if x
+    )
+    return (
+        f"{goal} on {mixed.holdout_samples} held-out samples ({mixed.holdout}): "
+        f"{'met' if mixed.met else 'NOT met'}; cosine {fmt(mixed.before.cosine)} -> "
+        f"{fmt(mixed.after.cosine)}, "
+        f"SNR {fmt(mixed.before.snr_db)} -> {fmt(mixed.after.snr_db)} dB with {len(mixed.kept_float)} of "
+        f"{mixed.layers_total} layers in float"
+    )

@@ -1,5 +1,5 @@
-"""The ``quantcli`` entry point: every command registered on the app (in ``--help``'s order), Click's own errors
-(usage, aborts) as one line too, signals, a closed pipe, and the working directory on ``sys.path``."""
+"""The ``quantcli`` entry point: every command registered on the app (in ``--help``'s order), Click's own
+errors (usage, aborts) as one line too, signals, a closed pipe, and the working directory on ``sys.path``."""
 
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def _on_signal(signum, _frame) -> None:
 
 
 def _click_errors() -> tuple[type, type, type]:
-    """``(UsageError, ClickException, Abort)`` of the click this typer uses (its vendored copy in recent typer,
-    the click package in older ones), found from classes every typer exports."""
+    """``(UsageError, ClickException, Abort)`` of the click this typer uses (its vendored copy in recent
+    typer, the click package in older ones), found from classes every typer exports."""
     by_name = {c.__name__: c for c in typer.BadParameter.__mro__}
     return by_name["UsageError"], by_name["ClickException"], typer.Abort
 
@@ -72,20 +72,30 @@ def _run(argv: list[str]) -> int:
         sys.stdout.flush()
     except usage_error as e:
         hint = f" (see: {e.ctx.command_path} --help)" if e.ctx is not None else ""
-        if os.environ.get("RANK", "0") != "0":  # under torchrun every rank got the same arguments: rank 0 tells
+        # under torchrun every rank got the same arguments: rank 0 tells
+        if os.environ.get("RANK", "0") != "0":
             sys.exit(2)
         _error_exit(f"{e.format_message()}{hint}", 2, argv, "UsageError")
     except click_error as e:
         _error_exit(e.format_message(), e.exit_code, argv, type(e).__name__)
     except (abort, KeyboardInterrupt):
-        _error_exit("interrupted" if (STATE.signalled or 130) == 130 else "terminated", STATE.signalled or 130, argv,
-                    "Interrupted")
+        _error_exit(
+            "interrupted" if (STATE.signalled or 130) == 130 else "terminated",
+            STATE.signalled or 130,
+            argv,
+            "Interrupted",
+        )
     except BrokenPipeError:  # `quantcli ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
     except Exception as e:  # outside a command's guard: printing --help or output to a full disk
         if STATE.signalled is not None:  # an interrupt some import turned into another error
-            _error_exit("interrupted" if STATE.signalled == 130 else "terminated", STATE.signalled, argv, "Interrupted")
+            _error_exit(
+                "interrupted" if STATE.signalled == 130 else "terminated",
+                STATE.signalled,
+                argv,
+                "Interrupted",
+            )
         if os.environ.get("QUANTCLI_DEBUG"):
             import traceback
 
@@ -98,14 +108,15 @@ def main() -> None:
     """Entry point: Click's usage errors become one line too (``error: ... (see: quantcli CMD --help)``)."""
     import signal
 
-    # The working directory is on sys.path, so MODEL `mymodule:make` and a torch.save(model) file whose class is
-    # defined beside it load; last (`python -m` puts it first): a file or folder in the working directory never
-    # shadows an installed package (quantcli's own `sample_models`, `exporters` included).
+    # The working directory is on sys.path, so MODEL `mymodule:make` and a torch.save(model) file whose class
+    # is defined beside it load; last (`python -m` puts it first): a file or folder in the working directory
+    # never shadows an installed package (quantcli's own `sample_models`, `exporters` included).
     cwd = os.path.realpath(os.getcwd())
     sys.path[:] = [p for p in sys.path if p not in ("", ".") and os.path.realpath(p) != cwd] + [os.getcwd()]
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _on_signal)
-    if not os.environ.get("QUANTCLI_DEBUG"):  # torch's C++ log lines (Gloo's errors): quantcli reports them itself
+    # torch's C++ log lines (Gloo's errors): quantcli reports them itself
+    if not os.environ.get("QUANTCLI_DEBUG"):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     code = _run(sys.argv[1:])
     try:

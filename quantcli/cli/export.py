@@ -18,11 +18,51 @@ from quantcli.cli.output import key_value_table, out, print_json
 def export(
     calibrated: CalibratedArg,
     onnx_path: Annotated[Path, typer.Option("--onnx", help="ONNX file to write.")],
-    opset: Annotated[Optional[int], typer.Option("--opset", help="ONNX opset (default: the lowest the formats need, 13 int8, 19 fp8, 21 int4, 18 at least with dynamo, and at least 17 where the model has a LayerNorm).")] = None,
-    exporter: Annotated[Exporter, typer.Option("--exporter", help="torch exporter: torchscript or dynamo (torch.export).")] = Exporter.torchscript,
-    dynamic_axes: Annotated[bool, typer.Option("--dynamic-axes/--static-shapes", help="Dynamic batch (and sequence, for token inputs) dimensions.")] = True,
-    weights_qdq: Annotated[bool, typer.Option("--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized.")] = False,
-    provider: Annotated[Optional[ExportProvider], typer.Option("--provider", help="onnxruntime target: the execution provider the graph is for, cpu (default: residual and GELU-bias Adds written as Sum, so onnxruntime's CPU provider forms no slow SkipLayerNormalization/BiasGelu) or cuda (left to onnxruntime's fusions).")] = None,
+    opset: Annotated[
+        Optional[int],
+        typer.Option(
+            "--opset",
+            help="ONNX opset (default: the lowest "
+            "the formats need, 13 int8, 19 "
+            "fp8, 21 int4, 18 at least with "
+            "dynamo, and at least 17 where "
+            "the model has a LayerNorm).",
+        ),
+    ] = None,
+    exporter: Annotated[
+        Exporter, typer.Option("--exporter", help="torch exporter: torchscript or dynamo (torch.export).")
+    ] = Exporter.torchscript,
+    dynamic_axes: Annotated[
+        bool,
+        typer.Option(
+            "--dynamic-axes/--static-shapes",
+            help="Dynamic batch (and sequence, for token inputs) dimensions.",
+        ),
+    ] = True,
+    weights_qdq: Annotated[
+        bool,
+        typer.Option("--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
+    ] = False,
+    provider: Annotated[
+        Optional[ExportProvider],
+        typer.Option(
+            "--provider",
+            help="onnxruntime "
+            "target: the "
+            "execution "
+            "provider the "
+            "graph is for, "
+            "cpu (default: "
+            "residual and "
+            "GELU-bias Adds "
+            "written as Sum, "
+            "so "
+            "onnxruntime's "
+            "CPU provider "
+            "forms no slow "
+            "SkipLayerNormalization/BiasGelu) or cuda (left to onnxruntime's fusions).",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
 ) -> None:
@@ -38,8 +78,17 @@ def export(
         "quantcli.model": ckpt.spec.spec,
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
-    res = export_onnx(ckpt.model, ckpt.example, onnx_path, opset, exporter.value, dynamic_axes=dynamic_axes,
-                      weights_qdq=weights_qdq, metadata=meta, provider=provider.value if provider else None)
+    res = export_onnx(
+        ckpt.model,
+        ckpt.example,
+        onnx_path,
+        opset,
+        exporter.value,
+        dynamic_axes=dynamic_axes,
+        weights_qdq=weights_qdq,
+        metadata=meta,
+        provider=provider.value if provider else None,
+    )
     if as_json:
         print_json(res.to_dict())
     else:
@@ -62,26 +111,54 @@ def _export_rows(res):
     yield "exporter", res.exporter
     if res.provider:
         kept = res.placement.get("skip_layer_norm_avoided", 0) + res.placement.get("bias_gelu_avoided", 0)
-        yield "onnxruntime provider", res.provider + (
-            f" ({kept} residual/GELU-bias Adds written as Sum: no SkipLayerNormalization/BiasGelu, slower on CPU; "
-            "--provider cuda leaves them)" if kept else "")
+        yield (
+            "onnxruntime provider",
+            res.provider
+            + (
+                f" ({kept} residual/GELU-bias Adds written as Sum: no SkipLayerNormalization/BiasGelu, "
+                f"slower "
+                f"on CPU; "
+                "--provider cuda leaves them)"
+                if kept
+                else ""
+            ),
+        )
     yield "inputs", ", ".join(res.input_names)
     yield "outputs", ", ".join(res.output_names)
     if res.fp8_guards:
         yield "fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)"
     if res.onnxruntime_disabled_optimizers:
-        yield "onnxruntime", ("fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
-                              f"InferenceSession(path, disabled_optimizers={res.onnxruntime_disabled_optimizers})")
+        yield (
+            "onnxruntime",
+            (
+                "fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
+                f"InferenceSession(path, "
+                f"disabled_optimizers={res.onnxruntime_disabled_optimizers})"
+            ),
+        )
     if res.pruned_quantizers:
-        yield "pruned (output unused)", (f"{len(res.pruned_quantizers)} quantizer(s) whose output reaches no model "
-                                         f"output: {', '.join(res.pruned_quantizers[:4])}"
-                                         + (" ..." if len(res.pruned_quantizers) > 4 else ""))
+        yield (
+            "pruned (output unused)",
+            (
+                f"{len(res.pruned_quantizers)} quantizer(s) whose output reaches "
+                f"no model "
+                f"output: {', '.join(res.pruned_quantizers[:4])}"
+                + (" ..." if len(res.pruned_quantizers) > 4 else "")
+            ),
+        )
     if res.fusion_error:
         yield "onnxruntime", f"does not load with default options: {res.fusion_error}"
     elif res.quantized_layers is not None:
-        yield "unfused layers (onnxruntime)", (
-            f"{res.unfused_layers} of {res.quantized_layers} quantized layers run in float"
-            + (f" (quantcli inspect {res.path} --runtime onnxruntime)" if res.unfused_layers else ""))
-    yield "file size", f"{res.file_bytes / 1024:.1f} KiB" + (" (+ external data)" if res.external_data else "")
+        yield (
+            "unfused layers (onnxruntime)",
+            (
+                f"{res.unfused_layers} of {res.quantized_layers} quantized layers run in float"
+                + (f" (quantcli inspect {res.path} --runtime onnxruntime)" if res.unfused_layers else "")
+            ),
+        )
+    yield (
+        "file size",
+        f"{res.file_bytes / 1024:.1f} KiB" + (" (+ external data)" if res.external_data else ""),
+    )
     yield "time", f"{res.seconds:.2f} s"
     yield "written", res.path

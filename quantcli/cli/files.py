@@ -9,7 +9,9 @@ from typing import Optional
 from quantcli import defaults
 
 
-def checkpoint_inputs(ckpt, data: Optional[Path], batch_size: Optional[int], num_samples: Optional[int], options=None):
+def checkpoint_inputs(
+    ckpt, data: Optional[Path], batch_size: Optional[int], num_samples: Optional[int], options=None
+):
     """``--data`` read as calibration read it (the preprocessing the checkpoint stored, the model folder's
     tokenizer); ``None`` without ``--data``."""
     if data is None:

@@ -1,8 +1,9 @@
 """How a command ends: :func:`guarded` turns every error into one line and an exit code.
 
-Library code raises :class:`quantcli.errors.QuantCliError`; here it becomes its first line on stderr and exit 2
-(with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout). A failed numerical check (``verify``) or a
-missed quality target (``calibrate --min-cosine``) is a command's own exit code 1. Ctrl-C is 130, SIGTERM 143.
+Library code raises :class:`quantcli.errors.QuantCliError`; here it becomes its first line on stderr and exit
+2 (with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout). A failed numerical check (``verify``)
+or a missed quality target (``calibrate --min-cosine``) is a command's own exit code 1. Ctrl-C is 130, SIGTERM
+143.
 """
 
 from __future__ import annotations
@@ -52,8 +53,12 @@ def unexpected(e: BaseException) -> str:
 
     if no_space(e):
         where = f" writing {e.filename}" if isinstance(e, OSError) and e.filename else ""
-        return f"no space left on device{where}; free some space or write the output elsewhere (nothing was written)"
-    return f"{type(e).__name__}: {first_line(e) if str(e).strip() else ''} (set QUANTCLI_DEBUG=1 for a traceback)"
+        return (
+            f"no space left on device{where}; free some space or write the output elsewhere "
+            "(nothing was written)"
+        )
+    message = first_line(e) if str(e).strip() else ""
+    return f"{type(e).__name__}: {message} (set QUANTCLI_DEBUG=1 for a traceback)"
 
 
 def interrupted_text(code: int) -> str:
@@ -63,9 +68,9 @@ def interrupted_text(code: int) -> str:
 def guarded(command):
     """A command's error guard. The command returns its exit code (``None``: 0). A QuantCliError becomes its
     first line on stderr and exit 2; Ctrl-C exit 130 (SIGTERM 143), whatever it interrupted (an import that
-    turns the interrupt into an ImportError included); anything unexpected (a bug, an input we did not foresee)
-    one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set. With ``--json`` the error is
-    also a JSON object on stdout."""
+    turns the interrupt into an ImportError included); anything unexpected (a bug, an input we did not
+    foresee) one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set. With ``--json``
+    the error is also a JSON object on stdout."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):

@@ -16,10 +16,35 @@ from quantcli.cli.output import out, print_json, table
 @guarded
 def inspect(
     path: Annotated[Path, typer.Argument(help="A calibrated checkpoint (.pt) or an exported ONNX file.")],
-    runtime: Annotated[Optional[Runtime], typer.Option("--runtime", help="ONNX file: per quantized layer, whether this runtime (default session options) runs it as an integer kernel, and why not.")] = None,
-    provider: Annotated[Provider, typer.Option("--provider", help="With --runtime: the execution provider (cpu or cuda).")] = Provider.cpu,
+    runtime: Annotated[
+        Optional[Runtime],
+        typer.Option(
+            "--runtime",
+            help="ONNX file: per quantized "
+            "layer, whether this "
+            "runtime (default session "
+            "options) runs it as an "
+            "integer kernel, and why "
+            "not.",
+        ),
+    ] = None,
+    provider: Annotated[
+        Provider, typer.Option("--provider", help="With --runtime: the execution provider (cpu or cuda).")
+    ] = Provider.cpu,
     as_json: JsonOpt = False,
-    trust_code: Annotated[bool, typer.Option("--trust-code", help="Checkpoint: also rebuild the model (running the model code stored in it) and load its weights, to show that export and verify can use it. Without it, inspect only reads the file.")] = False,
+    trust_code: Annotated[
+        bool,
+        typer.Option(
+            "--trust-code",
+            help="Checkpoint: also rebuild the "
+            "model (running the model code "
+            "stored in it) and load its "
+            "weights, to show that export "
+            "and verify can use it. Without "
+            "it, inspect only reads the "
+            "file.",
+        ),
+    ] = False,
 ) -> None:
     """Show the quantizers of a calibrated checkpoint, or the Q/DQ nodes of an ONNX file."""
     from quantcli.analysis.inspect import inspect_checkpoint, inspect_onnx, inspect_runtime
@@ -28,7 +53,10 @@ def inspect(
     if runtime is not None:
         if path.suffix.lower() != ".onnx":
             raise QuantCliError(f"--runtime inspects an exported ONNX file; {path} is not one")
-        rep, render = inspect_runtime(path, runtime.value, _runtime_provider(provider)), render_inspect_runtime
+        rep, render = (
+            inspect_runtime(path, runtime.value, _runtime_provider(provider)),
+            render_inspect_runtime,
+        )
     elif path.suffix.lower() == ".onnx":
         rep, render = inspect_onnx(path), render_inspect_onnx
     else:
@@ -44,47 +72,101 @@ def _runtime_provider(provider: Provider) -> str:
     if provider is not Provider.auto:
         return provider.value
     from quantcli.verify import choose_provider
+
     return "cuda" if choose_provider("auto") == "CUDAExecutionProvider" else "cpu"
 
 
 def render_inspect_runtime(rep: dict, path: Path) -> None:
-    rows = ((r["layer"], r["op_type"], r["kernel"] or "-", {True: "yes", False: "no", None: "?"}[r["fused"]],
-             "; ".join(r["reasons"])) for r in rep["layers"])
-    out.print(table(f"{path} in onnxruntime ({rep['provider']}, default session options): "
-                     f"{rep['unfused_layers']} of {rep['quantized_layers']} quantized layers in float",
-                     ("layer", "op", "runs as", "integer kernel", "why not"), rows))
+    rows = (
+        (
+            r["layer"],
+            r["op_type"],
+            r["kernel"] or "-",
+            {True: "yes", False: "no", None: "?"}[r["fused"]],
+            "; ".join(r["reasons"]),
+        )
+        for r in rep["layers"]
+    )
+    out.print(
+        table(
+            f"{path} in onnxruntime ({rep['provider']}, default session options): "
+            f"{rep['unfused_layers']} of {rep['quantized_layers']} quantized layers in float",
+            ("layer", "op", "runs as", "integer kernel", "why not"),
+            rows,
+        )
+    )
     if rep["load_error"]:
         out.print(f"onnxruntime cannot load it with default options: {rep['load_error']}")
     if rep["session_needs"]:
-        out.print(f"for the results it computes with optimizations off, load it with "
-                  f"InferenceSession(path, disabled_optimizers={rep['disabled_optimizers']}) (or re-export it for "
-                  "the onnxruntime target):")
+        out.print(
+            f"for the results it computes with optimizations off, load it with "
+            f"InferenceSession(path, disabled_optimizers={rep['disabled_optimizers']}) (or re-export "
+            f"it for "
+            "the onnxruntime target):"
+        )
         for line in rep["session_needs"]:
             out.print(f"  {line}")
 
 
 def render_inspect_onnx(rows: dict, path: Path) -> None:
     target = f", target {rows['target']}" if rows["target"] else ""
-    pairs = ((r["quantizer"] or r["tensor"], r["format"], str(r["axis"]), str(r["block_size"] or ""), r["scale"],
-              str(r["zero_point"]), r["stored"]) for r in rows["pairs"])
-    out.print(table(f"{path} — {len(rows['pairs'])} Q/DQ pairs, opset {rows['opset']}{target}",
-                     ("quantizer", "format", "axis", "block", "scale", "zero point", "stored"), pairs))
+    pairs = (
+        (
+            r["quantizer"] or r["tensor"],
+            r["format"],
+            str(r["axis"]),
+            str(r["block_size"] or ""),
+            r["scale"],
+            str(r["zero_point"]),
+            r["stored"],
+        )
+        for r in rows["pairs"]
+    )
+    out.print(
+        table(
+            f"{path} — {len(rows['pairs'])} Q/DQ pairs, opset {rows['opset']}{target}",
+            ("quantizer", "format", "axis", "block", "scale", "zero point", "stored"),
+            pairs,
+        )
+    )
 
 
 def render_inspect_checkpoint(rows: dict, path: Path) -> None:
-    qs = ((r["name"], "yes" if r["enabled"] else "no", r["format"], str(r["axis"]), str(r["block_sizes"] or ""),
-           r["amax"]) for r in rows["quantizers"])
-    out.print(table(f"{path} — {rows['model']} ({rows['config']}, target {rows['target']})",
-                     ("quantizer", "enabled", "num_bits", "axis", "block", "amax"), qs))
+    qs = (
+        (
+            r["name"],
+            "yes" if r["enabled"] else "no",
+            r["format"],
+            str(r["axis"]),
+            str(r["block_sizes"] or ""),
+            r["amax"],
+        )
+        for r in rows["quantizers"]
+    )
+    out.print(
+        table(
+            f"{path} — {rows['model']} ({rows['config']}, target {rows['target']})",
+            ("quantizer", "enabled", "num_bits", "axis", "block", "amax"),
+            qs,
+        )
+    )
     if rows["batchnorm_folds"]:
-        out.print("BatchNorm folded: " + ", ".join(f"{f['batchnorm']} into {f['layer']}" for f in rows["batchnorm_folds"]))
+        out.print(
+            "BatchNorm folded: "
+            + ", ".join(f"{f['batchnorm']} into {f['layer']}" for f in rows["batchnorm_folds"])
+        )
     code = rows["model_code"]
     loads = rows["model_loads"]
     if loads is not None:
-        out.print(f"model loads: {loads['class']}, {loads['parameters']:,} parameters, "
-                  f"{loads['quantizers']} quantizers (model code was run: --trust-code)")
+        out.print(
+            f"model loads: {loads['class']}, {loads['parameters']:,} parameters, "
+            f"{loads['quantizers']} quantizers (model code was run: --trust-code)"
+        )
     elif not code.get("rebuildable", True):  # --trust-code would not help: say so, not that it would
         out.print(f"model code: {code['source']} ({code['file']})")
     elif code["needs_trust_code"]:
-        out.print(f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
-                  "export and verify run it only with --trust-code (inspect --trust-code checks that it loads)")
+        out.print(
+            f"model code: {code['source']} ({code['file']}, sha256 {code['sha256']}); "
+            "export and verify run it only with --trust-code (inspect --trust-code checks that it "
+            "loads)"
+        )

@@ -1,10 +1,10 @@
 """Options several commands take with one meaning, declared once.
 
 Single options are ``Annotated`` aliases (``DataOpt``, ``JsonOpt``...). Options that belong together are an
-:class:`OptionGroup` (:data:`PREPROCESSING`, :data:`THRESHOLDS`): the group adds its options to each command that
-takes it, validates them, and hands the command the one object it builds from them, by keyword. Options that share
-only a name (``--out``, ``--min-cosine``, ``--provider``, analyze's ``--num-samples``, inspect's ``--trust-code``)
-mean something else in each command and are declared where they are used. Defaults come from
+:class:`OptionGroup` (:data:`PREPROCESSING`, :data:`THRESHOLDS`): the group adds its options to each command
+that takes it, validates them, and hands the command the one object it builds from them, by keyword. Options
+that share only a name (``--out``, ``--min-cosine``, ``--provider``, analyze's ``--num-samples``, inspect's
+``--trust-code``) mean something else in each command and are declared where they are used. Defaults come from
 :mod:`quantcli.defaults`, the library's, so ``--help`` shows what the library does.
 """
 
@@ -56,13 +56,17 @@ DataOpt = Annotated[
     Optional[Path],
     typer.Option(
         "--data",
-        help="Inputs: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG images. "
-        "Default: a sample model's own data (verify, analyze: its held-out set, else the checkpoint's example batch).",
+        help="Inputs: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG "
+        "images. "
+        "Default: a sample model's own data (verify, analyze: its held-out set, else the checkpoint's "
+        "example batch).",
     ),
 ]
 BatchSizeOpt = Annotated[
     Optional[int],
-    typer.Option("--batch-size", help=f"Re-batch whole arrays into batches of N (default {defaults.BATCH_SIZE})."),
+    typer.Option(
+        "--batch-size", help=f"Re-batch whole arrays into batches of N (default {defaults.BATCH_SIZE})."
+    ),
 ]
 NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use at most N samples.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print as JSON.")]
@@ -71,7 +75,8 @@ TrustCodeOpt = Annotated[
     typer.Option(
         "--trust-code",
         help="Run model code stored in the checkpoint (a factory file's source when the file is not on disk "
-        "unchanged, or a pickled whole module) or a module it names that is not from the installed distribution "
+        "unchanged, or a pickled whole module) or a module it names that is not from the installed "
+        "distribution "
         "recorded at calibration. Only for checkpoints you trust.",
     ),
 ]
@@ -130,7 +135,8 @@ PREPROCESSING = OptionGroup(
                 Optional[Path],
                 typer.Option(
                     "--tokenizer",
-                    help="Text --data: tokenizer folder (default: the model folder; verify: the one calibration "
+                    help="Text --data: tokenizer folder (default: the model folder; verify: the one "
+                    "calibration "
                     "stored, else the model folder).",
                 ),
             ],
@@ -152,7 +158,8 @@ PREPROCESSING = OptionGroup(
                 Optional[str],
                 typer.Option(
                     "--image-size",
-                    help="Image --data: N or HxW pixels (default: preprocessor_config.json, else 224; verify: "
+                    help="Image --data: N or HxW pixels (default: preprocessor_config.json, else 224; "
+                    "verify: "
                     "calibration's).",
                 ),
             ],
@@ -163,7 +170,8 @@ PREPROCESSING = OptionGroup(
                 Optional[str],
                 typer.Option(
                     "--mean",
-                    help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: preprocessor_config.json, "
+                    help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: "
+                    "preprocessor_config.json, "
                     "else ImageNet's; verify: calibration's).",
                 ),
             ],
@@ -216,7 +224,8 @@ THRESHOLDS = OptionGroup(
                 float,
                 typer.Option(
                     "--max-rms-ratio",
-                    help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed per "
+                    help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed "
+                    "per "
                     "output, optimizations off (a gross bound; docs/verify-criteria.md).",
                 ),
             ],
@@ -237,7 +246,8 @@ THRESHOLDS = OptionGroup(
                 Optional[float],
                 typer.Option(
                     "--min-cosine",
-                    help="Quality of the deployed session: smallest cosine similarity to the float model allowed.",
+                    help="Quality of the deployed session: smallest cosine similarity to the float model "
+                    "allowed.",
                 ),
             ],
             None,
@@ -247,7 +257,8 @@ THRESHOLDS = OptionGroup(
                 Optional[float],
                 typer.Option(
                     "--min-snr",
-                    help="Quality of the deployed session: smallest SNR (dB) against the float model allowed.",
+                    help="Quality of the deployed session: smallest SNR (dB) against the float model "
+                    "allowed.",
                 ),
             ],
             None,

@@ -19,8 +19,8 @@ def print_json(data) -> None:
 
 @contextlib.contextmanager
 def progress(total: int, label: str, enabled: bool):
-    """A Rich progress bar on a TTY; yields its advance callback (``advance(i)``: item ``i`` done), or ``None``
-    where there is no bar."""
+    """A Rich progress bar on a TTY; yields its advance callback (``advance(i)``: item ``i`` done), or
+    ``None`` where there is no bar."""
     if not enabled or not err.is_terminal:
         yield None
         return

@@ -1,5 +1,5 @@
-"""``quantcli verify``: check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check
-failed; 2: bad input."""
+"""``quantcli verify``: check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical
+check failed; 2: bad input."""
 
 from __future__ import annotations
 
@@ -30,19 +30,28 @@ from quantcli.cli.output import err, fmt, out, print_json, table
 @THRESHOLDS.add
 def verify(
     onnx_path: Annotated[Path, typer.Argument(help="The exported ONNX file.")],
-    reference: Annotated[Path, typer.Option("--reference", help="The calibrated checkpoint it was exported from.")],
+    reference: Annotated[
+        Path, typer.Option("--reference", help="The calibrated checkpoint it was exported from.")
+    ],
     data: DataOpt = None,
-    provider: Annotated[Provider, typer.Option("--provider", help="onnxruntime execution provider.")] = Provider.auto,
+    provider: Annotated[
+        Provider, typer.Option("--provider", help="onnxruntime execution provider.")
+    ] = Provider.auto,
     thresholds=None,
-    per_layer: Annotated[bool, typer.Option("--per-layer", help="Rank quantized layers by their local quantization error.")] = False,
-    report_path: Annotated[Optional[Path], typer.Option("--report", help="Write every metric as JSON to this file.")] = None,
+    per_layer: Annotated[
+        bool, typer.Option("--per-layer", help="Rank quantized layers by their local quantization error.")
+    ] = False,
+    report_path: Annotated[
+        Optional[Path], typer.Option("--report", help="Write every metric as JSON to this file.")
+    ] = None,
     batch_size: BatchSizeOpt = None,
     num_samples: NumSamplesOpt = None,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
     preprocessing=None,
 ) -> int:
-    """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad input."""
+    """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad
+    input."""
     from quantcli.files import atomic_write, writable_directory
     from quantcli.inputs.checkpoint import load_calibrated
     from quantcli.inputs.data import cap_samples
@@ -50,8 +59,16 @@ def verify(
 
     if report_path is not None:
         writable_directory(report_path)  # before the work, not after it
-        refuse_inputs(report_path, [("the graph", onnx_path), ("the graph's external data", external(onnx_path)),
-                                     ("the reference checkpoint", reference), ("--data", data)], "--report")
+        refuse_inputs(
+            report_path,
+            [
+                ("the graph", onnx_path),
+                ("the graph's external data", external(onnx_path)),
+                ("the reference checkpoint", reference),
+                ("--data", data),
+            ],
+            "--report",
+        )
     ckpt = load_calibrated(reference, trust_code=trust_code)
     if report_path is not None:
         refuse_inputs(report_path, [("the model's file", ckpt.spec.path)], "--report")
@@ -61,7 +78,9 @@ def verify(
     rep = verify_onnx(onnx_path, ckpt, batches, provider=provider.value, per_layer=per_layer, **thresholds)
     d = rep.to_dict()
     if report_path is not None:
-        atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n"))
+        atomic_write(
+            report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n")
+        )
     if as_json:
         print_json(d)
     else:
@@ -97,28 +116,69 @@ def render_verify(rep, onnx_path: Path, reference: Path) -> None:
 def _check_rows(rep):
     st = rep.structure
     pruned = f", {len(st['pruned'])} pruned (unused)" if st["pruned"] else ""
-    yield ("structure", f"{st['quantizers_expected']} quantizers",
-           f"{st['quantizers_found']} found{pruned}, {len(st['problems'])} problem(s)",
-           "pass" if st["passed"] else "FAIL", ", ".join(st["layers_with_problems"][:3]) or "")
+    yield (
+        "structure",
+        f"{st['quantizers_expected']} quantizers",
+        f"{st['quantizers_found']} found{pruned}, {len(st['problems'])} problem(s)",
+        "pass" if st["passed"] else "FAIL",
+        ", ".join(st["layers_with_problems"][:3]) or "",
+    )
     for c in rep.checks:
-        yield (c.name, ("<= " if c.kind == "max" else ">= ") + fmt(c.threshold), fmt(c.value),
-               "pass" if c.passed else "FAIL", "" if c.passed or not c.detail else c.detail[:120])
+        yield (
+            c.name,
+            ("<= " if c.kind == "max" else ">= ") + fmt(c.threshold),
+            fmt(c.value),
+            "pass" if c.passed else "FAIL",
+            "" if c.passed or not c.detail else c.detail[:120],
+        )
 
 
 def _qualitytable(rep) -> Table:
     dep = rep.deployment.get("outputs", {})
-    rows = ((name, fmt(m["cosine"]), fmt(m["snr_db"]), fmt(m["max_abs_error"]), fmt(m.get("top1_agreement")),
-             fmt(rep.fidelity["outputs"][name]["rms_ratio"]), fmt(dep.get(name, {}).get("rms_ratio")))
-            for name, m in rep.quality["outputs"].items())
-    return table(f"quality vs the float model ({rep.quality['session']} session), deployment vs fake-quant",
-                  ("output", "cosine", "SNR dB", "max abs err", "top-1 agree", "exact rms ratio",
-                   "deployed rms ratio"), rows)
+    rows = (
+        (
+            name,
+            fmt(m["cosine"]),
+            fmt(m["snr_db"]),
+            fmt(m["max_abs_error"]),
+            fmt(m.get("top1_agreement")),
+            fmt(rep.fidelity["outputs"][name]["rms_ratio"]),
+            fmt(dep.get(name, {}).get("rms_ratio")),
+        )
+        for name, m in rep.quality["outputs"].items()
+    )
+    return table(
+        f"quality vs the float model ({rep.quality['session']} session), deployment vs fake-quant",
+        ("output", "cosine", "SNR dB", "max abs err", "top-1 agree", "exact rms ratio", "deployed rms ratio"),
+        rows,
+    )
 
 
 def _layerstable(layers: list[dict]) -> Table:
-    rows = ((str(r["rank"]), r["quantizer"], r["kind"], fmt(r["snr_db"]), fmt(r["max_abs_error"]),
-             fmt(r["identical_codes"]), fmt(r["identical_codes_end_to_end"]), fmt(r.get("replay_steps")))
-            for r in layers)
-    return table("layers, worst local quantization error first",
-                  ("rank", "quantizer", "kind", "SNR dB", "max abs err", "identical codes", "end to end",
-                   "replay steps"), rows)
+    rows = (
+        (
+            str(r["rank"]),
+            r["quantizer"],
+            r["kind"],
+            fmt(r["snr_db"]),
+            fmt(r["max_abs_error"]),
+            fmt(r["identical_codes"]),
+            fmt(r["identical_codes_end_to_end"]),
+            fmt(r.get("replay_steps")),
+        )
+        for r in layers
+    )
+    return table(
+        "layers, worst local quantization error first",
+        (
+            "rank",
+            "quantizer",
+            "kind",
+            "SNR dB",
+            "max abs err",
+            "identical codes",
+            "end to end",
+            "replay steps",
+        ),
+        rows,
+    )

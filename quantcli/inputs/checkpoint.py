@@ -1,15 +1,15 @@
 """The calibrated checkpoint: one self-contained file, readable with ``torch.load(weights_only=True)``.
 
 Keys: ``format`` (``"quantcli.calibrated"``), ``format_version``, ``quantcli_version``, ``model`` (spec; the
-factory file's source for file specs; ``extra``: a pickled module's bytes and sha256, or a Hugging Face folder's
-config, class and outputs), ``state_dict`` (weights and every quantizer's amax),
-``quant_config``, ``quantizers`` (name -> descriptor fields, enabled, amax), ``batchnorm_folds`` (the
-``{layer, batchnorm}`` pairs folded: the state dict describes the folded model), ``original`` (the model as
-loaded, before any transformation: its state dict's ``keys`` and the ``changed`` entries, those that BatchNorm
-folding, SmoothQuant or another rewrite removed or changed; the rest equals ``state_dict``), optionally ``unrounded``
-(with ``--weight-method gptq``: the weights as they were before GPTQ moved them while rounding), ``inputs`` (names, dtypes,
-shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing`` (text/image data).
-Written atomically.
+factory file's source for file specs; ``extra``: a pickled module's bytes and sha256, or a Hugging Face
+folder's config, class and outputs), ``state_dict`` (weights and every quantizer's amax), ``quant_config``,
+``quantizers`` (name -> descriptor fields, enabled, amax), ``batchnorm_folds`` (the ``{layer, batchnorm}``
+pairs folded: the state dict describes the folded model), ``original`` (the model as loaded, before any
+transformation: its state dict's ``keys`` and the ``changed`` entries, those that BatchNorm folding,
+SmoothQuant or another rewrite removed or changed; the rest equals ``state_dict``), optionally ``unrounded``
+(with ``--weight-method gptq``: the weights as they were before GPTQ moved them while rounding), ``inputs``
+(names, dtypes, shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing``
+(text/image data). Written atomically.
 """
 
 from __future__ import annotations
@@ -42,39 +42,57 @@ EXAMPLE_SAMPLES = 8
 
 
 def example_of(batch: Batch) -> Batch:
-    """The example batch a checkpoint stores: the first samples of ``batch``, on the CPU. ``quantize_model`` reads
-    the model's structure from a forward on it, at calibration and again when the checkpoint is loaded."""
+    """The example batch a checkpoint stores: the first samples of ``batch``, on the CPU.
+    ``quantize_model`` reads the model's structure from a forward on it, at calibration and again when the
+    checkpoint is loaded."""
     return {k: v[:EXAMPLE_SAMPLES].detach().cpu().clone() for k, v in batch.items()}
 
 
 def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``model``'s state dict (on the CPU): the model as loaded, kept before quantcli transforms it."""
+    """A copy of ``model``'s state dict (on the CPU): the model as loaded, kept before quantcli transforms
+    it."""
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def changed_entries(before: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def changed_entries(
+    before: dict[str, torch.Tensor], final: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """The entries of ``before`` that ``final`` lacks or holds with another shape, dtype or value."""
-    return {k: v for k, v in before.items()
-            if k not in final or final[k].shape != v.shape or final[k].dtype != v.dtype or not torch.equal(final[k], v)}
+    return {
+        k: v
+        for k, v in before.items()
+        if k not in final
+        or final[k].shape != v.shape
+        or final[k].dtype != v.dtype
+        or not torch.equal(final[k], v)
+    }
 
 
 def original_entries(original: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """What the checkpoint stores of the model as loaded: every key, and the entries ``final`` lacks or changed."""
+    """What the checkpoint stores of the model as loaded: every key, and the entries ``final`` lacks or
+    changed."""
     return {"keys": list(original), "changed": changed_entries(original, final)}
 
 
-def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example_batch: Batch,
-                    calibration: dict[str, Any] | None = None, preprocessing: dict[str, Any] | None = None,
-                    original: dict[str, torch.Tensor] | None = None,
-                    unrounded: dict[str, torch.Tensor] | None = None) -> None:
+def save_calibrated(
+    path: str | Path,
+    model: nn.Module,
+    spec: ModelSpec,
+    example_batch: Batch,
+    calibration: dict[str, Any] | None = None,
+    preprocessing: dict[str, Any] | None = None,
+    original: dict[str, torch.Tensor] | None = None,
+    unrounded: dict[str, torch.Tensor] | None = None,
+) -> None:
     """Write the calibrated checkpoint for a quantized, calibrated ``model``.
 
-    ``preprocessing`` (from :func:`quantcli.inputs.data.load_data`) records how text or images became tensors, so that
-    verify repeats it: tokenizer files and max length, or image size, mean and std. ``original``: the state dict of
-    the model as loaded (:func:`state_snapshot`), so that verify compares with it rather than with what quantcli's
-    transformations made of it. ``unrounded``: the state dict before weight rounding (``--weight-method gptq``
-    moves float weights as it rounds them: part of quantization, not a float transformation), so that
-    :meth:`Calibrated.transformed_float_model` describes the float model quantcli's transformations made.
+    ``preprocessing`` (from :func:`quantcli.inputs.data.load_data`) records how text or images became tensors,
+    so that verify repeats it: tokenizer files and max length, or image size, mean and std. ``original``: the
+    state dict of the model as loaded (:func:`state_snapshot`), so that verify compares with it rather than
+    with what quantcli's transformations made of it. ``unrounded``: the state dict before weight rounding
+    (``--weight-method gptq`` moves float weights as it rounds them: part of quantization, not a float
+    transformation), so that :meth:`Calibrated.transformed_float_model` describes the float model quantcli's
+    transformations made.
     """
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
@@ -95,7 +113,9 @@ def save_calibrated(path: str | Path, model: nn.Module, spec: ModelSpec, example
         "quantizers": qs,
         "batchnorm_folds": list(getattr(model, "quantcli_folded_batchnorm", [])),
         # what the placement read the model's structure from ("recorded": a forward on inputs.example)
-        "placement_graph": getattr(getattr(getattr(model, "quantcli_report", None), "placement", None), "graph", "fx"),
+        "placement_graph": getattr(
+            getattr(getattr(model, "quantcli_report", None), "placement", None), "graph", "fx"
+        ),
         "inputs": {
             "names": list(example),
             "dtypes": [str(v.dtype).replace("torch.", "") for v in example.values()],
@@ -143,22 +163,28 @@ class Calibrated:
 
     def float_model(self) -> nn.Module:
         """The unquantized reference: the model as loaded, before BatchNorm folding, SmoothQuant or any other
-        rewrite quantcli applied (eval mode, CPU); for a checkpoint without it, :meth:`transformed_float_model`."""
+        rewrite quantcli applied (eval mode, CPU); for a checkpoint without it,
+        :meth:`transformed_float_model`."""
         if not self.has_original:
             return self.transformed_float_model()
         model = build_model(self.spec, trust_code=self.trust_code, origin=self.path)
         original = self.data["original"]
-        state = {k: original["changed"][k] if k in original["changed"] else self.data["state_dict"][k]
-                 for k in original["keys"]}
+        state = {
+            k: original["changed"][k] if k in original["changed"] else self.data["state_dict"][k]
+            for k in original["keys"]
+        }
         try:
             model.load_state_dict(state, strict=True)
         except RuntimeError as e:
-            raise CheckpointError(f"{self.path}: the stored original weights do not fit the model built from "
-                                  f"{self.spec.spec}: {first_line(e)}") from None
+            raise CheckpointError(
+                f"{self.path}: the stored original weights do not fit the model built from "
+                f"{self.spec.spec}: {first_line(e)}"
+            ) from None
         return model.eval()
 
     def transformed_float_model(self) -> nn.Module:
-        """A copy of the quantized model with every quantizer disabled: the model as quantcli transformed it."""
+        """A copy of the quantized model with every quantizer disabled: the model as quantcli transformed
+        it."""
         m = copy.deepcopy(self.model)
         if self.data.get("unrounded"):  # the weights as they were before GPTQ moved them while rounding
             m.load_state_dict(self.data["unrounded"], strict=False)
@@ -171,6 +197,7 @@ class Calibrated:
         if self.spec.kind != "sample":
             return None
         from sample_models import SAMPLES
+
         return SAMPLES[self.spec.spec].evaluation_batches()
 
 
@@ -193,12 +220,16 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
             why = f"cannot read it: {first_line(e, 120)}; create one with `quantcli calibrate`"
         raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint ({why})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise CheckpointError(f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`")
+        raise CheckpointError(
+            f"{path} is not a quantcli calibrated checkpoint; create one with `quantcli calibrate`"
+        )
     version = data.get("format_version", 0)
     if not isinstance(version, int):
         raise CheckpointError(f"{path} is damaged: format_version is {type(version).__name__}, not a number")
     if version > FORMAT_VERSION:
-        raise CheckpointError(f"{path} was written by a newer quantcli (format {data['format_version']}); upgrade quantcli")
+        raise CheckpointError(
+            f"{path} was written by a newer quantcli (format {data['format_version']}); upgrade quantcli"
+        )
     _check_layout(path, data)
     return data
 
@@ -215,17 +246,30 @@ def _check_layout(path: Path, data: dict[str, Any]) -> None:
         for key, kind in layout.items():
             if not isinstance(d.get(key), kind):
                 state = "missing" if key not in d else f"a {type(d[key]).__name__}, not a {kind.__name__}"
-                raise CheckpointError(f"{path} is damaged: its entry {where}{key!r} is {state}; re-create it "
-                                      "with `quantcli calibrate`")
-    bad = [name for name, q in data["quantizers"].items()
-           if not (isinstance(q, dict) and isinstance(q.get("descriptor"), dict) and isinstance(q.get("enabled"), bool))]
+                raise CheckpointError(
+                    f"{path} is damaged: its entry {where}{key!r} is {state}; re-create it "
+                    "with `quantcli calibrate`"
+                )
+    bad = [
+        name
+        for name, q in data["quantizers"].items()
+        if not (
+            isinstance(q, dict)
+            and isinstance(q.get("descriptor"), dict)
+            and isinstance(q.get("enabled"), bool)
+        )
+    ]
     if bad:
-        raise CheckpointError(f"{path} is damaged: quantizer entry {bad[0]!r} lacks its descriptor or enabled flag; "
-                              "re-create it with `quantcli calibrate`")
+        raise CheckpointError(
+            f"{path} is damaged: quantizer entry {bad[0]!r} lacks its descriptor or "
+            f"enabled flag; "
+            "re-create it with `quantcli calibrate`"
+        )
     model = data["model"]
     if model.get("kind") not in MODEL_KINDS or not isinstance(model.get("spec"), str):
-        raise CheckpointError(f"{path} is damaged: its model entry has no kind and spec; re-create it with "
-                              "`quantcli calibrate`")
+        raise CheckpointError(
+            f"{path} is damaged: its model entry has no kind and spec; re-create it with `quantcli calibrate`"
+        )
 
 
 def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
@@ -240,10 +284,13 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     try:
         cfg = QuantConfig.from_plain(data["quant_config"])
     except (TypeError, ValueError, AttributeError, KeyError) as e:
-        raise CheckpointError(f"{path} is damaged: its quant_config cannot be read ({type(e).__name__}: "
-                              f"{first_line(e, 120)}); re-create it with `quantcli calibrate`") from None
+        raise CheckpointError(
+            f"{path} is damaged: its quant_config cannot be read ({type(e).__name__}: "
+            f"{first_line(e, 120)}); re-create it with `quantcli calibrate`"
+        ) from None
     if "target" not in data["quant_config"]:
-        cfg.legacy_placement = True  # written before targets existed: rebuild the placement it was calibrated with
+        # written before targets existed: rebuild the placement it was calibrated with
+        cfg.legacy_placement = True
     model = build_model(spec, trust_code=trust_code, origin=str(path))
     if "batchnorm_folds" not in data:  # written before BatchNorm folding existed: nothing was folded
         cfg.fold_batchnorm = False
@@ -252,26 +299,33 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         restore_folds(model, data.get("batchnorm_folds", []))
     except QuantCliError as e:
         raise CheckpointError(f"{path}: {e}") from None
-    # the placement is read again as at calibration: from a forward on the stored example (older checkpoints: fx)
+    # the placement is read again as at calibration: from a forward on the stored example (older checkpoints:
+    # fx)
     recorded = data.get("placement_graph") == "recorded"
-    if recorded:  # with the calibrated weights, so that a forward whose path depends on values takes the same one
+    # with the calibrated weights, so that a forward whose path depends on values takes the same one
+    if recorded:
         own = model.state_dict()
-        model.load_state_dict({k: v for k, v in data["state_dict"].items()
-                               if k in own and own[k].shape == v.shape}, strict=False)
+        model.load_state_dict(
+            {k: v for k, v in data["state_dict"].items() if k in own and own[k].shape == v.shape},
+            strict=False,
+        )
     quantize_model(model, cfg, fold=False, example=data["inputs"]["example"] if recorded else None)
-    restore_smoothing(model, data["state_dict"])  # SmoothQuant's explicit Muls, if any, before their weights load
+    # SmoothQuant's explicit Muls, if any, before their weights load
+    restore_smoothing(model, data["state_dict"])
     try:
         model.load_state_dict(data["state_dict"], strict=True)
     except RuntimeError as e:
-        raise CheckpointError(f"{path}: the stored weights do not fit the model built from {spec.spec}: "
-                              f"{first_line(e)}") from None
+        raise CheckpointError(
+            f"{path}: the stored weights do not fit the model built from {spec.spec}: {first_line(e)}"
+        ) from None
     stored = data["quantizers"]
     for name, q in quantizers(model).items():
         if name in stored and not stored[name]["enabled"]:
             keep_float(q)  # e.g. a layer that never ran during calibration
         else:
             if name in stored and stored[name]["descriptor"].get("dynamic") and not q.desc.dynamic:
-                # a layer --min-cosine moved to dynamic int8 activations (quantcli.calibration.mixed_precision)
+                # a layer --min-cosine moved to dynamic int8 activations
+                # (quantcli.calibration.mixed_precision)
                 q.desc = QuantDescriptor(**stored[name]["descriptor"])
             q.set_mode("quantize")
     return Calibrated(model.eval(), spec, cfg, data, str(path), trust_code)

@@ -48,8 +48,11 @@ def _tensor(x, where: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise DataError(f"{where}: expected an array or tensor, got {type(x).__name__}")
     if x.is_complex():
-        raise DataError(f"{where}: complex values ({str(x.dtype).replace('torch.', '')}) cannot be model inputs; "
-                        "save the real (or magnitude) part")
+        raise DataError(
+            f"{where}: complex values ({str(x.dtype).replace('torch.', '')}) cannot be model "
+            f"inputs; "
+            "save the real (or magnitude) part"
+        )
     if x.dtype == torch.float64:
         x = x.to(torch.float32)
     return x
@@ -62,7 +65,10 @@ def _named(raw: dict, names: list[str], where: str) -> Batch:
         if positional:
             i = int(k[4:])
             if i >= len(names):
-                raise DataError(f"{where}: {k} is positional argument {i}, but forward takes {len(names)} ({', '.join(names)})")
+                raise DataError(
+                    f"{where}: {k} is positional argument {i}, but forward takes {len(names)} "
+                    f"({', '.join(names)})"
+                )
             k = names[i]
         out[k] = _tensor(v, f"{where}[{k}]")
     return out
@@ -86,7 +92,9 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
         if suffix == ".pt":
             obj = _load_pt(path, mmap)
         else:
-            raise DataError(f"{where}: unknown data format {suffix!r}; use .npz, .npy, .pt or a directory of them")
+            raise DataError(
+                f"{where}: unknown data format {suffix!r}; use .npz, .npy, .pt or a directory of them"
+            )
     except DataError:
         raise
     except Exception as e:
@@ -94,8 +102,11 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
         # (pickle advice, a KeyError naming a byte) do not say so
         detail = first_line(e)
         if not has_signature(path, suffix):
-            kind = {".npz": "a .npz archive (numpy.savez)", ".npy": "a .npy array (numpy.save)",
-                    ".pt": "a file written by torch.save"}[suffix]
+            kind = {
+                ".npz": "a .npz archive (numpy.savez)",
+                ".npy": "a .npy array (numpy.save)",
+                ".pt": "a file written by torch.save",
+            }[suffix]
             raise DataError(f"cannot read {where}: it is not {kind}") from None
         raise DataError(f"cannot read {where}: {detail}") from None
     if isinstance(obj, torch.Tensor):
@@ -110,9 +121,13 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
             elif isinstance(b, dict):
                 batches.append(_named(b, names, f"{where}[{i}]"))
             else:
-                raise DataError(f"{where}[{i}]: a batch must be a tensor or a dict of tensors, got {type(b).__name__}")
+                raise DataError(
+                    f"{where}[{i}]: a batch must be a tensor or a dict of tensors, got {type(b).__name__}"
+                )
         return batches, False
-    raise DataError(f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}")
+    raise DataError(
+        f"{where}: expected a tensor, a dict of tensors or a list of batches, got {type(obj).__name__}"
+    )
 
 
 def has_signature(path: Path, suffix: str) -> bool:
@@ -137,7 +152,9 @@ def _load_pt(path: Path, mmap: bool):
 def _split(batch: Batch, batch_size: int, where: str) -> list[Batch]:
     sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items()}
     if any(s is None for s in sizes.values()):
-        raise DataError(f"{where}: scalar arrays cannot be batched; give each input a leading sample dimension")
+        raise DataError(
+            f"{where}: scalar arrays cannot be batched; give each input a leading sample dimension"
+        )
     if len(set(sizes.values())) > 1:
         raise DataError(f"{where}: inputs have different sample counts {sizes}")
     n = next(iter(sizes.values()), 0)
@@ -151,12 +168,20 @@ def check_names(batch: Batch, model: nn.Module, where: str) -> None:
             raise DataError(f"{where}: input {k!r} is not an argument of forward({', '.join(names)})")
     missing = [r for r in required if r not in batch]
     if missing:
-        raise DataError(f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not provide "
-                        f"(it has {', '.join(batch) or 'nothing'})")
+        raise DataError(
+            f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not "
+            f"provide "
+            f"(it has {', '.join(batch) or 'nothing'})"
+        )
 
 
-def load_batches(path: str | Path, model: nn.Module, batch_size: int | None = defaults.BATCH_SIZE,
-                 num_samples: int | None = None, mmap: bool = False) -> list[Batch]:
+def load_batches(
+    path: str | Path,
+    model: nn.Module,
+    batch_size: int | None = defaults.BATCH_SIZE,
+    num_samples: int | None = None,
+    mmap: bool = False,
+) -> list[Batch]:
     """Read data for ``model`` and return keyword batches, capped at ``num_samples`` samples in total.
     ``mmap``: memory-map ``.npy`` and ``.pt`` files (a torch.distributed rank reads only its own batches)."""
     path = Path(path)
@@ -255,9 +280,14 @@ class DataOptions:
 DEFAULT_MAX_LENGTH = defaults.MAX_LENGTH
 
 
-def load_data(path: str | Path, model: nn.Module, batch_size: int | None = defaults.BATCH_SIZE, num_samples: int | None = None,
-              options: DataOptions | None = None,
-              shard: tuple[int, int] | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+def load_data(
+    path: str | Path,
+    model: nn.Module,
+    batch_size: int | None = defaults.BATCH_SIZE,
+    num_samples: int | None = None,
+    options: DataOptions | None = None,
+    shard: tuple[int, int] | None = None,
+) -> tuple[list[Batch], dict[str, Any] | None]:
     """:func:`load_batches`, plus text files (``.txt``/``.jsonl``) and folders of JPEG/PNG images.
 
     Returns ``(batches, preprocessing)``: ``preprocessing`` is plain data saying how text or images became
@@ -279,27 +309,40 @@ def load_data(path: str | Path, model: nn.Module, batch_size: int | None = defau
         batches, prep = _image_data(path, model, names, batch_size, num_samples, opts, shard)
     else:
         batches = load_batches(path, model, batch_size, num_samples, mmap=shard is not None)
-        return (batches if shard is None else batches[shard[0]::shard[1]]), None
+        return (batches if shard is None else batches[shard[0] :: shard[1]]), None
     # forward's order: the torchscript exporter names graph inputs in the batch's key order but passes them
     # positionally in forward's order (a tokenizer returns token_type_ids before attention_mask)
-    batches = [{**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}} for b in batches]
+    batches = [
+        {**{k: b[k] for k in names if k in b}, **{k: v for k, v in b.items() if k not in names}}
+        for b in batches
+    ]
     for b in batches:
         check_names(b, model, str(path))
     return batches, prep
 
 
-def _text_data(path: Path, names: list[str], var_kw: bool, batch_size: int, num_samples: int | None,
-               opts: DataOptions, shard: tuple[int, int] | None) -> tuple[list[Batch], dict[str, Any]]:
-    """A text file tokenized (the tokenizer stored in a checkpoint, unless ``--tokenizer`` names one): batches,
-    and the preprocessing to store (tokenizer files, max length)."""
+def _text_data(
+    path: Path,
+    names: list[str],
+    var_kw: bool,
+    batch_size: int,
+    num_samples: int | None,
+    opts: DataOptions,
+    shard: tuple[int, int] | None,
+) -> tuple[list[Batch], dict[str, Any]]:
+    """A text file tokenized (the tokenizer stored in a checkpoint, unless ``--tokenizer`` names one):
+    batches, and the preprocessing to store (tokenizer files, max length)."""
     from quantcli.inputs.text_data import load_tokenizer, read_texts, text_batches, tokenizer_files
 
     stored = opts.stored or {}
     texts = read_texts(path)
     if num_samples is not None:
-        texts = texts[:_positive_samples(num_samples)]
-    max_length = opts.max_length or (stored.get("max_length") if stored.get("kind") == "text" else None) \
+        texts = texts[: _positive_samples(num_samples)]
+    max_length = (
+        opts.max_length
+        or (stored.get("max_length") if stored.get("kind") == "text" else None)
         or DEFAULT_MAX_LENGTH
+    )
     folder = opts.tokenizer or opts.model_folder
     kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
     if opts.tokenizer is None and kept:
@@ -308,16 +351,25 @@ def _text_data(path: Path, names: list[str], var_kw: bool, batch_size: int, num_
     else:
         tok = load_tokenizer(folder)
         source = str(folder)
-        files = {k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
-                 for k, v in tokenizer_files(folder).items()}
+        files = {
+            k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
+            for k, v in tokenizer_files(folder).items()
+        }
     batches = text_batches(texts, tok, max_length, batch_size, names, var_kw)
     if shard is not None:
-        batches = batches[shard[0]::shard[1]]
+        batches = batches[shard[0] :: shard[1]]
     return batches, {"kind": "text", "tokenizer": source, "max_length": max_length, "tokenizer_files": files}
 
 
-def _image_data(path: Path, model: nn.Module, names: list[str], batch_size: int, num_samples: int | None,
-                opts: DataOptions, shard: tuple[int, int] | None) -> tuple[list[Batch], dict[str, Any]]:
+def _image_data(
+    path: Path,
+    model: nn.Module,
+    names: list[str],
+    batch_size: int,
+    num_samples: int | None,
+    opts: DataOptions,
+    shard: tuple[int, int] | None,
+) -> tuple[list[Batch], dict[str, Any]]:
     """A folder of images decoded and normalised (the checkpoint's settings unless options override them):
     batches, and the preprocessing to store (size, mean, std)."""
     from quantcli.inputs.image_data import image_batches, image_settings, parse_floats, parse_size
@@ -325,8 +377,13 @@ def _image_data(path: Path, model: nn.Module, names: list[str], batch_size: int,
     stored = opts.stored or {}
     if not names:
         raise DataError(f"{path}: forward takes no arguments")
-    settings = image_settings(opts.model_folder, parse_size(opts.image_size), parse_floats(opts.mean, "--mean"),
-                              parse_floats(opts.std, "--std"), stored if stored.get("kind") == "image" else None)
+    settings = image_settings(
+        opts.model_folder,
+        parse_size(opts.image_size),
+        parse_floats(opts.mean, "--mean"),
+        parse_floats(opts.std, "--std"),
+        stored if stored.get("kind") == "image" else None,
+    )
     if num_samples is not None:
         _positive_samples(num_samples)
     batches = image_batches(path, model, names[0], settings, batch_size, num_samples, shard)

@@ -1,17 +1,20 @@
-"""MODEL as a Hugging Face model folder (``config.json`` + ``model.safetensors`` / ``pytorch_model.bin``), offline.
+"""MODEL as a Hugging Face model folder (``config.json`` + ``model.safetensors`` / ``pytorch_model.bin``),
+offline.
 
 The class ``architectures`` names (a task head) is built from the installed ``transformers``, else the base
-model (``AutoModel``); weights are read by ``from_pretrained`` with ``local_files_only`` (safetensors, or ``.bin``
-read with ``weights_only=True``, which quantcli checks itself first). No code from the folder ever runs
-(``trust_remote_code`` stays off). The config is stored in the calibrated checkpoint, so export and verify
-rebuild the same class from the installed ``transformers`` after the folder is gone; that is not checkpoint code.
+model (``AutoModel``); weights are read by ``from_pretrained`` with ``local_files_only`` (safetensors, or
+``.bin`` read with ``weights_only=True``, which quantcli checks itself first). No code from the folder ever
+runs (``trust_remote_code`` stays off). The config is stored in the calibrated checkpoint, so export and
+verify rebuild the same class from the installed ``transformers`` after the folder is gone; that is not
+checkpoint code.
 
-The module quantcli calibrates is the transformers model itself with a ``forward`` that takes the tensor inputs
-(``input_ids``, ``attention_mask``, ``token_type_ids`` where the model takes it; or ``pixel_values``) and returns
-what a user deploys: every ``*logits`` output of a task head, else ``last_hidden_state``, or with
+The module quantcli calibrates is the transformers model itself with a ``forward`` that takes the tensor
+inputs (``input_ids``, ``attention_mask``, ``token_type_ids`` where the model takes it; or ``pixel_values``)
+and returns what a user deploys: every ``*logits`` output of a task head, else ``last_hidden_state``, or with
 ``pooling="mean"`` its mean over the (unmasked) tokens as ``embeddings``. A causal LM (``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) gives its ``logits`` for every position of the sequence, computed
-with ``use_cache=False``: the graph is a prefill over the full sequence, with no KV cache inputs or outputs.
+``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) gives its ``logits`` for every position of the sequence,
+computed with ``use_cache=False``: the graph is a prefill over the full sequence, with no KV cache inputs or
+outputs.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ from torch import nn
 
 from quantcli.errors import MissingExtraError, ModelLoadError, first_line
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 POOLINGS = ("none", "mean")
 
 
@@ -34,7 +42,9 @@ def transformers_module():
     try:
         import transformers
     except ImportError:
-        raise MissingExtraError("Hugging Face model folders need transformers: pip install 'quantcli[hf]'") from None
+        raise MissingExtraError(
+            "Hugging Face model folders need transformers: pip install 'quantcli[hf]'"
+        ) from None
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     return transformers
@@ -46,8 +56,10 @@ def is_hf_folder(path: Path) -> bool:
 
 def _read_config(folder: Path) -> dict[str, Any]:
     if not folder.is_dir() or not is_hf_folder(folder):
-        raise ModelLoadError(f"MODEL folder {folder} is not a Hugging Face model folder (no config.json); "
-                             "save one with model.save_pretrained(folder)")
+        raise ModelLoadError(
+            f"MODEL folder {folder} is not a Hugging Face model folder (no config.json); "
+            "save one with model.save_pretrained(folder)"
+        )
     try:
         cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -55,8 +67,11 @@ def _read_config(folder: Path) -> dict[str, Any]:
     if not isinstance(cfg, dict) or "model_type" not in cfg:
         raise ModelLoadError(f"{folder}/config.json has no model_type; it is not a transformers model config")
     if cfg.get("auto_map"):
-        raise ModelLoadError(f"{folder}/config.json asks for custom model code (auto_map); quantcli builds only "
-                             "classes of the installed transformers and never runs code from a model folder")
+        raise ModelLoadError(
+            f"{folder}/config.json asks for custom model code (auto_map); quantcli builds "
+            f"only "
+            "classes of the installed transformers and never runs code from a model folder"
+        )
     return cfg
 
 
@@ -65,8 +80,10 @@ def _config_object(cfg: dict[str, Any], where: str):
     try:
         return tf.AutoConfig.for_model(**cfg)
     except (ValueError, KeyError) as e:
-        raise ModelLoadError(f"{where}: model_type {cfg.get('model_type')!r} is unknown to transformers "
-                             f"{tf.__version__} ({first_line(e, 120)}); upgrade transformers") from None
+        raise ModelLoadError(
+            f"{where}: model_type {cfg.get('model_type')!r} is unknown to transformers "
+            f"{tf.__version__} ({first_line(e, 120)}); upgrade transformers"
+        ) from None
 
 
 def _model_class(cfg: dict[str, Any], config, where: str):
@@ -75,14 +92,20 @@ def _model_class(cfg: dict[str, Any], config, where: str):
     if archs:
         cls = getattr(tf, archs[0], None)
         if cls is None or not isinstance(cls, type) or not issubclass(cls, nn.Module):
-            raise ModelLoadError(f"{where}: config names class {archs[0]!r}, which transformers {tf.__version__} "
-                                 "does not have; upgrade transformers (quantcli does not run code from model folders)")
+            raise ModelLoadError(
+                f"{where}: config names class {archs[0]!r}, which transformers "
+                f"{tf.__version__} "
+                "does not have; upgrade transformers (quantcli does not run code from "
+                "model folders)"
+            )
         return cls
     try:
         return tf.MODEL_MAPPING[type(config)]
     except KeyError:
-        raise ModelLoadError(f"{where}: transformers {tf.__version__} has no base model for model_type "
-                             f"{cfg.get('model_type')!r}") from None
+        raise ModelLoadError(
+            f"{where}: transformers {tf.__version__} has no base model for model_type "
+            f"{cfg.get('model_type')!r}"
+        ) from None
 
 
 def _is_base(cls, config) -> bool:
@@ -99,8 +122,11 @@ def _inputs(cls) -> list[str]:
         return ["input_ids", "attention_mask"] + (["token_type_ids"] if "token_type_ids" in params else [])
     if "pixel_values" in params:
         return ["pixel_values"]
-    raise ModelLoadError(f"{cls.__name__} takes neither input_ids nor pixel_values; quantcli handles Hugging Face "
-                         "text and image models")
+    raise ModelLoadError(
+        f"{cls.__name__} takes neither input_ids nor pixel_values; quantcli handles "
+        f"Hugging Face "
+        "text and image models"
+    )
 
 
 def hf_spec(folder: Path, pooling: str = "none"):
@@ -113,12 +139,19 @@ def hf_spec(folder: Path, pooling: str = "none"):
     config = _config_object(cfg, str(folder))
     cls = _model_class(cfg, config, str(folder))
     if pooling != "none" and not _is_base(cls, config):
-        raise ModelLoadError(f"--pooling {pooling} pools a base model's last_hidden_state, but {folder} is "
-                             f"{cls.__name__}, a task head whose logits are the output")
+        raise ModelLoadError(
+            f"--pooling {pooling} pools a base model's last_hidden_state, but {folder} is "
+            f"{cls.__name__}, a task head whose logits are the output"
+        )
     if not any((folder / f).is_file() for f in WEIGHT_FILES):
         raise ModelLoadError(f"{folder} has config.json but no weights ({', '.join(WEIGHT_FILES)})")
-    extra = {"config": json.dumps(cfg), "architecture": cls.__name__, "pooling": pooling,
-             "inputs": _inputs(cls), "task_head": not _is_base(cls, config)}
+    extra = {
+        "config": json.dumps(cfg),
+        "architecture": cls.__name__,
+        "pooling": pooling,
+        "inputs": _inputs(cls),
+        "task_head": not _is_base(cls, config),
+    }
     return ModelSpec("hf", str(folder), str(folder.resolve()), None, extra)
 
 
@@ -127,14 +160,18 @@ def _check_bin_weights(folder: Path) -> None:
     if (folder / "model.safetensors").is_file() or (folder / "model.safetensors.index.json").is_file():
         return
     index = folder / "pytorch_model.bin.index.json"
-    files = ([folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
-             if index.is_file() else [folder / "pytorch_model.bin"])
+    files = (
+        [folder / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        if index.is_file()
+        else [folder / "pytorch_model.bin"]
+    )
     for f in files:
         try:
             torch.load(f, map_location="cpu", weights_only=True, mmap=True)
         except Exception as e:
-            raise ModelLoadError(f"{f} does not read as plain weights (weights_only=True): "
-                                 f"{first_line(e, 160)}") from None
+            raise ModelLoadError(
+                f"{f} does not read as plain weights (weights_only=True): {first_line(e, 160)}"
+            ) from None
 
 
 class _Outputs:
@@ -142,8 +179,8 @@ class _Outputs:
 
     quantcli_pooling = "none"
     quantcli_task_head = True
-    #: ``{"use_cache": False}`` where forward takes ``use_cache``: a decoder LM runs (and exports) as a prefill over
-    #: the whole sequence, without building a KV cache
+    # : ``{"use_cache": False}`` where forward takes ``use_cache``: a decoder LM runs (and exports) as a
+    # prefill over : the whole sequence, without building a KV cache
     quantcli_no_cache: dict = {}
 
     def _quantcli_outputs(self, out, attention_mask):
@@ -164,15 +201,21 @@ class _Outputs:
 
 class _TextWithTypes(_Outputs):
     def forward(self, input_ids, attention_mask=None, token_type_ids=None):
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids,
-                              return_dict=True, **self.quantcli_no_cache)
+        out = super().forward(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            token_type_ids=token_type_ids,
+            return_dict=True,
+            **self.quantcli_no_cache,
+        )
         return self._quantcli_outputs(out, attention_mask)
 
 
 class _Text(_Outputs):
     def forward(self, input_ids, attention_mask=None):
-        out = super().forward(input_ids=input_ids, attention_mask=attention_mask, return_dict=True,
-                              **self.quantcli_no_cache)
+        out = super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, return_dict=True, **self.quantcli_no_cache
+        )
         return self._quantcli_outputs(out, attention_mask)
 
 
@@ -209,16 +252,24 @@ def load_hf_folder(spec) -> nn.Module:
     _check_bin_weights(folder)
     cls = getattr(transformers_module(), extra["architecture"])
     try:
-        model, info = cls.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False,
-                                          attn_implementation="eager", output_loading_info=True)
+        model, info = cls.from_pretrained(
+            str(folder),
+            local_files_only=True,
+            trust_remote_code=False,
+            attn_implementation="eager",
+            output_loading_info=True,
+        )
     except Exception as e:
         raise ModelLoadError(f"cannot load {folder} as {cls.__name__}: {first_line(e, 200)}") from None
     missing = sorted(info.get("missing_keys") or [])
     mismatched = sorted(str(k) for k in info.get("mismatched_keys") or [])
     if missing or mismatched:
         what = f"missing {', '.join(missing[:5])}" if missing else f"mis-shaped {', '.join(mismatched[:5])}"
-        raise ModelLoadError(f"the weights in {folder} do not fill {cls.__name__} ({what}); those would be random")
-    return _deployable(model.float().eval(), extra)  # a bf16/fp16 checkpoint is calibrated from exact fp32 copies
+        raise ModelLoadError(
+            f"the weights in {folder} do not fill {cls.__name__} ({what}); those would be random"
+        )
+    # a bf16/fp16 checkpoint is calibrated from exact fp32 copies
+    return _deployable(model.float().eval(), extra)
 
 
 def build_hf_model(spec, from_folder: bool = False) -> nn.Module:
@@ -232,5 +283,7 @@ def build_hf_model(spec, from_folder: bool = False) -> nn.Module:
     try:
         model = cls._from_config(config, attn_implementation="eager")
     except Exception as e:
-        raise ModelLoadError(f"cannot build {cls.__name__} from the stored config: {first_line(e, 200)}") from None
+        raise ModelLoadError(
+            f"cannot build {cls.__name__} from the stored config: {first_line(e, 200)}"
+        ) from None
     return _deployable(model.float().eval(), extra)

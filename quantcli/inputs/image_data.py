@@ -1,11 +1,11 @@
 """Image calibration / verification data: a folder of JPEG/PNG files (searched recursively, in sorted order),
 decoded, converted to the model's channel mode, resized and normalised into a float32 ``(N, C, H, W)`` batch.
 
-Settings come from the options, else the model folder's ``preprocessor_config.json``, else ImageNet's (224x224,
-mean 0.485/0.456/0.406, std 0.229/0.224/0.225; for a 1-channel model their luma, mean 0.459, std 0.2256); the
-summary says which. Every image is converted to one mode
-(RGB for 3-channel models, L for 1-channel), as torchvision's ImageFolder does; the summary counts conversions.
-16-bit and float images are refused (converting them to 8 bits would clip, not scale).
+Settings come from the options, else the model folder's ``preprocessor_config.json``, else ImageNet's
+(224x224, mean 0.485/0.456/0.406, std 0.229/0.224/0.225; for a 1-channel model their luma, mean 0.459, std
+0.2256); the summary says which. Every image is converted to one mode (RGB for 3-channel models, L for
+1-channel), as torchvision's ImageFolder does; the summary counts conversions. 16-bit and float images are
+refused (converting them to 8 bits would clip, not scale).
 """
 
 from __future__ import annotations
@@ -46,19 +46,35 @@ class ImageSettings:
     conversions: dict[str, int] = field(default_factory=dict)
 
     def to_plain(self) -> dict[str, Any]:
-        return {"kind": "image", "size": list(self.size), "mean": list(self.mean), "std": list(self.std),
-                "resize_shorter": self.resize_shorter, "rescale": self.rescale, "source": self.source}
+        return {
+            "kind": "image",
+            "size": list(self.size),
+            "mean": list(self.mean),
+            "std": list(self.std),
+            "resize_shorter": self.resize_shorter,
+            "rescale": self.rescale,
+            "source": self.source,
+        }
 
     @classmethod
     def from_plain(cls, d: dict[str, Any]) -> ImageSettings:
-        return cls(tuple(d["size"]), tuple(d["mean"]), tuple(d["std"]), d.get("resize_shorter"),
-                   d.get("rescale", 1 / 255), d.get("source", "stored in the checkpoint"))
+        return cls(
+            tuple(d["size"]),
+            tuple(d["mean"]),
+            tuple(d["std"]),
+            d.get("resize_shorter"),
+            d.get("rescale", 1 / 255),
+            d.get("source", "stored in the checkpoint"),
+        )
 
     def describe(self) -> str:
         conv = ", ".join(f"{n} from {m}" for m, n in sorted(self.conversions.items()))
         resize = f"shorter side {self.resize_shorter}, center crop" if self.resize_shorter else "resized"
-        return (f"images {resize} to {self.size[0]}x{self.size[1]}, mean {list(self.mean)}, std {list(self.std)} "
-                f"({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else ""))
+        return (
+            f"images {resize} to {self.size[0]}x{self.size[1]}, mean {list(self.mean)}, std "
+            f"{list(self.std)} "
+            f"({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else "")
+        )
 
 
 def _pil():
@@ -124,8 +140,13 @@ def _from_preprocessor(cfg: dict[str, Any]) -> tuple[tuple[int, int] | None, int
     return size, shorter, mean, std, rescale
 
 
-def image_settings(model_folder: str | Path | None, size: tuple[int, int] | None, mean: tuple | None,
-                   std: tuple | None, stored: dict[str, Any] | None = None) -> ImageSettings:
+def image_settings(
+    model_folder: str | Path | None,
+    size: tuple[int, int] | None,
+    mean: tuple | None,
+    std: tuple | None,
+    stored: dict[str, Any] | None = None,
+) -> ImageSettings:
     """Options win, then what a checkpoint stored, then ``preprocessor_config.json``, then ImageNet's."""
     if stored is not None:
         base = ImageSettings.from_plain(stored)
@@ -166,8 +187,10 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
         with Image.open(path) as im:
             im.load()
             if im.mode not in _CONVERTIBLE:
-                raise DataError(f"image {path} has mode {im.mode} (16-bit or float pixels); save it as 8-bit "
-                                "RGB or grayscale")
+                raise DataError(
+                    f"image {path} has mode {im.mode} (16-bit or float pixels); save it as 8-bit "
+                    "RGB or grayscale"
+                )
             if im.mode != mode:
                 settings.conversions[im.mode] = settings.conversions.get(im.mode, 0) + 1
                 im = im.convert(mode)
@@ -190,10 +213,18 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
 
-def image_batches(folder: Path, model: nn.Module, input_name: str, settings: ImageSettings, batch_size: int,
-                  num_samples: int | None, shard: tuple[int, int] | None = None) -> list[dict[str, torch.Tensor]]:
-    """Decode, resize and normalise every image under ``folder``: ``{input_name: float32 (B, C, H, W)}`` batches.
-    ``shard=(rank, world_size)``: only batches ``rank, rank + world_size, ...`` (the others are not decoded)."""
+def image_batches(
+    folder: Path,
+    model: nn.Module,
+    input_name: str,
+    settings: ImageSettings,
+    batch_size: int,
+    num_samples: int | None,
+    shard: tuple[int, int] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Decode, resize and normalise every image under ``folder``: ``{input_name: float32 (B, C, H, W)}``
+    batches. ``shard=(rank, world_size)``: only batches ``rank, rank + world_size, ...`` (the others are not
+    decoded)."""
     _pil()
     files = find_images(folder)
     if not files:
@@ -202,7 +233,9 @@ def image_batches(folder: Path, model: nn.Module, input_name: str, settings: Ima
         files = files[:num_samples]
     channels = model_channels(model)
     if channels not in (1, 3):
-        raise DataError(f"the model takes {channels}-channel images; image folders give 1 (L) or 3 (RGB) channels")
+        raise DataError(
+            f"the model takes {channels}-channel images; image folders give 1 (L) or 3 (RGB) channels"
+        )
     mode = settings.mode = "RGB" if channels == 3 else "L"
     if channels == 1 and (tuple(settings.mean), tuple(settings.std)) == (IMAGENET_MEAN, IMAGENET_STD):
         settings.mean, settings.std = IMAGENET_MEAN_L, IMAGENET_STD_L  # the defaults, for one channel
@@ -214,7 +247,7 @@ def image_batches(folder: Path, model: nn.Module, input_name: str, settings: Ima
     mean, std = mean.reshape(-1, 1, 1), std.reshape(-1, 1, 1)
     batches = []
     starts = range(0, len(files), batch_size)
-    for i in starts if shard is None else starts[shard[0]::shard[1]]:
+    for i in starts if shard is None else starts[shard[0] :: shard[1]]:
         arr = np.stack([_decode(f, mode, settings) for f in files[i : i + batch_size]])
         arr = (arr * np.float32(settings.rescale) - mean) / std
         batches.append({input_name: torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))})

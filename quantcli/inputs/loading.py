@@ -24,6 +24,7 @@ def parse_spec(spec: str, trust_pickle: bool = False, **hf_options: Any) -> Mode
     """MODEL text -> ModelSpec. A path without ``:factory`` is a Hugging Face folder or a whole-module file;
     ``hf_options`` (``pooling``) apply to Hugging Face folders."""
     from sample_models import SAMPLES
+
     if spec in SAMPLES:
         return ModelSpec("sample", spec)
     as_path = Path(spec)
@@ -35,12 +36,18 @@ def parse_spec(spec: str, trust_pickle: bool = False, **hf_options: Any) -> Mode
         from quantcli.inputs.whole_module import bytes_tensor, read_model_file
 
         data = read_model_file(as_path, trust_pickle)
-        return ModelSpec("pickle", spec, str(as_path.resolve()), None,
-                         {"sha256": sha256_hex(data), "pickle": bytes_tensor(data)})
+        return ModelSpec(
+            "pickle",
+            spec,
+            str(as_path.resolve()),
+            None,
+            {"sha256": sha256_hex(data), "pickle": bytes_tensor(data)},
+        )
     if ":" not in spec:
         raise ModelLoadError(
             f"MODEL {spec!r} is not a sample model ({', '.join(SAMPLES)}), a Hugging Face model folder, a "
-            "torch.save(model) file, nor has a ':factory'; use package.module:factory or path/to/file.py:factory"
+            "torch.save(model) file, nor has a ':factory'; use package.module:factory or "
+            "path/to/file.py:factory"
         )
     target, factory = spec.rsplit(":", 1)
     if not factory.isidentifier():
@@ -63,12 +70,16 @@ def _file_source(spec: ModelSpec, trust_code: bool, origin: str | None) -> str:
     """The source to run for a file spec: the stored source, run without ``trust_code`` only when the file on
     disk holds exactly its bytes (the user has that code); otherwise it came inside the checkpoint.
 
-    A spec that stores no source runs nothing, with or without ``trust_code``: the checkpoint would name a file
-    without carrying the code the user approves. Nothing read from the file is quoted in an error."""
+    A spec that stores no source runs nothing, with or without ``trust_code``: the checkpoint would name a
+    file without carrying the code the user approves. Nothing read from the file is quoted in an error."""
     if not isinstance(spec.source, str):
         where = f"{origin}: " if origin else ""
-        raise ModelLoadError(f"{where}the checkpoint names the factory file {spec.path} but does not store its "
-                             "source, so nothing is run (quantcli calibrate stores it); re-calibrate the model")
+        raise ModelLoadError(
+            f"{where}the checkpoint names the factory file {spec.path} but does not store "
+            f"its "
+            "source, so nothing is run (quantcli calibrate stores it); re-calibrate the "
+            "model"
+        )
     path = Path(spec.path) if spec.path else None
     on_disk = None
     if path is not None and path.is_file():
@@ -79,7 +90,9 @@ def _file_source(spec: ModelSpec, trust_code: bool, origin: str | None) -> str:
     if on_disk == spec.source.encode("utf-8"):
         return spec.source
     state = "changed on disk since calibration" if on_disk is not None else "not on disk"
-    require_trust(trust_code, f"the factory source of a file {state}", spec.path, sha256_hex(spec.source), origin)
+    require_trust(
+        trust_code, f"the factory source of a file {state}", spec.path, sha256_hex(spec.source), origin
+    )
     return spec.source
 
 
@@ -104,6 +117,7 @@ def _load_file_module(spec: ModelSpec, trust_code: bool = False, origin: str | N
 def _factory(spec: ModelSpec, trust_code: bool = False, origin: str | None = None):
     if spec.kind == "sample":
         from sample_models import SAMPLES
+
         if spec.spec not in SAMPLES:
             raise ModelLoadError(f"{spec.spec!r} is not a sample model ({', '.join(SAMPLES)})")
         return SAMPLES[spec.spec].build
@@ -113,8 +127,11 @@ def _factory(spec: ModelSpec, trust_code: bool = False, origin: str | None = Non
     if spec.kind == "module" and origin is not None:  # a module a checkpoint names: checked before importing
         require_installed(trust_code, target, spec.extra, origin)
     try:
-        module = (_load_file_module(spec, trust_code, origin) if spec.kind == "file"
-                  else importlib.import_module(target))
+        module = (
+            _load_file_module(spec, trust_code, origin)
+            if spec.kind == "file"
+            else importlib.import_module(target)
+        )
     except QuantCliError:
         raise
     except Exception as e:
@@ -130,8 +147,9 @@ def _unpickled(spec: ModelSpec, trust_code: bool, origin: str | None) -> nn.Modu
     from quantcli.inputs.whole_module import tensor_bytes, unpickle_module
 
     extra = spec.extra or {}
-    require_trust(trust_code, "the pickled whole module read from", spec.path, extra.get("sha256", "?"),
-                  origin)
+    require_trust(
+        trust_code, "the pickled whole module read from", spec.path, extra.get("sha256", "?"), origin
+    )
     return unpickle_module(tensor_bytes(extra["pickle"]), origin or spec.spec)
 
 
@@ -181,8 +199,10 @@ def read_state_dict(path: str | Path, trust_pickle: bool = False) -> dict[str, t
             raise ModelLoadError(f"cannot read {path}: {reason(e)}") from None
         if not trust_pickle:
             raise ModelLoadError(
-                f"{path} is a pickled object (a whole module?), not a state dict; loading it runs code from the "
-                "file. Re-save it with torch.save(model.state_dict(), ...) or pass --trust-pickle if you trust it"
+                f"{path} is a pickled object (a whole module?), not a state dict; loading it runs code from "
+                f"the "
+                "file. Re-save it with torch.save(model.state_dict(), ...) or pass --trust-pickle if you "
+                "trust it"
             ) from None
         obj = torch.load(path, map_location="cpu", weights_only=False)
     if isinstance(obj, nn.Module):
@@ -199,8 +219,11 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str =
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
-    shapes = [f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
-              for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    shapes = [
+        f"{k} {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
     problems = []
     if missing:
         problems.append(f"missing {_few(missing)}")
@@ -218,12 +241,13 @@ def _few(items: list[str], n: int = 5) -> str:
     return ", ".join(items[:n]) + more
 
 
-def load_model(spec: str | ModelSpec, weights: str | Path | None = None, trust_pickle: bool = False,
-               **hf_options: Any) -> tuple[nn.Module, ModelSpec]:
+def load_model(
+    spec: str | ModelSpec, weights: str | Path | None = None, trust_pickle: bool = False, **hf_options: Any
+) -> tuple[nn.Module, ModelSpec]:
     """Build the model from its spec and load ``weights`` if given. Returns ``(model in eval mode, spec)``.
 
-    ``trust_pickle`` allows a pickled whole module, as MODEL or as ``weights``; ``hf_options`` (``pooling``) apply
-    to a Hugging Face folder.
+    ``trust_pickle`` allows a pickled whole module, as MODEL or as ``weights``; ``hf_options`` (``pooling``)
+    apply to a Hugging Face folder.
     """
     ms = spec if isinstance(spec, ModelSpec) else parse_spec(spec, trust_pickle, **hf_options)
     if ms.kind == "hf":
@@ -240,7 +264,8 @@ def load_model(spec: str | ModelSpec, weights: str | Path | None = None, trust_p
 def model_code(spec: ModelSpec) -> dict[str, Any]:
     """Where the code that rebuilds ``spec``'s model comes from, without running anything.
 
-    ``needs_trust_code`` is what ``load_calibrated`` would demand now (a factory file is checked against disk).
+    ``needs_trust_code`` is what ``load_calibrated`` would demand now (a factory file is checked against
+    disk).
     """
     if spec.kind == "sample":
         return {"source": "sample model", "file": None, "sha256": None, "needs_trust_code": False}
@@ -251,9 +276,15 @@ def model_code(spec: ModelSpec) -> dict[str, Any]:
             needs = False
         except UntrustedCodeError:
             needs = True
-        return {"source": "module the checkpoint names, not from the installed distribution it recorded" if needs
-                else "installed module", "file": target, "sha256": None, "needs_trust_code": needs,
-                "distribution": (spec.extra or {}).get("distribution")}
+        return {
+            "source": "module the checkpoint names, not from the installed distribution it recorded"
+            if needs
+            else "installed module",
+            "file": target,
+            "sha256": None,
+            "needs_trust_code": needs,
+            "distribution": (spec.extra or {}).get("distribution"),
+        }
     if spec.kind == "file":
         stored = isinstance(spec.source, str)
         try:
@@ -263,10 +294,23 @@ def model_code(spec: ModelSpec) -> dict[str, Any]:
             needs, what = True, "factory file source stored in the checkpoint"
         except QuantCliError:  # no source stored: nothing may run, not even with --trust-code
             needs, what = True, "a factory file whose source the checkpoint does not store: cannot be rebuilt"
-        return {"source": what, "file": spec.path, "sha256": sha256_hex(spec.source) if stored else None,
-                "needs_trust_code": needs, "rebuildable": stored}
+        return {
+            "source": what,
+            "file": spec.path,
+            "sha256": sha256_hex(spec.source) if stored else None,
+            "needs_trust_code": needs,
+            "rebuildable": stored,
+        }
     if spec.kind == "pickle":
-        return {"source": "pickled whole module stored in the checkpoint", "file": spec.path,
-                "sha256": (spec.extra or {}).get("sha256"), "needs_trust_code": True}
-    return {"source": "transformers class " + str((spec.extra or {}).get("architecture")), "file": spec.path,
-            "sha256": None, "needs_trust_code": False}
+        return {
+            "source": "pickled whole module stored in the checkpoint",
+            "file": spec.path,
+            "sha256": (spec.extra or {}).get("sha256"),
+            "needs_trust_code": True,
+        }
+    return {
+        "source": "transformers class " + str((spec.extra or {}).get("architecture")),
+        "file": spec.path,
+        "sha256": None,
+        "needs_trust_code": False,
+    }

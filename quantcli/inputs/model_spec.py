@@ -1,6 +1,6 @@
 """What MODEL names: a sample model, a factory in a file or an importable module, a pickled whole module, or a
-Hugging Face folder (:class:`ModelSpec`). Stored in calibrated checkpoints as plain data, so the model is rebuilt
-the same way (:mod:`quantcli.inputs.loading`)."""
+Hugging Face folder (:class:`ModelSpec`). Stored in calibrated checkpoints as plain data, so the model is
+rebuilt the same way (:mod:`quantcli.inputs.loading`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ class ModelSpec:
     spec: str
     path: str | None = None
     source: str | None = None
-    extra: dict[str, Any] | None = None  # per kind: the pickle's bytes and sha256; the HF config, class, outputs
+    # per kind: the pickle's bytes and sha256; the HF config, class, outputs
+    extra: dict[str, Any] | None = None
 
     def to_plain(self) -> dict[str, Any]:
         d = {"kind": self.kind, "spec": self.spec, "path": self.path, "source": self.source}

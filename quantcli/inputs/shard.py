@@ -1,4 +1,5 @@
-"""A rank's share of the calibration data: batch ``i`` of the one-process batch list goes to rank ``i % world_size``.
+"""A rank's share of the calibration data: batch ``i`` of the one-process batch list goes to rank ``i %
+world_size``.
 
 Strided rather than in contiguous blocks: the ranks' batch counts differ by one at most, and rank 0 holds
 batch 0 (the example batch the checkpoint stores) whenever there is any batch. Calibration statistics do not
@@ -43,9 +44,15 @@ def batch_files(path: Path) -> list[Path] | None:
     return files if files and len(files) == len(entries) else None
 
 
-def load_shard(path: str | Path, model: nn.Module, rank: int, world_size: int, batch_size: int | None = defaults.BATCH_SIZE,
-               num_samples: int | None = None,
-               options: DataOptions | None = None) -> tuple[list[Batch], dict[str, Any] | None]:
+def load_shard(
+    path: str | Path,
+    model: nn.Module,
+    rank: int,
+    world_size: int,
+    batch_size: int | None = defaults.BATCH_SIZE,
+    num_samples: int | None = None,
+    options: DataOptions | None = None,
+) -> tuple[list[Batch], dict[str, Any] | None]:
     """Rank ``rank``'s share of ``load_data(path, ...)``: ``(batches, preprocessing)`` with the batches at
     positions ``rank, rank + world_size, ...`` (for a directory of batch files: those of its files at these
     positions), reading as little of the others' data as the format allows (module docstring). A rank may get

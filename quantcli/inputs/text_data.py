@@ -1,11 +1,11 @@
-"""Text calibration / verification data: ``.txt`` (one example per line) or ``.jsonl`` (a ``text`` field per line),
-tokenized with a Hugging Face tokenizer into the integer inputs ``forward`` takes.
+"""Text calibration / verification data: ``.txt`` (one example per line) or ``.jsonl`` (a ``text`` field per
+line), tokenized with a Hugging Face tokenizer into the integer inputs ``forward`` takes.
 
 Blank lines are skipped. Each batch is padded to its own longest example (at most ``max_length`` tokens), so
-sequence lengths differ between batches as they would in deployment; a tokenizer without a padding token (a causal
-LM's) pads with its end-of-sequence token. The tokenizer comes from a folder
-(``--tokenizer``, else the model folder) or from the files a calibrated checkpoint stored, loaded with
-``local_files_only`` and without ``trust_remote_code``.
+sequence lengths differ between batches as they would in deployment; a tokenizer without a padding token (a
+causal LM's) pads with its end-of-sequence token. The tokenizer comes from a folder (``--tokenizer``, else the
+model folder) or from the files a calibrated checkpoint stored, loaded with ``local_files_only`` and without
+``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -20,11 +20,27 @@ import torch
 from quantcli.errors import DataError, first_line
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.txt", "vocab.json", "merges.txt", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model", "config.json")
-_TOKENIZER_CORE = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "sentencepiece.bpe.model",
-                   "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+    "config.json",
+)
+_TOKENIZER_CORE = (
+    "tokenizer.json",
+    "vocab.txt",
+    "vocab.json",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tokenizer.model",
+)
 MAX_STORED_BYTES = 64 * 2**20
 
 
@@ -34,8 +50,9 @@ def _decode(path: Path) -> str:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); "
-                        "save it as UTF-8") from None
+        raise DataError(
+            f"{path} is not UTF-8 text (byte 0x{raw[e.start]:02x} on line {line}); save it as UTF-8"
+        ) from None
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -54,7 +71,7 @@ def read_texts(path: str | Path) -> list[str]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} line {i} is not JSON: {e.msg}") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DataError(f"{path} line {i} has no \"text\" string field")
+                raise DataError(f'{path} line {i} has no "text" string field')
             texts.append(obj["text"])
     if not texts:
         raise DataError(f"{path} holds no text (it is empty or blank)")
@@ -62,7 +79,8 @@ def read_texts(path: str | Path) -> list[str]:
 
 
 def tokenizer_files(folder: str | Path) -> dict[str, bytes]:
-    """The tokenizer's files in ``folder`` (what a checkpoint stores so verify works after the folder is gone)."""
+    """The tokenizer's files in ``folder`` (what a checkpoint stores so verify works after the folder is
+    gone)."""
     folder = Path(folder)
     files = {n: (folder / n).read_bytes() for n in TOKENIZER_FILES if (folder / n).is_file()}
     return files if sum(map(len, files.values())) <= MAX_STORED_BYTES else {}
@@ -81,15 +99,20 @@ def load_tokenizer(folder: str | Path | None = None, stored: dict[str, bytes] | 
         if not folder.is_dir():
             raise DataError(f"tokenizer folder {folder} does not exist")
         if not any((folder / n).is_file() for n in _TOKENIZER_CORE):
-            raise DataError(f"{folder} has no tokenizer ({', '.join(_TOKENIZER_CORE)}); pass --tokenizer FOLDER "
-                            "with the model's tokenizer files")
+            raise DataError(
+                f"{folder} has no tokenizer ({', '.join(_TOKENIZER_CORE)}); pass --tokenizer "
+                f"FOLDER "
+                "with the model's tokenizer files"
+            )
         return _from_folder(folder)
     if stored:
         with tempfile.TemporaryDirectory(prefix="quantcli-tokenizer-") as tmp:
             for name, data in stored.items():
                 (Path(tmp) / Path(name).name).write_bytes(data)
             return _from_folder(Path(tmp))
-    raise DataError("text data needs a tokenizer: pass --tokenizer FOLDER (a folder with tokenizer.json or vocab.txt)")
+    raise DataError(
+        "text data needs a tokenizer: pass --tokenizer FOLDER (a folder with tokenizer.json or vocab.txt)"
+    )
 
 
 def _from_folder(folder: Path):
@@ -100,8 +123,9 @@ def _from_folder(folder: Path):
         raise DataError(f"cannot load the tokenizer in {folder}: {first_line(e, 200)}") from None
 
 
-def text_batches(texts: list[str], tokenizer: Any, max_length: int, batch_size: int,
-                 accepted: list[str], var_kw: bool) -> list[dict[str, torch.Tensor]]:
+def text_batches(
+    texts: list[str], tokenizer: Any, max_length: int, batch_size: int, accepted: list[str], var_kw: bool
+) -> list[dict[str, torch.Tensor]]:
     """Tokenize ``batch_size`` texts at a time, padded to the batch's longest (at most ``max_length`` tokens).
 
     Keeps the tokenizer outputs ``forward`` accepts (``accepted``; all of them when it takes ``**kwargs``).
@@ -113,11 +137,20 @@ def text_batches(texts: list[str], tokenizer: Any, max_length: int, batch_size: 
     batches = []
     for i in range(0, len(texts), batch_size):
         try:
-            enc = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length,
-                            return_tensors="pt")
+            enc = tokenizer(
+                texts[i : i + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            )
         except Exception as e:
             raise DataError(f"the tokenizer failed: {first_line(e, 200)}") from None
-        batch = {k: v.to(torch.int64) for k, v in enc.items() if isinstance(v, torch.Tensor) and (var_kw or k in accepted)}
+        batch = {
+            k: v.to(torch.int64)
+            for k, v in enc.items()
+            if isinstance(v, torch.Tensor) and (var_kw or k in accepted)
+        }
         if "input_ids" not in batch:
             raise DataError(f"text data gives input_ids, but forward takes ({', '.join(accepted)})")
         batches.append(batch)
@@ -130,6 +163,10 @@ def _pad_with_eos(tokenizer: Any) -> None:
     if getattr(tokenizer, "pad_token", None) is not None:
         return
     if getattr(tokenizer, "eos_token", None) is None:
-        raise DataError("the tokenizer has no padding token (nor an end-of-sequence token to pad with), so texts "
-                        "cannot be batched: pass --batch-size 1, or set pad_token in its tokenizer_config.json")
+        raise DataError(
+            "the tokenizer has no padding token (nor an end-of-sequence token to pad with), so "
+            "texts "
+            "cannot be batched: pass --batch-size 1, or set pad_token in its "
+            "tokenizer_config.json"
+        )
     tokenizer.pad_token = tokenizer.eos_token

@@ -1,13 +1,14 @@
 """Consent before running code that came inside a checkpoint.
 
-A calibrated checkpoint is data (``torch.load(weights_only=True)`` reads it), but rebuilding its model may need
+A calibrated checkpoint is data (``torch.load(weights_only=True)`` reads it), but rebuilding its model may
+need
 code: the factory file's source stored at calibration, or the pickled whole module. Like Hugging Face's
-``trust_remote_code``, that code runs only with ``trust_code=True`` (``--trust-code``). Code the user already has
-runs without it: a factory file present on disk with exactly the stored source (byte for byte), a sample model,
-a Hugging Face class from the installed ``transformers``, and a ``package.module:factory`` whose top-level package
-belongs to an installed distribution -- the one calibration recorded (name and version), found outside the
-working directory. That is checked *before* anything is imported: a module beside the user (``cwdmod:make``), a
-standard-library module or a changed distribution is imported only with ``trust_code``.
+``trust_remote_code``, that code runs only with ``trust_code=True`` (``--trust-code``). Code the user already
+has runs without it: a factory file present on disk with exactly the stored source (byte for byte), a sample
+model, a Hugging Face class from the installed ``transformers``, and a ``package.module:factory`` whose
+top-level package belongs to an installed distribution -- the one calibration recorded (name and version),
+found outside the working directory. That is checked *before* anything is imported: a module beside the user
+(``cwdmod:make``), a standard-library module or a changed distribution is imported only with ``trust_code``.
 """
 
 from __future__ import annotations
@@ -29,14 +30,15 @@ def sha256_hex(data: bytes | str) -> str:
 def require_trust(trust_code: bool, what: str, file: str | None, digest: str, origin: str | None) -> None:
     """Raise :class:`UntrustedCodeError` (one line naming the file and its sha256) unless ``trust_code``.
 
-    ``what`` says what would run ("the factory source stored in the checkpoint, ..."), ``file`` the file the code
-    came from, ``digest`` its sha256, ``origin`` the checkpoint it is stored in.
+    ``what`` says what would run ("the factory source stored in the checkpoint, ..."), ``file`` the file the
+    code came from, ``digest`` its sha256, ``origin`` the checkpoint it is stored in.
     """
     if trust_code:
         return
     where = f"{origin}: " if origin else ""
     raise UntrustedCodeError(
-        f"{where}rebuilding the model would run code stored in the checkpoint ({what}: {file or '<unnamed>'}, "
+        f"{where}rebuilding the model would run code stored in the checkpoint ({what}: "
+        f"{file or '<unnamed>'}, "
         f"sha256 {digest}); nothing was executed. Pass --trust-code (trust_code=True) only if you trust "
         "whoever made this checkpoint"
     )
@@ -44,7 +46,8 @@ def require_trust(trust_code: bool, what: str, file: str | None, digest: str, or
 
 @contextlib.contextmanager
 def _without_working_directory() -> Iterator[None]:
-    """``sys.path`` without the working directory (``''``, ``.`` or its absolute path) while the block runs."""
+    """``sys.path`` without the working directory (``''``, ``.`` or its absolute path) while the block
+    runs."""
     cwd = os.path.realpath(os.getcwd())
     saved = list(sys.path)
     sys.path[:] = [p for p in saved if p not in ("", ".") and os.path.realpath(p) != cwd]
@@ -71,8 +74,11 @@ def _location(top: str) -> str | None:
         return None
     if isinstance(spec.loader, importlib.machinery.BuiltinImporter):
         return None  # compiled into the interpreter: no distribution provides it
-    where = spec.origin if spec.origin not in (None, "namespace") else next(iter(spec.submodule_search_locations
-                                                                                  or []), None)
+    where = (
+        spec.origin
+        if spec.origin not in (None, "namespace")
+        else next(iter(spec.submodule_search_locations or []), None)
+    )
     return os.path.realpath(where) if where else None
 
 
@@ -92,8 +98,8 @@ def _installed(top: str) -> tuple[str, str] | None:
 
 
 def module_provenance(target: str) -> dict[str, Any] | None:
-    """What calibration records about MODEL ``package.module``: the installed distribution its top-level package
-    comes from, ``{"distribution", "version"}`` (``None`` when none does). Imports nothing."""
+    """What calibration records about MODEL ``package.module``: the installed distribution its top-level
+    package comes from, ``{"distribution", "version"}`` (``None`` when none does). Imports nothing."""
     found = _installed(target.split(".", 1)[0])
     return None if found is None else {"distribution": found[0], "version": found[1]}
 
@@ -108,8 +114,10 @@ def _module_refusal(target: str, recorded: dict[str, Any] | None) -> str | None:
     if found is None:
         return f"no installed distribution provides {top!r} (the checkpoint says {dist})"
     if found != (dist, (recorded or {}).get("version")):
-        return (f"calibrated with {dist} {(recorded or {}).get('version')}, but {top!r} now comes from "
-                f"{found[0]} {found[1]}")
+        return (
+            f"calibrated with {dist} {(recorded or {}).get('version')}, but {top!r} now comes from "
+            f"{found[0]} {found[1]}"
+        )
     with _without_working_directory():
         installed = _location(top)
     if installed is None or _location(top) != installed:
@@ -117,10 +125,12 @@ def _module_refusal(target: str, recorded: dict[str, Any] | None) -> str | None:
     return None
 
 
-def require_installed(trust_code: bool, target: str, recorded: dict[str, Any] | None, origin: str | None) -> None:
+def require_installed(
+    trust_code: bool, target: str, recorded: dict[str, Any] | None, origin: str | None
+) -> None:
     """Raise :class:`UntrustedCodeError` unless the module ``target`` a checkpoint names may be imported: it
-    comes from the installed distribution calibration ``recorded`` (same name and version), outside the working
-    directory, or ``trust_code``. Checked before importing it, so a refused module runs nothing."""
+    comes from the installed distribution calibration ``recorded`` (same name and version), outside the
+    working directory, or ``trust_code``. Checked before importing it, so a refused module runs nothing."""
     if trust_code:
         return
     reason = _module_refusal(target, recorded)
@@ -128,6 +138,8 @@ def require_installed(trust_code: bool, target: str, recorded: dict[str, Any] | 
         return
     where = f"{origin}: " if origin else ""
     raise UntrustedCodeError(
-        f"{where}the checkpoint names the module {target} ({reason}); importing it runs its code, so nothing was "
-        "imported. Pass --trust-code (trust_code=True) only if you trust that module and whoever made this checkpoint"
+        f"{where}the checkpoint names the module {target} ({reason}); importing it runs its code, so "
+        f"nothing was "
+        "imported. Pass --trust-code (trust_code=True) only if you trust that module and whoever made this "
+        "checkpoint"
     )

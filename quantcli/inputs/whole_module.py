@@ -1,9 +1,10 @@
 """MODEL as a checkpoint file that is the model itself.
 
-``torch.save(model)`` pickles the whole module: unpickling it imports and runs whatever the file names, so it is
-read only with ``trust_pickle`` (``--trust-pickle``). The calibrated checkpoint keeps that file's bytes verbatim
-(a uint8 tensor, so the checkpoint stays readable with ``weights_only=True``) with their sha256; rebuilding the
-model later unpickles them again, which needs ``--trust-code`` like any code stored in a checkpoint.
+``torch.save(model)`` pickles the whole module: unpickling it imports and runs whatever the file names, so it
+is read only with ``trust_pickle`` (``--trust-pickle``). The calibrated checkpoint keeps that file's bytes
+verbatim (a uint8 tensor, so the checkpoint stays readable with ``weights_only=True``) with their sha256;
+rebuilding the model later unpickles them again, which needs ``--trust-code`` like any code stored in a
+checkpoint.
 
 A TorchScript archive (``torch.jit.save``) is refused: its ``forward`` is compiled TorchScript that calls its
 submodules' compiled code, so quantizers (which replace Python layers) cannot be inserted into it faithfully.
@@ -22,12 +23,14 @@ from torch import nn
 
 from quantcli.errors import ModelLoadError, first_line
 
-STATE_DICT_HINT = "pass the model's code as package.module:factory or path/to/file.py:factory with --weights {p}"
+STATE_DICT_HINT = (
+    "pass the model's code as package.module:factory or path/to/file.py:factory with --weights {p}"
+)
 
 
 def is_torchscript(path: Path) -> bool:
-    """A ``torch.jit.save`` archive: a zip holding compiled ``code/`` and ``constants.pkl`` (``torch.save`` zips
-    hold ``data.pkl`` and tensor storages only)."""
+    """A ``torch.jit.save`` archive: a zip holding compiled ``code/`` and ``constants.pkl`` (``torch.save``
+    zips hold ``data.pkl`` and tensor storages only)."""
     if not zipfile.is_zipfile(path):
         return False
     try:
@@ -60,9 +63,12 @@ def read_model_file(path: Path, trust_pickle: bool) -> bytes:
     p = str(path)
     if is_torchscript(path):
         raise ModelLoadError(
-            f"MODEL {p} is a TorchScript archive (torch.jit.save): its forward is compiled code that calls its layers' "
-            "compiled code, so quantizers cannot be inserted into those layers faithfully; pass the Python model "
-            "instead: torch.save(model) with --trust-pickle, or package.module:factory / file.py:factory with "
+            f"MODEL {p} is a TorchScript archive (torch.jit.save): its forward is compiled code that calls "
+            f"its layers' "
+            "compiled code, so quantizers cannot be inserted into those layers faithfully; pass the Python "
+            "model "
+            "instead: torch.save(model) with --trust-pickle, or package.module:factory / file.py:factory "
+            "with "
             "--weights (torch.save(model.state_dict()))"
         )
     data = path.read_bytes()
@@ -73,8 +79,10 @@ def read_model_file(path: Path, trust_pickle: bool) -> bytes:
             raise ModelLoadError(f"cannot read MODEL {p} as a torch.save file: {reason(e)}") from None
         if not trust_pickle:
             raise ModelLoadError(
-                f"MODEL {p} is a pickled whole module (torch.save(model)); unpickling it can run any code the file "
-                "names. Pass --trust-pickle only if you trust where it came from (or save model.state_dict() and "
+                f"MODEL {p} is a pickled whole module (torch.save(model)); unpickling it can run any code "
+                f"the file "
+                "names. Pass --trust-pickle only if you trust where it came from (or save "
+                "model.state_dict() and "
                 "use a factory with --weights)"
             ) from None
         return data
@@ -90,17 +98,26 @@ def unpickle_module(data: bytes, where: str) -> nn.Module:
         msg = first_line(e)
         m = re.search(r"Can't get attribute '([^']+)' on <module '([^']+)'", msg)
         if m:
-            msg = (f"its class {m.group(2)}.{m.group(1)} cannot be imported here (a class defined in the script "
-                   "that saved it cannot be found again); make it importable, or save model.state_dict() and "
-                   "use a factory with --weights")
+            msg = (
+                f"its class {m.group(2)}.{m.group(1)} cannot be imported here (a class defined in the "
+                f"script "
+                "that saved it cannot be found again); make it importable, or save model.state_dict() and "
+                "use a factory with --weights"
+            )
         raise ModelLoadError(f"cannot unpickle the model in {where}: {msg}") from None
     except Exception as e:
-        raise ModelLoadError(f"cannot unpickle the model in {where}: {type(e).__name__}: {str(e).strip()[:200]}") from None
+        raise ModelLoadError(
+            f"cannot unpickle the model in {where}: {type(e).__name__}: {str(e).strip()[:200]}"
+        ) from None
     if not isinstance(obj, nn.Module):
-        raise ModelLoadError(f"{where} unpickles to {type(obj).__name__}, not a torch.nn.Module; "
-                             "save the model itself with torch.save(model) or its state dict for --weights")
+        raise ModelLoadError(
+            f"{where} unpickles to {type(obj).__name__}, not a torch.nn.Module; "
+            "save the model itself with torch.save(model) or its state dict for --weights"
+        )
     if isinstance(obj, torch.jit.ScriptModule):
-        raise ModelLoadError(f"{where} holds a TorchScript module; quantizers cannot be inserted into compiled code")
+        raise ModelLoadError(
+            f"{where} holds a TorchScript module; quantizers cannot be inserted into compiled code"
+        )
     return obj
 
 

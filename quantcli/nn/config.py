@@ -8,7 +8,8 @@ or the same content as a dict::
     preset: int8            # the starting point (default int8)
     block_size: 128         # int4-weight-only's block along the input dimension
     reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
-    fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it (quantcli.nn.fold_bn)
+    fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it
+        (quantcli.nn.fold_bn)
     target: onnxruntime     # the runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
@@ -63,17 +64,19 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "input": {"enable": False},
         "weight": {"enable": True, "num_bits": 4, "block_sizes": INPUT_CHANNEL_BLOCKS},
     },
-    # activations quantized at run time as ONNX DynamicQuantizeLinear does (uint8, per tensor, no calibration);
-    # exported as DynamicQuantizeLinear -> MatMulInteger, which onnxruntime runs as DynamicQuantizeMatMul
+    # activations quantized at run time as ONNX DynamicQuantizeLinear does (uint8, per tensor, no
+    # calibration); exported as DynamicQuantizeLinear -> MatMulInteger, which onnxruntime runs as
+    # DynamicQuantizeMatMul
     "int8-dynamic": {
         "input": {"enable": True, "num_bits": 8, "asymmetric": True, "dynamic": True},
         "weight": {"enable": True, "num_bits": 8, "axis": OUTPUT_CHANNEL},
     },
 }
-#: presets that quantize Linear layers only; convolutions stay float. int8-dynamic: onnxruntime has no fused
-#: integer kernel for DynamicQuantizeLinear -> ConvInteger (its own quantize_dynamic output runs ConvInteger, Cast,
-#: Mul and Add as separate ops on the CPU provider, and its DynamicQuantizeConvIntegerFusion turns the pattern back
-#: into a float Conv on dequantized weights), so a dynamic Conv costs a min/max pass and gains no integer kernel
+# : presets that quantize Linear layers only; convolutions stay float. int8-dynamic: onnxruntime has no fused
+# : integer kernel for DynamicQuantizeLinear -> ConvInteger (its own quantize_dynamic output runs ConvInteger,
+# Cast, : Mul and Add as separate ops on the CPU provider, and its DynamicQuantizeConvIntegerFusion turns the
+# pattern back : into a float Conv on dequantized weights), so a dynamic Conv costs a min/max pass and gains
+# no integer kernel
 LINEAR_ONLY_PRESETS = ("int8-dynamic",)
 DEFAULT_BLOCK_SIZE = 128
 #: deployment targets: which runtime's fusions decide where quantizers go (:mod:`quantcli.nn.placement`)
@@ -109,29 +112,49 @@ class QuantConfig:
                 raise ConfigError(f"rule {i} must be a mapping with a 'pattern' string, got {r!r}")
             unknown = sorted(set(r) - _RULE_KEYS)
             if unknown:
-                raise ConfigError(f"rule {i} ({r['pattern']!r}) has unknown field(s) {unknown}; "
-                                  f"known: enable, {', '.join(FIELDS)}")
+                raise ConfigError(
+                    f"rule {i} ({r['pattern']!r}) has unknown field(s) {unknown}; "
+                    f"known: enable, {', '.join(FIELDS)}"
+                )
             if "enable" in r and not isinstance(r["enable"], bool):
                 raise ConfigError(f"rule {i} ({r['pattern']!r}): enable must be true or false")
 
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
-        return {"preset": self.preset, "block_size": self.block_size, "rules": to_plain(self.rules), "source": self.source,
-                "reduce_range": self.reduce_range, "fold_batchnorm": self.fold_batchnorm, "target": self.target}
+        return {
+            "preset": self.preset,
+            "block_size": self.block_size,
+            "rules": to_plain(self.rules),
+            "source": self.source,
+            "reduce_range": self.reduce_range,
+            "fold_batchnorm": self.fold_batchnorm,
+            "target": self.target,
+        }
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
         if not isinstance(data, dict):
-            raise ConfigError(f"a quant config must be a mapping or a list of rules, got {type(data).__name__}")
-        unknown = sorted(set(data) - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm",
-                                      "target"})
+            raise ConfigError(
+                f"a quant config must be a mapping or a list of rules, got {type(data).__name__}"
+            )
+        unknown = sorted(
+            set(data)
+            - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm", "target"}
+        )
         if unknown:
-            raise ConfigError(f"unknown config field(s) {unknown} in {source}; "
-                              "known: preset, block_size, reduce_range, fold_batchnorm, target, rules")
-        return cls(preset=data.get("preset", "int8"), rules=list(data.get("rules") or []),
-                   block_size=data.get("block_size", DEFAULT_BLOCK_SIZE), source=data.get("source", source),
-                   reduce_range=data.get("reduce_range", False), fold_batchnorm=data.get("fold_batchnorm", True),
-                   target=data.get("target", DEFAULT_TARGET))
+            raise ConfigError(
+                f"unknown config field(s) {unknown} in {source}; "
+                "known: preset, block_size, reduce_range, fold_batchnorm, target, rules"
+            )
+        return cls(
+            preset=data.get("preset", "int8"),
+            rules=list(data.get("rules") or []),
+            block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
+            source=data.get("source", source),
+            reduce_range=data.get("reduce_range", False),
+            fold_batchnorm=data.get("fold_batchnorm", True),
+            target=data.get("target", DEFAULT_TARGET),
+        )
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
@@ -150,15 +173,22 @@ class QuantConfig:
         if fields.get("block_sizes") == INPUT_CHANNEL_BLOCKS:
             in_axis = 1 - layer.weight_axis if layer.weight.dim() > 1 else 0
             if layer.weight.shape[in_axis] == 1:
-                # one input channel (a first conv on grey images): nothing to block, quantize per output channel
+                # one input channel (a first conv on grey images): nothing to block, quantize per output
+                # channel
                 fields.pop("block_sizes")
                 fields["axis"] = layer.weight_axis
             else:
-                fields["block_sizes"] = {(-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size}
+                fields["block_sizes"] = {
+                    (-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size
+                }
         if not enabled and kind == "input" and "num_bits" not in fields:
             fields["num_bits"] = 8
-        if self.reduce_range and kind == "weight" and fields.get("num_bits", 8) == 8 \
-                and not (fields.get("unsigned") or fields.get("asymmetric")):
+        if (
+            self.reduce_range
+            and kind == "weight"
+            and fields.get("num_bits", 8) == 8
+            and not (fields.get("unsigned") or fields.get("asymmetric"))
+        ):
             fields.update(num_bits=REDUCED_WEIGHT_BITS, narrow_range=True)
         try:
             desc = QuantDescriptor(name=quantizer_name, **fields)
@@ -188,7 +218,9 @@ def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantC
         return QuantConfig(preset=text, source=text)
     path = Path(text)
     if path.suffix.lower() not in (".yaml", ".yml", ".json"):
-        raise ConfigError(f"unknown preset {text!r}; choose one of {', '.join(PRESETS)} or give a .yaml/.json file")
+        raise ConfigError(
+            f"unknown preset {text!r}; choose one of {', '.join(PRESETS)} or give a .yaml/.json file"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {text} does not exist")
     try:

@@ -1,8 +1,8 @@
 """Linear layers with dynamic int8 activations (the ``int8-dynamic`` preset).
 
 The input quantizer is ONNX ``DynamicQuantizeLinear`` (uint8, per tensor, scale and zero point from each
-tensor's own min and max, :func:`quantcli.quant.arithmetic.dynamic_qparams`); the weight quantizer is calibrated as
-usual (8-bit symmetric, per output channel or per tensor). In PyTorch the layer computes
+tensor's own min and max, :func:`quantcli.quant.arithmetic.dynamic_qparams`); the weight quantizer is
+calibrated as usual (8-bit symmetric, per output channel or per tensor). In PyTorch the layer computes
 ``linear(dequantize(x codes), dequantize(w codes), bias)``; exported, it becomes the pattern onnxruntime runs
 through its dynamic integer kernels (its ``quantize_dynamic`` writes the same)::
 
@@ -13,9 +13,9 @@ which onnxruntime's ``MatMulIntegerToFloatFusion`` and ``DynamicQuantizeMatMulFu
 ``DynamicQuantizeMatMul``. The integer codes are the fake-quant model's; the outputs differ only by float
 accumulation order (the graph sums the integer products exactly and scales once).
 
-:class:`DynamicLinearFunction` builds that pattern in its ``symbolic`` (TorchScript exporter); the dynamo exporter
-sets the layer's export hook instead (:mod:`quantcli.nn.export_hooks`). :mod:`exporters.dynamic_linear` reads the
-pattern back from a graph.
+:class:`DynamicLinearFunction` builds that pattern in its ``symbolic`` (TorchScript exporter); the dynamo
+exporter sets the layer's export hook instead (:mod:`quantcli.nn.export_hooks`).
+:mod:`exporters.dynamic_linear` reads the pattern back from a graph.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def weight_spec(amax: torch.Tensor, weight_shape: tuple[int, int], num_bits: int
 
 
 def dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_range=False):
-    """``DynamicLinearFunction.symbolic`` (TorchScript exporter): the pattern of the module docstring. The weight
-    codes are ``QuantizeLinear(Transpose(W))``; the exporter folds the Transpose and :mod:`exporters.fold` stores
-    the codes as an int8 initializer, computed with quantcli's arithmetic."""
+    """``DynamicLinearFunction.symbolic`` (TorchScript exporter): the pattern of the module docstring. The
+    weight codes are ``QuantizeLinear(Transpose(W))``; the exporter folds the Transpose and
+    :mod:`exporters.fold` stores the codes as an int8 initializer, computed with quantcli's arithmetic."""
     import onnx
 
     from quantcli.quant.qdq import constant_value, emit
@@ -97,17 +97,21 @@ def exportable(layer: nn.Module) -> str | None:
 
 
 def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The TorchScript export path of a QuantLinear whose input quantizer is dynamic (eager mode gives the same
-    values)."""
+    """The TorchScript export path of a QuantLinear whose input quantizer is dynamic (eager mode gives the
+    same values)."""
     why = exportable(layer)
     if why is not None:
-        raise ExportError(f"{layer.input_quantizer.name}: a dynamic activation quantizer exports as "
-                          f"DynamicQuantizeLinear -> MatMulInteger, but {why}")
+        raise ExportError(
+            f"{layer.input_quantizer.name}: a dynamic activation quantizer exports as "
+            f"DynamicQuantizeLinear -> MatMulInteger, but {why}"
+        )
     from quantcli.quant.qdq import export_amax
 
     d = layer.weight_quantizer.desc
     amax = layer.weight_quantizer.amax.detach()
-    return DynamicLinearFunction.apply(x, layer.weight, export_amax(amax), layer.bias, d.num_bits, d.narrow_range)
+    return DynamicLinearFunction.apply(
+        x, layer.weight, export_amax(amax), layer.bias, d.num_bits, d.narrow_range
+    )
 
 
 @contextmanager
@@ -115,8 +119,10 @@ def count_calls(quantizers: dict[str, nn.Module]) -> Iterator[dict[str, int]]:
     """Count the calls of each quantizer while the block runs (calibration: dynamic quantizers need no
     statistics, but a layer that never runs must still be found and left out, as for static quantizers)."""
     counts = dict.fromkeys(quantizers, 0)
-    hooks = [q.register_forward_pre_hook(lambda m, a, n=n: counts.__setitem__(n, counts[n] + 1))
-             for n, q in quantizers.items()]
+    hooks = [
+        q.register_forward_pre_hook(lambda m, a, n=n: counts.__setitem__(n, counts[n] + 1))
+        for n, q in quantizers.items()
+    ]
     try:
         yield counts
     finally:

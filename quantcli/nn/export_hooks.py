@@ -1,14 +1,15 @@
 """Export hooks: how an exporter that traces the model its own way puts its ops in place of quantcli's.
 
 torch.export (the ``dynamo`` exporter, :mod:`exporters.dynamo`) traces with fake tensors and does not call the
-``symbolic`` functions of :mod:`quantcli.quant.tensor_quant`. So the exporter reads every constant first, from real
-values, and hands modules a hook that their ``forward`` calls, while it is set, instead of the eager computation:
+``symbolic`` functions of :mod:`quantcli.quant.tensor_quant`. So the exporter reads every constant first, from
+real values, and hands modules a hook that their ``forward`` calls, while it is set, instead of the eager
+computation:
 
 * ``TensorQuantizer.export_hook(x) -> Tensor``: the quantizer's output (in place of fake quantization);
 * ``QuantMixin.bias_export_hook() -> Tensor``: the bias a layer with an int32 bias adds (in place of
   dequantizing its int32 codes);
-* ``QuantLinear.export_hook(x) -> Tensor``: the output of a Linear whose input quantizer is dynamic (in place of
-  ``linear(fake_quant_dynamic(x), ...)``; ``x`` is the input after SmoothQuant's ``Mul``, if any).
+* ``QuantLinear.export_hook(x) -> Tensor``: the output of a Linear whose input quantizer is dynamic (in place
+  of ``linear(fake_quant_dynamic(x), ...)``; ``x`` is the input after SmoothQuant's ``Mul``, if any).
 
 Each is a class attribute that is ``None`` by default. :func:`export_hooks` sets them for the duration of a
 ``with`` block and removes them in a ``finally``, so after an export, failed or not, the model computes as it
@@ -32,8 +33,9 @@ def export_hooks(hooks: Iterable[tuple[nn.Module, str, Callable]]) -> Iterator[N
     try:
         for module, name, fn in hooks:
             if name not in HOOKS or not hasattr(type(module), name):
-                raise ValueError(f"{type(module).__name__} has no export hook {name!r} "
-                                 f"(hooks: {', '.join(HOOKS)})")
+                raise ValueError(
+                    f"{type(module).__name__} has no export hook {name!r} (hooks: {', '.join(HOOKS)})"
+                )
             object.__setattr__(module, name, fn)  # an instance attribute over the class's None
             installed.append((module, name))
         yield

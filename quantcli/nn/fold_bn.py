@@ -1,29 +1,32 @@
-"""BatchNorm folding: a BatchNorm that directly follows a Conv/ConvTranspose/Linear becomes part of that layer.
+"""BatchNorm folding: a BatchNorm that directly follows a Conv/ConvTranspose/Linear becomes part of that
+layer.
 
 In eval mode a BatchNorm is a per-channel affine map of its input ``z``::
 
-    y = gamma * (z - mean) / sqrt(var + eps) + beta = s * z + t,   s = gamma / sqrt(var + eps),  t = beta - mean * s
+    y = gamma * (z - mean) / sqrt(var + eps) + beta = s * z + t
+    s = gamma / sqrt(var + eps),  t = beta - mean * s
 
-so when ``z = W x + b`` comes straight from a layer, ``y = (s W) x + (s b + t)``: the layer with weight ``s W``
-(scaled along its output channels) and bias ``s b + t`` computes the same thing, and the BatchNorm becomes an
-``nn.Identity``. Folding happens before quantizers are inserted (``quantize_model``), so the weights are
+so when ``z = W x + b`` comes straight from a layer, ``y = (s W) x + (s b + t)``: the layer with weight ``s
+W`` (scaled along its output channels) and bias ``s b + t`` computes the same thing, and the BatchNorm becomes
+an ``nn.Identity``. Folding happens before quantizers are inserted (``quantize_model``), so the weights are
 calibrated and quantized as they will run, and the exported graph has no BatchNormalization after a quantized
 layer (onnxruntime cannot fuse a Conv into an integer kernel across one).
 
-A BatchNorm is folded only when nothing else reads its layer's output. Where the model traces with ``torch.fx``
-the graph says so (the layer's output node has exactly one user, the BatchNorm, and both modules are called once).
-Where it does not trace (data-dependent control flow, say), each largest submodule that traces is judged by its own
-graph (a block's ``conv -> bn`` inside it is private to it), and an unmodified ``nn.Sequential`` that does not
-trace folds its adjacent layer and BatchNorm children. A layer or BatchNorm registered under two names is never
-folded (the other name would still reach it). Every other BatchNorm is left alone and reported with the reason.
+A BatchNorm is folded only when nothing else reads its layer's output. Where the model traces with
+``torch.fx`` the graph says so (the layer's output node has exactly one user, the BatchNorm, and both modules
+are called once). Where it does not trace (data-dependent control flow, say), each largest submodule that
+traces is judged by its own graph (a block's ``conv -> bn`` inside it is private to it), and an unmodified
+``nn.Sequential`` that does not trace folds its adjacent layer and BatchNorm children. A layer or BatchNorm
+registered under two names is never folded (the other name would still reach it). Every other BatchNorm is
+left alone and reported with the reason.
 
-Folding an already calibrated model (``fold_batchnorm(quantized_model)``): the input quantizers keep their amax
-(the layer's input does not change, and neither, up to float rounding, does the BatchNorm's output that the next
-layer reads). A symmetric weight quantizer per output channel gets ``amax * |s|`` per channel: ``s W / (amax |s| /
-bound) = sign(s) W / (amax / bound)``, so every integer code stays the same, or flips sign where gamma < 0, up
-to float rounding at exact ties. Any other weight quantizer (per tensor, blocked, asymmetric) is recalibrated
-with max from the folded weights; a weight quantizer calibrated from a histogram is not, and its layer is not
-folded (calibrate again with folding on).
+Folding an already calibrated model (``fold_batchnorm(quantized_model)``): the input quantizers keep their
+amax (the layer's input does not change, and neither, up to float rounding, does the BatchNorm's output that
+the next layer reads). A symmetric weight quantizer per output channel gets ``amax * |s|`` per channel: ``s W
+/ (amax |s| / bound) = sign(s) W / (amax / bound)``, so every integer code stays the same, or flips sign where
+gamma < 0, up to float rounding at exact ties. Any other weight quantizer (per tensor, blocked, asymmetric) is
+recalibrated with max from the folded weights; a weight quantizer calibrated from a histogram is not, and its
+layer is not folded (calibrate again with folding on).
 """
 
 from __future__ import annotations
@@ -65,9 +68,9 @@ class Fold:
 
 @dataclass
 class FoldReport:
-    """What :func:`fold_batchnorm` did. ``detection``: ``"recorded"`` (the data flow of one forward on the example
-    batch, as the exporter records it), ``"fx"`` (no example: the model traced), ``"fx per submodule"`` (it
-    does not; ``trace_error`` says why) or ``"none"`` (no BatchNorm)."""
+    """What :func:`fold_batchnorm` did. ``detection``: ``"recorded"`` (the data flow of one forward on the
+    example batch, as the exporter records it), ``"fx"`` (no example: the model traced), ``"fx per
+    submodule"`` (it does not; ``trace_error`` says why) or ``"none"`` (no BatchNorm)."""
 
     folded: list[Fold] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (batchnorm, reason)
@@ -75,9 +78,11 @@ class FoldReport:
     trace_error: str = ""
 
     def to_dict(self) -> dict:
-        return {"folded": [f.to_dict() for f in self.folded],
-                "not_folded": [{"batchnorm": b, "reason": r} for b, r in self.skipped],
-                "detection": self.detection}
+        return {
+            "folded": [f.to_dict() for f in self.folded],
+            "not_folded": [{"batchnorm": b, "reason": r} for b, r in self.skipped],
+            "detection": self.detection,
+        }
 
 
 # ---------------------------------------------------------------------------------------------- arithmetic
@@ -99,8 +104,9 @@ def batchnorm_affine(bn: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor]:
 def _channel_view(s: torch.Tensor, weight_shape: torch.Size, axis: int, groups: int) -> torch.Tensor:
     """``s`` (one value per output channel) broadcastable against the weight.
 
-    Conv/Linear weights are ``(Cout, Cin / groups, *kernel)``: output channel = axis 0. ConvTranspose weights are
-    ``(Cin, Cout / groups, *kernel)``: output channel ``g * Cout/groups + j`` for input rows of group ``g``.
+    Conv/Linear weights are ``(Cout, Cin / groups, *kernel)``: output channel = axis 0. ConvTranspose weights
+    are ``(Cin, Cout / groups, *kernel)``: output channel ``g * Cout/groups + j`` for input rows of group
+    ``g``.
     """
     if axis == 0:
         return s.view(-1, *([1] * (len(weight_shape) - 1)))
@@ -110,12 +116,19 @@ def _channel_view(s: torch.Tensor, weight_shape: torch.Size, axis: int, groups: 
     return s.reshape(cin, per_group, *ones)
 
 
-def fold_parameters(weight: torch.Tensor, bias: torch.Tensor | None, s: torch.Tensor, t: torch.Tensor,
-                    axis: int = 0, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_parameters(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    s: torch.Tensor,
+    t: torch.Tensor,
+    axis: int = 0,
+    groups: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s W, s b + t)`` in the weight's dtype, computed in float64.
 
     Args:
-        weight: the layer's weight; ``axis`` its output-channel axis (1 for ConvTranspose), ``groups`` its groups.
+        weight: the layer's weight; ``axis`` its output-channel axis (1 for ConvTranspose), ``groups`` its
+            groups.
         bias: the layer's bias ``(Cout,)`` or None (zero).
         s, t: :func:`batchnorm_affine` of the BatchNorm, ``(Cout,)``.
     """
@@ -131,28 +144,32 @@ def _out_channels(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
 
 
-#: the forwards that compute exactly a BatchNorm (a subclass that overrides forward, as timm's BatchNormAct2d adds
-#: its activation there, computes something else)
+# : the forwards that compute exactly a BatchNorm (a subclass that overrides forward, as timm's BatchNormAct2d
+# adds : its activation there, computes something else)
 _BATCHNORM_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 
 
 def _batchnorm_problem(bn: _BatchNorm, layer: nn.Module) -> str:
     """Why ``bn`` cannot fold into ``layer`` whatever the data flow, or ''."""
     if type(bn).forward not in _BATCHNORM_FORWARDS:
-        return (f"{type(bn).__name__} overrides BatchNorm's forward, so it may compute more than a BatchNorm "
-                "(timm's BatchNormAct2d applies its activation there)")
+        return (
+            f"{type(bn).__name__} overrides BatchNorm's forward, so it may compute more than a BatchNorm "
+            "(timm's BatchNormAct2d applies its activation there)"
+        )
     if bn.running_mean is None or bn.running_var is None:
         return "it normalises with batch statistics (track_running_stats=False), which no weight can express"
     if isinstance(bn.running_var, nn.parameter.UninitializedBuffer):
         return "it is an uninitialised lazy BatchNorm"
     if bn.num_features != _out_channels(layer):
-        return f"its {bn.num_features} features are not the {_out_channels(layer)} output channels of the layer"
+        return (
+            f"its {bn.num_features} features are not the {_out_channels(layer)} output channels of the layer"
+        )
     return ""
 
 
 class _LeafTracer(torch.fx.Tracer):
-    """Keeps layers, BatchNorms and quantizers as single ``call_module`` nodes (a quantized layer is a subclass
-    outside ``torch.nn``, which fx would otherwise trace into)."""
+    """Keeps layers, BatchNorms and quantizers as single ``call_module`` nodes (a quantized layer is a
+    subclass outside ``torch.nn``, which fx would otherwise trace into)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if isinstance(m, (*FOLDABLE, _BatchNorm, TensorQuantizer)):
@@ -160,7 +177,9 @@ class _LeafTracer(torch.fx.Tracer):
         return super().is_leaf_module(m, qualname)
 
 
-def _bn_input_ranks(model: nn.Module, names: list[str], example: Mapping[str, torch.Tensor] | None) -> dict[str, int]:
+def _bn_input_ranks(
+    model: nn.Module, names: list[str], example: Mapping[str, torch.Tensor] | None
+) -> dict[str, int]:
     """The rank of each named BatchNorm's input on one forward of ``example`` (empty without one)."""
     if example is None or not names:
         return {}
@@ -169,6 +188,7 @@ def _bn_input_ranks(model: nn.Module, names: list[str], example: Mapping[str, to
     def record(name: str):
         def hook(module, args):  # returns None: the input is left alone
             ranks.setdefault(name, args[0].dim())
+
         return hook
 
     hooks = [model.get_submodule(n).register_forward_pre_hook(record(n)) for n in names]
@@ -177,7 +197,9 @@ def _bn_input_ranks(model: nn.Module, names: list[str], example: Mapping[str, to
             model(**example)
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         msg = first_line(e)
-        raise DataError(f"forward() failed on the example batch while checking BatchNorm folding: {msg}") from None
+        raise DataError(
+            f"forward() failed on the example batch while checking BatchNorm folding: {msg}"
+        ) from None
     finally:
         for h in hooks:
             h.remove()
@@ -185,11 +207,16 @@ def _bn_input_ranks(model: nn.Module, names: list[str], example: Mapping[str, to
 
 
 def _linear_problem(bn_name: str, ranks: dict[str, int], have_example: bool) -> str:
-    """A Linear's output ``(N, ..., F)`` has its features last; a BatchNorm normalises dim 1, so the pair folds
-    only when the BatchNorm sees ``(N, F)``."""
+    """A Linear's output ``(N, ..., F)`` has its features last; a BatchNorm normalises dim 1, so the pair
+    folds only when the BatchNorm sees ``(N, F)``."""
     if bn_name not in ranks:
-        return ("a Linear's BatchNorm folds only when its input is (N, features), which needs an example batch to "
-                "check" if not have_example else "it did not run on the example batch")
+        return (
+            "a Linear's BatchNorm folds only when its input is (N, features), which needs an example "
+            "batch to "
+            "check"
+            if not have_example
+            else "it did not run on the example batch"
+        )
     if ranks[bn_name] != 2:
         return f"it normalises dim 1 of a {ranks[bn_name]}-D Linear output, not the Linear's features"
     return ""
@@ -199,8 +226,8 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
     """Which BatchNorms of ``model`` fold into the layer before them (nothing is changed).
 
     ``example``: one keyword batch for ``model(**example)``: the data flow is read from one forward on it
-    (:mod:`quantcli.nn.recorded_graph`), so Python control flow in ``forward`` does not hide a pair; without it,
-    ``torch.fx`` symbolic tracing, and a BatchNorm after a Linear does not fold.
+    (:mod:`quantcli.nn.recorded_graph`), so Python control flow in ``forward`` does not hide a pair; without
+    it, ``torch.fx`` symbolic tracing, and a BatchNorm after a Linear does not fold.
     """
     report = FoldReport()
     modules = dict(model.named_modules())
@@ -208,14 +235,20 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
     if not bns:
         return report
     if example is not None:  # the graph the exporter will record: one forward on the example batch
-        graph = record(model, example, lambda name, m: isinstance(m, (*FOLDABLE, _BatchNorm, TensorQuantizer))
-                       or next(m.children(), None) is None)
+        graph = record(
+            model,
+            example,
+            lambda name, m: (
+                isinstance(m, (*FOLDABLE, _BatchNorm, TensorQuantizer)) or next(m.children(), None) is None
+            ),
+        )
         report.detection = "recorded"
         candidates, reasons = _traced_candidates(graph, model)
     else:
         try:
             graph = _LeafTracer().trace(model)
-        except Exception as e:  # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
+        # symbolic tracing fails on data-dependent control flow, unsupported calls, ...
+        except Exception as e:
             report.detection = "fx per submodule"
             report.trace_error = first_line(e, 160)
             candidates, reasons = _untraced_candidates(model)
@@ -236,8 +269,10 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
     found = {bn for _, bn in candidates}
     for bn in bns:
         if bn not in found and bn not in reasons:
-            reasons[bn] = ("the model does not trace with torch.fx, and no submodule that traces (or plain "
-                           "nn.Sequential) holds both it and the layer before it")
+            reasons[bn] = (
+                "the model does not trace with torch.fx, and no submodule that traces (or plain "
+                "nn.Sequential) holds both it and the layer before it"
+            )
         if bn in reasons:
             report.skipped.append((bn, reasons[bn]))
     return report
@@ -260,11 +295,16 @@ def _traced_candidates(graph: torch.fx.Graph, root: nn.Module, prefix: str = "")
         src = node.args[0] if node.args else None
         if calls[node.target] > 1:
             reasons[bn] = f"{where} calls it more than once"
-        elif not (isinstance(src, (torch.fx.Node, RecordedNode)) and src.op == "call_module"
-                  and isinstance(modules[src.target], FOLDABLE)):
+        elif not (
+            isinstance(src, (torch.fx.Node, RecordedNode))
+            and src.op == "call_module"
+            and isinstance(modules[src.target], FOLDABLE)
+        ):
             reasons[bn] = "its input is not the output of a Conv, ConvTranspose or Linear"
         elif calls[src.target] > 1:
-            reasons[bn] = f"{where} calls {prefix + src.target} more than once, and only one call is followed by it"
+            reasons[bn] = (
+                f"{where} calls {prefix + src.target} more than once, and only one call is followed by it"
+            )
         elif len(src.users) > 1:
             others = [u.name for u in src.users if u is not node]
             reasons[bn] = f"the output of {prefix + src.target} is also used by {', '.join(others)}"
@@ -274,17 +314,20 @@ def _traced_candidates(graph: torch.fx.Graph, root: nn.Module, prefix: str = "")
 
 
 def _untraced_candidates(model: nn.Module):
-    """The model does not trace: each largest submodule that does is traced on its own. Inside it, a layer output
-    that only its BatchNorm reads is read by nothing outside either (the submodule does not return it). A
-    submodule that does not trace is searched further down; if it is an unmodified ``nn.Sequential``, its adjacent
-    layer and BatchNorm children fold as well (its forward feeds each child's output to the next child only).
+    """The model does not trace: each largest submodule that does is traced on its own. Inside it, a layer
+    output that only its BatchNorm reads is read by nothing outside either (the submodule does not return it).
+    A submodule that does not trace is searched further down; if it is an unmodified ``nn.Sequential``, its
+    adjacent layer and BatchNorm children fold as well (its forward feeds each child's output to the next
+    child only).
     """
     candidates, reasons = [], {}
 
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}{child_name}"
-            if isinstance(child, (_BatchNorm, *FOLDABLE)) or not any(isinstance(m, _BatchNorm) for m in child.modules()):
+            if isinstance(child, (_BatchNorm, *FOLDABLE)) or not any(
+                isinstance(m, _BatchNorm) for m in child.modules()
+            ):
                 continue
             try:
                 graph = _LeafTracer().trace(child)
@@ -302,8 +345,11 @@ def _untraced_candidates(model: nn.Module):
 
     if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
         kids = list(model.named_children())
-        candidates += [(ln, bn_n) for (ln, layer), (bn_n, bn) in zip(kids, kids[1:])
-                       if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm)]
+        candidates += [
+            (ln, bn_n)
+            for (ln, layer), (bn_n, bn) in zip(kids, kids[1:])
+            if isinstance(layer, FOLDABLE) and isinstance(bn, _BatchNorm)
+        ]
     visit("", model)
     return candidates, reasons
 
@@ -332,8 +378,10 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def _ensure_bias(layer: nn.Module) -> None:
     if layer.bias is None:
-        layer.bias = nn.Parameter(torch.zeros(_out_channels(layer), dtype=layer.weight.dtype,
-                                              device=layer.weight.device), requires_grad=layer.weight.requires_grad)
+        layer.bias = nn.Parameter(
+            torch.zeros(_out_channels(layer), dtype=layer.weight.dtype, device=layer.weight.device),
+            requires_grad=layer.weight.requires_grad,
+        )
 
 
 def _weight_axis_and_groups(layer: nn.Module) -> tuple[int, int]:
@@ -344,14 +392,24 @@ def _weight_axis_and_groups(layer: nn.Module) -> tuple[int, int]:
 
 def _calibrated_weight_quantizer(layer: nn.Module) -> TensorQuantizer | None:
     q = getattr(layer, "weight_quantizer", None)
-    return q if isinstance(q, TensorQuantizer) and q.enabled and q.amax is not None and not q.desc.dynamic else None
+    return (
+        q
+        if isinstance(q, TensorQuantizer) and q.enabled and q.amax is not None and not q.desc.dynamic
+        else None
+    )
 
 
 def _amax_scales(q: TensorQuantizer, layer: nn.Module) -> bool:
     """Whether ``amax * |s|`` per channel is exact for this weight quantizer (module docstring)."""
     axis, groups = _weight_axis_and_groups(layer)
-    return (q.desc.axis == axis and q._block is None and not q.desc.asymmetric and not q.desc.unsigned
-            and _groups_ok(axis, groups) and q.amax.numel() == _out_channels(layer))
+    return (
+        q.desc.axis == axis
+        and q._block is None
+        and not q.desc.asymmetric
+        and not q.desc.unsigned
+        and _groups_ok(axis, groups)
+        and q.amax.numel() == _out_channels(layer)
+    )
 
 
 def _groups_ok(axis: int, groups: int) -> bool:
@@ -361,17 +419,19 @@ def _groups_ok(axis: int, groups: int) -> bool:
 
 
 def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None = None) -> FoldReport:
-    """Fold every foldable BatchNorm of ``model`` into the layer before it, in place (see the module docstring).
+    """Fold every foldable BatchNorm of ``model`` into the layer before it, in place (see the module
+    docstring).
 
-    The BatchNorm is replaced by ``nn.Identity`` (its name stays, its ``state_dict`` keys go); a layer without a
-    bias gets one. Works on a float model and on a quantized one, calibrated or not.
+    The BatchNorm is replaced by ``nn.Identity`` (its name stays, its ``state_dict`` keys go); a layer without
+    a bias gets one. Works on a float model and on a quantized one, calibrated or not.
 
     Args:
         example: one keyword batch for ``model(**example)``; needed only for a BatchNorm after a Linear.
 
     Returns:
-        the :class:`FoldReport`: folded pairs, and every BatchNorm left alone with the reason. The pairs folded
-        so far are also listed in ``model.quantcli_folded_batchnorm``, which the calibrated checkpoint stores.
+        the :class:`FoldReport`: folded pairs, and every BatchNorm left alone with the reason. The pairs
+        folded so far are also listed in ``model.quantcli_folded_batchnorm``, which the calibrated checkpoint
+        stores.
     """
     report = find_foldable(model, example)
     done = []
@@ -379,8 +439,12 @@ def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None 
         layer, bn = model.get_submodule(fold.layer), model.get_submodule(fold.batchnorm)
         q = _calibrated_weight_quantizer(layer)
         if q is not None and not _amax_scales(q, layer) and q.desc.calib_method == "histogram":
-            report.skipped.append((fold.batchnorm, f"{q.name} was calibrated from a histogram; calibrate again with "
-                                   "BatchNorm folding on"))
+            report.skipped.append(
+                (
+                    fold.batchnorm,
+                    f"{q.name} was calibrated from a histogram; calibrate again with BatchNorm folding on",
+                )
+            )
             continue
         s, t = batchnorm_affine(bn)
         axis, groups = _weight_axis_and_groups(layer)
@@ -396,8 +460,10 @@ def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None 
     report.folded = done
     report.skipped.sort()
     # what a checkpoint stores to rebuild this structure (quantcli.inputs.checkpoint), over every call
-    model.quantcli_folded_batchnorm = [*getattr(model, "quantcli_folded_batchnorm", []),
-                                       *({"layer": f.layer, "batchnorm": f.batchnorm} for f in done)]
+    model.quantcli_folded_batchnorm = [
+        *getattr(model, "quantcli_folded_batchnorm", []),
+        *({"layer": f.layer, "batchnorm": f.batchnorm} for f in done),
+    ]
     return report
 
 
@@ -406,7 +472,8 @@ def _refit_weight_amax(q: TensorQuantizer, layer: nn.Module, s: torch.Tensor) ->
         amax = (q.amax.double() * s.abs().view(q.amax.shape)).to(torch.float32)
         q.set_amax(amax)
         return "scaled"
-    with quantizer_modes([q], q.mode):  # calibrating switches modes; give back the one it had, whatever happens
+    # calibrating switches modes; give back the one it had, whatever happens
+    with quantizer_modes([q], q.mode):
         q.start_calibration("max")
         q.collect(layer.weight.detach())
         q.load_calib_amax("max")
@@ -424,8 +491,11 @@ def restore_folds(model: nn.Module, folds: list[Mapping[str, str]]) -> None:
     for f in folds:
         layer, bn = modules.get(f["layer"]), modules.get(f["batchnorm"])
         if not isinstance(layer, FOLDABLE) or not isinstance(bn, _BatchNorm):
-            raise QuantCliError(f"the checkpoint folded BatchNorm {f['batchnorm']} into {f['layer']}, but the model "
-                                "built from its spec has no such layer and BatchNorm")
+            raise QuantCliError(
+                f"the checkpoint folded BatchNorm {f['batchnorm']} into {f['layer']}, but "
+                f"the model "
+                "built from its spec has no such layer and BatchNorm"
+            )
         _ensure_bias(layer)
         _set_module(model, f["batchnorm"], nn.Identity())
     model.quantcli_folded_batchnorm = [{"layer": f["layer"], "batchnorm": f["batchnorm"]} for f in folds]

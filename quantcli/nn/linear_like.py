@@ -1,20 +1,21 @@
 """Layers that are a Linear or a Conv in all but name, found by what they compute, not only by their class.
 
 :func:`quantize_model` converted exact ``nn.Linear``/``nn.ConvNd``/``nn.ConvTransposeNd`` only, so GPT-2's
-``transformers.pytorch_utils.Conv1D`` (``x @ W + b`` with ``W`` stored ``[in, out]``), wav2vec2's weight-normed
-``ParametrizedConv1d`` and subclasses such as ``NonDynamicallyQuantizableLinear`` stayed float, unreported.
-:func:`quant_class` decides per module:
+``transformers.pytorch_utils.Conv1D`` (``x @ W + b`` with ``W`` stored ``[in, out]``), wav2vec2's
+weight-normed ``ParametrizedConv1d`` and subclasses such as ``NonDynamicallyQuantizableLinear`` stayed float,
+unreported. :func:`quant_class` decides per module:
 
 * an exact torch layer: its ``Quant*`` class, as before;
 * a subclass of one whose ``forward`` is the torch layer's, or is checked to compute the same on a probe: a
   subclass of both (``Quant<Name>``), so the module keeps its own attributes;
-* a parametrized torch layer (``torch.nn.utils.parametrize``, e.g. ``weight_norm``): :func:`resolve_parametrizations`
-  first stores the weight it computes (the same value, computed once), after which it is the plain layer;
-* any other leaf module whose parameters are a 2-D ``weight`` and an optional ``bias``, when its ``forward`` is
-  checked to equal ``F.linear(x, W, b)`` (``[out, in]``) or ``x @ W + b`` (``[in, out]``, as Conv1D) for random
-  ``W``, ``b`` and ``x`` (:func:`linear_layout`): a ``Quant<Name>`` whose forward is that computation on quantized
-  ``x`` and ``W``. The probe uses its own random values, never the module's weights, so the answer is the same
-  at calibration and when a checkpoint is rebuilt from freshly initialised modules.
+* a parametrized torch layer (``torch.nn.utils.parametrize``, e.g. ``weight_norm``):
+  :func:`resolve_parametrizations` first stores the weight it computes (the same value, computed once), after
+  which it is the plain layer;
+* any other leaf module whose parameters are a 2-D ``weight`` and an optional ``bias``, when its ``forward``
+  is checked to equal ``F.linear(x, W, b)`` (``[out, in]``) or ``x @ W + b`` (``[in, out]``, as Conv1D) for
+  random ``W``, ``b`` and ``x`` (:func:`linear_layout`): a ``Quant<Name>`` whose forward is that computation
+  on quantized ``x`` and ``W``. The probe uses its own random values, never the module's weights, so the
+  answer is the same at calibration and when a checkpoint is rebuilt from freshly initialised modules.
 
 Every other module that owns a floating ``*weight`` of two or more dimensions stays float with a reason
 (:func:`float_reason`), listed in the quantize report.
@@ -37,10 +38,11 @@ _PROBE_TOL = 1e-4  # relative to the reference's scale; layouts or formulas that
 
 class QuantLinearLike(QuantMixin):
     """Mixed in front of a module found to compute ``F.linear(x, W, b)`` (``weight_axis = 0``, ``W`` is
-    ``[out, in]``) or ``x @ W + b`` (``weight_axis = 1``, ``W`` is ``[in, out]``: transformers' ``Conv1D``). The
-    output channel is ``weight_axis``, so per-channel weight scales follow the outputs in both layouts, and the
-    transposed layout exports as ``MatMul(x, DequantizeLinear(W, axis=1))``, the form onnxruntime fuses. The bias is
-    added in float (as a 3-D ``nn.Linear`` does: ``MatMulIntegerToFloat`` adds a float bias)."""
+    ``[out, in]``) or ``x @ W + b`` (``weight_axis = 1``, ``W`` is ``[in, out]``: transformers' ``Conv1D``).
+    The output channel is ``weight_axis``, so per-channel weight scales follow the outputs in both layouts,
+    and the transposed layout exports as ``MatMul(x, DequantizeLinear(W, axis=1))``, the form onnxruntime
+    fuses. The bias is added in float (as a 3-D ``nn.Linear`` does: ``MatMulIntegerToFloat`` adds a float
+    bias)."""
 
     takes_int32_bias = False
 
@@ -76,9 +78,9 @@ def _torch_base(cls: type) -> type | None:
 
 
 def resolve_parametrizations(model: nn.Module) -> list[str]:
-    """Store the weights that ``torch.nn.utils.parametrize`` computes (``weight_norm``'s ``g * v / ||v||``) in the
-    torch layers that hold them, which become the plain layer again: the same value, computed once instead of
-    per call, and a layer :func:`quant_class` converts. Returns the names of the layers resolved."""
+    """Store the weights that ``torch.nn.utils.parametrize`` computes (``weight_norm``'s ``g * v / ||v||``) in
+    the torch layers that hold them, which become the plain layer again: the same value, computed once instead
+    of per call, and a layer :func:`quant_class` converts. Returns the names of the layers resolved."""
     done = []
     for name, module in list(model.named_modules()):
         if not parametrize.is_parametrized(module):
@@ -124,7 +126,8 @@ def _parameters_set(module: nn.Module, params: dict[str, torch.Tensor]):
 
 
 def _same_as_base(module: nn.Module, base: type) -> bool:
-    """Whether ``module``'s own ``forward`` computes what ``base.forward`` does, on random weights and input."""
+    """Whether ``module``'s own ``forward`` computes what ``base.forward`` does, on random weights and
+    input."""
     gen = torch.Generator().manual_seed(_PROBE_SEED)
     params = _random_params(module, gen)
     x = _probe_input(module, base, gen)
@@ -137,9 +140,9 @@ def _same_as_base(module: nn.Module, base: type) -> bool:
 
 
 def linear_layout(module: nn.Module) -> int | None:
-    """The output-channel axis of ``module``'s weight when its ``forward`` is a Linear's: 0 for ``F.linear(x, W,
-    b)`` (``W`` is ``[out, in]``), 1 for ``x @ W + b`` (``[in, out]``); None otherwise. Checked on random ``W``,
-    ``b`` and a 3-D ``x`` against a float64 reference; the module's own weights are not read."""
+    """The output-channel axis of ``module``'s weight when its ``forward`` is a Linear's: 0 for ``F.linear(x,
+    W, b)`` (``W`` is ``[out, in]``), 1 for ``x @ W + b`` (``[in, out]``); None otherwise. Checked on random
+    ``W``, ``b`` and a 3-D ``x`` against a float64 reference; the module's own weights are not read."""
     own = dict(module.named_parameters(recurse=False))
     w, b = own.get("weight"), own.get("bias")
     if w is None or w.dim() != 2 or not w.is_floating_point() or set(own) - {"weight", "bias"}:
@@ -189,8 +192,11 @@ def quant_class(module: nn.Module) -> type | None:
 
 def float_reason(module: nn.Module) -> str | None:
     """Why a module that owns a floating weight of 2+ dimensions stays float (None for other modules)."""
-    ws = [p for n, p in module.named_parameters(recurse=False)
-          if n.endswith("weight") and p.is_floating_point() and p.dim() >= 2]
+    ws = [
+        p
+        for n, p in module.named_parameters(recurse=False)
+        if n.endswith("weight") and p.is_floating_point() and p.dim() >= 2
+    ]
     if not ws or isinstance(module, QuantMixin) or type(module).__name__.startswith("TensorQuantizer"):
         return None
     cls = type(module)

@@ -1,7 +1,8 @@
 """Quantized layer wrappers: each quantizes its input and its weight, then runs the original op.
 
 They subclass the torch layers, so :func:`quantcli.nn.replace.quantize_model` converts a layer in place by
-changing its class and adding two ``TensorQuantizer`` children: parameters, hooks and ``state_dict`` keys stay.
+changing its class and adding two ``TensorQuantizer`` children: parameters, hooks and ``state_dict`` keys
+stay.
 
 Two more pieces exist where the deployment target's placement asks for them (:mod:`quantcli.nn.placement`):
 
@@ -37,8 +38,8 @@ class QuantMixin:
 
     def int32_bias_constants(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(codes, scale)`` of the int32 bias, float32 tensors of shape ``(out_channels,)``: the codes
-        (integer-valued) of ``bias / (x_scale * w_scale)``; None where the layer adds its float bias (no bias, no
-        int32 bias on this target, or formats without one integer scale, e.g. during calibration)."""
+        (integer-valued) of ``bias / (x_scale * w_scale)``; None where the layer adds its float bias (no bias,
+        no int32 bias on this target, or formats without one integer scale, e.g. during calibration)."""
         if self.bias is None or not self.int32_bias:
             return None
         sx, sw = self.input_quantizer.integer_scale(), self.weight_quantizer.integer_scale()
@@ -48,8 +49,9 @@ class QuantMixin:
         return arithmetic.int32_bias_codes(self.bias, scale), scale
 
     def quantized_bias(self) -> torch.Tensor | None:
-        """The bias as the integer kernel adds it: int32 codes of ``x_scale * w_scale``, or the float bias where
-        the layer has no int32 bias (other targets, formats without one integer scale, during calibration)."""
+        """The bias as the integer kernel adds it: int32 codes of ``x_scale * w_scale``, or the float bias
+        where the layer has no int32 bias (other targets, formats without one integer scale, during
+        calibration)."""
         if self.bias is None or not self.int32_bias:
             return self.bias
         if self.bias_export_hook is not None:
@@ -65,12 +67,14 @@ class QuantMixin:
         from quantcli.quant.tensor_quant import Int32BiasFunction
 
         bias = Int32BiasFunction.apply(codes, scale)
-        return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)  # no Cast node between DQ and op
+        # no Cast node between DQ and op
+        return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)
 
     def quantize_output(self, y: torch.Tensor) -> torch.Tensor:
         q = getattr(self, "output_quantizer", None)
         if q is None or self.__dict__.get("_output_quantized_after") is not None:
-            return y  # none, or applied by the ReLU/pooling module after this layer (apply_output_quantizer_after)
+            # none, or applied by the ReLU/pooling module after this layer (apply_output_quantizer_after)
+            return y
         return q(y)
 
 
@@ -79,11 +83,12 @@ def _output_quantizer_hook(module: nn.Module, _inputs, output: torch.Tensor) -> 
 
 
 def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
-    """Apply ``layer.output_quantizer`` to the output of ``after`` (a ReLU or pooling module that only ``layer``'s
-    output reaches) instead of to ``layer``'s own output.
+    """Apply ``layer.output_quantizer`` to the output of ``after`` (a ReLU or pooling module that only
+    ``layer``'s output reaches) instead of to ``layer``'s own output.
 
-    The references are plain attributes (not submodules: ``state_dict`` keys stay), which ``copy.deepcopy`` maps to
-    the copies, and the hook is a module-level function, so a copied model quantizes with its own quantizer.
+    The references are plain attributes (not submodules: ``state_dict`` keys stay), which ``copy.deepcopy``
+    maps to the copies, and the hook is a module-level function, so a copied model quantizes with its own
+    quantizer.
     """
     object.__setattr__(after, "_quantcli_output_of", layer)
     object.__setattr__(layer, "_output_quantized_after", after)
@@ -91,8 +96,8 @@ def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
 
 
 class QuantLinear(nn.Linear, QuantMixin):
-    #: while an exporter traces, the op it computes this layer's output with when the input quantizer is dynamic
-    #: (:mod:`quantcli.nn.export_hooks`)
+    # : while an exporter traces, the op it computes this layer's output with when the input quantizer is
+    # dynamic : (:mod:`quantcli.nn.export_hooks`)
     export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
@@ -115,7 +120,8 @@ class QuantLinear(nn.Linear, QuantMixin):
 class _QuantConvNd(QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.quantize_output(
-            self._conv_forward(self.input_quantizer(input), self.quantized_weight(), self.quantized_bias()))
+            self._conv_forward(self.input_quantizer(input), self.quantized_weight(), self.quantized_bias())
+        )
 
 
 class QuantConv1d(_QuantConvNd, nn.Conv1d):
@@ -139,10 +145,18 @@ class _QuantConvTransposeNd(QuantMixin):
         output_padding = self._output_padding(
             input, output_size, self.stride, self.padding, self.kernel_size, self._dims, self.dilation
         )
-        return self.quantize_output(type(self)._fn(
-            self.input_quantizer(input), self.quantized_weight(), self.bias, self.stride, self.padding,
-            output_padding, self.groups, self.dilation,
-        ))
+        return self.quantize_output(
+            type(self)._fn(
+                self.input_quantizer(input),
+                self.quantized_weight(),
+                self.bias,
+                self.stride,
+                self.padding,
+                output_padding,
+                self.groups,
+                self.dilation,
+            )
+        )
 
 
 class QuantConvTranspose1d(_QuantConvTransposeNd, nn.ConvTranspose1d):

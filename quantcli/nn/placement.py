@@ -1,34 +1,36 @@
 """Where quantizers go for a deployment target: what the model's structure says, read with ``torch.fx``.
 
 Every quantized layer quantizes its input and its weight whatever the target. The onnxruntime target adds what
-onnxruntime's QDQ fusions need (``onnxruntime/core/optimizer/qdq_transformer/selectors_actions/qdq_selectors.cc``):
+onnxruntime's QDQ fusions need
+(``onnxruntime/core/optimizer/qdq_transformer/selectors_actions/qdq_selectors.cc``):
 
-* **unsigned inputs after a ReLU.** A ``Relu`` before a ``QuantizeLinear`` disappears into the fused kernel only
-  when the Q's zero point is its type's lowest code (``relu_quantizelinear.cc``); a signed grid centred on 0 keeps
-  the Relu, and the Conv stays in float. A layer input that is non-negative by construction (a ReLU/ReLU6 output,
-  possibly through pooling, flattening, reshaping) is quantized on the unsigned grid ``[0, 255]`` (uint8, zero
-  point 0): the same tensor, twice the resolution.
-* **an output quantizer on a Conv** whose output does not reach quantized layers only (through ReLU and ops that
-  commute with quantization: max pooling, flattening, reshaping), e.g. a Conv feeding a residual Add, a mean or
-  a graph output: ``QLinearConv`` needs a Q on its output.
+* **unsigned inputs after a ReLU.** A ``Relu`` before a ``QuantizeLinear`` disappears into the fused kernel
+  only when the Q's zero point is its type's lowest code (``relu_quantizelinear.cc``); a signed grid centred
+  on 0 keeps the Relu, and the Conv stays in float. A layer input that is non-negative by construction (a
+  ReLU/ReLU6 output, possibly through pooling, flattening, reshaping) is quantized on the unsigned grid ``[0,
+  255]`` (uint8, zero point 0): the same tensor, twice the resolution.
+* **an output quantizer on a Conv** whose output does not reach quantized layers only (through ReLU and ops
+  that commute with quantization: max pooling, flattening, reshaping), e.g. a Conv feeding a residual Add, a
+  mean or a graph output: ``QLinearConv`` needs a Q on its output.
 * **int32 biases** on Conv and 2-D Linear layers (``QLinearConv``/``QGemm``), see :mod:`quantcli.nn.modules`.
 
-The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ Layer-Placement
-Recommendations"): the inputs of weighted layers quantized, no output quantizers, ops that commute with
-quantization (MaxPool) left to TensorRT, which moves Q/DQ across them itself, and **the skip input of a residual
-Add quantized** (a ``residual_quantizer`` in the module whose ``forward`` adds): TensorRT fuses the Add into the
-Conv that produces the other operand only when that operand is quantized. The Add is functional (``x + y`` in a
-``forward``), so the module's ``forward`` is replaced by its ``torch.fx`` trace with the quantizer inserted
-(the same code otherwise; parameters, buffers and ``state_dict`` keys stay, plus the quantizer's ``amax``).
+The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ
+Layer-Placement Recommendations"): the inputs of weighted layers quantized, no output quantizers, ops that
+commute with quantization (MaxPool) left to TensorRT, which moves Q/DQ across them itself, and **the skip
+input of a residual Add quantized** (a ``residual_quantizer`` in the module whose ``forward`` adds): TensorRT
+fuses the Add into the Conv that produces the other operand only when that operand is quantized. The Add is
+functional (``x + y`` in a ``forward``), so the module's ``forward`` is replaced by its ``torch.fx`` trace
+with the quantizer inserted (the same code otherwise; parameters, buffers and ``state_dict`` keys stay, plus
+the quantizer's ``amax``).
 
 The structure is read where the exporter reads it: from one forward on the example batch, recorded op by op
-(:mod:`quantcli.nn.recorded_graph`), so Python control flow, shapes unpacked in Python and modules called twice are
-seen as the export records them. Without an example batch (``quantize_model(model, config)`` from Python, or a
-checkpoint written before the recording existed) the model is read with ``torch.fx`` symbolic tracing instead; a
-model it cannot trace keeps the per-layer placement (quantized inputs and weights, int32 biases for onnxruntime)
-without the structural additions, and :class:`Placement` says why. TensorRT's residual quantizers rewrite a block's
-``forward`` through its ``torch.fx`` trace (a recording cannot be turned back into code): a block that does not
-trace keeps its skip input unquantized, and :class:`Placement` names it.
+(:mod:`quantcli.nn.recorded_graph`), so Python control flow, shapes unpacked in Python and modules called
+twice are seen as the export records them. Without an example batch (``quantize_model(model, config)`` from
+Python, or a checkpoint written before the recording existed) the model is read with ``torch.fx`` symbolic
+tracing instead; a model it cannot trace keeps the per-layer placement (quantized inputs and weights, int32
+biases for onnxruntime) without the structural additions, and :class:`Placement` says why. TensorRT's residual
+quantizers rewrite a block's ``forward`` through its ``torch.fx`` trace (a recording cannot be turned back
+into code): a block that does not trace keeps its skip input unquantized, and :class:`Placement` names it.
 """
 
 from __future__ import annotations
@@ -50,15 +52,56 @@ from quantcli.nn.recorded_graph import RecordedGraph, RecordedNode, record
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
 _RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6, torch.relu_}
 # ops that keep a non-negative tensor non-negative, and commute with quantization where marked
-_COMMUTING_MODULES = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d,
-                      nn.AdaptiveMaxPool3d, nn.Flatten, nn.Identity, nn.Dropout, nn.Unflatten)
-_COMMUTING_FUNCTIONS = {torch.flatten, F.max_pool1d, F.max_pool2d, F.max_pool3d, F.dropout, torch.reshape,
-                        torch.squeeze, torch.unsqueeze, torch.transpose, torch.permute}
-_COMMUTING_METHODS = {"view", "reshape", "flatten", "permute", "transpose", "contiguous", "squeeze", "unsqueeze"}
-_SIGN_KEEPING_MODULES = (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d,
-                         nn.AdaptiveAvgPool3d)
-_SIGN_KEEPING_FUNCTIONS = {F.avg_pool1d, F.avg_pool2d, F.avg_pool3d, F.adaptive_avg_pool1d, F.adaptive_avg_pool2d,
-                           torch.mean}
+_COMMUTING_MODULES = (
+    nn.MaxPool1d,
+    nn.MaxPool2d,
+    nn.MaxPool3d,
+    nn.AdaptiveMaxPool1d,
+    nn.AdaptiveMaxPool2d,
+    nn.AdaptiveMaxPool3d,
+    nn.Flatten,
+    nn.Identity,
+    nn.Dropout,
+    nn.Unflatten,
+)
+_COMMUTING_FUNCTIONS = {
+    torch.flatten,
+    F.max_pool1d,
+    F.max_pool2d,
+    F.max_pool3d,
+    F.dropout,
+    torch.reshape,
+    torch.squeeze,
+    torch.unsqueeze,
+    torch.transpose,
+    torch.permute,
+}
+_COMMUTING_METHODS = {
+    "view",
+    "reshape",
+    "flatten",
+    "permute",
+    "transpose",
+    "contiguous",
+    "squeeze",
+    "unsqueeze",
+}
+_SIGN_KEEPING_MODULES = (
+    nn.AvgPool1d,
+    nn.AvgPool2d,
+    nn.AvgPool3d,
+    nn.AdaptiveAvgPool1d,
+    nn.AdaptiveAvgPool2d,
+    nn.AdaptiveAvgPool3d,
+)
+_SIGN_KEEPING_FUNCTIONS = {
+    F.avg_pool1d,
+    F.avg_pool2d,
+    F.avg_pool3d,
+    F.adaptive_avg_pool1d,
+    F.adaptive_avg_pool2d,
+    torch.mean,
+}
 _SIGN_KEEPING_METHODS = {"mean"}
 
 
@@ -71,11 +114,15 @@ class Placement:
     note: str | None = None  # why the structure could not be analysed
     unsigned_inputs: list[str] = field(default_factory=list)  # inputs >= 0 by construction: uint8 grid
     output_quantized: list[str] = field(default_factory=list)  # Conv layers that get an output quantizer
-    # a Conv's output quantizer applied after the ReLU/pooling after it: layer -> (module applying it, unsigned)
+    # a Conv's output quantizer applied after the ReLU/pooling after it: layer -> (module applying it,
+    # unsigned)
     output_after: dict[str, tuple[str, bool]] = field(default_factory=dict)
-    residual_quantized: list[str] = field(default_factory=list)  # tensorrt: quantizers on residual skip inputs
-    graph: str = "recorded"  # what the structure was read from: "recorded" (one forward) or "fx" (no example batch)
-    # tensorrt: blocks with a residual Add whose forward torch.fx cannot rewrite (skip input left unquantized): why
+    # tensorrt: quantizers on residual skip inputs
+    residual_quantized: list[str] = field(default_factory=list)
+    # what the structure was read from: "recorded" (one forward) or "fx" (no example batch)
+    graph: str = "recorded"
+    # tensorrt: blocks with a residual Add whose forward torch.fx cannot rewrite (skip input left
+    # unquantized): why
     residual_untraced: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -94,7 +141,9 @@ class _Tracer(fx.Tracer):
 def _leaf_ids(model: nn.Module, layers: dict[str, nn.Module]) -> set[int]:
     from quantcli.nn.tensor_quantizer import TensorQuantizer
 
-    return {id(m) for m in layers.values()} | {id(m) for m in model.modules() if isinstance(m, TensorQuantizer)}
+    return {id(m) for m in layers.values()} | {
+        id(m) for m in model.modules() if isinstance(m, TensorQuantizer)
+    }
 
 
 def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
@@ -102,20 +151,26 @@ def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
     return _Tracer(_leaf_ids(model, layers)).trace(model)
 
 
-def read_graph(model: nn.Module, layers: dict[str, nn.Module],
-               example: Mapping[str, torch.Tensor] | None) -> fx.Graph | RecordedGraph:
-    """The graph the analyses read: recorded on ``example`` (a keyword batch) when there is one, else the fx trace.
+def read_graph(
+    model: nn.Module, layers: dict[str, nn.Module], example: Mapping[str, torch.Tensor] | None
+) -> fx.Graph | RecordedGraph:
+    """The graph the analyses read: recorded on ``example`` (a keyword batch) when there is one, else the fx
+    trace.
 
-    In the recording, the quantized layers, quantizers, modules without submodules and the modules the analyses
-    classify (ReLU, pooling, BatchNorm, ...) are single ``call_module`` nodes; other modules are recorded op by op.
+    In the recording, the quantized layers, quantizers, modules without submodules and the modules the
+    analyses classify (ReLU, pooling, BatchNorm, ...) are single ``call_module`` nodes; other modules are
+    recorded op by op.
     """
     if example is None:
         return trace(model, layers)
     leaves = _leaf_ids(model, layers)
 
     def is_leaf(name: str, m: nn.Module) -> bool:
-        return id(m) in leaves or next(m.children(), None) is None or \
-            isinstance(m, (*_RELU_MODULES, *_COMMUTING_MODULES, *_SIGN_KEEPING_MODULES, *_PASS_THROUGH))
+        return (
+            id(m) in leaves
+            or next(m.children(), None) is None
+            or isinstance(m, (*_RELU_MODULES, *_COMMUTING_MODULES, *_SIGN_KEEPING_MODULES, *_PASS_THROUGH))
+        )
 
     return record(model, example, is_leaf)
 
@@ -170,8 +225,13 @@ def _reaches_quantized_layers_only(node: fx.Node, modules, quantized_inputs: set
     if not node.users:
         return False
     for user in node.users:
-        if user.op == "call_module" and user.target in quantized_inputs and user.args and user.args[0] is node \
-                and node not in user.args[1:]:
+        if (
+            user.op == "call_module"
+            and user.target in quantized_inputs
+            and user.args
+            and user.args[0] is node
+            and node not in user.args[1:]
+        ):
             continue
         if _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
             if _reaches_quantized_layers_only(user, modules, quantized_inputs):
@@ -180,15 +240,20 @@ def _reaches_quantized_layers_only(node: fx.Node, modules, quantized_inputs: set
     return True
 
 
-def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
-            input_enabled: dict[str, bool], weight_integer: dict[str, bool],
-            example: Mapping[str, torch.Tensor] | None = None) -> tuple[Placement, fx.Graph | RecordedGraph | None]:
-    """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``, and the
-    graph it was read from (None when fx could not trace a model without an example batch).
+def analyse(
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    target: str,
+    input_enabled: dict[str, bool],
+    weight_integer: dict[str, bool],
+    example: Mapping[str, torch.Tensor] | None = None,
+) -> tuple[Placement, fx.Graph | RecordedGraph | None]:
+    """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``, and
+    the graph it was read from (None when fx could not trace a model without an example batch).
 
     ``input_enabled``: layers whose input quantizer is on; ``weight_integer``: layers with an integer weight
-    quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels); ``example``: one keyword batch,
-    on which the model's graph is recorded (:func:`read_graph`).
+    quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels); ``example``: one keyword
+    batch, on which the model's graph is recorded (:func:`read_graph`).
     """
     placement = Placement(target, graph="recorded" if example is not None else "fx")
     try:
@@ -198,8 +263,11 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
             raise  # the forward itself failed on the user's batch: a DataError that names it
         first = first_line(e, 160)
         placement.analysed = False
-        placement.note = (f"torch.fx could not trace the model ({type(e).__name__}: {first}) and no example batch "
-                          "was given to record it")
+        placement.note = (
+            f"torch.fx could not trace the model ({type(e).__name__}: {first}) and no example "
+            f"batch "
+            "was given to record it"
+        )
         return placement, None
     modules = dict(model.named_modules())
     if target == "tensorrt":
@@ -215,8 +283,12 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
         if name in quantized_inputs and all(n.args and _nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
         conv = isinstance(layers[name], (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-        if conv and name in quantized_inputs and weight_integer.get(name) \
-                and not all(_reaches_quantized_layers_only(n, modules, quantized_inputs) for n in nodes):
+        if (
+            conv
+            and name in quantized_inputs
+            and weight_integer.get(name)
+            and not all(_reaches_quantized_layers_only(n, modules, quantized_inputs) for n in nodes)
+        ):
             placement.output_quantized.append(name)
             after = _output_point(nodes[0], calls, modules, quantized_inputs) if len(nodes) == 1 else None
             if after is not None:
@@ -224,11 +296,13 @@ def analyse(model: nn.Module, layers: dict[str, nn.Module], target: str,
     return placement, graph
 
 
-def _output_point(node: fx.Node, calls: Counter, modules, quantized_inputs: set[str]) -> tuple[str, bool] | None:
+def _output_point(
+    node: fx.Node, calls: Counter, modules, quantized_inputs: set[str]
+) -> tuple[str, bool] | None:
     """Where a Conv's output quantizer goes when a ReLU or ops that commute with quantization follow it alone:
-    after the last of them (a module called once), so that onnxruntime absorbs the ReLU (unsigned grid) and runs
-    the pooling on codes. ``calls``: how many times the graph calls each module. ``(module name, unsigned)``, or
-    None to quantize right after the Conv."""
+    after the last of them (a module called once), so that onnxruntime absorbs the ReLU (unsigned grid) and
+    runs the pooling on codes. ``calls``: how many times the graph calls each module. ``(module name,
+    unsigned)``, or None to quantize right after the Conv."""
     chain, end = [], node
     while len(end.users) == 1:
         (user,) = end.users
@@ -248,21 +322,25 @@ def _output_point(node: fx.Node, calls: Counter, modules, quantized_inputs: set[
 # ------------------------------------------------------------------------------------------- residual Adds
 
 _ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
-_PASS_THROUGH = (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)  # between a Conv and its Add in a block
+# between a Conv and its Add in a block
+_PASS_THROUGH = (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)
 
 
 def _is_add(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or \
-        (node.op == "call_method" and node.target in ("add", "add_", "__add__"))
+    return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or (
+        node.op == "call_method" and node.target in ("add", "add_", "__add__")
+    )
 
 
 def _quantized_conv_behind(node, modules: dict[str, nn.Module], layer_ids: set[int]) -> nn.Module | None:
-    """The quantized Conv (``id`` in ``layer_ids``) whose output ``node`` is, through BatchNorm/Identity/Dropout
-    (None if there is none)."""
+    """The quantized Conv (``id`` in ``layer_ids``) whose output ``node`` is, through
+    BatchNorm/Identity/Dropout (None if there is none)."""
     while _is_node(node) and node.op == "call_module":
         m = modules.get(node.target)
         if m is not None and id(m) in layer_ids:
-            return m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
+            return (
+                m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
+            )
         if not isinstance(m, _PASS_THROUGH) or not node.args:
             return None
         node = node.args[0]
@@ -272,10 +350,11 @@ def _quantized_conv_behind(node, modules: dict[str, nn.Module], layer_ids: set[i
 def residual_skips(graph, modules: dict[str, nn.Module], layers: dict[str, nn.Module]):
     """``(add node, skip operand, branch Conv)`` for each Add of a quantized Conv's output and another tensor.
 
-    The branch is the operand a quantized Conv produces (through BatchNorm/Identity/Dropout); when both are, the
-    one computed last (the block's main path in torchvision's and NVIDIA's blocks; a projection shortcut is
-    computed first). Which operand a ``forward`` writes first or computes first says nothing by itself: timm's
-    ConvNeXt adds ``drop_path(x) + shortcut``, Hugging Face's ResNet computes its shortcut after the main path.
+    The branch is the operand a quantized Conv produces (through BatchNorm/Identity/Dropout); when both are,
+    the one computed last (the block's main path in torchvision's and NVIDIA's blocks; a projection shortcut
+    is computed first). Which operand a ``forward`` writes first or computes first says nothing by itself:
+    timm's ConvNeXt adds ``drop_path(x) + shortcut``, Hugging Face's ResNet computes its shortcut after the
+    main path.
     """
     order = {n: i for i, n in enumerate(graph.nodes)}
     layer_ids = {id(v) for v in layers.values()}
@@ -299,9 +378,12 @@ def _owner(node) -> str:
     return stack[-1] if stack else ""
 
 
-def residual_owners(graph, layers: dict[str, nn.Module], modules: dict[str, nn.Module]) -> dict[str, list[int | None]]:
-    """The modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the model), from the
-    model's ``graph`` (recorded or traced): for each, one entry per Add its ``forward`` runs (on its first call), in
+def residual_owners(
+    graph, layers: dict[str, nn.Module], modules: dict[str, nn.Module]
+) -> dict[str, list[int | None]]:
+    """The modules whose own ``forward`` adds a quantized Conv's output to a skip input (``""``: the model),
+    from the model's ``graph`` (recorded or traced): for each, one entry per Add its ``forward`` runs (on its
+    first call), in
     order: which operand (0 or 1) is the skip input, or None for an Add that is not a residual."""
     skips = {n: (0 if skip is n.args[0] else 1) for n, skip, _ in residual_skips(graph, modules, layers)}
     owners: dict[str, list[int | None]] = {}
@@ -322,14 +404,16 @@ class _ChildrenTracer(fx.Tracer):
         return True
 
 
-def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module], graph,
-                               make: Callable[[str, nn.Module], nn.Module]) -> tuple[list[str], dict[str, str]]:
-    """Quantize the skip input of every residual Add (tensorrt placement) that ``graph`` (the model's, recorded or
-    traced) shows; returns the new quantizers' names, and the owning blocks left alone with why.
+def insert_residual_quantizers(
+    model: nn.Module, layers: dict[str, nn.Module], graph, make: Callable[[str, nn.Module], nn.Module]
+) -> tuple[list[str], dict[str, str]]:
+    """Quantize the skip input of every residual Add (tensorrt placement) that ``graph`` (the model's,
+    recorded or traced) shows; returns the new quantizers' names, and the owning blocks left alone with why.
 
     ``make(name, branch_conv)`` builds the quantizer. Each owning module gets ``residual_quantizer`` (then
-    ``residual_quantizer_1``, ...) and its ``forward`` becomes the fx trace of its own code (submodules called as
-    they were) with the quantizer on the skip operand. The Adds of that trace are matched to the graph's by order.
+    ``residual_quantizer_1``, ...) and its ``forward`` becomes the fx trace of its own code (submodules called
+    as they were) with the quantizer on the skip operand. The Adds of that trace are matched to the graph's by
+    order.
     """
     modules = dict(model.named_modules())
     branch_convs = {n: conv for n, _, conv in residual_skips(graph, modules, layers)}
@@ -340,13 +424,19 @@ def insert_residual_quantizers(model: nn.Module, layers: dict[str, nn.Module], g
         try:
             block = _ChildrenTracer().trace(mod)
         except Exception as e:  # fx cannot trace every block; its Add stays as it is, and the report says so
-            untraced[label] = f"torch.fx could not trace its forward ({type(e).__name__}: {first_line(e, 120)})"
+            untraced[label] = (
+                f"torch.fx could not trace its forward ({type(e).__name__}: {first_line(e, 120)})"
+            )
             continue
         fx_adds = [n for n in block.nodes if _is_add(n)]
-        if len(fx_adds) != len(adds) or any(i is not None and not isinstance(n.args[i], fx.Node)
-                                            for n, i in zip(fx_adds, adds)):
-            untraced[label] = (f"its fx trace has {len(fx_adds)} Adds where the recorded forward ran {len(adds)}: "
-                               "which operand is the skip input is not certain")
+        if len(fx_adds) != len(adds) or any(
+            i is not None and not isinstance(n.args[i], fx.Node) for n, i in zip(fx_adds, adds)
+        ):
+            untraced[label] = (
+                f"its fx trace has {len(fx_adds)} Adds where the recorded forward ran "
+                f"{len(adds)}: "
+                "which operand is the skip input is not certain"
+            )
             continue
         if any(n.op == "get_attr" and not _resolves(mod, n.target) for n in block.nodes):
             untraced[label] = "its fx trace holds constants of its own"

@@ -1,28 +1,29 @@
 """The model's graph as the exporter sees it: one forward on the example inputs, recorded op by op.
 
-Both ONNX exporters read a model by running it: the TorchScript exporter traces one forward, the dynamo exporter's
-``torch.export`` (non-strict) runs the Python code of ``forward`` on the example inputs. Python control flow on
-arguments or values, shapes unpacked into Python numbers and modules called twice are resolved by that run, and
-what the graph records is what ran. Placement decisions and BatchNorm folding read the same thing here: a
-``TorchFunctionMode`` sees every torch function and tensor method called from Python, and module hooks see every
-module call, while :func:`record` runs ``forward`` once on the example batch.
+Both ONNX exporters read a model by running it: the TorchScript exporter traces one forward, the dynamo
+exporter's ``torch.export`` (non-strict) runs the Python code of ``forward`` on the example inputs. Python
+control flow on arguments or values, shapes unpacked into Python numbers and modules called twice are resolved
+by that run, and what the graph records is what ran. Placement decisions and BatchNorm folding read the same
+thing here: a ``TorchFunctionMode`` sees every torch function and tensor method called from Python, and module
+hooks see every module call, while :func:`record` runs ``forward`` once on the example batch.
 
 The result has the shape of a ``torch.fx`` graph (nodes with ``op``, ``target``, ``args``, ``users`` and
 ``meta["nn_module_stack"]``), so one analysis serves both. ``torch.fx`` symbolic tracing stays for what a
-recording cannot do: rewriting a block's ``forward`` (TensorRT's residual quantizers) and analysing a model for
-which no example batch exists (``quantize_model`` called without one).
+recording cannot do: rewriting a block's ``forward`` (TensorRT's residual quantizers) and analysing a model
+for which no example batch exists (``quantize_model`` called without one).
 
 Nodes:
 * ``placeholder``: a tensor argument of ``forward``.
-* ``call_module``: a call of a leaf module (target: its qualified name). Its ``args`` are its tensor arguments.
-* ``call_function``: a torch function (target: the function, e.g. ``torch.nn.functional.relu``, ``torch.flatten``,
-  ``operator.getitem`` for tensor indexing).
+* ``call_module``: a call of a leaf module (target: its qualified name). Its ``args`` are its tensor
+  arguments.
+* ``call_function``: a torch function (target: the function, e.g. ``torch.nn.functional.relu``,
+  ``torch.flatten``, ``operator.getitem`` for tensor indexing).
 * ``call_method``: a tensor method (target: its name, ``"view"``; operators by their method, ``x + y`` is
   ``"add"``, ``x += y`` is ``"add_"``).
 
 A tensor argument that no recorded node produced (a parameter, a buffer, a constant) is ``None`` in ``args``;
-an in-place op makes its node the producer of the tensor from then on. ``meta["call"]`` numbers the call of the
-innermost enclosing module (a module called twice records its ops twice, with two numbers).
+an in-place op makes its node the producer of the tensor from then on. ``meta["call"]`` numbers the call of
+the innermost enclosing module (a module called twice records its ops twice, with two numbers).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class RecordedNode:
     meta: dict = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        return f"{self.name}({self.op} {self.target if isinstance(self.target, str) else _func_name(self.target)})"
+        target = self.target if isinstance(self.target, str) else _func_name(self.target)
+        return f"{self.name}({self.op} {target})"
 
 
 @dataclass
@@ -66,9 +68,19 @@ def _func_name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
-_DUNDER_METHODS = {"__add__": "add", "__radd__": "add", "__iadd__": "add_", "__mul__": "mul", "__rmul__": "mul",
-                   "__imul__": "mul_", "__sub__": "sub", "__isub__": "sub_", "__truediv__": "div",
-                   "__itruediv__": "div_", "__matmul__": "matmul"}
+_DUNDER_METHODS = {
+    "__add__": "add",
+    "__radd__": "add",
+    "__iadd__": "add_",
+    "__mul__": "mul",
+    "__rmul__": "mul",
+    "__imul__": "mul_",
+    "__sub__": "sub",
+    "__isub__": "sub_",
+    "__truediv__": "div",
+    "__itruediv__": "div_",
+    "__matmul__": "matmul",
+}
 
 
 def _classify(func: Callable) -> tuple[str, Any]:
@@ -76,7 +88,10 @@ def _classify(func: Callable) -> tuple[str, Any]:
     name = _func_name(func)
     if name == "__getitem__":
         return "call_function", operator.getitem
-    if getattr(torch.Tensor, name, None) is func or getattr(func, "__objclass__", None) is torch._C.TensorBase:
+    if (
+        getattr(torch.Tensor, name, None) is func
+        or getattr(func, "__objclass__", None) is torch._C.TensorBase
+    ):
         return "call_method", _DUNDER_METHODS.get(name, name)
     return "call_function", func
 
@@ -86,7 +101,8 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.graph = RecordedGraph()
         self.producer: dict[int, RecordedNode] = {}
-        self.alive: list[torch.Tensor] = []  # keeps every seen tensor alive, so no id is reused while recording
+        # keeps every seen tensor alive, so no id is reused while recording
+        self.alive: list[torch.Tensor] = []
         self.leaf_depth = 0  # > 0 inside a leaf module's forward: its own ops are not recorded
         self.stack: list[tuple[str, str, int]] = []  # enclosing non-leaf modules (name, class, call number)
         self.calls = 0  # non-leaf module calls so far: tells two calls of one module apart
@@ -94,9 +110,16 @@ class _Recorder(TorchFunctionMode):
 
     def node(self, op: str, target: Any, inputs: list) -> RecordedNode:
         args = tuple(self.producer.get(id(t)) for t in inputs if isinstance(t, torch.Tensor))
-        n = RecordedNode(f"n{len(self.graph.nodes)}", op, target, args,
-                         meta={"nn_module_stack": {name: cls for name, cls, _ in self.stack if name},
-                               "call": self.stack[-1][2] if self.stack else 0})
+        n = RecordedNode(
+            f"n{len(self.graph.nodes)}",
+            op,
+            target,
+            args,
+            meta={
+                "nn_module_stack": {name: cls for name, cls, _ in self.stack if name},
+                "call": self.stack[-1][2] if self.stack else 0,
+            },
+        )
         for a in args:
             if a is not None:
                 a.users.setdefault(n, None)
@@ -153,11 +176,12 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
     return handles
 
 
-def record(model: nn.Module, example: Mapping[str, torch.Tensor],
-           is_leaf: Callable[[str, nn.Module], bool]) -> RecordedGraph:
-    """Run ``model(**example)`` once (no gradients, eval mode, every quantizer passing values through) and return
-    what ran. ``is_leaf(name, module)``: modules recorded as one ``call_module`` node (the others are recorded
-    op by op inside). Raises :class:`quantcli.errors.DataError` when the forward fails."""
+def record(
+    model: nn.Module, example: Mapping[str, torch.Tensor], is_leaf: Callable[[str, nn.Module], bool]
+) -> RecordedGraph:
+    """Run ``model(**example)`` once (no gradients, eval mode, every quantizer passing values through) and
+    return what ran. ``is_leaf(name, module)``: modules recorded as one ``call_module`` node (the others are
+    recorded op by op inside). Raises :class:`quantcli.errors.DataError` when the forward fails."""
     from quantcli.nn.tensor_quantizer import TensorQuantizer
 
     rec = _Recorder()
@@ -176,10 +200,14 @@ def record(model: nn.Module, example: Mapping[str, torch.Tensor],
         with torch.no_grad(), rec:
             model(**example)
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        shapes = ", ".join(f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
-                           for k, v in example.items() if isinstance(v, torch.Tensor))
-        raise DataError(f"forward({shapes}) failed on the example batch (reading the model's graph): "
-                        f"{first_line(e)}") from None
+        shapes = ", ".join(
+            f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+            for k, v in example.items()
+            if isinstance(v, torch.Tensor)
+        )
+        raise DataError(
+            f"forward({shapes}) failed on the example batch (reading the model's graph): {first_line(e)}"
+        ) from None
     finally:
         for h in handles:
             h.remove()

@@ -26,17 +26,23 @@ class QuantizeReport:
     unmatched_patterns: list[str] = field(default_factory=list)
     batchnorm: FoldReport = field(default_factory=FoldReport)  # the BatchNorms folded, and those left alone
     placement: Placement | None = None
-    # modules that own a 2+-D floating weight and stay float: {"name", "type", "reason"} (quantcli.nn.linear_like)
+    # modules that own a 2+-D floating weight and stay float: {"name", "type", "reason"}
+    # (quantcli.nn.linear_like)
     float_layers: list[dict[str, str]] = field(default_factory=list)
     # torch layers whose parametrized weight (weight_norm, ...) was stored as the value it computes
     resolved_parametrizations: list[str] = field(default_factory=list)
 
 
-def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch.Tensor] | None = None,
-                   fold: bool | None = None) -> nn.Module:
-    """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd``, and every
-    module that computes what one does (:mod:`quantcli.nn.linear_like`: transformers' ``Conv1D``, subclasses,
-    weight-normed convolutions); the report lists the weighted modules left float and why.
+def quantize_model(
+    model: nn.Module,
+    config=None,
+    *,
+    example: Mapping[str, torch.Tensor] | None = None,
+    fold: bool | None = None,
+) -> nn.Module:
+    """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd``, and
+    every module that computes what one does (:mod:`quantcli.nn.linear_like`: transformers' ``Conv1D``,
+    subclasses, weight-normed convolutions); the report lists the weighted modules left float and why.
 
     First, when the config's ``fold_batchnorm`` is on (the default), every BatchNorm that only its preceding
     Conv/ConvTranspose/Linear feeds is folded into that layer (:func:`quantcli.nn.fold_bn.fold_batchnorm`), so
@@ -47,16 +53,16 @@ def quantize_model(model: nn.Module, config=None, *, example: Mapping[str, torch
     ``model.quantcli_report``.
 
     Args:
-        example: one keyword batch for ``model(**example)``. The model's structure (BatchNorm folding, placement)
-            is read from one forward on it, as the exporter reads it (:mod:`quantcli.nn.recorded_graph`); without
-            it, from ``torch.fx`` symbolic tracing, which fails on Python control flow and leaves a BatchNorm after
-            a Linear unfolded.
+        example: one keyword batch for ``model(**example)``. The model's structure (BatchNorm folding,
+            placement) is read from one forward on it, as the exporter reads it
+            (:mod:`quantcli.nn.recorded_graph`); without it, from ``torch.fx`` symbolic tracing, which fails
+            on Python control flow and leaves a BatchNorm after a Linear unfolded.
         fold: overrides the config's ``fold_batchnorm`` (``load_calibrated`` restores stored folds instead).
 
     The config's ``target`` then decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``,
-    inputs that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer reads
-    directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes; for ``tensorrt``,
-    the skip inputs of residual Adds get a ``residual_quantizer``.
+    inputs that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer
+    reads directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes; for
+    ``tensorrt``, the skip inputs of residual Adds get a ``residual_quantizer``.
     """
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
@@ -107,14 +113,25 @@ def _integer8(q: TensorQuantizer) -> bool:
     return q.enabled and not d.is_fp8 and not d.dynamic and q._block is None and d.num_bits <= 8
 
 
-def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module], own_grid: set[str],
-                           report: QuantizeReport, example: Mapping[str, torch.Tensor] | None) -> set[int]:
-    """Unsigned post-ReLU inputs, output quantizers, int32 biases; returns the indices of rules that matched."""
+def _place_for_onnxruntime(
+    model: nn.Module,
+    cfg: QuantConfig,
+    layers: dict[str, nn.Module],
+    own_grid: set[str],
+    report: QuantizeReport,
+    example: Mapping[str, torch.Tensor] | None,
+) -> set[int]:
+    """Unsigned post-ReLU inputs, output quantizers, int32 biases; returns the indices of rules that
+    matched."""
     used: set[int] = set()
-    placement, _ = analyse(model, layers, cfg.target,
-                           {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic
-                            for n, m in layers.items()},
-                           {n: _integer8(m.weight_quantizer) for n, m in layers.items()}, example)
+    placement, _ = analyse(
+        model,
+        layers,
+        cfg.target,
+        {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic for n, m in layers.items()},
+        {n: _integer8(m.weight_quantizer) for n, m in layers.items()},
+        example,
+    )
     for name in list(placement.unsigned_inputs):
         q = layers[name].input_quantizer
         d = q.desc
@@ -125,8 +142,11 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
     modules = dict(model.named_modules())
     # the exported node of a hook-run quantizer is named after the hook module's parent: one per parent
     parents = [a.rsplit(".", 1)[0] if "." in a else "" for a, _ in placement.output_after.values()]
-    placement.output_after = {k: v for k, v in placement.output_after.items()
-                              if parents.count(v[0].rsplit(".", 1)[0] if "." in v[0] else "") == 1}
+    placement.output_after = {
+        k: v
+        for k, v in placement.output_after.items()
+        if parents.count(v[0].rsplit(".", 1)[0] if "." in v[0] else "") == 1
+    }
     for name in placement.output_quantized:
         module = layers[name]
         qname = _qname(name, "output")
@@ -134,32 +154,46 @@ def _place_for_onnxruntime(model: nn.Module, cfg: QuantConfig, layers: dict[str,
         used.update(matched)
         after = placement.output_after.get(name)
         if after is not None and not any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
-            if after[1] and _integer8_desc(desc) and not desc.unsigned and not desc.asymmetric and desc.axis is None:
+            if (
+                after[1]
+                and _integer8_desc(desc)
+                and not desc.unsigned
+                and not desc.asymmetric
+                and desc.axis is None
+            ):
                 desc = QuantDescriptor(**{**desc.dict(), "unsigned": True})  # after a ReLU: >= 0
         module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         if after is not None:
             apply_output_quantizer_after(modules[after[0]], module)
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
-        if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) \
-                and getattr(module, "takes_int32_bias", True):
+        if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) and getattr(
+            module, "takes_int32_bias", True
+        ):
             module.int32_bias = True
     report.placement = placement
     return used
 
 
-def _place_for_tensorrt(model: nn.Module, cfg: QuantConfig, layers: dict[str, nn.Module],
-                        report: QuantizeReport, example: Mapping[str, torch.Tensor] | None) -> set[int]:
+def _place_for_tensorrt(
+    model: nn.Module,
+    cfg: QuantConfig,
+    layers: dict[str, nn.Module],
+    report: QuantizeReport,
+    example: Mapping[str, torch.Tensor] | None,
+) -> set[int]:
     """NVIDIA's placement: the per-layer quantizers plus the skip inputs of residual Adds."""
     used: set[int] = set()
     placement, graph = analyse(model, layers, cfg.target, {}, {}, example)
     if placement.analysed:
+
         def make(qname: str, conv: nn.Module) -> TensorQuantizer:
             enabled, desc, matched = cfg.resolve(qname, "input", conv)
             used.update(matched)
             return TensorQuantizer(desc, name=qname, enabled=enabled)
 
-        placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(model, layers, graph,
-                                                                                               make)
+        placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(
+            model, layers, graph, make
+        )
     report.placement = placement
     return used

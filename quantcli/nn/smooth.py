@@ -1,11 +1,12 @@
 """The explicit smoothing ``Mul`` of SmoothQuant: ``x * factor`` over the last (channel) dimension.
 
-SmoothQuant (:mod:`quantcli.calibration.smoothquant`) divides a Linear layer's input channel ``j`` by ``s_j`` and multiplies
-the weight's column ``j`` by ``s_j``. Where the division cannot be folded into the op that produced the input (a
-LayerNorm whose output also feeds a residual Add, a GELU), the layer gets a ``SmoothMul`` child named
-``input_smooth`` that the layer applies before its input quantizer; it exports as one ONNX ``Mul`` by a constant.
-Its ``factor`` (``1 / s``, float32, shape ``(in_features,)``) is a buffer, so it is in the ``state_dict``
-(``<layer>.input_smooth.factor``) and :func:`restore` re-creates it before a checkpoint's weights are loaded.
+SmoothQuant (:mod:`quantcli.calibration.smoothquant`) divides a Linear layer's input channel ``j`` by ``s_j``
+and multiplies the weight's column ``j`` by ``s_j``. Where the division cannot be folded into the op that
+produced the input (a LayerNorm whose output also feeds a residual Add, a GELU), the layer gets a
+``SmoothMul`` child named ``input_smooth`` that the layer applies before its input quantizer; it exports as
+one ONNX ``Mul`` by a constant. Its ``factor`` (``1 / s``, float32, shape ``(in_features,)``) is a buffer, so
+it is in the ``state_dict`` (``<layer>.input_smooth.factor``) and :func:`restore` re-creates it before a
+checkpoint's weights are loaded.
 """
 
 from __future__ import annotations
@@ -42,7 +43,9 @@ def attach(layer: nn.Module, factor: torch.Tensor) -> SmoothMul:
 
 def smoothed_layers(model: nn.Module) -> list[str]:
     """Names of the layers that carry an explicit smoothing Mul."""
-    return [name for name, m in model.named_modules() if isinstance(m._modules.get("input_smooth"), SmoothMul)]
+    return [
+        name for name, m in model.named_modules() if isinstance(m._modules.get("input_smooth"), SmoothMul)
+    ]
 
 
 def restore(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> list[str]:

@@ -35,7 +35,8 @@ class TensorQuantizer(nn.Module):
     the rank of the tensor for per-axis (``(C, 1, 1, 1)``) and is ``shape // block`` along the blocked axis.
     """
 
-    #: while an exporter traces, the op it computes this quantizer's output with (:mod:`quantcli.nn.export_hooks`)
+    # : while an exporter traces, the op it computes this quantizer's output with
+    # (:mod:`quantcli.nn.export_hooks`)
     export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def __init__(self, desc: QuantDescriptor | None = None, name: str | None = None, enabled: bool = True):
@@ -51,15 +52,19 @@ class TensorQuantizer(nn.Module):
         self.register_buffer("amin", None)  # asymmetric quantizers: the calibrated minimum (<= 0)
         blocks = QuantDescriptor.get_block_quant_axes_and_sizes(self.desc.block_sizes)
         if len(blocks) > 1:
-            raise ConfigError(f"{name}: block quantization along several axes {sorted(blocks)} is not supported "
-                              "(ONNX QuantizeLinear blocks one axis)")
+            raise ConfigError(
+                f"{name}: block quantization along several axes {sorted(blocks)} is not "
+                f"supported "
+                "(ONNX QuantizeLinear blocks one axis)"
+            )
         self._block = next(iter(blocks.items()), None)
         if self.desc.learn_amax and amax is not None:
             self.set_amax(amax)  # becomes a Parameter
 
     @property
     def dynamic_uint8(self) -> bool:
-        """Quantized at run time as ONNX ``DynamicQuantizeLinear`` does (``dynamic`` + ``asymmetric``): no amax."""
+        """Quantized at run time as ONNX ``DynamicQuantizeLinear`` does (``dynamic`` + ``asymmetric``): no
+        amax."""
         return self.desc.dynamic and self.desc.asymmetric
 
     # ------------------------------------------------------------------------------------------- modes
@@ -79,7 +84,9 @@ class TensorQuantizer(nn.Module):
         if self.desc.asymmetric:
             self.calibrator = MinMaxCalibrator(bits, name=self.name)
         elif use_hist:
-            self.calibrator = HistogramCalibrator(bits, axis, self.desc.unsigned, num_bins=num_bins, name=self.name)
+            self.calibrator = HistogramCalibrator(
+                bits, axis, self.desc.unsigned, num_bins=num_bins, name=self.name
+            )
         else:
             self.calibrator = MaxCalibrator(bits, axis, self.desc.unsigned, name=self.name)
         self.set_mode("calibrate")
@@ -91,13 +98,20 @@ class TensorQuantizer(nn.Module):
         size = min(size, n)
         blocks = -(-n // size)
         if block_of(n, blocks) != size:
-            raise ConfigError(f"{self.name}: blocks of {size} along dimension {d} of size {n} cannot be told from "
-                              f"blocks of {block_of(n, blocks)} by amax's shape; use a power-of-two block size or a "
-                              "divisor")
+            raise ConfigError(
+                f"{self.name}: blocks of {size} along dimension {d} of size {n} cannot be "
+                f"told from "
+                f"blocks of {block_of(n, blocks)} by amax's shape; use a power-of-two block "
+                f"size or a "
+                "divisor"
+            )
         if n % size:  # the last block is partial: zeros fill it (they change no block's max |x|)
             if isinstance(self.calibrator, HistogramCalibrator):
-                raise ConfigError(f"{self.name}: dimension {d} of size {n} is not a multiple of the block size "
-                                  f"{size}; histogram calibration of a partial last block is not supported")
+                raise ConfigError(
+                    f"{self.name}: dimension {d} of size {n} is not a multiple of the block "
+                    f"size "
+                    f"{size}; histogram calibration of a partial last block is not supported"
+                )
             pad = [0, 0] * (x.dim() - 1 - d) + [0, blocks * size - n]
             x = torch.nn.functional.pad(x, pad)
         return x.unflatten(d, (blocks, size)), d
@@ -113,7 +127,8 @@ class TensorQuantizer(nn.Module):
             self.calibrator.collect(x)
 
     def load_calib_amax(self, method: str = "max", **kwargs) -> torch.Tensor:
-        """Compute amax from the calibrator (``method`` for histograms), store it, and switch to quantizing."""
+        """Compute amax from the calibrator (``method`` for histograms), store it, and switch to
+        quantizing."""
         if self.calibrator is None:
             raise CalibrationError(f"{self.name}: was never calibrated")
         if isinstance(self.calibrator, MinMaxCalibrator):
@@ -127,12 +142,15 @@ class TensorQuantizer(nn.Module):
             if method == "max":
                 method = "entropy"
             if not defined_for(method, self.desc.is_fp8):
-                raise CalibrationError(f"{self.name}: entropy calibration is for integer formats; use mse or percentile for FP8")
+                raise CalibrationError(
+                    f"{self.name}: entropy calibration is for integer formats; use mse or percentile for FP8"
+                )
             kw = {k: v for k, v in kwargs.items() if k != "num_bins"}
             if method != "percentile":
                 kw.pop("percentile", None)
             amax = self.calibrator.compute_amax(method, **kw)
-            self.histogram = self.calibrator  # kept: another method can be computed without re-running the model
+            # kept: another method can be computed without re-running the model
+            self.histogram = self.calibrator
         else:
             amax = self.calibrator.compute_amax()
         if self._block is not None:
@@ -147,7 +165,9 @@ class TensorQuantizer(nn.Module):
     def recompute_amax(self, method: str, **kwargs) -> torch.Tensor:
         """amax by another histogram method from the kept histogram (no new data pass)."""
         if self.histogram is None:
-            raise CalibrationError(f"{self.name}: no histogram kept; calibrate with entropy, mse or percentile first")
+            raise CalibrationError(
+                f"{self.name}: no histogram kept; calibrate with entropy, mse or percentile first"
+            )
         self.calibrator = self.histogram
         return self.load_calib_amax(method, **kwargs)
 
@@ -168,13 +188,17 @@ class TensorQuantizer(nn.Module):
         else:
             self.amax = amax
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         key = prefix + "amax"
         if key in state_dict and self.amax is None:
             self.set_amax(state_dict[key])
         if prefix + "amin" in state_dict and self.amin is None:
             self.amin = state_dict[prefix + "amin"].detach().to(torch.float32).clone()
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     # ------------------------------------------------------------------------------------------- forward
     def _dynamic_amax(self, x: torch.Tensor) -> torch.Tensor:
@@ -196,8 +220,11 @@ class TensorQuantizer(nn.Module):
             return x
         if self.dynamic_uint8:
             if torch.onnx.is_in_onnx_export():
-                raise ExportError(f"{self.name}: a dynamic (DynamicQuantizeLinear) activation quantizer exports only as "
-                                  "the input of a Linear layer with 8-bit integer weights")
+                raise ExportError(
+                    f"{self.name}: a dynamic (DynamicQuantizeLinear) activation quantizer "
+                    f"exports only as "
+                    "the input of a Linear layer with 8-bit integer weights"
+                )
             return FakeDynamicQuantFunction.apply(x)
         if self.export_hook is not None:
             return self.export_hook(x)
@@ -219,14 +246,23 @@ class TensorQuantizer(nn.Module):
             return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)
         if self.desc.is_fp8:
             return ScaledE4M3Function.apply(x, amax, 4, 3)
-        return FakeTensorQuantFunction.apply(x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range)
+        return FakeTensorQuantFunction.apply(
+            x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range
+        )
 
     def integer_scale(self) -> torch.Tensor | None:
-        """The float32 ONNX scale of an enabled, calibrated integer quantizer of at most 8 bits that is per tensor or
-        per axis (flattened to 1-D); None for other formats (fp8, blocked, dynamic, wider) or before calibration."""
+        """The float32 ONNX scale of an enabled, calibrated integer quantizer of at most 8 bits that is per
+        tensor or per axis (flattened to 1-D); None for other formats (fp8, blocked, dynamic, wider) or before
+        calibration."""
         d = self.desc
-        if self.mode != "quantize" or d.is_fp8 or d.dynamic or self._block is not None or self.amax is None \
-                or d.num_bits > 8:
+        if (
+            self.mode != "quantize"
+            or d.is_fp8
+            or d.dynamic
+            or self._block is not None
+            or self.amax is None
+            or d.num_bits > 8
+        ):
             return None
         if d.asymmetric:
             amin = self.amin if self.amin is not None else torch.zeros_like(self.amax)
@@ -240,7 +276,11 @@ class TensorQuantizer(nn.Module):
         bits = d.format_name
         if self.dynamic_uint8:
             return f"{bits} dynamic per-tensor (DynamicQuantizeLinear) mode={self.mode}"
-        gran = f"axis={d.axis}" if d.axis is not None else (f"block={self._block[1]}" if self._block else "per-tensor")
+        gran = (
+            f"axis={d.axis}"
+            if d.axis is not None
+            else (f"block={self._block[1]}" if self._block else "per-tensor")
+        )
         if self.amax is None:
             a = "amax=None"
         elif self.amax.numel() == 1:

@@ -1,6 +1,6 @@
 """Which quantizers' outputs reach a model's outputs: the difference between a layer an exporter drops as dead
-code (it runs in ``forward`` but nothing uses its result, like a ``BertModel``'s pooler under mean pooling) and a
-layer that lost its Q/DQ pair.
+code (it runs in ``forward`` but nothing uses its result, like a ``BertModel``'s pooler under mean pooling)
+and a layer that lost its Q/DQ pair.
 
 The trace is autograd's: a zero leaf that requires grad is added to every quantizer's output (``x + 0``, so
 the graph stays connected through later quantizers), and ``torch.autograd.grad(..., allow_unused=True)``
@@ -32,7 +32,8 @@ def _flat_tensors(out) -> list[torch.Tensor]:
 
 
 def unused_quantizers(model: nn.Module, batch: dict[str, torch.Tensor]) -> set[str] | None:
-    """Names of the enabled quantizers that ran on ``batch`` but whose output reaches none of the model's outputs.
+    """Names of the enabled quantizers that ran on ``batch`` but whose output reaches none of the model's
+    outputs.
 
     Quantizers that did not run at all are not in the set (they are "not called", another matter). Returns
     ``None`` when the trace cannot decide (no output depends on any quantizer, or autograd fails), so that a
@@ -58,8 +59,9 @@ def unused_quantizers(model: nn.Module, batch: dict[str, torch.Tensor]) -> set[s
             flat = [leaf for name in leaves for leaf in leaves[name]]
             if not outs or not flat:
                 return None
-            grads = torch.autograd.grad(outs, flat, grad_outputs=[torch.ones_like(t) for t in outs],
-                                        allow_unused=True)
+            grads = torch.autograd.grad(
+                outs, flat, grad_outputs=[torch.ones_like(t) for t in outs], allow_unused=True
+            )
     except RuntimeError:
         return None
     finally:

@@ -4,12 +4,12 @@ Two reference APIs live here, with quantcli's one arithmetic underneath (:mod:`q
 
 * torchao (``torchao.quantization``): :func:`quantize_affine`, :func:`dequantize_affine`,
   :func:`choose_qparams_affine`, :class:`ZeroPointDomain`, :class:`MappingType`, :class:`FakeQuantizeConfig`.
-* AIMET (``aimet_torch.quantization.affine``): :func:`quantize`, :func:`dequantize`, :func:`quantize_dequantize` with
-  ``bitwidth`` / ``num_steps`` / ``qmin, qmax`` overloads.
+* AIMET (``aimet_torch.quantization.affine``): :func:`quantize`, :func:`dequantize`,
+  :func:`quantize_dequantize` with ``bitwidth`` / ``num_steps`` / ``qmin, qmax`` overloads.
 
-Where those libraries' implementations differ from ONNX, quantcli follows ONNX ``QuantizeLinear``:
-it divides by the float32 scale (torchao multiplies by ``1/scale``), rounds half to even, then adds the
-integer zero point and saturates. AIMET's ``offset`` is subtracted after rounding, i.e. ``offset = -zero_point``.
+Where those libraries' implementations differ from ONNX, quantcli follows ONNX ``QuantizeLinear``: it divides
+by the float32 scale (torchao multiplies by ``1/scale``), rounds half to even, then adds the integer zero
+point and saturates. AIMET's ``offset`` is subtracted after rounding, i.e. ``offset = -zero_point``.
 
 ``block_size`` has one entry per input dimension: the number of consecutive elements sharing one scale.
 Per-tensor is the input's shape, per-axis 0 is ``(1, n1, n2, ...)``, per-group along the last axis is
@@ -196,7 +196,8 @@ def choose_qparams_affine(
     """``(scale, zero_point)`` per block, each of shape ``input.shape // block_size``.
 
     SYMMETRIC: ``zp = (qmin + qmax + 1) // 2`` (0 for signed types) and ``scale = max|x| / (qmax - zp)``:
-    for int8 that is ``amax / 127``, quantcli's symmetric scale ``amax / bound`` (torchao divides by 127.5 instead).
+    for int8 that is ``amax / 127``, quantcli's symmetric scale ``amax / bound`` (torchao divides by 127.5
+    instead).
     ASYMMETRIC: the block's ``[min(x, 0), max(x, 0)]`` spread over ``[qmin, qmax]``, with the zero point
     (INT domain) the code of 0.0, or (FLOAT domain) the float value of code 0 offset so that ``min -> qmin``.
     ``eps`` floors the scale (default: the float32 machine epsilon); a dead block gets scale ``eps``.
@@ -263,7 +264,9 @@ def _aimet_block_size(tensor, scale, block_size):
         return tuple(n if m == 1 else n // m for n, m in zip(tensor.shape, s.shape))
     block_size = tuple(block_size)
     if len(block_size) != tensor.dim():
-        raise ValueError(f"block_size {block_size} must have one entry per dimension of {tuple(tensor.shape)}")
+        raise ValueError(
+            f"block_size {block_size} must have one entry per dimension of {tuple(tensor.shape)}"
+        )
     s_shape = (1,) * (tensor.dim() - scale.dim()) + tuple(scale.shape)
     out = []
     for d, (b, n, m) in enumerate(zip(block_size, tensor.shape, s_shape)):
@@ -283,7 +286,18 @@ def _aimet_params(tensor, scale, offset, block_size):
     return _expand(scale, tensor.shape, bs), _expand(offset, tensor.shape, bs).to(tensor.device)
 
 
-def quantize(tensor, scale, offset, bitwidth=None, signed=False, block_size=None, *, num_steps=None, qmin=None, qmax=None):
+def quantize(
+    tensor,
+    scale,
+    offset,
+    bitwidth=None,
+    signed=False,
+    block_size=None,
+    *,
+    num_steps=None,
+    qmin=None,
+    qmax=None,
+):
     """AIMET ``quantize``: ``clamp(round(x / scale) - offset, qmin, qmax)`` as a float tensor of codes.
 
     The range comes from ``bitwidth`` (with ``signed``), ``num_steps`` (with ``signed``) or ``qmin``/``qmax``.
@@ -303,9 +317,22 @@ def dequantize(tensor, scale, offset, block_size=None):
     )
 
 
-def quantize_dequantize(tensor, scale, offset, bitwidth=None, signed=False, block_size=None, *, num_steps=None, qmin=None, qmax=None):
+def quantize_dequantize(
+    tensor,
+    scale,
+    offset,
+    bitwidth=None,
+    signed=False,
+    block_size=None,
+    *,
+    num_steps=None,
+    qmin=None,
+    qmax=None,
+):
     """``dequantize(quantize(...))`` with the same arguments."""
-    q = quantize(tensor, scale, offset, bitwidth, signed, block_size, num_steps=num_steps, qmin=qmin, qmax=qmax)
+    q = quantize(
+        tensor, scale, offset, bitwidth, signed, block_size, num_steps=num_steps, qmin=qmin, qmax=qmax
+    )
     return dequantize(q, scale, offset, block_size)
 
 
@@ -336,7 +363,8 @@ _GRANULARITY_STRINGS = {"per_token", "per_channel", "per_group", "per_tensor"}
 
 
 class FakeQuantizeConfig:
-    """torchao's ``FakeQuantizeConfig`` (``torchao.quantization.qat``): how to fake-quantize weights or activations.
+    """torchao's ``FakeQuantizeConfig`` (``torchao.quantization.qat``): how to fake-quantize weights or
+    activations.
 
     ``granularity`` may be a string (``"per_token"``, ``"per_channel"`` = ``PerAxis(0)``, ``"per_group"`` with
     ``group_size``, ``"per_tensor"``) or an object; setting only ``group_size`` means per-group. Symmetric by
@@ -432,7 +460,8 @@ class FakeQuantizeConfig:
         return (1,) * (len(shape) - 1) + (g.group_size,)
 
     def to_descriptor(self, shape: tuple[int, ...] | None = None):
-        """The :class:`~quantcli.quant.descriptor.QuantDescriptor` for symmetric configs (what quantize_model uses).
+        """The :class:`~quantcli.quant.descriptor.QuantDescriptor` for symmetric configs (what quantize_model
+        uses).
 
         Per-channel becomes ``axis``, per-group ``block_sizes={-1: group_size}``, per-token ``axis=(0..n-2)``
         (needs ``shape``). Asymmetric configs have no symmetric descriptor: use :meth:`fake_quantize`.
@@ -443,7 +472,12 @@ class FakeQuantizeConfig:
             raise ValueError("an asymmetric FakeQuantizeConfig has no symmetric QuantDescriptor")
         signed = self.quant_min < 0
         num_bits = int(math.log2(self.quant_max - self.quant_min + 1))
-        kw = {"num_bits": num_bits, "unsigned": not signed, "dynamic": self.is_dynamic, "learn_amax": self.range_learning}
+        kw = {
+            "num_bits": num_bits,
+            "unsigned": not signed,
+            "dynamic": self.is_dynamic,
+            "learn_amax": self.range_learning,
+        }
         g = self.granularity
         if isinstance(g, PerAxis):
             kw["axis"] = g.axis
@@ -459,12 +493,31 @@ class FakeQuantizeConfig:
         """Dynamic fake quantization of ``x``: choose qparams per block from ``x``, quantize, dequantize."""
         bs = self.block_size(tuple(x.shape))
         scale, zp = choose_qparams_affine(
-            x, self.mapping_type, bs, self.dtype, self.quant_min, self.quant_max, self.eps,
-            self.scale_precision, None, True, self.zero_point_domain,
+            x,
+            self.mapping_type,
+            bs,
+            self.dtype,
+            self.quant_min,
+            self.quant_max,
+            self.eps,
+            self.scale_precision,
+            None,
+            True,
+            self.zero_point_domain,
         )
-        q = quantize_affine(x, bs, scale, zp, self.dtype, self.quant_min, self.quant_max, self.zero_point_domain)
+        q = quantize_affine(
+            x, bs, scale, zp, self.dtype, self.quant_min, self.quant_max, self.zero_point_domain
+        )
         return dequantize_affine(
-            q, bs, scale, zp, self.dtype, self.quant_min, self.quant_max, self.zero_point_domain, output_dtype=x.dtype
+            q,
+            bs,
+            scale,
+            zp,
+            self.dtype,
+            self.quant_min,
+            self.quant_max,
+            self.zero_point_domain,
+            output_dtype=x.dtype,
         )
 
     def __repr__(self) -> str:

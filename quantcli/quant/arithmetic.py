@@ -35,7 +35,8 @@ def symmetric_bound(num_bits: int, unsigned: bool = False) -> int:
 def integer_range(num_bits: int, unsigned: bool = False, narrow_range: bool = False) -> tuple[int, int]:
     """``(qmin, qmax)`` of the integer grid.
 
-    Signed: ``[-bound-1, bound]``, or ``[-bound, bound]`` with ``narrow_range``. Unsigned: ``[0, 2**num_bits-1]``.
+    Signed: ``[-bound-1, bound]``, or ``[-bound, bound]`` with ``narrow_range``. Unsigned: ``[0,
+        2**num_bits-1]``.
     """
     bound = symmetric_bound(num_bits, unsigned)
     if unsigned:
@@ -55,7 +56,8 @@ def check_amax(amax: torch.Tensor) -> None:
 
 
 def compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """float32 for float32/16/bf16 and integer tensors (ONNX's arithmetic); float64 stays float64 (gradchecks)."""
+    """float32 for float32/16/bf16 and integer tensors (ONNX's arithmetic); float64 stays float64
+    (gradchecks)."""
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
@@ -141,13 +143,16 @@ def dynamic_qparams(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     lo = torch.minimum(xf.min(), zero)
     hi = torch.maximum(xf.max(), zero)
     span = hi - lo
-    scale = torch.where(span > 0, span / torch.tensor(float(DYNAMIC_QMAX), device=x.device), torch.ones_like(span))
+    scale = torch.where(
+        span > 0, span / torch.tensor(float(DYNAMIC_QMAX), device=x.device), torch.ones_like(span)
+    )
     zp = torch.round(torch.clamp(zero - lo / scale, 0.0, float(DYNAMIC_QMAX)))
     return scale, zp
 
 
 def fake_quant_dynamic(x: torch.Tensor) -> torch.Tensor:
-    """ONNX ``DynamicQuantizeLinear`` followed by ``DequantizeLinear``: uint8, per tensor, in ``x``'s dtype."""
+    """ONNX ``DynamicQuantizeLinear`` followed by ``DequantizeLinear``: uint8, per tensor, in ``x``'s
+    dtype."""
     scale, zp = dynamic_qparams(x)
     return dequantize_linear(quantize_linear(x, scale, zp, 0, DYNAMIC_QMAX), scale, zp).to(x.dtype)
 
@@ -181,7 +186,8 @@ def fake_quant_symmetric(
 
 
 def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """ONNX QuantizeLinear to float8e4m3fn (saturate=1): ``x / scale`` rounded to nearest-even, clamped to ±448.
+    """ONNX QuantizeLinear to float8e4m3fn (saturate=1): ``x / scale`` rounded to nearest-even, clamped to
+    ±448.
 
     NaN stays NaN, as in ONNX.
     """
@@ -203,7 +209,8 @@ def fake_quant_e4m3(x: torch.Tensor, amax: torch.Tensor | None) -> torch.Tensor:
 
 
 INT32_MIN = -(1 << 31)
-INT32_MAX_F32 = float((1 << 31) - 128)  # the largest float32 below 2**31: codes stay exact in float32 and int32
+# the largest float32 below 2**31: codes stay exact in float32 and int32
+INT32_MAX_F32 = float((1 << 31) - 128)
 
 
 def bias_scale(input_scale: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

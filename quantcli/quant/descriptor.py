@@ -1,8 +1,9 @@
 """``QuantDescriptor`` (alias ``ScaledQuantDescriptor``): how one tensor is quantized.
 
-Fields and semantics follow NVIDIA pytorch-quantization's ``tensor_quant.ScaledQuantDescriptor``. A descriptor is
-immutable; ``dict()`` returns only the fields that differ from their defaults and ``QuantDescriptor(**d.dict())``
-rebuilds an equal descriptor; ``to_yaml``/``from_yaml`` round-trip through human-readable YAML.
+Fields and semantics follow NVIDIA pytorch-quantization's ``tensor_quant.ScaledQuantDescriptor``. A descriptor
+is immutable; ``dict()`` returns only the fields that differ from their defaults and
+``QuantDescriptor(**d.dict())`` rebuilds an equal descriptor; ``to_yaml``/``from_yaml`` round-trip through
+human-readable YAML.
 """
 
 from __future__ import annotations
@@ -52,8 +53,9 @@ def _num_bits(v: Any) -> int | tuple[int, int]:
 
 def format_name(num_bits, unsigned: bool = False, blocked: bool = False, asymmetric: bool = False) -> str:
     """Human name of a quantization format, as summaries, errors, ``inspect`` and module reprs print it:
-    ``int8``, ``uint4``, ``fp8-e4m3``; an asymmetric grid (unsigned, with a zero point) adds `` asymmetric`` and
-    a blocked integer grid `` blocked``. ``num_bits``: an int, or ``(E, M)`` (FP8 E4M3, the only float format)."""
+    ``int8``, ``uint4``, ``fp8-e4m3``; an asymmetric grid (unsigned, with a zero point) adds `` asymmetric``
+    and a blocked integer grid `` blocked``. ``num_bits``: an int, or ``(E, M)`` (FP8 E4M3, the only float
+    format)."""
     if isinstance(num_bits, (list, tuple)):
         return "fp8-e4m3"
     name = f"{'uint' if unsigned or asymmetric else 'int'}{num_bits}"
@@ -87,7 +89,9 @@ def _int_key(k: Any) -> int | str:
         try:
             return int(k)
         except ValueError:
-            raise ValueError(f"block_sizes key {k!r} is neither an axis nor one of {_BLOCK_SPECIAL}") from None
+            raise ValueError(
+                f"block_sizes key {k!r} is neither an axis nor one of {_BLOCK_SPECIAL}"
+            ) from None
     return k
 
 
@@ -151,8 +155,8 @@ class ScaledQuantDescriptor:
         name: a label.
         fake_quant: quantize-dequantize (True) or return integer codes (False).
         axis: None (per-tensor), int or tuple: the axes that keep their own amax.
-        block_sizes: ``{axis: size, "type": "static"|"dynamic", "scale_bits": ..., "scale_block_sizes": ...}``;
-            axis must be None with it.
+        block_sizes: ``{axis: size, "type": "static"|"dynamic", "scale_bits": ..., "scale_block_sizes":
+            ...}``; axis must be None with it.
         amax: a fixed amax (float or nested list).
         learn_amax: make amax a learnable parameter.
         scale_amax: multiply the calibrated amax by this.
@@ -162,7 +166,8 @@ class ScaledQuantDescriptor:
         dynamic: compute amax on the fly instead of calibrating it. With ``asymmetric``: ONNX
             ``DynamicQuantizeLinear`` (uint8, scale and zero point from each tensor's own min and max).
         asymmetric: (quantcli addition) affine quantization on an unsigned grid with a zero point, calibrated
-            from the running min and max (``FakeAffineTensorQuantFunction``); per-tensor, integer formats only.
+            from the running min and max (``FakeAffineTensorQuantFunction``); per-tensor, integer formats
+            only.
     """
 
     def __init__(self, num_bits=8, name=None, **kwargs):
@@ -179,7 +184,9 @@ class ScaledQuantDescriptor:
         self._axis = _axis(v["axis"])
         self._block_sizes = _block_sizes(v["block_sizes"])
         if self._axis is not None and self._block_sizes is not None:
-            raise ValueError("axis must be None when block_sizes is given (blocks already define the granularity)")
+            raise ValueError(
+                "axis must be None when block_sizes is given (blocks already define the granularity)"
+            )
         self._amax = _amax(v["amax"])
         self._learn_amax = _bool("learn_amax", v["learn_amax"])
         sa = v["scale_amax"]
@@ -196,10 +203,15 @@ class ScaledQuantDescriptor:
             raise ValueError("FP8 E4M3 is signed; unsigned=True does not apply")
         self._asymmetric = _bool("asymmetric", v["asymmetric"])
         if self._asymmetric and (self.is_fp8 or self._axis is not None or self._block_sizes is not None):
-            raise ValueError("asymmetric quantization is per-tensor and integer-only (no axis, block_sizes or FP8)")
+            raise ValueError(
+                "asymmetric quantization is per-tensor and integer-only (no axis, block_sizes or FP8)"
+            )
         if self._asymmetric and self._dynamic and self._num_bits != 8:
-            raise ValueError("dynamic asymmetric quantization is ONNX DynamicQuantizeLinear, which is uint8 only: "
-                             f"num_bits must be 8, got {self._num_bits}")
+            raise ValueError(
+                "dynamic asymmetric quantization is ONNX DynamicQuantizeLinear, which is uint8 "
+                "only: "
+                f"num_bits must be 8, got {self._num_bits}"
+            )
 
     num_bits = property(lambda self: self._num_bits, doc="int bits, or (E, M) for FP8.")
     name = property(lambda self: self._name)

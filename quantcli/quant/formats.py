@@ -27,7 +27,8 @@ UINT4 = OnnxQuantType("uint4", onnx.TensorProto.UINT4, 21, 0, 15)
 INT16 = OnnxQuantType("int16", onnx.TensorProto.INT16, 21, -32768, 32767)
 UINT16 = OnnxQuantType("uint16", onnx.TensorProto.UINT16, 21, 0, 65535)
 FP8_E4M3 = OnnxQuantType("fp8-e4m3", onnx.TensorProto.FLOAT8E4M3FN, 19, -448.0, 448.0)
-INT32 = OnnxQuantType("int32", onnx.TensorProto.INT32, 13, -(1 << 31), (1 << 31) - 1)  # biases of integer kernels
+# biases of integer kernels
+INT32 = OnnxQuantType("int32", onnx.TensorProto.INT32, 13, -(1 << 31), (1 << 31) - 1)
 
 ALL = (INT8, UINT8, INT4, UINT4, INT16, UINT16, FP8_E4M3, INT32)
 BY_ELEM_TYPE = {t.elem_type: t for t in ALL}
@@ -47,7 +48,8 @@ def integer_type(num_bits: int, unsigned: bool) -> OnnxQuantType:
 
 
 def emitted_type(num_bits: int, unsigned: bool) -> OnnxQuantType:
-    """The type the ``symbolic`` functions emit: int8/uint8 up to 8 bits (narrower grids clipped), int16 above.
+    """The type the ``symbolic`` functions emit: int8/uint8 up to 8 bits (narrower grids clipped), int16
+    above.
 
     torch's TorchScript exporter cannot type int4 tensors, so 2..4-bit grids leave the exporter as clipped
     int8 Q/DQ pairs (the same codes) and :func:`exporters.fold.narrow_types` stores them as int4/uint4.
@@ -55,7 +57,9 @@ def emitted_type(num_bits: int, unsigned: bool) -> OnnxQuantType:
     if num_bits <= 8:
         return UINT8 if unsigned else INT8
     if unsigned:
-        raise ValueError(f"unsigned {num_bits}-bit quantization has no ONNX type quantcli exports; use signed")
+        raise ValueError(
+            f"unsigned {num_bits}-bit quantization has no ONNX type quantcli exports; use signed"
+        )
     return INT16
 
 

@@ -21,12 +21,13 @@ class Granularity:
 
 
 def block_of(n: int, num_blocks: int) -> int:
-    """The block size that cuts a dimension of ``n`` into ``num_blocks`` blocks, the last one possibly partial.
+    """The block size that cuts a dimension of ``n`` into ``num_blocks`` blocks, the last one possibly
+    partial.
 
     ``(n, num_blocks)`` does not name one block size when the last block is partial (200 in 2 blocks: any of
-    100..199; 300 in 3: 100 or 128), so the power of two that fits is taken (128: the block sizes MatMulNBits and most int4 formats
-    use), else the even split ``ceil(n / num_blocks)``. Quantizers check at calibration that this reading gives
-    their configured block size (:meth:`quantcli.nn.TensorQuantizer.collect`).
+    100..199; 300 in 3: 100 or 128), so the power of two that fits is taken (128: the block sizes MatMulNBits
+    and most int4 formats use), else the even split ``ceil(n / num_blocks)``. Quantizers check at calibration
+    that this reading gives their configured block size (:meth:`quantcli.nn.TensorQuantizer.collect`).
     """
     n, num_blocks = int(n), int(num_blocks)  # (traced shapes are tensors; blocked dims are static)
     even = -(-n // num_blocks)
@@ -65,7 +66,8 @@ def granularity_of(amax_shape: tuple[int, ...], x_shape: tuple[int, ...]) -> Gra
     axis kept whole, as ONNX's blocked QuantizeLinear wants its scale).
 
     A single block spanning a whole axis looks like a broadcast axis (amax size 1); when every other axis is
-    kept, it is read as that block (a conv weight ``(O, I, kh, kw)`` blocked by ``I`` has amax ``(O, 1, kh, kw)``).
+    kept, it is read as that block (a conv weight ``(O, I, kh, kw)`` blocked by ``I`` has amax ``(O, 1, kh,
+    kw)``).
     """
     dims = _dims(tuple(amax_shape), tuple(x_shape))
     if not dims:
@@ -107,9 +109,12 @@ def flatten_for_onnx(t: torch.Tensor, g: Granularity) -> torch.Tensor:
     return t
 
 
-def broadcast_onnx_param(p: torch.Tensor, x_shape: tuple[int, ...], axis: int | None, block_size: int | None) -> torch.Tensor:
+def broadcast_onnx_param(
+    p: torch.Tensor, x_shape: tuple[int, ...], axis: int | None, block_size: int | None
+) -> torch.Tensor:
     """A QuantizeLinear/DequantizeLinear scale or zero point in ONNX layout (scalar; 1-D along ``axis``; or
-    same-rank with ``axis`` in blocks of ``block_size``) made broadcastable elementwise against ``x_shape``."""
+    same-rank with ``axis`` in blocks of ``block_size``) made broadcastable elementwise against
+    ``x_shape``."""
     if p.numel() == 1 and p.dim() <= 1:
         return p.reshape(())
     axis = axis % len(x_shape)

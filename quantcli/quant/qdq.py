@@ -1,11 +1,12 @@
-"""The quantize ops' ONNX definition: a :class:`QdqSpec` per op, and the nodes their ``symbolic`` functions build.
+"""The quantize ops' ONNX definition: a :class:`QdqSpec` per op, and the nodes their ``symbolic`` functions
+build.
 
 A spec holds the float32 scale, the zero point, the storage type, the granularity and optional clip bounds,
 all computed here in PyTorch with :mod:`quantcli.quant.arithmetic`, so the graph holds exactly the numbers the
 fake-quant model uses. :func:`emit` writes ``[Max, Min] -> QuantizeLinear -> DequantizeLinear`` (ONNX
 QuantizeLinear/DequantizeLinear-13, -19 for float8, -21 for blocks and 4/16-bit types) for the TorchScript
-exporter's ``symbolic`` functions of :mod:`quantcli.quant.tensor_quant`; :mod:`exporters.dynamo` writes the same nodes
-from the same spec for the torch.export-based exporter.
+exporter's ``symbolic`` functions of :mod:`quantcli.quant.tensor_quant`; :mod:`exporters.dynamo` writes the
+same nodes from the same spec for the torch.export-based exporter.
 
 The optional ``Max``/``Min`` pair appears only when the grid is narrower than the emitted type's saturation
 range (``narrow_range``, or 2..7-bit grids in int8, see :func:`quantcli.quant.formats.emitted_type`) or a
@@ -67,7 +68,9 @@ def constant_value(v, what: str) -> torch.Tensor:
 def _granularity(amax: torch.Tensor, x_shape) -> tuple[Granularity, tuple[int, ...]]:
     if amax.numel() == 1:
         return Granularity("tensor"), tuple(x_shape or ())
-    shape = tuple(x_shape) if x_shape is not None and all(s is not None for s in x_shape) else tuple(amax.shape)
+    shape = (
+        tuple(x_shape) if x_shape is not None and all(s is not None for s in x_shape) else tuple(amax.shape)
+    )
     try:
         return granularity_of(tuple(amax.shape), shape), shape
     except ValueError as e:
@@ -100,8 +103,16 @@ def symmetric_spec(amax: torch.Tensor, x_shape, num_bits: int, unsigned: bool, n
         lo, hi = _dead_clip(a, gran, shape, float(qmin), float(qmax), bound)
     scale = flatten_for_onnx(arithmetic.symmetric_scale(a, bound), gran)
     blocked = gran.kind == "block"
-    return QdqSpec(scale, torch.zeros(scale.shape), qtype, gran, lo, hi,
-                   formats.required_opset(num_bits, unsigned, blocked), formats.format_name(num_bits, unsigned, blocked))
+    return QdqSpec(
+        scale,
+        torch.zeros(scale.shape),
+        qtype,
+        gran,
+        lo,
+        hi,
+        formats.required_opset(num_bits, unsigned, blocked),
+        formats.format_name(num_bits, unsigned, blocked),
+    )
 
 
 def affine_spec(min_range: torch.Tensor, max_range: torch.Tensor, num_bits: int) -> QdqSpec:
@@ -114,14 +125,24 @@ def affine_spec(min_range: torch.Tensor, max_range: torch.Tensor, num_bits: int)
     lo = hi = None
     if qmax != qtype.qmax:
         lo, hi = (0.0 - zp) * scale, (qmax - zp) * scale
-    return QdqSpec(scale, zp, qtype, Granularity("tensor"), lo, hi, formats.required_opset(num_bits, True, False),
-                   formats.format_name(num_bits, True))
+    return QdqSpec(
+        scale,
+        zp,
+        qtype,
+        Granularity("tensor"),
+        lo,
+        hi,
+        formats.required_opset(num_bits, True, False),
+        formats.format_name(num_bits, True),
+    )
 
 
 def e4m3_spec(amax: torch.Tensor | None, x_shape) -> QdqSpec:
     if amax is None:
         one = torch.ones(())
-        return QdqSpec(one, torch.zeros(()), formats.FP8_E4M3, Granularity("tensor"), min_opset=19, format="fp8-e4m3")
+        return QdqSpec(
+            one, torch.zeros(()), formats.FP8_E4M3, Granularity("tensor"), min_opset=19, format="fp8-e4m3"
+        )
     a = amax.detach().cpu().to(torch.float32)
     arithmetic.check_amax(a)
     gran, shape = _granularity(a, x_shape)
@@ -136,8 +157,11 @@ def e4m3_spec(amax: torch.Tensor | None, x_shape) -> QdqSpec:
 
 def check_opset(opset: int, spec: QdqSpec) -> None:
     if opset < spec.min_opset:
-        raise ExportError(f"{spec.format} quantization needs ONNX opset >= {spec.min_opset}, but the export uses "
-                          f"opset {opset}; pass --opset {spec.min_opset} or leave --opset out")
+        raise ExportError(
+            f"{spec.format} quantization needs ONNX opset >= {spec.min_opset}, but the export "
+            f"uses "
+            f"opset {opset}; pass --opset {spec.min_opset} or leave --opset out"
+        )
 
 
 # --------------------------------------------------------------------------- TorchScript emission
@@ -210,7 +234,8 @@ def e4m3_qdq(g, x, amax=None, E=4, M=3):
 
 
 def int32_bias_dq(g, codes, scale):
-    """``Int32BiasFunction.symbolic``: ``DequantizeLinear`` of int32 bias codes, per output channel (axis 0)."""
+    """``Int32BiasFunction.symbolic``: ``DequantizeLinear`` of int32 bias codes, per output channel (axis
+    0)."""
     c = constant_value(codes, "bias codes").to(torch.float32)
     s = constant_value(scale, "bias scale").to(torch.float32).reshape(-1)
     codes_c = g.op("Constant", value_t=c.to(torch.int32))

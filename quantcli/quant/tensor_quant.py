@@ -1,16 +1,17 @@
 """The quantize ops, as ``torch.autograd.Function``s with ``forward``, ``backward`` and ONNX ``symbolic``.
 
 Semantics follow NVIDIA's ``tensor_quant`` (pytorch-quantization's ``TensorQuantFunction``,
-``FakeTensorQuantFunction``, ``FakeAffineTensorQuantFunction``; TensorRT Model Optimizer's ``ScaledE4M3Function``):
-``amax`` is given instead of a scale, its shape decides the granularity (per-tensor, per-axis with the rank kept,
-or blocked), and ``num_bits``/``unsigned``/``narrow_range`` decide the integer grid. The arithmetic is ONNX's, from
-:mod:`quantcli.quant.arithmetic`: the fake-quant output and onnxruntime's ``QuantizeLinear`` give the same codes.
+``FakeTensorQuantFunction``, ``FakeAffineTensorQuantFunction``; TensorRT Model Optimizer's
+``ScaledE4M3Function``): ``amax`` is given instead of a scale, its shape decides the granularity (per-tensor,
+per-axis with the rank kept, or blocked), and ``num_bits``/``unsigned``/``narrow_range`` decide the integer
+grid. The arithmetic is ONNX's, from :mod:`quantcli.quant.arithmetic`: the fake-quant output and onnxruntime's
+``QuantizeLinear`` give the same codes.
 
 Where the reference differs from ONNX (it multiplies by ``bound / amax``), quantcli divides by the float32
 scale ``amax / bound`` as ``QuantizeLinear`` does.
 
-Each op's ``symbolic`` builds its ONNX nodes with :mod:`quantcli.quant.qdq`, imported only when exporting (it loads
-onnx).
+Each op's ``symbolic`` builds its ONNX nodes with :mod:`quantcli.quant.qdq`, imported only when exporting (it
+loads onnx).
 """
 
 from __future__ import annotations
@@ -83,9 +84,9 @@ def _amax_grad(grad_outputs, codes, amax, bound):
 class TensorQuantFunction(torch.autograd.Function):
     """Quantize to integer codes; returns ``(outputs, scale)``.
 
-    ``outputs`` are integer-valued in the input's float dtype, ``scale = bound / amax`` as in the reference API,
-    so ``outputs / scale`` dequantizes (for a dead channel, amax 0, the scale is 1 and the code 0). The ONNX
-    scale is ``amax / bound``, and it is what the codes are computed with.
+    ``outputs`` are integer-valued in the input's float dtype, ``scale = bound / amax`` as in the reference
+    API, so ``outputs / scale`` dequantizes (for a dead channel, amax 0, the scale is 1 and the code 0). The
+    ONNX scale is ``amax / bound``, and it is what the codes are computed with.
     """
 
     @staticmethod
@@ -192,11 +193,11 @@ class FakeAffineTensorQuantFunction(torch.autograd.Function):
 
 
 class FakeDynamicQuantFunction(torch.autograd.Function):
-    """ONNX ``DynamicQuantizeLinear`` -> ``DequantizeLinear``: uint8 asymmetric, per tensor, scale and zero point
-    computed from this very tensor (:func:`quantcli.quant.arithmetic.dynamic_qparams`).
+    """ONNX ``DynamicQuantizeLinear`` -> ``DequantizeLinear``: uint8 asymmetric, per tensor, scale and zero
+    point computed from this very tensor (:func:`quantcli.quant.arithmetic.dynamic_qparams`).
 
-    ``backward``: straight-through (the range always covers the tensor, so nothing is clipped).
-    Exported only as part of a Linear (``DynamicQuantizeLinear -> MatMulInteger``, :mod:`quantcli.nn.dynamic`).
+    ``backward``: straight-through (the range always covers the tensor, so nothing is clipped). Exported only
+    as part of a Linear (``DynamicQuantizeLinear -> MatMulInteger``, :mod:`quantcli.nn.dynamic`).
     """
 
     @staticmethod
@@ -245,8 +246,8 @@ class Int32BiasFunction(torch.autograd.Function):
     """Dequantize int32 bias codes: ``codes * scale`` (float32), ONNX ``DequantizeLinear`` of int32 codes.
 
     ``codes`` come from :func:`quantcli.quant.arithmetic.int32_bias_codes`, ``scale`` from
-    :func:`quantcli.quant.arithmetic.bias_scale` (per output channel, axis 0). ``backward``: straight-through to
-    nothing (the codes are constants).
+    :func:`quantcli.quant.arithmetic.bias_scale` (per output channel, axis 0). ``backward``: straight-through
+    to nothing (the codes are constants).
     """
 
     @staticmethod

@@ -1,5 +1,5 @@
-"""``quantcli verify``: prove in onnxruntime that an exported graph computes what the calibrated model computes,
-and that the graph a user deploys loads and runs.
+"""``quantcli verify``: prove in onnxruntime that an exported graph computes what the calibrated model
+computes, and that the graph a user deploys loads and runs.
 
 One concept per module:
 
@@ -21,5 +21,14 @@ from quantcli.verify.sessions import choose_provider
 from quantcli.verify.structure import expected_scales
 from quantcli.verify.verdict import MAX_REPLAY_OUTPUT, MAX_REPLAY_STEPS, MAX_RMS_RATIO, Check, VerifyReport
 
-__all__ = ["verify_onnx", "VerifyReport", "Check", "choose_provider", "expected_scales", "REPLAY_SAMPLES",
-           "MAX_REPLAY_STEPS", "MAX_REPLAY_OUTPUT", "MAX_RMS_RATIO"]
+__all__ = [
+    "verify_onnx",
+    "VerifyReport",
+    "Check",
+    "choose_provider",
+    "expected_scales",
+    "REPLAY_SAMPLES",
+    "MAX_REPLAY_STEPS",
+    "MAX_REPLAY_OUTPUT",
+    "MAX_RMS_RATIO",
+]

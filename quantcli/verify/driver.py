@@ -46,7 +46,11 @@ def _open_exact(model, prov: str, provider: str):
         if provider != "auto" or prov == "CPUExecutionProvider":
             raise
         note = f"CUDAExecutionProvider failed ({e}); ran on CPUExecutionProvider"
-        return sessions.open_session(model, "CPUExecutionProvider", optimize=False), "CPUExecutionProvider", note
+        return (
+            sessions.open_session(model, "CPUExecutionProvider", optimize=False),
+            "CPUExecutionProvider",
+            note,
+        )
 
 
 def _numpy(out) -> list[np.ndarray]:
@@ -60,8 +64,11 @@ def _check_finite(batches: list[Batch]) -> None:
         for name, v in batch.items():
             if v.is_floating_point() and not bool(torch.isfinite(v).all()):
                 bad = int((~torch.isfinite(v)).sum())
-                raise VerifyError(f"verification batch {i}: input {name!r} has {bad} non-finite value(s) (NaN or "
-                                  f"inf); verify needs finite inputs: clean the data")
+                raise VerifyError(
+                    f"verification batch {i}: input {name!r} has {bad} non-finite value(s) "
+                    f"(NaN or "
+                    f"inf); verify needs finite inputs: clean the data"
+                )
 
 
 def verify_onnx(
@@ -94,8 +101,15 @@ def verify_onnx(
     batches = _verification_batches(ckpt, batches)
     structure, weight_rows = check_structure(model, ckpt)
     ss = _open_sessions(model, prov, provider, deployment)
-    report = VerifyReport(str(onnx_path), ckpt.path, ss.provider, len(batches), num_samples(batches),
-                          structure=structure, provider_note=ss.provider_note)
+    report = VerifyReport(
+        str(onnx_path),
+        ckpt.path,
+        ss.provider,
+        len(batches),
+        num_samples(batches),
+        structure=structure,
+        provider_note=ss.provider_note,
+    )
     try:
         cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
     except GraphRunError as e:
@@ -103,9 +117,11 @@ def verify_onnx(
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
     _reference_check(report, cmp)
     use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
-    report.quality = {"session": "deployed" if use is cmp.dqual else "exact",
-                      "outputs": {n: use[n].quality() for n in cmp.out_names},
-                      "exact_outputs": {n: cmp.qual[n].quality() for n in cmp.out_names}}
+    report.quality = {
+        "session": "deployed" if use is cmp.dqual else "exact",
+        "outputs": {n: use[n].quality() for n in cmp.out_names},
+        "exact_outputs": {n: cmp.qual[n].quality() for n in cmp.out_names},
+    }
     if deployment:
         _deployment_checks(report, model, ss, cmp, max_deploy_ratio)
     _quality_checks(report, use, cmp.out_names, min_cosine, min_snr)
@@ -117,11 +133,18 @@ def verify_onnx(
 
 
 def _graph_failed(report: VerifyReport, error: GraphRunError, t0: float) -> VerifyReport:
-    """The graph loaded but a node failed on inputs the model ran on (the failed check ``graph.runs``, its detail
-    names the node), or its outputs are not the model's (``graph.outputs``), with nothing to compare."""
+    """The graph loaded but a node failed on inputs the model ran on (the failed check ``graph.runs``, its
+    detail names the node), or its outputs are not the model's (``graph.outputs``), with nothing to
+    compare."""
     report.checks.append(at_least(error.check, 1, 0, str(error)))
-    report.fidelity = {"outputs": {}, "quantizers": {}, "sample_size": 0, "exact_samples": 0, "not_replayed": [],
-                       "failing_quantizers": []}
+    report.fidelity = {
+        "outputs": {},
+        "quantizers": {},
+        "sample_size": 0,
+        "exact_samples": 0,
+        "not_replayed": [],
+        "failing_quantizers": [],
+    }
     report.quality = {"session": "exact", "outputs": {}, "exact_outputs": {}}
     report.seconds = time.perf_counter() - t0
     return report
@@ -144,7 +167,8 @@ class _Sessions:
     outputs) and the deployed one (default options; ``None`` when not asked for or when it failed, with
     ``deploy_error`` saying why)."""
 
-    graph: onnx.ModelProto  # the exact session's graph, without the onnxruntime target's propagated Q/DQ copies
+    # the exact session's graph, without the onnxruntime target's propagated Q/DQ copies
+    graph: onnx.ModelProto
     exact: Any
     provider: str
     provider_note: str | None
@@ -154,17 +178,23 @@ class _Sessions:
 
 
 def _open_sessions(model: onnx.ModelProto, prov: str, provider: str, deployment: bool) -> _Sessions:
-    # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the same
-    # values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not already-quantized values
+    # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the
+    # same values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not
+    # already-quantized values
     exact = strip_propagated(model)
-    sess, prov, provider_note = _open_exact(replay.with_outputs(exact, replay.evidence_outputs(exact)), prov, provider)
+    sess, prov, provider_note = _open_exact(
+        replay.with_outputs(exact, replay.evidence_outputs(exact)), prov, provider
+    )
     ss = _Sessions(exact, sess, prov, provider_note)
-    # a TensorRT-target graph is not made for onnxruntime's CPU fusions: its float8 pairs are unguarded (TensorRT
-    # needs the DequantizeLinear right before the op), so it is deployed here with the options it needs to load
+    # a TensorRT-target graph is not made for onnxruntime's CPU fusions: its float8 pairs are unguarded
+    # (TensorRT needs the DequantizeLinear right before the op), so it is deployed here with the options it
+    # needs to load
     ss.deploy_options = _deploy_options(model)
     if deployment:
         try:
-            ss.deployed = sessions.open_session(model, prov, optimize=True, disabled_optimizers=ss.deploy_options)
+            ss.deployed = sessions.open_session(
+                model, prov, optimize=True, disabled_optimizers=ss.deploy_options
+            )
         except VerifyError as e:
             ss.deploy_error = str(e)
     return ss
@@ -177,13 +207,15 @@ class _Comparison:
     out_names: list[str]
     fid: dict[str, PairStats] = field(default_factory=dict)  # exact session vs fake-quant
     qerr: dict[str, PairStats] = field(default_factory=dict)  # fake-quant vs float: the quantization error
-    qerr_exact: dict[str, PairStats] = field(default_factory=dict)  # the same, on the inputs the exact session ran
+    # the same, on the inputs the exact session ran
+    qerr_exact: dict[str, PairStats] = field(default_factory=dict)
     qual: dict[str, PairStats] = field(default_factory=dict)  # exact session vs float
     dep: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs fake-quant
     dqual: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs float
     evidence: replay.Replay | None = None
     exact_samples: int = 0
-    transformed: dict[str, PairStats] | None = None  # quantcli's transformed float model vs the model as loaded
+    # quantcli's transformed float model vs the model as loaded
+    transformed: dict[str, PairStats] | None = None
 
     def start(self, logits: set[int]) -> None:
         """Fresh statistics; ``logits``: the outputs (by index) whose top-1 agreement is counted."""
@@ -192,9 +224,16 @@ class _Comparison:
             self.qual[n] = PairStats(top1=k in logits)
             self.dep[n], self.dqual[n] = PairStats(), PairStats(top1=k in logits)
 
-    def add(self, batch: Batch, ref: list[np.ndarray], flt: list[np.ndarray], got: list[np.ndarray] | None,
-            deployed: list[np.ndarray] | None) -> None:
-        """One batch: fake-quant ``ref``, float ``flt``, exact session ``got``, deployed session ``deployed``."""
+    def add(
+        self,
+        batch: Batch,
+        ref: list[np.ndarray],
+        flt: list[np.ndarray],
+        got: list[np.ndarray] | None,
+        deployed: list[np.ndarray] | None,
+    ) -> None:
+        """One batch: fake-quant ``ref``, float ``flt``, exact session ``got``, deployed session
+        ``deployed``."""
         if got is not None:
             self.exact_samples += num_samples([batch])
         if len(ref) != len(self.out_names):
@@ -202,8 +241,11 @@ class _Comparison:
         for session, outs in (("exact", got), ("deployed", deployed)):
             for k, n in enumerate(self.out_names if outs is not None else []):
                 if np.shape(outs[k]) != np.shape(ref[k]):  # a loadable graph that computes something else
-                    raise GraphOutputError(f"output {n!r} of the {session} session has shape {list(np.shape(outs[k]))}, "
-                                           f"the model's {list(np.shape(ref[k]))}")
+                    raise GraphOutputError(
+                        f"output {n!r} of the {session} session has shape "
+                        f"{list(np.shape(outs[k]))}, "
+                        f"the model's {list(np.shape(ref[k]))}"
+                    )
         for k, n in enumerate(self.out_names):
             self.qerr[n].add(ref[k], flt[k])
             if got is not None:
@@ -215,11 +257,13 @@ class _Comparison:
                 self.dqual[n].add(deployed[k], flt[k])
 
 
-def _compare_outputs(ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_names: list[str],
-                     max_abs_diff: float | None) -> _Comparison:
+def _compare_outputs(
+    ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_names: list[str], max_abs_diff: float | None
+) -> _Comparison:
     """One pass over the data: the deployed session (what a user ships) against the fake-quant and the float
     model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
-    explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by quantizer."""
+    explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by
+    quantizer."""
     qmodel, fmodel = ckpt.model, ckpt.float_model()  # the float reference: the model as loaded
     tmodel = ckpt.transformed_float_model() if ckpt.has_original else None
     cmp = _Comparison(out_names)
@@ -248,10 +292,12 @@ def _compare_outputs(ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_
     return cmp
 
 
-def _sample_pass(ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch,
-                 where: str) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+def _sample_pass(
+    ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch, where: str
+) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """The sample batch: the fake-quant model with its quantizers' outputs captured, the float model (which
-    outputs are logits), and the replay against the exact session. Returns (fake-quant, float, exact) outputs."""
+    outputs are logits), and the replay against the exact session. Returns (fake-quant, float, exact)
+    outputs."""
     with torch.inference_mode(), replay.capture(qmodel, replay.evidence_quantizers(ss.graph)) as seen:
         ref = _numpy(run_model(qmodel, batch, where))
     flt_t, logits = logit_outputs(fmodel, batch)
@@ -262,8 +308,9 @@ def _sample_pass(ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch,
 
 
 def _compare_transformed(cmp: _Comparison, tmodel, batch: Batch, flt: list[np.ndarray], where: str) -> None:
-    """The float model as quantcli transformed it (BatchNorm folding, SmoothQuant, placement rewrites; quantizers
-    off) against the model as loaded, on the sample: the transformations must compute the same, up to rounding."""
+    """The float model as quantcli transformed it (BatchNorm folding, SmoothQuant, placement rewrites;
+    quantizers off) against the model as loaded, on the sample: the transformations must compute the same, up
+    to rounding."""
     with torch.inference_mode():
         got = _numpy(run_model(tmodel, batch, where))
     if len(got) != len(cmp.out_names):
@@ -274,11 +321,15 @@ def _compare_transformed(cmp: _Comparison, tmodel, batch: Batch, flt: list[np.nd
 
 
 def _reference_check(report: VerifyReport, cmp: _Comparison) -> None:
-    """``report.reference`` and, where the checkpoint stores the model as loaded, ``reference.transformations``:
-    RMS(transformed float - float as loaded) / RMS(float as loaded), the worst output."""
+    """``report.reference`` and, where the checkpoint stores the model as loaded,
+    ``reference.transformations``: RMS(transformed float - float as loaded) / RMS(float as loaded), the worst
+    output."""
     if cmp.transformed is None:
-        report.reference = {"float_model": "as transformed (the checkpoint does not store the model as loaded: "
-                                           "calibrate again to compare with it)"}
+        report.reference = {
+            "float_model": "as transformed (the checkpoint does not store the model as "
+            "loaded: "
+            "calibrate again to compare with it)"
+        }
         return
     rel = {n: ratio(s.rms, math.sqrt(s.n_ref / max(s.count, 1))) for n, s in cmp.transformed.items()}
     report.reference = {"float_model": "as loaded", "transformed_relative_rms": rel}
@@ -289,51 +340,86 @@ def _reference_check(report: VerifyReport, cmp: _Comparison) -> None:
     report.checks.append(check)
 
 
-def _fidelity(report: VerifyReport, cmp: _Comparison, weight_rows: list[dict[str, Any]], max_rms_ratio: float,
-              max_abs_diff: float | None) -> dict[str, dict[str, Any]]:
+def _fidelity(
+    report: VerifyReport,
+    cmp: _Comparison,
+    weight_rows: list[dict[str, Any]],
+    max_rms_ratio: float,
+    max_abs_diff: float | None,
+) -> dict[str, dict[str, Any]]:
     """The exact session against the fake-quant model: ``report.fidelity`` and the ``fidelity.*`` checks.
     Returns every quantizer's row (weights and activations), by name."""
     sample, out_names = cmp.evidence, cmp.out_names
     outputs: dict[str, Any] = {}
     for n in out_names:
-        outputs[n] = {**cmp.fid[n].deviation(), "quantization_rms": cmp.qerr[n].rms,
-                      "rms_ratio": ratio(cmp.fid[n].rms, cmp.qerr_exact[n].error_scale),
-                      "replay_max_abs_diff": sample.output_deviation.get(n),
-                      "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), cmp.qerr[n].error_scale)}
+        outputs[n] = {
+            **cmp.fid[n].deviation(),
+            "quantization_rms": cmp.qerr[n].rms,
+            "rms_ratio": ratio(cmp.fid[n].rms, cmp.qerr_exact[n].error_scale),
+            "replay_max_abs_diff": sample.output_deviation.get(n),
+            "replay_ratio": ratio(sample.output_deviation.get(n, math.inf), cmp.qerr[n].error_scale),
+        }
     rows = {r["quantizer"]: r for r in weight_rows + sample.rows}
     replayed = [r for r in sample.rows if r["replay_steps"] is not None]
-    failing = sorted((r for r in replayed if r["replay_steps"] > MAX_REPLAY_STEPS), key=lambda r: -r["replay_steps"])
+    failing = sorted(
+        (r for r in replayed if r["replay_steps"] > MAX_REPLAY_STEPS), key=lambda r: -r["replay_steps"]
+    )
     report.fidelity = {
         "outputs": outputs,
-        "quantizers": {n: {"identical_codes": r["identical_codes"],
-                           "identical_codes_end_to_end": r["identical_codes_end_to_end"],
-                           "replay_steps": r.get("replay_steps")} for n, r in rows.items()},
+        "quantizers": {
+            n: {
+                "identical_codes": r["identical_codes"],
+                "identical_codes_end_to_end": r["identical_codes_end_to_end"],
+                "replay_steps": r.get("replay_steps"),
+            }
+            for n, r in rows.items()
+        },
         "sample_size": sample.samples,
         "exact_samples": cmp.exact_samples,  # inputs the exact session's output statistics cover
         "not_replayed": sample.not_replayed,
         "failing_quantizers": [r["quantizer"] for r in failing],
     }
     codes = [r["identical_codes"] for r in sample.rows if r["identical_codes"] is not None]
-    worst = min(sample.rows, key=lambda r: r["identical_codes"] if r["identical_codes"] is not None else 1.0,
-                default=None)
-    report.checks.append(at_least("fidelity.codes", 1.0, min(codes, default=1.0),
-                                  _codes_detail(worst) if worst and min(codes, default=1.0) < 1.0 else None))
+    worst = min(
+        sample.rows,
+        key=lambda r: r["identical_codes"] if r["identical_codes"] is not None else 1.0,
+        default=None,
+    )
+    report.checks.append(
+        at_least(
+            "fidelity.codes",
+            1.0,
+            min(codes, default=1.0),
+            _codes_detail(worst) if worst and min(codes, default=1.0) < 1.0 else None,
+        )
+    )
     steps = max((r["replay_steps"] for r in replayed), default=0.0)
-    report.checks.append(at_most("fidelity.replay_steps", MAX_REPLAY_STEPS, steps,
-                                 ", ".join(f"{r['quantizer']} ({r['replay_steps']:.3g} steps)" for r in failing[:5])
-                                 or None))
+    report.checks.append(
+        at_most(
+            "fidelity.replay_steps",
+            MAX_REPLAY_STEPS,
+            steps,
+            ", ".join(f"{r['quantizer']} ({r['replay_steps']:.3g} steps)" for r in failing[:5]) or None,
+        )
+    )
     worst_out = max(out_names, key=lambda n: outputs[n]["replay_ratio"])
-    report.checks.append(at_most("fidelity.replay_outputs", MAX_REPLAY_OUTPUT, outputs[worst_out]["replay_ratio"],
-                                 worst_out))
+    report.checks.append(
+        at_most("fidelity.replay_outputs", MAX_REPLAY_OUTPUT, outputs[worst_out]["replay_ratio"], worst_out)
+    )
     worst_out = max(out_names, key=lambda n: outputs[n]["rms_ratio"])
     nonfinite = sum(s.nonfinite for s in cmp.fid.values())
     check = at_most("fidelity.rms_ratio", max_rms_ratio, outputs[worst_out]["rms_ratio"], worst_out)
     if nonfinite:
-        check.passed, check.detail = False, f"{nonfinite} non-finite value(s) in one session but not the other"
+        check.passed, check.detail = (
+            False,
+            f"{nonfinite} non-finite value(s) in one session but not the other",
+        )
     report.checks.append(check)
     if max_abs_diff is not None:
         worst_out = max(out_names, key=lambda n: cmp.fid[n].max_abs)
-        report.checks.append(at_most("fidelity.max_abs_diff", max_abs_diff, cmp.fid[worst_out].max_abs, worst_out))
+        report.checks.append(
+            at_most("fidelity.max_abs_diff", max_abs_diff, cmp.fid[worst_out].max_abs, worst_out)
+        )
     return rows
 
 
@@ -342,38 +428,73 @@ def _codes_detail(row: dict[str, Any]) -> str:
     neg = row.get("negative_input")
     if not neg:
         return row["quantizer"]
-    return (f"{row['quantizer']}: the graph feeds it {neg['count']} negative value(s) (min {neg['min']:.4g}) in "
-            f"tensor {neg['tensor']}, but it is unsigned (non-negative in the model, e.g. after a ReLU)")
+    return (
+        f"{row['quantizer']}: the graph feeds it {neg['count']} negative value(s) (min "
+        f"{neg['min']:.4g}) in "
+        f"tensor {neg['tensor']}, but it is unsigned (non-negative in the model, e.g. after a ReLU)"
+    )
 
 
-def _deployment_checks(report: VerifyReport, model: onnx.ModelProto, ss: _Sessions, cmp: _Comparison,
-                       max_deploy_ratio: float | None) -> None:
+def _deployment_checks(
+    report: VerifyReport,
+    model: onnx.ModelProto,
+    ss: _Sessions,
+    cmp: _Comparison,
+    max_deploy_ratio: float | None,
+) -> None:
     """What a user ships, ``InferenceSession(path)`` with default options: ``report.deployment`` and the
     ``deployment.*`` checks."""
     out_names = cmp.out_names
     report.deployment = _deployment(model, out_names, cmp.dep, cmp.fid, cmp.qerr, ss.deploy_error)
     if ss.deploy_options:
         report.deployment["disabled_optimizers"] = list(ss.deploy_options)
-        report.deployment["notes"].insert(0, "target tensorrt: the deployed session leaves out onnxruntime's "
-                                             f"{', '.join(ss.deploy_options)}, which this graph needs to load there")
-    report.checks.append(at_least("deployment.loads", 1, 0 if ss.deploy_error else 1,
-                                  ss.deploy_error and f"{ss.deploy_error}; {sessions.deployment_advice(model)}"))
+        report.deployment["notes"].insert(
+            0,
+            "target tensorrt: the deployed session leaves out onnxruntime's "
+            f"{', '.join(ss.deploy_options)}, which this graph needs to "
+            f"load there",
+        )
+    report.checks.append(
+        at_least(
+            "deployment.loads",
+            1,
+            0 if ss.deploy_error else 1,
+            ss.deploy_error and f"{ss.deploy_error}; {sessions.deployment_advice(model)}",
+        )
+    )
     if max_deploy_ratio is not None and ss.deploy_error is None:
         worst_out = max(out_names, key=lambda n: report.deployment["outputs"][n]["rms_ratio"])
-        report.checks.append(at_most("deployment.rms_ratio", max_deploy_ratio,
-                                     report.deployment["outputs"][worst_out]["rms_ratio"], worst_out))
+        report.checks.append(
+            at_most(
+                "deployment.rms_ratio",
+                max_deploy_ratio,
+                report.deployment["outputs"][worst_out]["rms_ratio"],
+                worst_out,
+            )
+        )
 
 
-def _quality_checks(report: VerifyReport, use: dict[str, PairStats], out_names: list[str],
-                    min_cosine: float | None, min_snr: float | None) -> None:
-    """``--min-cosine`` / ``--min-snr`` on the judged session (deployed, else exact) against the float model."""
-    for flag, metric, name in ((min_cosine, "cosine", "quality.min_cosine"), (min_snr, "snr_db", "quality.min_snr_db")):
+def _quality_checks(
+    report: VerifyReport,
+    use: dict[str, PairStats],
+    out_names: list[str],
+    min_cosine: float | None,
+    min_snr: float | None,
+) -> None:
+    """``--min-cosine`` / ``--min-snr`` on the judged session (deployed, else exact) against the float
+    model."""
+    for flag, metric, name in (
+        (min_cosine, "cosine", "quality.min_cosine"),
+        (min_snr, "snr_db", "quality.min_snr_db"),
+    ):
         if flag is None:
             continue
         values = {n: use[n].quality()[metric] for n in out_names}
         if any(v is None for v in values.values()):
-            raise VerifyError(f"--{name.split('.min_')[1].replace('_db', '').replace('_', '-')} cannot be "
-                              "evaluated: an output is all zeros")
+            raise VerifyError(
+                f"--{name.split('.min_')[1].replace('_db', '').replace('_', '-')} cannot be "
+                "evaluated: an output is all zeros"
+            )
         worst_out = min(values, key=values.get)
         report.checks.append(at_least(name, flag, values[worst_out], worst_out))
 
@@ -391,7 +512,12 @@ def _deploy_options(model) -> tuple[str, ...]:
 
 def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:
     """The deployed session against the fake-quant model, per output, and what a large gap likely means."""
-    section: dict[str, Any] = {"graph_optimization": "ORT_ENABLE_ALL", "error": error, "outputs": {}, "notes": []}
+    section: dict[str, Any] = {
+        "graph_optimization": "ORT_ENABLE_ALL",
+        "error": error,
+        "outputs": {},
+        "notes": [],
+    }
     if error:
         return section
     for n in out_names:
@@ -400,12 +526,22 @@ def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:
         section["outputs"][n] = {**dep[n].deviation(), "rms_ratio": r, "exact_rms_ratio": exact}
         if r > DEPLOY_GAP_FLOOR and r > DEPLOY_GAP_FACTOR * exact:
             vnni = sessions.cpu_has_vnni()
-            cpu = ("this CPU has no VNNI, so onnxruntime's u8s8 integer kernels can saturate 16-bit partial sums: "
-                   "`reduce_range: true` in the config (README, reduce_range) is the usual remedy"
-                   if vnni is False else
-                   "on x86 CPUs without VNNI the usual cause is u8s8 saturation (`reduce_range: true`, README); "
-                   "otherwise onnxruntime's fused integer kernels round differently (requantized int32 biases, "
-                   "MatMulNBits on int8 activations): `quantcli inspect MODEL.onnx --runtime onnxruntime` lists them")
-            section["notes"].append(f"{n}: the deployed session deviates from the fake-quant model {r:.3g}x the "
-                                    f"quantization error, {r / max(exact, 1e-12):.3g}x the exact session's; {cpu}")
+            cpu = (
+                "this CPU has no VNNI, so onnxruntime's u8s8 integer kernels can saturate 16-bit partial "
+                "sums: "
+                "`reduce_range: true` in the config (README, reduce_range) is the usual remedy"
+                if vnni is False
+                else "on x86 CPUs without VNNI the usual cause is u8s8 saturation (`reduce_range: true`, "
+                "README); "
+                "otherwise onnxruntime's fused integer kernels round differently (requantized int32 "
+                "biases, "
+                "MatMulNBits on int8 activations): `quantcli inspect MODEL.onnx --runtime onnxruntime` "
+                "lists them"
+            )
+            section["notes"].append(
+                f"{n}: the deployed session deviates from the fake-quant model {r:.3g}x "
+                f"the "
+                f"quantization error, {r / max(exact, 1e-12):.3g}x the exact session's; "
+                f"{cpu}"
+            )
     return section

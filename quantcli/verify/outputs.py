@@ -1,4 +1,5 @@
-"""The model's outputs as a flat list, and which of them are class logits (where top-1 agreement means something)."""
+"""The model's outputs as a flat list, and which of them are class logits (where top-1 agreement means
+something)."""
 
 from __future__ import annotations
 

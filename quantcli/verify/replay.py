@@ -59,10 +59,13 @@ def activation_pairs(model: onnx.ModelProto) -> dict[str, list[QdqPair]]:
 
 
 def source_tensors(model: onnx.ModelProto, names: list[str]) -> dict[str, str]:
-    """The tensor each named tensor quantizes: followed back through ``Max``/``Min`` with a constant bound (the
-    narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does internally."""
+    """The tensor each named tensor quantizes: followed back through ``Max``/``Min`` with a constant bound
+    (the narrow-range and dead-channel clips, the float8 guards), which the PyTorch quantizer does
+    internally."""
     g = model.graph
-    constants = {t.name for t in g.initializer} | {o for n in g.node if n.op_type == "Constant" for o in n.output}
+    constants = {t.name for t in g.initializer} | {
+        o for n in g.node if n.op_type == "Constant" for o in n.output
+    }
     producers = producer_map(g)
     out = {}
     for start in names:
@@ -95,7 +98,8 @@ def with_outputs(model: onnx.ModelProto, names: list[tuple[str, int]]) -> onnx.M
 
 
 def dynamic_inputs(model: onnx.ModelProto) -> dict[str, DynamicLayer]:
-    """Input quantizer -> its ``DynamicQuantizeLinear -> MatMulInteger`` layer (:mod:`exporters.dynamic_linear`)."""
+    """Input quantizer -> its ``DynamicQuantizeLinear -> MatMulInteger`` layer
+    (:mod:`exporters.dynamic_linear`)."""
     return {d.input_quantizer: d for d in dynamic_layers(model) if d.input_quantizer}
 
 
@@ -130,7 +134,8 @@ def split_sample(batches: list[Batch]) -> tuple[Batch, list[Batch]]:
 
 
 def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:
-    """Largest ``|diff|`` in quantization steps of pair ``p`` at values ``x`` (float8: the E4M3 spacing there)."""
+    """Largest ``|diff|`` in quantization steps of pair ``p`` at values ``x`` (float8: the E4M3 spacing
+    there)."""
     if diff.size == 0:
         return 0.0
     s = np.asarray(p.scale, np.float64)
@@ -144,7 +149,7 @@ def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:
     s = np.maximum(s, np.finfo(np.float32).tiny)
     step = s
     if p.format.startswith("fp8"):
-        exp = np.floor(np.log2(np.maximum(np.abs(x) / s, 2.0 ** FP8_MIN_EXPONENT)))
+        exp = np.floor(np.log2(np.maximum(np.abs(x) / s, 2.0**FP8_MIN_EXPONENT)))
         step = s * np.exp2(np.maximum(exp, FP8_MIN_EXPONENT) - FP8_MANTISSA_BITS)
     return float((np.abs(diff) / step).max())
 
@@ -156,12 +161,14 @@ class Replay:
     samples: int
     rows: list[dict[str, Any]] = field(default_factory=list)  # per activation quantizer
     output_deviation: dict[str, float] = field(default_factory=dict)  # max |replayed PyTorch - onnxruntime|
-    not_replayed: list[str] = field(default_factory=list)  # quantizers PyTorch called where the graph has no pair
+    # quantizers PyTorch called where the graph has no pair
+    not_replayed: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
 def capture(qmodel: torch.nn.Module, names) -> Iterator[dict[str, list[np.ndarray]]]:
-    """While active, every output of the named quantizers, per call (the end-to-end comparison's PyTorch side)."""
+    """While active, every output of the named quantizers, per call (the end-to-end comparison's PyTorch
+    side)."""
     qs = quantizers(qmodel)
     seen: dict[str, list[np.ndarray]] = {}
 
@@ -181,12 +188,18 @@ def capture(qmodel: torch.nn.Module, names) -> Iterator[dict[str, list[np.ndarra
             h.remove()
 
 
-def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.Module, batch: Batch,
-           seen: dict[str, list[np.ndarray]]) -> tuple[Replay, list[np.ndarray]]:
+def replay(
+    sess,
+    model: onnx.ModelProto,
+    out_names: list[str],
+    qmodel: torch.nn.Module,
+    batch: Batch,
+    seen: dict[str, list[np.ndarray]],
+) -> tuple[Replay, list[np.ndarray]]:
     """The sample through the exact session (with the extra outputs) and the fake-quant model replayed on it.
 
-    ``seen``: the fake-quant model's own quantizer outputs on ``batch`` (:func:`capture`). Returns the evidence
-    and the exact session's outputs on the sample.
+    ``seen``: the fake-quant model's own quantizer outputs on ``batch`` (:func:`capture`). Returns the
+    evidence and the exact session's outputs on the sample.
     """
     pairs = activation_pairs(model)
     found = source_tensors(model, [p.tensor for ps in pairs.values() for p in ps])
@@ -199,8 +212,13 @@ def replay(sess, model: onnx.ModelProto, out_names: list[str], qmodel: torch.nn.
     qs = quantizers(qmodel)
     rep = Replay(samples=num_samples([batch]))
     # dynamic layers: onnxruntime's codes dequantized with its own run-time scale and zero point
-    dyn_deq = {n: ((named[d.codes].astype(np.float32) - named[d.zero_point].astype(np.float32))
-                   * named[d.scale].astype(np.float32)).astype(np.float32) for n, d in dyn.items()}
+    dyn_deq = {
+        n: (
+            (named[d.codes].astype(np.float32) - named[d.zero_point].astype(np.float32))
+            * named[d.scale].astype(np.float32)
+        ).astype(np.float32)
+        for n, d in dyn.items()
+    }
     forcing = _Forcing(pairs, sources, dyn, named, dyn_deq)
     forced = forcing.run(qmodel, qs, batch)
     for n, g, r in zip(out_names, ort_out, forced):
@@ -233,7 +251,9 @@ class _Forcing:
 
     def run(self, qmodel: torch.nn.Module, qs: dict, batch: Batch) -> list[np.ndarray]:
         """The fake-quant model's outputs on ``batch`` with every quantizer's output replaced."""
-        handles = [qs[n].register_forward_hook(self._hook(n)) for n in list(self.pairs) + list(self.dyn) if n in qs]
+        handles = [
+            qs[n].register_forward_hook(self._hook(n)) for n in list(self.pairs) + list(self.dyn) if n in qs
+        ]
         try:
             with torch.inference_mode():
                 return [t.detach().cpu().numpy() for t in flat_outputs(run_model(qmodel, batch, _WHERE))]
@@ -272,22 +292,31 @@ class _Forcing:
         if k > 0 or x.shape != x_ort.shape or deq.shape != tuple(out.shape):
             self.not_replayed.add(name)
             return None
-        step = max(float(self.named[d.scale]), float(np.finfo(np.float32).tiny))  # the run-time scale: one step
+        # the run-time scale: one step
+        step = max(float(self.named[d.scale]), float(np.finfo(np.float32).tiny))
         diff = float(np.abs(x.astype(np.float64) - x_ort).max(initial=0.0)) / step
         self.deviation[name] = diff if math.isfinite(diff) else math.inf
         return _private_tensor(deq, out.dtype)
 
 
 def _private_tensor(values: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    """A tensor of its own holding ``values``: the model may change what a quantizer hands on in place (``out +=
-    identity``, ``ReLU(inplace=True)``); a view would write into onnxruntime's evidence, which is compared later."""
+    """A tensor of its own holding ``values``: the model may change what a quantizer hands on in place (``out
+    += identity``, ``ReLU(inplace=True)``); a view would write into onnxruntime's evidence, which is compared
+    later."""
     return torch.tensor(values, dtype=dtype)
 
 
-def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[str, str],
-              named: dict[str, np.ndarray], seen: dict[str, list[np.ndarray]], steps: float | None) -> dict[str, Any]:
-    """One activation quantizer's evidence over its pairs: SNR and max error of onnxruntime's Q/DQ, the same-input
-    and end-to-end code agreement, and its replay deviation ``steps``."""
+def _pair_row(
+    name: str,
+    ps: list[QdqPair],
+    q: torch.nn.Module,
+    sources: dict[str, str],
+    named: dict[str, np.ndarray],
+    seen: dict[str, list[np.ndarray]],
+    steps: float | None,
+) -> dict[str, Any]:
+    """One activation quantizer's evidence over its pairs: SNR and max error of onnxruntime's Q/DQ, the
+    same-input and end-to-end code agreement, and its replay deviation ``steps``."""
     err2 = ref2 = max_abs = 0.0
     same = e2e = total = e2e_total = 0
     negative: dict[str, Any] | None = None
@@ -297,14 +326,20 @@ def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[st
         err2 += float(np.square(d, dtype=np.float64).sum())  # float64: float32 sums overflow on wild values
         ref2 += float(np.square(x, dtype=np.float64).sum())
         max_abs = max(max_abs, float(np.abs(d).max(initial=0.0)))
-        # an unsigned quantizer's input is non-negative in the model (after a ReLU); a negative one in the graph
-        # is evidence (a ReLU removed or replaced): those values count as differing codes, the rest are compared
+        # an unsigned quantizer's input is non-negative in the model (after a ReLU); a negative one in the
+        # graph is evidence (a ReLU removed or replaced): those values count as differing codes, the rest are
+        # compared
         valid = x >= 0 if getattr(q.desc, "unsigned", False) else np.ones(x.shape, bool)
         if not valid.all():
-            negative = {"tensor": sources[p.output], "count": int(x.size - np.count_nonzero(valid)),
-                        "min": float(x.min())}
+            negative = {
+                "tensor": sources[p.output],
+                "count": int(x.size - np.count_nonzero(valid)),
+                "min": float(x.min()),
+            }
         with torch.inference_mode():  # forward(), not __call__: no hooks, just the quantizer's arithmetic
-            mine = q.forward(torch.from_numpy(np.ascontiguousarray(np.where(valid, x, 0).astype(x.dtype)))).numpy()
+            mine = q.forward(
+                torch.from_numpy(np.ascontiguousarray(np.where(valid, x, 0).astype(x.dtype)))
+            ).numpy()
         same += int(np.count_nonzero((mine == dq) & valid))
         total += dq.size
         own = seen.get(name, [])
@@ -312,7 +347,9 @@ def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[st
             e2e += int(np.count_nonzero(own[k] == dq))
             e2e_total += dq.size
     return {
-        "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation",
+        "quantizer": name,
+        "module": name.rsplit(".", 1)[0],
+        "kind": "activation",
         "snr_db": snr_db(ref2, err2),
         "max_abs_error": max_abs,
         "identical_codes": same / total if total else None,
@@ -322,8 +359,14 @@ def _pair_row(name: str, ps: list[QdqPair], q: torch.nn.Module, sources: dict[st
     }
 
 
-def _dynamic_row(name: str, d: DynamicLayer, named: dict[str, np.ndarray], deq: np.ndarray,
-                 seen: dict[str, list[np.ndarray]], steps: float | None) -> dict[str, Any]:
+def _dynamic_row(
+    name: str,
+    d: DynamicLayer,
+    named: dict[str, np.ndarray],
+    deq: np.ndarray,
+    seen: dict[str, list[np.ndarray]],
+    steps: float | None,
+) -> dict[str, Any]:
     """One dynamic layer's input quantizer: onnxruntime's run-time qparams and codes against quantcli's."""
     x, codes = np.ascontiguousarray(named[d.input]), named[d.codes]
     ps, pz = arithmetic.dynamic_qparams(torch.from_numpy(x))
@@ -335,10 +378,14 @@ def _dynamic_row(name: str, d: DynamicLayer, named: dict[str, np.ndarray], deq: 
     diff = deq.astype(np.float64) - x
     ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
     return {
-        "quantizer": name, "module": name.rsplit(".", 1)[0], "kind": "activation (dynamic)",
+        "quantizer": name,
+        "module": name.rsplit(".", 1)[0],
+        "kind": "activation (dynamic)",
         "snr_db": snr_db(ref2, err2),
         "max_abs_error": float(np.abs(diff).max(initial=0.0)),
         "identical_codes": same / codes.size if codes.size else None,
-        "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size if e2e is not None else None,
+        "identical_codes_end_to_end": float(np.count_nonzero(e2e == deq)) / deq.size
+        if e2e is not None
+        else None,
         "replay_steps": steps,
     }

@@ -12,8 +12,9 @@ import torch
 from quantcli.errors import GraphRunError, VerifyError, first_line
 from quantcli.inputs.data import Batch
 
-#: onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
-#: VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat them.
+# : onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
+# : VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat
+# them.
 RUNTIME_LOG_SEVERITY = 4
 
 
@@ -37,14 +38,18 @@ def choose_provider(provider: str = "auto") -> str:
         return "CPUExecutionProvider"
     if provider == "cuda":
         if not cuda_ok:
-            raise VerifyError("--provider cuda: onnxruntime's CUDAExecutionProvider or a CUDA GPU is not available "
-                              "here; use --provider cpu or auto")
+            raise VerifyError(
+                "--provider cuda: onnxruntime's CUDAExecutionProvider or a CUDA GPU is not "
+                "available "
+                "here; use --provider cpu or auto"
+            )
         return "CUDAExecutionProvider"
     raise VerifyError(f"unknown --provider {provider!r}; use auto, cpu or cuda")
 
 
-def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
-                 disabled_optimizers: tuple[str, ...] = ()):
+def open_session(
+    model: onnx.ModelProto | bytes, provider: str, optimize: bool, disabled_optimizers: tuple[str, ...] = ()
+):
     """An ``InferenceSession`` on ``provider``.
 
     ``optimize=False``: every graph optimization off, so each node computes exactly its ONNX definition (the
@@ -64,7 +69,9 @@ def open_session(model: onnx.ModelProto | bytes, provider: str, optimize: bool,
     data = model if isinstance(model, bytes) else model.SerializeToString()
     try:
         if disabled_optimizers:
-            return ort.InferenceSession(data, so, providers=[provider], disabled_optimizers=list(disabled_optimizers))
+            return ort.InferenceSession(
+                data, so, providers=[provider], disabled_optimizers=list(disabled_optimizers)
+            )
         return ort.InferenceSession(data, so, providers=[provider])
     except Exception as e:
         raise VerifyError(f"onnxruntime cannot load the model: {first_line(e, 240)}") from None
@@ -76,15 +83,27 @@ def deployment_advice(model: onnx.ModelProto) -> str:
 
     needs = session_needs(model)
     if needs.disabled_optimizers:
-        return ("re-export it for the onnxruntime target (`target: onnxruntime` in the config, the default), which "
-                "guards float8 pairs, or deploy it with InferenceSession(path, disabled_optimizers="
-                f"{list(needs.disabled_optimizers)}) ({needs.reasons[0]})")
-    return ("`quantcli inspect MODEL.onnx --runtime onnxruntime` shows what onnxruntime does with it; a different "
-            "--config or --opset, or another onnxruntime version, may avoid the failing fusion")
+        return (
+            "re-export it for the onnxruntime target (`target: onnxruntime` in the config, the "
+            "default), which "
+            "guards float8 pairs, or deploy it with InferenceSession(path, disabled_optimizers="
+            f"{list(needs.disabled_optimizers)}) ({needs.reasons[0]})"
+        )
+    return (
+        "`quantcli inspect MODEL.onnx --runtime onnxruntime` shows what onnxruntime does with it; a "
+        "different "
+        "--config or --opset, or another onnxruntime version, may avoid the failing fusion"
+    )
 
 
-_ORT_TYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32,
-              "tensor(bool)": np.bool_, "tensor(double)": np.float64, "tensor(float16)": np.float16}
+_ORT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+}
 
 
 def feeds(sess, batch: Batch, where: str) -> dict[str, np.ndarray]:
@@ -96,12 +115,17 @@ def feeds(sess, batch: Batch, where: str) -> dict[str, np.ndarray]:
         v = batch[i.name].detach().cpu()
         want = _ORT_TYPES.get(i.type)
         if want is not None and np.issubdtype(want, np.integer) and v.dtype.is_floating_point:
-            raise VerifyError(f"{where}: input {i.name!r} is {str(v.dtype).replace('torch.', '')} but the graph "
-                              f"expects {i.type}")
+            raise VerifyError(
+                f"{where}: input {i.name!r} is {str(v.dtype).replace('torch.', '')} but the "
+                f"graph "
+                f"expects {i.type}"
+            )
         arr = v.numpy()
         out[i.name] = arr.astype(want, copy=False) if want is not None else arr
         if len(i.shape) != arr.ndim or any(isinstance(d, int) and d != s for d, s in zip(i.shape, arr.shape)):
-            raise VerifyError(f"{where}: input {i.name!r} has shape {list(arr.shape)} but the graph expects {i.shape}")
+            raise VerifyError(
+                f"{where}: input {i.name!r} has shape {list(arr.shape)} but the graph expects {i.shape}"
+            )
     return out
 
 

@@ -12,13 +12,13 @@ import numpy as np
 from quantcli.analysis import quality
 from quantcli.errors import VerifyError
 
-#: RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error:
-#: onnxruntime's float kernels (fused Conv, NCHWc layouts, depthwise kernels, its Erf) and PyTorch's round
-#: differently. On correct zoo graphs the latency placement left all float they differed by up to 1.4e-5 of the
-#: output's RMS (MobileNetV2, the replay's max difference; ConvNeXt 1.0e-6), so measured in this floor the replay
-#: ratio stays at 0.014 against its threshold of 0.1. It binds only where quantization changes the output by less
-#: than 1e-3 of its RMS, i.e. where (almost) no layer is quantized; the codes and replay-step checks still judge
-#: every Q/DQ pair there is
+# : RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error: :
+# onnxruntime's float kernels (fused Conv, NCHWc layouts, depthwise kernels, its Erf) and PyTorch's round :
+# differently. On correct zoo graphs the latency placement left all float they differed by up to 1.4e-5 of the
+# : output's RMS (MobileNetV2, the replay's max difference; ConvNeXt 1.0e-6), so measured in this floor the
+# replay : ratio stays at 0.014 against its threshold of 0.1. It binds only where quantization changes the
+# output by less : than 1e-3 of its RMS, i.e. where (almost) no layer is quantized; the codes and replay-step
+# checks still judge : every Q/DQ pair there is
 FLOAT_ROUNDING = 1e-3
 
 
@@ -45,7 +45,9 @@ class PairStats:
 
     def add(self, got: np.ndarray, ref: np.ndarray) -> None:
         if got.shape != ref.shape:
-            raise VerifyError(f"output shapes differ: onnxruntime {list(got.shape)} vs PyTorch {list(ref.shape)}")
+            raise VerifyError(
+                f"output shapes differ: onnxruntime {list(got.shape)} vs PyTorch {list(ref.shape)}"
+            )
         g = np.asarray(got, np.float64).ravel()
         r = np.asarray(ref, np.float64).ravel()
         finite = np.isfinite(g) & np.isfinite(r)
@@ -80,10 +82,10 @@ class PairStats:
 
     @property
     def error_scale(self) -> float:
-        """The unit the fidelity ratios measure in, for a quantization-error pair (``got``: fake-quant, ``ref``:
-        float): the quantization error's RMS, but never below :data:`FLOAT_ROUNDING` of the output's RMS. A graph
-        whose layers are (nearly) all float has (nearly) no quantization error, and two float runtimes still differ
-        by rounding: measured in that error, correct graphs would fail."""
+        """The unit the fidelity ratios measure in, for a quantization-error pair (``got``: fake-quant,
+        ``ref``: float): the quantization error's RMS, but never below :data:`FLOAT_ROUNDING` of the output's
+        RMS. A graph whose layers are (nearly) all float has (nearly) no quantization error, and two float
+        runtimes still differ by rounding: measured in that error, correct graphs would fail."""
         return max(self.rms, FLOAT_ROUNDING * self.ref_rms)
 
     @property
@@ -96,13 +98,23 @@ class PairStats:
 
     def deviation(self) -> dict[str, Any]:
         """How far ``got`` is from ``ref`` (fidelity, deployment)."""
-        return {"max_abs_diff": self.max_abs, "max_rel_diff": self.max_rel,
-                "mean_abs_diff": self.sum_abs / max(self.count, 1), "rms_diff": self.rms, "nonfinite": self.nonfinite}
+        return {
+            "max_abs_diff": self.max_abs,
+            "max_rel_diff": self.max_rel,
+            "mean_abs_diff": self.sum_abs / max(self.count, 1),
+            "rms_diff": self.rms,
+            "nonfinite": self.nonfinite,
+        }
 
     def quality(self) -> dict[str, Any]:
         """How close ``got`` is to the float model ``ref``."""
-        out = {"cosine": self.cosine, "snr_db": self.snr_db, "max_abs_error": self.max_abs,
-               "mean_abs_error": self.sum_abs / max(self.count, 1), "rms_error": self.rms}
+        out = {
+            "cosine": self.cosine,
+            "snr_db": self.snr_db,
+            "max_abs_error": self.max_abs,
+            "mean_abs_error": self.sum_abs / max(self.count, 1),
+            "rms_error": self.rms,
+        }
         if self.top1_total:
             out["top1_agreement"] = self.top1_same / self.top1_total
         return out

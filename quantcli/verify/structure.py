@@ -1,11 +1,13 @@
-"""The structure check: the graph holds every quantizer the checkpoint has, with exactly the numbers its amax implies.
+"""The structure check: the graph holds every quantizer the checkpoint has, with exactly the numbers its amax
+implies.
 
 Per enabled quantizer: its Q/DQ pair is in the graph (found through the exporter's quantizer map), its float32
 scale and its zero point are the ones its amax implies, and stored weight codes decode to the checkpoint's
-fake-quant weights; stored int32 bias codes and scales equal the checkpoint's, exactly. A quantizer without a pair is *pruned* (information, not a failure) when its output reaches
-none of the model's outputs -- the exporter removed it as dead code, like a ``BertModel``'s pooler under mean
-pooling -- and *missing* (a failure) otherwise. Which one is decided from the checkpoint's model, traced by
-autograd (:func:`quantcli.nn.usage.unused_quantizers`), not from what the file claims.
+fake-quant weights; stored int32 bias codes and scales equal the checkpoint's, exactly. A quantizer without a
+pair is *pruned* (information, not a failure) when its output reaches none of the model's outputs -- the
+exporter removed it as dead code, like a ``BertModel``'s pooler under mean pooling -- and *missing* (a
+failure) otherwise. Which one is decided from the checkpoint's model, traced by autograd
+(:func:`quantcli.nn.usage.unused_quantizers`), not from what the file claims.
 """
 
 from __future__ import annotations
@@ -61,8 +63,11 @@ def expected_scale(q) -> tuple[np.ndarray, np.ndarray]:
 
 def expected_scales(ckpt: Calibrated) -> dict[str, np.ndarray]:
     """Scale each enabled, calibrated quantizer implies (for tests and tools)."""
-    return {name: expected_scale(q)[0] for name, q in quantizers(ckpt.model).items()
-            if q.enabled and q.amax is not None and not q.dynamic_uint8}
+    return {
+        name: expected_scale(q)[0]
+        for name, q in quantizers(ckpt.model).items()
+        if q.enabled and q.amax is not None and not q.dynamic_uint8
+    }
 
 
 def dequantize(codes, scale, zp, axis, block) -> np.ndarray:
@@ -74,8 +79,9 @@ def dequantize(codes, scale, zp, axis, block) -> np.ndarray:
 
 
 def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray | None:
-    """The dequantized weight as the graph computes it (stored codes, or a float initializer through its Q), in the
-    layout of the quantizer's tensor (``[out, in]`` also where the codes are stored ``[in, out]`` for MatMulNBits)."""
+    """The dequantized weight as the graph computes it (stored codes, or a float initializer through its Q),
+    in the layout of the quantizer's tensor (``[out, in]`` also where the codes are stored ``[in, out]`` for
+    MatMulNBits)."""
     if p.tensor not in inits:
         return None
     values = to_numpy(inits[p.tensor]).astype(np.float32)
@@ -83,8 +89,12 @@ def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray |
         from exporters.fold import quantize_codes
         from quantcli.quant.formats import BY_NAME
 
-        values = quantize_codes(values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size)
-    deq = dequantize(values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size)
+        values = quantize_codes(
+            values, p.scale, p.zero_point, BY_NAME[p.format].elem_type, p.axis, p.block_size
+        )
+    deq = dequantize(
+        values, p.scale.astype(np.float32), p.zero_point.astype(np.float32), p.axis, p.block_size
+    )
     return p.quantizer_layout(deq)
 
 
@@ -102,19 +112,31 @@ def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any]
     local = PairStats()
     local.add(want, w.detach().cpu().numpy())
     bad = int(np.count_nonzero(got != want))
-    row = {"quantizer": name, "module": module, "kind": "weight", "snr_db": local.snr_db,
-           "max_abs_error": local.max_abs, "identical_codes": 1.0 - bad / max(got.size, 1)}
+    row = {
+        "quantizer": name,
+        "module": module,
+        "kind": "weight",
+        "snr_db": local.snr_db,
+        "max_abs_error": local.max_abs,
+        "identical_codes": 1.0 - bad / max(got.size, 1),
+    }
     row["identical_codes_end_to_end"] = row["identical_codes"]
     return row, (f"{bad} stored weight code(s) differ from the checkpoint's weights" if bad else None)
 
 
-def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, problems: dict[str, list[str]],
-                          rows: list[dict[str, Any]]) -> set[str]:
+def _check_dynamic_layers(
+    model: onnx.ModelProto,
+    ckpt: Calibrated,
+    qs: dict,
+    problems: dict[str, list[str]],
+    rows: list[dict[str, Any]],
+) -> set[str]:
     """Structure of the ``DynamicQuantizeLinear -> MatMulInteger`` layers (:mod:`exporters.dynamic_linear`).
 
-    The input quantizer has no scale to compare (it is computed at run time; ``fidelity.codes`` checks it on the
-    sample); the weight's float32 scale must be ``amax / bound`` exactly, its zero point 0 and its stored codes
-    the checkpoint's. Returns the quantizer names found in such layers; appends the weights' per-layer rows."""
+    The input quantizer has no scale to compare (it is computed at run time; ``fidelity.codes`` checks it on
+    the sample); the weight's float32 scale must be ``amax / bound`` exactly, its zero point 0 and its stored
+    codes the checkpoint's. Returns the quantizer names found in such layers; appends the weights' per-layer
+    rows."""
     found: set[str] = set()
     inits = initializer_map(model.graph)
     weights = dict(ckpt.model.named_parameters())
@@ -127,7 +149,9 @@ def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, pr
         want, _ = expected_scale(q)
         got = layer.weight_scale
         if got is None or got.reshape(-1).shape != want.shape or not np.array_equal(got.reshape(-1), want):
-            problems.setdefault(wname, []).append("weight scale (in the Mul after MatMulInteger) differs from amax/bound")
+            problems.setdefault(wname, []).append(
+                "weight scale (in the Mul after MatMulInteger) differs from amax/bound"
+            )
             continue
         if layer.weight_zero_point is not None and np.any(layer.weight_zero_point != 0):
             problems.setdefault(wname, []).append("weight zero point is not 0")
@@ -137,15 +161,28 @@ def _check_dynamic_layers(model: onnx.ModelProto, ckpt: Calibrated, qs: dict, pr
             with torch.no_grad():
                 want_w = q(w.detach()).cpu().numpy()
             codes = to_numpy(inits[layer.weight]).astype(np.float32)  # (K, N)
-            deq = (codes * want.reshape(1, -1) if want.size > 1 else codes * want.reshape(())).T.astype(np.float32)
+            deq = (codes * want.reshape(1, -1) if want.size > 1 else codes * want.reshape(())).T.astype(
+                np.float32
+            )
             bad = int(np.count_nonzero(deq != want_w)) if deq.shape == want_w.shape else want_w.size
             if bad:
-                problems.setdefault(wname, []).append(f"{bad} stored weight code(s) differ from the checkpoint's weights")
+                problems.setdefault(wname, []).append(
+                    f"{bad} stored weight code(s) differ from the checkpoint's weights"
+                )
             local = PairStats()
             local.add(want_w, w.detach().cpu().numpy())
             same = 1.0 - bad / max(want_w.size, 1)
-            rows.append({"quantizer": wname, "module": module, "kind": "weight", "snr_db": local.snr_db,
-                         "max_abs_error": local.max_abs, "identical_codes": same, "identical_codes_end_to_end": same})
+            rows.append(
+                {
+                    "quantizer": wname,
+                    "module": module,
+                    "kind": "weight",
+                    "snr_db": local.snr_db,
+                    "max_abs_error": local.max_abs,
+                    "identical_codes": same,
+                    "identical_codes_end_to_end": same,
+                }
+            )
     return found
 
 
@@ -162,8 +199,9 @@ def _bias_layer(node: onnx.NodeProto, producers, dq_quantizer: dict[str, str]) -
     return None
 
 
-def _check_biases(model: onnx.ModelProto, ckpt: Calibrated, pairs: list[QdqPair],
-                  problems: dict[str, list[str]]) -> int:
+def _check_biases(
+    model: onnx.ModelProto, ckpt: Calibrated, pairs: list[QdqPair], problems: dict[str, list[str]]
+) -> int:
     """Stored int32 bias codes and scales against the checkpoint's (:meth:`QuantMixin.int32_bias_constants`),
     exactly, as weight codes are. Returns how many biases were compared."""
     inits, producers, consumers = initializer_map(model.graph), producer_map(model.graph), consumer_map(model)
@@ -172,8 +210,10 @@ def _check_biases(model: onnx.ModelProto, ckpt: Calibrated, pairs: list[QdqPair]
     for n in model.graph.node:
         if not is_int32_bias(n, inits) or n.input[1] not in inits:
             continue
-        layer = next((m for c in consumers.get(n.output[0], []) if (m := _bias_layer(c, producers, dq_quantizer))),
-                     None)
+        layer = next(
+            (m for c in consumers.get(n.output[0], []) if (m := _bias_layer(c, producers, dq_quantizer))),
+            None,
+        )
         module = _submodule(ckpt.model, layer)
         constants = module.int32_bias_constants() if hasattr(module, "int32_bias_constants") else None
         if constants is None:
@@ -185,14 +225,16 @@ def _check_biases(model: onnx.ModelProto, ckpt: Calibrated, pairs: list[QdqPair]
         where = f"{layer}.bias"
         if codes.shape != want_codes.shape:
             problems.setdefault(where, []).append(
-                f"int32 bias has {codes.size} codes, the checkpoint's {want_codes.size}")
+                f"int32 bias has {codes.size} codes, the checkpoint's {want_codes.size}"
+            )
             continue
         bad = np.flatnonzero(codes != want_codes)
         if bad.size:
             i = int(bad[0])
             problems.setdefault(where, []).append(
                 f"{bad.size} stored int32 bias code(s) differ from the checkpoint's (e.g. channel {i}: "
-                f"{int(codes[i])} vs {int(want_codes[i])})")
+                f"{int(codes[i])} vs {int(want_codes[i])})"
+            )
         if not np.array_equal(np.broadcast_to(scale, want_scale.shape), want_scale.astype(np.float32)):
             problems.setdefault(where, []).append("int32 bias scale differs from input scale x weight scale")
     return compared
@@ -209,19 +251,29 @@ def _submodule(model: torch.nn.Module, path: str | None) -> torch.nn.Module | No
 
 def _no_metadata(pairs: int, quantizers: int) -> str:
     """What a graph without ``quantcli.quantizers`` lacks, and what that costs."""
-    return (f"the graph has no {QUANTIZERS_KEY} metadata (which Q/DQ pair belongs to which quantizer; quantcli "
-            "export writes it, an editor that drops metadata_props loses it), so its "
-            f"{pairs} Q/DQ pair(s) cannot be matched to the checkpoint's {quantizers} quantizer(s): their scales, "
-            "zero points, weight and bias codes are not checked and no quantizer is replayed (only the outputs "
-            "are compared); re-export it with quantcli export, or copy the metadata back")
+    return (
+        f"the graph has no {QUANTIZERS_KEY} metadata (which Q/DQ pair belongs to which quantizer; "
+        f"quantcli "
+        "export writes it, an editor that drops metadata_props loses it), so its "
+        f"{pairs} Q/DQ pair(s) cannot be matched to the checkpoint's {quantizers} quantizer(s): their "
+        f"scales, "
+        "zero points, weight and bias codes are not checked and no quantizer is replayed (only the "
+        "outputs "
+        "are compared); re-export it with quantcli export, or copy the metadata back"
+    )
 
 
 def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """(the structure section of the report, per-layer rows of the weight quantizers)."""
-    graph_inputs = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
+    graph_inputs = [
+        i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}
+    ]
     if graph_inputs != ckpt.input_names:
-        raise VerifyError(f"the ONNX inputs {graph_inputs} do not match the checkpoint's inputs {ckpt.input_names}; "
-                          "export this checkpoint with `quantcli export` or pass the matching --reference")
+        raise VerifyError(
+            f"the ONNX inputs {graph_inputs} do not match the checkpoint's inputs "
+            f"{ckpt.input_names}; "
+            "export this checkpoint with `quantcli export` or pass the matching --reference"
+        )
     all_pairs = qdq_pairs(model)
     pairs: dict[str, QdqPair] = {}
     for p in all_pairs:
@@ -253,19 +305,29 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
             idx = int(np.argmax(got != want)) if got.shape == want.shape else 0
             shown = got.flat[idx] if got.size else "none"
             problems.setdefault(name, []).append(
-                f"scale differs from amax/bound (e.g. index {idx}: {shown} vs {want.flat[idx]:.9g})")
+                f"scale differs from amax/bound (e.g. index {idx}: {shown} vs {want.flat[idx]:.9g})"
+            )
         zp = p.quantizer_layout(p.zero_point).reshape(-1).astype(np.float32)
         if p.format == "uint8" and _signed_symmetric(q):
-            # the onnxruntime target stores a signed symmetric grid's codes as uint8 + 128 (exporters.onnxruntime.placement)
+            # the onnxruntime target stores a signed symmetric grid's codes as uint8 + 128
+            # (exporters.onnxruntime.placement)
             want_zp = want_zp + np.float32(UINT8_OFFSET)
-        if not (zp.shape == want_zp.shape or want_zp.size == 1) or not np.array_equal(zp, np.broadcast_to(want_zp, zp.shape)):
+        if not (zp.shape == want_zp.shape or want_zp.size == 1) or not np.array_equal(
+            zp, np.broadcast_to(want_zp, zp.shape)
+        ):
             problems.setdefault(name, []).append(
-                f"zero point differs from the calibrated range ({zp.flat[0] if zp.size else 'none'} vs {want_zp.flat[0]:g})")
+                f"zero point differs from the calibrated range ({zp.flat[0] if zp.size else 'none'} vs "
+                f"{want_zp.flat[0]:g})"
+            )
         if name.endswith("weight_quantizer"):
             try:
                 row, problem = _weight_row(name, q, p, inits, params)
-            except (RuntimeError, ValueError) as e:  # codes and scale that do not fit (inputs swapped, reshaped)
-                row, problem = None, f"stored weight cannot be dequantized with its scale: {first_line(e, 160)}"
+            # codes and scale that do not fit (inputs swapped, reshaped)
+            except (RuntimeError, ValueError) as e:
+                row, problem = (
+                    None,
+                    f"stored weight cannot be dequantized with its scale: {first_line(e, 160)}",
+                )
             if row is not None:
                 rows.append(row)
             if problem:
@@ -274,8 +336,11 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     flat = [f"{name}: {x}" for name, probs in problems.items() for x in probs]
     recorded = pruned_quantizers(model)
     return {
-        "passed": not flat, "problems": flat, "layers_with_problems": sorted(problems),
-        "quantizers_expected": len(qs), "quantizers_found": len((set(pairs) | dynamic) & set(qs)),
+        "passed": not flat,
+        "problems": flat,
+        "layers_with_problems": sorted(problems),
+        "quantizers_expected": len(qs),
+        "quantizers_found": len((set(pairs) | dynamic) & set(qs)),
         "pruned": pruned,
         "notes": [f"{n}: pruned by the exporter, its output reaches no model output" for n in pruned],
         "pruned_recorded_at_export": recorded,

@@ -11,12 +11,12 @@ one default holds for a 4-layer CNN and a 6-layer transformer (README, ``verify`
   change that would move a quarter of the codes.
 * ``fidelity.replay_outputs`` <= :data:`MAX_REPLAY_OUTPUT`: the same for the graph outputs, in RMS
   quantization errors of that output (RMS(fake-quant - float)), since no quantization step exists there.
-* ``fidelity.rms_ratio`` <= :data:`MAX_RMS_RATIO`: RMS(onnxruntime - fake-quant) against RMS(fake-quant - float),
-  a gross end-to-end bound (and the non-finite detector). Codes flipped by float rounding and carried through the
-  network make it large on correct exports of attention models (0.74, 0.75 and 0.83 on ViT-Tiny-sized ViTs of 6, 12
-  and 24 layers, 0.87 on timm's vit_tiny), so it cannot separate right from wrong; codes, replay and structure do: every
-  mutation of the zoo campaign fails one of them, and 13 of the 38 had an rms_ratio below 0.5 anyway
-  (docs/verify-criteria.md, ``python -m benchmarks.verify_criteria``).
+* ``fidelity.rms_ratio`` <= :data:`MAX_RMS_RATIO`: RMS(onnxruntime - fake-quant) against RMS(fake-quant -
+  float), a gross end-to-end bound (and the non-finite detector). Codes flipped by float rounding and carried
+  through the network make it large on correct exports of attention models (0.74, 0.75 and 0.83 on
+  ViT-Tiny-sized ViTs of 6, 12 and 24 layers, 0.87 on timm's vit_tiny), so it cannot separate right from
+  wrong; codes, replay and structure do: every mutation of the zoo campaign fails one of them, and 13 of the
+  38 had an rms_ratio below 0.5 anyway (docs/verify-criteria.md, ``python -m benchmarks.verify_criteria``).
 * ``reference.transformations`` <= :data:`MAX_TRANSFORM_DEVIATION`: the float model as quantcli transformed it
   (BatchNorm folding, SmoothQuant, placement rewrites) computes the model as loaded, up to float rounding
   (RMS of the difference relative to the output's RMS; exact transformations: about 1e-7). The other checks
@@ -32,9 +32,11 @@ from quantcli import defaults
 
 MAX_REPLAY_STEPS = 0.25
 MAX_REPLAY_OUTPUT = 0.1
-MAX_RMS_RATIO = defaults.MAX_RMS_RATIO  # docs/verify-criteria.md: correct exports measured up to 0.83 (0.87 in issue 23)
+# docs/verify-criteria.md: correct exports measured up to 0.83 (0.87 in issue 23)
+MAX_RMS_RATIO = defaults.MAX_RMS_RATIO
 MAX_TRANSFORM_DEVIATION = 1e-3
-# deployed vs exact session: a gap this many times the exact session's (and above DEPLOY_GAP_FLOOR) gets a note
+# deployed vs exact session: a gap this many times the exact session's (and above DEPLOY_GAP_FLOOR) gets a
+# note
 DEPLOY_GAP_FACTOR = 3.0
 DEPLOY_GAP_FLOOR = 0.05
 
@@ -46,11 +48,18 @@ class Check:
     value: float
     passed: bool
     kind: str  # "max" (value must be <= threshold) or "min"
-    detail: str | None = None  # what failed, by name (a quantizer, an output), or why it could not be measured
+    # what failed, by name (a quantizer, an output), or why it could not be measured
+    detail: str | None = None
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "threshold": self.threshold, "value": self.value, "passed": self.passed,
-                "kind": self.kind, "detail": self.detail}
+        return {
+            "name": self.name,
+            "threshold": self.threshold,
+            "value": self.value,
+            "passed": self.passed,
+            "kind": self.kind,
+            "detail": self.detail,
+        }
 
 
 def at_most(name: str, threshold: float, value: float, detail: str | None = None) -> Check:
@@ -84,10 +93,19 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "passed": self.passed, "onnx": self.onnx, "checkpoint": self.checkpoint, "provider": self.provider,
+            "passed": self.passed,
+            "onnx": self.onnx,
+            "checkpoint": self.checkpoint,
+            "provider": self.provider,
             "provider_note": self.provider_note,
-            "num_batches": self.num_batches, "num_samples": self.num_samples,
-            "checks": [c.to_dict() for c in self.checks], "structure": self.structure, "fidelity": self.fidelity,
-            "quality": self.quality, "deployment": self.deployment, "reference": self.reference, "layers": self.layers,
+            "num_batches": self.num_batches,
+            "num_samples": self.num_samples,
+            "checks": [c.to_dict() for c in self.checks],
+            "structure": self.structure,
+            "fidelity": self.fidelity,
+            "quality": self.quality,
+            "deployment": self.deployment,
+            "reference": self.reference,
+            "layers": self.layers,
             "seconds": round(self.seconds, 3),
         }

@@ -2,7 +2,8 @@
 
 A quantized layer quantizes its weight on every forward (``weight_quantizer(self.weight)``); over a verify run
 the weights do not change, so each weight quantizer's output is computed once and handed back for that very
-parameter afterwards -- the same tensor, bit for bit, without a round, a clamp and a scale per layer and batch.
+parameter afterwards -- the same tensor, bit for bit, without a round, a clamp and a scale per layer and
+batch.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from quantcli.nn.tensor_quantizer import quantizers
 
 @contextlib.contextmanager
 def constant_weights(model: nn.Module) -> Iterator[None]:
-    """Within the block, every quantizing ``<layer>.weight_quantizer`` returns its first result for ``<layer>.weight``
-    (a disabled one, as in the float model, passes the weight through already: nothing to cache)."""
+    """Within the block, every quantizing ``<layer>.weight_quantizer`` returns its first result for
+    ``<layer>.weight`` (a disabled one, as in the float model, passes the weight through already: nothing to
+    cache)."""
     modules = dict(model.named_modules())
     patched = []
     for name, q in quantizers(model).items():

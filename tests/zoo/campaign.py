@@ -1,6 +1,7 @@
 """The mutation campaign over zoo graphs: each arithmetic mutation changes what one part of the graph computes
 (a scale, a zero point, weight codes, an int32 bias, a float op, a deleted node) and must make verify exit 1
-naming the check and the tensor; each equivalent rewrite computes the same and may exit 0 or 1; none may exit 2.
+naming the check and the tensor; each equivalent rewrite computes the same and may exit 0 or 1; none may exit
+2.
 
 A mutation is ``(name, edit)``: ``edit(model)`` changes an ``onnx.ModelProto`` in place and returns what it
 changed (a quantizer, a node), or ``None`` where the graph has nothing it applies to.
@@ -28,8 +29,11 @@ def _activation(m):
 
 
 def _weight_pairs(m):
-    return [p for p in qdq_pairs(m) if p.quantizer and p.stored == "initializer"
-            and p.quantizer.endswith("weight_quantizer")]
+    return [
+        p
+        for p in qdq_pairs(m)
+        if p.quantizer and p.stored == "initializer" and p.quantizer.endswith("weight_quantizer")
+    ]
 
 
 def activation_scale(m):
@@ -62,11 +66,17 @@ def weight_codes(m):
 
 
 def int32_bias(m):
-    """Add three times the largest bias code to the first element of one int32 bias (a DequantizeLinear of int32
+    """Add three times the largest bias code to the first element of one int32 bias (a DequantizeLinear of
+    int32
     codes: the onnxruntime target's Conv/Gemm biases)."""
     inits = {t.name: t for t in m.graph.initializer}
-    dqs = [n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
-           and inits[n.input[0]].data_type == onnx.TensorProto.INT32]
+    dqs = [
+        n
+        for n in m.graph.node
+        if n.op_type == "DequantizeLinear"
+        and n.input[0] in inits
+        and inits[n.input[0]].data_type == onnx.TensorProto.INT32
+    ]
     n = _middle(dqs)
     if n is None:
         return None
@@ -88,10 +98,14 @@ def float_op(m):
 
 def delete_add(m):
     """Delete a residual Add (both operands computed): its consumers read its first operand instead."""
-    consts = {t.name for t in m.graph.initializer} | {o for n in m.graph.node if n.op_type == "Constant"
-                                                     for o in n.output}
-    adds = [n for n in m.graph.node if n.op_type in ("Add", "Sum") and len(n.input) == 2
-            and not any(i in consts for i in n.input)]
+    consts = {t.name for t in m.graph.initializer} | {
+        o for n in m.graph.node if n.op_type == "Constant" for o in n.output
+    }
+    adds = [
+        n
+        for n in m.graph.node
+        if n.op_type in ("Add", "Sum") and len(n.input) == 2 and not any(i in consts for i in n.input)
+    ]
     graph_outputs = {o.name for o in m.graph.output}
     adds = [n for n in adds if n.output[0] not in graph_outputs]
     node = _middle(adds)
@@ -135,7 +149,13 @@ def duplicate_weight(m):
     return p.quantizer
 
 
-ARITHMETIC = [("activation scale x2", activation_scale), ("weight scale x2", weight_scale),
-              ("activation zero point +1", activation_zero_point), ("weight codes negated", weight_codes),
-              ("int32 bias", int32_bias), ("float op replaced", float_op), ("residual Add deleted", delete_add)]
+ARITHMETIC = [
+    ("activation scale x2", activation_scale),
+    ("weight scale x2", weight_scale),
+    ("activation zero point +1", activation_zero_point),
+    ("weight codes negated", weight_codes),
+    ("int32 bias", int32_bias),
+    ("float op replaced", float_op),
+    ("residual Add deleted", delete_add),
+]
 EQUIVALENT = [("Identity inserted", insert_identity), ("weight copied", duplicate_weight)]

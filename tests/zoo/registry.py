@@ -1,8 +1,8 @@
-"""The model zoo: standard architectures from ``transformers``' config classes, randomly initialised, each a factory
-file a user could have written (``tests/zoo/models/<name>.py:make``) with its ``samples(n, seed)``.
+"""The model zoo: standard architectures from ``transformers``' config classes, randomly initialised, each a
+factory file a user could have written (``tests/zoo/models/<name>.py:make``) with its ``samples(n, seed)``.
 
-``KNOWN_FAILURES`` is the one table of expected failures, each owned by the helper fixing it; the tests apply it
-as ``xfail(strict=False)``, so flipping one is deleting its line.
+``KNOWN_FAILURES`` is the one table of expected failures, each owned by the helper fixing it; the tests apply
+it as ``xfail(strict=False)``, so flipping one is deleting its line.
 """
 
 from __future__ import annotations
@@ -22,13 +22,26 @@ TARGETS = ("onnxruntime", "tensorrt")
 
 #: name -> kind: "cnn" and "vit" get onnxruntime's quantize_static as the peer, "transformer" quantize_dynamic
 MODELS: dict[str, str] = {
-    "resnet": "cnn", "mobilenet_v2": "cnn", "mobilevit": "vit", "convnext": "cnn", "efficientnet": "cnn",
-    "vit": "vit", "swin": "vit", "yolos": "vit", "segformer": "vit",
-    "bert": "transformer", "distilbert": "transformer", "gpt2": "transformer", "llama": "transformer",
-    "t5_encoder": "transformer", "whisper_encoder": "transformer", "wav2vec2": "transformer",
+    "resnet": "cnn",
+    "mobilenet_v2": "cnn",
+    "mobilevit": "vit",
+    "convnext": "cnn",
+    "efficientnet": "cnn",
+    "vit": "vit",
+    "swin": "vit",
+    "yolos": "vit",
+    "segformer": "vit",
+    "bert": "transformer",
+    "distilbert": "transformer",
+    "gpt2": "transformer",
+    "llama": "transformer",
+    "t5_encoder": "transformer",
+    "whisper_encoder": "transformer",
+    "wav2vec2": "transformer",
 }
 
-#: deeper models for the measurement of verify's criteria (benchmarks/bench_zoo.py --criteria), not in the test
+# : deeper models for the measurement of verify's criteria (benchmarks/bench_zoo.py --criteria), not in the
+# test
 CRITERIA_MODELS: dict[str, str] = {"vit_tiny": "vit", "efficientnet_b0": "cnn"}
 
 #: (model, exporter, target) -> why it fails today and who owns the fix; "*" matches any exporter or target
@@ -67,7 +80,8 @@ def write_data(name: str, folder: Path) -> tuple[Path, Path]:
 
 
 def float_outputs(name: str, data: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The model as the user's factory builds it (no quantcli involved), on ``data``: its outputs, flattened."""
+    """The model as the user's factory builds it (no quantcli involved), on ``data``: its outputs,
+    flattened."""
     import torch
 
     model = module(name).make()
@@ -86,8 +100,8 @@ def onnx_outputs(path: Path, data: dict[str, np.ndarray]) -> list[np.ndarray]:
 
 
 def linear_like_layers(model) -> list[str]:
-    """The layers a user expects quantized, found here without quantcli: Linear, Conv, ConvTranspose (subclasses
-    included) and transformers' ``Conv1D`` (a Linear with a transposed weight)."""
+    """The layers a user expects quantized, found here without quantcli: Linear, Conv, ConvTranspose
+    (subclasses included) and transformers' ``Conv1D`` (a Linear with a transposed weight)."""
     from torch import nn
 
     kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d)

@@ -1,7 +1,7 @@
 """The mutation campaign (issue 23): tests/mutations.py's kinds of graph edits on six zoo models' exports (the
-TorchScript exporter, the onnxruntime target), each through ``quantcli verify``: every arithmetic change exits 1
-and a failed check names the tensor; every equivalent rewrite exits 0 or 1; nothing exits 2 (an internal error
-on a graph that loads). Marker ``zoo``."""
+TorchScript exporter, the onnxruntime target), each through ``quantcli verify``: every arithmetic change exits
+1 and a failed check names the tensor; every equivalent rewrite exits 0 or 1; nothing exits 2 (an internal
+error on a graph that loads). Marker ``zoo``."""
 
 import json
 
@@ -14,8 +14,9 @@ from tests.zoo import campaign
 pytestmark = pytest.mark.zoo
 
 MODELS = ["resnet", "efficientnet", "vit", "segformer", "bert", "whisper_encoder"]
-MUTATIONS = {name: (edit, True) for name, edit in campaign.ARITHMETIC} | \
-    {name: (edit, False) for name, edit in campaign.EQUIVALENT}
+MUTATIONS = {name: (edit, True) for name, edit in campaign.ARITHMETIC} | {
+    name: (edit, False) for name, edit in campaign.EQUIVALENT
+}
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +36,8 @@ def exported(calibrated, tmp_path_factory):
 
 
 def named_failures(report: dict) -> list[str]:
-    """The failed checks that name where (a quantizer, a layer, an output), and the structure's named problems."""
+    """The failed checks that name where (a quantizer, a layer, an output), and the structure's named
+    problems."""
     out = [f"{c['name']}: {c['detail']}" for c in report["checks"] if not c["passed"] and c.get("detail")]
     return out + [f"structure: {n}" for n in report["structure"].get("layers_with_problems", [])]
 
@@ -53,8 +55,11 @@ def test_mutation(model, mutation, exported, tmp_path):
     path = tmp_path / "mutated.onnx"
     onnx.save(mutated, str(path))
     r = cli("verify", path, "--reference", ck, "--data", held, "--json")
-    assert r.exit_code in (0, 1), f"{mutation} at {where}: {r.output}"  # 2: an internal error on a loadable graph
+    # 2: an internal error on a loadable graph
+    assert r.exit_code in (0, 1), f"{mutation} at {where}: {r.output}"
     if arithmetic:
         report = json.loads(r.stdout)
         assert r.exit_code == 1, f"{mutation} at {where} passed verify"
-        assert named_failures(report), f"{mutation} at {where}: no failed check names where: {report['checks']}"
+        assert named_failures(report), (
+            f"{mutation} at {where}: no failed check names where: {report['checks']}"
+        )

@@ -1,6 +1,7 @@
-"""The zoo through the real CLI: ``calibrate`` -> ``export`` (both exporters) -> ``verify`` -> ``inspect --runtime``,
-for both targets, and independently of verify: the exported graph's cosine to the float model as the factory
-builds it, so a PASS on a graph that computes something else fails here. Marker ``zoo`` (``.ci/run``)."""
+"""The zoo through the real CLI: ``calibrate`` -> ``export`` (both exporters) -> ``verify`` -> ``inspect
+--runtime``, for both targets, and independently of verify: the exported graph's cosine to the float model as
+the factory builds it, so a PASS on a graph that computes something else fails here. Marker ``zoo``
+(``.ci/run``)."""
 
 import json
 
@@ -12,9 +13,10 @@ from tests.zoo import registry as zoo
 
 pytestmark = pytest.mark.zoo
 
-#: the exported graph (deployed) against the float model as the factory builds it, at least as close as the
-#: fake-quant model is to quantcli's own float model (quantization explains the whole difference) less this margin
-#: (onnxruntime's fused kernels round otherwise); and never below the floor (the issue's false PASSes: -0.001, 0.155)
+# : the exported graph (deployed) against the float model as the factory builds it, at least as close as the :
+# fake-quant model is to quantcli's own float model (quantization explains the whole difference) less this
+# margin : (onnxruntime's fused kernels round otherwise); and never below the floor (the issue's false PASSes:
+# -0.001, 0.155)
 COSINE_MARGIN = 0.02
 MIN_COSINE_TO_FLOAT = 0.5
 
@@ -43,17 +45,19 @@ def test_zoo_model_through_the_cli(model, exporter, target, calibrated, tmp_path
         data = {k: z[k] for k in z.files}
     cos = min(zoo.cosine(g, f) for g, f in zip(zoo.onnx_outputs(graph, data), zoo.float_outputs(model, data)))
     explained = _quantization_cosine(ck, data)
-    assert cos >= explained - COSINE_MARGIN and cos >= MIN_COSINE_TO_FLOAT, \
-        f"the graph computes something else: cosine {cos:.4f} to the model, quantization explains {explained:.4f}; " \
+    assert cos >= explained - COSINE_MARGIN and cos >= MIN_COSINE_TO_FLOAT, (
+        f"the graph computes something else: cosine {cos:.4f} to the model, quantization explains "
+        f"{explained:.4f}; "
         f"verify: {failed}"
+    )
     assert r.exit_code == 0 and report["passed"], failed
     r = cli("inspect", graph, "--runtime", "onnxruntime", "--json")
     assert r.exit_code == 0, r.output
 
 
 def _quantization_cosine(ck, data) -> float:
-    """The fake-quant model's cosine to quantcli's own float model (quantizers off, after its transformations):
-    how far quantization alone moves the outputs."""
+    """The fake-quant model's cosine to quantcli's own float model (quantizers off, after its
+    transformations): how far quantization alone moves the outputs."""
     import torch
 
     from quantcli.inputs.checkpoint import load_calibrated
@@ -79,6 +83,8 @@ def test_zoo_every_linear_like_layer_is_quantized(model, calibrated):
 
     ck, _ = calibrated(model, "onnxruntime")
     stored = torch.load(ck, weights_only=True)["quantizers"]
-    quantized = {n.rsplit(".", 1)[0] for n, q in stored.items() if n.endswith("weight_quantizer") and q["enabled"]}
+    quantized = {
+        n.rsplit(".", 1)[0] for n, q in stored.items() if n.endswith("weight_quantizer") and q["enabled"]
+    }
     missing = [n for n in zoo.linear_like_layers(zoo.module(model).make()) if n not in quantized]
     assert not missing, f"{len(missing)} layers stay float: {missing[:5]}"

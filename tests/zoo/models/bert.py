@@ -22,7 +22,7 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, VOCAB, (n, TOKENS), dtype=np.int64)
     mask = np.ones((n, TOKENS), dtype=np.int64)
-    mask[1::2, TOKENS - 4:] = 0
+    mask[1::2, TOKENS - 4 :] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -30,6 +30,13 @@ def make() -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
     return Model(BertForSequenceClassification(cfg)).eval()

@@ -22,7 +22,7 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, VOCAB, (n, TOKENS), dtype=np.int64)
     mask = np.ones((n, TOKENS), dtype=np.int64)
-    mask[1::2, TOKENS - 4:] = 0
+    mask[1::2, TOKENS - 4 :] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -30,6 +30,13 @@ def make() -> nn.Module:
     from transformers import DistilBertConfig, DistilBertForSequenceClassification
 
     torch.manual_seed(0)
-    cfg = DistilBertConfig(vocab_size=VOCAB, dim=64, hidden_dim=128, n_layers=2, n_heads=4,
-                           max_position_embeddings=64, num_labels=3)
+    cfg = DistilBertConfig(
+        vocab_size=VOCAB,
+        dim=64,
+        hidden_dim=128,
+        n_layers=2,
+        n_heads=4,
+        max_position_embeddings=64,
+        num_labels=3,
+    )
     return Model(DistilBertForSequenceClassification(cfg)).eval()

@@ -1,5 +1,6 @@
 """EfficientNet (transformers ``EfficientNetForImageClassification``: depthwise convolutions,
-squeeze-excitation, SiLU), small and randomly initialised; BatchNorm statistics from a few train-mode passes."""
+squeeze-excitation, SiLU), small and randomly initialised; BatchNorm statistics from a few train-mode
+passes."""
 
 import numpy as np
 import torch
@@ -23,9 +24,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -48,8 +49,9 @@ def make() -> nn.Module:
     from transformers import EfficientNetConfig, EfficientNetForImageClassification
 
     torch.manual_seed(0)
-    cfg = EfficientNetConfig(image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
-                             num_labels=10)
+    cfg = EfficientNetConfig(
+        image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320, num_labels=10
+    )
     model = Logits(EfficientNetForImageClassification(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model

@@ -1,6 +1,7 @@
 """EfficientNet-B0-sized (transformers ``EfficientNetForImageClassification``: 16 MBConv blocks, depthwise
-convolutions, squeeze-excitation, SiLU), randomly initialised with BatchNorm statistics from train-mode passes: the
-depth at which verify's end-to-end rms_ratio was seen at 0.51 (issue 23); for the criteria measurement."""
+convolutions, squeeze-excitation, SiLU), randomly initialised with BatchNorm statistics from train-mode
+passes: the depth at which verify's end-to-end rms_ratio was seen at 0.51 (issue 23); for the criteria
+measurement."""
 
 import numpy as np
 import torch
@@ -24,9 +25,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -49,8 +50,9 @@ def make() -> nn.Module:
     from transformers import EfficientNetConfig, EfficientNetForImageClassification
 
     torch.manual_seed(0)
-    cfg = EfficientNetConfig(image_size=IMAGE, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280,
-                             num_labels=10)
+    cfg = EfficientNetConfig(
+        image_size=IMAGE, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280, num_labels=10
+    )
     model = Logits(EfficientNetForImageClassification(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model

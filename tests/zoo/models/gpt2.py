@@ -23,7 +23,7 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, VOCAB, (n, TOKENS), dtype=np.int64)
     mask = np.ones((n, TOKENS), dtype=np.int64)
-    mask[1::2, TOKENS - 4:] = 0
+    mask[1::2, TOKENS - 4 :] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -31,5 +31,7 @@ def make() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2)
+    cfg = GPT2Config(
+        vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1, eos_token_id=2
+    )
     return Model(GPT2LMHeadModel(cfg)).eval()

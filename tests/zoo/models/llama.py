@@ -23,7 +23,7 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, VOCAB, (n, TOKENS), dtype=np.int64)
     mask = np.ones((n, TOKENS), dtype=np.int64)
-    mask[1::2, TOKENS - 4:] = 0
+    mask[1::2, TOKENS - 4 :] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 
@@ -31,6 +31,13 @@ def make() -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return Model(LlamaForCausalLM(cfg)).eval()

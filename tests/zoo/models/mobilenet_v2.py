@@ -23,9 +23,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:

@@ -23,9 +23,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -48,8 +48,14 @@ def make() -> nn.Module:
     from transformers import MobileViTConfig, MobileViTForImageClassification
 
     torch.manual_seed(0)
-    cfg = MobileViTConfig(image_size=IMAGE, hidden_sizes=[32, 40, 48], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
-                          num_attention_heads=2, mlp_ratio=2.0, num_labels=10)
+    cfg = MobileViTConfig(
+        image_size=IMAGE,
+        hidden_sizes=[32, 40, 48],
+        neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
+        num_attention_heads=2,
+        mlp_ratio=2.0,
+        num_labels=10,
+    )
     model = Logits(MobileViTForImageClassification(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model

@@ -1,5 +1,6 @@
-"""ResNet (transformers ``ResNetForImageClassification``, basic blocks, ``hidden_state += residual``), small and
-randomly initialised; BatchNorm statistics from a few train-mode passes, as a trained network would have them."""
+"""ResNet (transformers ``ResNetForImageClassification``, basic blocks, ``hidden_state += residual``), small
+and randomly initialised; BatchNorm statistics from a few train-mode passes, as a trained network would have
+them."""
 
 import numpy as np
 import torch
@@ -23,9 +24,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -48,8 +49,9 @@ def make() -> nn.Module:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(0)
-    cfg = ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], layer_type="basic",
-                       num_labels=10)
+    cfg = ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 64], depths=[1, 1, 1], layer_type="basic", num_labels=10
+    )
     model = Logits(ResNetForImageClassification(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model

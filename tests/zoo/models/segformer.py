@@ -24,9 +24,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -49,9 +49,18 @@ def make() -> nn.Module:
     from transformers import SegformerConfig, SegformerForSemanticSegmentation
 
     torch.manual_seed(0)
-    cfg = SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1], hidden_sizes=[16, 32],
-                          patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2], mlp_ratios=[2, 2],
-                          decoder_hidden_size=32, num_labels=4)
+    cfg = SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[2, 1],
+        hidden_sizes=[16, 32],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        num_attention_heads=[1, 2],
+        mlp_ratios=[2, 2],
+        decoder_hidden_size=32,
+        num_labels=4,
+    )
     model = Logits(SegformerForSemanticSegmentation(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model

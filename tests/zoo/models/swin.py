@@ -23,9 +23,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -48,8 +48,15 @@ def make() -> nn.Module:
     from transformers import SwinConfig, SwinForImageClassification
 
     torch.manual_seed(0)
-    cfg = SwinConfig(image_size=IMAGE, patch_size=2, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
-                     num_labels=10)
+    cfg = SwinConfig(
+        image_size=IMAGE,
+        patch_size=2,
+        embed_dim=16,
+        depths=[2, 2],
+        num_heads=[2, 4],
+        window_size=4,
+        num_labels=10,
+    )
     model = Logits(SwinForImageClassification(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model

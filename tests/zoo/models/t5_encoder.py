@@ -23,7 +23,7 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     ids = rng.integers(3, VOCAB, (n, TOKENS), dtype=np.int64)
     mask = np.ones((n, TOKENS), dtype=np.int64)
-    mask[1::2, TOKENS - 4:] = 0
+    mask[1::2, TOKENS - 4 :] = 0
     return {"input_ids": ids, "attention_mask": mask}
 
 

@@ -30,8 +30,19 @@ def make() -> nn.Module:
     from transformers import Wav2Vec2Config, Wav2Vec2ForCTC
 
     torch.manual_seed(0)
-    cfg = Wav2Vec2Config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         intermediate_size=128, conv_dim=(32, 32, 32), conv_stride=(5, 4, 2), conv_kernel=(10, 8, 4),
-                         num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, do_stable_layer_norm=False,
-                         feat_extract_norm="group", apply_spec_augment=False)
+    cfg = Wav2Vec2Config(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        conv_dim=(32, 32, 32),
+        conv_stride=(5, 4, 2),
+        conv_kernel=(10, 8, 4),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        do_stable_layer_norm=False,
+        feat_extract_norm="group",
+        apply_spec_augment=False,
+    )
     return Logits(Wav2Vec2ForCTC(cfg)).eval()

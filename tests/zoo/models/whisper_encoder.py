@@ -1,5 +1,5 @@
-"""A Whisper encoder (transformers ``WhisperModel``'s encoder: two Conv1d over log-mel features, GELU, sinusoidal
-positions, pre-LayerNorm attention), small and randomly initialised; the last hidden state."""
+"""A Whisper encoder (transformers ``WhisperModel``'s encoder: two Conv1d over log-mel features, GELU,
+sinusoidal positions, pre-LayerNorm attention), small and randomly initialised; the last hidden state."""
 
 import numpy as np
 import torch
@@ -27,8 +27,21 @@ def make() -> nn.Module:
     from transformers import WhisperConfig, WhisperModel
 
     torch.manual_seed(0)
-    cfg = WhisperConfig(vocab_size=256, num_mel_bins=MELS, d_model=64, encoder_layers=2, encoder_attention_heads=4,
-                        encoder_ffn_dim=128, decoder_layers=1, decoder_attention_heads=4, decoder_ffn_dim=128,
-                        max_source_positions=FRAMES // 2, max_target_positions=16, pad_token_id=0,
-                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    cfg = WhisperConfig(
+        vocab_size=256,
+        num_mel_bins=MELS,
+        d_model=64,
+        encoder_layers=2,
+        encoder_attention_heads=4,
+        encoder_ffn_dim=128,
+        decoder_layers=1,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=128,
+        max_source_positions=FRAMES // 2,
+        max_target_positions=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
     return Encoder(WhisperModel(cfg).get_encoder()).eval()

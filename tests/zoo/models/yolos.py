@@ -24,9 +24,9 @@ def samples(n: int, seed: int) -> dict[str, np.ndarray]:
 
 
 def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int = 4) -> None:
-    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the gains
-    near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode forward
-    passes (cumulative average); then eval mode."""
+    """BatchNorm as training leaves it: gains and shifts spread around 1 and 0 (some initialisations start the
+    gains near 0, which makes a deep network's output vanish), running statistics from ``passes`` train-mode
+    forward passes (cumulative average); then eval mode."""
     bns = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     gen = torch.Generator().manual_seed(1)
     for bn in bns:
@@ -49,8 +49,16 @@ def make() -> nn.Module:
     from transformers import YolosConfig, YolosForObjectDetection
 
     torch.manual_seed(0)
-    cfg = YolosConfig(image_size=[IMAGE, IMAGE], patch_size=8, hidden_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, intermediate_size=128, num_detection_tokens=10, num_labels=5)
+    cfg = YolosConfig(
+        image_size=[IMAGE, IMAGE],
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_detection_tokens=10,
+        num_labels=5,
+    )
     model = Logits(YolosForObjectDetection(cfg))
     warm_batchnorm(model, samples(64, 1000))
     return model
