@@ -338,36 +338,29 @@ def main(argv=None):
     for name in models:
         rows, v = accuracy_rows(name, a.repeat)
         print(
-            f"\n{name}: quality vs float on {v['test samples']} held-out samples (onnxruntime CPU); "
-            f"latency of one "
-            f"batch {v['latency batch']}, 1 thread, {a.repeat} interleaved rounds: best ms, and the "
-            f"median of "
-            f"the per-round ratio to quantize_dynamic; load average {os.getloadavg()[0]:.1f}"
+            f"\n{name}: quality vs float on {v['test samples']} held-out samples (onnxruntime CPU); latency "
+            f"of one batch {v['latency batch']}, 1 thread, {a.repeat} interleaved rounds: best ms, and the "
+            f"median of the per-round ratio to quantize_dynamic; load average {os.getloadavg()[0]:.1f}"
         )
         print(table(rows, cols))
         ok_cos, ok_lat = v["cosine"] >= TARGET_COSINE, v["ratio"] <= 1.0
         print(
             f"goal, default path (--smoothquant --method auto --min-cosine {TARGET_COSINE}): cosine "
-            f"{v['cosine']:.5f} >= "
-            f"{TARGET_COSINE}: {_met(ok_cos)}; latency {v['ratio']:.2f}x quantize_dynamic's (median "
-            f"paired ratio; "
-            f"best {v['ms']:.1f} vs {v['dynamic ms']:.1f} ms) <= 1: {_met(ok_lat)}"
-            + ("" if ok_lat else f" (by {v['ratio'] - 1:+.0%})")
+            f"{v['cosine']:.5f} >= {TARGET_COSINE}: {_met(ok_cos)}; latency {v['ratio']:.2f}x "
+            f"quantize_dynamic's (median paired ratio; best {v['ms']:.1f} vs {v['dynamic ms']:.1f} ms) <= "
+            f"1: {_met(ok_lat)}" + ("" if ok_lat else f" (by {v['ratio'] - 1:+.0%})")
         )
         print(
             f"  (information, not the goal: {v['ratio to unfused']:.2f}x quantize_dynamic's file loaded "
-            f"with "
-            f"disabled_optimizers=['SkipLayerNormFusion'], which a user would not do: the part of the "
-            f"margin that "
-            f"comes from keeping onnxruntime's slow SkipLayerNormalization kernel away)"
+            f"with disabled_optimizers=['SkipLayerNormFusion'], which a user would not do: the part of the "
+            f"margin that comes from keeping onnxruntime's slow SkipLayerNormalization kernel away)"
         )
     t = analyze_vs_verify()
     ratio = t["analyze"] / t["verify"]
     print(
         f"\nanalyze vs verify on text_encoder's {t['samples']} held-out samples (best of 3, interleaved): "
         f"analyze {t['analyze']:.2f} s, verify {t['verify']:.2f} s, ratio {ratio:.2f}x < 2x: "
-        f"{_met(ratio < 2)}; "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"{_met(ratio < 2)}; load average {os.getloadavg()[0]:.1f}"
     )
 
 

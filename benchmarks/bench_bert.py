@@ -166,9 +166,8 @@ def main(argv=None):
     r, v = rows(a.repeat, a.profile)
     print(
         f"\npretrained_like (6 layers, hidden 384): cosine vs float on 128 held-out sentences; latency of "
-        f"one batch "
-        f"{v['batch']}, 1 thread, {a.repeat} interleaved rounds (median paired ratio); "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"one batch {v['batch']}, 1 thread, {a.repeat} interleaved rounds (median paired ratio); load "
+        f"average {os.getloadavg()[0]:.1f}"
     )
     print(table(r, ["variant", "cosine", "SNR dB", "best ms", "vs dynamic", "kept in float"]))
     ok = v["cosine"] >= TARGET_COSINE and v["ratio"] <= 1.0

@@ -290,8 +290,7 @@ def main(argv: list[str] | None = None) -> None:
     print(table(rows, cols))
     print(
         f"acc: top-1 agreement with the fp32 graph on held-out data (deep_encoder: mean cosine of the "
-        f"embeddings), "
-        f"the goal's metric; cos: mean cosine of the outputs to fp32's; load average after: "
+        f"embeddings), the goal's metric; cos: mean cosine of the outputs to fp32's; load average after: "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}"
     )
     print(f"all goals: {'MET' if all(r['_met'] for r in rows) else 'MISSED'}")

@@ -274,8 +274,8 @@ def main(argv=None) -> list[dict]:
     )
     print(
         "(CPU-time ratio: the process CPU time of the one-process run over that of the busiest rank, the "
-        "speed-up "
-        "the split of the work allows when every rank has a free core; wall-clock speed-up is the target)"
+        "speed-up the split of the work allows when every rank has a free core; wall-clock speed-up is the "
+        "target)"
     )
     cols = [
         "model",

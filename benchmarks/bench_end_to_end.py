@@ -373,9 +373,8 @@ def main(argv=None):
         if "user" not in skip:
             print(
                 "\nvs onnxruntime, as a user runs it (fresh processes, wall clock incl. interpreter start "
-                "and imports; "
-                "quantcli: calibrate + export commands; peer: numpy + quantize_static script; peak RSS "
-                "(+ growth over the state after imports))"
+                "and imports; quantcli: calibrate + export commands; peer: numpy + quantize_static script; "
+                "peak RSS (+ growth over the state after imports))"
             )
             rows = user_rows(names, samples, 1 if a.quick else 2, Path(d))
             print(table(rows, list(rows[0])))

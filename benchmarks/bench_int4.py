@@ -150,8 +150,7 @@ def _fusion(path: Path, folder: Path) -> tuple[int, int]:
 
 def _memory(samples: int) -> float:
     code = (
-        "import torch; torch.set_num_threads(1)\n"
-        "from tests.helpers import cli\n"
+        "import torch; torch.set_num_threads(1)\nfrom tests.helpers import cli\n"
         f"r = cli('calibrate', 'tiny_lm', '--config', 'int4-weight-only', '--weight-method', 'gptq', "
         f"'--num-samples', '{samples}', '--out', '/dev/null/x.pt')\n"
     )
@@ -249,8 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     ratio = lat["quantcli"] / lat["onnxruntime"]
     print(
         f"latency vs onnxruntime's int4 graph (its accuracy_level unset: float32 compute), both float32 "
-        f"compute "
-        f"(session.qdq_matmulnbits_accuracy_level 1 for quantcli's; gptq perplexity then "
+        f"compute (session.qdq_matmulnbits_accuracy_level 1 for quantcli's; gptq perplexity then "
         f"{facts['ppl_level1']:.4f}), best of {a.rounds} interleaved over the 8 held-out batches of 32x64: "
         f"{lat['quantcli'] * 1e3:.1f} ms vs {lat['onnxruntime'] * 1e3:.1f} ms = {ratio:.2f}x: "
         f"{verdict(ratio <= 1.0)}"
@@ -259,8 +257,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"  with default session options (level 4: int8 activations in MatMulNBits) quantcli's graph takes "
         f"{lat['quantcli_default'] * 1e3:.1f} ms = {dflt:.2f}x: {verdict(dflt <= 1.0)} on tiny_lm (K = "
-        f"128..384, "
-        f"where int8 compute does not pay); at decoder widths see python -m benchmarks.bench_int4_shapes"
+        f"128..384, where int8 compute does not pay); at decoder widths see python -m "
+        f"benchmarks.bench_int4_shapes"
     )
     l4 = lat["quantcli_default"] / lat["onnxruntime_level4"]
     print(
@@ -276,9 +274,8 @@ def main(argv: list[str] | None = None) -> None:
     if not a.skip_memory:
         m64, m256 = _memory(64), _memory(256)
         print(
-            f"peak RSS of calibrate --weight-method gptq: 64 samples {m64:.0f} MiB, 256 samples "
-            f"{m256:.0f} MiB "
-            f"({m256 / m64:.3f}x): flat {verdict(m256 <= 1.05 * m64)}"
+            f"peak RSS of calibrate --weight-method gptq: 64 samples {m64:.0f} MiB, 256 samples {m256:.0f} "
+            f"MiB ({m256 / m64:.3f}x): flat {verdict(m256 <= 1.05 * m64)}"
         )
 
 

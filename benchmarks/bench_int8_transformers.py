@@ -186,9 +186,8 @@ def main(argv=None) -> None:
     setup_threads(1)
     print(
         f"int8-dynamic / smoothquant vs onnxruntime quantize_dynamic: {machine()}; onnxruntime "
-        f"{ort.__version__}; "
-        f"opset {a.opset}; latency batch {LATENCY_SHAPE[0]}x{LATENCY_SHAPE[1]} tokens, 1 thread, best of "
-        f"{a.rounds}"
+        f"{ort.__version__}; opset {a.opset}; latency batch {LATENCY_SHAPE[0]}x{LATENCY_SHAPE[1]} tokens, 1 "
+        f"thread, best of {a.rounds}"
     )
     rows = rows_per_model(a.models.split(","), lambda name, d: measure(subject(name), d, a.opset, a.rounds))
     print(table(rows))

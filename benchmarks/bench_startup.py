@@ -43,8 +43,8 @@ def heavy_modules_after_cli_import() -> list[str]:
         [
             sys.executable,
             "-c",
-            "import sys, quantcli.cli; "
-            "print(','.join(m for m in ('torch', 'onnx', 'onnxruntime') if m in sys.modules))",
+            "import sys, quantcli.cli; print(','.join(m for m in ('torch', 'onnx', 'onnxruntime') if m in "
+            "sys.modules))",
         ],
         check=True,
         capture_output=True,

@@ -203,14 +203,12 @@ def goals(rows: list[dict]) -> list[str]:
     names = lambda rs: ", ".join(f"{r['model']}/{r['exporter']}/{r['target']}" for r in rs) or "none"  # noqa: E731
     return [
         f"verify: 0 false PASSes ({len(false_pass)}: {names(false_pass)}) and 0 false FAILs "
-        f"({len(false_fail)}: "
-        f"{names(false_fail)}): {verdict(not false_pass and not false_fail)}",
+        f"({len(false_fail)}: {names(false_fail)}): {verdict(not false_pass and not false_fail)}",
         f"verify: 0 internal errors ({len(errors)}): {verdict(not errors)}",
         f"export: 100% of the zoo with the default exporter ({len(exported)}/{len(default)}): "
         f"{verdict(len(exported) == len(default))}",
         f"deploy: int8 <= 1.0x onnxruntime's own quantization's latency at >= its cosine "
-        f"({len(fast)}/{len(deploy)}; "
-        f"missed: {names([r for r in deploy if r not in fast])}): "
+        f"({len(fast)}/{len(deploy)}; missed: {names([r for r in deploy if r not in fast])}): "
         f"{verdict(len(fast) == len(deploy) and bool(deploy))}",
         "mutations: 100% caught on >= 6 zoo models: python -m pytest -q -m zoo "
         "tests/zoo/test_mutation_campaign.py",

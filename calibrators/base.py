@@ -70,8 +70,7 @@ class Calibrator:
         if self._kept_shape is not None and shape != self._kept_shape:
             raise CalibrationError(
                 f"{self.label}: the per-axis dimensions changed between batches, {self._kept_shape} -> "
-                f"{shape} "
-                f"(axis={self.axis}); calibrate per-tensor or keep those dimensions fixed"
+                f"{shape} (axis={self.axis}); calibrate per-tensor or keep those dimensions fixed"
             )
         self._kept_shape = shape
         return axes, shape

@@ -106,9 +106,8 @@ def agreed_shapes(labels: Sequence[str], headers: torch.Tensor, world: int) -> l
         if h[1] >= 0:
             rank, batch = world - (h[1] >> 32), h[1] & (2**32 - 1)
             raise CalibrationError(
-                f"{label}: non-finite values (NaN or inf) in calibration batch {batch} "
-                f"of rank "
-                f"{rank}; check the input data and the model's numerics"
+                f"{label}: non-finite values (NaN or inf) in calibration batch {batch} of rank {rank}; "
+                f"check the input data and the model's numerics"
             )
         if not h[0]:
             shapes.append(None)
@@ -173,9 +172,8 @@ def merge_calibrators(calibrators: Sequence[Calibrator], group=None) -> None:
     dist.all_reduce(agree, op=dist.ReduceOp.MAX, group=group)
     if agree.tolist() != [n, -n, fp, -fp]:
         raise CalibrationError(
-            "the ranks calibrate different quantizers (names, kinds or settings differ); "
-            "every "
-            "rank must quantize the same model with the same config, method and num_bins"
+            "the ranks calibrate different quantizers (names, kinds or settings differ); every rank must "
+            "quantize the same model with the same config, method and num_bins"
         )
     if n == 0:
         return

@@ -203,12 +203,10 @@ def test_bert_encoder_through_factory_file(tmp_path):
     pytest.importorskip("transformers")
     f = tmp_path / "bert.py"
     f.write_text(
-        "import torch\nfrom transformers import BertConfig, BertModel\n"
-        "def make():\n"
-        "    torch.manual_seed(0)\n"
-        "    cfg = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,\n"
-        "                     intermediate_size=64, max_position_embeddings=64)\n"
-        "    return BertModel(cfg).eval()\n"
+        "import torch\nfrom transformers import BertConfig, BertModel\ndef make():\n    "
+        "torch.manual_seed(0)\n    cfg = BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2, "
+        "num_attention_heads=2,\n                     intermediate_size=64, max_position_embeddings=64)\n   "
+        " return BertModel(cfg).eval()\n"
     )
     rng = np.random.default_rng(0)
     ids = rng.integers(1, 120, (24, 12)).astype(np.int64)

@@ -397,9 +397,8 @@ def test_learned_amax_exports_as_constant(tmp_path):
 def test_checkpoint_exports_after_the_factory_file_is_gone(tmp_path):
     src = tmp_path / "net.py"
     src.write_text(
-        "import torch\nfrom torch import nn\n"
-        "def make():\n    torch.manual_seed(0)\n    return nn.Sequential(nn.Linear(4, 8), "
-        "nn.ReLU(), nn.Linear(8, 2))\n"
+        "import torch\nfrom torch import nn\ndef make():\n    torch.manual_seed(0)\n    return "
+        "nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))\n"
     )
     np.savez(tmp_path / "d.npz", np.random.default_rng(0).standard_normal((32, 4)).astype(np.float32))
     ck = tmp_path / "net.calib.pt"

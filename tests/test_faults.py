@@ -167,9 +167,8 @@ def test_write_together_is_all_or_nothing(tmp_path, monkeypatch):
     [
         OSError(errno.ENOSPC, "No space left on device"),
         RuntimeError(
-            "[enforce fail at inline_container.cc:672] . "
-            "PytorchStreamWriter "
-            "failed writing file data/0: file write failed"
+            "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
+            "file write failed"
         ),
     ],
 )
@@ -190,9 +189,8 @@ def test_a_full_disk_is_named(tmp_path, failure):
 def test_full_disk_through_the_cli(tmp_path, monkeypatch):
     def full(obj, f, *a, **k):
         raise RuntimeError(
-            "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
-            "file "
-            "data/0: file write failed"
+            "[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file data/0: "
+            "file write failed"
         )
 
     monkeypatch.setattr(torch, "save", full)

@@ -95,6 +95,15 @@ def _literal_module(call: ast.Call) -> str | None:
     return arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
 
 
+def _from_target(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    """The module a ``from X import ...`` in ``module`` reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imports_of(
     source: str, module: str, is_package: bool, known: set[str], lazy: dict[str, dict[str, str]]
 ) -> list[tuple[int, str]]:
@@ -105,12 +114,7 @@ def imports_of(
         if isinstance(node, ast.Import):
             out += [(node.lineno, m) for a in node.names if _ours(a.name) for m in _parents(a.name)]
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, module, is_package)
             if not _ours(target):
                 continue
             out += [(node.lineno, m) for m in _parents(target)]
@@ -139,12 +143,7 @@ def module_edges(
         if isinstance(node, ast.Import):
             direct |= {a.name for a in node.names if _ours(a.name)}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = module.split(".") if is_package else module.split(".")[:-1]
-                base = base[: len(base) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
+            target = _from_target(node, module, is_package)
             if not _ours(target):
                 continue
             subs = {f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in known}
@@ -283,8 +282,7 @@ def test_control_an_upward_import_is_reported_with_file_line_and_edge():
         **{
             "quantcli.__init__": "_LAZY = {'calibrate': 'quantcli.calibration.calibrate'}\n",
             "quantcli.quant.arithmetic": "import torch\n\n\ndef f():\n    from exporters.qdq import emit\n  "
-            "  "
-            "return emit\n",
+            "  return emit\n",
             "quantcli.quant.__init__": "",
             "quantcli.calibration.__init__": "",
             "quantcli.calibration.calibrate": "from quantcli import arithmetic\n",
@@ -294,8 +292,7 @@ def test_control_an_upward_import_is_reported_with_file_line_and_edge():
     )
     assert violations(src) == [
         "quantcli/quant/arithmetic.py:5: quantcli.quant.arithmetic (quant) imports exporters.qdq "
-        "(exporters), "
-        "a layer above it",
+        "(exporters), a layer above it",
     ]
 
 
@@ -340,8 +337,7 @@ def test_control_unplaced_and_unknown_modules_fail():
     )
     assert violations(src) == [
         "quantcli/calibration/calibrate.py:1: quantcli.calibration.calibrate imports quantcli.gone, which "
-        "is not a module of this "
-        "repository",
+        "is not a module of this repository",
         "quantcli/newthing.py: module quantcli.newthing is in no layer; place it in LAYERS "
         "(tests/test_layering.py) and docs/architecture.md's layer order",
     ]

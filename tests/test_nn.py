@@ -110,12 +110,9 @@ def test_presets():
 def test_rules_later_win_field_by_field(tmp_path):
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(
-        "preset: int8\n"
-        "rules:\n"
-        "  - {pattern: '*', num_bits: 6}\n"
-        "  - {pattern: 'head.*', narrow_range: true}\n"
-        "  - {pattern: 'head.input_quantizer', enable: false}\n"
-        "  - {pattern: 'nothing.matches.*', num_bits: 4}\n"
+        "preset: int8\nrules:\n  - {pattern: '*', num_bits: 6}\n  - {pattern: 'head.*', narrow_range: "
+        "true}\n  - {pattern: 'head.input_quantizer', enable: false}\n  - {pattern: 'nothing.matches.*', "
+        "num_bits: 4}\n"
     )
     m = quantize_model(Net().eval(), str(cfg))
     assert m.head.weight_quantizer.desc.num_bits == 6 and m.head.weight_quantizer.desc.narrow_range

@@ -235,8 +235,7 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
         nxt = g.consumers[act.output[0]][0]
         if nxt.op_type != "QuantizeLinear":
             reasons.append(
-                f"the {act.op_type} after it feeds {nxt.op_type}, not a QuantizeLinear: "
-                f"onnxruntime fuses a "
+                f"the {act.op_type} after it feeds {nxt.op_type}, not a QuantizeLinear: onnxruntime fuses a "
                 f"{act.op_type} into the layer only when a Q takes its output"
             )
             return None, False
@@ -294,8 +293,7 @@ def _bias_ok(g: _Graph, n: onnx.NodeProto, x_dq, w_dq, out_q, reasons: list[str]
     if not axis_ok:
         why.append("the weight is not quantized per tensor or per output channel")
     reasons.append(
-        "float bias: onnxruntime makes a bias int32 (which the fusion needs) only when the input "
-        "is "
+        "float bias: onnxruntime makes a bias int32 (which the fusion needs) only when the input is "
         "quantized per tensor and a Q takes the output" + (f"; here {' and '.join(why)}" if why else "")
     )
     return False
@@ -316,8 +314,7 @@ def _weight_only(g: _Graph, n: onnx.NodeProto, w_dq) -> list[str]:
     if n.op_type == "Gemm" and (a.get("transB", 0) or a.get("transA", 0) or a.get("alpha", 1.0) != 1.0):
         return [
             "a Gemm with transB=1: onnxruntime turns a weight-only DequantizeLinear -> Gemm into "
-            "MatMulNBits only "
-            "for transB=0 (weights stored as (in, out))"
+            "MatMulNBits only for transB=0 (weights stored as (in, out))"
         ]
     wa = g.attrs(w_dq)
     bs = wa.get("block_size", 0)
@@ -557,10 +554,8 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
                 []
                 if fused
                 else [
-                    "onnxruntime's CUDA provider has no QDQ integer fusion except "
-                    "weight-only "
-                    "MatMul -> MatMulNBits (int8 on GPUs goes through the TensorRT "
-                    "provider)"
+                    "onnxruntime's CUDA provider has no QDQ integer fusion except weight-only MatMul -> "
+                    "MatMulNBits (int8 on GPUs goes through the TensorRT provider)"
                 ]
             )
         else:

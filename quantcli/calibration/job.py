@@ -453,9 +453,8 @@ def placement_summary(placement, target: str) -> dict:
         d["text"] = (
             f"{placement.note}: per-layer placement (inputs and weights of every layer, int32 "
             f"biases); "
-            "post-ReLU inputs and Convs that need an output quantizer are not detected, so such "
-            "Convs "
-            "may stay in float in onnxruntime"
+            "post-ReLU inputs and Convs that need an output quantizer are not detected, so such Convs may "
+            "stay in float in onnxruntime"
         )
     else:
         d["text"] = (

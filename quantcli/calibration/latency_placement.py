@@ -229,9 +229,8 @@ def prefer_faster_graph(
                 d.int8_us,
                 d.float_us,
                 QUANTIZED,
-                f"{d.reason}; quantized all the same: the whole graph ran {measured_ms:.3g} "
-                f"ms with "
-                f"such layers in float vs {fused_only_ms:.3g} ms quantized",
+                f"{d.reason}; quantized all the same: the whole graph ran {measured_ms:.3g} ms with such "
+                f"layers in float vs {fused_only_ms:.3g} ms quantized",
                 list(d.quantizers),
                 d.fused,
             )
@@ -446,9 +445,8 @@ def measure_and_decide(
     return LatencyPlacement(
         "auto",
         True,
-        "measured with onnxruntime's profiler (CPU provider, default "
-        "options) on "
-        "the example batch, then the whole graphs",
+        "measured with onnxruntime's profiler (CPU provider, default options) on the example batch, then "
+        "the whole graphs",
         decisions,
         margin,
         time.perf_counter() - t0,

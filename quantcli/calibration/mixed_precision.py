@@ -108,9 +108,8 @@ def split_holdout(batches: list[Batch]) -> tuple[list[Batch], list[Batch]]:
     """``(calibration, held-out)``: the last quarter of the batches (at least one) is held out."""
     if len(batches) < 2:
         raise CalibrationError(
-            "--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data "
-            "with at "
-            "least 2 batches (the last quarter of them is held out)"
+            "--min-cosine/--min-snr need held-out data: pass --holdout FILE, or --data with at least 2 "
+            "batches (the last quarter of them is held out)"
         )
     k = max(1, len(batches) // 4)
     return batches[:-k], batches[-k:]

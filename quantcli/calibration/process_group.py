@@ -174,15 +174,13 @@ def explain(e: BaseException) -> QuantCliError | None:
         return RankStalled(
             f"rank {ranks} did not reach the step boundary within --dist-timeout "
             f"{_timeout:g} s: it "
-            "stalled (or died); every rank stops. See that rank's output, or raise "
-            "--dist-timeout "
-            "if it is only slow"
+            "stalled (or died); every rank stops. See that rank's output, or raise --dist-timeout if it is "
+            "only slow"
         )
     if any(k in text for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
         return RankStalled(
-            "another rank's process ended without reporting an error (killed, out of "
-            "memory?); the "
-            "job cannot go on: see torchrun's summary for which rank and why"
+            "another rank's process ended without reporting an error (killed, out of memory?); the job "
+            "cannot go on: see torchrun's summary for which rank and why"
         )
     if "Timed out" in text or "timed out" in text:
         return RankStalled(
@@ -210,9 +208,7 @@ def _barrier(group) -> None:
         raise RankStalled(
             f"rank 0 did not answer at the step boundary within --dist-timeout {_timeout:g} "
             f"s: it "
-            "stalled; every rank stops. See rank 0's output, or raise --dist-timeout if it is "
-            "only "
-            "slow",
+            "stalled; every rank stops. See rank 0's output, or raise --dist-timeout if it is only slow",
             speak=True,
         ) from None
 

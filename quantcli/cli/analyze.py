@@ -125,7 +125,6 @@ def render_analyze(d: dict, calibrated: Path, html_path: Path, json_path: Path) 
     sec = d["seconds"]
     out.print(
         f"time {sec['total']:.2f} s (statistics {sec['statistics']:.2f} s, sensitivity "
-        f"{sec['sensitivity']:.2f} s, "
-        f"{sec['passes']} forward passes)"
+        f"{sec['sensitivity']:.2f} s, {sec['passes']} forward passes)"
     )
     out.print(f"written {html_path} and {json_path}")

@@ -38,36 +38,24 @@ def calibrate(
         str,
         typer.Option(
             "--config",
-            help="Preset (int8, "
-            "int8-per-tensor, "
-            "uint8-asymmetric, fp8, "
-            "int4-weight-only, "
-            "int8-dynamic) or a YAML/JSON "
-            "file.",
+            help="Preset (int8, int8-per-tensor, uint8-asymmetric, fp8, int4-weight-only, int8-dynamic) or "
+            "a YAML/JSON file.",
         ),
     ] = defaults.CONFIG,
     target: Annotated[
         Optional[str],
         typer.Option(
             "--target",
-            help="Runtime the Q/DQ placement is "
-            "for: onnxruntime (default) or "
-            "tensorrt. Overrides the config "
-            "file's target.",
+            help="Runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt. Overrides the "
+            "config file's target.",
         ),
     ] = None,
     method: Annotated[
         Method,
         typer.Option(
             "--method",
-            help="Activation amax "
-            "method; auto: per "
-            "quantizer, the "
-            "candidate (max, "
-            "percentile, mse, "
-            "entropy) with the "
-            "smallest error of "
-            "its layer's output.",
+            help="Activation amax method; auto: per quantizer, the candidate (max, percentile, mse, "
+            "entropy) with the smallest error of its layer's output.",
         ),
     ] = Method(defaults.METHOD),
     percentile: Annotated[
@@ -88,21 +76,15 @@ def calibrate(
         bool,
         typer.Option(
             "--trust-pickle",
-            help="Allow a MODEL or --weights "
-            "that is a pickled whole "
-            "module, torch.save(model) "
-            "(unpickling runs code from "
-            "the file).",
+            help="Allow a MODEL or --weights that is a pickled whole module, torch.save(model) (unpickling "
+            "runs code from the file).",
         ),
     ] = False,
     pooling: Annotated[
         str,
         typer.Option(
             "--pooling",
-            help="Hugging Face base model "
-            "output: none "
-            "(last_hidden_state) or "
-            "mean (mean over unmasked "
+            help="Hugging Face base model output: none (last_hidden_state) or mean (mean over unmasked "
             "tokens, 'embeddings').",
         ),
     ] = defaults.POOLING,
@@ -111,11 +93,7 @@ def calibrate(
         Optional[float],
         typer.Option(
             "--min-cosine",
-            help="Keep the fewest "
-            "layers in float "
-            "needed for this "
-            "cosine to the float "
-            "model on held-out "
+            help="Keep the fewest layers in float needed for this cosine to the float model on held-out "
             "data.",
         ),
     ] = None,
@@ -126,41 +104,24 @@ def calibrate(
         Optional[Path],
         typer.Option(
             "--holdout",
-            help="Held-out data for "
-            "--min-cosine/--min-snr "
-            "(default: a sample model's "
-            "held-out split, else the "
-            "last quarter of --data's "
-            "batches).",
+            help="Held-out data for --min-cosine/--min-snr (default: a sample model's held-out split, else "
+            "the last quarter of --data's batches).",
         ),
     ] = None,
     max_float_layers: Annotated[
         Optional[int],
         typer.Option(
             "--max-float-layers",
-            help="With a "
-            "target: at "
-            "most N "
-            "layers "
-            "kept in "
-            "float "
-            "(default a "
-            "quarter of "
-            "the "
-            "quantized "
-            "layers); "
-            "beyond it, "
-            "exit 1.",
+            help="With a target: at most N layers kept in float (default a quarter of the quantized "
+            "layers); beyond it, exit 1.",
         ),
     ] = None,
     fold_bn: Annotated[
         Optional[bool],
         typer.Option(
             "--fold-bn/--no-fold-bn",
-            help="Fold each "
-            "BatchNorm into "
-            "the "
-            "Conv/ConvTranspose/Linear before it (default: the config's fold_batchnorm, true).",
+            help="Fold each BatchNorm into the Conv/ConvTranspose/Linear before it (default: the config's "
+            "fold_batchnorm, true).",
         ),
     ] = None,
     smoothquant: Annotated[
@@ -177,8 +138,7 @@ def calibrate(
         str,
         typer.Option(
             "--weight-method",
-            help="How "
-            "weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq "
+            help="How weight-only layers (int4-weight-only) round their weights: rtn (to nearest), gptq "
             "(second-order, from the calibration inputs' Hessian) or awq (activation-aware per-channel "
             "scales).",
         ),
@@ -192,32 +152,15 @@ def calibrate(
             help="onnxruntime target: auto (default) keeps in float the layers onnxruntime would not run "
             "faster quantized on this machine (not fused into an integer kernel, or an integer kernel "
             "with its Q/DQ more than 20% slower than float, timed with onnxruntime's profiler on the "
-            "example batch); all quantizes "
-            "every layer as configured.",
+            "example batch); all quantizes every layer as configured.",
         ),
     ] = defaults.PLACEMENT,
     dist_timeout: Annotated[
         float,
         typer.Option(
             "--dist-timeout",
-            help="Under "
-            "torchrun: "
-            "seconds a "
-            "rank "
-            "waits for "
-            "the "
-            "others at "
-            "a step "
-            "boundary "
-            "(and to "
-            "join) "
-            "before "
-            "the job "
-            "stops, "
-            "naming "
-            "the rank "
-            "that "
-            "stalled.",
+            help="Under torchrun: seconds a rank waits for the others at a step boundary (and to join) "
+            "before the job stops, naming the rank that stalled.",
         ),
     ] = defaults.DIST_TIMEOUT,
 ) -> Optional[int]:
@@ -373,10 +316,8 @@ def _calibrate_result_rows(outcome):
         yield (
             "smoothquant",
             (
-                f"alpha {smoothed.alpha}: {len(smoothed.groups)} inputs smoothed; 1/s folded "
-                f"into "
-                f"{n['layernorm']} LayerNorm(s) and {n['linear']} Linear(s), {n['mul']} "
-                f"explicit Mul(s)"
+                f"alpha {smoothed.alpha}: {len(smoothed.groups)} inputs smoothed; 1/s folded into "
+                f"{n['layernorm']} LayerNorm(s) and {n['linear']} Linear(s), {n['mul']} explicit Mul(s)"
                 + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else "")
             ),
         )
@@ -425,7 +366,6 @@ def _target_text(mixed) -> str:
     return (
         f"{goal} on {mixed.holdout_samples} held-out samples ({mixed.holdout}): "
         f"{'met' if mixed.met else 'NOT met'}; cosine {fmt(mixed.before.cosine)} -> "
-        f"{fmt(mixed.after.cosine)}, "
-        f"SNR {fmt(mixed.before.snr_db)} -> {fmt(mixed.after.snr_db)} dB with {len(mixed.kept_float)} of "
-        f"{mixed.layers_total} layers in float"
+        f"{fmt(mixed.after.cosine)}, SNR {fmt(mixed.before.snr_db)} -> {fmt(mixed.after.snr_db)} dB with "
+        f"{len(mixed.kept_float)} of {mixed.layers_total} layers in float"
     )

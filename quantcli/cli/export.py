@@ -22,11 +22,8 @@ def export(
         Optional[int],
         typer.Option(
             "--opset",
-            help="ONNX opset (default: the lowest "
-            "the formats need, 13 int8, 19 "
-            "fp8, 21 int4, 18 at least with "
-            "dynamo, and at least 17 where "
-            "the model has a LayerNorm).",
+            help="ONNX opset (default: the lowest the formats need, 13 int8, 19 fp8, 21 int4, 18 at least "
+            "with dynamo, and at least 17 where the model has a LayerNorm).",
         ),
     ] = None,
     exporter: Annotated[
@@ -47,19 +44,8 @@ def export(
         Optional[ExportProvider],
         typer.Option(
             "--provider",
-            help="onnxruntime "
-            "target: the "
-            "execution "
-            "provider the "
-            "graph is for, "
-            "cpu (default: "
-            "residual and "
-            "GELU-bias Adds "
-            "written as Sum, "
-            "so "
-            "onnxruntime's "
-            "CPU provider "
-            "forms no slow "
+            help="onnxruntime target: the execution provider the graph is for, cpu (default: residual and "
+            "GELU-bias Adds written as Sum, so onnxruntime's CPU provider forms no slow "
             "SkipLayerNormalization/BiasGelu) or cuda (left to onnxruntime's fusions).",
         ),
     ] = None,
@@ -116,8 +102,7 @@ def _export_rows(res):
             res.provider
             + (
                 f" ({kept} residual/GELU-bias Adds written as Sum: no SkipLayerNormalization/BiasGelu, "
-                f"slower "
-                f"on CPU; "
+                f"slower on CPU; "
                 "--provider cuda leaves them)"
                 if kept
                 else ""
@@ -132,18 +117,15 @@ def _export_rows(res):
             "onnxruntime",
             (
                 "fp8 in the form TensorRT fuses: onnxruntime loads it exactly only with "
-                f"InferenceSession(path, "
-                f"disabled_optimizers={res.onnxruntime_disabled_optimizers})"
+                f"InferenceSession(path, disabled_optimizers={res.onnxruntime_disabled_optimizers})"
             ),
         )
     if res.pruned_quantizers:
         yield (
             "pruned (output unused)",
             (
-                f"{len(res.pruned_quantizers)} quantizer(s) whose output reaches "
-                f"no model "
-                f"output: {', '.join(res.pruned_quantizers[:4])}"
-                + (" ..." if len(res.pruned_quantizers) > 4 else "")
+                f"{len(res.pruned_quantizers)} quantizer(s) whose output reaches no model output: "
+                f"{', '.join(res.pruned_quantizers[:4])}" + (" ..." if len(res.pruned_quantizers) > 4 else "")
             ),
         )
     if res.fusion_error:

@@ -20,12 +20,8 @@ def inspect(
         Optional[Runtime],
         typer.Option(
             "--runtime",
-            help="ONNX file: per quantized "
-            "layer, whether this "
-            "runtime (default session "
-            "options) runs it as an "
-            "integer kernel, and why "
-            "not.",
+            help="ONNX file: per quantized layer, whether this runtime (default session options) runs it as "
+            "an integer kernel, and why not.",
         ),
     ] = None,
     provider: Annotated[
@@ -36,12 +32,8 @@ def inspect(
         bool,
         typer.Option(
             "--trust-code",
-            help="Checkpoint: also rebuild the "
-            "model (running the model code "
-            "stored in it) and load its "
-            "weights, to show that export "
-            "and verify can use it. Without "
-            "it, inspect only reads the "
+            help="Checkpoint: also rebuild the model (running the model code stored in it) and load its "
+            "weights, to show that export and verify can use it. Without it, inspect only reads the "
             "file.",
         ),
     ] = False,

@@ -57,9 +57,8 @@ DataOpt = Annotated[
     typer.Option(
         "--data",
         help="Inputs: .npz, .npy, .pt, or a directory of them; .txt/.jsonl text; a folder of JPEG/PNG "
-        "images. "
-        "Default: a sample model's own data (verify, analyze: its held-out set, else the checkpoint's "
-        "example batch).",
+        "images. Default: a sample model's own data (verify, analyze: its held-out set, else the "
+        "checkpoint's example batch).",
     ),
 ]
 BatchSizeOpt = Annotated[
@@ -76,8 +75,7 @@ TrustCodeOpt = Annotated[
         "--trust-code",
         help="Run model code stored in the checkpoint (a factory file's source when the file is not on disk "
         "unchanged, or a pickled whole module) or a module it names that is not from the installed "
-        "distribution "
-        "recorded at calibration. Only for checkpoints you trust.",
+        "distribution recorded at calibration. Only for checkpoints you trust.",
     ),
 ]
 
@@ -136,8 +134,7 @@ PREPROCESSING = OptionGroup(
                 typer.Option(
                     "--tokenizer",
                     help="Text --data: tokenizer folder (default: the model folder; verify: the one "
-                    "calibration "
-                    "stored, else the model folder).",
+                    "calibration stored, else the model folder).",
                 ),
             ],
             None,
@@ -159,8 +156,7 @@ PREPROCESSING = OptionGroup(
                 typer.Option(
                     "--image-size",
                     help="Image --data: N or HxW pixels (default: preprocessor_config.json, else 224; "
-                    "verify: "
-                    "calibration's).",
+                    "verify: calibration's).",
                 ),
             ],
             None,
@@ -171,8 +167,7 @@ PREPROCESSING = OptionGroup(
                 typer.Option(
                     "--mean",
                     help="Image --data: per-channel mean, e.g. 0.485,0.456,0.406 (default: "
-                    "preprocessor_config.json, "
-                    "else ImageNet's; verify: calibration's).",
+                    "preprocessor_config.json, else ImageNet's; verify: calibration's).",
                 ),
             ],
             None,
@@ -225,8 +220,7 @@ THRESHOLDS = OptionGroup(
                 typer.Option(
                     "--max-rms-ratio",
                     help="Fidelity: largest RMS(onnxruntime - fake-quant) / RMS(fake-quant - float) allowed "
-                    "per "
-                    "output, optimizations off (a gross bound; docs/verify-criteria.md).",
+                    "per output, optimizations off (a gross bound; docs/verify-criteria.md).",
                 ),
             ],
             defaults.MAX_RMS_RATIO,

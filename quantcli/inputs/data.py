@@ -169,9 +169,8 @@ def check_names(batch: Batch, model: nn.Module, where: str) -> None:
     missing = [r for r in required if r not in batch]
     if missing:
         raise DataError(
-            f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not "
-            f"provide "
-            f"(it has {', '.join(batch) or 'nothing'})"
+            f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not provide (it "
+            f"has {', '.join(batch) or 'nothing'})"
         )
 
 

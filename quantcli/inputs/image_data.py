@@ -72,8 +72,7 @@ class ImageSettings:
         resize = f"shorter side {self.resize_shorter}, center crop" if self.resize_shorter else "resized"
         return (
             f"images {resize} to {self.size[0]}x{self.size[1]}, mean {list(self.mean)}, std "
-            f"{list(self.std)} "
-            f"({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else "")
+            f"{list(self.std)} ({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else "")
         )
 
 

@@ -164,9 +164,7 @@ def _pad_with_eos(tokenizer: Any) -> None:
         return
     if getattr(tokenizer, "eos_token", None) is None:
         raise DataError(
-            "the tokenizer has no padding token (nor an end-of-sequence token to pad with), so "
-            "texts "
-            "cannot be batched: pass --batch-size 1, or set pad_token in its "
-            "tokenizer_config.json"
+            "the tokenizer has no padding token (nor an end-of-sequence token to pad with), so texts cannot "
+            "be batched: pass --batch-size 1, or set pad_token in its tokenizer_config.json"
         )
     tokenizer.pad_token = tokenizer.eos_token

@@ -38,8 +38,8 @@ def require_trust(trust_code: bool, what: str, file: str | None, digest: str, or
     where = f"{origin}: " if origin else ""
     raise UntrustedCodeError(
         f"{where}rebuilding the model would run code stored in the checkpoint ({what}: "
-        f"{file or '<unnamed>'}, "
-        f"sha256 {digest}); nothing was executed. Pass --trust-code (trust_code=True) only if you trust "
+        f"{file or '<unnamed>'}, sha256 {digest}); nothing was executed. Pass --trust-code "
+        f"(trust_code=True) only if you trust "
         "whoever made this checkpoint"
     )
 

@@ -66,10 +66,8 @@ def read_model_file(path: Path, trust_pickle: bool) -> bytes:
             f"MODEL {p} is a TorchScript archive (torch.jit.save): its forward is compiled code that calls "
             f"its layers' "
             "compiled code, so quantizers cannot be inserted into those layers faithfully; pass the Python "
-            "model "
-            "instead: torch.save(model) with --trust-pickle, or package.module:factory / file.py:factory "
-            "with "
-            "--weights (torch.save(model.state_dict()))"
+            "model instead: torch.save(model) with --trust-pickle, or package.module:factory / "
+            "file.py:factory with --weights (torch.save(model.state_dict()))"
         )
     data = path.read_bytes()
     try:
@@ -82,8 +80,7 @@ def read_model_file(path: Path, trust_pickle: bool) -> bytes:
                 f"MODEL {p} is a pickled whole module (torch.save(model)); unpickling it can run any code "
                 f"the file "
                 "names. Pass --trust-pickle only if you trust where it came from (or save "
-                "model.state_dict() and "
-                "use a factory with --weights)"
+                "model.state_dict() and use a factory with --weights)"
             ) from None
         return data
     kind = "a state dict (weights only)" if isinstance(obj, dict) else f"a {type(obj).__name__}"

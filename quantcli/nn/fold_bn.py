@@ -211,9 +211,8 @@ def _linear_problem(bn_name: str, ranks: dict[str, int], have_example: bool) -> 
     folds only when the BatchNorm sees ``(N, F)``."""
     if bn_name not in ranks:
         return (
-            "a Linear's BatchNorm folds only when its input is (N, features), which needs an example "
-            "batch to "
-            "check"
+            "a Linear's BatchNorm folds only when its input is (N, features), which needs an example batch "
+            "to check"
             if not have_example
             else "it did not run on the example batch"
         )

@@ -99,18 +99,15 @@ class TensorQuantizer(nn.Module):
         blocks = -(-n // size)
         if block_of(n, blocks) != size:
             raise ConfigError(
-                f"{self.name}: blocks of {size} along dimension {d} of size {n} cannot be "
-                f"told from "
-                f"blocks of {block_of(n, blocks)} by amax's shape; use a power-of-two block "
-                f"size or a "
+                f"{self.name}: blocks of {size} along dimension {d} of size {n} cannot be told from blocks "
+                f"of {block_of(n, blocks)} by amax's shape; use a power-of-two block size or a "
                 "divisor"
             )
         if n % size:  # the last block is partial: zeros fill it (they change no block's max |x|)
             if isinstance(self.calibrator, HistogramCalibrator):
                 raise ConfigError(
-                    f"{self.name}: dimension {d} of size {n} is not a multiple of the block "
-                    f"size "
-                    f"{size}; histogram calibration of a partial last block is not supported"
+                    f"{self.name}: dimension {d} of size {n} is not a multiple of the block size {size}; "
+                    f"histogram calibration of a partial last block is not supported"
                 )
             pad = [0, 0] * (x.dim() - 1 - d) + [0, blocks * size - n]
             x = torch.nn.functional.pad(x, pad)

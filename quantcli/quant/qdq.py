@@ -158,9 +158,8 @@ def e4m3_spec(amax: torch.Tensor | None, x_shape) -> QdqSpec:
 def check_opset(opset: int, spec: QdqSpec) -> None:
     if opset < spec.min_opset:
         raise ExportError(
-            f"{spec.format} quantization needs ONNX opset >= {spec.min_opset}, but the export "
-            f"uses "
-            f"opset {opset}; pass --opset {spec.min_opset} or leave --opset out"
+            f"{spec.format} quantization needs ONNX opset >= {spec.min_opset}, but the export uses opset "
+            f"{opset}; pass --opset {spec.min_opset} or leave --opset out"
         )
 
 

@@ -257,8 +257,7 @@ def _no_metadata(pairs: int, quantizers: int) -> str:
         "export writes it, an editor that drops metadata_props loses it), so its "
         f"{pairs} Q/DQ pair(s) cannot be matched to the checkpoint's {quantizers} quantizer(s): their "
         f"scales, "
-        "zero points, weight and bias codes are not checked and no quantizer is replayed (only the "
-        "outputs "
+        "zero points, weight and bias codes are not checked and no quantizer is replayed (only the outputs "
         "are compared); re-export it with quantcli export, or copy the metadata back"
     )
 

@@ -47,8 +47,7 @@ def test_zoo_model_through_the_cli(model, exporter, target, calibrated, tmp_path
     explained = _quantization_cosine(ck, data)
     assert cos >= explained - COSINE_MARGIN and cos >= MIN_COSINE_TO_FLOAT, (
         f"the graph computes something else: cosine {cos:.4f} to the model, quantization explains "
-        f"{explained:.4f}; "
-        f"verify: {failed}"
+        f"{explained:.4f}; verify: {failed}"
     )
     assert r.exit_code == 0 and report["passed"], failed
     r = cli("inspect", graph, "--runtime", "onnxruntime", "--json")
