@@ -21,7 +21,16 @@ PACKAGES = ("quantcli", "calibrators", "exporters")
 # package: one : rule per package (docs/architecture.md states the same order)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("quantcli", "quantcli.lazy", "quantcli.errors", "quantcli.files", "quantcli.defaults")),
-    ("quant", ("quantcli.quant", "quantcli.quant.*", "quantcli.tensor_quant", "quantcli.affine")),
+    (
+        "quant",
+        (
+            "quantcli.quant",
+            "quantcli.quant.*",
+            "quantcli.tensor_quant",
+            "quantcli.affine",
+            "quantcli.descriptor",
+        ),
+    ),
     ("calibrators", ("calibrators", "calibrators.*")),
     ("nn", ("quantcli.nn", "quantcli.nn.*")),
     ("inputs", ("quantcli.inputs", "quantcli.inputs.*")),
