@@ -9,6 +9,7 @@ time); only `node_times` runs onnxruntime's profiler, and only its shape is asse
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -78,7 +79,7 @@ def test_the_whole_graph_decides_between_the_choices():
     assert got["unfused"].decision == "float" and got["faster"].decision == "quantized"
 
 
-def test_an_int8_graph_slower_than_float_keeps_every_layer_float():
+def test_an_int8_graph_slower_than_float_by_more_than_the_noise_keeps_every_layer_float():
     decisions = latency_placement.decide(
         [
             _cost("a", int8=50.0, flt=100.0),
@@ -86,12 +87,40 @@ def test_an_int8_graph_slower_than_float_keeps_every_layer_float():
             _cost("fp8", fused=False, na="float8: onnxruntime has no float8 kernel; left as configured"),
         ]
     )
-    assert latency_placement.float_if_slower(decisions, int8_ms=1.0, float_ms=1.0) is decisions
-    # within the 10% margin
-    assert latency_placement.float_if_slower(decisions, int8_ms=1.08, float_ms=1.0) is decisions
-    got = {d.layer: d for d in latency_placement.float_if_slower(decisions, int8_ms=1.2, float_ms=1.0)}
-    assert got["a"].decision == got["b"].decision == "float" and "1.2 ms vs 1 ms" in got["a"].reason
+    assert latency_placement.float_if_slower(decisions, int8_ms=1.0, float_ms=1.0, margin=0.05) is decisions
+    # within the band
+    assert latency_placement.float_if_slower(decisions, int8_ms=1.04, float_ms=1.0, margin=0.05) is decisions
+    got = {
+        d.layer: d
+        for d in latency_placement.float_if_slower(decisions, int8_ms=1.06, float_ms=1.0, margin=0.05)
+    }
+    assert got["a"].decision == got["b"].decision == "float" and "1.06 ms vs 1 ms" in got["a"].reason
+    assert "5.0% noise band" in got["a"].reason
     assert got["fp8"].decision == "quantized"  # left as configured
+
+
+def test_the_noise_band_is_the_a_a_spread_at_least_the_floor():
+    assert latency_placement.noise_band(1.0, 1.0, floor=0.03) == 0.03
+    assert latency_placement.noise_band(1.0, 0.99, floor=0.03) == 0.03
+    assert latency_placement.noise_band(1.0, 1.08, floor=0.03) == pytest.approx(0.08)
+    assert latency_placement.noise_band(2.0, 1.8, floor=0.03) == pytest.approx(0.1)  # either direction
+
+
+def test_timing_feeds_repeat_the_example_along_the_batch_dimension():
+    x = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3)
+    ids = torch.arange(5 * 4).reshape(5, 4)
+    got = latency_placement.timing_feeds(
+        {"x": x, "ids": ids, "scalar": torch.tensor(2.0), "unused": x}, {"x", "ids", "scalar"}, samples=32
+    )
+    assert set(got) == {"x", "ids", "scalar"}
+    assert got["x"].shape == (32, 3) and (got["x"][8:16] == x.numpy()).all() and got["x"].dtype == np.float32
+    assert (
+        got["ids"].shape == (32, 4)
+        and (got["ids"][30:] == ids.numpy()[:2]).all()
+        and got["ids"].dtype == np.int64
+    )
+    assert got["scalar"].shape == ()
+    assert latency_placement.timing_feeds({"x": x}, {"x"}, samples=4)["x"].shape == (8, 3)  # never cut
 
 
 def test_apply_disables_every_quantizer_of_a_float_layer():
@@ -269,26 +298,51 @@ def test_a_whole_graph_slower_with_the_layer_float_keeps_it_quantized(tmp_path, 
     (the Q/DQ and layout changes around a float layer): conv2 stays quantized, and the report has the graph
     times."""
 
-    def chosen_slower(paths, feeds, rounds):  # float, chosen (conv2 float), other (conv2 quantized)
-        return [3.0, 2.5, 2.0][: len(paths)]
+    # graphs by file name: float, chosen (conv2 float), other (conv2 quantized); the float graph's second
+    # session (A/A) gets the float time
+    def by_name(ms):
+        return lambda paths, feeds, rounds: [ms[Path(p).stem] for p in paths]
 
-    def int8_slower(paths, feeds, rounds):  # both int8 graphs slower than float
-        return [1.0, 2.5, 2.0][: len(paths)]
+    chosen_slower = by_name({"float": 3.0, "chosen": 2.5, "other": 2.0})
+    int8_slower = by_name({"float": 1.0, "chosen": 2.5, "other": 2.0})  # both int8 graphs slower than float
 
     monkeypatch.setattr(latency_placement, "GRAPH_TIMER", chosen_slower)
     _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
     latency = info["placement"]["latency"]
     assert latency["kept_float"] == []
     assert "conv2" in info["layers"]["quantized"]
-    assert latency["graph_ms"] == {"float": 3.0, "chosen": 2.0, "other": 2.5}
-    assert "0.67x the float graph's time" in latency["text"]
+    assert latency["graph_ms"] == {"float": 3.0, "chosen": 2.0, "other": 2.5, "float A/A": 3.0}
+    assert (
+        "0.67x the float graph's time" in latency["text"]
+        and latency["noise"] == latency_placement.GRAPH_NOISE_FLOOR
+    )
 
     monkeypatch.setattr(latency_placement, "GRAPH_TIMER", int8_slower)
     _, info = _calibrate(tmp_path, monkeypatch, slow_conv2)
     latency = info["placement"]["latency"]
     assert sorted(latency["kept_float"]) == ["conv1", "conv2", "fc1", "fc2"]
-    assert latency["graph_ms"] == {"float": 1.0, "chosen": 1.0, "other": 2.5, "int8": 2.0}
+    assert latency["graph_ms"] == {"float": 1.0, "chosen": 1.0, "other": 2.5, "int8": 2.0, "float A/A": 1.0}
     assert "every layer kept float" in latency["text"]
+
+
+def test_an_int8_graph_slower_by_less_than_the_measured_a_a_spread_stays_quantized(tmp_path, monkeypatch):
+    """The float graph's second session ran 10% slower than its first: an int8 graph 8% slower than float is
+    within that noise and stays quantized; one 12% slower is not."""
+
+    def timer(int8_ms):
+        return lambda paths, feeds, rounds: [
+            {"float": 1.0, "chosen": int8_ms}.get(Path(p).stem, 1.0) if i < 2 else 1.1
+            for i, p in enumerate(paths)
+        ]
+
+    monkeypatch.setattr(latency_placement, "GRAPH_TIMER", timer(1.08))
+    _, info = _calibrate(tmp_path, monkeypatch, latency_placement.TIMER)
+    latency = info["placement"]["latency"]
+    assert latency["kept_float"] == [] and latency["noise"] == pytest.approx(0.1)
+    assert latency["graph_ms"]["float A/A"] == 1.1 and "noise band 10.0%" in latency["text"]
+    monkeypatch.setattr(latency_placement, "GRAPH_TIMER", timer(1.12))
+    _, info = _calibrate(tmp_path, monkeypatch, latency_placement.TIMER)
+    assert sorted(info["placement"]["latency"]["kept_float"]) == ["conv1", "conv2", "fc1", "fc2"]
 
 
 def test_placement_all_keeps_every_layer_quantized(tmp_path, monkeypatch):

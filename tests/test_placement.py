@@ -184,15 +184,21 @@ def test_maxpool_and_flatten_run_on_codes(tmp_path):
     assert_exact(m, path, shape)
 
 
-def test_residual_add_convs_get_an_output_quantizer(tmp_path):
+def test_residual_add_runs_as_qlinearadd_with_its_skip_input_quantized(tmp_path):
     shape = (2, 3, 8, 8)
     m = _quantized(Residual(), shape)
-    # conv2 feeds the Add, head feeds a mean: QLinearConv needs a Q on their outputs; stem and conv1 feed
-    # quantized layers (through ReLU) only
+    # conv2 feeds the Add, head feeds a mean: QLinearConv needs a Q on their outputs. The Add's skip input
+    # (stem's ReLU output) gets a quantizer, on the uint8 grid, so that both of the Add's inputs come from a
+    # DQ and onnxruntime runs QLinearAdd (with the Relu after it absorbed); stem and conv1 then feed
+    # quantizers only
     have = {n for n, mod in m.named_modules() if hasattr(mod, "output_quantizer")}
-    assert have == {"stem", "conv2", "head"}
+    assert have == {"conv2", "head"}
+    assert m.quantcli_report.placement.residual_quantized == ["residual_quantizer"]
+    assert m.residual_quantizer.desc.unsigned
     path = _export(m, shape, tmp_path)
-    assert _kernels(path)["QLinearConv"] == 4 and inspect_fusion(path).unfused == []
+    k = _kernels(path)
+    assert k["QLinearConv"] == 4 and k["QLinearAdd"] == 1 and k["Add"] == 0 and k["Relu"] == 0
+    assert inspect_fusion(path).unfused == []
     assert_exact(m, path, shape)
 
 

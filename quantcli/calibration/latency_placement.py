@@ -19,9 +19,15 @@ calibration example batch:
    and layout changes that no single node's time shows, so when the measured choice keeps float more than the
    layers onnxruntime does not fuse, both graphs (and the float one) are exported and timed whole, interleaved
    (:func:`exporters.onnxruntime.profile.graph_times`, :data:`GRAPH_TIMER`), and the measured choice stands
-   only if its graph is faster (:func:`prefer_faster_graph`, pure); and when the int8 graph is still more than
-   10% slower than the float one, every layer is kept float (:func:`float_if_slower`): no gain to deploy on
-   this CPU, said so in the report (``--placement all`` quantizes anyway).
+   only if its graph is faster (:func:`prefer_faster_graph`, pure); and when the int8 graph is still slower
+   than the float one by more than the timing's noise, every layer is kept float (:func:`float_if_slower`): no
+   gain to deploy on this CPU, said so in the report (``--placement all`` quantizes anyway). The noise is
+   measured in the same timing: the float graph runs in two sessions, and their difference (the A/A spread),
+   at least :data:`GRAPH_NOISE_FLOOR`, is the band (:func:`noise_band`).
+
+Timing runs on one onnxruntime thread (:data:`exporters.onnxruntime.profile.THREADS`) on the example batch
+repeated to :data:`TIMING_SAMPLES` samples (the deployment batch, not the 8 samples a checkpoint stores), the
+whole graphs in interleaved bursts (:func:`exporters.onnxruntime.profile.time_interleaved`).
 
 :func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the
 chosen layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so
@@ -60,11 +66,16 @@ MARGIN = 0.2
 # : ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a
 # layer of : a few microseconds a difference of one or two is its resolution, not the kernels'
 MIN_DIFF_US = 2.0
-# : the int8 graph must be more than 10% slower than the float graph, whole, before every layer is kept float:
-# whole : graph medians of 20 interleaved runs moved by 5-10% between calibrations here (resnet 0.88x-1.04x),
-# and a model : as fast either way should not turn float by chance
-GRAPH_MARGIN = 0.1
-ROUNDS = 20  # timed runs per graph (after one warm-up run); the median of each node is used
+# : the smallest noise band of the whole-graph rule: the int8 graph must be slower than the float graph by
+# more than : this fraction (or than the A/A spread measured beside it, if wider) before every layer is kept
+# float. From : bench_zoo's A/A measurements over the zoo (every float graph timed against a second session of
+# itself, 32 per : run): the widest of two runs was 2.9% and 4.7%, the median 0.7% and 0.8% (docs/zoo.md). A
+# model as fast either : way should not turn float by chance.
+GRAPH_NOISE_FLOOR = 0.05
+ROUNDS = 20  # timed runs per graph, at least (after one warm-up run); the median of each node is used
+# : the example batch is repeated along its first dimension to this many samples for timing: with 8 samples
+# (what a : checkpoint stores) a small CNN's fixed per-run costs weigh more than they do at a deployment batch
+TIMING_SAMPLES = 32
 
 #: ``(onnx path, feeds, rounds) -> {node name: microseconds}``; tests install a stub here
 #: ``(paths, feeds, rounds) -> [{node: microseconds}, ...]``, one dict per path (timed interleaved)
@@ -126,8 +137,10 @@ class LatencyPlacement:
     seconds: float = 0.0  # exporting and timing
     quantizers_disabled: list[str] = field(default_factory=list)  # filled by apply()
     # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"; "int8":
-    # the int8 graph's when it was slower than float and every layer was kept float
+    # the int8 graph's when it was slower than float and every layer was kept float; "float A/A": the float
+    # graph's second session (its difference from "float" is the timing's noise)
     graph_ms: dict[str, float] = field(default_factory=dict)
+    noise: float | None = None  # the whole-graph rule's band (a fraction), when measured
 
     @property
     def kept_float(self) -> list[str]:
@@ -138,11 +151,12 @@ class LatencyPlacement:
         if not self.measured:
             return self.note
         kept = self.kept_float
-        text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure)"
+        noise = "" if self.noise is None else f", noise band {self.noise:.1%}"
+        text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure{noise})"
         if self.graph_ms.get("float"):
             ratio = self.graph_ms["chosen"] / self.graph_ms["float"]
             text += f"; the int8 graph takes {ratio:.2f}x the float graph's time on this CPU" + (
-                " (slower than float)" if ratio > 1 else ""
+                " (slower than float)" if ratio > 1 + (self.noise or 0) else ""
             )
         if kept:
             shown = "; ".join(f"{d.layer} ({d.reason})" for d in self.layers if d.decision == FLOAT)
@@ -157,6 +171,7 @@ class LatencyPlacement:
             "margin": self.margin,
             "seconds": round(self.seconds, 3),
             "graph_ms": {k: round(v, 4) for k, v in self.graph_ms.items()},
+            "noise": None if self.noise is None else round(self.noise, 4),
             "kept_float": self.kept_float,
             "quantizers_disabled": list(self.quantizers_disabled),
             "layers": [d.to_dict() for d in self.layers],
@@ -238,19 +253,25 @@ def prefer_faster_graph(
     return out
 
 
+def noise_band(float_ms: float, float_again_ms: float, floor: float = GRAPH_NOISE_FLOOR) -> float:
+    """The fraction by which two whole-graph times must differ to count as different: the A/A spread (the
+    float graph timed in two sessions, interleaved with the others), at least ``floor``."""
+    spread = abs(float_again_ms / float_ms - 1) if float_ms > 0 else float("inf")
+    return max(floor, spread)
+
+
 def float_if_slower(
-    decisions: list[LayerDecision], int8_ms: float, float_ms: float, margin: float = GRAPH_MARGIN
+    decisions: list[LayerDecision], int8_ms: float, float_ms: float, margin: float = GRAPH_NOISE_FLOOR
 ) -> list[LayerDecision]:
     """The decisions to keep when the chosen int8 graph takes ``int8_ms`` and the float graph ``float_ms``: an
-    int8 graph more than ``margin`` slower than float on this CPU is no gain to deploy, so then every layer
-    placement weighs is kept float (``--placement all`` quantizes them anyway), with both times in the reason;
-    otherwise the decisions as they are."""
+    int8 graph more than ``margin`` (the timing's noise band, :func:`noise_band`) slower than float on this
+    CPU is no gain to deploy, so then every layer placement weighs is kept float (``--placement all``
+    quantizes them anyway), with both times in the reason; otherwise the decisions as they are."""
     if int8_ms <= float_ms * (1 + margin):
         return decisions
     why = (
-        f"the whole int8 graph ran {int8_ms:.3g} ms vs {float_ms:.3g} ms in float on this CPU: every "
-        f"layer kept "
-        "float (--placement all quantizes anyway)"
+        f"the whole int8 graph ran {int8_ms:.3g} ms vs {float_ms:.3g} ms in float on this CPU, more than the "
+        f"{margin:.1%} noise band: every layer kept float (--placement all quantizes anyway)"
     )
     return [
         LayerDecision(
@@ -294,16 +315,31 @@ def _float_layers_copy(
     return plain
 
 
+def timing_feeds(example: Batch, names: set[str], samples: int = TIMING_SAMPLES) -> dict[str, np.ndarray]:
+    """The graph inputs ``names`` of ``example`` as numpy arrays, each repeated along its first (batch)
+    dimension to ``samples`` rows (the exports' batch dimension is dynamic); an input with fewer dimensions is
+    left as it is."""
+    out = {}
+    for k, v in example.items():
+        if k not in names:
+            continue
+        a = v.detach().cpu().numpy()
+        if a.ndim and 0 < a.shape[0] < samples:
+            a = np.concatenate([a] * -(-samples // a.shape[0]))[:samples]
+        out[k] = a
+    return out
+
+
 def whole_graph_check(
     model: nn.Module,
     example: Batch,
     decisions: list[LayerDecision],
     graph_timer: Callable | None = None,
     rounds: int = ROUNDS,
-) -> tuple[list[LayerDecision], dict[str, float]]:
+) -> tuple[list[LayerDecision], dict[str, float], float]:
     """Step 4: export the float graph and the chosen graph (and, when kernel times kept layers float, the
-    graph keeping float only the unfused layers), time them whole and keep the faster choice. Returns the
-    decisions and the graph times."""
+    graph keeping float only the unfused layers), time them whole with the float graph twice (A/A: the noise
+    band) and keep the faster choice. Returns the decisions, the graph times and the noise band."""
     graph_timer = graph_timer or GRAPH_TIMER
     kernel_float = set(_kernel_choices(decisions))
     unfused = {d.layer for d in decisions if d.decision == FLOAT} - kernel_float
@@ -314,17 +350,18 @@ def whole_graph_check(
         if kernel_float:
             paths["other"] = Path(d) / "other.onnx"
             export_onnx(_float_layers_copy(model, decisions, unfused), example, paths["other"])
+        paths["float A/A"] = paths["float"]  # a second session of the float graph: the timing's own spread
         names = {i.name for i in read_onnx(paths["float"]).graph.input}
-        feeds = {k: v.detach().cpu().numpy() for k, v in example.items() if k in names}
-        ms = dict(zip(paths, graph_timer(list(paths.values()), feeds, rounds)))
+        ms = dict(zip(paths, graph_timer(list(paths.values()), timing_feeds(example, names), rounds)))
+    band = noise_band(ms["float"], ms["float A/A"])
     if kernel_float:
         kept = prefer_faster_graph(decisions, ms["chosen"], ms["other"])
         if kept is not decisions:  # the other choice won: it is the graph the checkpoint will hold
-            decisions, ms = kept, {"float": ms["float"], "chosen": ms["other"], "other": ms["chosen"]}
-    slower = float_if_slower(decisions, ms["chosen"], ms["float"])
+            decisions, ms = kept, {**ms, "chosen": ms["other"], "other": ms["chosen"]}
+    slower = float_if_slower(decisions, ms["chosen"], ms["float"], band)
     if slower is not decisions:
         decisions, ms = slower, {**ms, "int8": ms["chosen"], "chosen": ms["float"]}
-    return decisions, ms
+    return decisions, ms, band
 
 
 def int8_cost(optimized: onnx.ModelProto, kernel: str, times: dict[str, float]) -> float | None:
@@ -399,8 +436,7 @@ def measure(
         if report.load_error:
             raise RuntimeError(f"onnxruntime does not load the int8 graph: {report.load_error}")
         float_model = read_onnx(float_path)
-        names = {i.name for i in float_model.graph.input}
-        feeds = {k: v.detach().cpu().numpy() for k, v in example.items() if k in names}
+        feeds = timing_feeds(example, {i.name for i in float_model.graph.input})
         opt8, optf = optimized_graph(int8_path), optimized_graph(float_path)
         t8, tf = timer([int8_path, float_path], feeds, rounds)
     modules = dict(model.named_modules())
@@ -433,7 +469,7 @@ def measure_and_decide(
     t0 = time.perf_counter()
     try:
         costs = measure(model, example, timer)
-        decisions, ms = whole_graph_check(model, example, decide(costs, margin), graph_timer)
+        decisions, ms, band = whole_graph_check(model, example, decide(costs, margin), graph_timer)
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
         return LatencyPlacement(
             "auto",
@@ -445,12 +481,13 @@ def measure_and_decide(
     return LatencyPlacement(
         "auto",
         True,
-        "measured with onnxruntime's profiler (CPU provider, default options) on the example batch, then "
-        "the whole graphs",
+        "measured with onnxruntime's profiler (CPU provider, default options, 1 "
+        f"thread) on the example batch repeated to {TIMING_SAMPLES} samples, then the whole graphs",
         decisions,
         margin,
         time.perf_counter() - t0,
         graph_ms=ms,
+        noise=band,
     )
 
 

@@ -12,7 +12,7 @@ from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
 from quantcli.nn.modules import apply_output_quantizer_after
-from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers
+from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
 
@@ -124,7 +124,7 @@ def _place_for_onnxruntime(
     """Unsigned post-ReLU inputs, output quantizers, int32 biases; returns the indices of rules that
     matched."""
     used: set[int] = set()
-    placement, _ = analyse(
+    placement, graph = analyse(
         model,
         layers,
         cfg.target,
@@ -165,6 +165,24 @@ def _place_for_onnxruntime(
         module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         if after is not None:
             apply_output_quantizer_after(modules[after[0]], module)
+    if placement.qlinear_adds:
+
+        def make(qname: str, conv: nn.Module, skip) -> TensorQuantizer:
+            enabled, desc, matched = cfg.resolve(qname, "input", conv)
+            used.update(matched)
+            if (
+                nonnegative(skip, modules)
+                and _integer8_desc(desc)
+                and not desc.unsigned
+                and not desc.asymmetric
+                and desc.axis is None
+            ):
+                desc = QuantDescriptor(**{**desc.dict(), "unsigned": True})
+            return TensorQuantizer(desc, name=qname, enabled=enabled)
+
+        placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(
+            model, layers, graph, make, only=placement.qlinear_adds
+        )
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
         if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) and getattr(
@@ -187,7 +205,7 @@ def _place_for_tensorrt(
     placement, graph = analyse(model, layers, cfg.target, {}, {}, example)
     if placement.analysed:
 
-        def make(qname: str, conv: nn.Module) -> TensorQuantizer:
+        def make(qname: str, conv: nn.Module, skip=None) -> TensorQuantizer:
             enabled, desc, matched = cfg.resolve(qname, "input", conv)
             used.update(matched)
             return TensorQuantizer(desc, name=qname, enabled=enabled)
