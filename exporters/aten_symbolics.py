@@ -80,7 +80,7 @@ def _promoted_to_int64():
 _PROMOTED_TO_INT64: tuple = ()
 #: ops torch has no translation for
 MISSING = {"aten::diff": _diff}
-# : ops whose torch translation is wrong for some inputs: ``cumsum`` of a bool tensor (the same masks: ``(diff
+#: ops whose torch translation is wrong for some inputs: ``cumsum`` of a bool tensor (the same masks: ``(diff
 # != : 1).cumsum(-1)``) became an ONNX ``CumSum`` of bool, which the checker rejects; and a constant ``dtype``
 # was ignored
 CORRECTED = {"aten::cumsum": _cumsum}

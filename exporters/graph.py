@@ -14,12 +14,12 @@ from quantcli.errors import VerifyError, first_line
 from quantcli.quant import formats
 
 QUANTIZERS_KEY = "quantcli.quantizers"
-# : in the names of the Q/DQ copies :mod:`exporters.onnxruntime.placement` puts in front of ops that commute
+#: in the names of the Q/DQ copies :mod:`exporters.onnxruntime.placement` puts in front of ops that commute
 # with quantization
 PROPAGATED_MARK = "quantcli_propagated"
 # JSON list: quantizers removed as dead code (their output is unused)
 PRUNED_KEY = "quantcli.pruned_quantizers"
-# : JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form
+#: JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form
 # onnxruntime : runs as MatMulNBits (:mod:`exporters.matmul_nbits`); their quantizer's tensor is ``[out, in]``
 KN_WEIGHTS_KEY = "quantcli.kn_weights"
 

@@ -21,7 +21,7 @@ from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import formats
 
 LAYER_NORM_OPSET = 17  # ONNX LayerNormalization
-# : torch's TorchScript exporter translates ``scaled_dot_product_attention`` (transformers' default attention
+#: torch's TorchScript exporter translates ``scaled_dot_product_attention`` (transformers' default attention
 # in : Llama/Qwen2-style decoders, which have no LayerNorm) from opset 14; below it that export cannot be
 # written
 ATTENTION_OPSET = 14

@@ -73,7 +73,7 @@ OUTLIER_GAINS = (60.0, 25.0, 40.0, 15.0)
 OUTLIER_BIASES = (-20.0, 8.0, -12.0, 4.0)
 #: FFN intermediate channels whose pre-activation is scaled up (outlier GELU outputs)
 OUTLIER_FFN_CHANNELS = (7, 400, 901, 1333)
-# : the weights reading an outlier residual dimension are this fraction of the others (trained models learn
+#: the weights reading an outlier residual dimension are this fraction of the others (trained models learn
 # small ones)
 READER_SCALE = 0.2
 FFN_SCALE = 20.0

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("quantcli", "calibrators", "exporters")
 
-# : bottom-up; a module may import from its own layer and the ones before it. ``pkg.*`` places a whole
+#: bottom-up; a module may import from its own layer and the ones before it. ``pkg.*`` places a whole
 # package: one : rule per package (docs/architecture.md states the same order)
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("quantcli", "quantcli.lazy", "quantcli.errors", "quantcli.files", "quantcli.defaults")),
@@ -46,7 +46,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 #: are that mechanism, not an edge of the facade (it imports nothing when it loads).
 FACADES = {"quantcli": "_LAZY", "calibrators": "_LAZY", "quantcli.cli": "_LAZY"}
 
-# : the import paths the public contract names (DESIGN.md), each the same module object as its
+#: the import paths the public contract names (DESIGN.md), each the same module object as its
 # ``quantcli.quant`` : module; nothing in the repository imports through them
 PUBLIC_PATHS = {
     "quantcli.tensor_quant": "quantcli.quant.tensor_quant",

@@ -31,7 +31,7 @@ import onnx
 
 from exporters.graph import consumer_map, producer_map
 
-# : ops that scale a GELU's input before its Erf: torch's exporters write x * 0.5 * (1 + erf(x / sqrt(2)))
+#: ops that scale a GELU's input before its Erf: torch's exporters write x * 0.5 * (1 + erf(x / sqrt(2)))
 # (Div); : other writers multiply by 1 / sqrt(2) (Mul)
 _ERF_SCALES = ("Div", "Mul")
 

@@ -25,17 +25,17 @@ from exporters.onnxruntime.fusion import PROVIDERS
 
 _SUFFIX = "_kernel_time"
 
-# : onnxruntime threads for timing: one, the setting the latency goals are stated in. With onnxruntime's
+#: onnxruntime threads for timing: one, the setting the latency goals are stated in. With onnxruntime's
 # default (one : per physical core) on a machine that also runs other work, a timing measures the contention
 # as much as the kernels: : on 2 shared cores the zoo's int8 resnet took 1.34x-1.45x its float graph with 2
 # threads and 1.05x-1.08x with 1.
 THREADS = 1
-# : consecutive runs of one graph per round; the first of them is not timed. Run one after another in single
+#: consecutive runs of one graph per round; the first of them is not timed. Run one after another in single
 # runs, : each graph starts on caches the other graphs evicted, which a deployment that runs one model does
 # not see: on : the zoo's resnet (64 samples) that put the int8 graph at 1.03x its float graph, 0.95x-0.98x in
 # bursts
 BURST = 5
-# : each graph is timed until it has run at least this long (and at least ``rounds`` rounds, at most
+#: each graph is timed until it has run at least this long (and at least ``rounds`` rounds, at most
 # ``MAX_ROUNDS``): : a fixed 20 rounds of a 0.2 ms graph is 4 ms of measurement, which one scheduling hiccup
 # decides
 MIN_SECONDS = 0.3

@@ -59,21 +59,21 @@ from quantcli.inputs.data import Batch
 from quantcli.nn.modes import keep_float
 from quantcli.nn.tensor_quantizer import quantizers
 
-# : An int8 layer must be more than 20% slower than float to be kept in float. Node times of small layers on a
+#: An int8 layer must be more than 20% slower than float to be kept in float. Node times of small layers on a
 # shared : CPU vary by 10-20% between medians of 20 runs; a smaller margin would flip layers whose two kernels
 # are about as : fast from one calibration to the next, and such a layer loses nothing by staying quantized.
 MARGIN = 0.2
-# : ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a
+#: ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a
 # layer of : a few microseconds a difference of one or two is its resolution, not the kernels'
 MIN_DIFF_US = 2.0
-# : the smallest noise band of the whole-graph rule: the int8 graph must be slower than the float graph by
+#: the smallest noise band of the whole-graph rule: the int8 graph must be slower than the float graph by
 # more than : this fraction (or than the A/A spread measured beside it, if wider) before every layer is kept
 # float. From : bench_zoo's A/A measurements over the zoo (every float graph timed against a second session of
 # itself, 32 per : run): the widest of two runs was 2.9% and 4.7%, the median 0.7% and 0.8% (docs/zoo.md). A
 # model as fast either : way should not turn float by chance.
 GRAPH_NOISE_FLOOR = 0.05
 ROUNDS = 20  # timed runs per graph, at least (after one warm-up run); the median of each node is used
-# : the example batch is repeated along its first dimension to this many samples for timing: with 8 samples
+#: the example batch is repeated along its first dimension to this many samples for timing: with 8 samples
 # (what a : checkpoint stores) a small CNN's fixed per-run costs weigh more than they do at a deployment batch
 TIMING_SAMPLES = 32
 

@@ -45,7 +45,7 @@ from quantcli.nn.smooth import attach, smoothed_layers
 DEFAULT_ALPHA = 0.5
 #: s is kept in [1e-5, 1e5] so that 1 / s and W * s stay finite for near-zero maxima
 SCALE_RANGE = (1e-5, 1e5)
-# : a trial fold is accepted when every output moves by at most this fraction of its largest magnitude: :
+#: a trial fold is accepted when every output moves by at most this fraction of its largest magnitude: :
 # float32 rounding of a 6-layer encoder moves outputs by ~1e-6 of it, a fold through GELU or a residual by
 # >1e-2
 FOLD_RTOL = 1e-4

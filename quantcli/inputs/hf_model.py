@@ -179,7 +179,7 @@ class _Outputs:
 
     quantcli_pooling = "none"
     quantcli_task_head = True
-    # : ``{"use_cache": False}`` where forward takes ``use_cache``: a decoder LM runs (and exports) as a
+    #: ``{"use_cache": False}`` where forward takes ``use_cache``: a decoder LM runs (and exports) as a
     # prefill over : the whole sequence, without building a KV cache
     quantcli_no_cache: dict = {}
 

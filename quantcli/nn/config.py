@@ -72,8 +72,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "weight": {"enable": True, "num_bits": 8, "axis": OUTPUT_CHANNEL},
     },
 }
-# : presets that quantize Linear layers only; convolutions stay float. int8-dynamic: onnxruntime has no fused
-# : integer kernel for DynamicQuantizeLinear -> ConvInteger (its own quantize_dynamic output runs ConvInteger,
+#: presets that quantize Linear layers only; convolutions stay float. int8-dynamic: onnxruntime has no fused
+#: integer kernel for DynamicQuantizeLinear -> ConvInteger (its own quantize_dynamic output runs ConvInteger,
 # Cast, : Mul and Add as separate ops on the CPU provider, and its DynamicQuantizeConvIntegerFusion turns the
 # pattern back : into a float Conv on dequantized weights), so a dynamic Conv costs a min/max pass and gains
 # no integer kernel

@@ -144,7 +144,7 @@ def _out_channels(layer: nn.Module) -> int:
     return layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
 
 
-# : the forwards that compute exactly a BatchNorm (a subclass that overrides forward, as timm's BatchNormAct2d
+#: the forwards that compute exactly a BatchNorm (a subclass that overrides forward, as timm's BatchNormAct2d
 # adds : its activation there, computes something else)
 _BATCHNORM_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 

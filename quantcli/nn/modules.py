@@ -96,7 +96,7 @@ def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
 
 
 class QuantLinear(nn.Linear, QuantMixin):
-    # : while an exporter traces, the op it computes this layer's output with when the input quantizer is
+    #: while an exporter traces, the op it computes this layer's output with when the input quantizer is
     # dynamic : (:mod:`quantcli.nn.export_hooks`)
     export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 

@@ -35,7 +35,7 @@ class TensorQuantizer(nn.Module):
     the rank of the tensor for per-axis (``(C, 1, 1, 1)``) and is ``shape // block`` along the blocked axis.
     """
 
-    # : while an exporter traces, the op it computes this quantizer's output with
+    #: while an exporter traces, the op it computes this quantizer's output with
     # (:mod:`quantcli.nn.export_hooks`)
     export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
 

@@ -12,8 +12,8 @@ import torch
 from quantcli.errors import GraphRunError, VerifyError, first_line
 from quantcli.inputs.data import Batch
 
-# : onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
-# : VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat
+#: onnxruntime's log severity: fatal only. Its errors reach the user as the one-line error quantcli raises (a
+#: VerifyError quoting the runtime's message); its own coloured ``[E:onnxruntime:...]`` lines would repeat
 # them.
 RUNTIME_LOG_SEVERITY = 4
 

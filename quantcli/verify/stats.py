@@ -12,10 +12,10 @@ import numpy as np
 from quantcli.analysis import quality
 from quantcli.errors import VerifyError
 
-# : RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error: :
+#: RMS, relative to the output's RMS, below which the fidelity ratios stop measuring in quantization error: :
 # onnxruntime's float kernels (fused Conv, NCHWc layouts, depthwise kernels, its Erf) and PyTorch's round :
 # differently. On correct zoo graphs the latency placement left all float they differed by up to 1.4e-5 of the
-# : output's RMS (MobileNetV2, the replay's max difference; ConvNeXt 1.0e-6), so measured in this floor the
+#: output's RMS (MobileNetV2, the replay's max difference; ConvNeXt 1.0e-6), so measured in this floor the
 # replay : ratio stays at 0.014 against its threshold of 0.1. It binds only where quantization changes the
 # output by less : than 1e-3 of its RMS, i.e. where (almost) no layer is quantized; the codes and replay-step
 # checks still judge : every Q/DQ pair there is

@@ -40,7 +40,7 @@ MODELS: dict[str, str] = {
     "wav2vec2": "transformer",
 }
 
-# : deeper models for the measurement of verify's criteria (benchmarks/bench_zoo.py --criteria), not in the
+#: deeper models for the measurement of verify's criteria (benchmarks/bench_zoo.py --criteria), not in the
 # test
 CRITERIA_MODELS: dict[str, str] = {"vit_tiny": "vit", "efficientnet_b0": "cnn"}
 

@@ -13,7 +13,7 @@ from tests.zoo import registry as zoo
 
 pytestmark = pytest.mark.zoo
 
-# : the exported graph (deployed) against the float model as the factory builds it, at least as close as the :
+#: the exported graph (deployed) against the float model as the factory builds it, at least as close as the :
 # fake-quant model is to quantcli's own float model (quantization explains the whole difference) less this
 # margin : (onnxruntime's fused kernels round otherwise); and never below the floor (the false PASSes:
 # -0.001, 0.155)
