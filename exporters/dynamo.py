@@ -15,6 +15,13 @@ output has the (B, L, H, E) layout, so a model's ``out.transpose(1, 2).contiguou
 (transformers' T5, Swin) loses its ``contiguous`` as a no-op there, and the next fake-tensor pass, which
 computes the output contiguous again, fails with "Cannot view a tensor with shape ...". A copy to contiguous
 memory right after the attention (an ONNX ``Identity``) gives its output one layout in every pass.
+
+:func:`simplify` runs the part of onnxscript's optimizer that the float ops need and the Q/DQ pairs survive:
+constant folding (never of a Q/DQ node) and its rewrite rules, not its common-subexpression elimination (which
+merges identical Q/DQ pairs: q/k/v input quantizers share their input and scale, and each quantizer must keep
+its own pair) nor its renaming passes (the quantizer map names tensors). Without it, the ``CastLike`` chains
+the exporter writes for every ``Clip``/``hardtanh`` bound keep onnxruntime from fusing the Conv + Clip and the
+Q/DQ around them: the zoo's MobileNetV2 int8 graph ran 8x slower (22.5 ms vs 2.7 ms at 32 samples, 1 thread).
 """
 
 from __future__ import annotations
@@ -270,6 +277,35 @@ class AttentionLayout(TorchFunctionMode):
         return out
 
 
+#: the nodes :func:`simplify` never folds into constants: each quantizer keeps its pair (exporters.fold stores
+#: weights quantized afterwards, knowing which quantizer each pair is)
+_KEEP = {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
+
+
+def simplify(model) -> None:
+    """Constant folding (Q/DQ nodes excepted) and onnxscript's rewrite rules, in place on the exported
+    ``onnx_ir`` model, twice or until nothing changes; then unused nodes removed. Nothing is renamed or
+    merged."""
+    from onnxscript import ir, rewriter
+    from onnxscript.ir.passes import common
+    from onnxscript.optimizer import _constant_folding
+
+    ir.passes.PassManager(
+        [
+            _constant_folding.FoldConstantsPass(
+                shape_inference=True,
+                input_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT,
+                output_size_limit=_constant_folding.DEFAULT_CONSTANT_FOLD_OUTPUT_SIZE_LIMIT,
+                should_fold=lambda node: False if node.op_type in _KEEP else None,
+            ),
+            rewriter.RewritePass(rewriter._DEFAULT_REWRITE_RULES),
+            common.RemoveUnusedNodesPass(),
+        ],
+        steps=2,
+        early_stop=True,
+    )(model)
+
+
 def export_dynamo(
     model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names, axes
 ) -> None:
@@ -310,6 +346,7 @@ def export_dynamo(
                 verbose=False,
                 report=False,
             )
+            simplify(prog.model)
             prog.save(str(path))
     except ExportError:
         raise

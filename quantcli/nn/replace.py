@@ -108,6 +108,20 @@ def _integer8_desc(d: QuantDescriptor) -> bool:
     return not d.is_fp8 and not d.dynamic and not d.block_sizes and d.num_bits <= 8
 
 
+def _unsigned_when(nonnegative: bool, desc: QuantDescriptor) -> QuantDescriptor:
+    """``desc`` on the uint8 grid when its tensor is >= 0 by construction and ``desc`` is a symmetric
+    per-tensor 8-bit integer format (a rule that asks for something else keeps it)."""
+    if (
+        nonnegative
+        and _integer8_desc(desc)
+        and not desc.unsigned
+        and not desc.asymmetric
+        and desc.axis is None
+    ):
+        return QuantDescriptor(**{**desc.dict(), "unsigned": True})
+    return desc
+
+
 def _integer8(q: TensorQuantizer) -> bool:
     d = q.desc
     return q.enabled and not d.is_fp8 and not d.dynamic and q._block is None and d.num_bits <= 8
@@ -154,14 +168,7 @@ def _place_for_onnxruntime(
         used.update(matched)
         after = placement.output_after.get(name)
         if after is not None and not any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
-            if (
-                after[1]
-                and _integer8_desc(desc)
-                and not desc.unsigned
-                and not desc.asymmetric
-                and desc.axis is None
-            ):
-                desc = QuantDescriptor(**{**desc.dict(), "unsigned": True})  # after a ReLU: >= 0
+            desc = _unsigned_when(after[1], desc)  # after a ReLU: >= 0
         module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         if after is not None:
             apply_output_quantizer_after(modules[after[0]], module)
@@ -170,19 +177,16 @@ def _place_for_onnxruntime(
         def make(qname: str, conv: nn.Module, skip) -> TensorQuantizer:
             enabled, desc, matched = cfg.resolve(qname, "input", conv)
             used.update(matched)
-            if (
-                nonnegative(skip, modules)
-                and _integer8_desc(desc)
-                and not desc.unsigned
-                and not desc.asymmetric
-                and desc.axis is None
-            ):
-                desc = QuantDescriptor(**{**desc.dict(), "unsigned": True})
-            return TensorQuantizer(desc, name=qname, enabled=enabled)
+            return TensorQuantizer(
+                _unsigned_when(nonnegative(skip, modules), desc), name=qname, enabled=enabled
+            )
 
         placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(
             model, layers, graph, make, only=placement.qlinear_adds
         )
+    # graph nodes, linked to the whole recorded graph: not kept in the report the model carries (a deep copy
+    # of the model would follow every link)
+    placement.qlinear_adds = {}
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
         if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) and getattr(
