@@ -148,7 +148,10 @@ def test_bad_weight_method_and_no_weight_only_layers(tmp_path):
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_weight_rounding_runs_on_the_models_cuda_device(method):
     """The statistics and the rounding stay on the GPU the model is on, and give the CPU's result to float32
-    rounding of the Hessian products (at least 99% of the codes equal)."""
+    rounding of the Hessian products (at least 99% of the codes equal). Codes, not values: the GPU's AWQ
+    scales and amax differ from the CPU's in the last bit (float64 pow rounded to float32; measured on an
+    H100), which moves every dequantized value of a block by ~1e-7 relative while a different code moves it by
+    a whole step."""
     from quantcli import calibrate, quantize_model
     from quantcli.calibration.weight_rounding import awq, gptq
 
@@ -171,7 +174,7 @@ def test_weight_rounding_runs_on_the_models_cuda_device(method):
             a = m.weight_quantizer(m.weight.detach())
             b = dict(gpu.named_modules())[name]
             b = b.weight_quantizer(b.weight.detach())
-            assert (a == b).float().mean() >= 0.99, name
+            assert torch.isclose(a, b, rtol=1e-5, atol=0).float().mean() >= 0.99, name
 
 
 def test_sequential_gptq_takes_each_hessian_on_the_rounded_layers_outputs():
