@@ -64,22 +64,12 @@ def node_times(
     Nodes that did not run (a branch not taken) are absent. Raises what onnxruntime raises when a graph does
     not load or run. The profiles are written to a temporary folder that is removed before returning.
     """
-    import onnxruntime as ort
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     work = Path(tempfile.mkdtemp(prefix="quantcli-profile-"))
     try:
-        sessions = []
-        for i, path in enumerate(paths):
-            so = ort.SessionOptions()
-            so.log_severity_level = 4  # fatal only: the caller reports a failure once
-            so.enable_profiling = True
-            so.profile_file_prefix = str(work / f"profile{i}")
-            if threads:
-                so.intra_op_num_threads = so.inter_op_num_threads = threads
-            sess = ort.InferenceSession(str(path), so, providers=[PROVIDERS[provider]])
-            sessions.append((sess, {x.name: feeds[x.name] for x in sess.get_inputs()}))
+        sessions = _sessions(paths, feeds, provider, threads, profile_folder=work)
         for _ in range(rounds + 1):  # the first round warms up: first-run allocations and lazy kernel setup
             for sess, own in sessions:
                 sess.run(None, own)
@@ -139,13 +129,24 @@ def time_interleaved(
     return [statistics.median(m) for m in medians]
 
 
-def _sessions(paths: list[str | Path], feeds: dict[str, np.ndarray], provider: str, threads: int | None):
+def _sessions(
+    paths: list[str | Path],
+    feeds: dict[str, np.ndarray],
+    provider: str,
+    threads: int | None,
+    profile_folder: Path | None = None,
+):
+    """``(session, its feeds)`` per path: default options but ``threads``; with ``profile_folder``,
+    onnxruntime's profiler on, each session's trace written there."""
     import onnxruntime as ort
 
     sessions = []
-    for path in paths:
+    for i, path in enumerate(paths):
         so = ort.SessionOptions()
-        so.log_severity_level = 4
+        so.log_severity_level = 4  # fatal only: the caller reports a failure once
+        if profile_folder is not None:
+            so.enable_profiling = True
+            so.profile_file_prefix = str(profile_folder / f"profile{i}")
         if threads:
             so.intra_op_num_threads = so.inter_op_num_threads = threads
         sess = ort.InferenceSession(str(path), so, providers=[PROVIDERS[provider]])
