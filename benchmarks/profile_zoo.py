@@ -1,10 +1,12 @@
 """Where a zoo model's graphs spend their time, op type by op type: quantcli's int8 graph (``calibrate
---placement all``, default exporter), the float model exported the same way, and onnxruntime's own
-``quantize_static`` with uint8 activations (bench_zoo's ``peer``). onnxruntime's profiler
-(:func:`exporters.onnxruntime.profile.node_times`): CPU provider, default optimizations, 1 thread, the three
-graphs interleaved, per node the median of ``--rounds`` runs, on the 32 held-out samples.
+--placement all`` unless ``--placement auto``, exported with ``--exporter``), the float model exported the
+same way, and onnxruntime's own ``quantize_static`` with uint8 activations (bench_zoo's ``peer``).
+onnxruntime's profiler (:func:`exporters.onnxruntime.profile.node_times`): CPU provider, default
+optimizations, 1 thread, the three graphs interleaved, per node the median of ``--rounds`` runs, on the 32
+held-out samples.
 
-    python -m benchmarks.profile_zoo [--model resnet] [--rounds 50] [--top 12]
+    python -m benchmarks.profile_zoo [--model resnet] [--exporter torchscript|dynamo] [--placement all|auto]
+        [--rounds 50] [--top 12]
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from exporters.onnxruntime.profile import node_times
 from tests.zoo import registry as zoo
 
 
-def graphs(name: str, folder: Path) -> tuple[dict[str, Path], dict[str, np.ndarray]]:
+def graphs(
+    name: str, folder: Path, exporter: str = "torchscript", placement: str = "all"
+) -> tuple[dict[str, Path], dict[str, np.ndarray]]:
     calib_path, held_path = zoo.write_data(name, folder)
     with np.load(calib_path) as z:
         calib = {k: z[k] for k in z.files}
@@ -33,14 +37,14 @@ def graphs(name: str, folder: Path) -> tuple[dict[str, Path], dict[str, np.ndarr
         held = {k: z[k] for k in z.files}
     ck, int8 = folder / f"{name}.calib.pt", folder / f"{name}.int8.onnx"
     for args in (
-        ("calibrate", zoo.spec(name), "--data", calib_path, "--placement", "all", "--out", ck),
-        ("export", ck, "--onnx", int8),
+        ("calibrate", zoo.spec(name), "--data", calib_path, "--placement", placement, "--out", ck),
+        ("export", ck, "--onnx", int8, "--exporter", exporter),
     ):
         code, out = cli(*args)
         if code:
             raise SystemExit(f"{args[0]} failed: {out[-400:]}")
     fp32 = folder / f"{name}.fp32.onnx"
-    export_float_like(name, calib, int8, "torchscript", fp32)
+    export_float_like(name, calib, int8, exporter, fp32)
     base = folder / f"{name}.fp32.opset17.onnx"  # the peer quantizes the float model as bench_zoo exports it
     export_float(name, calib, base)
     return {"fp32": fp32, "quantcli int8": int8, "ort u8": peer(name, base, calib, folder)[0]}, held
@@ -49,14 +53,17 @@ def graphs(name: str, folder: Path) -> tuple[dict[str, Path], dict[str, np.ndarr
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet")
+    ap.add_argument("--exporter", choices=("torchscript", "dynamo"), default="torchscript")
+    ap.add_argument("--placement", choices=("all", "auto"), default="all")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--top", type=int, default=12, help="op types shown per graph")
     args = ap.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     setup_threads(1)
-    print(f"profile of {args.model}: {machine()}; CPU flags: {cpu_flags()}", flush=True)
+    what = f"{args.model} ({args.exporter}, --placement {args.placement})"
+    print(f"profile of {what}: {machine()}; CPU flags: {cpu_flags()}", flush=True)
     with tempfile.TemporaryDirectory() as d:
-        paths, held = graphs(args.model, Path(d))
+        paths, held = graphs(args.model, Path(d), args.exporter, args.placement)
         times = node_times(list(paths.values()), held, args.rounds)
         for (label, path), t in zip(paths.items(), times):
             ops = {n.name: n.op_type for n in optimized_graph(path).graph.node}

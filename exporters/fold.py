@@ -2,11 +2,16 @@
 
 1. Constant nodes become initializers (one place to look up values).
 2. ``Cast`` of an initializer is folded (the dynamo translations cast their zero points).
-3. Weights are stored quantized (the deployment form): a ``QuantizeLinear`` whose input is an initializer
+3. :func:`fold_pad_amounts`: a ``Pad``'s amounts computed from constants (TorchScript's translation of
+   ``F.pad`` reverses them with a ``Slice`` of step -1, which its own constant folding skips) become an
+   initializer, so onnxruntime can fold the Pad into the Conv it feeds (``pad_fusion.cc`` wants constant
+   amounts), and :func:`explicit_pads`: a Conv/pooling node with ``auto_pad=VALID`` (``padding="valid"`` in
+   torch) or no ``pads`` gets ``pads`` of zeros (the same op), the form that fusion also wants.
+4. Weights are stored quantized (the deployment form): a ``QuantizeLinear`` whose input is an initializer
    (possibly through the ``Max``/``Min`` clip) is replaced by its codes, computed with quantcli's arithmetic,
    the same arithmetic the fake-quant model uses; the float weight disappears from the file.
-4. :func:`narrow_types`: 2..4-bit pairs, emitted as clipped int8, are stored as int4/uint4.
-5. Unused initializers are dropped.
+5. :func:`narrow_types`: 2..4-bit pairs, emitted as clipped int8, are stored as int4/uint4.
+6. Unused initializers are dropped.
 """
 
 from __future__ import annotations
@@ -81,6 +86,115 @@ def fold_casts(model: onnx.ModelProto) -> None:
         keep.append(n)
     del g.node[:]
     g.node.extend(keep)
+
+
+#: the inputs of an op that say how (not what) it computes: folded when they depend on constants only
+_CONSTANT_INPUTS = {"Pad": (1, 2)}
+
+
+def fold_pad_amounts(model: onnx.ModelProto) -> int:
+    """Evaluate the ``pads``/``constant_value`` inputs of ``Pad`` nodes that are computed from initializers
+    alone (ONNX's reference evaluator) and store them as initializers; returns how many inputs were folded.
+    The nodes that computed them go where nothing else reads them."""
+    g = model.graph
+    inits = initializer_map(g)
+    producers = producer_map(g)
+    folded = 0
+    computed: set[str] = set()  # first outputs of the nodes that computed folded amounts
+    for n in g.node:
+        for i in _CONSTANT_INPUTS.get(n.op_type, ()):
+            if i >= len(n.input) or not n.input[i] or n.input[i] in inits:
+                continue
+            nodes = _constant_subgraph(n.input[i], producers, inits)
+            if nodes is None:
+                continue
+            from onnx.reference import ReferenceEvaluator
+
+            sub = helper.make_graph(
+                nodes,
+                "constant",
+                [],
+                [helper.make_tensor_value_info(n.input[i], onnx.TensorProto.UNDEFINED, None)],
+                [inits[x] for x in {x for m in nodes for x in m.input} if x in inits],
+            )
+            try:
+                (value,) = ReferenceEvaluator(helper.make_model(sub, opset_imports=model.opset_import)).run(
+                    None, {}
+                )
+            except Exception:  # an op the reference evaluator lacks: leave the graph as it is
+                continue
+            name = f"{n.input[i]}_folded"
+            if name not in inits:
+                t = numpy_helper.from_array(np.asarray(value), name)
+                g.initializer.append(t)
+                inits[name] = t
+            n.input[i] = name
+            folded += 1
+            computed.update(m.output[0] for m in nodes)
+    if folded:
+        _drop_unread(g, computed)
+    return folded
+
+
+_PADDED_OPS = ("Conv", "MaxPool", "AveragePool")
+
+
+def explicit_pads(model: onnx.ModelProto) -> int:
+    """Give Conv/MaxPool/AveragePool nodes without padding (``auto_pad`` VALID, or no ``pads``) explicit zero
+    ``pads``; returns how many nodes changed. Needs the kernel's rank: from ``kernel_shape``, or the weight
+    initializer of a Conv."""
+    inits = initializer_map(model.graph)
+    changed = 0
+    for n in model.graph.node:
+        if n.op_type not in _PADDED_OPS:
+            continue
+        attrs = _attrs(n)
+        auto = attrs.get("auto_pad", b"NOTSET")
+        if auto not in (b"VALID", b"NOTSET") or (auto == b"NOTSET" and "pads" in attrs):
+            continue
+        rank = len(attrs["kernel_shape"]) if "kernel_shape" in attrs else None
+        if rank is None and n.op_type == "Conv" and n.input[1] in inits:
+            rank = len(inits[n.input[1]].dims) - 2
+        if not rank:
+            continue
+        keep = [a for a in n.attribute if a.name not in ("auto_pad", "pads")]
+        del n.attribute[:]
+        n.attribute.extend([*keep, helper.make_attribute("pads", [0] * (2 * rank))])
+        changed += 1
+    return changed
+
+
+def _constant_subgraph(
+    name: str, producers: dict[str, onnx.NodeProto], inits: dict, limit: int = 32
+) -> list[onnx.NodeProto] | None:
+    """The nodes that compute ``name`` from initializers alone, in graph order; None where a graph input (or
+    more than ``limit`` nodes) is involved."""
+    seen: dict[str, onnx.NodeProto] = {}  # by first output (protobuf wrappers have no stable identity)
+    stack = [name]
+    while stack:
+        x = stack.pop()
+        if not x or x in inits:
+            continue
+        node = producers.get(x)
+        if node is None or len(seen) >= limit:
+            return None
+        if node.output[0] not in seen:
+            seen[node.output[0]] = node
+            stack.extend(node.input)
+    order = {o: k for k, o in enumerate(producers)}
+    return sorted(seen.values(), key=lambda m: order[m.output[0]])
+
+
+def _drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:
+    """Remove the nodes whose first output is in ``candidates`` and none of whose outputs is read any more,
+    repeatedly."""
+    while True:
+        read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        keep = [n for n in g.node if n.output[0] not in candidates or any(o in read for o in n.output)]
+        if len(keep) == len(g.node):
+            return
+        del g.node[:]
+        g.node.extend(keep)
 
 
 def _attrs(node) -> dict:
@@ -227,8 +341,10 @@ def align_zero_points(model: onnx.ModelProto) -> None:
 
 
 def prepare(model: onnx.ModelProto, fold_weights: bool) -> int:
-    """Passes 1-3; returns the number of weights stored quantized."""
+    """Passes 1-4; returns the number of weights stored quantized."""
     constants_to_initializers(model)
     fold_casts(model)
+    fold_pad_amounts(model)
+    explicit_pads(model)
     align_zero_points(model)
     return fold_weight_quantization(model) if fold_weights else 0

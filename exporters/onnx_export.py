@@ -170,6 +170,12 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
     """
     known = set(quantizers(module))
     aliases = _hook_scopes(module)
+    before = _padding_inputs(module)
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    if before:
+        for n in model.graph.node:
+            for x in n.input:
+                readers.setdefault(x, []).append(n)
     mapping = {}
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":
@@ -190,11 +196,29 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         if scoped in aliases:
             mapping[n.output[0]] = aliases[scoped]
             continue
+        padded = {scope_module_path(r.name.strip("/").split("/")[:-1]) for r in readers.get(n.output[0], [])}
+        hits = [before[p] for p in padded if p in before]
+        if len(hits) == 1:
+            mapping[n.output[0]] = hits[0]
+            continue
         flat = n.name.replace("/", ".")
         hits = [q for q in known if q in flat]
         if hits:
             mapping[n.output[0]] = max(hits, key=len)
     return mapping
+
+
+def _padding_inputs(module: nn.Module) -> dict[str, str]:
+    """Padding module path -> the input quantizer its pre-hook runs
+    (:func:`quantcli.nn.modules.apply_input_quantizer_before`): TorchScript names that quantizer's nodes
+    ``<parent>/input_quantizer/...``, which several paddings under one parent share; the Pad node reading its
+    DequantizeLinear is named after the padding module."""
+    names = {id(m): n for n, m in module.named_modules()}
+    return {
+        names[id(m.__dict__["_input_quantized_before"])]: f"{name}.input_quantizer"
+        for name, m in module.named_modules()
+        if id(m.__dict__.get("_input_quantized_before")) in names
+    }
 
 
 def _hook_scopes(module: nn.Module) -> dict[str, str]:

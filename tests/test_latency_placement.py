@@ -149,6 +149,41 @@ def test_apply_disables_every_quantizer_of_a_float_layer():
     )
 
 
+def test_apply_with_every_layer_float_switches_off_the_quantizers_of_no_layer_too():
+    """A residual skip's quantizer serves the QLinearAdd beside quantized Convs; with every layer float it
+    would leave a Q/DQ pair in the float graph."""
+    from quantcli.nn import quantize_model
+    from quantcli.nn.config import load_config
+    from quantcli.nn.tensor_quantizer import TensorQuantizer
+    from quantcli.quant.descriptor import QuantDescriptor
+
+    model = quantize_model(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)),
+        load_config("int8"),
+    )
+    model.add_module("residual_quantizer", TensorQuantizer(QuantDescriptor(), name="residual_quantizer"))
+    qs = latency_placement.quantizers(model)
+    assert qs["residual_quantizer"].enabled
+
+    def layer(name):
+        return [n for n in qs if n.startswith(name + ".")]
+
+    costs = [latency_placement.LayerCost(n, "QGemm", True, 300.0, 100.0, layer(n)) for n in ("0", "2")]
+    placement = latency_placement.LatencyPlacement("auto", True, layers=latency_placement.decide(costs))
+    off = latency_placement.apply(model, placement)
+    assert "residual_quantizer" in off and not any(q.enabled for q in qs.values())
+    # control: one layer kept quantized, the skip's quantizer stays
+    model2 = quantize_model(
+        torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2)),
+        load_config("int8"),
+    )
+    model2.add_module("residual_quantizer", TensorQuantizer(QuantDescriptor(), name="residual_quantizer"))
+    costs[1] = latency_placement.LayerCost("2", "QGemm", True, 1.0, 100.0, layer("2"))
+    placement = latency_placement.LatencyPlacement("auto", True, layers=latency_placement.decide(costs))
+    assert "residual_quantizer" not in latency_placement.apply(model2, placement)
+    assert latency_placement.quantizers(model2)["residual_quantizer"].enabled
+
+
 # ------------------------------------------------------------------------------------------- the costs
 
 

@@ -153,7 +153,11 @@ class LatencyPlacement:
         kept = self.kept_float
         noise = "" if self.noise is None else f", noise band {self.noise:.1%}"
         text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure{noise})"
-        if self.graph_ms.get("float"):
+        every = bool(kept) and len(kept) == len(self.layers)
+        if self.graph_ms.get("float") and every and self.graph_ms.get("int8"):
+            ratio = self.graph_ms["int8"] / self.graph_ms["float"]
+            text += f"; the int8 graph took {ratio:.2f}x the float graph's time on this CPU: float stays"
+        elif self.graph_ms.get("float"):
             ratio = self.graph_ms["chosen"] / self.graph_ms["float"]
             text += f"; the int8 graph takes {ratio:.2f}x the float graph's time on this CPU" + (
                 " (slower than float)" if ratio > 1 + (self.noise or 0) else ""
@@ -492,13 +496,14 @@ def measure_and_decide(
 
 
 def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:
-    """Switch off, for good, every quantizer of the layers ``placement`` keeps float; returns their names."""
+    """Switch off, for good, every quantizer of the layers ``placement`` keeps float; returns their names.
+    When it keeps every layer float, the quantizers of no layer (residual skips, pooling inputs) go too: they
+    serve integer kernels around them, and the graph is the float one."""
     qs = quantizers(model)
-    for d in placement.layers:
-        if d.decision != FLOAT:
-            continue
-        for name in d.quantizers:
-            if name in qs and qs[name].enabled:
-                keep_float(qs[name])
-                placement.quantizers_disabled.append(name)
+    every = bool(placement.layers) and all(d.decision == FLOAT for d in placement.layers)
+    names = list(qs) if every else [n for d in placement.layers if d.decision == FLOAT for n in d.quantizers]
+    for name in names:
+        if name in qs and qs[name].enabled:
+            keep_float(qs[name])
+            placement.quantizers_disabled.append(name)
     return placement.quantizers_disabled

@@ -70,6 +70,11 @@ class QuantMixin:
         # no Cast node between DQ and op
         return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)
 
+    def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.__dict__.get("_input_quantized_before") is not None:
+            return x  # quantized at the input of the padding module before this layer
+        return self.input_quantizer(x)
+
     def quantize_output(self, y: torch.Tensor) -> torch.Tensor:
         q = getattr(self, "output_quantizer", None)
         if q is None or self.__dict__.get("_output_quantized_after") is not None:
@@ -93,6 +98,19 @@ def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
     object.__setattr__(after, "_quantcli_output_of", layer)
     object.__setattr__(layer, "_output_quantized_after", after)
     after.register_forward_hook(_output_quantizer_hook)
+
+
+def _input_quantizer_hook(module: nn.Module, args: tuple) -> tuple:
+    return (module.__dict__["_quantcli_input_of"].input_quantizer(args[0]), *args[1:])
+
+
+def apply_input_quantizer_before(before: nn.Module, layer: nn.Module) -> None:
+    """Apply ``layer.input_quantizer`` to the input of ``before`` (a zero padding module whose output only
+    ``layer`` reads) instead of to ``layer``'s own input: the same codes, the padding's zeros being the zero
+    point's code (references and copies as in :func:`apply_output_quantizer_after`)."""
+    object.__setattr__(before, "_quantcli_input_of", layer)
+    object.__setattr__(layer, "_input_quantized_before", before)
+    before.register_forward_pre_hook(_input_quantizer_hook)
 
 
 class QuantLinear(nn.Linear, QuantMixin):
@@ -120,7 +138,7 @@ class QuantLinear(nn.Linear, QuantMixin):
 class _QuantConvNd(QuantMixin):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return self.quantize_output(
-            self._conv_forward(self.input_quantizer(input), self.quantized_weight(), self.quantized_bias())
+            self._conv_forward(self.quantize_input(input), self.quantized_weight(), self.quantized_bias())
         )
 
 

@@ -11,7 +11,7 @@ from torch import nn
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
-from quantcli.nn.modules import apply_output_quantizer_after
+from quantcli.nn.modules import apply_input_quantizer_before, apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
@@ -172,6 +172,8 @@ def _place_for_onnxruntime(
         module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         if after is not None:
             apply_output_quantizer_after(modules[after[0]], module)
+    for name, pad in placement.input_before.items():
+        apply_input_quantizer_before(modules[pad], layers[name])
     if placement.qlinear_adds:
 
         def make(qname: str, conv: nn.Module, skip) -> TensorQuantizer:
