@@ -202,6 +202,54 @@ def test_residual_add_runs_as_qlinearadd_with_its_skip_input_quantized(tmp_path)
     assert_exact(m, path, shape)
 
 
+class ResidualPool(nn.Module):
+    """A ResNet's last block: the residual Add, a ReLU, global average pooling, the classifier; the shortcut
+    is the block's input or a projection Conv; ``norm``: a float LayerNorm between pooling and classifier."""
+
+    def __init__(self, projection: bool = False, norm: bool = False):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1 = nn.Conv2d(8, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.shortcut = nn.Conv2d(8, 8, 1) if projection else nn.Identity()
+        self.relu, self.pool = nn.ReLU(), nn.AdaptiveAvgPool2d(1)
+        self.norm = nn.LayerNorm(8) if norm else nn.Identity()
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        h = self.relu(self.conv2(torch.relu(self.conv1(x))) + self.shortcut(x))
+        return self.fc(self.norm(torch.flatten(self.pool(h), 1)))
+
+
+@pytest.mark.parametrize("projection", [False, True], ids=["identity-shortcut", "projection-shortcut"])
+def test_residual_add_before_global_pooling_runs_as_qlinearadd(tmp_path, projection):
+    """The pooling's input gets a quantizer (uint8 after the ReLU), so the Add has a Q on its output and
+    onnxruntime runs QLinearAdd and QLinearGlobalAveragePool (onnxruntime's own quantize_static does the
+    same); before, the Add, ReLU and pooling ran in float."""
+    shape = (2, 3, 8, 8)
+    m = _quantized(ResidualPool(projection), shape)
+    assert m.quantcli_report.placement.pool_inputs == {"pool": True}
+    assert m.pool.input_quantizer.desc.unsigned and type(m.pool).__name__ == "QuantAdaptiveAvgPool2d"
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearAdd"] == 1 and k["QLinearGlobalAveragePool"] == 1, k
+    assert k["Add"] == 0 and k["GlobalAveragePool"] == 0 and k["Relu"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+def test_pooling_feeding_a_float_op_gets_no_quantizer(tmp_path):
+    """Control: with a LayerNorm between the pooling and the classifier, a Q on the pooling's input would buy
+    nothing (the Add's output would be dequantized for the float LayerNorm path anyway): none is placed."""
+    shape = (2, 3, 8, 8)
+    m = _quantized(ResidualPool(norm=True), shape)
+    assert m.quantcli_report.placement.pool_inputs == {}
+    assert not hasattr(m.pool, "input_quantizer")
+    k = _kernels(_export(m, shape, tmp_path))
+    assert k["QLinearAdd"] == 0 and k["GlobalAveragePool"] == 1, k
+
+
 class ConvPoolMean(nn.Module):
     def __init__(self):
         super().__init__()

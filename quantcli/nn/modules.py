@@ -192,6 +192,29 @@ class QuantConvTranspose3d(_QuantConvTransposeNd, nn.ConvTranspose3d):
     _dims = 3
 
 
+class _QuantPoolMixin:
+    """An average pooling module whose input is quantized (``input_quantizer``), so that onnxruntime runs it
+    on codes and the residual Add before it as ``QLinearAdd`` (:mod:`quantcli.nn.placement`)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.input_quantizer(input))
+
+
+QUANT_POOL_CLASSES: dict[type, type] = {
+    cls: type(f"Quant{cls.__name__}", (_QuantPoolMixin, cls), {"__module__": __name__})
+    for cls in (
+        nn.AvgPool1d,
+        nn.AvgPool2d,
+        nn.AvgPool3d,
+        nn.AdaptiveAvgPool1d,
+        nn.AdaptiveAvgPool2d,
+        nn.AdaptiveAvgPool3d,
+    )
+}
+for _cls in QUANT_POOL_CLASSES.values():  # importable by name (pickle, copy)
+    globals()[_cls.__name__] = _cls
+
+
 QUANT_CLASSES: dict[type, type] = {
     nn.Linear: QuantLinear,
     nn.Conv1d: QuantConv1d,

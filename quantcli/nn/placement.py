@@ -25,6 +25,11 @@ onnxruntime's QDQ fusions need
   Q -> DQ -> Conv`` keeps the Pad as a node of its own (in EfficientNet's stride-2 blocks: 169 us of its
   3.1 ms). Exact: a zero pads to the zero point's code either way (``Q(0)`` is the zero point, ``DQ`` of it is
   0).
+* **the input of an average pooling quantized** when that lets a residual Add run as ``QLinearAdd``: the Add's
+  output reaches (through ReLU) an average pooling module whose output reaches quantized layers only, e.g.
+  the last block of a ResNet before its global pooling and classifier. The pooling module gets an
+  ``input_quantizer`` (uint8 after a ReLU); onnxruntime then runs ``QLinearAdd`` (the ReLU absorbed) and
+  ``QLinearGlobalAveragePool`` where the Add, ReLU and pooling ran in float between a DQ and a Q.
 * **int32 biases** on Conv and 2-D Linear layers (``QLinearConv``/``QGemm``), see :mod:`quantcli.nn.modules`.
 
 The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ
@@ -144,6 +149,9 @@ class Placement:
     # a Conv's input quantizer applied to the input of the zero padding module before it: layer -> that
     # module
     input_before: dict[str, str] = field(default_factory=dict)
+    # average pooling modules whose input gets a quantizer (a residual Add before them then runs as
+    # QLinearAdd): module -> unsigned
+    pool_inputs: dict[str, bool] = field(default_factory=dict)
     # onnxruntime: the residual Adds that run as QLinearAdd once their skip is quantized, as {Add node: skip
     # node} of the graph read (for the rewrite that inserts those quantizers; not part of the report)
     qlinear_adds: dict = field(default_factory=dict, repr=False)
@@ -270,13 +278,16 @@ def nonnegative(node, modules: dict[str, nn.Module]) -> bool:
 
 
 def _reaches_quantized_layers_only(
-    node: fx.Node, modules, quantized_inputs: set[str], skips: dict | None = None
+    node: fx.Node, modules, quantized_inputs: set[str], skips: dict | None = None, pools=()
 ) -> bool:
     """True if every path from ``node`` through ReLUs and commuting ops ends at a quantized layer's input (or
-    at a residual Add in ``skips`` whose skip operand it is: that operand gets a quantizer)."""
+    at a residual Add in ``skips`` whose skip operand it is, or at a pooling node in ``pools``: those inputs
+    get a quantizer)."""
     if not node.users:
         return False
     for user in node.users:
+        if user in pools and user.args and user.args[0] is node:
+            continue
         if (
             user.op == "call_module"
             and user.target in quantized_inputs
@@ -288,20 +299,44 @@ def _reaches_quantized_layers_only(
         if skips and skips.get(user) is node:
             continue
         if _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
-            if _reaches_quantized_layers_only(user, modules, quantized_inputs, skips):
+            if _reaches_quantized_layers_only(user, modules, quantized_inputs, skips, pools):
                 continue
         return False
     return True
 
 
+def _avg_pools(graph, modules, quantized_inputs: set[str], calls: Counter) -> set:
+    """Average pooling nodes (modules called once) whose output reaches quantized layers' inputs only: with a
+    quantizer on their input they run on codes (``QLinearAveragePool``/``QLinearGlobalAveragePool``)."""
+    return {
+        n
+        for n in graph.nodes
+        if n.op == "call_module"
+        and isinstance(modules.get(n.target), _SIGN_KEEPING_MODULES)
+        and calls[n.target] == 1
+        and _reaches_quantized_layers_only(n, modules, quantized_inputs)
+    }
+
+
+def _pools_reached(node, modules, pools) -> set:
+    """The nodes of ``pools`` that ``node``'s output reaches through ReLUs and commuting ops."""
+    out = set()
+    for user in node.users:
+        if user in pools:
+            out.add(user)
+        elif _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
+            out |= _pools_reached(user, modules, pools)
+    return out
+
+
 def onnxruntime_residual_skips(
-    graph, modules, layers: dict[str, nn.Module], quantized_inputs: set[str]
+    graph, modules, layers: dict[str, nn.Module], quantized_inputs: set[str], pools=()
 ) -> dict:
     """The residual Adds that onnxruntime can run as ``QLinearAdd`` once their skip operand is quantized:
     ``{add node: skip node}``. The branch is a quantized Conv's output (it gets an output quantizer), the skip
     is not a Conv's output (that one gets its own), and everything the Add's output reaches through ReLUs and
-    commuting ops is a quantized layer's input or another such Add's skip (``QLinearAdd`` needs a Q on every
-    output edge)."""
+    commuting ops is a quantized layer's input, another such Add's skip or the input of one of the average
+    ``pools`` (``QLinearAdd`` needs a Q on every output edge)."""
     layer_ids = {id(v) for v in layers.values()}
     skips = {
         add: skip
@@ -312,7 +347,7 @@ def onnxruntime_residual_skips(
     while changed:
         changed = False
         for add in list(skips):
-            if not _reaches_quantized_layers_only(add, modules, quantized_inputs, skips):
+            if not _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, pools):
                 del skips[add]
                 changed = True
     return skips
@@ -357,10 +392,26 @@ def analyse(
     for node in graph.nodes:
         if node.op == "call_module" and node.target in layers:
             layer_calls.setdefault(node.target, []).append(node)
+    pools = _avg_pools(graph, modules, quantized_inputs, calls) if RESIDUAL_QLINEAR_ADD else set()
     skips = (
-        onnxruntime_residual_skips(graph, modules, layers, quantized_inputs) if RESIDUAL_QLINEAR_ADD else {}
+        onnxruntime_residual_skips(graph, modules, layers, quantized_inputs, pools)
+        if RESIDUAL_QLINEAR_ADD
+        else {}
     )
     placement.qlinear_adds = skips
+    # the Adds that run as QLinearAdd with a Q on their output: those whose skip gets a quantizer, and those
+    # whose both operands are quantized Convs' outputs (each Conv gets an output quantizer)
+    layer_ids = {id(v) for v in layers.values()}
+    adds = list(skips) + [
+        add
+        for add, skip, _ in (residual_skips(graph, modules, layers) if pools else ())
+        if _quantized_conv_behind(skip, modules, layer_ids) is not None
+        and _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, pools)
+    ]
+    used_pools = set().union(*(_pools_reached(add, modules, pools) for add in adds)) if adds else set()
+    placement.pool_inputs = {
+        p.target: nonnegative(p.args[0], modules) for p in graph.nodes if p in used_pools
+    }
     for name, nodes in layer_calls.items():
         if name in quantized_inputs and all(n.args and nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
@@ -372,7 +423,9 @@ def analyse(
             conv
             and name in quantized_inputs
             and weight_integer.get(name)
-            and not all(_reaches_quantized_layers_only(n, modules, quantized_inputs, skips) for n in nodes)
+            and not all(
+                _reaches_quantized_layers_only(n, modules, quantized_inputs, skips, used_pools) for n in nodes
+            )
         ):
             placement.output_quantized.append(name)
             after = _output_point(nodes[0], calls, modules, quantized_inputs) if len(nodes) == 1 else None

@@ -11,7 +11,7 @@ from torch import nn
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
-from quantcli.nn.modules import apply_input_quantizer_before, apply_output_quantizer_after
+from quantcli.nn.modules import QUANT_POOL_CLASSES, apply_input_quantizer_before, apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
@@ -174,6 +174,18 @@ def _place_for_onnxruntime(
             apply_output_quantizer_after(modules[after[0]], module)
     for name, pad in placement.input_before.items():
         apply_input_quantizer_before(modules[pad], layers[name])
+    for name, unsigned in list(placement.pool_inputs.items()):
+        pool = modules[name]
+        if type(pool) not in QUANT_POOL_CLASSES:  # a subclass with its own forward: left in float
+            del placement.pool_inputs[name]
+            continue
+        qname = _qname(name, "input")
+        enabled, desc, matched = cfg.resolve(qname, "input", pool)
+        used.update(matched)
+        pool.__class__ = QUANT_POOL_CLASSES[type(pool)]
+        pool.add_module(
+            "input_quantizer", TensorQuantizer(_unsigned_when(unsigned, desc), name=qname, enabled=enabled)
+        )
     if placement.qlinear_adds:
 
         def make(qname: str, conv: nn.Module, skip) -> TensorQuantizer:
