@@ -20,7 +20,8 @@ onnxruntime's QDQ fusions need
   max-pooled stem) it took the int8 graph from 0.95x to 0.87x its float graph's time (onnxruntime's u8 graph:
   0.85x), MobileViT from 1.31x to 1.26x.
 * **a Conv's input quantized before the zero padding in front of it** (``nn.ZeroPad2d``, ``nn.ConstantPad2d``
-  with value 0, ... called once, read by that Conv alone): the graph is then ``Q -> DQ -> Pad -> Conv``, which
+  with value 0, ... called once, or ``F.pad`` with zeros on a module's input, read by that Conv alone; see
+  :func:`_zero_pad_before`): the graph is then ``Q -> DQ -> Pad -> Conv``, which
   onnxruntime folds into one ``QLinearConv`` (``pad_fusion.cc`` runs before the QDQ fusions), where ``Pad ->
   Q -> DQ -> Conv`` keeps the Pad as a node of its own (in EfficientNet's stride-2 blocks: 169 us of its
   3.1 ms). Exact: a zero pads to the zero point's code either way (``Q(0)`` is the zero point, ``DQ`` of it is
@@ -222,6 +223,8 @@ def _kind(node: fx.Node, modules: dict[str, nn.Module]) -> str:
         if isinstance(m, _SIGN_KEEPING_MODULES) or zero_pad(m):
             return "sign-keeping"
     elif node.op == "call_function":
+        if node.target is F.pad and node.meta.get("zero_pad"):
+            return "sign-keeping"
         if node.target in _RELU_FUNCTIONS:
             return "relu"
         if node.target in _COMMUTING_FUNCTIONS:
@@ -249,20 +252,35 @@ def zero_pad(m: nn.Module | None) -> bool:
     )
 
 
-def _zero_pad_before(node, calls: Counter, modules) -> str | None:
-    """The zero padding module whose output is ``node``'s (a layer call's) input and nothing else's, called
-    once (:func:`zero_pad`); None if there is none."""
+def _zero_pad_before(node, calls: Counter, modules, graph) -> str | None:
+    """The module whose (pre-)hook can quantize ``node``'s (a layer call's) input before the zero padding that
+    produces it, or None. The padding's output must be ``node``'s input and nothing else's. Either
+
+    * a zero padding module (:func:`zero_pad`) called once: its own input; or
+    * ``torch.nn.functional.pad`` with zeros (TensorFlow-style "same" padding computed in a ``forward``, as in
+      Hugging Face's MobileNet), padding the first positional argument of the module whose ``forward`` calls
+      it, called once, which reads that argument nowhere else.
+    """
     src = node.args[0] if node.args else None
+    if not _is_node(src) or list(src.users) != [node] or node.args.count(src) != 1:
+        return None
+    if src.op == "call_module":
+        return src.target if zero_pad(modules.get(src.target)) and calls[src.target] == 1 else None
+    if src.op != "call_function" or src.target is not F.pad or not src.meta.get("zero_pad"):
+        return None
+    owner = _owner(src)
+    calls_of_owner = getattr(graph, "module_inputs", {}).get(owner, [])
+    x = src.args[0] if src.args else None
     if (
-        not _is_node(src)
-        or src.op != "call_module"
-        or not zero_pad(modules.get(src.target))
-        or calls[src.target] != 1
-        or list(src.users) != [node]
-        or node.args.count(src) != 1
+        x is None
+        or not owner
+        or len(calls_of_owner) != 1
+        or not calls_of_owner[0]
+        or calls_of_owner[0][0] is not x
     ):
         return None
-    return src.target
+    inside = [u for u in x.users if owner in (u.meta.get("nn_module_stack") or {})]
+    return owner if inside == [src] else None
 
 
 def nonnegative(node, modules: dict[str, nn.Module]) -> bool:
@@ -416,7 +434,7 @@ def analyse(
         if name in quantized_inputs and all(n.args and nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
         conv = isinstance(layers[name], (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-        pad = _zero_pad_before(nodes[0], calls, modules) if len(nodes) == 1 else None
+        pad = _zero_pad_before(nodes[0], calls, modules, graph) if len(nodes) == 1 else None
         if conv and name in quantized_inputs and pad is not None:
             placement.input_before[name] = pad
         if (

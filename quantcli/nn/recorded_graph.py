@@ -17,7 +17,8 @@ Nodes:
 * ``call_module``: a call of a leaf module (target: its qualified name). Its ``args`` are its tensor
   arguments.
 * ``call_function``: a torch function (target: the function, e.g. ``torch.nn.functional.relu``,
-  ``torch.flatten``, ``operator.getitem`` for tensor indexing).
+  ``torch.flatten``, ``operator.getitem`` for tensor indexing). A ``torch.nn.functional.pad`` node has
+  ``meta["zero_pad"]``: whether it pads with zeros.
 * ``call_method``: a tensor method (target: its name, ``"view"``; operators by their method, ``x + y`` is
   ``"add"``, ``x += y`` is ``"add_"``).
 
@@ -59,9 +60,18 @@ class RecordedNode:
 
 @dataclass
 class RecordedGraph:
-    """The nodes in the order they ran."""
+    """The nodes in the order they ran; ``module_inputs``: for each call of a module recorded op by op (not a
+    leaf), the producers of its positional tensor arguments (None: not produced by a recorded node)."""
 
     nodes: list[RecordedNode] = field(default_factory=list)
+    module_inputs: dict[str, list[list[RecordedNode | None]]] = field(default_factory=dict)
+
+
+def _zero_pad(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``torch.nn.functional.pad`` call pads with zeros (``mode="constant"``, no value or 0)."""
+    mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
+    value = kwargs.get("value", args[3] if len(args) > 3 else None)
+    return mode == "constant" and (value is None or value == 0)
 
 
 def _func_name(func: Callable) -> str:
@@ -141,7 +151,10 @@ class _Recorder(TorchFunctionMode):
             if results:
                 op, target = _classify(func)
                 self.alive.extend(flat)
-                self.produced(self.node(op, target, flat), out)
+                node = self.node(op, target, flat)
+                if func is torch.nn.functional.pad:
+                    node.meta["zero_pad"] = _zero_pad(args, kwargs)
+                self.produced(node, out)
         return out
 
 
@@ -159,6 +172,9 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
                 else:
                     rec.calls += 1
                     rec.stack.append((name, type(module).__name__, rec.calls))
+                    rec.graph.module_inputs.setdefault(name, []).append(
+                        [rec.producer.get(id(t)) for t in args if isinstance(t, torch.Tensor)]
+                    )
             if leaf:
                 rec.leaf_depth += 1
 
