@@ -7,6 +7,10 @@
    initializer, so onnxruntime can fold the Pad into the Conv it feeds (``pad_fusion.cc`` wants constant
    amounts), and :func:`explicit_pads`: a Conv/pooling node with ``auto_pad=VALID`` (``padding="valid"`` in
    torch) or no ``pads`` gets ``pads`` of zeros (the same op), the form that fusion also wants.
+   :func:`global_average_pools`: a ``ReduceMean`` over every spatial axis of a 4-D/5-D tensor (what the
+   dynamo exporter makes of ``AdaptiveAvgPool2d(1)``, and TorchScript of ``x.mean((2, 3))``) becomes
+   ``GlobalAveragePool`` (then ``Flatten`` without ``keepdims``): onnxruntime runs that one on codes
+   (``QLinearGlobalAveragePool``) between a DQ and a Q, not ``ReduceMean``.
 4. Weights are stored quantized (the deployment form): a ``QuantizeLinear`` whose input is an initializer
    (possibly through the ``Max``/``Min`` clip) is replaced by its codes, computed with quantcli's arithmetic,
    the same arithmetic the fake-quant model uses; the float weight disappears from the file.
@@ -161,6 +165,54 @@ def explicit_pads(model: onnx.ModelProto) -> int:
         del n.attribute[:]
         n.attribute.extend([*keep, helper.make_attribute("pads", [0] * (2 * rank))])
         changed += 1
+    return changed
+
+
+def _ranks(model: onnx.ModelProto) -> dict[str, int]:
+    """Tensor name -> rank, where the graph records a shape (inputs, outputs, value_info)."""
+    g = model.graph
+    return {
+        v.name: len(v.type.tensor_type.shape.dim)
+        for v in [*g.input, *g.output, *g.value_info]
+        if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
+    }
+
+
+def global_average_pools(model: onnx.ModelProto) -> int:
+    """Rewrite ``ReduceMean`` over all spatial axes (2..rank-1) of a tensor of rank 4 or 5 as
+    ``GlobalAveragePool`` (followed by ``Flatten(axis=1)`` where ``keepdims=0``); returns how many. A rank the
+    graph does not record, or axes given by a computed tensor, leave the node as it is."""
+    g = model.graph
+    inits = initializer_map(g)
+    ranks = None
+    out, changed = [], 0
+    for n in g.node:
+        if n.op_type != "ReduceMean":
+            out.append(n)
+            continue
+        if ranks is None:
+            ranks = _ranks(model)
+        rank = ranks.get(n.input[0])
+        attrs = _attrs(n)
+        if len(n.input) > 1 and n.input[1]:
+            axes = to_numpy(inits[n.input[1]]).tolist() if n.input[1] in inits else None
+        else:
+            axes = attrs.get("axes")
+        if rank not in (4, 5) or axes is None or sorted(a % rank for a in axes) != list(range(2, rank)):
+            out.append(n)
+            continue
+        keep = attrs.get("keepdims", 1)
+        pooled = n.output[0] if keep else f"{n.output[0]}_pooled"
+        name = n.name or n.output[0]
+        out.append(
+            helper.make_node("GlobalAveragePool", [n.input[0]], [pooled], name=f"{name}/GlobalAveragePool")
+        )
+        if not keep:
+            out.append(helper.make_node("Flatten", [pooled], [n.output[0]], name=f"{name}/Flatten", axis=1))
+        changed += 1
+    if changed:
+        del g.node[:]
+        g.node.extend(out)
     return changed
 
 
@@ -346,5 +398,6 @@ def prepare(model: onnx.ModelProto, fold_weights: bool) -> int:
     fold_casts(model)
     fold_pad_amounts(model)
     explicit_pads(model)
+    global_average_pools(model)
     align_zero_points(model)
     return fold_weight_quantization(model) if fold_weights else 0

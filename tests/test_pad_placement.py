@@ -19,7 +19,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from exporters.fold import explicit_pads, fold_pad_amounts
+from exporters.fold import explicit_pads, fold_pad_amounts, global_average_pools
 from exporters.onnxruntime.fusion import optimized_graph
 from quantcli import quantize_model
 from quantcli.nn.tensor_quantizer import TensorQuantizer
@@ -140,6 +140,104 @@ def test_control_without_the_move_the_padding_stays_a_node(padded, tmp_path, mon
     assert optimized.count("Pad") == 4, optimized
 
 
+TF_PADDED = textwrap.dedent('''
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+
+    class ConvLayer(nn.Module):
+        """Hugging Face MobileNetV2's pattern: TensorFlow "same" padding computed from the input's shape in
+        ``forward`` and applied with F.pad, then a Conv without padding, then ReLU6."""
+
+        def __init__(self, cin, cout, k, stride=1, groups=1, act=True):
+            super().__init__()
+            self.convolution = nn.Conv2d(cin, cout, k, stride=stride, groups=groups)
+            self.activation = nn.ReLU6() if act else nn.Identity()
+
+        def forward(self, x):
+            h, w = int(x.shape[-2]), int(x.shape[-1])
+            k, s = self.convolution.kernel_size[0], self.convolution.stride[0]
+            ph = max(k - s, 0) if h % s == 0 else max(k - h % s, 0)
+            pw = max(k - s, 0) if w % s == 0 else max(k - w % s, 0)
+            x = F.pad(x, (pw // 2, pw - pw // 2, ph // 2, ph - ph // 2), "constant", 0.0)
+            return self.activation(self.convolution(x))
+
+
+    class ReadsTwice(ConvLayer):
+        """Its input is padded and read again: quantizing it for the Conv would change the rest."""
+
+        def forward(self, x):
+            return super().forward(x) + x.mean()
+
+
+    class Block(nn.Module):
+        def __init__(self, c):
+            super().__init__()
+            self.expand = ConvLayer(c, 2 * c, 1)
+            self.dw = ConvLayer(2 * c, 2 * c, 3, groups=2 * c)
+            self.project = ConvLayer(2 * c, c, 1, act=False)
+
+        def forward(self, x):
+            return x + self.project(self.dw(self.expand(x)))
+
+
+    class TfPadded(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = ConvLayer(3, 8, 3, stride=2)
+            self.blocks = nn.Sequential(Block(8), Block(8))
+            self.odd = ReadsTwice(8, 8, 3)
+            self.pool = nn.AdaptiveAvgPool2d(1)
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            return self.fc(torch.flatten(self.pool(self.blocks(self.odd(self.stem(x)))), 1))
+
+
+    def make():
+        torch.manual_seed(0)
+        return TfPadded().eval()
+''')
+
+
+@pytest.fixture(scope="module")
+def tf_padded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tf_padded")
+    (d / "padded.py").write_text(TF_PADDED)
+    np.save(d / "x.npy", np.random.default_rng(0).standard_normal((32, 3, 16, 16)).astype(np.float32))
+    return d
+
+
+def test_functional_same_padding_quantizes_the_layers_input_before_it(tf_padded, tmp_path):
+    """Every ``F.pad`` + Conv module gets its Conv's input quantizer on its own input (a pre-hook), except
+    the one that reads its input again; onnxruntime then runs every Conv as QLinearConv with the padding
+    folded in, every residual Add as QLinearAdd, and verify finds the codes exact."""
+    m = quantize_model(_module(tf_padded).make(), "int8", example={"x": torch.randn(2, 3, 16, 16)})
+    p = m.quantcli_report.placement
+    layers = ["stem"] + [f"blocks.{b}.{c}" for b in (0, 1) for c in ("expand", "dw", "project")]
+    assert p.input_before == {f"{name}.convolution": name for name in layers}
+    # the inputs after a ReLU6 (through the padding) are unsigned; no Conv whose output reaches only padded
+    # Convs needs an output quantizer
+    assert {"blocks.0.dw.convolution", "blocks.1.project.convolution"} <= set(p.unsigned_inputs)
+    assert "blocks.0.expand.convolution" not in p.output_quantized
+    assert p.pool_inputs == {"pool": False}  # the last Add's output: signed
+    ck, path = tmp_path / "p.calib.pt", tmp_path / "p.onnx"
+    assert _calibrate(tf_padded, ck).exit_code == 0
+    for exporter in ("torchscript", "dynamo"):
+        r = cli("export", ck, "--onnx", path, "--exporter", exporter)
+        assert r.exit_code == 0, r.stdout
+        optimized = [n.op_type for n in optimized_graph(path).graph.node]
+        assert optimized.count("Pad") == 1, (exporter, optimized)  # ReadsTwice's
+        # the two residual Adds run on codes; ReadsTwice's own Add of a mean stays float
+        assert optimized.count("QLinearAdd") == 2 and optimized.count("Add") == 1, (exporter, optimized)
+        assert optimized.count("QLinearGlobalAveragePool") == 1, (exporter, optimized)
+        v = cli("verify", path, "--reference", ck, "--data", tf_padded / "x.npy", "--json")
+        assert v.exit_code == 0, v.stdout
+        checks = {c["name"]: c for c in json.loads(v.stdout)["checks"]}
+        assert checks["fidelity.codes"]["value"] == 1.0, exporter
+
+
 # ------------------------------------------------------------------------------------------- graph passes
 
 
@@ -236,3 +334,54 @@ def test_valid_convolution_gets_explicit_zero_pads_and_computes_the_same():
     assert attrs[2]["auto_pad"] == b"SAME_UPPER" and "pads" not in attrs[2]
     onnx.checker.check_model(model)
     np.testing.assert_array_equal(_run(model, x), before)
+
+
+def test_reduce_mean_over_the_spatial_axes_becomes_global_average_pool():
+    """What the dynamo exporter makes of ``AdaptiveAvgPool2d(1)`` and TorchScript of ``x.mean((2, 3))``:
+    ``ReduceMean``, which onnxruntime does not run on codes. A mean over the last axis of a 3-D tensor (a
+    LayerNorm's) stays."""
+    rng = np.random.default_rng(0)
+    axes = numpy_helper.from_array(np.array([-2, -1], np.int64), "axes")
+    last = numpy_helper.from_array(np.array([-1], np.int64), "last")
+    nodes = [
+        helper.make_node("ReduceMean", ["x", "axes"], ["kept"], keepdims=1),
+        helper.make_node("ReduceMean", ["x", "axes"], ["flat"], keepdims=0),
+        helper.make_node("ReduceMean", ["t", "last"], ["row"], keepdims=1),
+    ]
+    outs = {"kept": [2, 3, 1, 1], "flat": [2, 3], "row": [2, 5, 1]}
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5, 7]),
+            helper.make_tensor_value_info("t", TensorProto.FLOAT, [2, 5, 6]),
+        ],
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in outs.items()],
+        [axes, last],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    feeds = {
+        "x": rng.standard_normal((2, 3, 5, 7)).astype(np.float32),
+        "t": rng.standard_normal((2, 5, 6)).astype(np.float32),
+    }
+
+    def run(m):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+            None, feeds
+        )
+
+    before = run(model)
+    assert global_average_pools(model) == 2
+    assert [n.op_type for n in model.graph.node] == [
+        "GlobalAveragePool",
+        "GlobalAveragePool",
+        "Flatten",
+        "ReduceMean",
+    ]
+    onnx.checker.check_model(model)
+    for got, want in zip(run(model), before):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(before[0].reshape(2, 3), feeds["x"].mean((2, 3)), rtol=1e-6)  # independent

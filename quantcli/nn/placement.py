@@ -70,6 +70,7 @@ from quantcli.nn.recorded_graph import RecordedGraph, RecordedNode, record
 #: onnxruntime target: quantize the skip input of residual Adds that can then run as QLinearAdd (issue 25)
 RESIDUAL_QLINEAR_ADD = True
 
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # ops whose output is >= 0 whatever their input
 _RELU_MODULES = (nn.ReLU, nn.ReLU6)
 _RELU_FUNCTIONS = {F.relu, torch.relu, F.relu6, torch.relu_}
@@ -323,16 +324,17 @@ def _reaches_quantized_layers_only(
     return True
 
 
-def _avg_pools(graph, modules, quantized_inputs: set[str], calls: Counter) -> set:
-    """Average pooling nodes (modules called once) whose output reaches quantized layers' inputs only: with a
-    quantizer on their input they run on codes (``QLinearAveragePool``/``QLinearGlobalAveragePool``)."""
+def _avg_pools(graph, modules, quantized_inputs: set[str], calls: Counter, ends=()) -> set:
+    """Average pooling nodes (modules called once) whose output reaches quantized layers' inputs (or the
+    inputs of ``ends``) only: with a quantizer on their input they run on codes
+    (``QLinearAveragePool``/``QLinearGlobalAveragePool``)."""
     return {
         n
         for n in graph.nodes
         if n.op == "call_module"
         and isinstance(modules.get(n.target), _SIGN_KEEPING_MODULES)
         and calls[n.target] == 1
-        and _reaches_quantized_layers_only(n, modules, quantized_inputs)
+        and _reaches_quantized_layers_only(n, modules, quantized_inputs, None, ends)
     }
 
 
@@ -410,9 +412,18 @@ def analyse(
     for node in graph.nodes:
         if node.op == "call_module" and node.target in layers:
             layer_calls.setdefault(node.target, []).append(node)
-    pools = _avg_pools(graph, modules, quantized_inputs, calls) if RESIDUAL_QLINEAR_ADD else set()
+    # zero paddings before a Conv whose input quantizer then runs before them: their input is quantized
+    pads = set()
+    for name, nodes in layer_calls.items():
+        if len(nodes) == 1 and name in quantized_inputs and isinstance(layers[name], _CONVS):
+            hooked = _zero_pad_before(nodes[0], calls, modules, graph)
+            if hooked is not None:
+                placement.input_before[name] = hooked
+                pads.add(nodes[0].args[0])
+    pools = _avg_pools(graph, modules, quantized_inputs, calls, pads) if RESIDUAL_QLINEAR_ADD else set()
+    ends = pads | pools  # nodes whose input gets a quantizer, besides the quantized layers
     skips = (
-        onnxruntime_residual_skips(graph, modules, layers, quantized_inputs, pools)
+        onnxruntime_residual_skips(graph, modules, layers, quantized_inputs, ends)
         if RESIDUAL_QLINEAR_ADD
         else {}
     )
@@ -424,7 +435,7 @@ def analyse(
         add
         for add, skip, _ in (residual_skips(graph, modules, layers) if pools else ())
         if _quantized_conv_behind(skip, modules, layer_ids) is not None
-        and _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, pools)
+        and _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, ends)
     ]
     used_pools = set().union(*(_pools_reached(add, modules, pools) for add in adds)) if adds else set()
     placement.pool_inputs = {
@@ -433,16 +444,14 @@ def analyse(
     for name, nodes in layer_calls.items():
         if name in quantized_inputs and all(n.args and nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
-        conv = isinstance(layers[name], (nn.Conv1d, nn.Conv2d, nn.Conv3d))
-        pad = _zero_pad_before(nodes[0], calls, modules, graph) if len(nodes) == 1 else None
-        if conv and name in quantized_inputs and pad is not None:
-            placement.input_before[name] = pad
+        conv = isinstance(layers[name], _CONVS)
+        reached = used_pools | pads
         if (
             conv
             and name in quantized_inputs
             and weight_integer.get(name)
             and not all(
-                _reaches_quantized_layers_only(n, modules, quantized_inputs, skips, used_pools) for n in nodes
+                _reaches_quantized_layers_only(n, modules, quantized_inputs, skips, reached) for n in nodes
             )
         ):
             placement.output_quantized.append(name)
