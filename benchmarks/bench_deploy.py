@@ -153,7 +153,8 @@ def quantize_with_onnxruntime(fp32: Path, work: Path, calib, dynamic: bool) -> P
 
 def quantize_with_quantcli(model: torch.nn.Module, calib, path: Path) -> int:
     """Returns how many quantized layers onnxruntime leaves in float."""
-    q = quantize_model(copy.deepcopy(model), "int8")
+    # the structure read from a forward on the first batch, as `quantcli calibrate` reads it
+    q = quantize_model(copy.deepcopy(model), "int8", example=calib[0])
     calibrate(q, calib, method="max", device="cpu")
     export_onnx(q, calib[0], path)
     return len(inspect_fusion(path).unfused)
