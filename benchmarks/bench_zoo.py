@@ -266,6 +266,20 @@ def goals(rows: list[dict]) -> list[str]:
     timed = [r for r in rows if "int8/fp32" in r]
     band, n_aa = noise_band(rows)
     slower = [r for r in timed if r["int8/fp32"] > 1.0 + band]
+    # issue 25: every CNN against quantize_static with uint8 activations (both exporters)
+    cnns = [
+        r
+        for r in rows
+        if r["target"] == "onnxruntime"
+        and zoo.MODELS.get(r["model"], zoo.CRITERIA_MODELS.get(r["model"])) == "cnn"
+        and "int8/peer" in r
+    ]
+    cnn_fast = [r for r in cnns if r["int8/peer"] <= 1.0 and r["cos int8"] >= r["cos peer"]]
+    cnn_tied = [
+        r
+        for r in cnns
+        if r not in cnn_fast and r["int8/peer"] <= 1.0 + band and r["cos int8"] >= r["cos peer"]
+    ]
     names = lambda rs: ", ".join(f"{r['model']}/{r['exporter']}/{r['target']}" for r in rs) or "none"  # noqa: E731
     return [
         f"verify: 0 false PASSes ({len(false_pass)}: {names(false_pass)}) and 0 false FAILs "
@@ -283,6 +297,10 @@ def goals(rows: list[dict]) -> list[str]:
         f"int8/fp32 > 1 + {band:.1%}, the widest A/A spread of {n_aa} float graphs "
         f"({len(timed) - len(slower)}/"
         f"{len(timed)}; slower: {names(slower)}): {verdict(bool(timed) and not slower)}",
+        f"deploy (issue 25): every CNN <= 1.0x quantize_static u8's latency at >= its cosine "
+        f"({len(cnn_fast)}/{len(cnns)}; missed: {names([r for r in cnns if r not in cnn_fast])}, of them "
+        f"within the {band:.1%} noise band: {names(cnn_tied)}): "
+        f"{verdict(bool(cnns) and len(cnn_fast) == len(cnns))}",
     ]
 
 

@@ -461,4 +461,10 @@ def placement_summary(placement, target: str) -> dict:
             f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
             f"{len(placement.output_quantized)} Conv output quantizers, int32 biases"
         )
+        extra = [
+            (len(placement.residual_quantized), "residual skip inputs quantized (QLinearAdd)"),
+            (len(placement.pool_inputs), "pooling inputs quantized (QLinearAdd before them)"),
+            (len(placement.input_before), "Conv inputs quantized before their zero padding"),
+        ]
+        d["text"] += "".join(f", {k} {what}" for k, what in extra if k)
     return d
