@@ -184,7 +184,7 @@ def global_average_pools(model: onnx.ModelProto) -> int:
     graph does not record, or axes given by a computed tensor, leave the node as it is."""
     g = model.graph
     inits = initializer_map(g)
-    ranks = None
+    ranks, inferred = None, False
     out, changed = [], 0
     for n in g.node:
         if n.op_type != "ReduceMean":
@@ -192,12 +192,18 @@ def global_average_pools(model: onnx.ModelProto) -> int:
             continue
         if ranks is None:
             ranks = _ranks(model)
-        rank = ranks.get(n.input[0])
         attrs = _attrs(n)
         if len(n.input) > 1 and n.input[1]:
             axes = to_numpy(inits[n.input[1]]).tolist() if n.input[1] in inits else None
         else:
             axes = attrs.get("axes")
+        if axes is not None and len(axes) in (2, 3) and n.input[0] not in ranks and not inferred:
+            inferred = True  # the exporter recorded no shape here: ONNX shape inference, once
+            try:
+                ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
+            except Exception:  # a graph it cannot infer (or too large to): leave the means as they are
+                pass
+        rank = ranks.get(n.input[0])
         if rank not in (4, 5) or axes is None or sorted(a % rank for a in axes) != list(range(2, rank)):
             out.append(n)
             continue

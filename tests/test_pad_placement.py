@@ -385,3 +385,21 @@ def test_reduce_mean_over_the_spatial_axes_becomes_global_average_pool():
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(before[0].reshape(2, 3), feeds["x"].mean((2, 3)), rtol=1e-6)  # independent
+
+
+def test_a_mean_whose_rank_the_exporter_did_not_record_is_found_by_shape_inference():
+    """TorchScript records no shape for intermediate tensors: the rank comes from ONNX shape inference."""
+    nodes = [
+        helper.make_node("Relu", ["x"], ["r"]),
+        helper.make_node("ReduceMean", ["r"], ["y"], axes=[2, 3], keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 5, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    assert global_average_pools(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Relu", "GlobalAveragePool", "Flatten"]
+    assert not model.graph.value_info  # the inference ran on a copy

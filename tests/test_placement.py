@@ -489,3 +489,34 @@ def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
     out = tmp_path / "old.onnx"
     assert cli("export", old, "--onnx", out).exit_code == 0
     assert cli("verify", out, "--reference", old).exit_code == 0
+
+
+class TwoReaders(nn.Module):
+    """conv_a's output feeds a mean (float) and conv_b: conv_a gets an output quantizer, so conv_b reads a
+    DequantizeLinear output whether or not it is quantized itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_a = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv_b = nn.Conv2d(8, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv_a(x)
+        return self.conv_b(y).mean((2, 3)) + y.mean((1, 2, 3)).unsqueeze(1)
+
+
+def test_a_float_layer_reading_a_quantized_tensor_is_not_a_quantized_layer(tmp_path):
+    """A layer kept float (latency placement, --min-cosine) whose input is another layer's output Q runs as a
+    float Conv after a DQ: inspect must not count it as a quantized layer onnxruntime failed to fuse."""
+    from quantcli.nn.modes import keep_float
+
+    shape = (2, 3, 8, 8)
+    m = _quantized(TwoReaders(), shape)
+    assert hasattr(m.conv_a, "output_quantizer")
+    for q in (m.conv_b.input_quantizer, m.conv_b.weight_quantizer, m.conv_b.output_quantizer):
+        keep_float(q)  # as latency placement does
+    path = _export(m, shape, tmp_path)
+    report = inspect_fusion(path)
+    assert [lf.layer for lf in report.layers] == ["conv_a"] and report.unfused == []
+    k = _kernels(path)  # conv_b: a float convolution reading conv_a's DQ
+    assert k["QLinearConv"] == 1 and k["QLinearGlobalAveragePool"] == 0, k

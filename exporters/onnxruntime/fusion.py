@@ -2,9 +2,9 @@
 
 :func:`inspect_fusion` loads the graph the way a user does (``InferenceSession(path)``: default options,
 ``ORT_ENABLE_ALL``), saves the graph onnxruntime runs (``SessionOptions.optimized_model_filepath``) and looks
-up every quantized layer of the exported graph in it. A layer is a Conv/ConvTranspose/Gemm/MatMul that reads a
-DequantizeLinear output, named after the module its quantizers belong to (the quantizer map in
-``metadata_props``). *Fused* is what onnxruntime did (the op type it runs the layer as); *reasons* is a
+up every quantized layer of the exported graph in it. A layer is a Conv/ConvTranspose/Gemm/MatMul whose weight
+(second input) is a DequantizeLinear output, named after the module its quantizers belong to (the quantizer
+map in ``metadata_props``). *Fused* is what onnxruntime did (the op type it runs the layer as); *reasons* is a
 diagnosis of an unfused layer from the conditions of onnxruntime's QDQ selectors (``qdq_selectors.cc``), the
 passes that run before them (``qdq_s8_to_u8.cc``, ``weight_bias_quantization.cc``,
 ``ensure_unique_dq_for_node_unit.cc``) and the guards of :mod:`exporters.onnxruntime.compat`. A reason is
@@ -159,8 +159,8 @@ def _layer_name(quantizers: list[str], node: onnx.NodeProto) -> str:
 
 
 def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, list[str]]]:
-    """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul reading a
-    DequantizeLinear.
+    """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul whose second input (the
+    weight, or a MatMul's right operand) is a DequantizeLinear output.
 
     Named after the module of its quantizers in the quantizer map, else after the node.
     """
@@ -177,10 +177,14 @@ def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, 
             continue
         if n.op_type not in LAYER_OPS:
             continue
-        dqs = [dq for dq, _ in (g.dq_of(i, _MOVES) for i in n.input[:2]) if dq is not None]
+        found = [g.dq_of(i, _MOVES)[0] for i in n.input[:2]]
+        if len(found) < 2 or found[1] is None:
+            # no DQ on the weight (second) input: a float layer reading a quantized tensor (the output Q of a
+            # quantized layer before it, e.g. a layer latency placement kept float), not a quantized one
+            continue
+        dqs = [dq for dq in found if dq is not None]
         names = [g.qmap[dq.output[0]] for dq in dqs if dq.output[0] in g.qmap]
-        if dqs:
-            out.append((_layer_name(names, n), n, names))
+        out.append((_layer_name(names, n), n, names))
     # one module is one node: a name claimed by several nodes means the map is ambiguous there; name them by
     # node
     claimed = collections.Counter(name for name, _, _ in out)
