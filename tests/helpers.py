@@ -48,3 +48,23 @@ def assert_clean_error(result, *fragments):
     assert out.strip() == "", f"stdout should be empty on error: {out!r}"
     for f in fragments:
         assert f in lines[0], (f, err)
+
+
+def model_folder(folder, source: str, shape: tuple[int, ...]):
+    """``folder`` with ``model.py`` (``source``, a user's model file with ``make()``) and ``x.npy`` (32 seeded
+    standard-normal samples of ``shape``): the pair ``calibrate model.py:make --data x.npy`` takes."""
+    import numpy as np
+
+    (folder / "model.py").write_text(source)
+    np.save(folder / "x.npy", np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+    return folder
+
+
+def load_module(path, name: str = "user_model"):
+    """The Python module in file ``path``, imported under ``name``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -23,7 +23,7 @@ from exporters.fold import explicit_pads, fold_pad_amounts, global_average_pools
 from exporters.onnxruntime.fusion import optimized_graph
 from quantcli import quantize_model
 from quantcli.nn.tensor_quantizer import TensorQuantizer
-from tests.helpers import cli
+from tests.helpers import cli, load_module, model_folder
 
 PADDED = textwrap.dedent('''
     import torch
@@ -64,23 +64,15 @@ PADDED = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def padded(tmp_path_factory):
-    d = tmp_path_factory.mktemp("padded")
-    (d / "padded.py").write_text(PADDED)
-    np.save(d / "x.npy", np.random.default_rng(0).standard_normal((32, 3, 17, 17)).astype(np.float32))
-    return d
+    return model_folder(tmp_path_factory.mktemp("padded"), PADDED, (32, 3, 17, 17))
 
 
 def _module(folder):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("padded_model", folder / "padded.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(folder / "model.py", "padded_model")
 
 
 def _calibrate(folder, ck):
-    spec, data = folder / "padded.py:make", folder / "x.npy"
+    spec, data = folder / "model.py:make", folder / "x.npy"
     return cli("calibrate", spec, "--data", data, "--placement", "all", "--out", ck)
 
 
@@ -203,10 +195,7 @@ TF_PADDED = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def tf_padded(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tf_padded")
-    (d / "padded.py").write_text(TF_PADDED)
-    np.save(d / "x.npy", np.random.default_rng(0).standard_normal((32, 3, 16, 16)).astype(np.float32))
-    return d
+    return model_folder(tmp_path_factory.mktemp("tf_padded"), TF_PADDED, (32, 3, 16, 16))
 
 
 def test_functional_same_padding_quantizes_the_layers_input_before_it(tf_padded, tmp_path):

@@ -20,7 +20,7 @@ from torch import nn
 from quantcli import quantize_model
 from quantcli.nn.placement import analyse
 from quantcli.nn.recorded_graph import record
-from tests.helpers import cli
+from tests.helpers import cli, load_module
 
 # ------------------------------------------------------------------------------------------- the recording
 
@@ -128,12 +128,7 @@ def pitch(tmp_path_factory):
 
 
 def _pitch_module(folder):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("pitch_model", folder / "pitch.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(folder / "pitch.py", "pitch_model")
 
 
 def test_placement_of_an_untraceable_model_comes_from_the_recording(pitch):

@@ -65,6 +65,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from quantcli.errors import first_line
+from quantcli.nn.modules import QUANT_POOL_CLASSES
 from quantcli.nn.recorded_graph import RecordedGraph, RecordedNode, record
 
 #: onnxruntime target: quantize the skip input of residual Adds that can then run as QLinearAdd (issue 25)
@@ -109,14 +110,7 @@ _COMMUTING_METHODS = {
     "squeeze",
     "unsqueeze",
 }
-_SIGN_KEEPING_MODULES = (
-    nn.AvgPool1d,
-    nn.AvgPool2d,
-    nn.AvgPool3d,
-    nn.AdaptiveAvgPool1d,
-    nn.AdaptiveAvgPool2d,
-    nn.AdaptiveAvgPool3d,
-)
+_SIGN_KEEPING_MODULES = tuple(QUANT_POOL_CLASSES)  # the average poolings
 _SIGN_KEEPING_FUNCTIONS = {
     F.avg_pool1d,
     F.avg_pool2d,
