@@ -112,7 +112,7 @@ def fold_pad_amounts(model: onnx.ModelProto) -> int:
             nodes = _constant_subgraph(n.input[i], producers, inits)
             if nodes is None:
                 continue
-            from onnx.reference import ReferenceEvaluator
+            from onnx.reference import ReferenceEvaluator  # only for computed amounts: a costly import
 
             sub = helper.make_graph(
                 nodes,
@@ -277,8 +277,8 @@ def fold_weight_quantization(model: onnx.ModelProto) -> int:
     g = model.graph
     inits = initializer_map(g)
     producers = producer_map(g)
-    drop_q: set[int] = set()
-    drop_clip: set[int] = set()
+    drop_q: set[str] = set()  # nodes by first output (protobuf wrappers have no stable identity)
+    drop_clip: set[str] = set()
     folded = 0
     for n in g.node:
         if n.op_type != "QuantizeLinear" or n.input[1] not in inits:
@@ -309,19 +309,13 @@ def fold_weight_quantization(model: onnx.ModelProto) -> int:
         new = make_initializer(n.output[0], codes, elem)
         g.initializer.append(new)
         inits[new.name] = new
-        drop_q.add(id(n))
-        drop_clip.update(id(c) for c in chain)
+        drop_q.add(n.output[0])
+        drop_clip.update(c.output[0] for c in chain)
         folded += 1
-    keep = [n for n in g.node if id(n) not in drop_q]
-    # a clip node may feed other nodes too: drop it only when nothing reads it any more
-    while True:
-        read = {i for n in keep for i in n.input} | {o.name for o in g.output}
-        rest = [n for n in keep if id(n) not in drop_clip or any(o in read for o in n.output)]
-        if len(rest) == len(keep):
-            break
-        keep = rest
+    keep = [n for n in g.node if n.output[0] not in drop_q]
     del g.node[:]
     g.node.extend(keep)
+    _drop_unread(g, drop_clip)  # a clip node may feed other nodes too: dropped only when nothing reads it
     return folded
 
 

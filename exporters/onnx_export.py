@@ -27,7 +27,14 @@ from torch import nn
 from exporters import aten_symbolics
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
-from exporters.graph import PRUNED_KEY, QUANTIZERS_KEY, name_scopes, qdq_pairs, scope_module_path
+from exporters.graph import (
+    PRUNED_KEY,
+    QUANTIZERS_KEY,
+    consumer_map,
+    name_scopes,
+    qdq_pairs,
+    scope_module_path,
+)
 from exporters.matmul_nbits import KN_WEIGHTS_KEY, to_matmul_nbits
 from exporters.onnxruntime.compat import guard_fp8, session_needs
 from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
@@ -171,11 +178,7 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
     known = set(quantizers(module))
     aliases = _hook_scopes(module)
     before = _padding_inputs(module)
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    if before:
-        for n in model.graph.node:
-            for x in n.input:
-                readers.setdefault(x, []).append(n)
+    readers = consumer_map(model) if before else {}
     mapping = {}
     for n in model.graph.node:
         if n.op_type != "DequantizeLinear":

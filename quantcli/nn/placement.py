@@ -291,15 +291,15 @@ def nonnegative(node, modules: dict[str, nn.Module]) -> bool:
 
 
 def _reaches_quantized_layers_only(
-    node: fx.Node, modules, quantized_inputs: set[str], skips: dict | None = None, pools=()
+    node: fx.Node, modules, quantized_inputs: set[str], skips: dict | None = None, ends=()
 ) -> bool:
     """True if every path from ``node`` through ReLUs and commuting ops ends at a quantized layer's input (or
-    at a residual Add in ``skips`` whose skip operand it is, or at a pooling node in ``pools``: those inputs
-    get a quantizer)."""
+    at a residual Add in ``skips`` whose skip operand it is, or at a node of ``ends`` (poolings, paddings)
+    whose input gets a quantizer)."""
     if not node.users:
         return False
     for user in node.users:
-        if user in pools and user.args and user.args[0] is node:
+        if user in ends and user.args and user.args[0] is node:
             continue
         if (
             user.op == "call_module"
@@ -312,7 +312,7 @@ def _reaches_quantized_layers_only(
         if skips and skips.get(user) is node:
             continue
         if _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
-            if _reaches_quantized_layers_only(user, modules, quantized_inputs, skips, pools):
+            if _reaches_quantized_layers_only(user, modules, quantized_inputs, skips, ends):
                 continue
         return False
     return True
@@ -344,24 +344,22 @@ def _pools_reached(node, modules, pools) -> set:
 
 
 def onnxruntime_residual_skips(
-    graph, modules, layers: dict[str, nn.Module], quantized_inputs: set[str], pools=()
+    residuals: list, modules, layers: dict[str, nn.Module], quantized_inputs: set[str], ends=()
 ) -> dict:
-    """The residual Adds that onnxruntime can run as ``QLinearAdd`` once their skip operand is quantized:
-    ``{add node: skip node}``. The branch is a quantized Conv's output (it gets an output quantizer), the skip
-    is not a Conv's output (that one gets its own), and everything the Add's output reaches through ReLUs and
-    commuting ops is a quantized layer's input, another such Add's skip or the input of one of the average
-    ``pools`` (``QLinearAdd`` needs a Q on every output edge)."""
+    """Of the ``residuals`` (:func:`residual_skips`), the Adds that onnxruntime can run as ``QLinearAdd`` once
+    their skip operand is quantized: ``{add node: skip node}``. The branch is a quantized Conv's output (it
+    gets an output quantizer), the skip is not a Conv's output (that one gets its own), and everything the
+    Add's output reaches through ReLUs and commuting ops is a quantized layer's input, another such Add's skip
+    or the input of a node of ``ends`` (``QLinearAdd`` needs a Q on every output edge)."""
     layer_ids = {id(v) for v in layers.values()}
     skips = {
-        add: skip
-        for add, skip, _ in residual_skips(graph, modules, layers)
-        if _quantized_conv_behind(skip, modules, layer_ids) is None
+        add: skip for add, skip, _ in residuals if _quantized_conv_behind(skip, modules, layer_ids) is None
     }
     changed = True
     while changed:
         changed = False
         for add in list(skips):
-            if not _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, pools):
+            if not _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, ends):
                 del skips[add]
                 changed = True
     return skips
@@ -416,18 +414,15 @@ def analyse(
                 pads.add(nodes[0].args[0])
     pools = _avg_pools(graph, modules, quantized_inputs, calls, pads) if RESIDUAL_QLINEAR_ADD else set()
     ends = pads | pools  # nodes whose input gets a quantizer, besides the quantized layers
-    skips = (
-        onnxruntime_residual_skips(graph, modules, layers, quantized_inputs, ends)
-        if RESIDUAL_QLINEAR_ADD
-        else {}
-    )
+    residuals = residual_skips(graph, modules, layers) if RESIDUAL_QLINEAR_ADD else []
+    skips = onnxruntime_residual_skips(residuals, modules, layers, quantized_inputs, ends)
     placement.qlinear_adds = skips
     # the Adds that run as QLinearAdd with a Q on their output: those whose skip gets a quantizer, and those
     # whose both operands are quantized Convs' outputs (each Conv gets an output quantizer)
     layer_ids = {id(v) for v in layers.values()}
     adds = list(skips) + [
         add
-        for add, skip, _ in (residual_skips(graph, modules, layers) if pools else ())
+        for add, skip, _ in (residuals if pools else ())
         if _quantized_conv_behind(skip, modules, layer_ids) is not None
         and _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, ends)
     ]

@@ -174,26 +174,26 @@ def _place_for_onnxruntime(
             apply_output_quantizer_after(modules[after[0]], module)
     for name, pad in placement.input_before.items():
         apply_input_quantizer_before(modules[pad], layers[name])
+
+    def activation_quantizer(qname: str, module: nn.Module, unsigned: bool) -> TensorQuantizer:
+        """A quantizer the placement adds beside the layers' own: the config's input settings for ``qname``,
+        on the uint8 grid where its tensor is >= 0."""
+        enabled, desc, matched = cfg.resolve(qname, "input", module)
+        used.update(matched)
+        return TensorQuantizer(_unsigned_when(unsigned, desc), name=qname, enabled=enabled)
+
     for name, unsigned in list(placement.pool_inputs.items()):
         pool = modules[name]
         if type(pool) not in QUANT_POOL_CLASSES:  # a subclass with its own forward: left in float
             del placement.pool_inputs[name]
             continue
-        qname = _qname(name, "input")
-        enabled, desc, matched = cfg.resolve(qname, "input", pool)
-        used.update(matched)
+        quantizer = activation_quantizer(_qname(name, "input"), pool, unsigned)
         pool.__class__ = QUANT_POOL_CLASSES[type(pool)]
-        pool.add_module(
-            "input_quantizer", TensorQuantizer(_unsigned_when(unsigned, desc), name=qname, enabled=enabled)
-        )
+        pool.add_module("input_quantizer", quantizer)
     if placement.qlinear_adds:
 
         def make(qname: str, conv: nn.Module, skip) -> TensorQuantizer:
-            enabled, desc, matched = cfg.resolve(qname, "input", conv)
-            used.update(matched)
-            return TensorQuantizer(
-                _unsigned_when(nonnegative(skip, modules), desc), name=qname, enabled=enabled
-            )
+            return activation_quantizer(qname, conv, nonnegative(skip, modules))
 
         placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(
             model, layers, graph, make, only=placement.qlinear_adds
