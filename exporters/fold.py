@@ -11,6 +11,8 @@
    dynamo exporter makes of ``AdaptiveAvgPool2d(1)``, and TorchScript of ``x.mean((2, 3))``) becomes
    ``GlobalAveragePool`` (then ``Flatten`` without ``keepdims``): onnxruntime runs that one on codes
    (``QLinearGlobalAveragePool``) between a DQ and a Q, not ``ReduceMean``.
+   :func:`unit_global_pools`: a global pooling of a 1x1 map (a small image through an ImageNet architecture)
+   is the identity, and is removed.
 4. Weights are stored quantized (the deployment form): a ``QuantizeLinear`` whose input is an initializer
    (possibly through the ``Max``/``Min`` clip) is replaced by its codes, computed with quantcli's arithmetic,
    the same arithmetic the fake-quant model uses; the float weight disappears from the file.
@@ -168,14 +170,34 @@ def explicit_pads(model: onnx.ModelProto) -> int:
     return changed
 
 
-def _ranks(model: onnx.ModelProto) -> dict[str, int]:
-    """Tensor name -> rank, where the graph records a shape (inputs, outputs, value_info)."""
+def _shapes(model: onnx.ModelProto) -> dict[str, list[int | None]]:
+    """Tensor name -> its dimensions (None for a symbolic or unknown one), where the graph records a shape
+    (inputs, outputs, value_info)."""
     g = model.graph
     return {
-        v.name: len(v.type.tensor_type.shape.dim)
+        v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
         for v in [*g.input, *g.output, *g.value_info]
         if v.type.HasField("tensor_type") and v.type.tensor_type.HasField("shape")
     }
+
+
+class _Shapes:
+    """The shapes a graph records, completed by ONNX shape inference (on a copy, once, at the first tensor
+    the graph records none for: TorchScript leaves some intermediate tensors without one)."""
+
+    def __init__(self, model: onnx.ModelProto):
+        self.model, self.known, self.inferred = model, None, False
+
+    def get(self, name: str) -> list[int | None] | None:
+        if self.known is None:
+            self.known = _shapes(self.model)
+        if name not in self.known and not self.inferred:
+            self.inferred = True
+            try:
+                self.known.update(_shapes(onnx.shape_inference.infer_shapes(self.model)))
+            except Exception:  # a graph it cannot infer (or too large to): the shape stays unknown
+                pass
+        return self.known.get(name)
 
 
 def global_average_pools(model: onnx.ModelProto) -> int:
@@ -184,27 +206,20 @@ def global_average_pools(model: onnx.ModelProto) -> int:
     graph does not record, or axes given by a computed tensor, leave the node as it is."""
     g = model.graph
     inits = initializer_map(g)
-    ranks, inferred = None, False
+    shapes = _Shapes(model)
     out, changed = [], 0
     for n in g.node:
         if n.op_type != "ReduceMean":
             out.append(n)
             continue
-        if ranks is None:
-            ranks = _ranks(model)
         attrs = _attrs(n)
         if len(n.input) > 1 and n.input[1]:
             axes = to_numpy(inits[n.input[1]]).tolist() if n.input[1] in inits else None
         else:
             axes = attrs.get("axes")
-        if axes is not None and len(axes) in (2, 3) and n.input[0] not in ranks and not inferred:
-            inferred = True  # the exporter recorded no shape here: ONNX shape inference, once
-            try:
-                ranks.update(_ranks(onnx.shape_inference.infer_shapes(model)))
-            except Exception:  # a graph it cannot infer (or too large to): leave the means as they are
-                pass
-        rank = ranks.get(n.input[0])
-        if rank not in (4, 5) or axes is None or sorted(a % rank for a in axes) != list(range(2, rank)):
+        shape = shapes.get(n.input[0]) if axes is not None and len(axes) in (2, 3) else None
+        rank = None if shape is None else len(shape)
+        if rank not in (4, 5) or sorted(a % rank for a in axes) != list(range(2, rank)):
             out.append(n)
             continue
         keep = attrs.get("keepdims", 1)
@@ -220,6 +235,55 @@ def global_average_pools(model: onnx.ModelProto) -> int:
         del g.node[:]
         g.node.extend(out)
     return changed
+
+
+_GLOBAL_POOLS = ("GlobalAveragePool", "GlobalMaxPool")
+
+
+def unit_global_pools(model: onnx.ModelProto) -> int:
+    """Remove each ``GlobalAveragePool``/``GlobalMaxPool`` whose input's spatial dimensions are all 1 (the
+    graph records them, or shape inference finds them): the mean or max of one element is that element, so its
+    readers read the input instead (an ``Identity`` keeps the name of a graph output). Returns how many.
+
+    Why: a CNN run at a small resolution (32x32 images into an ImageNet architecture) pools a 1x1 map, and
+    onnxruntime's ``QLinearGlobalAveragePool`` does that slowly where the input has many channels: 398 us of
+    the 2.2 ms of the zoo's mobilenet_v2 ([32, 1280, 1, 1], 1 thread), where the float graph's pool took 22 us.
+    Without the node, DQ -> Flatten -> Q of one scale drops out too and the Q feeds the classifier's QGemm
+    (``python -m benchmarks.profile_zoo --model mobilenet_v2``)."""
+    g = model.graph
+    shapes = _Shapes(model)
+    kept_names = {o.name for o in g.output} | _read_in_subgraphs(g)
+    bypass: dict[str, str] = {}
+    out, changed = [], 0
+    for n in g.node:
+        shape = shapes.get(n.input[0]) if n.op_type in _GLOBAL_POOLS else None
+        if shape is None or len(shape) < 3 or any(d != 1 for d in shape[2:]):
+            out.append(n)
+            continue
+        changed += 1
+        if n.output[0] in kept_names:
+            out.append(helper.make_node("Identity", [n.input[0]], [n.output[0]], name=n.name or n.output[0]))
+        else:
+            bypass[n.output[0]] = n.input[0]
+    for n in out:
+        for i, x in enumerate(n.input):
+            while x in bypass:  # a pool of a pool
+                x = bypass[x]
+            n.input[i] = x
+    if changed:
+        del g.node[:]
+        g.node.extend(out)
+    return changed
+
+
+def _read_in_subgraphs(g: onnx.GraphProto) -> set[str]:
+    """Every tensor name a node inside a subgraph (If/Loop/Scan bodies, nested) reads."""
+    names: set[str] = set()
+    for n in g.node:
+        for a in n.attribute:
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
+                names |= {x for m in sub.node for x in m.input} | _read_in_subgraphs(sub)
+    return names
 
 
 def _constant_subgraph(
@@ -399,5 +463,6 @@ def prepare(model: onnx.ModelProto, fold_weights: bool) -> int:
     fold_pad_amounts(model)
     explicit_pads(model)
     global_average_pools(model)
+    unit_global_pools(model)
     align_zero_points(model)
     return fold_weight_quantization(model) if fold_weights else 0

@@ -19,7 +19,7 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from exporters.fold import explicit_pads, fold_pad_amounts, global_average_pools
+from exporters.fold import explicit_pads, fold_pad_amounts, global_average_pools, unit_global_pools
 from exporters.onnxruntime.fusion import optimized_graph
 from quantcli import quantize_model
 from quantcli.nn.tensor_quantizer import TensorQuantizer
@@ -392,3 +392,67 @@ def test_a_mean_whose_rank_the_exporter_did_not_record_is_found_by_shape_inferen
     assert global_average_pools(model) == 1
     assert [n.op_type for n in model.graph.node] == ["Relu", "GlobalAveragePool", "Flatten"]
     assert not model.graph.value_info  # the inference ran on a copy
+
+
+def test_a_global_pooling_of_a_1x1_map_is_removed():
+    """Mean and max over one element are that element: the pools over [batch, C, 1, 1] and [batch, C, 1] go
+    (a pool of such a pool too), their readers read the input; one that is a graph output becomes an
+    Identity, as does one a subgraph reads. A 2x1 map, and a map of unknown size, keep their pool."""
+    rng = np.random.default_rng(1)
+    branch = helper.make_graph(
+        [helper.make_node("Relu", ["inner"], ["branch_out"])],
+        "branch",
+        [],
+        [helper.make_tensor_value_info("branch_out", TensorProto.FLOAT, ["batch", 3, 1, 1])],
+    )
+    nodes = [
+        helper.make_node("GlobalAveragePool", ["x"], ["p"]),
+        helper.make_node("GlobalMaxPool", ["p"], ["pp"]),
+        helper.make_node("Flatten", ["pp"], ["flat"], axis=1),
+        helper.make_node("GlobalAveragePool", ["x"], ["kept_out"]),
+        helper.make_node("GlobalAveragePool", ["r"], ["q"]),
+        helper.make_node("Relu", ["q"], ["row"]),
+        helper.make_node("GlobalAveragePool", ["w"], ["wide"]),
+        helper.make_node("GlobalAveragePool", ["u"], ["unknown"]),
+        helper.make_node("GlobalAveragePool", ["x"], ["inner"]),
+        helper.make_node("If", ["cond"], ["branched"], then_branch=branch, else_branch=branch),
+    ]
+    inputs = {"x": ["batch", 3, 1, 1], "r": ["batch", 4, 1], "w": [2, 3, 2, 1], "u": [2, 3, "h", "w"]}
+    outs = {"flat": ["batch", 3], "kept_out": ["batch", 3, 1, 1], "row": ["batch", 4, 1]}
+    outs |= {"wide": [2, 3, 1, 1], "unknown": [2, 3, 1, 1], "branched": ["batch", 3, 1, 1]}
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in inputs.items()]
+        + [helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(k, TensorProto.FLOAT, v) for k, v in outs.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    feeds = {"x": (2, 3, 1, 1), "r": (2, 4, 1), "w": (2, 3, 2, 1), "u": (2, 3, 5, 4)}
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in feeds.items()}
+    feeds["cond"] = np.array(True)
+
+    def run(m):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        return dict(zip(outs, sess.run(None, feeds)))
+
+    before = run(model)
+    assert unit_global_pools(model) == 5
+    ops = [(n.op_type, list(n.input)) for n in model.graph.node]
+    assert ops == [
+        ("Flatten", ["x"]),
+        ("Identity", ["x"]),
+        ("Relu", ["r"]),
+        ("GlobalAveragePool", ["w"]),
+        ("GlobalAveragePool", ["u"]),
+        ("Identity", ["x"]),
+        ("If", ["cond"]),
+    ]
+    onnx.checker.check_model(model)
+    after = run(model)
+    for k in outs:
+        np.testing.assert_array_equal(after[k], before[k])
+    np.testing.assert_array_equal(after["flat"], feeds["x"].reshape(2, 3))  # independent: the element itself
+    np.testing.assert_array_equal(after["branched"], np.maximum(feeds["x"], 0))
