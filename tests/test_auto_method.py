@@ -123,3 +123,57 @@ def test_cli_reports_auto_choices(tmp_path):
         "calibrate", "text_encoder", "--method", "auto", "--num-samples", "64", "--out", tmp_path / "a.pt"
     )
     assert "auto choices" in r.output
+
+
+def test_candidates_are_compared_on_the_layers_own_input():
+    """The layer's input, not its quantizer's, is what auto runs the layer on again: a Conv whose quantizer
+    runs before its zero padding reads the padded map (it crashed on the unpadded one: MobileNetV2's
+    TensorFlow padding), and a Linear with SmoothQuant's Mul reads the unsmoothed input (it was smoothed twice).
+    The errors are recomputed independently, as above."""
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.nn import quantize_model, smooth
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pad, self.conv = torch.nn.ZeroPad2d(1), torch.nn.Conv2d(3, 4, 3)
+            self.head = torch.nn.Linear(4 * 4 * 4, 5)
+
+        def forward(self, x):
+            return self.head(torch.flatten(self.conv(self.pad(x)), 1))
+
+    def build():
+        torch.manual_seed(0)
+        return Net().eval()
+
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(4, 3, 4, 4, generator=g) * (1 + 3 * torch.rand(3, 1, 1, generator=g))}]
+    model = quantize_model(build(), example=batches[0])
+    assert model.quantcli_report.placement.input_before == {"conv": "pad"}
+    factor = torch.linspace(0.25, 4.0, 64)
+    smooth.attach(model.head, factor)
+    summary = calibrate(model, batches, "auto", device="cpu")
+
+    flt = build()
+    x = batches[0]["x"]
+    x_pad = F.pad(x, (1, 1, 1, 1))
+    with torch.no_grad():
+        flat = torch.flatten(flt.conv(x_pad), 1) * factor  # the head's smoothed input (weight unchanged)
+    layers = {"head": (flt.head, flat, F.linear), "conv": (flt.conv, x_pad, F.conv2d)}
+    for name, (layer, inp, op) in layers.items():
+        a = summary.auto[f"{name}.input_quantizer"]
+        w, bias = layer.weight.detach(), layer.bias.detach()
+        w_amax = w.abs().amax(dim=tuple(range(1, w.dim())), keepdim=True)
+        y = op(inp, w, bias).double()
+        err = {
+            m: float(
+                (
+                    (op(_fq(inp, torch.tensor(v)), _fq(w, w_amax), _int32_bias(bias, v, w_amax)).double() - y)
+                    ** 2
+                ).mean()
+            )
+            for m, v in a["candidates"].items()
+        }
+        assert len(set(err.values())) > 1, name  # the candidates differ: the comparison can tell them apart
+        for m in CANDIDATES:
+            assert a["errors"][m] == pytest.approx(err[m], rel=1e-4, abs=1e-12), (name, m)

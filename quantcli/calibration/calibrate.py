@@ -210,7 +210,8 @@ def _stop_observers(acts: dict, auto: dict) -> None:
     """Remove ``--method auto``'s hooks and the calibrators of quantizers still observing (after an error):
     every activation quantizer quantizes again."""
     for st in auto.values():
-        st.hook.remove()
+        for h in st.hooks:
+            h.remove()
     for q in acts.values():
         if q.mode == "calibrate":
             q.calibrator = None
@@ -283,11 +284,23 @@ class _AutoState:
     layer: nn.Module
     max_calibrator: MaxCalibrator
     sample: InputSample
-    hook: object = None
+    hooks: list = field(default_factory=list)
 
-    def observe(self, _module, args) -> None:
+    def observe(self, _quantizer, args) -> None:
         self.max_calibrator.collect(args[0])
+
+    def keep(self, _layer, args) -> None:
+        # the layer's own input: what layer(x) takes again when candidates are compared (SmoothQuant's Mul
+        # and a padding the quantizer runs before sit between it and the quantizer's input)
         self.sample.collect(args[0])
+
+    def output(self, q, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output on its input ``x`` with ``q`` as it is set: where ``q`` runs before a zero
+        padding (:func:`quantcli.nn.modules.apply_input_quantizer_before`), the layer skips it, and ``q`` of the
+        padded ``x`` is the padding of ``q(x)``."""
+        if self.layer.__dict__.get("_input_quantized_before") is not None:
+            x = q(x)
+        return self.layer(x)
 
 
 def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _AutoState]:
@@ -310,7 +323,7 @@ def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _Au
             MaxCalibrator(nb if isinstance(nb, int) else tuple(nb), q.desc.axis, q.desc.unsigned, name=name),
             InputSample(num_batches, rows_last=isinstance(layer, nn.Linear)),
         )
-        st.hook = q.register_forward_pre_hook(st.observe)
+        st.hooks = [q.register_forward_pre_hook(st.observe), layer.register_forward_pre_hook(st.keep)]
         states[name] = st
     return states
 
@@ -333,12 +346,12 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
         layer, wq = st.layer, st.layer.weight_quantizer
         x = x.to(device=layer.weight.device, dtype=layer.weight.dtype)
         with quantizer_modes([q, wq], "disabled"), torch.inference_mode():
-            ref = layer(x).to(torch.float64)
+            ref = st.output(q, x).to(torch.float64)
             q.set_mode("quantize")
             wq.set_mode("quantize")
             for m, a in cands.items():
                 q.set_amax(a)
-                errors[m] = float(((layer(x).to(torch.float64) - ref) ** 2).mean())
+                errors[m] = float(((st.output(q, x).to(torch.float64) - ref) ** 2).mean())
     pick = choose(errors) if errors else "max"
     q.set_amax(cands[pick])
     q.histogram = hist
