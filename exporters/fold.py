@@ -247,8 +247,8 @@ def unit_global_pools(model: onnx.ModelProto) -> int:
 
     Why: a CNN run at a small resolution (32x32 images into an ImageNet architecture) pools a 1x1 map, and
     onnxruntime's ``QLinearGlobalAveragePool`` does that slowly where the input has many channels: 398 us of
-    the 2.2 ms of the zoo's mobilenet_v2 ([32, 1280, 1, 1], 1 thread), where the float graph's pool took 22 us.
-    Without the node, DQ -> Flatten -> Q of one scale drops out too and the Q feeds the classifier's QGemm
+    the 2.2 ms of the zoo's mobilenet_v2 ([32, 1280, 1, 1], 1 thread), where the float graph's pool took 22
+    us. Without the node, DQ -> Flatten -> Q of one scale drops out too and the Q feeds the classifier's QGemm
     (``python -m benchmarks.profile_zoo --model mobilenet_v2``)."""
     g = model.graph
     shapes = _Shapes(model)

@@ -128,8 +128,8 @@ def test_cli_reports_auto_choices(tmp_path):
 def test_candidates_are_compared_on_the_layers_own_input():
     """The layer's input, not its quantizer's, is what auto runs the layer on again: a Conv whose quantizer
     runs before its zero padding reads the padded map (it crashed on the unpadded one: MobileNetV2's
-    TensorFlow padding), and a Linear with SmoothQuant's Mul reads the unsmoothed input (it was smoothed twice).
-    The errors are recomputed independently, as above."""
+    TensorFlow padding), and a Linear with SmoothQuant's Mul reads the unsmoothed input (it was smoothed
+    twice). The errors are recomputed independently, as above."""
     from quantcli.calibration.calibrate import calibrate
     from quantcli.nn import quantize_model, smooth
 

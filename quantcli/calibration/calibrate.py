@@ -296,8 +296,8 @@ class _AutoState:
 
     def output(self, q, x: torch.Tensor) -> torch.Tensor:
         """The layer's output on its input ``x`` with ``q`` as it is set: where ``q`` runs before a zero
-        padding (:func:`quantcli.nn.modules.apply_input_quantizer_before`), the layer skips it, and ``q`` of the
-        padded ``x`` is the padding of ``q(x)``."""
+        padding (:func:`quantcli.nn.modules.apply_input_quantizer_before`), the layer skips it, and ``q`` of
+        the padded ``x`` is the padding of ``q(x)``."""
         if self.layer.__dict__.get("_input_quantized_before") is not None:
             x = q(x)
         return self.layer(x)
