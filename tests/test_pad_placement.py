@@ -227,6 +227,27 @@ def test_functional_same_padding_quantizes_the_layers_input_before_it(tf_padded,
         assert checks["fidelity.codes"]["value"] == 1.0, exporter
 
 
+def test_method_auto_on_quantizers_before_a_functional_padding(tf_padded, tmp_path):
+    """``--method auto`` runs each Conv again on its own (padded) input, quantized by the quantizer that runs
+    before the padding: it crashed on Hugging Face's MobileNetV2 (a 3x3 kernel on an unpadded 2x2 map). Every
+    moved quantizer gets a choice, and the export's codes are still exact."""
+    ck, path = tmp_path / "auto.calib.pt", tmp_path / "auto.onnx"
+    spec, data = tf_padded / "model.py:make", tf_padded / "x.npy"
+    r = cli(
+        "calibrate", spec, "--data", data, "--placement", "all", "--method", "auto", "--out", ck, "--json"
+    )
+    assert r.exit_code == 0, r.stdout
+    auto = json.loads(r.stdout)["auto"]
+    moved = [f"{n}.convolution.input_quantizer" for n in ("stem", "blocks.0.dw", "blocks.1.project")]
+    for name in moved:
+        assert len(set(auto[name]["errors"].values())) > 1, (name, auto[name])
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    v = cli("verify", path, "--reference", ck, "--data", data, "--json")
+    assert v.exit_code == 0, v.stdout
+    checks = {c["name"]: c for c in json.loads(v.stdout)["checks"]}
+    assert checks["fidelity.codes"]["value"] == 1.0
+
+
 # ------------------------------------------------------------------------------------------- graph passes
 
 
