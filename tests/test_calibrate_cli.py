@@ -108,6 +108,35 @@ def test_methods_json_summary(method, tmp_path):
     assert out.is_file()
 
 
+def test_a_method_that_asymmetric_quantizers_ignore_is_reported(tmp_path):
+    """Asymmetric activation quantizers calibrate their min and max whatever ``--method`` says: the summary's
+    method row, a warning naming them and ``--json`` say so (the method row said ``entropy`` and nothing
+    more), and their range is the data's own minimum and maximum, not an entropy amax."""
+    out = tmp_path / "a.calib.pt"
+    args = ("calibrate", "digits_cnn", "--config", "uint8-asymmetric", "--num-samples", "128", "--out", out)
+    r = cli(*args, "--method", "entropy")
+    assert r.exit_code == 0, r.output
+    flat = lambda text: " ".join(text.replace("│", " ").split())  # noqa: E731 (a wrapped table cell, one line)
+    assert "asymmetric activation quantizer(s) from their min and max" in flat(r.stdout)
+    assert "warning: --method entropy applies to symmetric grids only" in flat(r.stderr)
+    info = json.loads(cli(*args, "--method", "entropy", "--json").stdout)
+    inputs = sorted(n for n in info["calibrated"] if n.endswith("input_quantizer"))
+    assert inputs and sorted(info["min_max"]) == inputs
+    from sample_models import digits_cnn
+
+    seen = []
+    ref = digits_cnn.build().eval()
+    ref.fc2.register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    with torch.no_grad():
+        ref(**digits_cnn.calibration_batches(128)[0])  # the 128 samples calibrate took
+    q = load_calibrated(out).model.fc2.input_quantizer
+    x = torch.cat(seen)
+    assert float(q.amax) == pytest.approx(float(x.max()), rel=1e-6)
+    assert float(q.amin) == pytest.approx(float(x.min()), rel=1e-6)
+    r = cli(*args, "--method", "max")
+    assert r.exit_code == 0 and "warning: --method" not in r.stderr
+
+
 def test_text_encoder_varying_lengths_and_integer_inputs(calibrated):
     ck = load_calibrated(calibrated("text_encoder"))
     assert ck.input_names == ["input_ids", "attention_mask"]

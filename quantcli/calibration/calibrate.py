@@ -50,6 +50,8 @@ class CalibrationSummary:
     settings: dict = field(default_factory=dict)
     ranks: int = 1  # torch.distributed ranks whose batches were merged
     auto: dict = field(default_factory=dict)  # --method auto: quantizer -> chosen method, amax, local errors
+    # asymmetric activation quantizers: calibrated from their min and max whatever the method
+    min_max: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -69,7 +71,12 @@ class CalibrationSummary:
             "settings": self.settings,
             "ranks": self.ranks,
             **({"auto": self.auto} if self.auto else {}),
+            "min_max": self.min_max,
         }
+
+    def method_ignored_by(self) -> list[str]:
+        """The asymmetric activation quantizers the requested histogram method (or auto) did not apply to."""
+        return self.min_max if self.method != "max" else []
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -375,6 +382,8 @@ def _load_activation_amax(
             _leave_out(qs, name, summary)
             q.calibrator = None
             continue
+        if q.desc.asymmetric:
+            summary.min_max.append(name)
         if auto and name in auto:
             summary.auto[name] = _choose_auto(q, auto[name], kwargs)
         else:

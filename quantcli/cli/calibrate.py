@@ -258,6 +258,12 @@ def _calibrate_warnings(outcome) -> None:
         )
     for bn, reason in report.batchnorm.skipped:
         err.print(f"warning: BatchNorm {bn} not folded: {reason}")
+    ignored = outcome.summary.method_ignored_by()
+    if ignored:
+        err.print(
+            f"warning: --method {outcome.summary.method} applies to symmetric grids only; the {len(ignored)} "
+            f"asymmetric activation quantizer(s) were calibrated from their min and max: {', '.join(ignored)}"
+        )
 
 
 def _calibrate_setup_rows(outcome):
@@ -265,7 +271,12 @@ def _calibrate_setup_rows(outcome):
     from quantcli.inputs.data import describe_preprocessing
 
     job, summary, cfg = outcome.job, outcome.summary, outcome.job.config
-    yield "method", f"{summary.method} ({cfg.source})"
+    ignored = summary.method_ignored_by()
+    yield (
+        "method",
+        f"{summary.method} ({cfg.source})"
+        + (f"; {len(ignored)} asymmetric activation quantizer(s) from their min and max" if ignored else ""),
+    )
     yield (
         "device",
         summary.device if job.rank is None else f"{summary.device} ({job.rank.backend}, one per rank)",
