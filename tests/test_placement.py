@@ -239,15 +239,18 @@ def test_residual_add_before_global_pooling_runs_as_qlinearadd(tmp_path, project
     assert_exact(m, path, shape)
 
 
-def test_global_pooling_of_a_1x1_map_is_removed_and_the_classifier_reads_the_adds_codes(tmp_path):
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_global_pooling_of_a_1x1_map_is_removed_and_the_classifier_reads_the_adds_codes(tmp_path, exporter):
     """A 1x1 map (a small image through the network): the pooling is the identity, so the export drops it,
     and onnxruntime runs QLinearAdd straight into QGemm (the DQ -> Flatten -> Q between them has one scale
     and drops out). Kept, its QLinearGlobalAveragePool cost 18% of the zoo's mobilenet_v2. Same codes."""
     shape = (2, 3, 1, 1)
     m = _quantized(ResidualPool(projection=True), shape)
     assert m.quantcli_report.placement.pool_inputs == {"pool": True}
-    path = _export(m, shape, tmp_path)
-    assert "GlobalAveragePool" not in [n.op_type for n in onnx.load(str(path)).graph.node]
+    path = tmp_path / "m.onnx"
+    export_onnx(m, _batches(shape, 1, seed=9)[0], path, exporter=exporter)
+    ops = [n.op_type for n in onnx.load(str(path)).graph.node]
+    assert "GlobalAveragePool" not in ops and "ReduceMean" not in ops, ops
     k = _kernels(path)
     assert k["QLinearAdd"] == 1 and k["QGemm"] == 1, k
     assert k["QLinearGlobalAveragePool"] == 0 and k["DequantizeLinear"] == 0 and k["QuantizeLinear"] == 1, k
