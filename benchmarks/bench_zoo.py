@@ -144,8 +144,8 @@ def peer(
     return out, f"quantize_static {'u8' if activations == 'uint8' else 's8'}"
 
 
-# : calibration subsets the peer is also quantized on (of the 64 samples): without the first 8, without the
-# last 8, : the even ones, the odd ones
+#: calibration subsets the peer is also quantized on (of the 64 samples): without the first 8, without the
+#: last 8, the even ones, the odd ones
 SUBSETS = (slice(8, None), slice(None, -8), slice(0, None, 2), slice(1, None, 2))
 
 
