@@ -159,26 +159,27 @@ def test_layers_the_target_needs_become_dynamic_int8_not_float_and_verify(tmp_pa
         tmp_path / "calib",
         "--holdout",
         tmp_path / "hold.npz",
-        "--smoothquant",
-        "0.5",
         "--method",
-        "auto",
+        "max",
         "--min-cosine",
-        "0.995",
+        "0.999",
         "--out",
         out,
         "--json",
     )
     assert r.exit_code == 0, r.output
     mp = json.loads(r.stdout)["mixed_precision"]
-    assert mp["met"] and mp["dynamic"], mp  # deep_encoder's kept layers meet the target with dynamic inputs
+    # static int8 reaches 0.9966 on pretrained_like's outlier channels: the search keeps the last FFN's
+    # up-projection in float and runs its down-projection with dynamic inputs (with SmoothQuant and --method
+    # auto the whole model is at 0.99994 and nothing needs to be kept)
+    assert mp["met"] and mp["before"]["cosine"] < 0.999 and mp["dynamic"], mp
     assert not set(mp["dynamic"]) & set(mp["kept_float"])
     ck = load_calibrated(out)
     for layer in mp["dynamic"]:
         q = ck.model.get_submodule(layer).input_quantizer
         assert q.enabled and q.dynamic_uint8 and q.amax is None
     ref = ck.float_model()
-    assert _cosine(ck.model, ref, {k: torch.from_numpy(v) for k, v in hold.items()}) >= 0.995
+    assert _cosine(ck.model, ref, {k: torch.from_numpy(v) for k, v in hold.items()}) >= 0.999
     assert cli("export", out, "--onnx", tmp_path / "enc.onnx").exit_code == 0
     g = onnx.load(tmp_path / "enc.onnx").graph
     assert sum(n.op_type == "MatMulInteger" for n in g.node) == len(mp["dynamic"])
