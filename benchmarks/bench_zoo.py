@@ -150,17 +150,22 @@ SUBSETS = (slice(8, None), slice(None, -8), slice(0, None, 2), slice(1, None, 2)
 
 
 def peer_cosine_spread(
-    name: str, calib: dict[str, np.ndarray], held: dict[str, np.ndarray], ref: list[np.ndarray], folder: Path
+    name: str,
+    calib: dict[str, np.ndarray],
+    held: dict[str, np.ndarray],
+    ref: list[np.ndarray],
+    folder: Path,
+    peer_cos: float,
 ) -> float:
     """How far the cosine of ``quantize_static`` u8 moves with the calibration sample alone: the widest
-    difference between its cosine calibrated on all of ``calib`` and on each of :data:`SUBSETS`. On a model
-    whose int8 cosine is far from 1 (a random-init network that amplifies every rounding) this is the accuracy
-    comparison's own noise, as the A/A spread is the latency's."""
+    difference between ``peer_cos`` (its cosine calibrated on all of ``calib``) and its cosines calibrated on
+    each of :data:`SUBSETS`. On a model whose int8 cosine is far from 1 (a random-init network that amplifies
+    every rounding) this is the accuracy comparison's own noise, as the A/A spread is the latency's."""
     from benchmarks import ort_peer
 
-    pre = folder / f"{name}.pre.onnx"
-    cosines = []
-    for k, part in enumerate((slice(None), *SUBSETS)):
+    pre = folder / f"{name}.pre.onnx"  # written by peer()
+    cosines = [peer_cos]
+    for k, part in enumerate(SUBSETS):
         out = folder / f"{name}.ort.subset{k}.onnx"
         ort_peer.quantize(str(pre), {n: v[part] for n, v in calib.items()}, str(out), "MinMax", "uint8")
         cosines.append(min_cosine(session(out), held, ref))
@@ -205,13 +210,14 @@ def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[di
     fp32 = folder / f"{name}.fp32.onnx"
     export_float(name, calib, fp32)
     timed = {"fp32": session(fp32)}  # the peer's input; peer/fp32 divides by it
-    spread = None
+    peer_cos = spread = None
     try:
         peer_path, peer_kind = peer(name, fp32, calib, folder)
         timed["peer"] = session(peer_path)
+        peer_cos = min_cosine(timed["peer"], held, ref)
         if peer_kind.startswith("quantize_static"):
             timed["peer s8"] = session(peer(name, fp32, calib, folder, "int8")[0])
-            spread = peer_cosine_spread(name, calib, held, ref, folder)
+            spread = peer_cosine_spread(name, calib, held, ref, folder, peer_cos)
     except Exception as e:  # the peer's failure is a row, not the end of the benchmark
         peer_kind = f"failed: {type(e).__name__}: {str(e)[:80]}"
     rows, refs = [], {}
@@ -243,7 +249,6 @@ def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[di
             time_interleaved([functools.partial(timed[k].run, None, feeds[k]) for k in labels], rounds),
         )
     )
-    peer_cos = min_cosine(timed["peer"], held, ref) if "peer" in timed else None
     fp32_over_peer = lat["peer"] / lat["fp32"] if "peer" in lat else None
     for r in rows:
         r["peer"] = peer_kind

@@ -200,13 +200,14 @@ class _Shapes:
         return self.known.get(name)
 
 
-def global_average_pools(model: onnx.ModelProto) -> int:
+def global_average_pools(model: onnx.ModelProto, shapes: _Shapes | None = None) -> int:
     """Rewrite ``ReduceMean`` over all spatial axes (2..rank-1) of a tensor of rank 4 or 5 as
     ``GlobalAveragePool`` (followed by ``Flatten(axis=1)`` where ``keepdims=0``); returns how many. A rank the
-    graph does not record, or axes given by a computed tensor, leave the node as it is."""
+    graph does not record, or axes given by a computed tensor, leave the node as it is. ``shapes``: a table to
+    share with the passes after this one (the rewrite keeps every tensor's name and shape)."""
     g = model.graph
     inits = initializer_map(g)
-    shapes = _Shapes(model)
+    shapes = shapes or _Shapes(model)
     out, changed = [], 0
     for n in g.node:
         if n.op_type != "ReduceMean":
@@ -240,7 +241,7 @@ def global_average_pools(model: onnx.ModelProto) -> int:
 _GLOBAL_POOLS = ("GlobalAveragePool", "GlobalMaxPool")
 
 
-def unit_global_pools(model: onnx.ModelProto) -> int:
+def unit_global_pools(model: onnx.ModelProto, shapes: _Shapes | None = None) -> int:
     """Remove each ``GlobalAveragePool``/``GlobalMaxPool`` whose input's spatial dimensions are all 1 (the
     graph records them, or shape inference finds them): the mean or max of one element is that element, so its
     readers read the input instead (an ``Identity`` keeps the name of a graph output). Returns how many.
@@ -251,7 +252,7 @@ def unit_global_pools(model: onnx.ModelProto) -> int:
     us. Without the node, DQ -> Flatten -> Q of one scale drops out too and the Q feeds the classifier's QGemm
     (``python -m benchmarks.profile_zoo --model mobilenet_v2``)."""
     g = model.graph
-    shapes = _Shapes(model)
+    shapes = shapes or _Shapes(model)
     kept_names = {o.name for o in g.output} | _read_in_subgraphs(g)
     bypass: dict[str, str] = {}
     out, changed = [], 0
@@ -462,7 +463,8 @@ def prepare(model: onnx.ModelProto, fold_weights: bool) -> int:
     fold_casts(model)
     fold_pad_amounts(model)
     explicit_pads(model)
-    global_average_pools(model)
-    unit_global_pools(model)
+    shapes = _Shapes(model)  # one ONNX shape inference at most, for both pooling passes
+    global_average_pools(model, shapes)
+    unit_global_pools(model, shapes)
     align_zero_points(model)
     return fold_weight_quantization(model) if fold_weights else 0
