@@ -44,6 +44,7 @@ from exporters.opset import LAYER_NORM_OPSET, OpProbe, format_opset, ops_opset
 from quantcli import __version__
 from quantcli.errors import ExportError, first_line
 from quantcli.files import staging_directory, writable_directory
+from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import formats
@@ -218,9 +219,9 @@ def _padding_inputs(module: nn.Module) -> dict[str, str]:
     DequantizeLinear is named after the padding module."""
     names = {id(m): n for n, m in module.named_modules()}
     return {
-        names[id(m.__dict__["_input_quantized_before"])]: f"{name}.input_quantizer"
+        names[id(input_quantized_before(m))]: f"{name}.input_quantizer"
         for name, m in module.named_modules()
-        if id(m.__dict__.get("_input_quantized_before")) in names
+        if id(input_quantized_before(m)) in names
     }
 
 

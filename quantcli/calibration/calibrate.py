@@ -27,6 +27,7 @@ from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.inputs.data import Batch, num_samples, run_model, to_device
 from quantcli.nn.dynamic import count_calls
 from quantcli.nn.modes import keep_float, quantizer_modes
+from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.tensor_quantizer import quantizers
 
 METHODS = CALIBRATION_METHODS  # kept importable under its old name
@@ -305,7 +306,7 @@ class _AutoState:
         """The layer's output on its input ``x`` with ``q`` as it is set: where ``q`` runs before a zero
         padding (:func:`quantcli.nn.modules.apply_input_quantizer_before`), the layer skips it, and ``q`` of
         the padded ``x`` is the padding of ``q(x)``."""
-        if self.layer.__dict__.get("_input_quantized_before") is not None:
+        if input_quantized_before(self.layer) is not None:
             x = q(x)
         return self.layer(x)
 

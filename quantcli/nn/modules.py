@@ -71,7 +71,7 @@ class QuantMixin:
         return bias if bias.dtype == self.bias.dtype else bias.to(self.bias.dtype)
 
     def quantize_input(self, x: torch.Tensor) -> torch.Tensor:
-        if self.__dict__.get("_input_quantized_before") is not None:
+        if input_quantized_before(self) is not None:
             return x  # quantized at the input of the padding module before this layer
         return self.input_quantizer(x)
 
@@ -102,6 +102,12 @@ def apply_output_quantizer_after(after: nn.Module, layer: nn.Module) -> None:
 
 def _input_quantizer_hook(module: nn.Module, args: tuple) -> tuple:
     return (module.__dict__["_quantcli_input_of"].input_quantizer(args[0]), *args[1:])
+
+
+def input_quantized_before(layer: nn.Module) -> nn.Module | None:
+    """The module whose input ``layer.input_quantizer`` runs on (:func:`apply_input_quantizer_before`), or
+    None where the layer quantizes its own input."""
+    return layer.__dict__.get("_input_quantized_before")
 
 
 def apply_input_quantizer_before(before: nn.Module, layer: nn.Module) -> None:
