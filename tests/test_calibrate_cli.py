@@ -109,9 +109,10 @@ def test_methods_json_summary(method, tmp_path):
 
 
 def test_a_method_that_asymmetric_quantizers_ignore_is_reported(tmp_path):
-    """Asymmetric activation quantizers calibrate their min and max whatever ``--method`` says: the summary's
-    method row, a warning naming them and ``--json`` say so (the method row said ``entropy`` and nothing
-    more), and their range is the data's own minimum and maximum, not an entropy amax."""
+    """Asymmetric activation quantizers calibrate their min and max under ``--method entropy`` (a symmetric
+    search): the summary's method row, a warning naming them and ``--json`` say so (the method row said
+    ``entropy`` and nothing more), and their range is the data's own minimum and maximum. ``mse`` searches their
+    range (tests/test_two_sided.py): no warning."""
     out = tmp_path / "a.calib.pt"
     args = ("calibrate", "digits_cnn", "--config", "uint8-asymmetric", "--num-samples", "128", "--out", out)
     r = cli(*args, "--method", "entropy")
@@ -135,6 +136,10 @@ def test_a_method_that_asymmetric_quantizers_ignore_is_reported(tmp_path):
     assert float(q.amin) == pytest.approx(float(x.min()), rel=1e-6)
     r = cli(*args, "--method", "max")
     assert r.exit_code == 0 and "warning: --method" not in r.stderr
+    r = cli(*args, "--method", "mse", "--json")
+    assert r.exit_code == 0 and "warning: --method" not in r.stderr and json.loads(r.stdout)["min_max"] == []
+    q = load_calibrated(out).model.fc2.input_quantizer
+    assert float(q.amax) < float(x.max()) or float(q.amin) > float(x.min())
 
 
 def test_text_encoder_varying_lengths_and_integer_inputs(calibrated):

@@ -50,6 +50,8 @@ SCENARIOS = (
     ]
     + [
         Scenario("digits_cnn", "uint8-asymmetric", "max", "strided"),
+        Scenario("digits_cnn", "uint8-asymmetric", "mse", "strided"),
+        Scenario("digits_cnn", "uint8-asymmetric", "percentile", "uneven"),
         Scenario("digits_cnn", "int8", "entropy", "blocks"),
         Scenario("digits_cnn", "int8", "entropy", "uneven"),
         Scenario("digits_cnn", "int8", "percentile", "rank0_empty"),

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrators import MaxCalibrator
+from calibrators import MaxCalibrator, MinMaxCalibrator
 from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations, shared_searches
+from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
@@ -51,7 +52,7 @@ class CalibrationSummary:
     settings: dict = field(default_factory=dict)
     ranks: int = 1  # torch.distributed ranks whose batches were merged
     auto: dict = field(default_factory=dict)  # --method auto: quantizer -> chosen method, amax, local errors
-    # asymmetric activation quantizers: calibrated from their min and max whatever the method
+    # asymmetric activation quantizers calibrated from their min and max (method max or entropy)
     min_max: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -76,7 +77,8 @@ class CalibrationSummary:
         }
 
     def method_ignored_by(self) -> list[str]:
-        """The asymmetric activation quantizers the requested histogram method (or auto) did not apply to."""
+        """The asymmetric activation quantizers the requested method did not apply to (entropy, which searches
+        a symmetric threshold: they took their min and max)."""
         return self.min_max if self.method != "max" else []
 
 
@@ -204,7 +206,9 @@ def _activation_amax(
 ) -> None:
     """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
     dynamic one never called, or an observer that saw nothing) are left out and reported."""
-    merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
+    merge_calibrators(
+        [part for q in acts.values() if q.calibrator is not None for part in _parts(q.calibrator)], group
+    )
     with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
         _load_activation_amax(qs, acts, method, kwargs, summary, auto)
     for name, n_calls in calls.items():
@@ -212,6 +216,12 @@ def _activation_amax(
             _leave_out(qs, name, summary)
         else:
             summary.dynamic.append(name)
+
+
+def _parts(cal) -> tuple:
+    """What the merge across ranks takes of a calibrator: itself, or a two-sided one's histograms and
+    extremes."""
+    return cal.parts() if isinstance(cal, TwoSidedHistogramCalibrator) else (cal,)
 
 
 def _stop_observers(acts: dict, auto: dict) -> None:
@@ -281,7 +291,7 @@ def _start_observers(qs: dict, method: str, num_bins: int) -> dict:
         n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic
     }
     for q in acts.values():
-        q.start_calibration("entropy" if method == "auto" else method, num_bins)  # auto: a histogram
+        q.start_calibration("mse" if method == "auto" else method, num_bins)  # auto: a histogram
     return acts
 
 
@@ -383,7 +393,7 @@ def _load_activation_amax(
             _leave_out(qs, name, summary)
             q.calibrator = None
             continue
-        if q.desc.asymmetric:
+        if isinstance(q.calibrator, MinMaxCalibrator):  # asymmetric under max or entropy
             summary.min_max.append(name)
         if auto and name in auto:
             summary.auto[name] = _choose_auto(q, auto[name], kwargs)

@@ -262,7 +262,8 @@ def _calibrate_warnings(outcome) -> None:
     if ignored:
         err.print(
             f"warning: --method {outcome.summary.method} applies to symmetric grids only; the {len(ignored)} "
-            f"asymmetric activation quantizer(s) were calibrated from their min and max: {', '.join(ignored)}"
+            f"asymmetric activation quantizer(s) were calibrated from their min and max (mse and percentile "
+            f"search an asymmetric range): {', '.join(ignored)}"
         )
 
 

@@ -13,6 +13,8 @@ from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
 from calibrators.methods import HISTOGRAM_METHODS, defined_for
+from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
+from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
 from quantcli.errors import CalibrationError, ConfigError, ExportError
 from quantcli.quant import arithmetic
@@ -81,7 +83,9 @@ class TensorQuantizer(nn.Module):
         axis = None if self._block is not None else self.desc.axis  # blocks: collect() sets the block axes
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
-        if self.desc.asymmetric:
+        if self.desc.asymmetric and method in TWO_SIDED_METHODS:
+            self.calibrator = TwoSidedHistogramCalibrator(bits, num_bins=num_bins, name=self.name)
+        elif self.desc.asymmetric:
             self.calibrator = MinMaxCalibrator(bits, name=self.name)
         elif use_hist:
             self.calibrator = HistogramCalibrator(
@@ -128,8 +132,17 @@ class TensorQuantizer(nn.Module):
         quantizing."""
         if self.calibrator is None:
             raise CalibrationError(f"{self.name}: was never calibrated")
-        if isinstance(self.calibrator, MinMaxCalibrator):
-            lo, amax = self.calibrator.compute_range()
+        if isinstance(self.calibrator, (MinMaxCalibrator, TwoSidedHistogramCalibrator)):
+            cal = self.calibrator
+            if isinstance(cal, MinMaxCalibrator):
+                lo, amax = cal.compute_range()
+            elif method in TWO_SIDED_METHODS:
+                kw = {k: v for k, v in kwargs.items() if k == "percentile" == method}
+                lo, amax = cal.compute_range(method, **kw)
+                self.histogram = cal  # kept: another method can be computed without re-running the model
+            else:  # entropy searches a symmetric threshold: the data's min and max
+                lo, amax = cal.extremes.compute_range()
+                self.histogram = cal
             self.amin = lo
             self.set_amax(amax)
             self.calibrator = None

@@ -1,0 +1,130 @@
+"""``[min, max]`` ranges for asymmetric quantizers (an unsigned grid with a zero point) as pure functions of
+two
+histograms: one of ``max(x, 0)`` and one of ``max(-x, 0)``, each over ``[0, 2**e)`` as
+:class:`calibrators.HistogramCalibrator` collects them (so both stay exactly order-invariant and merge across
+ranks as they do), and the data's own ``min`` and ``max``.
+
+A negative value is counted as a zero in the positive histogram and the other way round: a zero lies in bin 0
+and quantizes to the zero point's code, exactly, whatever the range, so it changes neither search.
+
+- percentile: each tail clipped at ``percentile`` % of all values. ``max`` is the right edge of the first bin
+  of ``max(x, 0)`` where the cumulative count reaches ``percentile`` % of the total, which is the value
+  above which ``100 - percentile`` % of ``x`` lie; ``min`` likewise from ``max(-x, 0)``.
+- mse: the ``(min, max)`` minimising ``sum_j hist[j] * (c_j - fq(c_j; min, max))**2`` over the bin centres
+  of both sides, with ``fq`` the deployed arithmetic (``affine_qparams`` and ONNX Quantize/DequantizeLinear
+  in float32). The two ends share one scale and zero point, so the error is not a sum of two one-sided
+  searches: the search alternates, the best ``max`` for the current ``min`` over every candidate edge, then
+  the best ``min`` for that ``max``, until neither moves. It starts from the data's range, which is a
+  candidate on both sides, so the result's error is never above that of ``min``/``max``.
+
+Both return ``(min, max)`` as float32 0-d tensors with ``min <= 0 <= max``, inside the data's range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from calibrators.histogram import compute_amax_percentile
+from quantcli import defaults
+from quantcli.quant import arithmetic
+
+
+def _side(hist: torch.Tensor, edges: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One side's non-empty bins: ``(counts float64, centres float64)``, flat."""
+    h = torch.as_tensor(hist).to(torch.float64).reshape(-1)
+    e = torch.as_tensor(edges).to(torch.float64).reshape(-1)
+    if e.numel() != h.numel() + 1:
+        raise ValueError(f"hist of {h.numel()} bins and {e.numel()} edges do not fit: need edges = bins + 1")
+    centres = (e[:-1] + e[1:]) / 2
+    keep = h > 0
+    return h[keep], centres[keep]
+
+
+def _limits(lo_data, hi_data) -> tuple[torch.Tensor, torch.Tensor]:
+    lo = torch.as_tensor(lo_data, dtype=torch.float32).reshape(()).clamp(max=0.0)
+    hi = torch.as_tensor(hi_data, dtype=torch.float32).reshape(()).clamp(min=0.0)
+    return lo, hi
+
+
+def range_percentile(
+    pos_hist, pos_edges, neg_hist, neg_edges, lo_data, hi_data, percentile: float = defaults.PERCENTILE
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` clipping ``100 - percentile`` % of the values at each end (see the module)."""
+    lo, hi = _limits(lo_data, hi_data)
+    top = torch.as_tensor(compute_amax_percentile(pos_hist, pos_edges, percentile), dtype=torch.float32)
+    bottom = torch.as_tensor(compute_amax_percentile(neg_hist, neg_edges, percentile), dtype=torch.float32)
+    return torch.maximum(-bottom.reshape(()), lo), torch.minimum(top.reshape(()), hi)
+
+
+def _candidates(edges, hist, limit: torch.Tensor, start_bin: int, stride: int) -> torch.Tensor:
+    """One side's candidate ends (``>= 0``, float32): the edges ``start_bin, start_bin + stride, ...`` below
+    the data's extreme ``limit``, and ``limit`` itself."""
+    if stride < 1:
+        raise ValueError(f"stride must be >= 1, got {stride}")
+    e = torch.as_tensor(edges).to(torch.float64).reshape(-1)
+    n = e.numel() - 1
+    idx = torch.arange(max(1, min(start_bin, n)), n + 1, stride)
+    vals = e[idx].to(torch.float32)
+    return torch.cat([vals[vals < limit], limit.reshape(1)])
+
+
+def _errors(lo: torch.Tensor, hi: torch.Tensor, sides, num_bits: int) -> torch.Tensor:
+    """Squared error of every ``(lo[k], hi[k])`` pair over both sides' bins, float64 ``(K,)``."""
+    scale, zp = arithmetic.affine_qparams(lo, hi, num_bits)  # (K,) float32, as deployed
+    qmax = (1 << num_bits) - 1
+    s, z = scale.view(-1, 1), zp.view(-1, 1)
+    total = torch.zeros(lo.shape, dtype=torch.float64)
+    for sign, (h, c) in zip((1.0, -1.0), sides):
+        if h.numel() == 0:
+            continue
+        x = (sign * c).to(torch.float32).view(1, -1)
+        codes = arithmetic.quantize_linear(x, s, z, 0, qmax)
+        back = arithmetic.dequantize_linear(codes, s, z).to(torch.float64)
+        total += ((back - x.to(torch.float64)) ** 2 * h.view(1, -1)).sum(-1)
+    return total
+
+
+def _best(lo: torch.Tensor, hi: torch.Tensor, sides, num_bits: int, chunk: int) -> int:
+    """Index of the pair with the least error (the first among equals), in chunks of ``chunk`` pairs."""
+    errs = torch.cat(
+        [_errors(lo[a : a + chunk], hi[a : a + chunk], sides, num_bits) for a in range(0, len(lo), chunk)]
+    )
+    return int(torch.argmin(errs))
+
+
+def range_mse(
+    pos_hist,
+    pos_edges,
+    neg_hist,
+    neg_edges,
+    lo_data,
+    hi_data,
+    num_bits: int = 8,
+    start_bin: int = 128,
+    stride: int = 1,
+    max_rounds: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)`` of least squared error on the affine grid (see the module). Candidates per side: the
+    edges from ``start_bin`` on, every ``stride``, below the data's extreme, and the extreme itself."""
+    if not isinstance(num_bits, int):
+        raise ValueError(f"asymmetric ranges are for integer grids, got num_bits={num_bits!r}")
+    lo, hi = _limits(lo_data, hi_data)
+    sides = (_side(pos_hist, pos_edges), _side(neg_hist, neg_edges))
+    if sum(float(h.sum()) for h, _ in sides) <= 0:
+        raise ValueError("the histograms are empty (no values collected)")
+    his = _candidates(pos_edges, pos_hist, hi, start_bin, stride)
+    los = -_candidates(neg_edges, neg_hist, -lo, start_bin, stride)
+    width = sum(c.numel() for _, c in sides)
+    chunk = max(1, (1 << 22) // max(1, width))  # pairs x bins per evaluation: tens of MiB at most
+    for _ in range(max_rounds):
+        new_hi = his[_best(lo.expand(his.shape), his, sides, num_bits, chunk)]
+        new_lo = los[_best(los, new_hi.expand(los.shape), sides, num_bits, chunk)]
+        if bool(new_hi == hi) and bool(new_lo == lo):
+            break
+        lo, hi = new_lo, new_hi
+    return lo.clone(), hi.clone()
+
+
+#: the range search behind each histogram method for asymmetric quantizers; ``entropy`` (TensorRT's search of
+#: a symmetric threshold by KL divergence) has none: those quantizers keep the data's min and max
+METHODS = {"percentile": range_percentile, "mse": range_mse}

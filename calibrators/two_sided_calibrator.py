@@ -1,0 +1,67 @@
+"""The calibrator of an asymmetric quantizer under a histogram method: a histogram of each sign of ``x`` and
+its min and max, searched by :mod:`calibrators.two_sided`."""
+
+from __future__ import annotations
+
+import torch
+
+from calibrators.base import Calibrator
+from calibrators.histogram_calibrator import HistogramCalibrator
+from calibrators.max import MinMaxCalibrator
+from calibrators.two_sided import METHODS
+from quantcli import defaults
+
+
+class TwoSidedHistogramCalibrator(Calibrator):
+    """Per-tensor statistics of ``x`` for an affine (min, max) range: :attr:`positive` holds the histogram of
+    ``max(x, 0)``, :attr:`negative` that of ``max(-x, 0)`` (each a :class:`HistogramCalibrator`, so order
+    invariance and the merge across ranks are theirs), :attr:`extremes` the min and max. :meth:`parts` are
+    what :func:`calibrators.distributed.merge_calibrators` merges."""
+
+    def __init__(self, num_bits: int = 8, num_bins: int = defaults.NUM_BINS, name: str | None = None):
+        super().__init__(num_bits, None, True, name)
+        self.num_bins = num_bins
+        label = name or type(self).__name__
+        self.positive = HistogramCalibrator(num_bits, None, True, num_bins=num_bins, name=f"{label} (x > 0)")
+        self.negative = HistogramCalibrator(num_bits, None, True, num_bins=num_bins, name=f"{label} (x < 0)")
+        self.extremes = MinMaxCalibrator(num_bits, name=label)
+
+    def parts(self) -> tuple[Calibrator, ...]:
+        return self.positive, self.negative, self.extremes
+
+    @property
+    def num_batches(self) -> int:
+        return self.extremes.num_batches
+
+    def first_nonfinite_batch(self) -> int | None:
+        return self.extremes.first_nonfinite_batch()
+
+    def collect(self, x: torch.Tensor) -> None:
+        x = x.detach()
+        self.extremes.collect(x)  # first: refuses a non-finite batch with the quantizer's name
+        self.positive.collect(torch.clamp(x, min=0))
+        self.negative.collect(torch.clamp(-x, min=0))
+
+    def compute_range(self, method: str = "mse", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(min, max)`` by ``method`` (``mse`` or ``percentile``; kwargs go to it), float32 0-d, ``min <= 0
+        <= max``."""
+        if method not in METHODS:
+            raise ValueError(f"no asymmetric range search {method!r}; choose from {sorted(METHODS)}")
+        lo, hi = self.extremes.compute_range()
+        if method == "mse":
+            kwargs.setdefault("num_bits", self.num_bits)
+        p, n = self.positive, self.negative
+        lo_r, hi_r = METHODS[method](p.hist, p.bin_edges, n.hist, n.bin_edges, lo.cpu(), hi.cpu(), **kwargs)
+        return lo_r.to(lo.device), hi_r.to(hi.device)
+
+    def compute_amax(self, method: str = "mse", **kwargs) -> torch.Tensor:
+        lo, hi = self.compute_range(method, **kwargs)
+        return torch.maximum(-lo, hi)
+
+    def reset(self) -> None:
+        super().reset()
+        for c in self.parts():
+            c.reset()
+
+    def __repr__(self) -> str:
+        return f"TwoSidedHistogramCalibrator(num_bits={self.num_bits}, num_bins={self.num_bins})"
