@@ -177,3 +177,53 @@ def test_candidates_are_compared_on_the_layers_own_input():
         assert len(set(err.values())) > 1, name  # the candidates differ: the comparison can tell them apart
         for m in CANDIDATES:
             assert a["errors"][m] == pytest.approx(err[m], rel=1e-4, abs=1e-12), (name, m)
+
+
+def test_asymmetric_quantizers_choose_among_ranges():
+    """An asymmetric input quantizer (``uint8-asymmetric``) gets a choice too, among ranges: the data's
+    ``(min, max)``, the two-sided percentile and mse ranges (tests/test_two_sided.py); each candidate's error
+    is recomputed here with a hand-written affine fake quantization, and the quantizer holds the pick's
+    ``(amin, amax)``. Before, ``--method auto`` left asymmetric quantizers out."""
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.nn import quantize_model
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(32, 6)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    flt = Net().eval()
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(512, 32, generator=g) * 2 + 0.7
+    x = torch.where(x > 0, x, 0.3 * x)
+    x[0, 0] = 40.0  # one outlier: the data's max is a poor range
+    model = quantize_model(Net(), {"preset": "uint8-asymmetric"})
+    model.load_state_dict(flt.state_dict(), strict=False)
+    summary = calibrate(model, [{"x": x[i : i + 128]} for i in range(0, 512, 128)], "auto", device="cpu")
+    a = summary.auto["fc.input_quantizer"]
+    assert set(a["candidates"]) == {"max", "percentile", "mse"}
+    assert a["candidates"]["max"] == float(x.max()) and a["candidate_amin"]["max"] == float(x.min())
+
+    w, bias = flt.fc.weight.detach(), flt.fc.bias.detach()
+    w_amax = w.abs().amax(dim=1, keepdim=True)
+    y = F.linear(x, w, bias).double()
+    err = {}
+    for m, hi in a["candidates"].items():
+        lo = a["candidate_amin"][m]
+        s = (torch.tensor(hi, dtype=torch.float32) - torch.tensor(lo, dtype=torch.float32)) / 255
+        zp = torch.round(-torch.tensor(lo, dtype=torch.float32) / s)
+        xq = (torch.clamp(torch.round(x / s) + zp, 0, 255) - zp) * s
+        unit = s * (w_amax.reshape(-1).to(torch.float32) / 127)
+        bq = torch.round(bias / unit) * unit
+        err[m] = float(((F.linear(xq, _fq(w, w_amax), bq).double() - y) ** 2).mean())
+    assert len(set(err.values())) == 3
+    for m in err:
+        assert a["errors"][m] == pytest.approx(err[m], rel=1e-4), m
+    pick = min(err, key=err.get)
+    assert a["method"] == pick != "max"
+    q = model.fc.input_quantizer
+    assert float(q.amax) == a["candidates"][pick] and float(q.amin) == a["candidate_amin"][pick]

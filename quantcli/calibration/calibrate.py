@@ -21,6 +21,7 @@ from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations, shared_searches
+from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
@@ -300,7 +301,7 @@ class _AutoState:
     """What ``--method auto`` observes of one activation quantizer besides its histogram."""
 
     layer: nn.Module
-    max_calibrator: MaxCalibrator
+    max_calibrator: MaxCalibrator | None  # None for an asymmetric quantizer: its calibrator has the extremes
     sample: InputSample
     hooks: list = field(default_factory=list)
 
@@ -322,26 +323,27 @@ class _AutoState:
 
 
 def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _AutoState]:
-    """Observers for the input quantizers of quantized layers. Others (asymmetric: min/max by definition;
-    blocked; a quantizer outside a layer) have no auto choice and get the histogram's mse amax."""
+    """Observers for the input quantizers of quantized layers. Others (blocked; a quantizer outside a layer)
+    have no auto choice and get the histogram's mse amax (an asymmetric one: the asymmetric mse range)."""
     states = {}
     for name, q in acts.items():
         layer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
         if (
             not name.endswith("input_quantizer")
-            or q.desc.asymmetric
             or q._block is not None
             or getattr(layer, "input_quantizer", None) is not q
             or not hasattr(layer, "weight_quantizer")
         ):
             continue
         nb = q.desc.num_bits
-        st = _AutoState(
-            layer,
-            MaxCalibrator(nb if isinstance(nb, int) else tuple(nb), q.desc.axis, q.desc.unsigned, name=name),
-            InputSample(num_batches, rows_last=isinstance(layer, nn.Linear)),
-        )
-        st.hooks = [q.register_forward_pre_hook(st.observe), layer.register_forward_pre_hook(st.keep)]
+        sample = InputSample(num_batches, rows_last=isinstance(layer, nn.Linear))
+        if q.desc.asymmetric:
+            st = _AutoState(layer, None, sample)
+            st.hooks = [layer.register_forward_pre_hook(st.keep)]
+        else:
+            bits = nb if isinstance(nb, int) else tuple(nb)
+            st = _AutoState(layer, MaxCalibrator(bits, q.desc.axis, q.desc.unsigned, name=name), sample)
+            st.hooks = [q.register_forward_pre_hook(st.observe), layer.register_forward_pre_hook(st.keep)]
         states[name] = st
     return states
 
@@ -350,14 +352,20 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
     """Set ``q``'s amax to the candidate whose layer output is closest (MSE) to the float layer's output on
     the input sample, the layer's weights quantized as deployed. Returns the choice and every error."""
     hist = q.calibrator
-    cands = {}
-    q.calibrator = st.max_calibrator
-    cands["max"] = q.load_calib_amax("max").clone()
-    for m in HISTOGRAM_METHODS:
-        if not defined_for(m, q.desc.is_fp8):
-            continue
-        q.calibrator = hist
-        cands[m] = q.load_calib_amax(m, **kwargs).clone()
+    cands, amins = {}, {}
+    if st.max_calibrator is None:  # asymmetric: the data's (min, max), then the two-sided ranges
+        for m in ("max", *TWO_SIDED_METHODS):
+            q.calibrator = hist
+            cands[m] = q.load_calib_amax(m, **kwargs).clone()
+            amins[m] = q.amin.clone()
+    else:
+        q.calibrator = st.max_calibrator
+        cands["max"] = q.load_calib_amax("max").clone()
+        for m in HISTOGRAM_METHODS:
+            if not defined_for(m, q.desc.is_fp8):
+                continue
+            q.calibrator = hist
+            cands[m] = q.load_calib_amax(m, **kwargs).clone()
     x = st.sample.tensor()
     errors: dict[str, float] = {}
     if x is not None:
@@ -369,16 +377,22 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
             wq.set_mode("quantize")
             for m, a in cands.items():
                 q.set_amax(a)
+                if m in amins:
+                    q.amin = amins[m]
                 errors[m] = float(((st.output(q, x).to(torch.float64) - ref) ** 2).mean())
     pick = choose(errors) if errors else "max"
     q.set_amax(cands[pick])
     q.histogram = hist
-    return {
+    out = {
         "method": pick,
         "amax": float(cands[pick].max()),
         "errors": {m: errors.get(m) for m in cands},
         "candidates": {m: float(a.max()) for m, a in cands.items()},
     }
+    if amins:
+        q.amin = amins[pick]
+        out.update(amin=float(amins[pick]), candidate_amin={m: float(a) for m, a in amins.items()})
+    return out
 
 
 def _load_activation_amax(
