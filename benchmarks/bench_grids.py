@@ -8,8 +8,11 @@ be read from. Beside them, for CNNs and ViTs, onnxruntime's ``quantize_static`` 
 weights, after ``quant_pre_process``) on the same draws.
 
 Every graph: ``calibrate --target onnxruntime --placement all`` (every layer int8: the grid, not the latency
-placement, is measured) and ``export`` with the default exporter. The asymmetric variant is the ``int8``
-preset with a config rule ``asymmetric: true`` on every activation quantizer (input, output, residual).
+placement, is measured) and ``export`` with the default exporter. ``vs peer``: the mean over draws of the
+cosine's difference to the peer's on the same draw, and the one-sided 95% t bound of that mean
+(:func:`benchmarks.common.paired_difference`): a difference within it is a tie on these draws. The asymmetric
+variant is the ``int8`` preset with a config rule ``asymmetric: true`` on every activation quantizer (input,
+output, residual).
 
     python -m benchmarks.bench_grids [--models resnet,bert] [--methods max,mse] [--draws 5]
 """
@@ -25,9 +28,10 @@ import numpy as np
 
 from benchmarks import ort_peer
 from benchmarks.bench_zoo import SUBSETS, cli, export_float, min_cosine, peer, session
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import machine, paired_difference, setup_threads, table
 from tests.zoo import registry as zoo
 
+PEER = "quantize_static u8"
 GRIDS = {
     "symmetric": None,
     "asymmetric": "preset: int8\nrules:\n"
@@ -91,10 +95,13 @@ def measure(name: str, folder: Path, methods, n_draws: int) -> list[dict]:
             graph = folder / f"{name}.ort.draw{i}.onnx"
             ort_peer.quantize(str(folder / f"{name}.pre.onnx"), d, str(graph), "MinMax", "uint8")
             cos.append(min_cosine(session(graph), held, ref))
-        rows.append({"model": name, "graph": "quantize_static u8", "cosines": cos})
+        rows.append({"model": name, "graph": PEER, "cosines": cos})
+    peer_cos = next((r["cosines"] for r in rows if r["graph"] == PEER), None)
     for r in rows:
-        c = r.pop("cosines")
+        c = r["cosines"]
         r.update({"mean cos": statistics.fmean(c), "min": min(c), "max": max(c), "draws": len(c)})
+        if peer_cos is not None and r["graph"] != PEER and len(c) > 1:
+            r["vs peer"] = "{:+.4f} ± {:.4f}".format(*paired_difference(c, peer_cos))
     return rows
 
 
@@ -115,9 +122,9 @@ def summary(rows: list[dict]) -> list[str]:
             f"{v}: mean cosine {statistics.fmean(diffs):+.4f} against symmetric max over {len(diffs)} models "
             f"(worst model {worst:+.4f}); best quantcli variant on {best}"
         )
-    peers = [m for m in models if (m, "quantize_static u8") in by]
+    peers = [m for m in models if (m, PEER) in by]
     for v in variants:
-        ahead = [m for m in peers if (m, v) in by and by[(m, v)] >= by[(m, "quantize_static u8")]]
+        ahead = [m for m in peers if (m, v) in by and by[(m, v)] >= by[(m, PEER)]]
         lines.append(f"{v}: mean cosine >= quantize_static u8's on {len(ahead)}/{len(peers)} image models")
     return lines
 
@@ -141,7 +148,7 @@ def main(argv=None) -> None:
             rows += got
     cols = ("mean cos", "min", "max")
     shown = [{**r, **{k: f"{r[k]:.4f}" for k in cols}} for r in rows]
-    print(table(shown, ["model", "graph", *cols, "draws"]))
+    print(table(shown, ["model", "graph", *cols, "draws", "vs peer"]))
     print("\n".join(summary(rows)))
 
 

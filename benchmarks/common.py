@@ -137,3 +137,18 @@ def verdict(met: bool) -> str:
 def load_line(text: str, key: str) -> float:
     """The number after ``key`` on the line of ``text`` that starts with it."""
     return float(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(key)))
+
+
+#: one-sided 95% quantiles of Student's t by degrees of freedom (a standard table; scipy is not a dependency)
+T95 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860, 9: 1.833}
+
+
+def paired_difference(ours: list[float], theirs: list[float]) -> tuple[float, float]:
+    """``(mean of ours[i] - theirs[i], noise)`` over paired measurements (the same calibration draw ``i``),
+    where ``noise`` is the one-sided 95% t bound of that mean: a mean below ``-noise`` is below in earnest,
+    one within it cannot be told from a tie by these draws. At least two pairs."""
+    if len(ours) != len(theirs) or len(ours) < 2:
+        raise ValueError(f"need at least two paired values, got {len(ours)} and {len(theirs)}")
+    d = [a - b for a, b in zip(ours, theirs)]
+    se = statistics.stdev(d) / len(d) ** 0.5
+    return statistics.fmean(d), T95[min(len(d) - 1, max(T95))] * se

@@ -111,7 +111,8 @@ def test_methods_json_summary(method, tmp_path):
 def test_a_method_that_asymmetric_quantizers_ignore_is_reported(tmp_path):
     """Asymmetric activation quantizers calibrate their min and max under ``--method entropy`` (a symmetric
     search): the summary's method row, a warning naming them and ``--json`` say so (the method row said
-    ``entropy`` and nothing more), and their range is the data's own minimum and maximum. ``mse`` searches their
+    ``entropy`` and nothing more), and their range is the data's own minimum and maximum. ``mse`` searches
+    their
     range (tests/test_two_sided.py): no warning."""
     out = tmp_path / "a.calib.pt"
     args = ("calibrate", "digits_cnn", "--config", "uint8-asymmetric", "--num-samples", "128", "--out", out)

@@ -36,8 +36,8 @@ def _opset(m):
 def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
     """Each enabled quantizer's float32 scale by the formula in numpy, not by quantcli's code: a weight's
     amax is max |w| taken here from the weights themselves (per output channel for the per-channel
-    presets), an activation's is the calibrated amax (min and max for uint8-asymmetric); scale = amax /
-    bound in float32."""
+    presets), an activation's is the calibrated amax (min and max on an asymmetric grid: uint8-asymmetric, and
+    the signed activations of int8 on the onnxruntime target); scale = amax / bound in float32."""
     bound = {"int8": 127, "int8-per-tensor": 127, "uint8-asymmetric": 127, "fp8": 448, "int4-weight-only": 7}[
         config
     ]
@@ -62,7 +62,7 @@ def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
             else:
                 amax = np.abs(w.reshape(w.shape[0], -1)).max(1)
             out[name] = (amax.astype(np.float32) / np.float32(bound)).astype(np.float32)
-        elif config == "uint8-asymmetric":
+        elif q.desc.asymmetric:  # uint8-asymmetric; signed activations of int8 on the onnxruntime target
             hi = np.maximum(q.amax.detach().numpy().astype(np.float32), np.float32(0))
             lo = np.minimum(q.amin.detach().numpy().astype(np.float32), np.float32(0))
             out[name] = ((hi - lo) / np.float32(255)).astype(np.float32).reshape(-1)
@@ -85,6 +85,11 @@ def test_digits_every_format(config, calibrated, exported):
     assert _opset(model) == opset
     pairs = {p.quantizer: p for p in qdq_pairs(model)}
     ck = load_calibrated(calibrated("digits_cnn", config))
+    if config.startswith(
+        "int8"
+    ):  # the onnxruntime target: the image input (signed) on uint8 with a zero point
+        assert ck.model.conv1.input_quantizer.desc.asymmetric
+        assert not ck.model.fc1.input_quantizer.desc.asymmetric  # after a ReLU: the unsigned grid
     scales = _hand_scales(ck, config)
     assert set(scales) == {n for n, q in quantizers(ck.model).items() if q.enabled}
     inits = {t.name: t for t in model.graph.initializer}

@@ -50,7 +50,14 @@ def test_replacement_keeps_names_params_hooks_state_dict():
     calibrate(m, _batches(), device="cpu")
     m(**_batches(1)[0])
     assert calls
-    assert set(m.state_dict()) - set(before) == {f"{n}.amax" for n in quantizers(m)}
+    # an asymmetric quantizer (the onnxruntime target's signed activations) also holds its minimum
+    assert set(m.state_dict()) - set(before) == {f"{n}.amax" for n in quantizers(m)} | {
+        f"{n}.amin" for n, q in quantizers(m).items() if q.desc.asymmetric
+    }
+    assert {n for n, q in quantizers(m).items() if q.desc.asymmetric} >= {
+        "conv.input_quantizer",
+        "head.input_quantizer",
+    }
 
 
 def test_weight_axis_output_channel_and_transposed():
@@ -175,7 +182,8 @@ def test_dynamic_quantizer_computes_amax_per_call():
 def test_histogram_methods_recompute_without_new_data():
     from quantcli.calibration.calibrate import recompute_amax
 
-    m = quantize_model(Net().eval())
+    # symmetric grids, which entropy calibrates (asymmetric ones take their min and max under it)
+    m = quantize_model(Net().eval(), {"asymmetric_activations": False})
     calls = []
     m.conv.register_forward_hook(lambda *a: calls.append(1))
     calibrate(m, _batches(), "entropy", device="cpu")

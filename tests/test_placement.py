@@ -317,6 +317,18 @@ def test_conv_relu_pool_before_a_float_op_quantizes_after_the_pool(tmp_path):
         assert not torch.equal(m.features(x), f.features(x))
 
 
+def _activation_grid(q) -> tuple[np.float32, int]:
+    """(scale, uint8 zero point) of an 8-bit activation quantizer, by the formulas in numpy: symmetric int8
+    codes are stored as uint8 + 128 with scale amax / 127; an asymmetric grid (the onnxruntime target's
+    default for signed activations) has scale (max - min) / 255 and zero point round(-min / scale)."""
+    hi = np.float32(q.amax.item())
+    if not q.desc.asymmetric:
+        return hi / np.float32(127), 128
+    lo = np.float32(min(q.amin.item(), 0.0))
+    scale = (hi - lo) / np.float32(255)
+    return scale, int(np.round(-lo / scale))
+
+
 def test_linear_with_bias_is_qgemm_with_an_int32_bias(tmp_path):
     shape = (6, 12)
     m = _quantized(Mlp(), shape)
@@ -329,7 +341,7 @@ def test_linear_with_bias_is_qgemm_with_an_int32_bias(tmp_path):
     codes, scale = inits[bias_dq.input[0]], inits[bias_dq.input[1]]
     assert codes.dtype == np.int32
     # independent: x_scale * w_scale per output channel, numpy's round-half-even of bias / scale
-    sx = np.float32(m.fc1.input_quantizer.amax.item()) / np.float32(127)
+    sx = _activation_grid(m.fc1.input_quantizer)[0]
     sw = m.fc1.weight_quantizer.amax.numpy().reshape(-1).astype(np.float32) / np.float32(127)
     want_scale = (sx * sw).astype(np.float32)
     assert np.array_equal(scale, want_scale)
@@ -354,7 +366,10 @@ def test_qkv_share_one_quantizelinear_and_matmul_fuses(tmp_path):
     assert len(qs) == 1
     assert sorted(quantizer_map(graph).values()).count("q.input_quantizer") == 1
     zp = {t.name: t for t in graph.graph.initializer}[qs[0].input[2]]
-    assert zp.data_type == T.UINT8 and onnx.numpy_helper.to_array(zp) == 128  # int8 codes as uint8 + 128
+    assert m.q.input_quantizer.desc.asymmetric  # the onnxruntime target's grid for a LayerNorm output
+    assert (
+        zp.data_type == T.UINT8 and onnx.numpy_helper.to_array(zp) == _activation_grid(m.q.input_quantizer)[1]
+    )
     k = _kernels(path)
     assert k["MatMulIntegerToFloat"] == 3 and inspect_fusion(path).unfused == []
     assert_exact(m, path, shape)

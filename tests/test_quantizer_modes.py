@@ -11,7 +11,10 @@ from quantcli.nn.modes import keep_float, quantizer_modes
 
 def _model():
     torch.manual_seed(0)
-    m = quantize_model(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+    # symmetric grids: amax alone sets them (an asymmetric one, the onnxruntime default, also needs amin)
+    m = quantize_model(
+        nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)), {"asymmetric_activations": False}
+    )
     qs = quantizers(m)
     for q in qs.values():
         q.set_amax(torch.tensor(1.0))

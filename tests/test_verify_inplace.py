@@ -88,8 +88,11 @@ def test_captured_quantizer_outputs_are_the_quantizers_own(inplace):
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((4, 3, 8, 8)).astype(np.float32))
     with torch.inference_mode(), capture(model, ["block.conv2.output_quantizer"]) as seen:
         model(x)
-    codes = seen["block.conv2.output_quantizer"][0] / (float(q.amax) / 127)
-    assert np.abs(codes - np.round(codes)).max() < 1e-3  # on the int8 grid: nothing added after the quantizer
+    # the grid's step: amax / 127 (symmetric), (max - min) / 255 (asymmetric, the onnxruntime target's default
+    # for a signed Conv output); a value on the grid is a whole number of steps from 0 either way
+    step = (float(q.amax) - float(q.amin)) / 255 if q.desc.asymmetric else float(q.amax) / 127
+    codes = seen["block.conv2.output_quantizer"][0] / step
+    assert np.abs(codes - np.round(codes)).max() < 1e-3  # on the grid: nothing added after the quantizer
 
 
 def test_a_node_failing_at_run_time_is_the_graphs_fault_not_bad_input():

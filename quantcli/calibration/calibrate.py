@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrators import MaxCalibrator, MinMaxCalibrator
+from calibrators import MaxCalibrator
 from calibrators.auto import InputSample, choose
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
@@ -407,7 +407,7 @@ def _load_activation_amax(
             _leave_out(qs, name, summary)
             q.calibrator = None
             continue
-        if isinstance(q.calibrator, MinMaxCalibrator):  # asymmetric under max or entropy
+        if q.desc.asymmetric and method in ("max", "entropy"):
             summary.min_max.append(name)
         if auto and name in auto:
             summary.auto[name] = _choose_auto(q, auto[name], kwargs)

@@ -374,6 +374,9 @@ def _load_config(request: CalibrationRequest) -> QuantConfig:
         cfg.fold_batchnorm = request.fold_bn
     if request.target is not None:
         cfg = dataclasses.replace(cfg, target=request.target)  # validated like a config file's target
+    if request.method == "entropy" and cfg.asymmetric_activations is None:
+        # entropy searches a symmetric threshold: left to its default, the grid is one it can calibrate
+        cfg = dataclasses.replace(cfg, asymmetric_activations=False)
     return cfg
 
 
@@ -465,6 +468,7 @@ def placement_summary(placement, target: str) -> dict:
             (len(placement.residual_quantized), "residual skip inputs quantized (QLinearAdd)"),
             (len(placement.pool_inputs), "pooling inputs quantized (QLinearAdd before them)"),
             (len(placement.input_before), "Conv inputs quantized before their zero padding"),
+            (len(placement.asymmetric), "signed activations on uint8 with a zero point"),
         ]
         d["text"] += "".join(f", {k} {what}" for k, what in extra if k)
     return d

@@ -288,6 +288,9 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
             f"{path} is damaged: its quant_config cannot be read ({type(e).__name__}: "
             f"{first_line(e, 120)}); re-create it with `quantcli calibrate`"
         ) from None
+    if "asymmetric_activations" not in data["quant_config"]:
+        # written before the onnxruntime target's asymmetric activations: its grids were symmetric
+        cfg.asymmetric_activations = False
     if "target" not in data["quant_config"]:
         # written before targets existed: rebuild the placement it was calibrated with
         cfg.legacy_placement = True

@@ -11,6 +11,8 @@ or the same content as a dict::
     fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it
         (quantcli.nn.fold_bn)
     target: onnxruntime     # the runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt
+    asymmetric_activations: true  # signed activations on uint8 with a zero point (default: onnxruntime yes,
+                                   # tensorrt no)
     rules:                  # applied in order, matched with fnmatch on quantizer names;
       - pattern: "classifier.*"            # later rules win field by field
         enable: false
@@ -26,6 +28,15 @@ kernel adds pairs of uint8 x int8 products in saturating 16-bit lanes (``VPMADDU
 not fit. With 7-bit weights (|w| <= 63) a pair stays below 2**15. It turns every enabled 8-bit integer weight
 quantizer into ``num_bits: 7, narrow_range: true`` (rules that set other widths are left alone); the exported
 graph stores the codes as int8 and computes exactly what the fake-quant model computes.
+
+``asymmetric_activations`` (onnxruntime target; its default there): every 8-bit per-tensor activation
+quantizer of a symmetric preset (``int8``, ``int8-per-tensor``) whose tensor can be negative and whose grid no
+rule chose quantizes on uint8 with a zero point, calibrated as a ``[min, max]`` range
+(:mod:`calibrators.two_sided`), as onnxruntime's own ``quantize_static`` does by default. onnxruntime runs the
+same integer kernels either way (x86 runs activations as uint8); a skewed activation (a linear bottleneck's
+output, a GELU's) gets up to twice the resolution. Tensors that are >= 0 by construction keep the unsigned
+symmetric grid (the same grid). TensorRT runs symmetric int8 only: ``true`` with ``target: tensorrt`` is an
+error. ``calibrate --method entropy`` (a symmetric search) leaves it off unless the config sets it.
 """
 
 from __future__ import annotations
@@ -95,10 +106,21 @@ class QuantConfig:
     reduce_range: bool = False
     fold_batchnorm: bool = True
     target: str = DEFAULT_TARGET
+    asymmetric_activations: bool | None = None  # None: the target's default (see the module docstring)
 
     def __post_init__(self):
         if self.target not in TARGETS:
             raise ConfigError(f"unknown target {self.target!r}; choose one of {', '.join(TARGETS)}")
+        if self.asymmetric_activations not in (None, True, False):
+            raise ConfigError(
+                f"asymmetric_activations must be true or false, got {self.asymmetric_activations!r}"
+            )
+        if self.asymmetric_activations and self.target == "tensorrt":
+            raise ConfigError(
+                "asymmetric_activations: true does not fit target tensorrt (TensorRT runs symmetric int8 "
+                "only); "
+                "drop it or use target onnxruntime"
+            )
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
@@ -129,7 +151,16 @@ class QuantConfig:
             "reduce_range": self.reduce_range,
             "fold_batchnorm": self.fold_batchnorm,
             "target": self.target,
+            "asymmetric_activations": self.activations_asymmetric,
         }
+
+    @property
+    def activations_asymmetric(self) -> bool:
+        """Whether signed activations get the asymmetric grid: the config's ``asymmetric_activations``, or the
+        target's default (onnxruntime: yes)."""
+        if self.asymmetric_activations is not None:
+            return self.asymmetric_activations
+        return self.target == "onnxruntime"
 
     @classmethod
     def from_plain(cls, data: dict[str, Any], source: str = "<dict>") -> QuantConfig:
@@ -140,11 +171,13 @@ class QuantConfig:
         unknown = sorted(
             set(data)
             - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm", "target"}
+            - {"asymmetric_activations"}
         )
         if unknown:
             raise ConfigError(
                 f"unknown config field(s) {unknown} in {source}; "
-                "known: preset, block_size, reduce_range, fold_batchnorm, target, rules"
+                "known: preset, block_size, reduce_range, fold_batchnorm, target, asymmetric_activations, "
+                "rules"
             )
         return cls(
             preset=data.get("preset", "int8"),
@@ -154,6 +187,7 @@ class QuantConfig:
             reduce_range=data.get("reduce_range", False),
             fold_batchnorm=data.get("fold_batchnorm", True),
             target=data.get("target", DEFAULT_TARGET),
+            asymmetric_activations=data.get("asymmetric_activations"),
         )
 
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:

@@ -148,6 +148,8 @@ class Placement:
     # average pooling modules whose input gets a quantizer (a residual Add before them then runs as
     # QLinearAdd): module -> unsigned
     pool_inputs: dict[str, bool] = field(default_factory=dict)
+    # onnxruntime: activation quantizers put on uint8 with a zero point (the config's asymmetric_activations)
+    asymmetric: list[str] = field(default_factory=list)
     # onnxruntime: the residual Adds that run as QLinearAdd once their skip is quantized, as {Add node: skip
     # node} of the graph read (for the rewrite that inserts those quantizers; not part of the report)
     qlinear_adds: dict = field(default_factory=dict, repr=False)

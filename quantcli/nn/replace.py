@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -208,7 +209,29 @@ def _place_for_onnxruntime(
         ):
             module.int32_bias = True
     report.placement = placement
+    if cfg.activations_asymmetric:
+        placement.asymmetric = _asymmetric_activations(model, cfg, used)
     return used
+
+
+def _asymmetric_activations(model: nn.Module, cfg: QuantConfig, used: set[int]) -> list[str]:
+    """Put every signed 8-bit per-tensor activation quantizer whose grid no rule chose on uint8 with a zero
+    point (the config's ``asymmetric_activations``); returns their names. Runs after the placement, so the
+    quantizers it added are included and those it put on the unsigned grid (>= 0 by construction) keep it."""
+    done = []
+    for name, q in model.named_modules():
+        if not isinstance(q, TensorQuantizer) or name.endswith("weight_quantizer"):
+            continue
+        d = q.desc
+        if not _integer8_desc(d) or d.num_bits != 8 or d.unsigned or d.asymmetric or d.axis is not None:
+            continue
+        rules = [i for i, r in enumerate(cfg.rules) if fnmatch.fnmatchcase(q.name or name, r["pattern"])]
+        if any(f in cfg.rules[i] for i in rules for f in _GRID_FIELDS):
+            continue
+        used.update(rules)
+        q.desc = QuantDescriptor(**{**d.dict(), "asymmetric": True})
+        done.append(q.name or name)
+    return done
 
 
 def _place_for_tensorrt(
