@@ -10,9 +10,9 @@ weights, after ``quant_pre_process``) on the same draws.
 Every graph: ``calibrate --target onnxruntime --placement all`` (every layer int8: the grid, not the latency
 placement, is measured) and ``export`` with the default exporter. ``vs peer``: the mean over draws of the
 cosine's difference to the peer's on the same draw, and the one-sided 95% t bound of that mean
-(:func:`benchmarks.common.paired_difference`): a difference within it is a tie on these draws. The asymmetric
-variant is the ``int8`` preset with a config rule ``asymmetric: true`` on every activation quantizer (input,
-output, residual).
+(:func:`benchmarks.common.paired_difference`): a difference within it is a tie on these draws. The grids: the
+``int8`` preset with ``asymmetric_activations: false`` (symmetric int8) and ``true`` (the onnxruntime target's
+default: signed activations on uint8 with a zero point, tensors >= 0 on the unsigned grid).
 
     python -m benchmarks.bench_grids [--models resnet,bert] [--methods max,mse] [--draws 5]
 """
@@ -33,12 +33,8 @@ from tests.zoo import registry as zoo
 
 PEER = "quantize_static u8"
 GRIDS = {
-    "symmetric": None,
-    "asymmetric": "preset: int8\nrules:\n"
-    + "".join(
-        f'  - pattern: "{p}"\n    asymmetric: true\n'
-        for p in ("*input_quantizer", "*output_quantizer", "*residual_quantizer*")
-    ),
+    "symmetric": "preset: int8\nasymmetric_activations: false\n",
+    "asymmetric": "preset: int8\nasymmetric_activations: true\n",  # the onnxruntime target's default
 }
 
 
@@ -52,10 +48,9 @@ def quantcli_cosine(name, data_path, held, ref, folder: Path, grid: str, method:
     ck, graph = folder / f"{tag}.pt", folder / f"{tag}.onnx"
     args = ["calibrate", zoo.spec(name), "--data", data_path, "--out", ck, "--placement", "all"]
     args += ["--target", "onnxruntime", "--method", method]
-    if GRIDS[grid] is not None:
-        cfg = folder / f"{grid}.yaml"
-        cfg.write_text(GRIDS[grid])
-        args += ["--config", cfg]
+    cfg = folder / f"{grid}.yaml"
+    cfg.write_text(GRIDS[grid])
+    args += ["--config", cfg]
     code, out = cli(*args)
     if code:
         raise RuntimeError(f"calibrate failed: {out[-300:]}")
