@@ -26,8 +26,16 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import ort_peer
-from benchmarks.bench_zoo import SUBSETS, cli, export_float, min_cosine, peer, session
+from benchmarks.bench_zoo import (
+    SUBSETS,
+    cli,
+    export_float,
+    min_cosine,
+    model_data,
+    peer,
+    peer_draw_cosines,
+    session,
+)
 from benchmarks.common import machine, paired_difference, setup_threads, table
 from tests.zoo import registry as zoo
 
@@ -61,12 +69,7 @@ def quantcli_cosine(name, data_path, held, ref, folder: Path, grid: str, method:
 
 
 def measure(name: str, folder: Path, methods, n_draws: int) -> list[dict]:
-    calib_path, held_path = zoo.write_data(name, folder)
-    with np.load(calib_path) as z:
-        calib = {k: z[k] for k in z.files}
-    with np.load(held_path) as z:
-        held = {k: z[k] for k in z.files}
-    ref = zoo.float_outputs(name, held)
+    _, _, calib, held, ref = model_data(name, folder)
     sets = draws(calib, n_draws)
     paths = []
     for i, d in enumerate(sets):
@@ -84,12 +87,9 @@ def measure(name: str, folder: Path, methods, n_draws: int) -> list[dict]:
     if zoo.MODELS.get(name) != "transformer":
         fp32 = folder / f"{name}.fp32.onnx"
         export_float(name, calib, fp32)
-        graph, _ = peer(name, fp32, sets[0], folder)  # after quant_pre_process, kept for the other draws
-        cos = [min_cosine(session(graph), held, ref)]
-        for i, d in enumerate(sets[1:], 1):
-            graph = folder / f"{name}.ort.draw{i}.onnx"
-            ort_peer.quantize(str(folder / f"{name}.pre.onnx"), d, str(graph), "MinMax", "uint8")
-            cos.append(min_cosine(session(graph), held, ref))
+        graph, _ = peer(name, fp32, calib, folder)
+        first = min_cosine(session(graph), held, ref)
+        cos = peer_draw_cosines(name, calib, held, ref, folder, first)[:n_draws] if n_draws > 1 else [first]
         rows.append({"model": name, "graph": PEER, "cosines": cos})
     peer_cos = next((r["cosines"] for r in rows if r["graph"] == PEER), None)
     for r in rows:

@@ -225,15 +225,21 @@ def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: P
     return row
 
 
-def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[dict]:
-    """Every (exporter, target) row of one model, the onnxruntime-target graphs timed against fp32 and the
-    peer."""
+def model_data(name: str, folder: Path):
+    """A zoo model's data written to ``folder`` and read back: ``(calibration .npz, held-out .npz, calibration
+    arrays, held-out arrays, the float model's outputs on the held-out ones)``."""
     calib_path, held_path = zoo.write_data(name, folder)
     with np.load(calib_path) as z:
         calib = {k: z[k] for k in z.files}
     with np.load(held_path) as z:
         held = {k: z[k] for k in z.files}
-    ref = zoo.float_outputs(name, held)
+    return calib_path, held_path, calib, held, zoo.float_outputs(name, held)
+
+
+def measure(name: str, folder: Path, exporters, targets, rounds: int) -> list[dict]:
+    """Every (exporter, target) row of one model, the onnxruntime-target graphs timed against fp32 and the
+    peer."""
+    calib_path, held_path, calib, held, ref = model_data(name, folder)
     fp32 = folder / f"{name}.fp32.onnx"
     export_float(name, calib, fp32)
     timed = {"fp32": session(fp32)}  # the peer's input; peer/fp32 divides by it
