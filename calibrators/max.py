@@ -94,19 +94,49 @@ class MinMaxCalibrator(Calibrator):
         super().__init__(num_bits, None, True, name)
         self._min: torch.Tensor | None = None
         self._max: torch.Tensor | None = None
+        self._min_f: float | None = None  # the same, as Python floats, on the per-tensor CPU path
+        self._max_f: float | None = None
 
     def collect(self, x: torch.Tensor) -> None:
-        x = x.detach()
-        lo, hi = x.amin().to(torch.float32), x.amax().to(torch.float32)
+        seen, x = x, x.detach()
+        if x.device.type == "cpu" and x.numel():
+            # on the CPU Python floats are the cheapest running state (a host read costs nothing here), and
+            # q/k/v calibrators of one input reduce it once (calibrators.shared: keyed by the very tensor)
+            got = shared.lookup(seen, ("minmax",))
+            if got is None:
+                lo, hi = torch.aminmax(x)
+                got = (float(lo), float(hi))
+                shared.store(seen, ("minmax",), got)
+            if not (math.isfinite(got[0]) and math.isfinite(got[1])):
+                self._note_finite(torch.tensor(got))
+            if self._min is not None:  # batches seen on another device before: one state, there
+                self._min = torch.minimum(self._min, torch.tensor(got[0], device=self._min.device))
+                self._max = torch.maximum(self._max, torch.tensor(got[1], device=self._max.device))
+            else:
+                f = self._min_f
+                self._min_f = got[0] if f is None else min(f, got[0])
+                self._max_f = got[1] if f is None else max(self._max_f, got[1])
+            self._batches += 1
+            return
+        lo, hi = (v.to(torch.float32) for v in torch.aminmax(x))
         self._note_finite(torch.stack([lo, hi]))
-        self._min = lo if self._min is None else torch.minimum(self._min, lo)
-        self._max = hi if self._max is None else torch.maximum(self._max, hi)
+        if self._min is None and self._min_f is not None:  # batches seen on the CPU before
+            self._min, self._max = torch.tensor(self._min_f), torch.tensor(self._max_f)
+            self._min_f = self._max_f = None
+        self._min = lo if self._min is None else torch.minimum(self._min, lo.to(self._min.device))
+        self._max = hi if self._max is None else torch.maximum(self._max, hi.to(self._max.device))
         self._batches += 1
+
+    def _state(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._min is not None:
+            return self._min, self._max
+        return torch.tensor(self._min_f, dtype=torch.float32), torch.tensor(self._max_f, dtype=torch.float32)
 
     def compute_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)`` seen, widened to include 0 (zero must be exactly representable)."""
         self._check_ready()
-        return self._min.clamp(max=0.0).clone(), self._max.clamp(min=0.0).clone()
+        lo, hi = self._state()
+        return lo.clamp(max=0.0).clone(), hi.clamp(min=0.0).clone()
 
     def compute_amax(self, *_, **__) -> torch.Tensor:
         lo, hi = self.compute_range()
@@ -116,14 +146,16 @@ class MinMaxCalibrator(Calibrator):
         """``(min, max)`` seen so far (float32 scalars, not widened to 0); ``None`` before the first batch."""
         if self._batches == 0:
             return None
-        return self._min.clone(), self._max.clone()
+        return tuple(v.clone() for v in self._state())
 
     def load_merged(self, lo: torch.Tensor, hi: torch.Tensor, num_batches: int) -> None:
         """Take ``(lo, hi)``, the range merged over every rank's ``num_batches`` batches in all, as the
         state."""
         self._min, self._max = lo.to(torch.float32).clone(), hi.to(torch.float32).clone()
+        self._min_f = self._max_f = None
         self._merged_from_ranks(num_batches, ())
 
     def reset(self) -> None:
         super().reset()
         self._min = self._max = None
+        self._min_f = self._max_f = None

@@ -3,13 +3,43 @@ its min and max, searched by :mod:`calibrators.two_sided`."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
+from calibrators import shared
 from calibrators.base import Calibrator
 from calibrators.histogram_calibrator import HistogramCalibrator
 from calibrators.max import MinMaxCalibrator
 from calibrators.two_sided import METHODS
 from quantcli import defaults
+
+_last: list = [None, None, None]  # [the forward pass's scope, a weak reference to its last input, the pair]
+
+
+def _forget(_ref) -> None:
+    _last[:] = [None, None, None]
+
+
+def _signs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(max(x, 0), max(-x, 0))``, made once for consecutive calls on the very same tensor within one forward
+    pass (the q, k and v projections' quantizers read one input): the histogram calibrators then share their
+    counts too (:mod:`calibrators.shared`). One pair is kept, within that pass and while ``x`` lives."""
+    scope = shared.current_observations()
+    held_scope, ref, parts = _last
+    if scope is not None and held_scope is scope and ref is not None and ref() is x:
+        return parts
+    d = x.detach()
+    parts = (torch.clamp(d, min=0), torch.clamp(d, max=0).neg_())
+    if scope is None:
+        _last[:] = [None, None, None]
+    else:
+        _last[:] = [
+            scope,
+            weakref.ref(x, lambda _: _last.__setitem__(slice(None), [None, None, None])),
+            parts,
+        ]
+    return parts
 
 
 class TwoSidedHistogramCalibrator(Calibrator):
@@ -37,10 +67,10 @@ class TwoSidedHistogramCalibrator(Calibrator):
         return self.extremes.first_nonfinite_batch()
 
     def collect(self, x: torch.Tensor) -> None:
-        x = x.detach()
         self.extremes.collect(x)  # first: refuses a non-finite batch with the quantizer's name
-        self.positive.collect(torch.clamp(x, min=0))
-        self.negative.collect(torch.clamp(-x, min=0))
+        pos, neg = _signs(x)
+        self.positive.collect(pos)  # the same tensors for q/k/v of one input: their histograms are shared
+        self.negative.collect(neg)
 
     def compute_range(self, method: str = "mse", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)`` by ``method`` (``mse`` or ``percentile``; kwargs go to it), float32 0-d, ``min <= 0

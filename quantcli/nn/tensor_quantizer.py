@@ -83,7 +83,7 @@ class TensorQuantizer(nn.Module):
         axis = None if self._block is not None else self.desc.axis  # blocks: collect() sets the block axes
         nb = self.desc.num_bits
         bits = nb if isinstance(nb, int) else tuple(nb)
-        if self.desc.asymmetric and use_hist:  # under entropy too: recompute_amax can choose another
+        if self.desc.asymmetric and method in TWO_SIDED_METHODS:
             self.calibrator = TwoSidedHistogramCalibrator(bits, num_bins=num_bins, name=self.name)
         elif self.desc.asymmetric:
             self.calibrator = MinMaxCalibrator(bits, name=self.name)
