@@ -18,6 +18,7 @@ _last: list = [None, None, None]  # [the forward pass's scope, a weak reference 
 
 
 def _forget(_ref) -> None:
+    """``x`` is gone: so is its pair."""
     _last[:] = [None, None, None]
 
 
@@ -34,11 +35,7 @@ def _signs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if scope is None:
         _last[:] = [None, None, None]
     else:
-        _last[:] = [
-            scope,
-            weakref.ref(x, lambda _: _last.__setitem__(slice(None), [None, None, None])),
-            parts,
-        ]
+        _last[:] = [scope, weakref.ref(x, _forget), parts]
     return parts
 
 

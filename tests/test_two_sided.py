@@ -124,3 +124,24 @@ def test_an_asymmetric_quantizer_takes_the_methods_range_and_entropy_keeps_min_m
     assert min_max == [] and hi < x.max() and lo > x.min()
     lo, hi, min_max = run("entropy")
     assert min_max == ["fc.input_quantizer"] and (lo, hi) == (float(x.min()), float(x.max()))
+
+
+def test_one_inputs_sign_split_is_shared_within_a_forward_pass_only():
+    """q/k/v quantizers of one input split its signs once per forward pass (their histograms are then shared
+    too); a tensor object reused by the next pass with other values is split again, not served stale."""
+    from calibrators import shared
+
+    x = torch.from_numpy(_skewed(4, 4096))
+    a, b = TwoSidedHistogramCalibrator(8), TwoSidedHistogramCalibrator(8)
+    with shared.shared_observations():
+        a.collect(x)
+        b.collect(x)
+    assert torch.equal(a.positive.hist, b.positive.hist) and torch.equal(a.negative.hist, b.negative.hist)
+    x.mul_(-3)  # the same object, other values, in the next pass
+    with shared.shared_observations():
+        a.collect(x)
+    c = TwoSidedHistogramCalibrator(8)
+    c.collect(torch.from_numpy(_skewed(4, 4096)))
+    c.collect(x.clone())
+    for m in ("mse", "percentile"):
+        assert all(torch.equal(u, v) for u, v in zip(a.compute_range(m), c.compute_range(m))), m
