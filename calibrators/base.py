@@ -100,6 +100,11 @@ class Calibrator:
                 "check the input data and the model's numerics"
             )
 
+    def parts(self) -> tuple[Calibrator, ...]:
+        """The calibrators whose statistics :func:`calibrators.distributed.merge_calibrators` merges: this
+        one, or those a composite one is made of."""
+        return (self,)
+
     def reset(self) -> None:
         self._batches = 0
         self._bad_batch = None

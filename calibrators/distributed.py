@@ -7,6 +7,8 @@ collecting all the batches itself, so ``compute_amax`` gives the same amax, bit 
 - ``MaxCalibrator``: ``all_reduce(MAX)`` of the running max (a float max is exact and order invariant).
 - ``MinMaxCalibrator``: ``MAX`` of the max and ``MAX`` of ``-min`` (that is ``MIN`` of the min: negation is
   exact).
+- ``TwoSidedHistogramCalibrator`` (asymmetric quantizers under a histogram method): its :meth:`parts`, two
+  ``HistogramCalibrator`` and a ``MinMaxCalibrator``, each merged as below.
 - ``HistogramCalibrator``: each channel's histogram covers ``[0, 2**e)``. First ``MAX`` of ``e`` (the widest
   range), then every rank re-bins its counts onto that range with the pairwise bin sums ``collect`` uses when
   a range grows, then ``SUM`` of the int64 counts. With a power-of-two ``num_bins`` every re-binned count is
@@ -165,6 +167,7 @@ def merge_calibrators(calibrators: Sequence[Calibrator], group=None) -> None:
     world = world_size(group)
     if world == 1:
         return
+    calibrators = [part for c in calibrators for part in c.parts()]  # a composite merges part by part
     dev = comm_device(group)
     # 1. the same calibrators everywhere? (a fixed-size vector: ranks that disagree cannot deadlock here)
     n, fp = len(calibrators), fingerprint(calibrators)

@@ -109,28 +109,29 @@ class MinMaxCalibrator(Calibrator):
                 shared.store(seen, ("minmax",), got)
             if not (math.isfinite(got[0]) and math.isfinite(got[1])):
                 self._note_finite(torch.tensor(got))
-            if self._min is not None:  # batches seen on another device before: one state, there
-                self._min = torch.minimum(self._min, torch.tensor(got[0], device=self._min.device))
-                self._max = torch.maximum(self._max, torch.tensor(got[1], device=self._max.device))
-            else:
-                f = self._min_f
-                self._min_f = got[0] if f is None else min(f, got[0])
-                self._max_f = got[1] if f is None else max(self._max_f, got[1])
+            f = self._min_f
+            self._min_f = got[0] if f is None else min(f, got[0])
+            self._max_f = got[1] if f is None else max(self._max_f, got[1])
             self._batches += 1
             return
         lo, hi = (v.to(torch.float32) for v in torch.aminmax(x))
         self._note_finite(torch.stack([lo, hi]))
-        if self._min is None and self._min_f is not None:  # batches seen on the CPU before
-            self._min, self._max = torch.tensor(self._min_f), torch.tensor(self._max_f)
-            self._min_f = self._max_f = None
         self._min = lo if self._min is None else torch.minimum(self._min, lo.to(self._min.device))
         self._max = hi if self._max is None else torch.maximum(self._max, hi.to(self._max.device))
         self._batches += 1
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._min is not None:
+        """The running ``(min, max)`` as float32 tensors, from either path or both (a model moved between
+        devices)."""
+        if self._min is None:
+            return tuple(torch.tensor(v, dtype=torch.float32) for v in (self._min_f, self._max_f))
+        if self._min_f is None:
             return self._min, self._max
-        return torch.tensor(self._min_f, dtype=torch.float32), torch.tensor(self._max_f, dtype=torch.float32)
+        dev = self._min.device
+        return (
+            torch.minimum(self._min, torch.tensor(self._min_f, device=dev)),
+            torch.maximum(self._max, torch.tensor(self._max_f, device=dev)),
+        )
 
     def compute_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)`` seen, widened to include 0 (zero must be exactly representable)."""

@@ -56,7 +56,7 @@ def range_percentile(
     return torch.maximum(-bottom.reshape(()), lo), torch.minimum(top.reshape(()), hi)
 
 
-def _candidates(edges, hist, limit: torch.Tensor, start_bin: int, stride: int) -> torch.Tensor:
+def _candidates(edges, limit: torch.Tensor, start_bin: int, stride: int) -> torch.Tensor:
     """One side's candidate ends (``>= 0``, float32): the edges ``start_bin, start_bin + stride, ...`` below
     the data's extreme ``limit``, and ``limit`` itself."""
     if stride < 1:
@@ -136,8 +136,8 @@ def range_mse(
         raise ValueError("the histograms are empty (no values collected)")
     width = sum(c.numel() for _, c in sides)
     chunk = max(1, (1 << 22) // max(1, width))  # pairs x bins per evaluation: tens of MiB at most
-    his = _candidates(pos_edges, pos_hist, hi, start_bin, stride)
-    los = -_candidates(neg_edges, neg_hist, -lo, start_bin, stride)
+    his = _candidates(pos_edges, hi, start_bin, stride)
+    los = -_candidates(neg_edges, -lo, start_bin, stride)
     # every COARSE-th candidate first, then every candidate near that result: a few times fewer evaluations
     # than the full alternation (the error is smooth at the scale of a few bins)
     lo, hi = _descend(los[::COARSE], his[::COARSE], lo, hi, sides, num_bits, chunk, max_rounds)

@@ -54,6 +54,7 @@ class TwoSidedHistogramCalibrator(Calibrator):
         self.extremes = MinMaxCalibrator(num_bits, name=label)
 
     def parts(self) -> tuple[Calibrator, ...]:
+        """Its histograms and extremes, merged across ranks each as they are alone."""
         return self.positive, self.negative, self.extremes
 
     @property

@@ -22,7 +22,6 @@ from calibrators.distributed import merge_calibrators, world_size
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
 from calibrators.shared import shared_observations, shared_searches
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
-from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
@@ -207,9 +206,7 @@ def _activation_amax(
 ) -> None:
     """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
     dynamic one never called, or an observer that saw nothing) are left out and reported."""
-    merge_calibrators(
-        [part for q in acts.values() if q.calibrator is not None for part in _parts(q.calibrator)], group
-    )
+    merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
     with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
         _load_activation_amax(qs, acts, method, kwargs, summary, auto)
     for name, n_calls in calls.items():
@@ -217,12 +214,6 @@ def _activation_amax(
             _leave_out(qs, name, summary)
         else:
             summary.dynamic.append(name)
-
-
-def _parts(cal) -> tuple:
-    """What the merge across ranks takes of a calibrator: itself, or a two-sided one's histograms and
-    extremes."""
-    return cal.parts() if isinstance(cal, TwoSidedHistogramCalibrator) else (cal,)
 
 
 def _stop_observers(acts: dict, auto: dict) -> None:

@@ -190,17 +190,19 @@ class QuantConfig:
             asymmetric_activations=data.get("asymmetric_activations"),
         )
 
+    def matching_rules(self, quantizer_name: str) -> list[int]:
+        """Indices of the rules whose pattern matches ``quantizer_name``, in order."""
+        return [i for i, r in enumerate(self.rules) if fnmatch.fnmatchcase(quantizer_name, r["pattern"])]
+
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
         base = PRESETS[self.preset][kind]
         if self.preset in LINEAR_ONLY_PRESETS and not _is_linear(layer):
             base = {"enable": False}  # a rule may still enable it (as a static quantizer)
         fields = copy.deepcopy(base)
-        matched = []
-        for i, rule in enumerate(self.rules):
-            if fnmatch.fnmatchcase(quantizer_name, rule["pattern"]):
-                matched.append(i)
-                fields.update({k: v for k, v in rule.items() if k != "pattern"})
+        matched = self.matching_rules(quantizer_name)
+        for i in matched:
+            fields.update({k: v for k, v in self.rules[i].items() if k != "pattern"})
         enabled = fields.pop("enable", True)
         if fields.get("axis") == OUTPUT_CHANNEL:
             fields["axis"] = layer.weight_axis

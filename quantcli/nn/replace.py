@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -19,6 +18,11 @@ from quantcli.quant.descriptor import QuantDescriptor
 
 # rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
 _GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dynamic")
+
+
+def _grid_chosen(cfg: QuantConfig, matched: list[int]) -> bool:
+    """Whether one of the ``matched`` rules sets a grid field (then placement leaves the quantizer's grid)."""
+    return any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS)
 
 
 @dataclass
@@ -86,7 +90,7 @@ def quantize_model(
             qname = _qname(name, kind)
             enabled, desc, matched = cfg.resolve(qname, kind, module)
             used.update(matched)
-            if kind == "input" and any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
+            if kind == "input" and _grid_chosen(cfg, matched):
                 own_grid.add(name)
             module.add_module(f"{kind}_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         report.layers.append(name)
@@ -168,7 +172,7 @@ def _place_for_onnxruntime(
         enabled, desc, matched = cfg.resolve(qname, "input", module)
         used.update(matched)
         after = placement.output_after.get(name)
-        if after is not None and not any(f in cfg.rules[i] for i in matched for f in _GRID_FIELDS):
+        if after is not None and not _grid_chosen(cfg, matched):
             desc = _unsigned_when(after[1], desc)  # after a ReLU: >= 0
         module.add_module("output_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         if after is not None:
@@ -225,8 +229,8 @@ def _asymmetric_activations(model: nn.Module, cfg: QuantConfig, used: set[int]) 
         d = q.desc
         if not _integer8_desc(d) or d.num_bits != 8 or d.unsigned or d.asymmetric or d.axis is not None:
             continue
-        rules = [i for i, r in enumerate(cfg.rules) if fnmatch.fnmatchcase(q.name or name, r["pattern"])]
-        if any(f in cfg.rules[i] for i in rules for f in _GRID_FIELDS):
+        rules = cfg.matching_rules(q.name or name)
+        if _grid_chosen(cfg, rules):
             continue
         used.update(rules)
         q.desc = QuantDescriptor(**{**d.dict(), "asymmetric": True})
