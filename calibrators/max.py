@@ -143,6 +143,16 @@ class MinMaxCalibrator(Calibrator):
         lo, hi = self.compute_range()
         return torch.maximum(-lo, hi)
 
+    def extent(self):
+        """``max(-min, max)`` so far: a Python float while the state is the CPU path's alone, else a 0-d
+        float32 tensor on the state's device (no host read); ``None`` before the first batch."""
+        if self._batches == 0:
+            return None
+        if self._min is None:
+            return max(-self._min_f, self._max_f)
+        lo, hi = self._state()
+        return torch.maximum(-lo, hi)
+
     def running_range(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(min, max)`` seen so far (float32 scalars, not widened to 0); ``None`` before the first batch."""
         if self._batches == 0:

@@ -1,8 +1,7 @@
 """``[min, max]`` ranges for asymmetric quantizers (an unsigned grid with a zero point) as pure functions of
-two
-histograms: one of ``max(x, 0)`` and one of ``max(-x, 0)``, each over ``[0, 2**e)`` as
-:class:`calibrators.HistogramCalibrator` collects them (so both stay exactly order-invariant and merge across
-ranks as they do), and the data's own ``min`` and ``max``.
+two histograms, one of ``max(x, 0)`` and one of ``max(-x, 0)``, each over ``[0, 2**e)`` (both sides of
+:class:`calibrators.signed_histogram.SignedHistogramCalibrator`, which collects them in one pass, exactly
+order-invariant and merged across ranks bin for bin), and the data's own ``min`` and ``max``.
 
 A negative value is counted as a zero in the positive histogram and the other way round: a zero lies in bin 0
 and quantizes to the zero point's code, exactly, whatever the range, so it changes neither search.
@@ -21,6 +20,8 @@ Both return ``(min, max)`` as float32 0-d tensors with ``min <= 0 <= max``, insi
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -57,57 +58,70 @@ def range_percentile(
 
 
 def _candidates(edges, limit: torch.Tensor, start_bin: int, stride: int) -> torch.Tensor:
-    """One side's candidate ends (``>= 0``, float32): the edges ``start_bin, start_bin + stride, ...`` below
-    the data's extreme ``limit``, and ``limit`` itself."""
+    """One side's candidate ends (``>= 0``, float32): the edges below the data's extreme ``limit``, from
+    ``start_bin / bins`` of the side's own power-of-two range (``[0, 2**e)``, ``limit < 2**e``) on, every
+    ``stride``-th, and ``limit`` itself. With a histogram over the side's own range, that is the edges
+    ``start_bin, start_bin + stride, ...``; one over a wider range (both sides of a
+    :class:`calibrators.signed_histogram.SignedHistogramCalibrator` share one) starts as far into this
+    side."""
     if stride < 1:
         raise ValueError(f"stride must be >= 1, got {stride}")
     e = torch.as_tensor(edges).to(torch.float64).reshape(-1)
     n = e.numel() - 1
-    idx = torch.arange(max(1, min(start_bin, n)), n + 1, stride)
+    wider = max(0, math.frexp(float(e[-1]))[1] - 1 - math.frexp(float(limit))[1])  # doublings beyond it
+    idx = torch.arange(max(1, min(start_bin, n) >> wider), n + 1, stride)
     vals = e[idx].to(torch.float32)
     return torch.cat([vals[vals < limit], limit.reshape(1)])
 
 
-def _errors(lo: torch.Tensor, hi: torch.Tensor, sides, num_bits: int) -> torch.Tensor:
-    """Squared error of every ``(lo[k], hi[k])`` pair over both sides' bins, float64 ``(K,)``."""
+def _points(sides) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides' bin centres as one signed row, ``(1, bins)`` float32 (as they would be quantized), and
+    their counts, float64 ``(bins,)``."""
+    values = torch.cat([c if sign > 0 else -c for sign, (_, c) in zip((1, -1), sides)])
+    return values.to(torch.float32).view(1, -1), torch.cat([h for h, _ in sides])
+
+
+def _errors(lo: torch.Tensor, hi: torch.Tensor, points, num_bits: int) -> torch.Tensor:
+    """Squared error of every ``(lo[k], hi[k])`` pair over the bins (:func:`_points`), float64 ``(K,)``: each
+    bin centre quantized and dequantized in float32 as deployed (``affine_qparams``, then ONNX
+    QuantizeLinear's round-half-even and clamp to the unsigned grid, DequantizeLinear), in place on one ``(K,
+    bins)`` buffer; the squared differences summed in float64."""
+    x, counts = points
     scale, zp = arithmetic.affine_qparams(lo, hi, num_bits)  # (K,) float32, as deployed
-    qmax = (1 << num_bits) - 1
     s, z = scale.view(-1, 1), zp.view(-1, 1)
-    total = torch.zeros(lo.shape, dtype=torch.float64)
-    for sign, (h, c) in zip((1.0, -1.0), sides):
-        if h.numel() == 0:
-            continue
-        x = (sign * c).to(torch.float32).view(1, -1)
-        codes = arithmetic.quantize_linear(x, s, z, 0, qmax)
-        back = arithmetic.dequantize_linear(codes, s, z).to(torch.float64)
-        total += ((back - x.to(torch.float64)) ** 2 * h.view(1, -1)).sum(-1)
-    return total
+    e = torch.div(x, s)  # then code, clamped, dequantized, less x: all in place
+    e.round_().add_(z).clamp_(0.0, float((1 << num_bits) - 1)).sub_(z).mul_(s).sub_(x)
+    return torch.mv(e.square_().to(torch.float64), counts)
 
 
-def _best(lo: torch.Tensor, hi: torch.Tensor, sides, num_bits: int, chunk: int) -> int:
+def _best(lo: torch.Tensor, hi: torch.Tensor, points, num_bits: int, chunk: int) -> int:
     """Index of the pair with the least error (the first among equals), in chunks of ``chunk`` pairs."""
     errs = torch.cat(
-        [_errors(lo[a : a + chunk], hi[a : a + chunk], sides, num_bits) for a in range(0, len(lo), chunk)]
+        [_errors(lo[a : a + chunk], hi[a : a + chunk], points, num_bits) for a in range(0, len(lo), chunk)]
     )
     return int(torch.argmin(errs))
 
 
-COARSE = 8
+#: the search's strides: every 64th candidate first, then every 8th near that result, then every one near that
+STRIDES = (64, 8, 1)
 
 
-def _near(cands: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The candidates within ``COARSE`` places of the one nearest ``v``."""
+def _near(cands: torch.Tensor, v: torch.Tensor, radius: int, stride: int) -> torch.Tensor:
+    """Every ``stride``-th candidate within ``radius`` places of the one nearest ``v``, that one included."""
     i = int(torch.argmin((cands - v).abs()))
-    return cands[max(0, i - COARSE) : i + COARSE + 1]
+    return cands[i % stride + max(0, i - radius) // stride * stride : i + radius + 1 : stride]
 
 
-def _descend(los, his, lo, hi, sides, num_bits: int, chunk: int, max_rounds: int):
+def _descend(los, his, lo, hi, points, num_bits: int, chunk: int, max_rounds: int):
     """Alternate from ``(lo, hi)``: the best of ``his`` for the current ``lo``, then the best of ``los`` for
     that, until neither moves; the current pair competes as a candidate, so the error never rises."""
-    for _ in range(max_rounds):
-        hs, ls = torch.cat([his, hi.reshape(1)]), torch.cat([los, lo.reshape(1)])
-        new_hi = hs[_best(lo.expand(hs.shape), hs, sides, num_bits, chunk)]
-        new_lo = ls[_best(ls, new_hi.expand(ls.shape), sides, num_bits, chunk)]
+    for r in range(max_rounds):
+        hs = torch.cat([his, hi.reshape(1)])
+        new_hi = hs[_best(lo.expand(hs.shape), hs, points, num_bits, chunk)]
+        if r and bool(new_hi == hi):
+            break  # lo is the best for this hi already: the last round chose it
+        ls = torch.cat([los, lo.reshape(1)])
+        new_lo = ls[_best(ls, new_hi.expand(ls.shape), points, num_bits, chunk)]
         if bool(new_hi == hi) and bool(new_lo == lo):
             break
         lo, hi = new_lo, new_hi
@@ -131,17 +145,18 @@ def range_mse(
     if not isinstance(num_bits, int):
         raise ValueError(f"asymmetric ranges are for integer grids, got num_bits={num_bits!r}")
     lo, hi = _limits(lo_data, hi_data)
-    sides = (_side(pos_hist, pos_edges), _side(neg_hist, neg_edges))
-    if sum(float(h.sum()) for h, _ in sides) <= 0:
+    points = _points((_side(pos_hist, pos_edges), _side(neg_hist, neg_edges)))
+    if float(points[1].sum()) <= 0:
         raise ValueError("the histograms are empty (no values collected)")
-    width = sum(c.numel() for _, c in sides)
-    chunk = max(1, (1 << 22) // max(1, width))  # pairs x bins per evaluation: tens of MiB at most
+    chunk = max(1, (1 << 22) // max(1, points[1].numel()))  # pairs x bins per evaluation: 16 MiB at most
     his = _candidates(pos_edges, hi, start_bin, stride)
     los = -_candidates(neg_edges, -lo, start_bin, stride)
-    # every COARSE-th candidate first, then every candidate near that result: a few times fewer evaluations
-    # than the full alternation (the error is smooth at the scale of a few bins)
-    lo, hi = _descend(los[::COARSE], his[::COARSE], lo, hi, sides, num_bits, chunk, max_rounds)
-    lo, hi = _descend(_near(los, lo), _near(his, hi), lo, hi, sides, num_bits, chunk, max_rounds)
+    # coarse to fine (STRIDES): about 20x fewer evaluations than the full alternation, the error being smooth
+    # at the scale of a stride (a test holds the result to a brute-force grid's error on the raw data)
+    lo, hi = _descend(los[:: STRIDES[0]], his[:: STRIDES[0]], lo, hi, points, num_bits, chunk, max_rounds)
+    for radius, step in zip(STRIDES, STRIDES[1:]):
+        lo_c, hi_c = _near(los, lo, radius, step), _near(his, hi, radius, step)
+        lo, hi = _descend(lo_c, hi_c, lo, hi, points, num_bits, chunk, max_rounds)
     return lo.clone(), hi.clone()
 
 

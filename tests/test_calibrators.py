@@ -339,12 +339,12 @@ def test_shared_searches_search_equal_histograms_once(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
 @pytest.mark.parametrize("n", [1, 1023, 1024, 5000, 65536])
 def test_interleaved_bincount_equals_bincount(n, dtype):
-    from calibrators.histogram_calibrator import _bincount_interleaved
+    from calibrators.histogram_calibrator import bincount_interleaved
 
     g = torch.Generator().manual_seed(n)
     idx = (torch.randn(n, generator=g).relu() * 300).clamp(max=2047).to(dtype)  # a spike at bin 0
     want = torch.bincount(idx, minlength=2048)
-    assert torch.equal(_bincount_interleaved(idx.clone(), 2048), want)
+    assert torch.equal(bincount_interleaved(idx.clone(), 2048), want)
 
 
 def test_cpu_histogram_equals_direct_count_on_spiky_and_smooth_batches():

@@ -26,7 +26,7 @@ def _sample(name: str):
 
 
 @pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
-@pytest.mark.parametrize("method", ["max", "entropy"])
+@pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
 @pytest.mark.parametrize(
     "config",
     ["int8", {"preset": "int8", "rules": [{"pattern": "*.input_quantizer", "axis": -1}]}],
@@ -142,3 +142,24 @@ def test_tensor_quantizer_on_cuda_equals_cpu():
     assert torch.equal(got.cpu(), want)
     assert not torch.equal(want, x)
     np.testing.assert_array_equal(got.cpu().numpy(), want.numpy())
+
+
+def test_two_sided_histograms_on_cuda_equal_the_cpus():
+    """An asymmetric quantizer's statistics under mse/percentile (min, max and the signed histogram, its range
+    doubling between batches) collected on the GPU with no host read: the CPU's counts bin for bin, and so
+    the same ranges."""
+    from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(64, 257, generator=g) * s + 0.3 * s for s in (0.01, 0.5, 7.0, 2.0)]
+    batches.append(torch.tensor([-0.0, 0.0, -7.0 / 8, 7.0 / 16]))  # exactly on bin edges of the final range
+    cpu, gpu = TwoSidedHistogramCalibrator(8, name="q"), TwoSidedHistogramCalibrator(8, name="q")
+    for x in batches:
+        cpu.collect(x)
+        gpu.collect(x.cuda())
+    assert gpu.histogram.hist.device.type == "cuda"
+    assert torch.equal(gpu.histogram.hist.cpu(), cpu.histogram.hist)
+    assert torch.equal(gpu.histogram.range_exponent().cpu(), cpu.histogram.range_exponent())
+    for method in ("mse", "percentile"):
+        for a, b in zip(gpu.compute_range(method), cpu.compute_range(method)):
+            assert a.device.type == "cuda" and torch.equal(a.cpu(), b), method

@@ -115,9 +115,11 @@ def _synthetic_batches(rank: int) -> list[torch.Tensor]:
 
 def _synthetic_calibrators():
     from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+    from calibrators.signed_histogram import SignedHistogramCalibrator
 
     return {
         "hist": HistogramCalibrator(axis=None, num_bins=2048),
+        "hist_signed": SignedHistogramCalibrator(num_bins=2048),
         "hist_axis": HistogramCalibrator(axis=1, num_bins=256),
         "hist_skip": HistogramCalibrator(axis=1, num_bins=128, skip_zeros=True),
         "max_axis": MaxCalibrator(axis=1),
@@ -227,7 +229,7 @@ def test_merged_histograms_equal_one_process_histograms_bin_for_bin(ranks):
                 c.collect(x)
     want = _synthetic_state(cals)
     # the ranks' own ranges differed before the merge: rank 0's bins were really re-binned
-    for k in ("hist", "hist_axis", "hist_skip"):
+    for k in ("hist", "hist_signed", "hist_axis", "hist_skip"):
         assert (ranks[0]["synthetic_exponents"][k] < ranks[1]["synthetic_exponents"][k]).all()
         assert torch.equal(ranks[1]["synthetic_exponents"][k], want[k][1])
     for r in range(WORLD):

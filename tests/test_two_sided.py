@@ -52,9 +52,9 @@ def test_mse_range_has_the_least_error_on_the_data():
 def test_percentile_clips_each_tail():
     x = _skewed(1)
     lo, hi = (float(v) for v in _calibrated(x).compute_range("percentile", percentile=99.0))
-    width = x.max() / 2048 * 2  # the histograms' bins: [0, 2**e) in 2048 bins, 2**e < 2 max
+    width = np.abs(x).max() / 2048 * 2  # the histogram's bins: [-2**e, 2**e) in 2 x 2048, 2**e < 2 max |x|
     assert abs(hi - np.percentile(x, 99.0)) <= width
-    assert abs(lo - np.percentile(x, 1.0)) <= -x.min() / 2048 * 2
+    assert abs(lo - np.percentile(x, 1.0)) <= width
     # percentile 100 clips nothing: the data's own range
     lo, hi = _calibrated(x).compute_range("percentile", percentile=100.0)
     assert float(hi) == x.max() and float(lo) == x.min()
@@ -126,9 +126,9 @@ def test_an_asymmetric_quantizer_takes_the_methods_range_and_entropy_keeps_min_m
     assert min_max == ["fc.input_quantizer"] and (lo, hi) == (float(x.min()), float(x.max()))
 
 
-def test_one_inputs_sign_split_is_shared_within_a_forward_pass_only():
-    """q/k/v quantizers of one input split its signs once per forward pass (their histograms are then shared
-    too); a tensor object reused by the next pass with other values is split again, not served stale."""
+def test_one_inputs_histogram_is_shared_within_a_forward_pass_only():
+    """q/k/v quantizers of one input count it once per forward pass; a tensor object reused by the next pass
+    with other values is counted again, not served stale."""
     from calibrators import shared
 
     x = torch.from_numpy(_skewed(4, 4096))
@@ -136,7 +136,7 @@ def test_one_inputs_sign_split_is_shared_within_a_forward_pass_only():
     with shared.shared_observations():
         a.collect(x)
         b.collect(x)
-    assert torch.equal(a.positive.hist, b.positive.hist) and torch.equal(a.negative.hist, b.negative.hist)
+    assert torch.equal(a.histogram.hist, b.histogram.hist)
     x.mul_(-3)  # the same object, other values, in the next pass
     with shared.shared_observations():
         a.collect(x)
@@ -145,3 +145,58 @@ def test_one_inputs_sign_split_is_shared_within_a_forward_pass_only():
     c.collect(x.clone())
     for m in ("mse", "percentile"):
         assert all(torch.equal(u, v) for u, v in zip(a.compute_range(m), c.compute_range(m))), m
+
+
+def _numpy_signed_hist(x: np.ndarray, nb: int) -> tuple[np.ndarray, int]:
+    """The signed histogram written here in numpy (float64): bin ``trunc(x / w) + nb``, ``w = 2**e / nb``,
+    ``e`` the smallest exponent with ``max |x| < 2**e``."""
+    e = int(np.frexp(np.abs(x).max().astype(np.float64))[1])
+    f = np.trunc(x.astype(np.float64) / (2.0**e / nb)).astype(np.int64)
+    return np.bincount(f + nb, minlength=2 * nb), e
+
+
+def test_the_signed_histogram_counts_every_value_in_its_bin_whatever_the_batch_order():
+    """One pass over both signs: the counts equal numpy's of ``trunc(x / w)`` over the final range, also when
+    the range doubled several times between batches (each doubling re-bins negative bins towards zero, not
+    by an arithmetic shift), with values exactly on bin edges, zeros and -0.0."""
+    from calibrators.signed_histogram import SignedHistogramCalibrator
+
+    nb = 64
+    g = np.random.default_rng(5)
+    small = (g.standard_normal(3000) * 0.05).astype(np.float32)
+    edges = (np.arange(-40, 40) * (32.0 / nb)).astype(np.float32)  # exact multiples of the final bin width
+    large = np.concatenate([g.standard_normal(3000).astype(np.float32) * 6, edges, [0.0, -0.0, -31.9]])
+    want, e = _numpy_signed_hist(np.concatenate([small, large]), nb)
+    assert e == 5 and np.frexp(np.abs(small).max())[1] <= 0  # the range grew by five doublings or more
+    for order in ((small, large), (large, small)):
+        c = SignedHistogramCalibrator(num_bins=nb)
+        for part in order:
+            for piece in np.array_split(part, 3):
+                c.collect(torch.from_numpy(piece.astype(np.float32)))
+        assert int(c.range_exponent()[0]) == e
+        assert np.array_equal(c.hist[0].numpy(), want)
+    # the sides the range searches read: max(x, 0) and max(-x, 0), each value of the other sign a zero
+    pos, neg, side_edges = c.sides()
+    assert int(pos.sum()) == int(neg.sum()) == want.sum()
+    assert want[0] == 0 and want[nb] == pos[0] - (want[:nb].sum()) == neg[0] - want[nb + 1 :].sum()
+    # each side is the histogram of |x| over the same range (HistogramCalibrator's bins)
+    x = np.concatenate([small, large])
+    top = 2.0**e
+    for side, vals in ((pos, np.maximum(x, 0)), (neg, np.maximum(-x, 0))):
+        assert np.array_equal(side.numpy(), np.histogram(vals.astype(np.float64), nb, (0.0, top))[0])
+    assert float(side_edges[-1]) == 2.0**e and side_edges.numel() == nb + 1
+
+
+def test_each_side_is_searched_from_its_own_range():
+    """A short negative side (GELU-like: -0.17 against 10) shares the long side's bins; its candidate ends
+    start as far into its own range as a histogram of its own would (start_bin / bins of it), so mse can
+    still clip it where that lowers the error."""
+    from calibrators.two_sided import _candidates
+
+    edges = torch.arange(2049, dtype=torch.float64) * (16.0 / 2048)  # [0, 16): the long side's range
+    short = _candidates(edges, torch.tensor(0.17), start_bin=128, stride=1)
+    # the side's own range is [0, 0.25): candidates from 0.25 * 128 / 2048 on, every bin below 0.17
+    assert float(short[0]) == 0.015625 and float(short[-1]) == np.float32(0.17)
+    assert short.numel() == 20 + 1  # edges 2..21 of the shared bins, then 0.17
+    own = torch.arange(2049, dtype=torch.float64) * (0.25 / 2048)
+    assert float(_candidates(own, torch.tensor(0.17), 128, 1)[0]) == 0.015625
