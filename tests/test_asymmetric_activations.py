@@ -65,7 +65,7 @@ def test_the_cli_reports_them_and_entropy_keeps_symmetric_grids(tmp_path):
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["placement"]["asymmetric"] == ["conv1.input_quantizer"]
-    assert "1 signed activations on uint8 with a zero point" in info["placement"]["text"]
+    assert "1 signed activation on uint8 with a zero point" in info["placement"]["text"]
     # entropy searches a symmetric threshold: left to the default, the grid is one it calibrates (no warning
     # that it did not apply), and the checkpoint records that
     r = cli("calibrate", "digits_cnn", "--placement", "all", "--method", "entropy", "--out", out, "--json")

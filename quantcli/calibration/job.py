@@ -432,6 +432,11 @@ def _holdout(
     return calib, (held, f"the last {num_samples(held)} samples of --data")
 
 
+def _count(items, noun: str) -> str:
+    """``"1 Conv input"``, ``"3 Conv inputs"``."""
+    return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
+
+
 def placement_summary(placement, target: str) -> dict:
     """What the target's placement did (:mod:`quantcli.nn.placement`), as JSON data and one line of text."""
     if placement is None:
@@ -440,8 +445,7 @@ def placement_summary(placement, target: str) -> dict:
     if target == "tensorrt":
         d["text"] = (
             "quantized inputs and weights of every layer, no output quantizers, "
-            f"{len(placement.residual_quantized)} residual skip inputs quantized (NVIDIA's "
-            f"placement)"
+            f"{_count(placement.residual_quantized, 'residual skip input')} quantized (NVIDIA's placement)"
         )
         if placement.residual_untraced:
             d["text"] += (
@@ -461,14 +465,14 @@ def placement_summary(placement, target: str) -> dict:
         )
     else:
         d["text"] = (
-            f"{len(placement.unsigned_inputs)} post-ReLU inputs on the uint8 grid, "
-            f"{len(placement.output_quantized)} Conv output quantizers, int32 biases"
+            f"{_count(placement.unsigned_inputs, 'post-ReLU input')} on the uint8 grid, "
+            f"{_count(placement.output_quantized, 'Conv output quantizer')}, int32 biases"
         )
         extra = [
-            (len(placement.residual_quantized), "residual skip inputs quantized (QLinearAdd)"),
-            (len(placement.pool_inputs), "pooling inputs quantized (QLinearAdd before them)"),
-            (len(placement.input_before), "Conv inputs quantized before their zero padding"),
-            (len(placement.asymmetric), "signed activations on uint8 with a zero point"),
+            (placement.residual_quantized, "residual skip input", "quantized (QLinearAdd)"),
+            (placement.pool_inputs, "pooling input", "quantized (QLinearAdd before it)"),
+            (placement.input_before, "Conv input", "quantized before its zero padding"),
+            (placement.asymmetric, "signed activation", "on uint8 with a zero point"),
         ]
-        d["text"] += "".join(f", {k} {what}" for k, what in extra if k)
+        d["text"] += "".join(f", {_count(names, what)} {rest}" for names, what, rest in extra if names)
     return d
