@@ -200,3 +200,15 @@ def test_each_side_is_searched_from_its_own_range():
     assert short.numel() == 20 + 1  # edges 2..21 of the shared bins, then 0.17
     own = torch.arange(2049, dtype=torch.float64) * (0.25 / 2048)
     assert float(_candidates(own, torch.tensor(0.17), 128, 1)[0]) == 0.015625
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_the_signed_histogram_of_other_float_dtypes_is_that_of_their_values(dtype):
+    from calibrators.signed_histogram import SignedHistogramCalibrator
+
+    x = torch.from_numpy(_skewed(6, 4096)).to(dtype)
+    a, b = SignedHistogramCalibrator(num_bins=256), SignedHistogramCalibrator(num_bins=256)
+    a.collect(x)
+    b.collect(x.float())  # every value of these dtypes but float64 is exactly a float32
+    want, _ = _numpy_signed_hist(x.float().numpy(), 256)
+    assert np.array_equal(a.hist[0].numpy(), want) and torch.equal(a.hist, b.hist)
