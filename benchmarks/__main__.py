@@ -12,6 +12,7 @@ from benchmarks import (
     bench_int8_transformers,
     bench_opset,
     bench_ort_fp8,
+    bench_output_quantization,
     bench_reduce_range,
     bench_startup,
     bench_verify,
@@ -46,5 +47,7 @@ if a.device == "cpu":
     bench_deploy.main([])
     print()
     bench_accuracy.main(["--quick"] if a.quick else [])
+    print()
+    bench_output_quantization.main([])
 print()
 bench_distributed.main(["--device", a.device])
