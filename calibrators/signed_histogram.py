@@ -45,6 +45,7 @@ class SignedHistogramCalibrator(Calibrator):
         self._exp: torch.Tensor | None = None  # else a (1,) int64 tensor on the histogram's device
         self._buf_f: torch.Tensor | None = None
         self._buf_i: torch.Tensor | None = None
+        self._views: tuple | None = None  # (n, float32 view, index view) of the buffers
         self._spiky = False  # the last CPU batch had one dominant bin
 
     @property
@@ -135,13 +136,17 @@ class SignedHistogramCalibrator(Calibrator):
         self._batches += 1
 
     def _scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reusable CPU float32 / bin-index buffers of ``n`` elements."""
+        """Reusable CPU float32 / bin-index buffers of ``n`` elements (the views of the last size kept: a
+        quantizer sees one size batch after batch)."""
+        if self._views is not None and self._views[0] == n:
+            return self._views[1], self._views[2]
         f, i = self._buf_f, self._buf_i
         if f is None or f.numel() < n:
             f = torch.empty(n, dtype=torch.float32)
             i = torch.empty(n, dtype=index_dtype(self.counts_width))
             self._buf_f, self._buf_i = f, i
-        return f[:n], i[:n]
+        self._views = (n, f[:n], i[:n])
+        return self._views[1], self._views[2]
 
     @property
     def hist(self) -> torch.Tensor:
@@ -198,7 +203,7 @@ class SignedHistogramCalibrator(Calibrator):
     def reset(self) -> None:
         super().reset()
         self._hist = self._exp = self._exp_int = None
-        self._buf_f = self._buf_i = None
+        self._buf_f = self._buf_i = self._views = None
         self._spiky = False
 
     def __repr__(self) -> str:
