@@ -148,7 +148,7 @@ def range_mse(
     points = _points((_side(pos_hist, pos_edges), _side(neg_hist, neg_edges)))
     if float(points[1].sum()) <= 0:
         raise ValueError("the histograms are empty (no values collected)")
-    chunk = max(1, (1 << 22) // max(1, points[1].numel()))  # pairs x bins per evaluation: 16 MiB at most
+    chunk = max(1, (1 << 22) // max(1, points[1].numel()))  # pairs x bins per evaluation: 48 MiB at most
     his = _candidates(pos_edges, hi, start_bin, stride)
     los = -_candidates(neg_edges, -lo, start_bin, stride)
     # coarse to fine (STRIDES): about 30x fewer evaluations than the full alternation, the error being smooth
