@@ -87,10 +87,11 @@ def _errors(lo: torch.Tensor, hi: torch.Tensor, points, num_bits: int) -> torch.
     QuantizeLinear's round-half-even and clamp to the unsigned grid, DequantizeLinear), in place on one ``(K,
     bins)`` buffer; the squared differences summed in float64."""
     x, counts = points
-    scale, zp = arithmetic.affine_qparams(lo, hi, num_bits)  # (K,) float32, as deployed
+    qmax = float((1 << num_bits) - 1)
+    scale, zp = arithmetic.affine_qparams_of(lo, hi, qmax)  # (K,) float32, as deployed; lo <= 0 <= hi
     s, z = scale.view(-1, 1), zp.view(-1, 1)
     e = torch.div(x, s)  # then code, clamped, dequantized, less x: all in place
-    e.round_().add_(z).clamp_(0.0, float((1 << num_bits) - 1)).sub_(z).mul_(s).sub_(x)
+    e.round_().add_(z).clamp_(0.0, qmax).sub_(z).mul_(s).sub_(x)
     return torch.mv(e.square_().to(torch.float64), counts)
 
 
@@ -144,6 +145,7 @@ def range_mse(
     edges from ``start_bin`` on, every ``stride``, below the data's extreme, and the extreme itself."""
     if not isinstance(num_bits, int):
         raise ValueError(f"asymmetric ranges are for integer grids, got num_bits={num_bits!r}")
+    arithmetic.check_num_bits(num_bits)
     lo, hi = _limits(lo_data, hi_data)
     points = _points((_side(pos_hist, pos_edges), _side(neg_hist, neg_edges)))
     if float(points[1].sum()) <= 0:

@@ -120,7 +120,12 @@ def affine_qparams(min_range, max_range, num_bits: int = 8) -> tuple[torch.Tenso
     hi = torch.as_tensor(max_range, dtype=torch.float32).clamp(min=0.0)
     if (lo > hi).any():
         raise ValueError(f"min_range {min_range} > max_range {max_range}")
-    qmax = float((1 << num_bits) - 1)
+    return affine_qparams_of(lo, hi, float((1 << num_bits) - 1))
+
+
+def affine_qparams_of(lo: torch.Tensor, hi: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`affine_qparams`' arithmetic alone, for float32 ``lo <= 0 <= hi`` the caller guarantees (a range
+    search evaluating thousands of candidate pairs skips the checks)."""
     scale = (hi - lo) / qmax
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     zero_point = torch.clamp(torch.round(-lo / scale), 0.0, qmax)
