@@ -29,14 +29,11 @@ from onnx import helper, numpy_helper
 
 from benchmarks.bench_zoo import cli, model_data, session
 from benchmarks.common import machine, setup_threads, table, verdict
+from quantcli.quant import arithmetic
+from tests.zoo import registry as zoo
 
 TRAINED = ("digits_cnn", "text_encoder", "tiny_lm")
 ZOO = ("resnet", "mobilenet_v2", "convnext", "efficientnet", "vit", "swin", "mobilevit", "bert", "distilbert")
-
-
-def _cosine(a: np.ndarray, b: np.ndarray) -> float:
-    a, b = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
-    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
 
 
 def _run(graph, batches: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
@@ -46,27 +43,20 @@ def _run(graph, batches: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
     return [np.concatenate(x) for x in zip(*outs)]
 
 
-def uint8_qparams(lo: float, hi: float) -> tuple[np.float32, np.uint8]:
-    """onnxruntime's asymmetric uint8 parameters of a range (widened to hold 0)."""
-    lo, hi = min(lo, 0.0), max(hi, 0.0)
-    scale = np.float32((hi - lo) / 255.0) if hi > lo else np.float32(1.0)
-    return scale, np.uint8(np.clip(round(-lo / float(scale)), 0, 255))
-
-
 def with_quantized_outputs(graph: Path, ranges: dict[str, tuple[float, float]]) -> bytes:
     """``graph`` with a uint8 Q/DQ on each output named in ``ranges``, over its range, serialized."""
     m = onnx.load(str(graph))
     g = m.graph
     for name in ranges:
         pre = f"{name}__float"
-        scale, zp = uint8_qparams(*ranges[name])
+        scale, zp = arithmetic.affine_qparams(*ranges[name], 8)  # onnxruntime's uint8 formula, float32
         for n in g.node:  # the producer and any other reader take the float value under a new name
             n.output[:] = [pre if o == name else o for o in n.output]
             n.input[:] = [pre if i == name else i for i in n.input]
         g.initializer.extend(
             [
-                numpy_helper.from_array(np.array(scale, np.float32), f"{name}__scale"),
-                numpy_helper.from_array(np.array(zp, np.uint8), f"{name}__zp"),
+                numpy_helper.from_array(scale.numpy(), f"{name}__scale"),
+                numpy_helper.from_array(zp.numpy().astype(np.uint8), f"{name}__zp"),
             ]
         )
         qdq = [pre, f"{name}__scale", f"{name}__zp"]
@@ -95,8 +85,6 @@ def _data(name: str, folder: Path):
         with torch.inference_mode():
             outs = [model(**{k: torch.from_numpy(v) for k, v in b.items()}) for b in held]
         return name, [], calib, held, [np.concatenate([o.numpy() for o in outs])]  # one output: the logits
-    from tests.zoo import registry as zoo
-
     calib_path, _, calib, held, ref = model_data(name, folder)
     return zoo.spec(name), ["--data", calib_path], [calib], [held], ref
 
@@ -118,9 +106,9 @@ def measure(name: str, folder: Path) -> dict:
     return {
         "model": name,
         "trained": "yes" if name in TRAINED else "no (random init)",
-        "cos float output": _cosine(g, r),
-        "cos quantized output": _cosine(gq, r),
-        "difference": _cosine(gq, r) - _cosine(g, r),
+        "cos float output": zoo.cosine(g, r),
+        "cos quantized output": zoo.cosine(gq, r),
+        "difference": zoo.cosine(gq, r) - zoo.cosine(g, r),
         "top-1 float": float((g.argmax(-1) == r.argmax(-1)).mean()),
         "top-1 quantized": float((gq.argmax(-1) == r.argmax(-1)).mean()),
         "clipped": float(((g < min(lo, 0.0)) | (g > max(hi, 0.0))).mean()),

@@ -42,12 +42,6 @@ def active() -> bool:
     return _scopes["observations"] is not None
 
 
-def current_observations() -> dict | None:
-    """The current :func:`shared_observations` scope itself (one per forward pass), or ``None``: a token for
-    a cache that must not outlive it."""
-    return _scopes["observations"]
-
-
 def lookup(x: torch.Tensor, key: tuple):
     """The value stored for this very tensor under ``key`` in the current scope, else ``None``."""
     seen = _scopes["observations"]
