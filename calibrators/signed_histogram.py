@@ -27,7 +27,7 @@ import torch
 
 from calibrators import shared
 from calibrators.base import Calibrator
-from calibrators.histogram_calibrator import bincount_interleaved, index_dtype
+from calibrators.histogram_calibrator import count_bins, index_dtype
 from quantcli import defaults
 
 
@@ -91,8 +91,7 @@ class SignedHistogramCalibrator(Calibrator):
             a.mul_(math.ldexp(float(nb), -exp))
         idx.copy_(a)  # truncation, to integers in (-nb, nb)
         idx.add_(nb)
-        counts = bincount_interleaved(idx, 2 * nb) if self._spiky else torch.bincount(idx, minlength=2 * nb)
-        self._spiky = int(counts.max()) > idx.numel() // 4  # see HistogramCalibrator._collect_cpu_scalar
+        counts, self._spiky = count_bins(idx, 2 * nb, self._spiky)
         return counts.view(1, -1)
 
     def _add(self, counts: torch.Tensor, counts_exp: int, exp: int) -> None:
