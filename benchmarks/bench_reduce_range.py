@@ -6,10 +6,10 @@ onnxruntime's deployed session (default options) is from the fake-quant model, w
 Per model and setting: held-out top-1 accuracy of the fp32 and fake-quant models and their logits' cosine; the
 quantized layers onnxruntime runs as integer kernels (the only ones a kernel can make deviate); the default
 session's largest logit deviation from the fake-quant model and top-1 agreement with it on this CPU; and the
-same with the non-VNNI u8s8 kernel emulated on those layers (:mod:`benchmarks.u8s8_avx2`), with the fraction
-of product pairs it saturates. On a CPU with VNNI the measured deviation has no saturation in it; the emulated
-one is what an AVX2-only CPU computes. Layers onnxruntime leaves in float cannot saturate, so the figures
-follow whatever the export's placement makes onnxruntime fuse.
+same with the non-VNNI u8s8 kernel emulated (:class:`quantcli.analysis.saturation.Emulation`), with the
+fraction of product pairs it saturates. On a CPU with VNNI the measured deviation has no saturation in it;
+the emulated one is what an AVX2-only CPU computes. Layers onnxruntime leaves in float cannot saturate, so
+the figures follow whatever the export's placement makes onnxruntime fuse.
 """
 
 from __future__ import annotations
@@ -23,11 +23,11 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from benchmarks import u8s8_avx2
 from benchmarks.common import machine, setup_threads, table
 from exporters import export_onnx
 from exporters.onnxruntime.fusion import inspect_fusion
 from quantcli import calibrate, quantize_model
+from quantcli.analysis.saturation import Emulation
 from sample_models import SAMPLES
 
 U8S8_KERNELS = ("QLinearConv", "QGemm", "QLinearMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul")
@@ -73,13 +73,10 @@ def measure(name: str, reduce_range: bool, workdir: Path) -> dict:
     deployed = torch.cat(
         [torch.from_numpy(sess.run(None, {k: v.numpy() for k, v in b.items()})[0]) for b in batches]
     )
-    stats = u8s8_avx2.Stats()
-    handles = u8s8_avx2.install(model, fused, stats)
-    try:
+    with Emulation(model) as emu:
         emulated = _logits(model, batches)
-    finally:
-        for h in handles:
-            h.remove()
+    saturated = sum(s.saturated for s in emu.layers.values())
+    pairs = sum(s.pairs for s in emu.layers.values())
     scale = float(fq.abs().max())
 
     def dev(got):
@@ -101,7 +98,7 @@ def measure(name: str, reduce_range: bool, workdir: Path) -> dict:
         "deployed top-1 agree": d_agree,
         "non-VNNI max dev": e_max,
         "non-VNNI top-1 agree": e_agree,
-        "pairs saturated": f"{stats.saturated / stats.pairs:.2e}" if stats.pairs else "-",
+        "pairs saturated": f"{saturated / pairs:.2e}" if pairs else "-",
     }
 
 

@@ -22,6 +22,8 @@ PRUNED_KEY = "quantcli.pruned_quantizers"
 #: JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form
 # onnxruntime : runs as MatMulNBits (:mod:`exporters.matmul_nbits`); their quantizer's tensor is ``[out, in]``
 KN_WEIGHTS_KEY = "quantcli.kn_weights"
+#: the CPU kind the graph's grids were chosen for (quantcli.quant.cpu), onnxruntime target
+CPU_KEY = "quantcli.cpu"
 
 
 def read_onnx(path: str | Path) -> onnx.ModelProto:

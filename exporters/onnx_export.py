@@ -28,6 +28,7 @@ from exporters import aten_symbolics
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import (
+    CPU_KEY,
     PRUNED_KEY,
     QUANTIZERS_KEY,
     consumer_map,
@@ -40,7 +41,7 @@ from exporters.onnxruntime.compat import guard_fp8, session_needs
 from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
 from exporters.onnxruntime.fusion import inspect_fusion
 from exporters.onnxruntime.placement import place_for_onnxruntime
-from exporters.opset import LAYER_NORM_OPSET, OpProbe, format_opset, ops_opset
+from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
 from quantcli import __version__
 from quantcli.errors import ExportError, first_line
 from quantcli.files import staging_directory, writable_directory
@@ -81,6 +82,8 @@ class ExportResult:
     # other targets: what onnxruntime needs
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)
     target: str = "onnxruntime"
+    # onnxruntime target: the CPU kind the grids were chosen for (quantcli.quant.cpu), from the config
+    cpu: str | None = None
     # onnxruntime target: the execution provider the graph is shaped for (cpu, cuda)
     provider: str | None = None
     # onnxruntime target: what exporters.onnxruntime.placement did, and for the CPU provider
@@ -298,6 +301,7 @@ def export_onnx(
         opset_note=note,
         target=target,
         provider=provider,
+        cpu=_config_cpu(model) if target == "onnxruntime" else None,
     )
     axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
@@ -311,6 +315,13 @@ def export_onnx(
     return res
 
 
+def _config_cpu(model: nn.Module) -> str | None:
+    """The deployment CPU the calibrated model's grids were chosen for (None: a model quantized without a
+    config, or one from before the CPU was recorded)."""
+    cfg = getattr(model, "quantcli_config", None)
+    return None if cfg is None else cfg.deploy_cpu
+
+
 def _required_opset(model: nn.Module, exporter: str, opset: int | None) -> tuple[int, str]:
     """Check the exporter, the model and an explicit ``opset`` before any work is done.
 
@@ -321,7 +332,7 @@ def _required_opset(model: nn.Module, exporter: str, opset: int | None) -> tuple
     need, why = required_opset(model)
     if exporter == "dynamo" and need < DYNAMO_MIN_OPSET:
         need, why = DYNAMO_MIN_OPSET, "the dynamo exporter"
-    what = why if why == "the dynamo exporter" else f"{why} quantization"
+    what = why if why in ("the dynamo exporter", NO_QUANTIZER) else f"{why} quantization"
     if opset is not None and opset < need:
         raise ExportError(
             f"{what} needs ONNX opset >= {need}, got --opset {opset}; pass --opset {need} or leave it out"
@@ -362,11 +373,12 @@ def _resolve_opset(
     minimum ``need`` and the ops ``probe`` saw in a forward pass (:func:`exporters.opset.ops_opset`)."""
     best, best_why = ops_opset(model, probe)
     if opset is None:
-        return (
-            max(need, best),
-            f"{what} needs {need}" + (f"; {best_why} needs {best}" if best > need else ""),
-            "",
+        first = (
+            f"the graph is float ({what}): the project's minimum, {need}"
+            if what == NO_QUANTIZER
+            else f"{what} needs {need}"
         )
+        return max(need, best), first + (f"; {best_why} needs {best}" if best > need else ""), ""
     note = ""
     if opset < best and best == LAYER_NORM_OPSET:
         note = (
@@ -443,6 +455,7 @@ def _stamp_metadata(
         QUANTIZERS_KEY: json.dumps(mapping),
         "quantcli.target": res.target,
         **({"quantcli.provider": res.provider} if res.provider else {}),
+        **({CPU_KEY: res.cpu} if res.cpu else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
         **({KN_WEIGHTS_KEY: json.dumps(res.kn_weights)} if res.kn_weights else {}),
         **(metadata or {}),

@@ -27,12 +27,18 @@ LAYER_NORM_OPSET = 17  # ONNX LayerNormalization
 ATTENTION_OPSET = 14
 
 
+#: format_opset's "format" for a model with no quantizer enabled
+NO_QUANTIZER = "no quantizer enabled"
+
+
 def format_opset(model: nn.Module) -> tuple[int, str]:
-    """(lowest opset the model's enabled quantizers need, the format that needs it)."""
+    """(lowest opset the model's enabled quantizers need, the format that needs it); with no quantizer
+    enabled, the project's minimum and ``"a float graph (no quantizer enabled)"``."""
+    enabled = [q for q in quantizers(model).values() if q.enabled]
+    if not enabled:
+        return formats.MIN_OPSET, NO_QUANTIZER
     need, why = formats.MIN_OPSET, "int8"
-    for q in quantizers(model).values():
-        if not q.enabled:
-            continue
+    for q in enabled:
         blocked = q._block is not None
         unsigned = q.desc.unsigned or q.desc.asymmetric
         op = formats.required_opset(q.desc.num_bits, unsigned, blocked)

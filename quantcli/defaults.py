@@ -17,4 +17,5 @@ WEIGHT_METHOD = "rtn"  # --weight-method: int4 weight rounding
 PLACEMENT = "auto"  # --placement: layers onnxruntime would not run faster quantized stay float
 DIST_TIMEOUT = 600.0  # --dist-timeout: seconds a torchrun rank waits for the others
 SENSITIVITY_SAMPLES = 64  # analyze --num-samples: samples the sensitivity passes use
+MAX_DEPLOY_RATIO = 1.0  # verify --max-deploy-ratio: the deployed session's bound (docs/verify-criteria.md)
 MAX_RMS_RATIO = 2.0  # verify --max-rms-ratio (docs/verify-criteria.md: correct exports measured up to 0.87)

@@ -80,6 +80,8 @@ class CalibrationRequest:
     weight_method: str = defaults.WEIGHT_METHOD  # rtn, gptq or awq (quantcli.calibration.weight_rounding)
     # auto: layers onnxruntime would not run faster quantized stay float; all: every layer
     placement: str = defaults.PLACEMENT
+    # the deployment CPU (quantcli.quant.cpu): None keeps the config's (default auto: this machine)
+    cpu: str | None = None
 
 
 @dataclass
@@ -235,6 +237,8 @@ class CalibrationJob:
             info["placement"]["latency"] = self.latency.to_dict()
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
         info["layers"] = layers_summary(self.report, self.model, self.latency)
+        info["quantized_layers"] = len(info["layers"]["quantized"])
+        info["cpu"] = cpu_summary(self.config, self.model, self.request.cpu)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
         info["weight_rounding"] = (
@@ -268,6 +272,54 @@ class CalibrationJob:
         info = self.summarise(summary, mixed, smoothed)
         self.save(info)
         return CalibrationOutcome(self, summary, info, mixed, smoothed)
+
+
+def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None) -> dict:
+    """The deployment CPU the grids were chosen for (:mod:`quantcli.quant.cpu`): its kind, whether it is this
+    machine, the weight quantizers put on the 7-bit grid so that its u8s8 kernels cannot saturate, and the
+    layers whose weights can still saturate there (``reduce_range: false``), with a one-line ``text``."""
+    from quantcli.analysis.saturation import saturating_layers
+    from quantcli.nn.config import REDUCED_WEIGHT_BITS
+    from quantcli.nn.tensor_quantizer import quantizers
+    from quantcli.quant import cpu as cpu_kinds
+
+    kind = config.deploy_cpu
+    auto = asked in (None, cpu_kinds.AUTO) and config.cpu == cpu_kinds.detect()
+    reduced = [
+        n
+        for n, q in quantizers(model).items()
+        if n.endswith("weight_quantizer") and q.enabled and q.desc.num_bits == REDUCED_WEIGHT_BITS
+    ]
+    saturates = cpu_kinds.can_saturate(kind) and config.target == "onnxruntime"
+    saturating = saturating_layers(model) if saturates else []
+    where = f"{kind} ({'this machine' if auto else 'named with --cpu or the config'})"
+    if saturating:
+        text = (
+            f"{where}: the weights of {len(saturating)} layer(s) can saturate its uint8 x int8 kernels "
+            f"(reduce_range: {config.reduce_range})"
+        )
+    elif reduced and saturates:
+        text = (
+            f"{where}: its uint8 x int8 kernels can saturate, so {len(reduced)} weight quantizer(s) are on "
+            "the 7-bit grid (depthwise convolutions keep 8 bits: their kernel cannot saturate)"
+        )
+    elif reduced:
+        text = f"{where}: {len(reduced)} weight quantizer(s) on the 7-bit grid (reduce_range: true)"
+    else:
+        text = f"{where}: " + (
+            "8-bit weights (its integer kernels cannot saturate)"
+            if not saturates
+            else "no 8-bit weight feeds a kernel that can saturate"
+        )
+    return {
+        "kind": kind,
+        "this_machine": cpu_kinds.detect(),
+        "auto": auto,
+        "reduce_range": config.reduce_range,
+        "reduced_weights": reduced,
+        "saturating_layers": saturating,
+        "text": text,
+    }
 
 
 def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = None) -> dict:
@@ -374,6 +426,10 @@ def _load_config(request: CalibrationRequest) -> QuantConfig:
         cfg.fold_batchnorm = request.fold_bn
     if request.target is not None:
         cfg = dataclasses.replace(cfg, target=request.target)  # validated like a config file's target
+    if request.cpu is not None:
+        cfg = dataclasses.replace(cfg, cpu=request.cpu)
+    # auto is this machine: the checkpoint stores the kind it was, so a model rebuilt elsewhere is the same
+    cfg = dataclasses.replace(cfg, cpu=cfg.deploy_cpu)
     if request.method == "entropy" and cfg.asymmetric_activations is None:
         # entropy searches a symmetric threshold: left to its default, the grid is one it can calibrate
         cfg = dataclasses.replace(cfg, asymmetric_activations=False)

@@ -11,8 +11,17 @@ import typer
 
 from quantcli import defaults
 from quantcli.cli.guard import STATE, guarded
-from quantcli.cli.options import PREPROCESSING, BatchSizeOpt, DataOpt, JsonOpt, Method, NumSamplesOpt
+from quantcli.cli.options import (
+    PREPROCESSING,
+    BatchSizeOpt,
+    CpuOpt,
+    DataOpt,
+    JsonOpt,
+    Method,
+    NumSamplesOpt,
+)
 from quantcli.cli.output import err, fmt, key_value_table, out, print_json, progress
+from quantcli.quant import cpu as cpu_kinds
 
 
 @guarded
@@ -67,6 +76,7 @@ def calibrate(
     batch_size: BatchSizeOpt = None,
     num_samples: NumSamplesOpt = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:i].")] = defaults.DEVICE,
+    cpu: CpuOpt = None,
     out_path: Annotated[
         Optional[Path],
         typer.Option("--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
@@ -191,6 +201,7 @@ def calibrate(
         max_float_layers=max_float_layers,
         weight_method=weight_method,
         placement=placement,
+        cpu=cpu.value if cpu is not None else None,
     )
     with torchrun_rank(device, dist_timeout) as rank:
         job = CalibrationJob.load(request, rank)
@@ -248,7 +259,23 @@ def render_calibrate(outcome, as_json: bool) -> int:
 
 
 def _calibrate_warnings(outcome) -> None:
-    report = outcome.job.report
+    report, info = outcome.job.report, outcome.info
+    if info["quantized_layers"] == 0:
+        err.print(
+            "warning: no layer is quantized: the checkpoint computes the float model "
+            f"({info['layers']['text']})"
+        )
+    cpu = info["cpu"]
+    if cpu["saturating_layers"]:
+        shown = ", ".join(cpu["saturating_layers"][:5]) + (
+            " ..." if len(cpu["saturating_layers"]) > 5 else ""
+        )
+        err.print(
+            f"warning: on {cpu['kind']} onnxruntime's uint8 x int8 kernels can saturate with the 8-bit "
+            f"weights of {shown} (reduce_range: false); `verify` fails such a graph there. Leave "
+            "reduce_range at auto, or name a CPU with VNNI (--cpu x86-vnni) if the graph never runs "
+            f"without it ({cpu_kinds.remedy_link()})"
+        )
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
     if outcome.summary.not_called:
@@ -292,6 +319,7 @@ def _calibrate_setup_rows(outcome):
     if job.preprocessing is not None:
         yield "preprocessing", describe_preprocessing(job.preprocessing)
     yield "target", f"{cfg.target}: {outcome.info['placement']['text']}"
+    yield "cpu", outcome.info["cpu"]["text"]
     latency = outcome.info["placement"].get("latency")
     if latency is not None:
         yield "latency placement", latency["text"]

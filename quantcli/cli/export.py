@@ -11,7 +11,7 @@ import typer
 from quantcli.cli.files import refuse_inputs
 from quantcli.cli.guard import guarded
 from quantcli.cli.options import CalibratedArg, Exporter, ExportProvider, JsonOpt, TrustCodeOpt
-from quantcli.cli.output import key_value_table, out, print_json
+from quantcli.cli.output import err, key_value_table, out, print_json
 
 
 @guarded
@@ -82,6 +82,11 @@ def export(
 
 
 def render_export(res, calibrated: Path) -> None:
+    if not res.pairs_by_format and not res.dynamic_layers:
+        err.print(
+            "warning: the graph holds no quantizer: every layer is float (calibrate kept every layer float, "
+            "or the config quantizes nothing; `quantcli inspect` on the checkpoint says which)"
+        )
     out.print(key_value_table(f"quantcli export {calibrated}", _export_rows(res)))
 
 

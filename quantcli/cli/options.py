@@ -22,6 +22,7 @@ import typer
 
 from calibrators.methods import CALIBRATION_METHODS
 from quantcli import defaults
+from quantcli.quant import cpu as cpu_kinds
 
 # --------------------------------------------------------------------------------------------- choices
 
@@ -49,6 +50,10 @@ class Runtime(str, Enum):
     onnxruntime = "onnxruntime"
 
 
+#: --cpu: the CPU a graph is made for / judged on (quantcli.quant.cpu)
+Cpu = Enum("Cpu", {k: k for k in cpu_kinds.CHOICES}, type=str)
+
+
 # --------------------------------------------------------------------------------------------- single options
 
 CalibratedArg = Annotated[Path, typer.Argument(help="Calibrated checkpoint written by `quantcli calibrate`.")]
@@ -69,6 +74,14 @@ BatchSizeOpt = Annotated[
 ]
 NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use at most N samples.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print as JSON.")]
+CpuOpt = Annotated[
+    Optional[Cpu],
+    typer.Option(
+        "--cpu",
+        help="The CPU the graph will run on: auto (this machine), x86-avx2 (x86 without VNNI: uint8 x int8 "
+        "kernels can saturate), x86-vnni, arm64, or any (a fleet of several kinds).",
+    ),
+]
 TrustCodeOpt = Annotated[
     bool,
     typer.Option(
@@ -227,13 +240,15 @@ THRESHOLDS = OptionGroup(
         ),
         "max_deploy_ratio": (
             Annotated[
-                Optional[float],
+                float,
                 typer.Option(
                     "--max-deploy-ratio",
-                    help="Deployment, optional: the same ratio for the deployed session (default options).",
+                    help="Deployment: largest RMS(deployed - fake-quant) / RMS(fake-quant - float) allowed "
+                    "per output for the session a user ships (default options, this machine), and for the "
+                    "emulated kernels of a CPU that can saturate (--cpu); docs/verify-criteria.md.",
                 ),
             ],
-            None,
+            defaults.MAX_DEPLOY_RATIO,
         ),
         "min_cosine": (
             Annotated[

@@ -16,6 +16,7 @@ from quantcli.cli.options import (
     PREPROCESSING,
     THRESHOLDS,
     BatchSizeOpt,
+    CpuOpt,
     DataOpt,
     JsonOpt,
     NumSamplesOpt,
@@ -49,6 +50,7 @@ def verify(
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
     preprocessing=None,
+    cpu: CpuOpt = None,
 ) -> int:
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad
     input."""
@@ -75,7 +77,15 @@ def verify(
     batches = checkpoint_inputs(ckpt, data, batch_size, num_samples, preprocessing)
     if batches is None and num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
-    rep = verify_onnx(onnx_path, ckpt, batches, provider=provider.value, per_layer=per_layer, **thresholds)
+    rep = verify_onnx(
+        onnx_path,
+        ckpt,
+        batches,
+        provider=provider.value,
+        per_layer=per_layer,
+        cpu=cpu.value if cpu is not None else None,
+        **thresholds,
+    )
     d = rep.to_dict()
     if report_path is not None:
         atomic_write(
@@ -94,6 +104,8 @@ def render_verify(rep, onnx_path: Path, reference: Path) -> None:
     if rep.provider_note:
         err.print(f"warning: {rep.provider_note}")
     st = rep.structure
+    if st.get("quantizers_expected", 0) == 0:
+        err.print("warning: the graph holds no quantizer: every check compares a float graph with itself")
     out.print(table("checks", ("check", "threshold", "measured", "result", "where"), _check_rows(rep)))
     for p in st["problems"][:20]:
         out.print(f"  structure: {p}")

@@ -7,7 +7,9 @@ or the same content as a dict::
 
     preset: int8            # the starting point (default int8)
     block_size: 128         # int4-weight-only's block along the input dimension
-    reduce_range: false     # 8-bit weights on a 7-bit grid [-63, 63] (stored int8), for x86 CPUs without VNNI
+    cpu: auto               # the CPU the graph is for: auto (this machine), x86-avx2, x86-vnni, arm64, any
+    reduce_range: auto      # 8-bit weights on a 7-bit grid [-63, 63] (stored int8): auto = where ``cpu``'s
+                            # uint8 x int8 kernels could saturate; true / false force it on / off
     fold_batchnorm: true    # fold each BatchNorm into the Conv/ConvTranspose/Linear before it
         (quantcli.nn.fold_bn)
     target: onnxruntime     # the runtime the Q/DQ placement is for: onnxruntime (default) or tensorrt
@@ -23,11 +25,18 @@ Quantizer names are module names plus ``.input_quantizer`` / ``.weight_quantizer
 :class:`~quantcli.quant.descriptor.QuantDescriptor` fields. ``axis: output_channel`` means the layer's
 output-channel axis (0, or 1 for transposed convolutions).
 
+``cpu`` names the CPU the graph will run on (:mod:`quantcli.quant.cpu`); ``auto`` is this machine, and the
+checkpoint stores the kind it resolved to, so a model rebuilt elsewhere gets the same grids.
+
 ``reduce_range`` is onnxruntime's remedy for x86 CPUs without VNNI (AVX2, AVX-512 without VNNI): their u8s8
 kernel adds pairs of uint8 x int8 products in saturating 16-bit lanes (``VPMADDUBSW``), and 255 * 127 * 2 does
-not fit. With 7-bit weights (|w| <= 63) a pair stays below 2**15. It turns every enabled 8-bit integer weight
-quantizer into ``num_bits: 7, narrow_range: true`` (rules that set other widths are left alone); the exported
-graph stores the codes as int8 and computes exactly what the fake-quant model computes.
+not fit (:mod:`quantcli.quant.u8s8`). With 7-bit weights (|w| <= 63) a pair stays below 2**15. It turns an
+enabled 8-bit symmetric integer weight quantizer into ``num_bits: 7, narrow_range: true`` (rules that set
+other widths are left alone); the exported graph stores the codes as int8 and computes exactly what the
+fake-quant model computes. ``auto`` (the default, onnxruntime target) does so for the layers whose kernel
+can saturate (every Linear and convolution but depthwise ones, whose kernel cannot) when ``cpu`` is
+``x86-avx2`` or ``any``; ``true`` for every 8-bit weight whatever the CPU; ``false`` never (a graph that can
+then saturate on the named CPU is reported by calibrate and failed by verify).
 
 ``asymmetric_activations`` (onnxruntime target; its default there): every 8-bit per-tensor activation
 quantizer of a symmetric preset (``int8``, ``int8-per-tensor``) whose tensor can be negative and whose grid no
@@ -49,7 +58,9 @@ from pathlib import Path
 from typing import Any
 
 from quantcli.errors import ConfigError, first_line
+from quantcli.quant import cpu as cpu_kinds
 from quantcli.quant.descriptor import FIELDS, QuantDescriptor, to_plain
+from quantcli.quant.u8s8 import is_depthwise
 
 OUTPUT_CHANNEL = "output_channel"
 INPUT_CHANNEL_BLOCKS = "input_channel_blocks"
@@ -94,6 +105,7 @@ DEFAULT_BLOCK_SIZE = 128
 TARGETS = ("onnxruntime", "tensorrt")
 DEFAULT_TARGET = "onnxruntime"
 REDUCED_WEIGHT_BITS = 7  # reduce_range: |code| <= 63, so a uint8 x int8 pair sum fits in 16 bits
+REDUCE_RANGE_AUTO = "auto"
 _RULE_KEYS = {"pattern", "enable", *FIELDS}
 
 
@@ -103,10 +115,11 @@ class QuantConfig:
     rules: list[dict[str, Any]] = field(default_factory=list)
     block_size: int = DEFAULT_BLOCK_SIZE
     source: str = "int8"
-    reduce_range: bool = False
+    reduce_range: bool | str = REDUCE_RANGE_AUTO  # True, False or "auto" (see the module docstring)
     fold_batchnorm: bool = True
     target: str = DEFAULT_TARGET
     asymmetric_activations: bool | None = None  # None: the target's default (see the module docstring)
+    cpu: str = cpu_kinds.AUTO  # the deployment CPU: "auto" (this machine) or one of quantcli.quant.cpu.KINDS
 
     def __post_init__(self):
         if self.target not in TARGETS:
@@ -125,8 +138,14 @@ class QuantConfig:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
-        if not isinstance(self.reduce_range, bool):
-            raise ConfigError(f"reduce_range must be true or false, got {self.reduce_range!r}")
+        if self.reduce_range is None:
+            self.reduce_range = REDUCE_RANGE_AUTO
+        if not isinstance(self.reduce_range, bool) and self.reduce_range != REDUCE_RANGE_AUTO:
+            raise ConfigError(f"reduce_range must be true, false or auto, got {self.reduce_range!r}")
+        if self.cpu is None:
+            self.cpu = cpu_kinds.AUTO
+        if self.cpu not in cpu_kinds.CHOICES:
+            raise ConfigError(f"unknown cpu {self.cpu!r}; choose one of {', '.join(cpu_kinds.CHOICES)}")
         if not isinstance(self.fold_batchnorm, bool):
             raise ConfigError(f"fold_batchnorm must be true or false, got {self.fold_batchnorm!r}")
         for i, r in enumerate(self.rules):
@@ -152,7 +171,22 @@ class QuantConfig:
             "fold_batchnorm": self.fold_batchnorm,
             "target": self.target,
             "asymmetric_activations": self.activations_asymmetric,
+            "cpu": self.deploy_cpu,
         }
+
+    @property
+    def deploy_cpu(self) -> str:
+        """The deployment CPU's kind: ``cpu``, with ``auto`` read from this machine."""
+        return cpu_kinds.resolve(self.cpu)
+
+    def reduces_weights(self, layer) -> bool:
+        """Whether ``layer``'s 8-bit symmetric weights go on the 7-bit grid (``reduce_range``, see the module
+        docstring)."""
+        if self.reduce_range != REDUCE_RANGE_AUTO:
+            return bool(self.reduce_range)
+        if self.target != "onnxruntime" or not cpu_kinds.can_saturate(self.deploy_cpu):
+            return False
+        return kernel_can_saturate(layer)
 
     @property
     def activations_asymmetric(self) -> bool:
@@ -171,23 +205,24 @@ class QuantConfig:
         unknown = sorted(
             set(data)
             - {"preset", "rules", "block_size", "source", "reduce_range", "fold_batchnorm", "target"}
-            - {"asymmetric_activations"}
+            - {"asymmetric_activations", "cpu"}
         )
         if unknown:
             raise ConfigError(
                 f"unknown config field(s) {unknown} in {source}; "
                 "known: preset, block_size, reduce_range, fold_batchnorm, target, asymmetric_activations, "
-                "rules"
+                "cpu, rules"
             )
         return cls(
             preset=data.get("preset", "int8"),
             rules=list(data.get("rules") or []),
             block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
             source=data.get("source", source),
-            reduce_range=data.get("reduce_range", False),
+            reduce_range=data.get("reduce_range", REDUCE_RANGE_AUTO),
             fold_batchnorm=data.get("fold_batchnorm", True),
             target=data.get("target", DEFAULT_TARGET),
             asymmetric_activations=data.get("asymmetric_activations"),
+            cpu=data.get("cpu", cpu_kinds.AUTO),
         )
 
     def matching_rules(self, quantizer_name: str) -> list[int]:
@@ -220,10 +255,10 @@ class QuantConfig:
         if not enabled and kind == "input" and "num_bits" not in fields:
             fields["num_bits"] = 8
         if (
-            self.reduce_range
-            and kind == "weight"
+            kind == "weight"
             and fields.get("num_bits", 8) == 8
             and not (fields.get("unsigned") or fields.get("asymmetric"))
+            and self.reduces_weights(layer)
         ):
             fields.update(num_bits=REDUCED_WEIGHT_BITS, narrow_range=True)
         try:
@@ -231,6 +266,16 @@ class QuantConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{quantizer_name}: {e}") from None
         return enabled, desc, matched
+
+
+def kernel_can_saturate(layer) -> bool:
+    """Whether onnxruntime runs ``layer`` quantized with a uint8 x int8 kernel that can saturate on a CPU
+    without VNNI: every Linear and convolution but a depthwise one
+    (:func:`quantcli.quant.u8s8.is_depthwise`)."""
+    groups = getattr(layer, "groups", 1)
+    if groups > 1 and hasattr(layer, "in_channels"):
+        return not is_depthwise(layer.in_channels, layer.out_channels, groups)
+    return True
 
 
 def _is_linear(layer) -> bool:

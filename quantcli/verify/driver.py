@@ -17,16 +17,17 @@ import torch
 
 from exporters.graph import read_onnx
 from exporters.onnxruntime.placement import strip_propagated
+from quantcli.analysis.saturation import saturating_layers
 from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
 from quantcli.inputs.checkpoint import Calibrated, load_calibrated
 from quantcli.inputs.data import Batch, describe, flat_outputs, num_samples, run_model
-from quantcli.verify import replay, sessions
+from quantcli.quant import cpu as cpu_kinds
+from quantcli.verify import cpu_kernels, replay, sessions
 from quantcli.verify.outputs import logit_outputs
 from quantcli.verify.stats import PairStats, ratio
 from quantcli.verify.structure import check_structure
 from quantcli.verify.verdict import (
-    DEPLOY_GAP_FACTOR,
-    DEPLOY_GAP_FLOOR,
+    MAX_DEPLOY_RATIO,
     MAX_REPLAY_OUTPUT,
     MAX_REPLAY_STEPS,
     MAX_RMS_RATIO,
@@ -83,7 +84,8 @@ def verify_onnx(
     per_layer: bool = False,
     deployment: bool = True,
     max_rms_ratio: float = MAX_RMS_RATIO,
-    max_deploy_ratio: float | None = None,
+    max_deploy_ratio: float = MAX_DEPLOY_RATIO,
+    cpu: str | None = None,
 ) -> VerifyReport:
     """Run every check; returns the report (``report.passed``). Bad input raises VerifyError.
 
@@ -92,7 +94,10 @@ def verify_onnx(
         min_cosine, min_snr: quality of the deployed session (default options) against the float model.
         deployment: load the graph with default session options too, and fail if it does not load.
         max_rms_ratio: RMS(onnxruntime - fake-quant) / RMS(fake-quant - float), optimizations off.
-        max_deploy_ratio: the same ratio for the deployed session, as a check (reported either way).
+        max_deploy_ratio: the same ratio for the deployed session (this machine), and for the emulated kernels
+            of a CPU that can saturate (``deployment.saturation``, :mod:`quantcli.verify.cpu_kernels`).
+        cpu: the CPU the graph will run on (:mod:`quantcli.quant.cpu`; None or ``auto``: this machine); one
+            whose uint8 x int8 kernels can saturate is emulated.
     """
     t0 = time.perf_counter()
     model = read_onnx(onnx_path)
@@ -110,8 +115,9 @@ def verify_onnx(
         structure=structure,
         provider_note=ss.provider_note,
     )
+    kind = cpu_kernels.emulated_kind(cpu, cpu_kernels.graph_cpu(model))
     try:
-        cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff)
+        cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff, kind)
     except GraphRunError as e:
         return _graph_failed(report, e, t0)
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
@@ -123,7 +129,7 @@ def verify_onnx(
         "exact_outputs": {n: cmp.qual[n].quality() for n in cmp.out_names},
     }
     if deployment:
-        _deployment_checks(report, model, ss, cmp, max_deploy_ratio)
+        _deployment_checks(report, model, ss, cmp, max_deploy_ratio, kind)
     _quality_checks(report, use, cmp.out_names, min_cosine, min_snr)
     if per_layer:
         ranked = sorted(rows.values(), key=lambda r: r["snr_db"] if r["snr_db"] is not None else math.inf)
@@ -216,6 +222,8 @@ class _Comparison:
     exact_samples: int = 0
     # quantcli's transformed float model vs the model as loaded
     transformed: dict[str, PairStats] | None = None
+    # the fake-quant model with a saturating CPU's u8s8 kernels emulated, vs the fake-quant model
+    saturation: cpu_kernels.Saturation | None = None
 
     def start(self, logits: set[int]) -> None:
         """Fresh statistics; ``logits``: the outputs (by index) whose top-1 agreement is counted."""
@@ -258,7 +266,12 @@ class _Comparison:
 
 
 def _compare_outputs(
-    ss: _Sessions, ckpt: Calibrated, batches: list[Batch], out_names: list[str], max_abs_diff: float | None
+    ss: _Sessions,
+    ckpt: Calibrated,
+    batches: list[Batch],
+    out_names: list[str],
+    max_abs_diff: float | None,
+    emulate: str | None = None,
 ) -> _Comparison:
     """One pass over the data: the deployed session (what a user ships) against the fake-quant and the float
     model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
@@ -267,6 +280,8 @@ def _compare_outputs(
     qmodel, fmodel = ckpt.model, ckpt.float_model()  # the float reference: the model as loaded
     tmodel = ckpt.transformed_float_model() if ckpt.has_original else None
     cmp = _Comparison(out_names)
+    if emulate is not None and saturating_layers(qmodel):
+        cmp.saturation = cpu_kernels.Saturation(emulate)
     sample, rest = replay.split_sample(batches)
     with constant_weights(qmodel), constant_weights(fmodel):
         for i, batch in enumerate([sample] + rest):
@@ -289,6 +304,8 @@ def _compare_outputs(
                 full_exact = ss.deployed is None or max_abs_diff is not None
                 got = sessions.run(ss.exact, inputs, where, cmp.out_names) if full_exact else None
             cmp.add(batch, ref, flt, got, deployed)
+            if cmp.saturation is not None:
+                cmp.saturation.add(qmodel, batch, ref, cmp.out_names, where)
     return cmp
 
 
@@ -440,10 +457,12 @@ def _deployment_checks(
     model: onnx.ModelProto,
     ss: _Sessions,
     cmp: _Comparison,
-    max_deploy_ratio: float | None,
+    max_deploy_ratio: float,
+    emulated: str | None,
 ) -> None:
-    """What a user ships, ``InferenceSession(path)`` with default options: ``report.deployment`` and the
-    ``deployment.*`` checks."""
+    """What a user ships, ``InferenceSession(path)`` with default options on this machine:
+    ``report.deployment`` and the ``deployment.*`` checks; and, for a CPU whose u8s8 kernels can saturate,
+    the emulated kernels (``deployment.saturation``)."""
     out_names = cmp.out_names
     report.deployment = _deployment(model, out_names, cmp.dep, cmp.fid, cmp.qerr, ss.deploy_error)
     if ss.deploy_options:
@@ -462,16 +481,50 @@ def _deployment_checks(
             ss.deploy_error and f"{ss.deploy_error}; {sessions.deployment_advice(model)}",
         )
     )
-    if max_deploy_ratio is not None and ss.deploy_error is None:
+    sat = cmp.saturation
+    if sat is not None:
+        report.deployment["saturation"] = sat.to_dict(cmp.qerr)
+    elif emulated is not None:
+        report.deployment["saturation"] = {"cpu": emulated, "outputs": {}, "layers": []}
+    if ss.deploy_error is None:
         worst_out = max(out_names, key=lambda n: report.deployment["outputs"][n]["rms_ratio"])
+        check = at_most(
+            "deployment.rms_ratio",
+            max_deploy_ratio,
+            report.deployment["outputs"][worst_out]["rms_ratio"],
+            worst_out,
+        )
+        if not check.passed:
+            check.detail = f"{worst_out} on this machine ({cpu_kinds.detect()}): {_deploy_cause(sat)}"
+        report.checks.append(check)
+    if sat is not None:
+        report.checks.append(cpu_kernels.saturation_check(sat, cmp.qerr, max_deploy_ratio))
+    elif emulated is not None:
         report.checks.append(
             at_most(
-                "deployment.rms_ratio",
+                "deployment.saturation",
                 max_deploy_ratio,
-                report.deployment["outputs"][worst_out]["rms_ratio"],
-                worst_out,
+                0.0,
+                f"no layer's weights can saturate {emulated}'s uint8 x int8 kernels",
             )
         )
+
+
+def _deploy_cause(sat: cpu_kernels.Saturation | None) -> str:
+    """What a failed ``deployment.rms_ratio`` likely means: the layers whose u8s8 kernels saturate, where the
+    emulation saw any on this machine's kind, else onnxruntime's fused kernels rounding differently."""
+    here = cpu_kinds.detect()
+    ranked = sat.ranked() if sat is not None and sat.kind == here else []
+    if ranked:
+        return (
+            f"onnxruntime's uint8 x int8 kernels saturate in {len(ranked)} layer(s), worst {ranked[0].layer} "
+            f"(deployment.saturation names them); {cpu_kernels.remedy(here)}"
+        )
+    return (
+        "onnxruntime's fused integer kernels compute differently from the exact session (requantized int32 "
+        "biases, MatMulNBits on int8 activations, float accumulation order): `quantcli inspect MODEL.onnx "
+        "--runtime onnxruntime` lists them"
+    )
 
 
 def _quality_checks(
@@ -514,6 +567,7 @@ def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:
     """The deployed session against the fake-quant model, per output, and what a large gap likely means."""
     section: dict[str, Any] = {
         "graph_optimization": "ORT_ENABLE_ALL",
+        "cpu": cpu_kinds.detect(),
         "error": error,
         "outputs": {},
         "notes": [],
@@ -524,24 +578,4 @@ def _deployment(model, out_names, dep, fid, qerr, error) -> dict[str, Any]:
         r = ratio(dep[n].rms, qerr[n].error_scale)
         exact = ratio(fid[n].rms, qerr[n].error_scale)
         section["outputs"][n] = {**dep[n].deviation(), "rms_ratio": r, "exact_rms_ratio": exact}
-        if r > DEPLOY_GAP_FLOOR and r > DEPLOY_GAP_FACTOR * exact:
-            vnni = sessions.cpu_has_vnni()
-            cpu = (
-                "this CPU has no VNNI, so onnxruntime's u8s8 integer kernels can saturate 16-bit partial "
-                "sums: "
-                "`reduce_range: true` in the config (README, reduce_range) is the usual remedy"
-                if vnni is False
-                else "on x86 CPUs without VNNI the usual cause is u8s8 saturation (`reduce_range: true`, "
-                "README); "
-                "otherwise onnxruntime's fused integer kernels round differently (requantized int32 "
-                "biases, "
-                "MatMulNBits on int8 activations): `quantcli inspect MODEL.onnx --runtime onnxruntime` "
-                "lists them"
-            )
-            section["notes"].append(
-                f"{n}: the deployed session deviates from the fake-quant model {r:.3g}x "
-                f"the "
-                f"quantization error, {r / max(exact, 1e-12):.3g}x the exact session's; "
-                f"{cpu}"
-            )
     return section
