@@ -196,7 +196,9 @@ class CalibrationJob:
                         "auto", False, "not measured: no calibration batch on rank 0"
                     )
                 elif self.rank is None or self.rank.rank == 0:
-                    placement = measure_and_decide(self.model, example_of(self.batches[0]))
+                    placement = measure_and_decide(
+                        self.model, example_of(self.batches[0]), self.config.deploy_cpu
+                    )
             if self.rank is not None:
                 placement = broadcast_from_rank0(placement)
             apply(self.model, placement)
@@ -334,10 +336,10 @@ def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = 
             for k in ("input", "weight")
         )
 
-    quantized = [n for n in report.layers if enabled(n)]
     slower = {
         d.layer: d.reason for d in (latency.layers if latency is not None else []) if d.decision == "float"
     }
+    quantized = [n for n in report.layers if enabled(n) and n not in slower]
     floats = [
         *report.float_layers,
         *(
@@ -349,7 +351,7 @@ def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = 
                 else "its quantizers are disabled (preset, config rule or quality target)",
             }
             for n in report.layers
-            if not enabled(n)
+            if not enabled(n) or n in slower
         ),
     ]
     text = f"{len(quantized)} quantized"

@@ -1,102 +1,72 @@
-"""Latency-aware placement for onnxruntime: keep in float the layers that would not run faster quantized.
+"""Latency-aware placement for onnxruntime: keep in float the layers that would not run faster quantized on
+the CPU that deploys, decided from what onnxruntime fuses and a measured table of its kernels, not from a
+stopwatch.
 
 A quantized layer is worth its Q/DQ only where onnxruntime runs it as an integer kernel that beats the float
-one. A layer onnxruntime does not fuse runs in float between its Q/DQ (its weight dequantized at every run,
-its input quantized and dequantized again): slower than float. A fused layer can still be slower than float on
-a given CPU (small shapes, no VNNI). Both are measured on the machine that runs calibrate, with the
-calibration example batch:
+one. Three steps, none of them timed, so the same model gets the same decisions on every call:
 
-1. export the calibrated model (int8) and the same model with every quantizer off (float), default
-   exporter/opset;
-2. per quantized layer of the int8 graph, what onnxruntime runs it as
-   (:func:`exporters.onnxruntime.fusion.inspect_fusion`) and, from onnxruntime's profiler
-   (:func:`exporters.onnxruntime.profile.node_times`), its cost: the kernel node plus the
-   QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear nodes that feed it (:func:`int8_cost`); the float
-   cost is the time of the same layer's node (same module scope) in onnxruntime's graph of the float export;
-3. :func:`decide` (pure): not fused -> float; int8 cost > float cost x (1 + ``margin``) -> float; else
-   quantized;
-4. the whole graph decides between per-layer choices: a layer kept float between quantized ones brings Q/DQ
-   and layout changes that no single node's time shows, so when the measured choice keeps float more than the
-   layers onnxruntime does not fuse, both graphs (and the float one) are exported and timed whole, interleaved
-   (:func:`exporters.onnxruntime.profile.graph_times`, :data:`GRAPH_TIMER`), and the measured choice stands
-   only if its graph is faster (:func:`prefer_faster_graph`, pure); and when the int8 graph is still slower
-   than the float one by more than the timing's noise, every layer is kept float (:func:`float_if_slower`): no
-   gain to deploy on this CPU, said so in the report (``--placement all`` quantizes anyway). The noise is
-   measured in the same timing: the float graph runs in two sessions, and their difference (the A/A spread),
-   at least :data:`GRAPH_NOISE_FLOOR`, is the band (:func:`noise_band`).
+1. what onnxruntime fuses: the calibrated model is exported (int8, default exporter and opset) and loaded the
+   way a user loads it (:func:`exporters.onnxruntime.fusion.inspect_fusion`); a layer it runs in float between
+   its Q/DQ is slower than float, whatever the CPU;
+2. how fast the fused kernel is on the deployment CPU (``--cpu``, :mod:`quantcli.quant.cpu`): the int8/float
+   ratio of the nearest row of that CPU kind's measured table (:mod:`exporters.onnxruntime.kernel_costs`,
+   ``python -m benchmarks.bench_kernel_costs``) for the layer's shape (:func:`layer_shapes`, one forward
+   pass on the example batch); a layer more than :data:`MARGIN` slower quantized stays float
+(:func:`decide`, pure); 3. neighbours: a float layer must not cost the layers around it their integer
+   kernels (a Conv whose output Q is gone when the layer it feeds turns float). The graph with the float
+   choices is exported and inspected again; where a layer fused before is not any more, the float choices
+   made for speed go back to quantized, and if that is not enough, every choice does
+   (:func:`keep_neighbours`). The chosen graph is then never slower than ``--placement all``'s by more than
+   the table's error.
 
-Timing runs on one onnxruntime thread (:data:`exporters.onnxruntime.profile.THREADS`) on the example batch
-repeated to :data:`TIMING_SAMPLES` samples (the deployment batch, not the 8 samples a checkpoint stores), the
-whole graphs in interleaved bursts (:func:`exporters.onnxruntime.profile.time_interleaved`).
+Layers placement has nothing to decide for (weight-only INT4, float8, other widths) are left as configured
+with no export at all, so an INT4 weight-only calibration of an LLM spends nothing here.
 
 :func:`measure_and_decide` returns a :class:`LatencyPlacement` and changes nothing; :func:`apply` switches the
 chosen layers' quantizers off for good (:func:`quantcli.nn.modes.keep_float`), as mixed precision does, so
 that the checkpoint, export and verify follow the choice.
-
-The timing sources are :data:`TIMER` and :data:`GRAPH_TIMER` (module attributes, or arguments): tests replace
-them with stubs, so that nothing they assert depends on wall-clock time.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import onnx
+import torch
 from torch import nn
 
-from exporters.graph import consumer_map, producer_map, read_onnx
 from exporters.onnx_export import export_onnx
-from exporters.onnxruntime.fusion import find_float, inspect_fusion, optimized_graph
-from exporters.onnxruntime.profile import graph_times, node_times
+from exporters.onnxruntime import kernel_costs
+from exporters.onnxruntime.fusion import FusionReport, inspect_fusion
+from exporters.onnxruntime.kernel_costs import CONV, DEPTHWISE, GEMM, LayerShape, Prediction
 from quantcli.errors import first_line
-from quantcli.inputs.data import Batch
+from quantcli.inputs.data import Batch, run_model
 from quantcli.nn.modes import keep_float
 from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.quant import u8s8
 
-#: An int8 layer must be more than 20% slower than float to be kept in float. Node times of small layers on a
-# shared : CPU vary by 10-20% between medians of 20 runs; a smaller margin would flip layers whose two kernels
-# are about as : fast from one calibration to the next, and such a layer loses nothing by staying quantized.
-MARGIN = 0.2
-#: ... and by more than this many microseconds: onnxruntime's profiler reports whole microseconds, so on a
-# layer of : a few microseconds a difference of one or two is its resolution, not the kernels'
-MIN_DIFF_US = 2.0
-#: the smallest noise band of the whole-graph rule: the int8 graph must be slower than the float graph by
-# more than : this fraction (or than the A/A spread measured beside it, if wider) before every layer is kept
-# float. From : bench_zoo's A/A measurements over the zoo (every float graph timed against a second session of
-# itself, 32 per : run): the widest of two runs was 2.9% and 4.7%, the median 0.7% and 0.8% (docs/zoo.md). A
-# model as fast either : way should not turn float by chance.
-GRAPH_NOISE_FLOOR = 0.05
-ROUNDS = 20  # timed runs per graph, at least (after one warm-up run); the median of each node is used
-#: the example batch is repeated along its first dimension to this many samples for timing: with 8 samples
-# (what a : checkpoint stores) a small CNN's fixed per-run costs weigh more than they do at a deployment batch
-TIMING_SAMPLES = 32
-
-#: ``(onnx path, feeds, rounds) -> {node name: microseconds}``; tests install a stub here
-#: ``(paths, feeds, rounds) -> [{node: microseconds}, ...]``, one dict per path (timed interleaved)
-TIMER: Callable[[list[str | Path], dict[str, np.ndarray], int], list[dict[str, float]]] = node_times
-
-#: ``(paths, feeds, rounds) -> [milliseconds, ...]``: whole-graph times, one per path (timed interleaved)
-GRAPH_TIMER: Callable[[list[str | Path], dict[str, np.ndarray], int], list[float]] = graph_times
+#: a fused layer stays float when the table predicts its int8 kernel more than this fraction slower than
+#: float: the table's rows are medians of interleaved runs on a loaded 2-core machine, whose ratios moved by
+#: up to 0.2 between runs; a layer within that band loses little by staying quantized, and a float layer
+#: between quantized ones brings Q/DQ of its own
+MARGIN = 0.25
 
 QUANTIZED, FLOAT = "quantized", "float"
-_QDQ = ("QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear")
 
 
 @dataclass
 class LayerCost:
-    """What measurement found for one quantized layer (input of :func:`decide`)."""
+    """What placement found for one quantized layer (input of :func:`decide`)."""
 
     layer: str
     kernel: str | None  # the op type onnxruntime runs the quantized layer as
     fused: bool | None  # an integer kernel (None: not found in onnxruntime's graph)
-    int8_us: float | None  # kernel + the Q/DQ feeding it, median microseconds (None: not timed)
-    float_us: float | None  # the float export's node for the same layer
+    prediction: Prediction | None  # the table's int8/float ratio for its shape on the deployment CPU
     quantizers: list[str] = field(default_factory=list)  # the layer's quantizers (input, weight, output)
     not_applicable: str | None = None  # why the layer is left as configured, whatever it costs
 
@@ -105,21 +75,18 @@ class LayerCost:
 class LayerDecision:
     layer: str
     kernel: str | None
-    int8_us: float | None
-    float_us: float | None
+    ratio: float | None  # the predicted int8/float time, where the table has one
     decision: str  # "quantized" or "float"
     reason: str
     quantizers: list[str] = field(default_factory=list)
-    # what onnxruntime made of the quantized layer (a float decision of a fused one: time)
-    fused: bool | None = None
+    fused: bool | None = None  # what onnxruntime made of the quantized layer
     applicable: bool = True  # False: float8, weight-only, not 8-bit: left as configured whatever it costs
 
     def to_dict(self) -> dict:
         return {
             "layer": self.layer,
             "kernel": self.kernel,
-            "int8_us": None if self.int8_us is None else round(self.int8_us, 2),
-            "float_us": None if self.float_us is None else round(self.float_us, 2),
+            "ratio": None if self.ratio is None else round(self.ratio, 3),
             "decision": self.decision,
             "reason": self.reason,
         }
@@ -127,20 +94,16 @@ class LayerDecision:
 
 @dataclass
 class LatencyPlacement:
-    """The placement's outcome: per layer, quantized or float and why; or why it was not measured."""
+    """The placement's outcome: per layer, quantized or float and why; or why nothing was decided."""
 
     mode: str  # "auto" or "all"
     measured: bool
-    note: str = ""  # why not measured, or how
+    note: str = ""  # why not decided, or from what
     layers: list[LayerDecision] = field(default_factory=list)
     margin: float = MARGIN
-    seconds: float = 0.0  # exporting and timing
+    seconds: float = 0.0  # exporting and inspecting
+    cpu: str | None = None  # the deployment CPU the table was read for
     quantizers_disabled: list[str] = field(default_factory=list)  # filled by apply()
-    # whole-graph milliseconds: "float", "chosen" and, when the two choices were compared, "other"; "int8":
-    # the int8 graph's when it was slower than float and every layer was kept float; "float A/A": the float
-    # graph's second session (its difference from "float" is the timing's noise)
-    graph_ms: dict[str, float] = field(default_factory=dict)
-    noise: float | None = None  # the whole-graph rule's band (a fraction), when measured
 
     @property
     def kept_float(self) -> list[str]:
@@ -151,20 +114,13 @@ class LatencyPlacement:
         if not self.measured:
             return self.note
         kept = self.kept_float
-        noise = "" if self.noise is None else f", noise band {self.noise:.1%}"
-        text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s to measure{noise})"
-        every = bool(kept) and len(kept) == len(self.layers)
-        if self.graph_ms.get("float") and every and self.graph_ms.get("int8"):
-            ratio = self.graph_ms["int8"] / self.graph_ms["float"]
-            text += f"; the int8 graph took {ratio:.2f}x the float graph's time on this CPU: float stays"
-        elif self.graph_ms.get("float"):
-            ratio = self.graph_ms["chosen"] / self.graph_ms["float"]
-            text += f"; the int8 graph takes {ratio:.2f}x the float graph's time on this CPU" + (
-                " (slower than float)" if ratio > 1 + (self.noise or 0) else ""
-            )
+        text = f"{len(kept)} of {len(self.layers)} layers kept float ({self.seconds:.1f} s, {self.note})"
         if kept:
-            shown = "; ".join(f"{d.layer} ({d.reason})" for d in self.layers if d.decision == FLOAT)
-            text += f": {shown}"
+            groups: dict[str, list[str]] = {}
+            for d in self.layers:
+                if d.decision == FLOAT:
+                    groups.setdefault(_reason_kind(d.reason), []).append(d.layer)
+            text += ": " + "; ".join(f"{_shown(names)} ({why})" for why, names in groups.items())
         return text
 
     def to_dict(self) -> dict:
@@ -174,8 +130,7 @@ class LatencyPlacement:
             "note": self.note,
             "margin": self.margin,
             "seconds": round(self.seconds, 3),
-            "graph_ms": {k: round(v, 4) for k, v in self.graph_ms.items()},
-            "noise": None if self.noise is None else round(self.noise, 4),
+            "cpu": self.cpu,
             "kept_float": self.kept_float,
             "quantizers_disabled": list(self.quantizers_disabled),
             "layers": [d.to_dict() for d in self.layers],
@@ -183,43 +138,45 @@ class LatencyPlacement:
         }
 
 
+def _reason_kind(reason: str) -> str:
+    """A float decision's reason without its per-layer figures (the summary says each kind once)."""
+    return reason.split(":", 1)[0]
+
+
+def _shown(names: list[str], limit: int = 4) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 # ------------------------------------------------------------------------------------------- the decision
 
+UNFUSED = "onnxruntime runs it in float between Q/DQ"
+SLOWER = "its integer kernel is slower on this CPU kind"
 
-def decide(
-    costs: list[LayerCost], margin: float = MARGIN, min_diff_us: float = MIN_DIFF_US
-) -> list[LayerDecision]:
-    """Per layer: float when onnxruntime does not fuse it or its int8 cost exceeds the float cost by more than
-    ``margin`` (a fraction) and more than ``min_diff_us``; quantized otherwise, also when a figure is missing
-    (nothing measured against it)."""
+
+def decide(costs: list[LayerCost], margin: float = MARGIN) -> list[LayerDecision]:
+    """Per layer: float when onnxruntime does not fuse it, or when the table predicts its int8 kernel more
+    than ``margin`` (a fraction) slower than float; quantized otherwise, also when nothing predicts it."""
     out = []
     for c in costs:
+        ratio = c.prediction.ratio if c.prediction is not None else None
         decision, reason = QUANTIZED, ""
         if c.not_applicable:
             reason = c.not_applicable
         elif c.fused is False:
-            decision, reason = (
-                FLOAT,
-                f"onnxruntime runs it in float between Q/DQ ({c.kernel or 'not loaded'})",
-            )
+            decision, reason = FLOAT, f"{UNFUSED}: {c.kernel or 'not loaded'}"
         elif c.fused is None:
             reason = "not found in onnxruntime's optimized graph: left quantized"
-        elif c.int8_us is None or c.float_us is None:
-            reason = "not timed: left quantized"
-        elif c.int8_us > c.float_us * (1 + margin) and c.int8_us - c.float_us > min_diff_us:
-            decision = FLOAT
-            reason = (
-                f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us: "
-                f"more than {margin:.0%} slower"
-            )
+        elif c.prediction is None:
+            reason = f"{c.kernel}; no kernel-cost table row for it on this CPU kind: left quantized"
+        elif ratio > 1 + margin:
+            decision, reason = FLOAT, f"{SLOWER}: {c.kernel} {c.prediction.describe()}"
         else:
-            reason = f"{c.kernel} {c.int8_us:.1f} us (with its Q/DQ) vs float {c.float_us:.1f} us"
+            reason = f"{c.kernel} {c.prediction.describe()}"
         out.append(
             LayerDecision(
                 c.layer,
                 c.kernel,
-                c.int8_us,
-                c.float_us,
+                ratio,
                 decision,
                 reason,
                 list(c.quantizers),
@@ -230,171 +187,62 @@ def decide(
     return out
 
 
-def prefer_faster_graph(
-    decisions: list[LayerDecision], measured_ms: float, fused_only_ms: float
-) -> list[LayerDecision]:
-    """The decisions to keep, given the whole-graph times of the measured choice and of the choice that keeps
-    float only the layers onnxruntime does not fuse: the measured one when its graph is at least as fast, else
-    the layers it kept float for their kernels' times go back to quantized, with both graph times in the
-    reason."""
-    if measured_ms <= fused_only_ms:
-        return decisions
-    out = []
-    for d in decisions:
-        if d.decision == FLOAT and d.fused:
-            d = LayerDecision(
-                d.layer,
-                d.kernel,
-                d.int8_us,
-                d.float_us,
-                QUANTIZED,
-                f"{d.reason}; quantized all the same: the whole graph ran {measured_ms:.3g} ms with such "
-                f"layers in float vs {fused_only_ms:.3g} ms quantized",
-                list(d.quantizers),
-                d.fused,
-            )
-        out.append(d)
-    return out
-
-
-def noise_band(float_ms: float, float_again_ms: float, floor: float = GRAPH_NOISE_FLOOR) -> float:
-    """The fraction by which two whole-graph times must differ to count as different: the A/A spread (the
-    float graph timed in two sessions, interleaved with the others), at least ``floor``."""
-    spread = abs(float_again_ms / float_ms - 1) if float_ms > 0 else float("inf")
-    return max(floor, spread)
-
-
-def float_if_slower(
-    decisions: list[LayerDecision], int8_ms: float, float_ms: float, margin: float = GRAPH_NOISE_FLOOR
-) -> list[LayerDecision]:
-    """The decisions to keep when the chosen int8 graph takes ``int8_ms`` and the float graph ``float_ms``: an
-    int8 graph more than ``margin`` (the timing's noise band, :func:`noise_band`) slower than float on this
-    CPU is no gain to deploy, so then every layer placement weighs is kept float (``--placement all``
-    quantizes them anyway), with both times in the reason; otherwise the decisions as they are."""
-    if int8_ms <= float_ms * (1 + margin):
-        return decisions
-    why = (
-        f"the whole int8 graph ran {int8_ms:.3g} ms vs {float_ms:.3g} ms in float on this CPU, more than the "
-        f"{margin:.1%} noise band: every layer kept float (--placement all quantizes anyway)"
+def _requantized(d: LayerDecision, why: str) -> LayerDecision:
+    return LayerDecision(
+        d.layer,
+        d.kernel,
+        d.ratio,
+        QUANTIZED,
+        f"{d.reason}; quantized all the same: {why}",
+        d.quantizers,
+        d.fused,
     )
-    return [
-        LayerDecision(
-            d.layer,
-            d.kernel,
-            d.int8_us,
-            d.float_us,
-            FLOAT,
-            why if d.decision != FLOAT else d.reason,
-            list(d.quantizers),
-            d.fused,
-            d.applicable,
-        )
-        if d.applicable
-        else d
-        for d in decisions
-    ]
 
 
-def _kernel_choices(decisions: list[LayerDecision]) -> list[str]:
-    """The layers the measured choice keeps float for their kernels' times (not for being unfused)."""
-    return [d.layer for d in decisions if d.decision == FLOAT and d.fused]
+#: a float layer whose input quantizer stays on (the layer before it needs that Q for its integer kernel)
+INPUT_KEPT = "its input stays quantized: the layer before it needs that Q for its integer kernel"
 
 
-def _float_layers_copy(
-    model: nn.Module, decisions: list[LayerDecision], layers: set[str] | None
-) -> nn.Module:
-    """A copy of ``model`` with the quantizers of the ``decisions``' float layers off (``layers``: only those
-    among them; None: every quantizer off, the float model)."""
-    plain = copy.deepcopy(model)
-    qs = quantizers(plain)
-    for d in decisions:
-        if layers is not None and (d.decision != FLOAT or d.layer not in layers):
-            continue
-        for name in d.quantizers:
-            if name in qs:
-                keep_float(qs[name])
-    if layers is None:
-        for q in qs.values():
-            keep_float(q)
-    return plain
+def keep_neighbours(
+    decisions: list[LayerDecision], fused_after: Callable[[set[str], bool], dict[str, bool | None]]
+) -> list[LayerDecision]:
+    """Step 3: the decisions with no float layer costing another its integer kernel.
+
+    ``fused_after(floats, keep_inputs) -> {layer: fused}`` is what onnxruntime fuses with the layers
+    ``floats`` kept float (``keep_inputs``: their input quantizers left on, so that the layer before each
+    keeps the Q on its output that its integer kernel needs). Tried in order: every float choice, then the
+    same with their inputs kept, then only the layers onnxruntime does not fuse (both ways), then none."""
+    fused_before = {d.layer for d in decisions if d.fused}
+    floats = [d for d in decisions if d.decision == FLOAT]
+    every = frozenset(d.layer for d in floats)
+    unfused = frozenset(d.layer for d in floats if not d.fused)
+    tries = [(every, False), (every, True), (unfused, False), (unfused, True)]
+    first_lost: list[str] = []
+    for chosen, keep_inputs in dict.fromkeys(t for t in tries if t[0]):
+        now = fused_after(set(chosen), keep_inputs)
+        lost = sorted(layer for layer in fused_before - chosen if now.get(layer) is False)
+        if not lost:
+            why = f"keeping it float too would cost {_shown(first_lost)} their integer kernel(s)"
+            return [_chosen(d, chosen, keep_inputs, why) for d in decisions]
+        first_lost = first_lost or lost
+    if not first_lost:
+        return decisions
+    why = f"keeping it float would cost {_shown(first_lost)} their integer kernel(s)"
+    return [_requantized(d, why) if d.decision == FLOAT else d for d in decisions]
 
 
-def timing_feeds(example: Batch, names: set[str], samples: int = TIMING_SAMPLES) -> dict[str, np.ndarray]:
-    """The graph inputs ``names`` of ``example`` as numpy arrays, each repeated along its first (batch)
-    dimension to ``samples`` rows (the exports' batch dimension is dynamic); an input with fewer dimensions is
-    left as it is."""
-    out = {}
-    for k, v in example.items():
-        if k not in names:
-            continue
-        a = v.detach().cpu().numpy()
-        if a.ndim and 0 < a.shape[0] < samples:
-            a = np.concatenate([a] * -(-samples // a.shape[0]))[:samples]
-        out[k] = a
-    return out
-
-
-def whole_graph_check(
-    model: nn.Module,
-    example: Batch,
-    decisions: list[LayerDecision],
-    graph_timer: Callable | None = None,
-    rounds: int = ROUNDS,
-) -> tuple[list[LayerDecision], dict[str, float], float]:
-    """Step 4: export the float graph and the chosen graph (and, when kernel times kept layers float, the
-    graph keeping float only the unfused layers), time them whole with the float graph twice (A/A: the noise
-    band) and keep the faster choice. Returns the decisions, the graph times and the noise band."""
-    graph_timer = graph_timer or GRAPH_TIMER
-    kernel_float = set(_kernel_choices(decisions))
-    unfused = {d.layer for d in decisions if d.decision == FLOAT} - kernel_float
-    with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
-        paths = {"float": Path(d) / "float.onnx", "chosen": Path(d) / "chosen.onnx"}
-        export_onnx(_float_layers_copy(model, decisions, None), example, paths["float"])
-        export_onnx(_float_layers_copy(model, decisions, kernel_float | unfused), example, paths["chosen"])
-        if kernel_float:
-            paths["other"] = Path(d) / "other.onnx"
-            export_onnx(_float_layers_copy(model, decisions, unfused), example, paths["other"])
-        paths["float A/A"] = paths["float"]  # a second session of the float graph: the timing's own spread
-        names = {i.name for i in read_onnx(paths["float"]).graph.input}
-        ms = dict(zip(paths, graph_timer(list(paths.values()), timing_feeds(example, names), rounds)))
-    band = noise_band(ms["float"], ms["float A/A"])
-    if kernel_float:
-        kept = prefer_faster_graph(decisions, ms["chosen"], ms["other"])
-        if kept is not decisions:  # the other choice won: it is the graph the checkpoint will hold
-            decisions, ms = kept, {**ms, "chosen": ms["other"], "other": ms["chosen"]}
-    slower = float_if_slower(decisions, ms["chosen"], ms["float"], band)
-    if slower is not decisions:
-        decisions, ms = slower, {**ms, "int8": ms["chosen"], "chosen": ms["float"]}
-    return decisions, ms, band
-
-
-def int8_cost(optimized: onnx.ModelProto, kernel: str, times: dict[str, float]) -> float | None:
-    """The time of node ``kernel`` of onnxruntime's ``optimized`` graph plus the Q/DQ nodes that feed it: a
-    QuantizeLinear/DequantizeLinear/DynamicQuantizeLinear producing one of its inputs, and the Q before such a
-    DQ. A Q/DQ read by ``k`` nodes counts ``1/k`` (its time is shared by its readers). ``None``: the kernel
-    was not timed.
-    """
-    if kernel not in times:
-        return None
-    producers, consumers = producer_map(optimized.graph), consumer_map(optimized)
-    node = next((n for n in optimized.graph.node if n.name == kernel), None)
-    if node is None:
-        return None
-    total = times[kernel]
-
-    def share(n: onnx.NodeProto) -> float:
-        readers = {id(r) for o in n.output for r in consumers.get(o, [])}
-        return times.get(n.name, 0.0) / max(1, len(readers))
-
-    for i in node.input:
-        p = producers.get(i)
-        if p is None or p.op_type not in _QDQ:
-            continue
-        total += share(p)
-        q = producers.get(p.input[0]) if p.op_type == "DequantizeLinear" else None
-        if q is not None and q.op_type == "QuantizeLinear":
-            total += share(q)
-    return total
+def _chosen(d: LayerDecision, chosen: frozenset[str], keep_inputs: bool, why: str) -> LayerDecision:
+    """``d`` as the choice ``chosen`` (``keep_inputs``: float layers keep their input quantizer) has it."""
+    if d.decision != FLOAT:
+        return d
+    if d.layer not in chosen:
+        return _requantized(d, why)
+    if not keep_inputs:
+        return d
+    kept = [q for q in d.quantizers if not q.endswith(".input_quantizer")]
+    return LayerDecision(
+        d.layer, d.kernel, d.ratio, FLOAT, f"{d.reason}; {INPUT_KEPT}", kept, d.fused, d.applicable
+    )
 
 
 # ------------------------------------------------------------------------------------------- measuring
@@ -412,9 +260,22 @@ def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
         return "float8: onnxruntime has no float8 kernel; left as configured"
     if qi is None or not qi.enabled:
         return "weight-only: quantized for size, not speed; left as configured"
-    if any(q.desc.num_bits != 8 for q in on):
+    if any(q.desc.num_bits not in (7, 8) for q in on):
         return "not an 8-bit layer; left as configured"
     return None
+
+
+def _weighed(model: nn.Module) -> list[str]:
+    """The layers placement decides for: quantized modules it finds applicable."""
+    modules = dict(model.named_modules())
+    return [
+        n
+        for n, m in modules.items()
+        if getattr(m, "input_quantizer", None) is not None
+        and getattr(m, "weight_quantizer", None) is not None
+        and (m.input_quantizer.enabled or m.weight_quantizer.enabled)
+        and _not_applicable(modules, n) is None
+    ]
 
 
 def _layer_quantizers(model: nn.Module, layer: str) -> list[str]:
@@ -422,77 +283,143 @@ def _layer_quantizers(model: nn.Module, layer: str) -> list[str]:
     return [n for n, q in quantizers(model).items() if n.rsplit(".", 1)[0] == layer and q.enabled]
 
 
-def measure(
-    model: nn.Module, example: Batch, timer: Callable | None = None, rounds: int = ROUNDS
-) -> list[LayerCost]:
-    """Export ``model`` (calibrated) and its float version to a temporary folder, time both in onnxruntime on
-    ``example`` and return each quantized layer's costs. Raises what export or onnxruntime raise."""
-    timer = timer or TIMER
-    with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
-        int8_path, float_path = Path(d) / "int8.onnx", Path(d) / "float.onnx"
-        export_onnx(model, example, int8_path)
-        plain = copy.deepcopy(model)  # the float export: the same module scopes, so the same node names
-        for q in quantizers(plain).values():
-            keep_float(q)
-        export_onnx(plain, example, float_path)
-        del plain
-        report = inspect_fusion(int8_path)
-        if report.load_error:
-            raise RuntimeError(f"onnxruntime does not load the int8 graph: {report.load_error}")
-        float_model = read_onnx(float_path)
-        feeds = timing_feeds(example, {i.name for i in float_model.graph.input})
-        opt8, optf = optimized_graph(int8_path), optimized_graph(float_path)
-        t8, tf = timer([int8_path, float_path], feeds, rounds)
+def layer_shape(module: nn.Module, output: torch.Tensor) -> LayerShape:
+    """A quantized layer's kernel shape (:class:`exporters.onnxruntime.kernel_costs.LayerShape`) from the
+    module and one output of it."""
+    w = module.weight
+    if w.dim() > 2:  # a convolution: (Cout, Cin/groups, *k), or transposed (Cin, Cout/groups, *k)
+        groups = getattr(module, "groups", 1)
+        cin = getattr(module, "in_channels", w.shape[1] * groups)
+        cout = getattr(module, "out_channels", w.shape[0])
+        kernel = math.prod(w.shape[2:])
+        positions = math.prod(output.shape[2:]) if output.dim() > 2 else 1
+        if u8s8.is_depthwise(cin, cout, groups):
+            return LayerShape(DEPTHWISE, kernel, cout, positions)
+        return LayerShape(CONV, cin // groups * kernel, cout, positions)
+    out_features = output.shape[-1]
+    in_features = w.shape[1] if w.shape[0] == out_features else w.shape[0]
+    positions = math.prod(output.shape[1:-1]) if output.dim() > 2 else 1
+    return LayerShape(GEMM, in_features, out_features, positions)
+
+
+def layer_shapes(model: nn.Module, example: Batch, layers: list[str]) -> dict[str, LayerShape]:
+    """Each layer's kernel shape, from one forward pass on ``example`` (a layer that does not run has
+    none)."""
     modules = dict(model.named_modules())
+    shapes: dict[str, LayerShape] = {}
+
+    def hook(name):
+        def record(module, _args, output):
+            if name not in shapes and isinstance(output, torch.Tensor):
+                shapes[name] = layer_shape(module, output)
+
+        return record
+
+    handles = [modules[n].register_forward_hook(hook(n)) for n in layers if n in modules]
+    try:
+        with torch.inference_mode():
+            run_model(model, example, "the example batch")
+    finally:
+        for h in handles:
+            h.remove()
+    return shapes
+
+
+def _with_float(
+    model: nn.Module, layers: set[str], decisions: list[LayerDecision], keep_inputs: bool
+) -> nn.Module:
+    """A copy of ``model`` with the quantizers of ``layers`` (among ``decisions``) off (``keep_inputs``: but
+    their input quantizers)."""
+    plain = copy.deepcopy(model)
+    qs = quantizers(plain)
+    for d in decisions:
+        if d.layer in layers:
+            for name in d.quantizers:
+                if name in qs and not (keep_inputs and name.endswith(".input_quantizer")):
+                    keep_float(qs[name])
+    return plain
+
+
+def _fusion(model: nn.Module, example: Batch, workdir: Path, name: str) -> FusionReport:
+    path = workdir / f"{name}.onnx"
+    export_onnx(model, example, path)
+    report = inspect_fusion(path)
+    if report.load_error:
+        raise RuntimeError(f"onnxruntime does not load the int8 graph: {report.load_error}")
+    return report
+
+
+def measure(
+    model: nn.Module, example: Batch, cpu: str, workdir: Path
+) -> tuple[list[LayerCost], FusionReport]:
+    """Step 1 and 2: what onnxruntime fuses in ``model``'s export, and each layer's predicted kernel ratio on
+    ``cpu``. Raises what export or onnxruntime raise."""
+    report = _fusion(model, example, workdir, "int8")
+    modules = dict(model.named_modules())
+    shapes = layer_shapes(model, example, [lf.layer for lf in report.layers])
     costs = []
     for lf in report.layers:
-        f = find_float(float_model, optf, lf.node)
+        shape = shapes.get(lf.layer)
         costs.append(
             LayerCost(
                 lf.layer,
                 lf.kernel,
                 lf.fused,
-                int8_cost(opt8, lf.optimized_node, t8) if lf.optimized_node else None,
-                tf.get(f.name) if f is not None else None,
+                kernel_costs.predict(cpu, shape) if shape is not None else None,
                 _layer_quantizers(model, lf.layer),
                 _not_applicable(modules, lf.layer),
             )
         )
-    return costs
+    return costs, report
 
 
 def measure_and_decide(
-    model: nn.Module,
-    example: Batch,
-    timer: Callable | None = None,
-    margin: float = MARGIN,
-    graph_timer: Callable | None = None,
+    model: nn.Module, example: Batch, cpu: str, margin: float = MARGIN
 ) -> LatencyPlacement:
-    """:func:`measure` then :func:`decide`; a model that does not export or load is not measured (``measured``
-    False, the reason in ``note``), never an error. The model is not changed (see :func:`apply`)."""
+    """Steps 1-3 for deployment CPU kind ``cpu``; a model with no layer to decide for is not exported, and one
+    that does not export or load is not decided (``measured`` False, the reason in ``note``), never an error.
+    The model is not changed (see :func:`apply`)."""
     t0 = time.perf_counter()
+    if not _weighed(model):
+        return LatencyPlacement(
+            "auto",
+            False,
+            "nothing to decide: no 8-bit integer layer (weight-only, float8 and other widths are left as "
+            "configured)",
+            margin=margin,
+            cpu=cpu,
+        )
+    table = kernel_costs.table(cpu) if cpu != "any" else None
+    source = (
+        f"onnxruntime's fusions and the {cpu} kernel table"
+        if table
+        else f"onnxruntime's fusions and the kernel tables of every CPU kind measured ({cpu})"
+        if cpu == "any"
+        else f"onnxruntime's fusions only: no kernel table for {cpu}"
+    )
     try:
-        costs = measure(model, example, timer)
-        decisions, ms, band = whole_graph_check(model, example, decide(costs, margin), graph_timer)
+        with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
+            work = Path(d)
+            costs, _ = measure(model, example, cpu, work)
+            decisions = decide(costs, margin)
+            tries = iter(range(1, 6))
+
+            def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
+                plain = _with_float(model, floats, decisions, keep_inputs)
+                rep = _fusion(plain, example, work, f"float{next(tries)}")
+                return {lf.layer: lf.fused for lf in rep.layers}
+
+            decisions = keep_neighbours(decisions, fused_after)
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
         return LatencyPlacement(
             "auto",
             False,
-            f"not measured: {type(e).__name__}: {first_line(e, 200)}",
+            f"not decided: {type(e).__name__}: {first_line(e, 200)}",
             margin=margin,
             seconds=time.perf_counter() - t0,
+            cpu=cpu,
         )
-    return LatencyPlacement(
-        "auto",
-        True,
-        "measured with onnxruntime's profiler (CPU provider, default options, 1 "
-        f"thread) on the example batch repeated to {TIMING_SAMPLES} samples, then the whole graphs",
-        decisions,
-        margin,
-        time.perf_counter() - t0,
-        graph_ms=ms,
-        noise=band,
-    )
+    return LatencyPlacement("auto", True, source, decisions, margin, time.perf_counter() - t0, cpu)
 
 
 def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:

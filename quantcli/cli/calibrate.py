@@ -379,7 +379,13 @@ def _calibrate_result_rows(outcome):
         yield "kept in float", ", ".join(mixed.kept_float) or "none"
         if mixed.dynamic:
             yield "dynamic int8 (not float)", ", ".join(mixed.dynamic)
-    yield "time", f"{summary.seconds:.2f} s" + (f" + {mixed.seconds:.2f} s target search" if mixed else "")
+    latency = outcome.job.latency
+    yield (
+        "time",
+        f"{summary.seconds:.2f} s"
+        + (f" + {latency.seconds:.2f} s placement" if latency is not None and latency.seconds else "")
+        + (f" + {mixed.seconds:.2f} s target search" if mixed else ""),
+    )
     yield "written", str(outcome.job.out)
 
 
