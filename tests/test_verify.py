@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from exporters.graph import qdq_pairs
+from quantcli.quant.cpu import can_saturate, detect
 from quantcli.verify import REPLAY_SAMPLES
 from tests.helpers import assert_clean_error, cli
 from tests.mutations import (
@@ -31,6 +32,9 @@ CHECKS = [
     "fidelity.rms_ratio",
     "reference.transformations",
     "deployment.loads",
+    "deployment.rms_ratio",
+    # a graph made for this machine is emulated for saturation where this machine's kernels can saturate
+    *(["deployment.saturation"] if can_saturate(detect()) else []),
 ]
 
 
@@ -400,8 +404,9 @@ def test_deployed_deviation_can_be_a_check(calibrated, exported):
     )
 
 
-def test_a_large_deployment_gap_is_explained(monkeypatch):
-    from quantcli.verify import driver, sessions
+def test_a_large_deployment_gap_is_measured_and_explained():
+    from quantcli.analysis.saturation import LayerSaturation
+    from quantcli.verify import cpu_kernels, driver
     from quantcli.verify.stats import PairStats
 
     def stats(got):
@@ -412,18 +417,16 @@ def test_a_large_deployment_gap_is_explained(monkeypatch):
     qerr = {"y": stats([1.0, -1.0, 1.0, -1.0])}  # quantization error RMS 1
     exact = {"y": stats([0.01, 0, 0, 0])}  # RMS 0.005
     deployed = {"y": stats([0.4, 0, 0, 0])}  # RMS 0.2: 40x the exact session's
-    monkeypatch.setattr(sessions, "cpu_has_vnni", lambda: False)
     section = driver._deployment(None, ["y"], deployed, exact, qerr, None)
     assert section["outputs"]["y"]["rms_ratio"] == pytest.approx(0.2)
     assert section["outputs"]["y"]["exact_rms_ratio"] == pytest.approx(0.005)
-    assert (
-        len(section["notes"]) == 1
-        and "reduce_range" in section["notes"][0]
-        and "no VNNI" in section["notes"][0]
-    )
-    # as close to the simulation as the exact session: nothing to explain
-    close = {"y": stats([0.012, 0, 0, 0])}
-    assert driver._deployment(None, ["y"], close, exact, qerr, None)["notes"] == []
+    # the cause: the layers whose u8s8 kernels saturate here, where the emulation of this CPU saw any
+    here = detect()
+    sat = cpu_kernels.Saturation(here)
+    sat.layers["conv1"] = LayerSaturation("conv1", saturated=10, pairs=1000, delta_sq=1.0, out_sq=4.0)
+    why = driver._deploy_cause(sat)
+    assert "worst conv1" in why and "deployment.saturation" in why and f"--cpu {here}" in why
+    assert "fused integer kernels compute differently" in driver._deploy_cause(None)
 
 
 def test_non_finite_data_is_bad_input_not_a_numerical_failure(calibrated, exported, tmp_path):

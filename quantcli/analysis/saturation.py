@@ -155,14 +155,16 @@ class Emulation(TorchFunctionMode):
     Use as ``with Emulation(model) as emu: model(...)``; ``emu.layers`` holds a :class:`LayerSaturation` per
     emulated layer that ran."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, layers: set[str] | None = None):
+        """``layers``: the module names to emulate (those onnxruntime fuses into u8s8 integer kernels); None:
+        every quantized layer with such a kernel."""
         super().__init__()
         self.layers: dict[str, LayerSaturation] = {}
         self._stack: list[tuple[str, nn.Module]] = []
         self._qparams: dict[str, tuple[torch.Tensor, int]] = {}
         self._handles = []
         for name, m in model.named_modules():
-            if _u8s8_layer(m):
+            if _u8s8_layer(m) and (layers is None or name in layers):
                 self._handles += [
                     m.register_forward_pre_hook(self._enter(name, m)),
                     m.register_forward_hook(self._leave),

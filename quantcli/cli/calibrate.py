@@ -159,10 +159,11 @@ def calibrate(
             "--placement",
             envvar="QUANTCLI_PLACEMENT",
             show_envvar=True,
-            help="onnxruntime target: auto (default) keeps in float the layers onnxruntime would not run "
-            "faster quantized on this machine (not fused into an integer kernel, or an integer kernel "
-            "with its Q/DQ more than 20% slower than float, timed with onnxruntime's profiler on the "
-            "example batch); all quantizes every layer as configured.",
+            help="onnxruntime target: auto (default) keeps in float the layers that would not run faster "
+            "quantized on the --cpu: those onnxruntime does not fuse into an integer kernel, and those "
+            "whose kernel a measured table (docs/targets.md) finds more than 25% slower than float there, "
+            "unless that costs a neighbour its integer kernel; nothing is timed. all quantizes every layer "
+            "as configured.",
         ),
     ] = defaults.PLACEMENT,
     dist_timeout: Annotated[

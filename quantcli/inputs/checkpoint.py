@@ -294,6 +294,9 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     if "target" not in data["quant_config"]:
         # written before targets existed: rebuild the placement it was calibrated with
         cfg.legacy_placement = True
+    if "cpu" not in data["quant_config"] and cfg.reduce_range == "auto":
+        # written before the deployment CPU was recorded: its weights kept every bit unless it said otherwise
+        cfg.reduce_range = False
     model = build_model(spec, trust_code=trust_code, origin=str(path))
     if "batchnorm_folds" not in data:  # written before BatchNorm folding existed: nothing was folded
         cfg.fold_batchnorm = False

@@ -50,13 +50,14 @@ class Saturation:
     saturated."""
 
     kind: str
+    fused: set[str]  # the layers onnxruntime runs with a uint8 x int8 kernel (the others run in float)
     outputs: dict[str, PairStats] = field(default_factory=dict)
     layers: dict[str, LayerSaturation] = field(default_factory=dict)
 
     def add(self, model: torch.nn.Module, batch: Batch, ref: list[np.ndarray], names: list[str], where: str):
         """Run ``model`` on ``batch`` with the kernels emulated; compare with its fake-quant outputs
         ``ref``."""
-        with torch.inference_mode(), Emulation(model) as emu:
+        with torch.inference_mode(), Emulation(model, self.fused) as emu:
             got = [t.detach().cpu().numpy() for t in flat_outputs(run_model(model, batch, where))]
         for k, n in enumerate(names):
             self.outputs.setdefault(n, PairStats()).add(got[k], ref[k])
@@ -81,6 +82,27 @@ class Saturation:
             },
             "layers": [s.to_dict() for s in self.ranked()],
         }
+
+
+#: onnxruntime's kernels that multiply uint8 activations by int8 weights
+U8S8_KERNELS = frozenset(
+    {
+        "QLinearConv",
+        "QGemm",
+        "QLinearMatMul",
+        "MatMulIntegerToFloat",
+        "DynamicQuantizeMatMul",
+        "MatMulInteger",
+    }
+)
+
+
+def u8s8_layers(onnx_path) -> set[str]:
+    """The layers of the graph at ``onnx_path`` that onnxruntime (CPU provider, default options) runs with a
+    uint8 x int8 kernel, by module name (:func:`exporters.onnxruntime.fusion.inspect_fusion`)."""
+    from exporters.onnxruntime.fusion import inspect_fusion
+
+    return {lf.layer for lf in inspect_fusion(onnx_path).layers if lf.fused and lf.kernel in U8S8_KERNELS}
 
 
 def layers_text(ranked: list[LayerSaturation]) -> str:

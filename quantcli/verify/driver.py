@@ -115,9 +115,15 @@ def verify_onnx(
         structure=structure,
         provider_note=ss.provider_note,
     )
-    kind = cpu_kernels.emulated_kind(cpu, cpu_kernels.graph_cpu(model))
+    for_onnxruntime = _target(model) == "onnxruntime"
+    kind = cpu_kernels.emulated_kind(cpu, cpu_kernels.graph_cpu(model)) if for_onnxruntime else None
+    saturation = None
+    if kind is not None and saturating_layers(ckpt.model):
+        saturation = cpu_kernels.Saturation(kind, cpu_kernels.u8s8_layers(onnx_path))
     try:
-        cmp = _compare_outputs(ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff, kind)
+        cmp = _compare_outputs(
+            ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff, saturation
+        )
     except GraphRunError as e:
         return _graph_failed(report, e, t0)
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
@@ -271,7 +277,7 @@ def _compare_outputs(
     batches: list[Batch],
     out_names: list[str],
     max_abs_diff: float | None,
-    emulate: str | None = None,
+    saturation: cpu_kernels.Saturation | None = None,
 ) -> _Comparison:
     """One pass over the data: the deployed session (what a user ships) against the fake-quant and the float
     model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
@@ -279,9 +285,7 @@ def _compare_outputs(
     quantizer."""
     qmodel, fmodel = ckpt.model, ckpt.float_model()  # the float reference: the model as loaded
     tmodel = ckpt.transformed_float_model() if ckpt.has_original else None
-    cmp = _Comparison(out_names)
-    if emulate is not None and saturating_layers(qmodel):
-        cmp.saturation = cpu_kernels.Saturation(emulate)
+    cmp = _Comparison(out_names, saturation=saturation)
     sample, rest = replay.split_sample(batches)
     with constant_weights(qmodel), constant_weights(fmodel):
         for i, batch in enumerate([sample] + rest):
@@ -486,7 +490,8 @@ def _deployment_checks(
         report.deployment["saturation"] = sat.to_dict(cmp.qerr)
     elif emulated is not None:
         report.deployment["saturation"] = {"cpu": emulated, "outputs": {}, "layers": []}
-    if ss.deploy_error is None:
+    if ss.deploy_error is None and not ss.deploy_options and _target(model) == "onnxruntime":
+        # a TensorRT-target graph ships to TensorRT: onnxruntime's CPU session of it is reported, not judged
         worst_out = max(out_names, key=lambda n: report.deployment["outputs"][n]["rms_ratio"])
         check = at_most(
             "deployment.rms_ratio",
@@ -552,11 +557,15 @@ def _quality_checks(
         report.checks.append(at_least(name, flag, values[worst_out], worst_out))
 
 
+def _target(model: onnx.ModelProto) -> str:
+    """The runtime the graph was made for (``quantcli.target``; graphs without it: onnxruntime)."""
+    return {p.key: p.value for p in model.metadata_props}.get("quantcli.target", "onnxruntime")
+
+
 def _deploy_options(model) -> tuple[str, ...]:
     """The optimizers the deployed session leaves out: none for the onnxruntime target (its graphs load with
     default options, or fail ``deployment.loads``), what the graph needs for a TensorRT-target graph."""
-    meta = {p.key: p.value for p in model.metadata_props}
-    if meta.get("quantcli.target") != "tensorrt":
+    if _target(model) != "tensorrt":
         return ()
     from exporters.onnxruntime.compat import session_needs
 

@@ -141,16 +141,3 @@ def run(sess, inputs: dict[str, np.ndarray], where: str, names: list[str] | None
     except Exception as e:
         kind = GraphRunError if NODE_FAILED in str(e) else VerifyError
         raise kind(f"onnxruntime failed on {where}: {first_line(e, 240)}") from None
-
-
-def cpu_has_vnni() -> bool | None:
-    """Whether this x86 CPU has VNNI (``avx512_vnni`` or ``avx_vnni`` in /proc/cpuinfo); None if unknown."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"avx512_vnni", "avx_vnni"} & flags)
-    except OSError:
-        return None
-    return None
