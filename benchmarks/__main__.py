@@ -13,7 +13,7 @@ from benchmarks import (
     bench_opset,
     bench_ort_fp8,
     bench_output_quantization,
-    bench_reduce_range,
+    bench_saturation,
     bench_startup,
     bench_verify,
 )
@@ -35,7 +35,7 @@ if a.device == "cpu":
     print()
     bench_end_to_end.main(["--quick"] if a.quick else [])
     print()
-    bench_reduce_range.main([])
+    bench_saturation.main([])
     print()
     bench_ort_fp8.main([])
     print()

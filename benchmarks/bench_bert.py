@@ -46,8 +46,7 @@ from benchmarks.bench_accuracy import (
     _quality,
     _session,
 )
-from benchmarks.bench_reduce_range import cpu_flags
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import cpu_flags, machine, setup_threads, table
 
 QUICK_START = f"quick start (--smoothquant 0.5 --method auto --min-cosine {TARGET_COSINE})"
 REFERENCE = "onnxruntime quantize_dynamic"

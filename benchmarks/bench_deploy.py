@@ -31,8 +31,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 
-from benchmarks.bench_reduce_range import cpu_flags
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import cpu_flags, machine, setup_threads, table
 from exporters import export_onnx
 from exporters.onnxruntime.fusion import inspect_fusion
 from quantcli import calibrate, quantize_model

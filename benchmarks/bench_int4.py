@@ -26,8 +26,16 @@ from pathlib import Path
 import onnx
 import torch
 
-from benchmarks.bench_reduce_range import cpu_flags
-from benchmarks.common import best_interleaved, machine, peak_rss_of, run_all, setup_threads, table, verdict
+from benchmarks.common import (
+    best_interleaved,
+    cpu_flags,
+    machine,
+    peak_rss_of,
+    run_all,
+    setup_threads,
+    table,
+    verdict,
+)
 
 BLOCK = 128
 METHODS = ("rtn", "gptq", "awq")

@@ -27,8 +27,7 @@ import numpy as np
 import onnx
 import torch
 
-from benchmarks.bench_reduce_range import cpu_flags
-from benchmarks.common import best_interleaved, machine, setup_threads, table, verdict
+from benchmarks.common import best_interleaved, cpu_flags, machine, setup_threads, table, verdict
 from exporters.aten_symbolics import register
 
 BLOCK = 128

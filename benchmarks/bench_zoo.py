@@ -11,14 +11,16 @@ symmetric int8 activations (``peer s8``, its default-like setting nearest quantc
 session of a model timed interleaved on the 32 held-out samples
 (:func:`exporters.onnxruntime.profile.time_interleaved`: rounds of bursts, alternating order, at least
 ``--rounds`` rounds and 0.3 s per graph, the median); only onnxruntime-target graphs are timed. ``rms_ratio``
-is verify's ``fidelity.rms_ratio`` value (docs/verify-criteria.md). ``peer cos spread`` (image models): how
-far the peer's cosine moves when it is calibrated on subsets of the same 64 samples
-(:func:`peer_draw_cosines`), the accuracy comparison's own noise. For CNNs, quantcli is calibrated on the same
-draws (:func:`quantcli_draw_cosines`): ``draws cos int8`` and ``draws cos peer`` are the means over the draws,
-``cos diff`` the mean of quantcli's cosine less the peer's on the same draw, ``cos noise`` the one-sided 95% t
-bound of that mean (:func:`benchmarks.common.paired_difference`), ``cos last-bit`` the widest cosine move of
-quantcli's or the peer's graph when every scale moves by one float32 ULP (:func:`lastbit_cosines`: a model far
-from cosine 1 is that sensitive; a difference within it says nothing of either tool's method).
+is verify's ``fidelity.rms_ratio`` value, ``dep ratio`` its ``deployment.rms_ratio``
+(docs/verify-criteria.md), ``cos gap`` the exact session's cosine to float less the deployed session's (u8s8
+saturation shows here). ``peer cos spread`` (image models): how far the peer's cosine moves when it is
+calibrated on subsets of the same 64 samples (:func:`peer_draw_cosines`), the accuracy comparison's own
+noise. For CNNs, quantcli is calibrated on the same draws (:func:`quantcli_draw_cosines`): ``draws cos
+int8`` and ``draws cos peer`` are the means over the draws, ``cos diff`` the mean of quantcli's cosine less
+the peer's on the same draw, ``cos noise`` the one-sided 95% t bound of that mean
+(:func:`benchmarks.common.paired_difference`), ``cos last-bit`` the widest cosine move of quantcli's or the
+peer's graph when every scale moves by one float32 ULP (:func:`lastbit_cosines`: a model far from cosine 1
+is that sensitive; a difference within it says nothing of either tool's method).
 
 Like with like: ``int8/fp32`` divides by the float model exported with the same exporter and opset as that
 row's graph (``torch.onnx.export``; where torch's own export of the float model fails, quantcli's exporter
@@ -45,8 +47,7 @@ import onnxruntime as ort
 import torch
 from typer.testing import CliRunner
 
-from benchmarks.bench_reduce_range import cpu_flags
-from benchmarks.common import machine, paired_difference, setup_threads, table, verdict
+from benchmarks.common import cpu_flags, machine, paired_difference, setup_threads, table, verdict
 from exporters.onnxruntime.profile import time_interleaved
 from quantcli.cli import app
 from tests.zoo import registry as zoo
@@ -252,6 +253,15 @@ def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: P
             (o["rms_ratio"] for o in rep["fidelity"]["outputs"].values()), default=float("nan")
         )
         row["failed"] = ", ".join(f"{c['name']} ({c['detail']})" for c in rep["checks"] if not c["passed"])
+        dep = rep["deployment"].get("outputs", {})
+        row["dep ratio"] = max((o["rms_ratio"] for o in dep.values()), default=float("nan"))
+        # issue 36: the deployed session's cosine to float against the exact session's (u8s8 saturation)
+        gaps = [
+            rep["quality"]["exact_outputs"][n]["cosine"] - rep["quality"]["outputs"][n]["cosine"]
+            for n in rep["quality"]["outputs"]
+            if rep["quality"]["session"] == "deployed"
+        ]
+        row["cos gap"] = max(gaps, default=float("nan"))
     code, out = cli("inspect", graph, "--runtime", "onnxruntime", "--json")
     if code == 0:
         r = json.loads(out)
@@ -407,7 +417,13 @@ def goals(rows: list[dict]) -> list[str]:
         )
     ]
     names = lambda rs: ", ".join(f"{r['model']}/{r['exporter']}/{r['target']}" for r in rs) or "none"  # noqa: E731
+    # issue 36: no graph written by default loses accuracy to u8s8 saturation where this CPU deploys it
+    gapped = [r for r in rows if r["target"] == "onnxruntime" and "cos gap" in r]
+    saturating = [r for r in gapped if r["cos gap"] > 0.002]
     return [
+        f"deploy (issue 36): every onnxruntime graph's deployed cosine to float within 0.002 of the exact "
+        f"session's on this CPU ({cpu_flags()}) ({len(gapped) - len(saturating)}/{len(gapped)}; missed: "
+        f"{names(saturating)}): {verdict(bool(gapped) and not saturating)}",
         f"verify: 0 false PASSes ({len(false_pass)}: {names(false_pass)}) and 0 false FAILs "
         f"({len(false_fail)}: {names(false_fail)}): {verdict(not false_pass and not false_fail)}",
         f"verify: 0 internal errors ({len(errors)}): {verdict(not errors)}",
@@ -467,6 +483,8 @@ def main(argv=None) -> None:
                 "target",
                 "verify",
                 "rms_ratio",
+                "dep ratio",
+                "cos gap",
                 "fused",
                 "int8/fp32",
                 "A/A",

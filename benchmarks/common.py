@@ -152,3 +152,11 @@ def paired_difference(ours: list[float], theirs: list[float]) -> tuple[float, fl
     d = [a - b for a, b in zip(ours, theirs)]
     se = statistics.stdev(d) / len(d) ** 0.5
     return statistics.fmean(d), T95[min(len(d) - 1, max(T95))] * se
+
+
+def cpu_flags() -> str:
+    """The instruction-set flags that decide onnxruntime's integer kernels, and the CPU kind they make
+    (:func:`quantcli.quant.cpu.flags`)."""
+    from quantcli.quant import cpu
+
+    return cpu.flags()

@@ -19,9 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.bench_reduce_range import cpu_flags
 from benchmarks.bench_zoo import cli, export_float, export_float_like, peer
-from benchmarks.common import machine, setup_threads
+from benchmarks.common import cpu_flags, machine, setup_threads
 from exporters.onnxruntime.fusion import optimized_graph
 from exporters.onnxruntime.profile import node_times
 from tests.zoo import registry as zoo

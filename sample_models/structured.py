@@ -255,6 +255,56 @@ def conv1d_batches(
     return [{"x": b} for b in x.split(batch_size)]
 
 
+# -- convnext_style --------------------------------------------------------------------------------------
+
+
+class ConvNeXtBlock(nn.Module):
+    """ConvNeXt's block: depthwise 7x7, channels-last LayerNorm, pointwise Linear 4x, GELU, Linear, layer
+    scale, residual."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dwconv(x).permute(0, 2, 3, 1)
+        y = self.pwconv2(nn.functional.gelu(self.pwconv1(self.norm(y))))
+        return x + (self.gamma * y).permute(0, 3, 1, 2)
+
+
+class ConvNeXtStyle(nn.Module):
+    """Input ``x`` float32 ``(N, 3, 32, 32)``; a 4x4 stride-4 stem, three ConvNeXt blocks, pooled LayerNorm
+    and a classifier (``(N, classes)`` logits). Issue 36's saturation case: its pointwise Linears' u8s8
+    kernels saturate on x86 CPUs without VNNI with 8-bit weights."""
+
+    def __init__(self, dim: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem = nn.Conv2d(3, dim, 4, stride=4)
+        self.stem_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.blocks = nn.Sequential(ConvNeXtBlock(dim), ConvNeXtBlock(dim), ConvNeXtBlock(dim))
+        self.head_norm = nn.LayerNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem_norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(self.head_norm(self.blocks(x).mean((2, 3))))
+
+
+def convnext_style(seed: int = 0, dim: int = 32) -> ConvNeXtStyle:
+    return _seeded(lambda: ConvNeXtStyle(dim), seed)
+
+
+def random_images(num_samples: int, batch_size: int = 32, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Standard-normal ``(N, 3, 32, 32)`` inputs: a random network's data (``seed`` 0 calibrates, others hold
+    out)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"x": b} for b in torch.randn(num_samples, 3, 32, 32, generator=g).split(batch_size)]
+
+
 # -- shared ----------------------------------------------------------------------------------------------
 
 

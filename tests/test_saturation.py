@@ -354,47 +354,6 @@ def test_default_grid_for_any_cpu_passes_the_saturation_check(tmp_path):
     assert r.exit_code == 0 and check["passed"] and check["value"] == 0.0
 
 
-_CONVNEXT = """
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-class Block(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
-        self.norm = nn.LayerNorm(dim, eps=1e-6)
-        self.pwconv1 = nn.Linear(dim, 4 * dim)
-        self.pwconv2 = nn.Linear(4 * dim, dim)
-        self.gamma = nn.Parameter(torch.full((dim,), 0.5))
-
-    def forward(self, x):
-        y = self.dwconv(x).permute(0, 2, 3, 1)
-        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
-        return x + (self.gamma * y).permute(0, 3, 1, 2)
-
-
-class ConvNeXtStyle(nn.Module):
-    def __init__(self, dim=32, classes=10):
-        super().__init__()
-        self.stem = nn.Conv2d(3, dim, 4, stride=4)
-        self.stem_norm = nn.LayerNorm(dim, eps=1e-6)
-        self.blocks = nn.Sequential(Block(dim), Block(dim), Block(dim))
-        self.head_norm = nn.LayerNorm(dim, eps=1e-6)
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x):
-        x = self.stem_norm(self.stem(x).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
-        return self.head(self.head_norm(self.blocks(x).mean((2, 3))))
-
-
-def make():
-    torch.manual_seed(0)
-    return ConvNeXtStyle()
-"""
-
-
 @kernels
 def test_verify_fails_the_saturating_convnext_style_block_and_passes_the_default_grid(tmp_path):
     """Issue 36's case: a ConvNeXt-style block (depthwise 7x7, channels-last LayerNorm, GELU, layer scale)
@@ -403,11 +362,10 @@ def test_verify_fails_the_saturating_convnext_style_block_and_passes_the_default
     session's cosine to float is within 0.002 of the exact session's."""
     import json
 
-    (tmp_path / "cnx.py").write_text(_CONVNEXT)
     rng = np.random.default_rng(0)
     np.save(tmp_path / "c.npy", rng.standard_normal((64, 3, 32, 32)).astype(np.float32))
     np.save(tmp_path / "v.npy", rng.standard_normal((32, 3, 32, 32)).astype(np.float32))
-    model = f"{tmp_path / 'cnx.py'}:make"
+    model = "sample_models.structured:convnext_style"
 
     def run(name, *cal, verify=()):
         ck, path = tmp_path / f"{name}.calib.pt", tmp_path / f"{name}.onnx"
