@@ -18,14 +18,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from benchmarks.common import machine, table
+from benchmarks.common import machine, setup_threads, table
 from exporters.onnxruntime.kernel_costs import CONV, DEPTHWISE, GEMM, TABLE, LayerShape
 from quantcli.quant import cpu as cpu_kinds
 
@@ -109,6 +112,18 @@ def _chain(op: str, c: int, k: int, side: int, quantized: bool, rng: np.random.G
     return m, shape
 
 
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the table's ``measured_on``."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _session(model):
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
@@ -150,8 +165,12 @@ def measure(op: str, c: int, k: int, side: int, min_seconds: float) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--write", action="store_true", help="store the rows as this CPU kind's table")
+    p.add_argument(
+        "--out", type=Path, help="with --write: the JSON file to write (default: the shipped table)"
+    )
     p.add_argument("--seconds", type=float, default=0.6, help="timed seconds per row, at least (default 0.6)")
     args = p.parse_args(argv)
+    setup_threads(1)
     kind = cpu_kinds.detect()
     print(f"kernel costs: {machine()}; CPU {cpu_kinds.flags()}; onnxruntime {ort.__version__}; 1 thread")
     rows = [measure(*s, args.seconds) for s in SHAPES]
@@ -165,16 +184,17 @@ def main(argv=None) -> None:
     ]
     print(table(shown, list(shown[0])))
     if args.write:
-        data = json.loads(TABLE.read_text()) if TABLE.exists() else {}
+        target = args.out or TABLE
+        data = json.loads(target.read_text()) if target.exists() else {}
         data[kind] = {
-            "measured_on": f"{machine()}; CPU {cpu_kinds.flags()}",
+            "measured_on": f"{cpu_model()} ({os.cpu_count()} cores), {cpu_kinds.flags()}",
             "onnxruntime": ort.__version__,
             "command": "python -m benchmarks.bench_kernel_costs --write",
             "date": datetime.date.today().isoformat(),
             "rows": rows,
         }
-        TABLE.write_text(json.dumps(data, indent=1) + "\n")
-        print(f"wrote {len(rows)} rows for {kind} to {TABLE}")
+        target.write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {len(rows)} rows for {kind} to {target}")
 
 
 if __name__ == "__main__":

@@ -61,7 +61,10 @@ def _hand_scales(ck, config: str) -> dict[str, np.ndarray]:
                 amax = np.abs(w).max(keepdims=True).reshape(1)
             else:
                 amax = np.abs(w.reshape(w.shape[0], -1)).max(1)
-            out[name] = (amax.astype(np.float32) / np.float32(bound)).astype(np.float32)
+            # integer weights: on the 7-bit grid where the deployment CPU's u8s8 kernels could saturate
+            # (quantcli.quant.u8s8; tests/test_saturation.py tests that choice), else the config's
+            wbound = bound if config in ("fp8", "int4-weight-only") else 2 ** (q.desc.num_bits - 1) - 1
+            out[name] = (amax.astype(np.float32) / np.float32(wbound)).astype(np.float32)
         elif q.desc.asymmetric:  # uint8-asymmetric; signed activations of int8 on the onnxruntime target
             hi = np.maximum(q.amax.detach().numpy().astype(np.float32), np.float32(0))
             lo = np.minimum(q.amin.detach().numpy().astype(np.float32), np.float32(0))
@@ -480,7 +483,9 @@ def test_every_layer_type_exports_per_channel_and_matches_onnxruntime(config, ex
         if config == "int4-weight-only":
             continue  # blocked scales: test_onnx_parity and test_digits_every_format check their layout
         w = np.abs(getattr(m, layer).weight.detach().numpy())
-        bound = np.float32(127 if config == "int8" else 448)
+        # 127, or 63 on the 7-bit grid where the deployment CPU's u8s8 kernels could saturate
+        nb = getattr(m, layer).weight_quantizer.desc.num_bits
+        bound = np.float32(2 ** (nb - 1) - 1 if config == "int8" else 448)
         amax = w.max() if axis is None else np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1).max(1)
         got = pairs[f"{layer}.weight_quantizer"].scale.reshape(-1)
         # one scale per channel

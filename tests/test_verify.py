@@ -422,7 +422,7 @@ def test_a_large_deployment_gap_is_measured_and_explained():
     assert section["outputs"]["y"]["exact_rms_ratio"] == pytest.approx(0.005)
     # the cause: the layers whose u8s8 kernels saturate here, where the emulation of this CPU saw any
     here = detect()
-    sat = cpu_kernels.Saturation(here)
+    sat = cpu_kernels.Saturation(here, {"conv1"})
     sat.layers["conv1"] = LayerSaturation("conv1", saturated=10, pairs=1000, delta_sq=1.0, out_sq=4.0)
     why = driver._deploy_cause(sat)
     assert "worst conv1" in why and "deployment.saturation" in why and f"--cpu {here}" in why

@@ -225,6 +225,12 @@ class QuantConfig:
             cpu=data.get("cpu", cpu_kinds.AUTO),
         )
 
+    def _input_enabled(self, weight_quantizer_name: str, layer) -> bool:
+        """Whether the layer of ``weight_quantizer_name`` quantizes its input (an integer kernel multiplies
+        activations by these weights); weight-only layers' weights are left as configured."""
+        name = weight_quantizer_name.removesuffix("weight_quantizer") + "input_quantizer"
+        return self.resolve(name, "input", layer)[0]
+
     def matching_rules(self, quantizer_name: str) -> list[int]:
         """Indices of the rules whose pattern matches ``quantizer_name``, in order."""
         return [i for i, r in enumerate(self.rules) if fnmatch.fnmatchcase(quantizer_name, r["pattern"])]
@@ -258,6 +264,7 @@ class QuantConfig:
             kind == "weight"
             and fields.get("num_bits", 8) == 8
             and not (fields.get("unsigned") or fields.get("asymmetric"))
+            and self._input_enabled(quantizer_name, layer)
             and self.reduces_weights(layer)
         ):
             fields.update(num_bits=REDUCED_WEIGHT_BITS, narrow_range=True)
