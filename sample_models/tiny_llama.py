@@ -82,8 +82,11 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.to(torch.float32) * torch.rsqrt(var + self.variance_epsilon)).to(x.dtype)
+        # one cast in, one out, as transformers writes it: onnxruntime 1.31's optimizer breaks the graph of
+        # two chained float->float casts here ("Node input ... is not ... output of a previous node")
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

@@ -49,11 +49,28 @@ def export(
             "SkipLayerNormalization/BiasGelu) or cuda (left to onnxruntime's fusions).",
         ),
     ] = None,
+    kv_cache: Annotated[
+        bool,
+        typer.Option(
+            "--kv-cache/--no-kv-cache",
+            help="Causal LMs (Llama, Qwen2, Mistral, GPT-2 and the tiny_llama sample): a decode graph with a "
+            "KV cache (past_key_values.{i}.key/value in, present.{i}.key/value out; one graph for the prompt "
+            "and each new token). --no-kv-cache: the prefill graph, logits for every position.",
+        ),
+    ] = True,
+    contrib_ops: Annotated[
+        bool,
+        typer.Option(
+            "--contrib-ops/--standard-ops",
+            help="Decode graphs: attention as onnxruntime's GroupQueryAttention where its CPU provider runs "
+            "it (faster there); --standard-ops: standard ONNX ops only (any runtime).",
+        ),
+    ] = True,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
 ) -> None:
     """Export a calibrated checkpoint as a standard QuantizeLinear/DequantizeLinear ONNX graph."""
-    from exporters.onnx_export import export_onnx
+    from exporters.causal_lm.export import export_model
     from quantcli.inputs.checkpoint import load_calibrated
 
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
@@ -64,12 +81,14 @@ def export(
         "quantcli.model": ckpt.spec.spec,
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
-    res = export_onnx(
+    res = export_model(
         ckpt.model,
         ckpt.example,
         onnx_path,
         opset,
         exporter.value,
+        kv_cache=kv_cache,
+        contrib_ops=contrib_ops,
         dynamic_axes=dynamic_axes,
         weights_qdq=weights_qdq,
         metadata=meta,
@@ -113,8 +132,12 @@ def _export_rows(res):
                 else ""
             ),
         )
-    yield "inputs", ", ".join(res.input_names)
-    yield "outputs", ", ".join(res.output_names)
+    if res.decode is not None:
+        yield "decode graph", _decode_row(res.decode)
+    elif res.decode_note:
+        yield "decode graph", res.decode_note
+    yield "inputs", _names(res.input_names)
+    yield "outputs", _names(res.output_names)
     if res.fp8_guards:
         yield "fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)"
     if res.onnxruntime_disabled_optimizers:
@@ -149,3 +172,25 @@ def _export_rows(res):
     )
     yield "time", f"{res.seconds:.2f} s"
     yield "written", res.path
+
+
+def _names(names: list[str]) -> str:
+    """Graph input/output names, a decode graph's per-layer cache names folded to one pattern."""
+    per_layer = [n for n in names if n.startswith(("past_key_values.", "present."))]
+    if not per_layer:
+        return ", ".join(names)
+    layers = len(per_layer) // 2
+    prefix = "past_key_values" if per_layer[0].startswith("past") else "present"
+    rest = [n for n in names if n not in per_layer]
+    return ", ".join([*rest, f"{prefix}.{{0..{layers - 1}}}.key/value"])
+
+
+def _decode_row(decode: dict) -> str:
+    lo = decode["layout"]
+    ops = decode["contrib_ops"]
+    attention = f"onnxruntime {', '.join(ops)}" if ops else "standard ONNX ops"
+    text = (
+        f"{lo['model_type']}, {lo['num_layers']} layers, KV cache: batch x {lo['num_kv_heads']} kv heads x "
+        f"sequence x {lo['head_size']} ({lo['num_heads']} query heads); attention: {attention}"
+    )
+    return text + (f"; {decode['note']}" if decode.get("note") else "")
