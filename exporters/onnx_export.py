@@ -100,6 +100,7 @@ class ExportResult:
     # a causal LM's decode graph: its layout, inputs, outputs and contrib ops (exporters.causal_lm.export)
     decode: dict | None = None
     decode_note: str = ""  # why a model with an lm_head got no decode graph
+    genai_config: str | None = None  # the genai_config.json written beside a decode graph (--genai-config)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "kn_weights"}

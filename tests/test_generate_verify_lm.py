@@ -135,3 +135,36 @@ def test_verify_passes_the_float_graph_and_fails_a_cache_off_by_one(float_graph,
         1.0,
     )
     assert r.exit_code == 0 and "PASS" in r.output
+
+
+def test_genai_config_lets_onnxruntime_genai_run_the_graph_as_generate_does(float_graph, tmp_path):
+    """``export --genai-config``: onnxruntime-genai's Model/Generator load the folder and generate the tokens
+    quantcli's own loop generates (skipped where onnxruntime-genai is not installed: it is optional)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    ck, _ = float_graph
+    folder = tmp_path / "genai"
+    folder.mkdir()
+    r = cli("export", ck, "--onnx", folder / "model.onnx", "--genai-config", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["genai_config"] == str(folder / "genai_config.json")
+    prompt = b"import os\nimport sys\n\n\ndef "
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 20)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([list(prompt)], dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    theirs = gen.get_sequence(0).tolist()[len(prompt) :]
+    ours = json.loads(
+        cli(
+            "generate", folder / "model.onnx", "--prompt", prompt.decode(), "--max-new-tokens", 20, "--json"
+        ).stdout
+    )["tokens"]
+    assert theirs == ours == _greedy(tiny_llama.build(), prompt, 20)
+    # a prefill graph has no cache to describe
+    assert_clean_error(
+        cli("export", ck, "--onnx", tmp_path / "p.onnx", "--no-kv-cache", "--genai-config"),
+        "--genai-config",
+        "decode graph",
+    )

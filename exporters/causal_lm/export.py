@@ -240,3 +240,70 @@ def export_model(
     if why and hasattr(model, "lm_head"):
         res.decode_note = f"prefill graph, no KV cache: {why}"
     return res
+
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def genai_config(decode: dict, filename: str) -> dict:
+    """onnxruntime-genai's ``genai_config.json`` for a decode graph (:class:`DecodeExport` as a dict): the
+    input and output names, heads and sizes its ``Model``/``Generator`` read, greedy search by default."""
+    lo = decode["layout"]
+    inputs = {
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+        "past_key_names": "past_key_values.%d.key",
+        "past_value_names": "past_key_values.%d.value",
+    }
+    if "position_ids" in decode["inputs"]:
+        inputs["position_ids"] = "position_ids"
+    eos = lo.get("eos_token_id")
+    return {
+        "model": {
+            "bos_token_id": eos if eos is not None else 0,
+            "context_length": lo["max_positions"],
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": filename,
+                "head_size": lo["head_size"],
+                "hidden_size": lo["hidden_size"],
+                "inputs": inputs,
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": lo["num_heads"],
+                "num_hidden_layers": lo["num_layers"],
+                "num_key_value_heads": lo["num_kv_heads"],
+            },
+            "eos_token_id": eos if eos is not None else 0,
+            "pad_token_id": eos if eos is not None else 0,
+            "type": lo["model_type"],
+            "vocab_size": lo["vocab_size"],
+        },
+        "search": {
+            "do_sample": False,
+            "max_length": lo["max_positions"],
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def write_genai_config(onnx_path: str | Path, decode: dict) -> Path:
+    """``genai_config.json`` beside ``onnx_path`` (written atomically): ``onnxruntime_genai.Model(folder)``
+    loads the graph with it (add the model's ``tokenizer.json`` to the folder for ``og.Tokenizer``)."""
+    from quantcli.files import atomic_write
+
+    onnx_path = Path(onnx_path)
+    target = onnx_path.parent / GENAI_CONFIG
+    text = json.dumps(genai_config(decode, onnx_path.name), indent=4) + "\n"
+    atomic_write(target, lambda tmp: Path(tmp).write_text(text))
+    return target

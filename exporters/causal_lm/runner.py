@@ -43,13 +43,15 @@ def read_info(path) -> DecodeExport:
 
 
 class DecodeSession:
-    """An onnxruntime session of a decode graph (CPU provider unless ``providers`` says otherwise)."""
+    """An onnxruntime session of a decode graph (CPU provider unless ``providers`` says otherwise).
+    ``layout``: ``num_layers``, ``num_kv_heads``, ``head_size`` (``eos_token_id``) of a graph with the same
+    inputs and outputs that quantcli did not write (onnxruntime-genai's model builder's); by default the
+    graph's metadata."""
 
-    def __init__(self, path, session_options=None, providers=("CPUExecutionProvider",)):
+    def __init__(self, path, session_options=None, providers=("CPUExecutionProvider",), layout=None):
         import onnxruntime as ort
 
-        self.info = read_info(path)
-        lo = self.info.layout
+        lo = layout if layout is not None else read_info(path).layout
         self.num_layers, self.kv_heads, self.head_size = lo["num_layers"], lo["num_kv_heads"], lo["head_size"]
         self.past_names = [
             f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")

@@ -66,6 +66,14 @@ def export(
             "it (faster there); --standard-ops: standard ONNX ops only (any runtime).",
         ),
     ] = True,
+    genai_config: Annotated[
+        bool,
+        typer.Option(
+            "--genai-config",
+            help="Decode graphs: also write genai_config.json beside the graph, so that onnxruntime-genai's "
+            "Model(folder) and Generator run it.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
 ) -> None:
@@ -81,6 +89,13 @@ def export(
         "quantcli.model": ckpt.spec.spec,
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
+    if genai_config:  # before anything is written
+        from exporters.causal_lm.export import decodable
+        from quantcli.errors import ExportError
+
+        why = decodable(ckpt.model)[1] if kv_cache else "--no-kv-cache writes a prefill graph"
+        if why:
+            raise ExportError(f"--genai-config needs a decode graph with a KV cache: {why}")
     res = export_model(
         ckpt.model,
         ckpt.example,
@@ -94,6 +109,10 @@ def export(
         metadata=meta,
         provider=provider.value if provider else None,
     )
+    if genai_config:
+        from exporters.causal_lm.export import write_genai_config
+
+        res.genai_config = str(write_genai_config(onnx_path, res.decode))
     if as_json:
         print_json(res.to_dict())
     else:
@@ -170,6 +189,8 @@ def _export_rows(res):
         "file size",
         f"{res.file_bytes / 1024:.1f} KiB" + (" (+ external data)" if res.external_data else ""),
     )
+    if getattr(res, "genai_config", None):
+        yield "onnxruntime-genai", f"{res.genai_config} (onnxruntime_genai.Model(folder) loads the graph)"
     yield "time", f"{res.seconds:.2f} s"
     yield "written", res.path
 
