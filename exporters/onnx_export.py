@@ -17,6 +17,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from exporters import aten_symbolics
+from exporters.causal_lm import attention
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import (
@@ -95,6 +97,10 @@ class ExportResult:
     opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
     # an explicit opset below what the model's ops are best expressed in: what that costs
     opset_note: str = ""
+    # a causal LM's decode graph: its layout, inputs, outputs and contrib ops (exporters.causal_lm.export)
+    decode: dict | None = None
+    decode_note: str = ""  # why a model with an lm_head got no decode graph
+    genai_config: str | None = None  # the genai_config.json written beside a decode graph (--genai-config)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "kn_weights"}
@@ -251,10 +257,12 @@ def export_onnx(
     opset: int | None = None,
     exporter: str = "torchscript",
     *,
-    dynamic_axes: bool = True,
+    dynamic_axes: bool | dict[str, dict[int, str]] = True,
     weights_qdq: bool = False,
     metadata: dict[str, str] | None = None,
     provider: str | None = None,
+    graph_input_names: dict[str, str] | None = None,
+    edit_graph: Callable[[onnx.ModelProto], None] | None = None,
 ) -> ExportResult:
     """Export a calibrated, quantized ``model`` to a standard Q/DQ ONNX file.
 
@@ -265,13 +273,18 @@ def export_onnx(
             than the formats need is an error; lower than the ops prefer is allowed
             (``ExportResult.opset_note``).
         exporter: ``torchscript`` or ``dynamo``.
-        dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic.
+        dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic; or the dynamic
+            dimensions of each input (by ``example_inputs`` key) and output, ``{name: {dim: label}}``.
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
         provider: onnxruntime target only: the execution provider the graph is for, ``cpu`` (default) or
             ``cuda``. For ``cpu`` the residual and GELU-bias Adds are written as ``Sum``
             (:mod:`exporters.onnxruntime.cpu_fusions`), so onnxruntime's CPU provider forms no
             ``SkipLayerNormalization`` or ``BiasGelu`` (slower there than what they replace); ``cuda`` leaves
             them to onnxruntime's fusions. Naming it for another target is an error.
+        graph_input_names: ``example_inputs`` key -> the graph input's name, where they differ (forward
+            parameters must be Python names: ``past_key_values_0_key`` -> ``past_key_values.0.key``).
+        edit_graph: called on the graph as the exporter wrote it (inputs renamed), before the graph passes:
+            the caller declares what the exporter could not know (a custom op's output shapes).
 
     For the onnxruntime target (the config's ``target``, default) float8 pairs get the guards of
     :mod:`exporters.onnxruntime.compat`, so the graph loads with default session options, and the result
@@ -291,11 +304,12 @@ def export_onnx(
         outputs = model(**example)
     opset, reason, note = _resolve_opset(model, probe, opset, need, what)
     output_names = _output_names(outputs)
+    renamed = graph_input_names or {}
     res = ExportResult(
         str(path),
         opset,
         exporter,
-        input_names=list(example),
+        input_names=[renamed.get(k, k) for k in example],
         output_names=output_names,
         opset_reason=reason,
         opset_note=note,
@@ -303,9 +317,15 @@ def export_onnx(
         provider=provider,
         cpu=_config_cpu(model) if target == "onnxruntime" else None,
     )
-    axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
+    if isinstance(dynamic_axes, dict):
+        axes = dynamic_axes
+    else:
+        axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
         onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
+        rename_inputs(onnx_model, renamed)
+        if edit_graph is not None:
+            edit_graph(onnx_model)
         mapping = _post_process(onnx_model, model, example, res, weights_qdq)
         _stamp_metadata(onnx_model, mapping, res, metadata)
         onnx_model = _checked(onnx_model)
@@ -398,14 +418,27 @@ def _export_graph(
     res: ExportResult,
     axes: dict[str, dict[int, str]] | None,
 ) -> onnx.ModelProto:
-    """Run the chosen torch exporter into ``raw`` and load what it wrote."""
+    """Run the chosen torch exporter into ``raw`` and load what it wrote (inputs named after ``example``'s
+    keys)."""
     if res.exporter == "torchscript":
-        _export_torchscript(model, example, raw, res.opset, res.input_names, res.output_names, axes)
+        _export_torchscript(model, example, raw, res.opset, list(example), res.output_names, axes)
     else:
         from exporters.dynamo import export_dynamo
 
-        export_dynamo(model, example, raw, res.opset, res.input_names, res.output_names, axes)
+        export_dynamo(model, example, raw, res.opset, list(example), res.output_names, axes)
     return onnx.load(str(raw))
+
+
+def rename_inputs(onnx_model: onnx.ModelProto, names: dict[str, str]) -> None:
+    """Rename graph inputs (and every node input reading them), in place; ``names``: old -> new."""
+    if not names:
+        return
+    for i in onnx_model.graph.input:
+        i.name = names.get(i.name, i.name)
+    for node in onnx_model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in names:
+                node.input[k] = names[name]
 
 
 def _post_process(
@@ -574,6 +607,7 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
     from torch.onnx import symbolic_helper  # noqa: F401  (registers helpers used by symbolic functions)
 
     aten_symbolics.register()
+    attention.register_torchscript()
     args = _positional_args(model, example)
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), native_output_silenced():
         warnings.simplefilter("ignore")

@@ -41,6 +41,12 @@ SAMPLES = {
         "sample_models.tiny_lm",
         "GPT-style byte-level causal LM (CPython stdlib source), logits per position",
     ),
+    "tiny_llama": SampleModel(
+        "tiny_llama",
+        "sample_models.tiny_llama",
+        "Llama-architecture byte-level decoder (RoPE, RMSNorm, SwiGLU, grouped-query attention, tied "
+        "embeddings; CPython stdlib source); exports as a decode graph with a KV cache",
+    ),
 }
 
 

@@ -1,7 +1,8 @@
 """Re-train a sample model and rewrite its bundled weights and data: ``python -m sample_models.train NAME``.
 
 Deterministic (fixed seeds, one thread); under a minute on a 2-core CPU, ``tiny_lm`` about 4 minutes (2500
-steps). ``digits_cnn`` needs scikit-learn (``pip install -e .[train]``) for its bundled digits;
+steps), ``tiny_llama`` 15 to 30 minutes (1000 steps of 16 x 256 bytes; 30 on a shared machine).
+``digits_cnn`` needs scikit-learn (``pip install -e .[train]``) for its bundled digits;
 ``text_encoder`` and ``tiny_lm`` read CPython's own standard library sources (``tiny_lm``: whole ``.py`` files
 as bytes, every tenth file held out).
 """
@@ -253,7 +254,55 @@ def _train_tiny_lm(out_dir: Path | None, steps: int) -> float:
         return tiny_lm.perplexity(lambda ids: model(torch.from_numpy(ids)).numpy(), batches)
 
 
-TRAINERS = {"digits_cnn": train_digits, "text_encoder": train_text, "tiny_lm": train_tiny_lm}
+def train_tiny_llama(out_dir: Path | None = None, steps: int = 1000) -> float:
+    with _deterministic():
+        return _train_tiny_llama(out_dir, steps)
+
+
+def _train_tiny_llama(out_dir: Path | None, steps: int) -> float:
+    """AdamW with a one-cycle schedule on random 256-byte windows of the training text (the same CPython files
+    as ``tiny_lm``, every tenth held out); returns held-out perplexity of the float16-stored weights."""
+    from safetensors.torch import save_file
+
+    from sample_models import tiny_llama
+
+    weights, splits = _targets(out_dir, tiny_llama.WEIGHTS, tiny_llama.SPLITS)
+    train, held = (np.frombuffer(t, dtype=np.uint8) for t in _stdlib_text())
+    rng = np.random.default_rng(0)
+    n = tiny_llama.CONTEXT
+    calib = _windows(train, rng.integers(0, len(train) - n, 64), n)
+    evals = _windows(held, np.linspace(0, len(held) - n, 64).astype(np.int64), n)
+    np.savez_compressed(splits, calib=calib, eval=evals)
+    model = tiny_llama.TinyLlama()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.05)
+    model.train()
+    vocab = model.config.vocab_size
+    for _ in range(steps):
+        ids = torch.from_numpy(_windows(train, rng.integers(0, len(train) - n, 16), n).astype(np.int64))
+        logits = model(ids)
+        loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, vocab), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    model.eval()
+    stored = {k: v.detach().to(torch.float16).contiguous() for k, v in tiny_llama.stored_state(model).items()}
+    save_file(stored, str(weights))
+    model = tiny_llama.load_state(tiny_llama.TinyLlama(), stored).eval()
+    batches = [
+        {"input_ids": torch.from_numpy(evals[i : i + 16].astype(np.int64))} for i in range(0, len(evals), 16)
+    ]
+    with torch.no_grad():
+        return tiny_llama.perplexity(lambda ids: model(torch.from_numpy(ids)).numpy(), batches)
+
+
+TRAINERS = {
+    "digits_cnn": train_digits,
+    "text_encoder": train_text,
+    "tiny_lm": train_tiny_lm,
+    "tiny_llama": train_tiny_llama,
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -263,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     score = TRAINERS[args.name](args.out)
-    what = "perplexity" if args.name == "tiny_lm" else "accuracy"
+    what = "perplexity" if args.name in ("tiny_lm", "tiny_llama") else "accuracy"
     print(f"{args.name}: held-out {what} {score:.4f}, trained in {time.perf_counter() - t0:.1f} s")
 
 

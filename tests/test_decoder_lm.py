@@ -118,8 +118,8 @@ def _check_runtime(onnx_path, layers: int) -> None:
     assert (info["quantized_layers"], info["unfused_layers"]) == (layers, 0)
 
 
-def _export_and_verify(ck, onnx_path, data, exporter, layers: int) -> dict:
-    r = cli("export", ck, "--onnx", onnx_path, "--exporter", exporter, "--json")
+def _export_and_verify(ck, onnx_path, data, exporter, layers: int, *extra) -> dict:
+    r = cli("export", ck, "--onnx", onnx_path, "--exporter", exporter, "--json", *extra)
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     assert (res["quantized_layers"], res["unfused_layers"]) == (layers, 0)
@@ -248,7 +248,8 @@ def test_causal_lm_folder_with_text_data(tmp_path, kind, layers, exporters):
     assert len(info["layers"]["quantized"]) == layers and info["num_batches"] == 3
     for exporter in exporters:
         onnx_path = tmp_path / f"{kind}-{exporter}.onnx"
-        res = _export_and_verify(ck, onnx_path, data, exporter, layers)
+        # the prefill graph (a decode graph with a KV cache is the default: tests/test_decode_graph.py)
+        res = _export_and_verify(ck, onnx_path, data, exporter, layers, "--no-kv-cache")
         assert res["input_names"] == ["input_ids", "attention_mask"] and res["output_names"] == ["logits"]
         _full_sequence_logits(onnx_path, model, tok, texts[20:23])
 

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from quantcli import __version__
-from quantcli.cli import analyze, calibrate, export, inspect, verify
+from quantcli.cli import analyze, calibrate, export, generate, inspect, verify
 
 app = typer.Typer(
     name="quantcli",
@@ -36,6 +36,13 @@ def _root(
 
 
 #: the commands, in ``quantcli --help``'s order (the pipeline's)
-COMMANDS = (calibrate.calibrate, export.export, verify.verify, inspect.inspect, analyze.analyze)
+COMMANDS = (
+    calibrate.calibrate,
+    export.export,
+    verify.verify,
+    generate.generate,
+    inspect.inspect,
+    analyze.analyze,
+)
 for _command in COMMANDS:
     app.command()(_command)

@@ -49,11 +49,36 @@ def export(
             "SkipLayerNormalization/BiasGelu) or cuda (left to onnxruntime's fusions).",
         ),
     ] = None,
+    kv_cache: Annotated[
+        bool,
+        typer.Option(
+            "--kv-cache/--no-kv-cache",
+            help="Causal LMs (Llama, Qwen2, Mistral, GPT-2 and the tiny_llama sample): a decode graph with a "
+            "KV cache (past_key_values.{i}.key/value in, present.{i}.key/value out; one graph for the prompt "
+            "and each new token). --no-kv-cache: the prefill graph, logits for every position.",
+        ),
+    ] = True,
+    contrib_ops: Annotated[
+        bool,
+        typer.Option(
+            "--contrib-ops/--standard-ops",
+            help="Decode graphs: attention as onnxruntime's GroupQueryAttention where its CPU provider runs "
+            "it (faster there); --standard-ops: standard ONNX ops only (any runtime).",
+        ),
+    ] = True,
+    genai_config: Annotated[
+        bool,
+        typer.Option(
+            "--genai-config",
+            help="Decode graphs: also write genai_config.json beside the graph, so that onnxruntime-genai's "
+            "Model(folder) and Generator run it.",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
 ) -> None:
     """Export a calibrated checkpoint as a standard QuantizeLinear/DequantizeLinear ONNX graph."""
-    from exporters.onnx_export import export_onnx
+    from exporters.causal_lm.export import export_model
     from quantcli.inputs.checkpoint import load_calibrated
 
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
@@ -64,17 +89,30 @@ def export(
         "quantcli.model": ckpt.spec.spec,
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
-    res = export_onnx(
+    if genai_config:  # before anything is written
+        from exporters.causal_lm.export import decodable
+        from quantcli.errors import ExportError
+
+        why = decodable(ckpt.model)[1] if kv_cache else "--no-kv-cache writes a prefill graph"
+        if why:
+            raise ExportError(f"--genai-config needs a decode graph with a KV cache: {why}")
+    res = export_model(
         ckpt.model,
         ckpt.example,
         onnx_path,
         opset,
         exporter.value,
+        kv_cache=kv_cache,
+        contrib_ops=contrib_ops,
         dynamic_axes=dynamic_axes,
         weights_qdq=weights_qdq,
         metadata=meta,
         provider=provider.value if provider else None,
     )
+    if genai_config:
+        from exporters.causal_lm.export import write_genai_config
+
+        res.genai_config = str(write_genai_config(onnx_path, res.decode))
     if as_json:
         print_json(res.to_dict())
     else:
@@ -113,8 +151,12 @@ def _export_rows(res):
                 else ""
             ),
         )
-    yield "inputs", ", ".join(res.input_names)
-    yield "outputs", ", ".join(res.output_names)
+    if res.decode is not None:
+        yield "decode graph", _decode_row(res.decode)
+    elif res.decode_note:
+        yield "decode graph", res.decode_note
+    yield "inputs", _names(res.input_names)
+    yield "outputs", _names(res.output_names)
     if res.fp8_guards:
         yield "fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)"
     if res.onnxruntime_disabled_optimizers:
@@ -147,5 +189,29 @@ def _export_rows(res):
         "file size",
         f"{res.file_bytes / 1024:.1f} KiB" + (" (+ external data)" if res.external_data else ""),
     )
+    if getattr(res, "genai_config", None):
+        yield "onnxruntime-genai", f"{res.genai_config} (onnxruntime_genai.Model(folder) loads the graph)"
     yield "time", f"{res.seconds:.2f} s"
     yield "written", res.path
+
+
+def _names(names: list[str]) -> str:
+    """Graph input/output names, a decode graph's per-layer cache names folded to one pattern."""
+    per_layer = [n for n in names if n.startswith(("past_key_values.", "present."))]
+    if not per_layer:
+        return ", ".join(names)
+    layers = len(per_layer) // 2
+    prefix = "past_key_values" if per_layer[0].startswith("past") else "present"
+    rest = [n for n in names if n not in per_layer]
+    return ", ".join([*rest, f"{prefix}.{{0..{layers - 1}}}.key/value"])
+
+
+def _decode_row(decode: dict) -> str:
+    lo = decode["layout"]
+    ops = decode["contrib_ops"]
+    attention = f"onnxruntime {', '.join(ops)}" if ops else "standard ONNX ops"
+    text = (
+        f"{lo['model_type']}, {lo['num_layers']} layers, KV cache: batch x {lo['num_kv_heads']} kv heads x "
+        f"sequence x {lo['head_size']} ({lo['num_heads']} query heads); attention: {attention}"
+    )
+    return text + (f"; {decode['note']}" if decode.get("note") else "")

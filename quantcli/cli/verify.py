@@ -47,6 +47,28 @@ def verify(
     ] = None,
     batch_size: BatchSizeOpt = None,
     num_samples: NumSamplesOpt = None,
+    max_ppl_increase: Annotated[
+        Optional[float],
+        typer.Option(
+            "--max-ppl-increase",
+            min=0.0,
+            help="Decode graphs (causal LMs): largest perplexity increase over the float model on held-out "
+            "text, relative (0.1: 10%; default 0.5).",
+        ),
+    ] = None,
+    min_token_agreement: Annotated[
+        Optional[float],
+        typer.Option(
+            "--min-token-agreement",
+            min=0.0,
+            max=1.0,
+            help="Decode graphs: smallest fraction of greedy decode steps where the graph's next token is "
+            "the float model's (default 0.5).",
+        ),
+    ] = None,
+    decode_steps: Annotated[
+        int, typer.Option("--decode-steps", min=1, help="Decode graphs: greedy steps per held-out prompt.")
+    ] = 16,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
     preprocessing=None,
@@ -58,6 +80,7 @@ def verify(
     from quantcli.inputs.checkpoint import load_calibrated
     from quantcli.inputs.data import cap_samples
     from quantcli.verify import verify_onnx
+    from quantcli.verify.causal_lm import is_decode_graph, verify_decode_graph
 
     if report_path is not None:
         writable_directory(report_path)  # before the work, not after it
@@ -77,6 +100,23 @@ def verify(
     batches = checkpoint_inputs(ckpt, data, batch_size, num_samples, preprocessing)
     if batches is None and num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
+    if is_decode_graph(onnx_path):
+        lm = {"max_ppl_increase": max_ppl_increase, "min_token_agreement": min_token_agreement}
+        rep = verify_decode_graph(
+            onnx_path,
+            ckpt,
+            batches or ckpt.evaluation_batches() or [ckpt.example],
+            steps=decode_steps,
+            **{k: v for k, v in lm.items() if v is not None},
+        )
+        d = rep.to_dict()
+        if report_path is not None:
+            atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2) + "\n"))
+        if as_json:
+            print_json(d)
+        else:
+            render_lm_verify(rep, onnx_path, reference)
+        return 0 if rep.passed else 1
     rep = verify_onnx(
         onnx_path,
         ckpt,
@@ -122,6 +162,35 @@ def render_verify(rep, onnx_path: Path, reference: Path) -> None:
     out.print(f"  per-quantizer evidence on {rep.fidelity['sample_size']} samples; {rep.seconds:.1f} s")
     if rep.layers:
         out.print(_layerstable(rep.layers))
+    out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
+
+
+def render_lm_verify(rep, onnx_path: Path, reference: Path) -> None:
+    """A decode graph's checks: perplexity, greedy-token agreement, decode/prefill parity; then PASS or
+    FAIL."""
+    out.print(
+        f"verify {onnx_path} against {reference} — decode graph, {rep.num_sequences} held-out sequences"
+    )
+    rows = (
+        (
+            c.name,
+            ("<= " if c.kind == "max" else ">= ") + fmt(c.threshold),
+            fmt(c.value),
+            "pass" if c.passed else "FAIL",
+            c.detail or "",
+        )
+        for c in rep.checks
+    )
+    out.print(table("checks", ("check", "threshold", "measured", "result", "detail"), rows))
+    p, g = rep.perplexity, rep.generation
+    out.print(
+        f"  perplexity on {p['tokens']} held-out tokens: float {fmt(p['float'])}, fake-quant "
+        f"{fmt(p['fake_quant'])}, graph {fmt(p['graph'])}"
+    )
+    out.print(
+        f"  greedy generation, {g['steps']} steps from {g['prompts']} prompts: {g['identical_generations']} "
+        f"identical to the float model's; first divergence per prompt {g['first_divergence']}"
+    )
     out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
 
 

@@ -1,0 +1,241 @@
+"""The decode-graph module: a causal LM run on new tokens and a KV cache, ``(logits, present)``.
+
+:class:`DecoderWithCache` holds the LM's own modules under their own names
+(``model.layers.0.self_attn.q_proj``:
+the quantized layers, their quantizers and the quantizer names are the calibrated checkpoint's) and computes,
+for ``seq`` new tokens after ``past`` cached positions::
+
+    input_ids [batch, seq], attention_mask [batch, past + seq], (position_ids [batch, seq]),
+    past_key_values.{i}.key / .value [batch, kv_heads, past, head_size]
+        -> logits [batch, seq, vocab], present.{i}.key / .value [batch, kv_heads, past + seq, head_size]
+
+One graph serves the prompt (``past`` = 0) and each generated token (``seq`` = 1). Attention is
+:mod:`exporters.causal_lm.attention`'s, plain ops or onnxruntime's ``GroupQueryAttention`` (``fused``); the
+embeddings, norms, projections and MLPs are the model's modules, called as its own forward calls them.
+``position_ids`` is an input of the plain form and of learned-position models; ``GroupQueryAttention`` takes
+the positions from ``attention_mask`` (as onnxruntime-genai's graphs do).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from exporters.causal_lm.attention import (
+    causal_bias,
+    default_scale,
+    fused_attention,
+    plain_attention,
+    rotary_tables,
+)
+from exporters.causal_lm.layout import DecoderLayout, decoder_layout
+
+FORWARD_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def python_name(graph_name: str) -> str:
+    """``past_key_values.0.key`` -> ``past_key_values_0_key`` (the forward parameter a graph input is traced
+    from)."""
+    return graph_name.replace(".", "_")
+
+
+class _Step:
+    """What every layer of one decode step shares: the mask, the new positions' rotary tables, the form."""
+
+    def __init__(self, attention_mask, bias, rope, caches, fused: bool, num_heads: int):
+        self.attention_mask, self.bias, self.rope, self.caches = attention_mask, bias, rope, caches
+        self.fused, self.num_heads = fused, num_heads
+
+    def attend(self, q, k, v, past_key, past_value, scale: float):
+        """Attention of the new tokens' ``q``/``k``/``v`` ``[b, s, heads * d]``: (output, present key,
+        value)."""
+        if self.fused:
+            return fused_attention(
+                q, k, v, past_key, past_value, self.attention_mask, self.caches, self.num_heads, scale
+            )
+        kv, d = past_key.shape[1], past_key.shape[-1]
+        q = q.unflatten(-1, (self.num_heads, d)).transpose(1, 2)
+        k = k.unflatten(-1, (kv, d)).transpose(1, 2)
+        v = v.unflatten(-1, (kv, d)).transpose(1, 2)
+        return plain_attention(q, k, v, past_key, past_value, self.bias, self.rope, scale)
+
+
+def _scale(attn: nn.Module, head_size: int) -> float:
+    return float(getattr(attn, "scaling", None) or default_scale(head_size))
+
+
+class _LlamaAttention(nn.Module):
+    """``self_attn``: the model's q/k/v/o projections around attention over the cache."""
+
+    def __init__(self, src: nn.Module, head_size: int):
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            self.add_module(name, getattr(src, name))
+        self.scale = _scale(src, head_size)
+
+    def forward(self, x, past_key, past_value, step: _Step):
+        out, key, value = step.attend(
+            self.q_proj(x), self.k_proj(x), self.v_proj(x), past_key, past_value, self.scale
+        )
+        return self.o_proj(out), key, value
+
+
+class _LlamaLayer(nn.Module):
+    def __init__(self, src: nn.Module, head_size: int):
+        super().__init__()
+        self.input_layernorm = src.input_layernorm
+        self.self_attn = _LlamaAttention(src.self_attn, head_size)
+        self.post_attention_layernorm = src.post_attention_layernorm
+        self.mlp = src.mlp
+
+    def forward(self, h, past_key, past_value, step: _Step):
+        a, key, value = self.self_attn(self.input_layernorm(h), past_key, past_value, step)
+        h = h + a
+        return h + self.mlp(self.post_attention_layernorm(h)), key, value
+
+
+class _LlamaBody(nn.Module):
+    def __init__(self, src: nn.Module, head_size: int):
+        super().__init__()
+        self.embed_tokens = src.embed_tokens
+        self.layers = nn.ModuleList(_LlamaLayer(layer, head_size) for layer in src.layers)
+        self.norm = src.norm
+
+    def forward(self, input_ids, past, step: _Step):
+        h = self.embed_tokens(input_ids)
+        present = []
+        for i, layer in enumerate(self.layers):
+            h, key, value = layer(h, past[2 * i], past[2 * i + 1], step)
+            present += [key, value]
+        return self.norm(h), present
+
+
+class _GPT2Attention(nn.Module):
+    def __init__(self, src: nn.Module, head_size: int, width: int):
+        super().__init__()
+        self.c_attn, self.c_proj = src.c_attn, src.c_proj
+        self.scale, self.width = _scale(src, head_size), width
+
+    def forward(self, x, past_key, past_value, step: _Step):
+        q, k, v = self.c_attn(x).split(self.width, dim=-1)
+        out, key, value = step.attend(q, k, v, past_key, past_value, self.scale)
+        return self.c_proj(out), key, value
+
+
+class _GPT2Block(nn.Module):
+    def __init__(self, src: nn.Module, head_size: int, width: int):
+        super().__init__()
+        self.ln_1 = src.ln_1
+        self.attn = _GPT2Attention(src.attn, head_size, width)
+        self.ln_2 = src.ln_2
+        self.mlp = src.mlp
+
+    def forward(self, h, past_key, past_value, step: _Step):
+        a, key, value = self.attn(self.ln_1(h), past_key, past_value, step)
+        h = h + a
+        return h + self.mlp(self.ln_2(h)), key, value
+
+
+class _GPT2Body(nn.Module):
+    def __init__(self, src: nn.Module, head_size: int, width: int):
+        super().__init__()
+        self.wte, self.wpe = src.wte, src.wpe
+        self.h = nn.ModuleList(_GPT2Block(b, head_size, width) for b in src.h)
+        self.ln_f = src.ln_f
+
+    def forward(self, input_ids, position_ids, past, step: _Step):
+        h = self.wte(input_ids) + self.wpe(position_ids)
+        present = []
+        for i, block in enumerate(self.h):
+            h, key, value = block(h, past[2 * i], past[2 * i + 1], step)
+            present += [key, value]
+        return self.ln_f(h), present
+
+
+class DecoderWithCache(nn.Module):
+    """A causal LM as one decode step over a KV cache (module docstring). ``fused``: attention as
+    ``GroupQueryAttention``.
+
+    The module tree mirrors the LM's (``model.layers.0.self_attn.q_proj``) and holds the LM's own modules at
+    its leaves, so module paths, quantizer names and the TorchScript exporter's node scopes are the LM's; only
+    the containers' forwards differ (they pass the cache). The LM itself is not changed."""
+
+    def __init__(self, lm: nn.Module, fused: bool = False, layout: DecoderLayout | None = None):
+        super().__init__()
+        self.layout = lo = layout or decoder_layout(lm)
+        self.fused = fused
+        if lo.family == "gpt2":
+            self.transformer = _GPT2Body(lm.transformer, lo.head_size, lo.hidden_size)
+        else:
+            self.model = _LlamaBody(lm.model, lo.head_size)
+        self.lm_head = lm.lm_head
+        self.quantcli_config = getattr(lm, "quantcli_config", None)
+        if lo.rotary:
+            rot = lm.model.rotary_emb
+            self.rope_scaling = float(getattr(rot, "attention_scaling", 1.0))
+            self.register_buffer("inv_freq", rot.inv_freq.detach().clone().float(), persistent=False)
+            if fused:  # GroupQueryAttention's tables: [max_positions, head_size / 2]
+                cos, sin = rotary_tables(self.inv_freq, torch.arange(lo.max_positions), self.rope_scaling)
+                half = lo.head_size // 2
+                self.register_buffer("cos_cache", cos[:, :half].contiguous(), persistent=False)
+                self.register_buffer("sin_cache", sin[:, :half].contiguous(), persistent=False)
+
+    @property
+    def input_names(self) -> list[str]:
+        """The graph's inputs, in forward's order."""
+        names = ["input_ids", "attention_mask"]
+        if self.takes_positions:
+            names.append("position_ids")
+        return names + self.layout.past_names
+
+    @property
+    def output_names(self) -> list[str]:
+        return ["logits", *self.layout.present_names]
+
+    @property
+    def takes_positions(self) -> bool:
+        return not (self.fused and self.layout.rotary)
+
+    def forward(self, input_ids, attention_mask, position_ids=None, *past):  # see with_named_forward
+        return self.step(input_ids, attention_mask, position_ids, list(past))
+
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor | None,
+        past: list[torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """One decode step; ``past``: key, value per layer. Returns ``{"logits", "present.{i}.key", ...}``."""
+        lo = self.layout
+        rope = caches = bias = None
+        if self.fused:
+            caches = (self.cos_cache, self.sin_cache) if lo.rotary else None
+        else:
+            bias = causal_bias(attention_mask, input_ids)
+            if lo.rotary:
+                rope = rotary_tables(self.inv_freq, position_ids, self.rope_scaling)
+        step = _Step(attention_mask, bias, rope, caches, self.fused, lo.num_heads)
+        if lo.family == "gpt2":
+            hidden, present = self.transformer(input_ids, position_ids, past, step)
+        else:
+            hidden, present = self.model(input_ids, past, step)
+        return {"logits": self.lm_head(hidden), **dict(zip(lo.present_names, present))}
+
+
+def with_named_forward(decoder: DecoderWithCache) -> DecoderWithCache:
+    """``decoder`` whose class has a ``forward`` with one named parameter per graph input
+    (``past_key_values_0_key``,
+    ...): the exporters name graph inputs after forward's parameters and take keyword inputs by them."""
+    params = [python_name(n) for n in decoder.input_names]
+    past = [p for p in params if p not in FORWARD_INPUTS]
+    positions = "position_ids" if "position_ids" in params else "None"
+    src = (
+        f"def forward(self, {', '.join(params)}):\n"
+        f"    return self.step(input_ids, attention_mask, {positions}, [{', '.join(past)}])\n"
+    )
+    scope: dict = {}
+    exec(compile(src, "<decode graph forward>", "exec"), scope)  # noqa: S102 (source built from layer counts)
+    cls = type(f"DecoderWithCache{len(past) // 2}", (DecoderWithCache,), {"forward": scope["forward"]})
+    decoder.__class__ = cls
+    return decoder

@@ -1,0 +1,309 @@
+"""``export --onnx`` of a causal LM: the decode graph (:mod:`exporters.causal_lm.decoder`) through the export
+driver.
+
+The graph is traced on a small step (2 rows, 3 cached positions, 2 new tokens, its token ids from the
+checkpoint's example batch) with every size dynamic: batch, new tokens (``sequence``), cached positions
+(``past_sequence``) and their sum (``total_sequence``). The forward's parameters are Python names
+(``past_key_values_0_key``); the graph's inputs get the names onnxruntime-genai and Optimum use
+(``past_key_values.0.key``). Everything else -- Q/DQ folding, MatMulNBits form, metadata, checks, atomic
+write -- is :func:`exporters.onnx_export.export_onnx`'s, on the same quantizers under the same names.
+
+``GroupQueryAttention`` (onnxruntime's contrib op) replaces the plain attention where onnxruntime's CPU
+provider runs it (``head_size`` a multiple of 16) unless ``contrib_ops=False``;
+:attr:`DecodeExport.contrib_ops` lists
+what the graph uses and :attr:`DecodeExport.note` says why a fused form was not used.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
+from exporters.causal_lm.layout import DecoderLayout, NotDecodable, decoder_layout
+from quantcli.errors import ExportError
+
+LAYOUT_KEY = "quantcli.causal_lm"  # metadata: the decode graph's layout and inputs (generate, verify read it)
+GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
+TRACE_BATCH, TRACE_PAST, TRACE_SEQ = 2, 3, 2
+
+
+@dataclass
+class DecodeExport:
+    """What the decode graph is (stored in the graph's metadata under :data:`LAYOUT_KEY`)."""
+
+    layout: dict
+    inputs: list[str]
+    outputs: list[str]
+    contrib_ops: list[str] = field(default_factory=list)  # onnxruntime contrib ops the graph uses
+    note: str = ""  # why a fused form was not used, if it was asked for
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def decodable(model: nn.Module) -> tuple[DecoderLayout | None, str]:
+    """(the model's layout, "") or (None, why no decode graph is written for it)."""
+    try:
+        return decoder_layout(model), ""
+    except NotDecodable as e:
+        return None, str(e)
+
+
+def fused_note(layout: DecoderLayout) -> str:
+    """Why onnxruntime's CPU GroupQueryAttention cannot run this model ("" where it can)."""
+    if layout.head_size % GQA_HEAD_MULTIPLE:
+        return (
+            f"head_size {layout.head_size} is not a multiple of {GQA_HEAD_MULTIPLE} (onnxruntime's CPU "
+            "GroupQueryAttention needs one): plain attention ops"
+        )
+    return ""
+
+
+def trace_inputs(decoder: DecoderWithCache, example: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step the graph is traced on, keyed by forward's parameter names; token ids from the example
+    batch."""
+    lo = decoder.layout
+    ids = example.get("input_ids")
+    if ids is None or ids.dim() != 2:
+        ids = torch.zeros(TRACE_BATCH, TRACE_SEQ, dtype=torch.int64)
+    ids = ids[:TRACE_BATCH, :TRACE_SEQ].to(torch.int64).clamp(0, lo.vocab_size - 1)
+    if ids.shape != (TRACE_BATCH, TRACE_SEQ):
+        ids = torch.zeros(TRACE_BATCH, TRACE_SEQ, dtype=torch.int64)
+    out = {
+        "input_ids": ids,
+        "attention_mask": torch.ones(TRACE_BATCH, TRACE_PAST + TRACE_SEQ, dtype=torch.int64),
+    }
+    if decoder.takes_positions:
+        out["position_ids"] = (
+            (torch.arange(TRACE_SEQ) + TRACE_PAST)[None].expand(TRACE_BATCH, -1).contiguous()
+        )
+    gen = torch.Generator().manual_seed(0)
+    for name in lo.past_names:  # distinct tensors: torch.export would alias one tensor passed twice
+        out[python_name(name)] = torch.randn(
+            TRACE_BATCH, lo.num_kv_heads, TRACE_PAST, lo.head_size, generator=gen
+        )
+    return out
+
+
+def dynamic_axes(decoder: DecoderWithCache) -> dict[str, dict[int, str]]:
+    """Dynamic dimensions of every input (by forward parameter name) and output (by graph name)."""
+    lo = decoder.layout
+    axes = {
+        "input_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "total_sequence"},
+        "logits": {0: "batch", 1: "sequence"},
+    }
+    if decoder.takes_positions:
+        axes["position_ids"] = {0: "batch", 1: "sequence"}
+    for name in lo.past_names:
+        axes[python_name(name)] = {0: "batch", 2: "past_sequence"}
+    for name in lo.present_names:
+        axes[name] = {0: "batch", 2: "total_sequence"}
+    return axes
+
+
+def decoder_for_export(
+    model: nn.Module, layout: DecoderLayout, contrib_ops: bool
+) -> tuple[DecoderWithCache, DecodeExport]:
+    """The decode module to trace and what it will be, with the fused form where asked for and possible."""
+    note = fused_note(layout) if contrib_ops else ""
+    fused = contrib_ops and not note
+    decoder = with_named_forward(DecoderWithCache(model, fused=fused, layout=layout))
+    info = DecodeExport(
+        layout=layout.to_plain(),
+        inputs=decoder.input_names,
+        outputs=decoder.output_names,
+        contrib_ops=["GroupQueryAttention"] if fused else [],
+        note=note,
+    )
+    return decoder, info
+
+
+def export_decoder(
+    model: nn.Module,
+    example: dict[str, torch.Tensor],
+    path: str | Path,
+    opset: int | None = None,
+    exporter: str = "torchscript",
+    *,
+    contrib_ops: bool = True,
+    layout: DecoderLayout | None = None,
+    weights_qdq: bool = False,
+    metadata: dict[str, str] | None = None,
+    provider: str | None = None,
+):
+    """Export a (quantized, calibrated) causal LM as a decode graph; returns the driver's
+    :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict)."""
+    from exporters.onnx_export import export_onnx
+
+    layout = layout or decoder_layout(model)
+    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops)
+    inputs = trace_inputs(decoder, example)
+    meta = {**(metadata or {}), LAYOUT_KEY: json.dumps(info.to_dict())}
+    res = export_onnx(
+        decoder,
+        inputs,
+        path,
+        opset,
+        exporter,
+        dynamic_axes=dynamic_axes(decoder),
+        weights_qdq=weights_qdq,
+        metadata=meta,
+        provider=provider,
+        graph_input_names={python_name(n): n for n in decoder.input_names},
+        edit_graph=lambda g: declare_shapes(g, decoder),
+    )
+    res.decode = info.to_dict()
+    return res
+
+
+def io_shapes(decoder: DecoderWithCache) -> dict[str, list[int | str]]:
+    """Every graph input's and output's shape, sizes known from the layout and named dynamic dimensions."""
+    lo = decoder.layout
+    shapes: dict[str, list[int | str]] = {
+        "input_ids": ["batch", "sequence"],
+        "attention_mask": ["batch", "total_sequence"],
+        "position_ids": ["batch", "sequence"],
+        "logits": ["batch", "sequence", lo.vocab_size],
+    }
+    for name in lo.past_names:
+        shapes[name] = ["batch", lo.num_kv_heads, "past_sequence", lo.head_size]
+    for name in lo.present_names:
+        shapes[name] = ["batch", lo.num_kv_heads, "total_sequence", lo.head_size]
+    return shapes
+
+
+def declare_shapes(onnx_model, decoder: DecoderWithCache) -> None:
+    """Write :func:`io_shapes` on the graph's inputs and outputs, in place: shape inference cannot see through
+    ``GroupQueryAttention`` (its outputs come out of the exporter with unknown sizes), and the dynamo exporter
+    names dynamic dimensions ``s0``, ``s1 + s2``."""
+    from onnx import TensorShapeProto
+
+    shapes = io_shapes(decoder)
+    for value in [*onnx_model.graph.input, *onnx_model.graph.output]:
+        if value.name not in shapes:
+            continue
+        dims = []
+        for d in shapes[value.name]:
+            dim = TensorShapeProto.Dimension()
+            if isinstance(d, int):
+                dim.dim_value = d
+            else:
+                dim.dim_param = d
+            dims.append(dim)
+        shape = value.type.tensor_type.shape
+        del shape.dim[:]
+        shape.dim.extend(dims)
+
+
+def read_decode_info(onnx_model) -> DecodeExport | None:
+    """The :class:`DecodeExport` a decode graph's metadata holds, or None for any other graph."""
+    for p in onnx_model.metadata_props:
+        if p.key == LAYOUT_KEY:
+            return DecodeExport(**json.loads(p.value))
+    return None
+
+
+def export_model(
+    model: nn.Module,
+    example: dict[str, torch.Tensor],
+    path: str | Path,
+    opset: int | None = None,
+    exporter: str = "torchscript",
+    *,
+    kv_cache: bool = True,
+    contrib_ops: bool = True,
+    dynamic_axes: bool = True,
+    **kwargs,
+):
+    """``export --onnx``: a decode graph for a causal LM of a supported family (``kv_cache``), else the graph
+    of the model's own forward (:func:`exporters.onnx_export.export_onnx`). For a model with an ``lm_head``
+    that gets no decode graph, ``ExportResult.decode_note`` says why."""
+    from exporters.onnx_export import export_onnx
+
+    layout, why = decodable(model) if kv_cache else (None, "")
+    if layout is not None:
+        if not dynamic_axes:
+            raise ExportError(
+                "--static-shapes does not apply to a decode graph (its sequence and cache lengths change "
+                "at every step); leave it out, or add --no-kv-cache for a prefill graph of fixed shape"
+            )
+        return export_decoder(
+            model, example, path, opset, exporter, contrib_ops=contrib_ops, layout=layout, **kwargs
+        )
+    res = export_onnx(model, example, path, opset, exporter, dynamic_axes=dynamic_axes, **kwargs)
+    if why and hasattr(model, "lm_head"):
+        res.decode_note = f"prefill graph, no KV cache: {why}"
+    return res
+
+
+GENAI_CONFIG = "genai_config.json"
+
+
+def genai_config(decode: dict, filename: str) -> dict:
+    """onnxruntime-genai's ``genai_config.json`` for a decode graph (:class:`DecodeExport` as a dict): the
+    input and output names, heads and sizes its ``Model``/``Generator`` read, greedy search by default."""
+    lo = decode["layout"]
+    inputs = {
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+        "past_key_names": "past_key_values.%d.key",
+        "past_value_names": "past_key_values.%d.value",
+    }
+    if "position_ids" in decode["inputs"]:
+        inputs["position_ids"] = "position_ids"
+    eos = lo.get("eos_token_id")
+    return {
+        "model": {
+            "bos_token_id": eos if eos is not None else 0,
+            "context_length": lo["max_positions"],
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": filename,
+                "head_size": lo["head_size"],
+                "hidden_size": lo["hidden_size"],
+                "inputs": inputs,
+                "outputs": {
+                    "logits": "logits",
+                    "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value",
+                },
+                "num_attention_heads": lo["num_heads"],
+                "num_hidden_layers": lo["num_layers"],
+                "num_key_value_heads": lo["num_kv_heads"],
+            },
+            "eos_token_id": eos if eos is not None else 0,
+            "pad_token_id": eos if eos is not None else 0,
+            "type": lo["model_type"],
+            "vocab_size": lo["vocab_size"],
+        },
+        "search": {
+            "do_sample": False,
+            "max_length": lo["max_positions"],
+            "min_length": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def write_genai_config(onnx_path: str | Path, decode: dict) -> Path:
+    """``genai_config.json`` beside ``onnx_path`` (written atomically): ``onnxruntime_genai.Model(folder)``
+    loads the graph with it (add the model's ``tokenizer.json`` to the folder for ``og.Tokenizer``)."""
+    from quantcli.files import atomic_write
+
+    onnx_path = Path(onnx_path)
+    target = onnx_path.parent / GENAI_CONFIG
+    text = json.dumps(genai_config(decode, onnx_path.name), indent=4) + "\n"
+    atomic_write(target, lambda tmp: Path(tmp).write_text(text))
+    return target

@@ -1,0 +1,83 @@
+"""``quantcli generate``: text from a decode graph, driven by a plain onnxruntime loop (prefill, then one
+token per step with the KV cache)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from quantcli.cli.guard import guarded
+from quantcli.cli.options import JsonOpt
+from quantcli.cli.output import key_value_table, out, print_json
+
+
+@guarded
+def generate(
+    onnx_path: Annotated[Path, typer.Argument(help="A decode graph (quantcli export of a causal LM).")],
+    prompt: Annotated[str, typer.Option("--prompt", help="The text to continue.")],
+    max_new_tokens: Annotated[
+        int,
+        typer.Option(
+            "--max-new-tokens", min=1, help="Tokens to generate at most (fewer at end of sequence)."
+        ),
+    ] = 64,
+    seed: Annotated[
+        Optional[int],
+        typer.Option(
+            "--seed",
+            help="Sample (softmax of the logits / --temperature, --top-k) with this seed; "
+            "without it: greedy, the most likely token each step.",
+        ),
+    ] = None,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="Sampling temperature.")] = 1.0,
+    top_k: Annotated[
+        int, typer.Option("--top-k", min=0, help="Sample among the k most likely tokens (0: all).")
+    ] = 0,
+    tokenizer: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--tokenizer", help="Folder with tokenizer files, or 'bytes' (default: the graph's model's)."
+        ),
+    ] = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Generate text with a decode graph in onnxruntime (CPU provider): greedy, or sampled with --seed."""
+    from exporters.causal_lm.runner import DecodeSession
+    from exporters.causal_lm.runner import generate as run_generation
+    from quantcli.errors import DataError
+    from quantcli.verify.lm_text import codec_for
+
+    if not onnx_path.is_file():
+        raise DataError(f"{onnx_path} does not exist")
+    codec = codec_for(onnx_path, tokenizer)
+    ids = codec.encode(prompt)
+    if not ids:
+        raise DataError("--prompt is empty: give at least one token of text")
+    session = DecodeSession(onnx_path)
+    g = run_generation(session, ids, max_new_tokens, seed=seed, temperature=temperature, top_k=top_k)
+    text = codec.decode(g.tokens)
+    result = {
+        "prompt": prompt,
+        "text": text,
+        "prompt_tokens": g.prompt,
+        "tokens": g.tokens,
+        "stopped": g.stopped,
+        "mode": "greedy"
+        if seed is None
+        else f"sampled (seed {seed}, temperature {temperature}, top-k {top_k})",
+        "tokenizer": codec.name,
+        "prefill_ms": round(g.prefill_seconds * 1e3, 3),
+        "decode_tokens_per_second": round(g.tokens_per_second, 1),
+    }
+    if as_json:
+        print_json(result)
+        return
+    out.print(prompt + text, markup=False, highlight=False)
+    rows = [
+        (k, str(result[k]))
+        for k in ("mode", "tokenizer", "stopped", "prefill_ms", "decode_tokens_per_second")
+    ]
+    rows.insert(0, ("tokens", f"{len(g.prompt)} prompt + {len(g.tokens)} generated"))
+    out.print(key_value_table(f"quantcli generate {onnx_path}", rows))

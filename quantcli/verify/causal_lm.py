@@ -1,0 +1,254 @@
+"""``verify`` of a decode graph: does the quantized graph generate what the model generates?
+
+Three checks, on held-out token sequences (the sample model's held-out windows, or ``--data``), each row cut
+to its unpadded length and to ``max_tokens``:
+
+* ``lm.perplexity_increase`` <= ``max_ppl_increase``: teacher-forced perplexity of the deployed graph (default
+  session options; one prefill of each sequence) relative to the float model's, ``ppl_graph / ppl_float - 1``.
+  The fake-quant model's perplexity is reported beside them (the graph should equal it; a gap is the export's,
+  the rest is quantization's).
+* ``lm.token_agreement`` >= ``min_token_agreement``: from the first half of each sequence the float model
+  generates ``steps`` greedy tokens; along that continuation, the fraction of steps where the graph's most
+  likely token is the float model's (teacher-forced, so one early difference does not decide the rest). The
+  first divergence of the graph's own free-running greedy generation (through its KV cache) is reported per
+  prompt.
+* ``lm.decode_parity`` <= ``max_parity_diff``: logits of a prefill of the first half and one decode step per
+  later token, against one prefill of the whole sequence, ``max |a - b| / max |b|``. The KV cache must not
+  change the logits beyond float noise; MatMulNBits runs at float32 compute here (``accuracy_level`` 1), where
+  onnxruntime's default int8 compute can move an activation code on a 1e-7 difference.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from quantcli.errors import first_line
+from quantcli.verify.verdict import Check
+
+MAX_PPL_INCREASE = 0.5
+MIN_TOKEN_AGREEMENT = 0.5
+MAX_PARITY_DIFF = 1e-4
+DECODE_STEPS = 16
+MAX_SEQUENCES = 16
+MAX_TOKENS = 128
+
+
+@dataclass
+class LMReport:
+    passed: bool
+    checks: list[Check]
+    perplexity: dict
+    generation: dict
+    parity: dict
+    num_sequences: int
+    seconds: float = 0.0
+    kind: str = "causal_lm"
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "kind": self.kind,
+            "passed": self.passed,
+            "checks": [c.to_dict() for c in self.checks],
+            "perplexity": self.perplexity,
+            "generation": self.generation,
+            "parity": self.parity,
+            "num_sequences": self.num_sequences,
+            "seconds": self.seconds,
+            "notes": self.notes,
+        }
+
+
+def sequences(batches, max_sequences: int = MAX_SEQUENCES, max_tokens: int = MAX_TOKENS) -> list[np.ndarray]:
+    """Token id rows of ``batches`` (``input_ids``, and ``attention_mask`` where given: a row keeps its
+    unmasked tokens), each cut to ``max_tokens``; rows of fewer than 4 tokens are left out."""
+    rows: list[np.ndarray] = []
+    for b in batches:
+        ids = np.asarray(b["input_ids"])
+        mask = np.asarray(b["attention_mask"]) if "attention_mask" in b else np.ones_like(ids)
+        for r, m in zip(ids, mask):
+            row = r[m.astype(bool)][:max_tokens].astype(np.int64)
+            if row.size >= 4:
+                rows.append(row)
+            if len(rows) == max_sequences:
+                return rows
+    return rows
+
+
+def torch_logits(model, ids: np.ndarray) -> np.ndarray:
+    """``[b, n, vocab]`` logits of a PyTorch causal LM (a tensor, or a dict with ``logits``) on ``ids``."""
+    t = torch.from_numpy(ids)
+    with torch.no_grad():
+        try:
+            out = model(input_ids=t, attention_mask=torch.ones_like(t))
+        except TypeError:  # a model whose forward takes input_ids only (the sample models)
+            out = model(input_ids=t)
+    out = out["logits"] if isinstance(out, dict) else out
+    return out.float().numpy()
+
+
+def nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
+    """(sum of next-token negative log-likelihoods in nats, count) of one row: ``logits`` ``[n, vocab]``."""
+    z = np.asarray(logits, np.float64)[:-1]
+    top = z.max(-1, keepdims=True)
+    log_norm = np.log(np.exp(z - top).sum(-1)) + top[:, 0]
+    return float((log_norm - z[np.arange(len(z)), ids[1:]]).sum()), len(z)
+
+
+def perplexity(logits_of, rows: list[np.ndarray]) -> float:
+    total, count = 0.0, 0
+    for row in rows:
+        s, n = nll(logits_of(row[None])[0], row)
+        total, count = total + s, count + n
+    return math.exp(total / count)
+
+
+def greedy_continuation(model, prompt: np.ndarray, steps: int) -> list[int]:
+    """The float model's ``steps`` greedy tokens after ``prompt`` (the whole sequence recomputed each
+    step)."""
+    ids = prompt[None]
+    out: list[int] = []
+    for _ in range(steps):
+        nxt = int(np.argmax(torch_logits(model, ids)[0, -1]))
+        out.append(nxt)
+        ids = np.concatenate([ids, [[nxt]]], axis=1)
+    return out
+
+
+def is_decode_graph(onnx_path) -> bool:
+    import onnx
+
+    from exporters.causal_lm.export import read_decode_info
+
+    try:
+        return read_decode_info(onnx.load(str(onnx_path), load_external_data=False)) is not None
+    except Exception:  # not an ONNX file: the usual verify path says what is wrong with it
+        return False
+
+
+def _check(name: str, value: float, threshold: float, kind: str, detail: str | None = None) -> Check:
+    ok = bool(np.isfinite(value)) and (value <= threshold if kind == "max" else value >= threshold)
+    return Check(name, threshold, float(value), ok, kind, None if ok else detail)
+
+
+def verify_decode_graph(
+    onnx_path,
+    ckpt,
+    batches,
+    *,
+    steps: int = DECODE_STEPS,
+    max_sequences: int = MAX_SEQUENCES,
+    max_tokens: int = MAX_TOKENS,
+    max_ppl_increase: float = MAX_PPL_INCREASE,
+    min_token_agreement: float = MIN_TOKEN_AGREEMENT,
+    max_parity_diff: float = MAX_PARITY_DIFF,
+) -> LMReport:
+    """Run the three checks (module docstring) of the decode graph ``onnx_path`` against the calibrated
+    checkpoint ``ckpt`` on ``batches``."""
+    import onnxruntime as ort
+
+    from exporters.causal_lm.runner import DecodeSession
+    from quantcli.errors import DataError
+
+    t0 = time.perf_counter()
+    thresholds = (max_ppl_increase, min_token_agreement, max_parity_diff)
+    rows = sequences(batches, max_sequences, max_tokens)
+    if not rows:
+        raise DataError("no held-out sequence of 4 tokens or more to verify a language model on; pass --data")
+    deployed = DecodeSession(onnx_path)
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
+    exact = DecodeSession(onnx_path, so)
+    float_model, fake = ckpt.float_model().eval(), ckpt.model.eval()
+    try:
+        return _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds)
+    except _graph_errors() as e:  # the graph loads but a step fails: a failed check, not bad input
+        check = Check("lm.graph_runs", 1.0, 0.0, False, "min", f"{type(e).__name__}: {first_line(e, 300)}")
+        return LMReport(False, [check], {}, {}, {}, len(rows), time.perf_counter() - t0)
+
+
+def _graph_errors() -> tuple[type[BaseException], ...]:
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return tuple(
+        getattr(state, n)
+        for n in ("Fail", "InvalidArgument", "RuntimeException", "EPFail")
+        if hasattr(state, n)
+    )
+
+
+def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) -> LMReport:
+    from exporters.causal_lm.runner import generate
+
+    max_ppl_increase, min_token_agreement, max_parity_diff = thresholds
+
+    ppl = {
+        "float": perplexity(lambda ids: torch_logits(float_model, ids), rows),
+        "fake_quant": perplexity(lambda ids: torch_logits(fake, ids), rows),
+        "graph": perplexity(deployed.logits, rows),
+    }
+    increase = ppl["graph"] / ppl["float"] - 1.0
+
+    agree, total, divergence = 0, 0, []
+    for row in rows:
+        prompt = row[: max(1, len(row) // 2)]
+        want = greedy_continuation(float_model, prompt, steps)
+        seq = np.concatenate([prompt, want])[None]
+        got = deployed.logits(seq)[0, len(prompt) - 1 : -1].argmax(-1)
+        agree += int((got == np.asarray(want)).sum())
+        total += steps
+        free = generate(deployed, prompt.tolist(), steps, stop_at_eos=False).tokens
+        diff = [i for i, (a, b) in enumerate(zip(free, want)) if a != b]
+        divergence.append(diff[0] if diff else None)
+    agreement = agree / total
+
+    worst, where = 0.0, None
+    for k, row in enumerate(rows[: max(1, min(4, len(rows)))]):
+        half = max(1, len(row) // 2)
+        a = exact.stepwise_logits(row[None], half)
+        b = exact.logits(row[None])
+        d = float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
+        if not np.isfinite(d) or d > worst:
+            worst, where = (
+                d,
+                f"sequence {k}, first differing position {int(np.argmax(np.abs(a - b).max(-1)[0]))}",
+            )
+
+    first = [d for d in divergence if d is not None]
+    checks = [
+        _check(
+            "lm.perplexity_increase",
+            increase,
+            max_ppl_increase,
+            "max",
+            f"perplexity {ppl['graph']:.4g} vs float {ppl['float']:.4g} (fake-quant {ppl['fake_quant']:.4g})",
+        ),
+        _check(
+            "lm.token_agreement",
+            agreement,
+            min_token_agreement,
+            "min",
+            f"first divergence of free-running greedy generation at step {min(first)}" if first else None,
+        ),
+        _check("lm.decode_parity", worst, max_parity_diff, "max", where),
+    ]
+    return LMReport(
+        passed=all(c.passed for c in checks),
+        checks=checks,
+        perplexity={**ppl, "increase": increase, "tokens": int(sum(len(r) - 1 for r in rows))},
+        generation={
+            "steps": steps,
+            "prompts": len(rows),
+            "token_agreement": agreement,
+            "first_divergence": divergence,
+            "identical_generations": sum(d is None for d in divergence),
+        },
+        parity={"max_relative_diff": worst, "where": where, "sequences": min(4, len(rows))},
+        num_sequences=len(rows),
+        seconds=time.perf_counter() - t0,
+    )

@@ -1,0 +1,272 @@
+"""Decode graphs of causal LMs (issue 37): one graph for the prompt and each new token, a KV cache of the KV
+heads only, the same logits step by step as in one prefill, for Llama, Qwen2 and GPT-2 and both exporters."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
+from exporters.causal_lm.layout import NotDecodable, decoder_layout
+from sample_models import tiny_llama
+from tests.helpers import assert_clean_error, cli
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 96
+
+
+def _causal_lm(kind: str):
+    """A random tiny transformers causal LM: 4 query heads and 2 KV heads of 16 (GPT-2: 2 heads of 16)."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, **common)
+        return transformers.GPT2LMHeadModel(cfg).eval()
+    cls, cfg = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    }[kind]
+    return cls(
+        cfg(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            **common,
+        )
+    ).eval()
+
+
+def _feeds(layout, takes_positions, ids, past, start):
+    """One step's inputs (graph names): ``ids`` ``[b, s]`` after ``start`` cached positions."""
+    b, s = ids.shape
+    f = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((b, start + s), np.int64)}
+    if takes_positions:
+        f["position_ids"] = np.broadcast_to(np.arange(start, start + s), (b, s)).astype(np.int64)
+    f.update(zip(layout.past_names, past))
+    return f
+
+
+def _empty(layout, batch):
+    return [np.zeros((batch, layout.num_kv_heads, 0, layout.head_size), np.float32)] * (2 * layout.num_layers)
+
+
+def run_steps(run, layout, takes_positions, ids, prompt: int):
+    """Logits ``[b, n, vocab]`` of ``ids`` ``[b, n]`` from a prefill of ``prompt`` tokens and one decode step
+    per later token; ``run(feeds) -> dict``."""
+    out = run(_feeds(layout, takes_positions, ids[:, :prompt], _empty(layout, len(ids)), 0))
+    logits = [out["logits"]]
+    for t in range(prompt, ids.shape[1]):
+        past = [out[n] for n in layout.present_names]
+        out = run(_feeds(layout, takes_positions, ids[:, t : t + 1], past, t))
+        logits.append(out["logits"])
+    return np.concatenate(logits, axis=1)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_module_equals_the_models_own_logits(kind, fused):
+    """Eager: prefill + decode steps through DecoderWithCache give transformers' logits of the whole
+    sequence."""
+    lm = _causal_lm(kind)
+    dec = with_named_forward(DecoderWithCache(lm, fused=fused))
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+
+    def run(feeds):
+        with torch.no_grad():
+            out = dec(**{python_name(k): torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()})
+        return {k: v.numpy() for k, v in out.items()}
+
+    got = run_steps(run, dec.layout, dec.takes_positions, ids.numpy(), prompt=5)
+    with torch.no_grad():
+        ref = lm(input_ids=ids, use_cache=False).logits.numpy()
+    np.testing.assert_allclose(got, ref, atol=2e-5, rtol=0)
+
+
+def _texts():
+    import argparse
+    import textwrap
+
+    return [ln.strip() for m in (argparse, textwrap, json) for ln in m.__doc__.splitlines() if ln.strip()]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A saved random model of each family and token ids to calibrate on."""
+    root = tmp_path_factory.mktemp("decode")
+    rng = np.random.default_rng(0)
+    np.savez(
+        root / "ids.npz", input_ids=rng.integers(0, VOCAB, (8, 12)), attention_mask=np.ones((8, 12), np.int64)
+    )
+    for kind in ("llama", "qwen2", "gpt2"):
+        _causal_lm(kind).save_pretrained(str(root / kind))
+    return root
+
+
+def _calibrate(root, kind, config="int4-weight-only"):
+    ck = root / f"{kind}-{config}.calib.pt"
+    if not ck.exists():
+        r = cli(
+            "calibrate",
+            root / kind,
+            "--data",
+            root / "ids.npz",
+            "--config",
+            config,
+            "--placement",
+            "all",
+            "--out",
+            ck,
+        )
+        assert r.exit_code == 0, r.output
+    return ck
+
+
+def _session(path, **options):
+    so = ort.SessionOptions()
+    for k, v in options.items():
+        so.add_session_config_entry(k, v)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize(
+    "kind,exporter,contrib",
+    [
+        ("llama", "torchscript", True),
+        ("llama", "dynamo", True),
+        ("llama", "torchscript", False),
+        ("qwen2", "torchscript", True),
+        ("qwen2", "dynamo", False),
+        ("gpt2", "torchscript", False),
+        ("gpt2", "dynamo", True),
+    ],
+)
+def test_int4_decode_graph_steps_equal_one_prefill_and_cache_holds_kv_heads(
+    folders, tmp_path, kind, exporter, contrib
+):
+    ck = _calibrate(folders, kind)
+    path = tmp_path / f"{kind}.onnx"
+    r = cli(
+        "export",
+        ck,
+        "--onnx",
+        path,
+        "--exporter",
+        exporter,
+        "--contrib-ops" if contrib else "--standard-ops",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    layout = decoder_layout(_causal_lm(kind))
+    assert res["decode"]["contrib_ops"] == (["GroupQueryAttention"] if contrib else [])
+    assert res["output_names"] == ["logits", *layout.present_names]
+    assert res["input_names"][-len(layout.past_names) :] == layout.past_names
+    takes_positions = "position_ids" in res["input_names"]
+    assert takes_positions == (
+        not contrib or kind == "gpt2"
+    )  # GroupQueryAttention reads positions from the mask
+
+    # the cache holds the KV heads only: [batch, kv_heads, sequence, head_size], read from the graph
+    graph = onnx.load(str(path)).graph
+    shapes = {
+        v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+        for v in [*graph.input, *graph.output]
+    }
+    for name in [*layout.past_names, *layout.present_names]:
+        assert shapes[name][1] == layout.num_kv_heads and shapes[name][3] == layout.head_size, (
+            name,
+            shapes[name],
+        )
+        assert isinstance(shapes[name][0], str) and isinstance(
+            shapes[name][2], str
+        )  # dynamic batch and length
+    if kind != "gpt2":
+        assert layout.num_kv_heads < layout.num_heads
+
+    # prefill + 4 decode steps == one prefill of the whole sequence, within float noise. MatMulNBits computes
+    # in float32 (accuracy level 1): at onnxruntime's default level 4 it quantizes each row of activations to
+    # int8, and a 1e-7 difference between the two paths can move a code (2e-3 in the logits), whatever the
+    # cache does
+    sess = _session(path, **{"session.qdq_matmulnbits_accuracy_level": "1"})
+    names = [o.name for o in sess.get_outputs()]
+
+    def run(feeds):
+        return dict(zip(names, sess.run(None, feeds)))
+
+    ids = np.random.default_rng(2).integers(0, VOCAB, (1 if contrib else 2, 10))
+    stepped = run_steps(run, layout, takes_positions, ids, prompt=6)
+    whole = run(_feeds(layout, takes_positions, ids, _empty(layout, len(ids)), 0))["logits"]
+    np.testing.assert_allclose(stepped, whole, atol=1e-4, rtol=0)
+    # and the graph computes the fake-quant model (float32 MatMulNBits compute: the quantized weights exactly)
+    from quantcli import load_calibrated
+
+    fake = load_calibrated(ck).model
+    with torch.no_grad():
+        ref = fake(input_ids=torch.from_numpy(ids), attention_mask=torch.ones(ids.shape, dtype=torch.long))[
+            "logits"
+        ]
+    np.testing.assert_allclose(whole, ref.numpy(), atol=1e-4, rtol=0)
+
+
+def test_int4_decode_graph_runs_every_linear_as_matmul_nbits(folders, tmp_path):
+    """onnxruntime's optimized graph: every Linear (q, k, v, o, gate, up, down per layer, lm_head) is a
+    MatMulNBits node, attention a GroupQueryAttention per layer."""
+    ck = _calibrate(folders, "llama")
+    path = tmp_path / "llama.onnx"
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
+    assert ops.count("MatMulNBits") == 2 * 7 + 1 and ops.count("GroupQueryAttention") == 2
+    assert "DequantizeLinear" not in ops and "MatMul" not in ops
+
+
+def test_no_kv_cache_keeps_the_prefill_graph_and_static_shapes_are_refused(folders, tmp_path):
+    ck = _calibrate(folders, "llama")
+    r = cli("export", ck, "--onnx", tmp_path / "p.onnx", "--no-kv-cache", "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["output_names"] == ["logits"] and res["decode"] is None
+    r = cli("export", ck, "--onnx", tmp_path / "s.onnx", "--static-shapes")
+    assert_clean_error(r, "--static-shapes", "--no-kv-cache")
+    assert not (tmp_path / "s.onnx").exists()
+
+
+def test_the_tiny_llama_sample_exports_a_decode_graph_that_equals_its_logits(tmp_path):
+    ck = tmp_path / "tl.calib.pt"
+    r = cli("calibrate", "tiny_llama", "--config", "int4-weight-only", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    path = tmp_path / "tl.onnx"
+    r = cli("export", ck, "--onnx", path, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["decode"]["layout"]["num_kv_heads"] == 2
+    from quantcli import load_calibrated
+
+    fake = load_calibrated(ck).model  # TinyLlama with int4 fake-quant weights
+    layout = decoder_layout(fake)
+    sess = _session(path, **{"session.qdq_matmulnbits_accuracy_level": "1"})
+    names = [o.name for o in sess.get_outputs()]
+    ids = tiny_llama.evaluation_batches()[0]["input_ids"][:1, :40].numpy()
+    stepped = run_steps(lambda f: dict(zip(names, sess.run(None, f))), layout, False, ids, prompt=32)
+    with torch.no_grad():
+        ref = fake(torch.from_numpy(ids)).numpy()
+    np.testing.assert_allclose(stepped, ref, atol=1e-4, rtol=0)
+
+
+def test_models_that_get_no_decode_graph_say_why():
+    lm = _causal_lm("llama")
+    lm.config.model_type = "gemma"
+    with pytest.raises(NotDecodable, match="gemma"):
+        decoder_layout(lm)
+    lm = _causal_lm("qwen2")
+    lm.config.use_sliding_window, lm.config.sliding_window = True, 16
+    with pytest.raises(NotDecodable, match="sliding window"):
+        decoder_layout(lm)

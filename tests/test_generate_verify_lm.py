@@ -1,0 +1,170 @@
+"""``quantcli generate`` and verify's checks of a decode graph (issue 37): the float export generates the
+float model's greedy tokens, and verify judges generation -- exit 0 on a good graph, 1 on a graph whose KV
+cache is off by one position."""
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import helper
+
+from sample_models import tiny_llama
+from tests.helpers import assert_clean_error, cli
+
+FLOAT = {"preset": "int4-weight-only", "rules": [{"pattern": "*", "enable": False}]}
+
+
+@pytest.fixture(scope="module")
+def float_graph(tmp_path_factory):
+    """tiny_llama calibrated with every quantizer off, exported as a decode graph: the float model in
+    onnxruntime."""
+    root = tmp_path_factory.mktemp("lm")
+    cfg = root / "float.json"
+    cfg.write_text(json.dumps(FLOAT))
+    ck = root / "tl.calib.pt"
+    r = cli("calibrate", "tiny_llama", "--config", cfg, "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    path = root / "tl.onnx"
+    r = cli("export", ck, "--onnx", path)
+    assert r.exit_code == 0, r.output
+    return ck, path
+
+
+def _greedy(model, prompt: bytes, n: int) -> list[int]:
+    """The float PyTorch model's greedy tokens, the whole sequence recomputed at every step (no cache)."""
+    ids = torch.tensor([list(prompt)])
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            nxt = int(model(ids)[0, -1].argmax())
+        out.append(nxt)
+        ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+    return out
+
+
+def test_generate_gives_the_float_models_greedy_tokens(float_graph):
+    _, path = float_graph
+    prompt = "    def __init__(self, name):\n        self."
+    r = cli("generate", path, "--prompt", prompt, "--max-new-tokens", 24, "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["prompt_tokens"] == list(prompt.encode())  # the sample's tokenizer: one token per byte
+    assert res["tokens"] == _greedy(tiny_llama.build(), prompt.encode(), 24)
+    assert res["text"] == bytes(res["tokens"]).decode("utf-8", errors="replace") and res["mode"] == "greedy"
+    # sampled: the seed decides, the same seed gives the same text
+    a = json.loads(cli("generate", path, "--prompt", prompt, "--seed", 3, "--json").stdout)
+    b = json.loads(cli("generate", path, "--prompt", prompt, "--seed", 3, "--json").stdout)
+    assert a["tokens"] == b["tokens"] and a["tokens"] != res["tokens"] + a["tokens"][24:]
+
+
+def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path):
+    ck, _ = float_graph
+    prefill = tmp_path / "prefill.onnx"
+    assert cli("export", ck, "--onnx", prefill, "--no-kv-cache").exit_code == 0
+    assert_clean_error(cli("generate", prefill, "--prompt", "x"), "not a decode graph", "--no-kv-cache")
+    assert_clean_error(cli("generate", tmp_path / "none.onnx", "--prompt", "x"), "does not exist")
+
+
+def _cache_off_by_one(src, dst) -> None:
+    """The graph with every present output shifted by one position (its first dropped, its last repeated): the
+    same lengths, each cached key and value one position off."""
+    m = onnx.load(str(src))
+    g = m.graph
+    for out in g.output:
+        if not out.name.startswith("present."):
+            continue
+        full = out.name + "_full"
+        for node in g.node:
+            node.output[:] = [full if o == out.name else o for o in node.output]
+        names = {k: f"{out.name}_{k}" for k in ("one", "end", "last", "axis")}
+        for k, v in {"one": [1], "end": [2**62], "last": [-1], "axis": [2]}.items():
+            g.initializer.append(onnx.numpy_helper.from_array(np.array(v, np.int64), names[k]))
+        g.node.extend(
+            [
+                helper.make_node(
+                    "Slice", [full, names["one"], names["end"], names["axis"]], [full + "_tail"]
+                ),
+                helper.make_node(
+                    "Slice", [full, names["last"], names["end"], names["axis"]], [full + "_last"]
+                ),
+                helper.make_node("Concat", [full + "_tail", full + "_last"], [out.name], axis=2),
+            ]
+        )
+    onnx.save(m, str(dst))
+
+
+def test_verify_passes_the_float_graph_and_fails_a_cache_off_by_one(float_graph, tmp_path):
+    ck, path = float_graph
+    r = cli("verify", path, "--reference", ck, "--json", "--num-samples", 4, "--decode-steps", 8)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert set(checks) == {"lm.perplexity_increase", "lm.token_agreement", "lm.decode_parity"}
+    assert (
+        abs(checks["lm.perplexity_increase"]["value"]) < 1e-4 and checks["lm.token_agreement"]["value"] == 1.0
+    )
+    assert checks["lm.decode_parity"]["value"] < 1e-5
+    # perplexity: the float model's own, computed here independently
+    m = tiny_llama.build()
+    batches = tiny_llama.evaluation_batches()[:1]
+    rows = [b["input_ids"][:4, :128] for b in batches]
+    with torch.no_grad():
+        ppl = tiny_llama.perplexity(lambda x: m(torch.from_numpy(x)).numpy(), [{"input_ids": rows[0]}])
+    assert abs(rep["perplexity"]["float"] - ppl) < 1e-3 * ppl
+
+    broken = tmp_path / "broken.onnx"
+    _cache_off_by_one(path, broken)
+    r = cli("verify", broken, "--reference", ck, "--json", "--num-samples", 4, "--decode-steps", 8)
+    assert r.exit_code == 1, r.output
+    bad = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert not bad["lm.decode_parity"]["passed"] and bad["lm.decode_parity"]["value"] > 1e-2
+    assert bad["lm.perplexity_increase"]["passed"]  # one prefill, no cache: perplexity cannot see it
+    # thresholds are options: the float graph meets the strictest token agreement
+    r = cli(
+        "verify",
+        path,
+        "--reference",
+        ck,
+        "--num-samples",
+        2,
+        "--decode-steps",
+        4,
+        "--min-token-agreement",
+        1.0,
+    )
+    assert r.exit_code == 0 and "PASS" in r.output
+
+
+def test_genai_config_lets_onnxruntime_genai_run_the_graph_as_generate_does(float_graph, tmp_path):
+    """``export --genai-config``: onnxruntime-genai's Model/Generator load the folder and generate the tokens
+    quantcli's own loop generates (skipped where onnxruntime-genai is not installed: it is optional)."""
+    og = pytest.importorskip("onnxruntime_genai")
+    ck, _ = float_graph
+    folder = tmp_path / "genai"
+    folder.mkdir()
+    r = cli("export", ck, "--onnx", folder / "model.onnx", "--genai-config", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["genai_config"] == str(folder / "genai_config.json")
+    prompt = b"import os\nimport sys\n\n\ndef "
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 20)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array([list(prompt)], dtype=np.int32))
+    while not gen.is_done():
+        gen.generate_next_token()
+    theirs = gen.get_sequence(0).tolist()[len(prompt) :]
+    ours = json.loads(
+        cli(
+            "generate", folder / "model.onnx", "--prompt", prompt.decode(), "--max-new-tokens", 20, "--json"
+        ).stdout
+    )["tokens"]
+    assert theirs == ours == _greedy(tiny_llama.build(), prompt, 20)
+    # a prefill graph has no cache to describe
+    assert_clean_error(
+        cli("export", ck, "--onnx", tmp_path / "p.onnx", "--no-kv-cache", "--genai-config"),
+        "--genai-config",
+        "decode graph",
+    )
