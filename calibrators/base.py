@@ -1,14 +1,17 @@
 """The calibrator interface: ``collect(x)`` once per batch, ``compute_amax(...)``, ``reset()``.
 
-State is a few small tensors on the input's device, independent of the number of batches. Non-finite
-inputs are detected without a host synchronisation on CUDA: the first offending batch index is kept on the
-device and reported by ``compute_amax``.
+State is a few small tensors on the input's device, independent of the number of batches. On the CPU a batch's
+statistics are read on the host as they are made (free there), and a non-finite batch is refused at once. On a
+device nothing is read back per batch: a batch's results are kept on the device until folded into the running
+state (:mod:`calibrators.counting`), and the first non-finite batch's index is kept there too and reported by
+``compute_amax``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from calibrators.scratch import to_device
 from quantcli.errors import CalibrationError
 
 
@@ -36,6 +39,8 @@ class Calibrator:
         self._batches = 0
         self._bad_batch: torch.Tensor | None = None
         self._kept_shape: tuple[int, ...] | None = None
+        self._loads = 0  # states taken whole (load_merged, reset): with the batch count, the state's version
+        self._results: dict = {}  # searches done (calibrators.batched): key -> (state version, result)
 
     @property
     def label(self) -> str:
@@ -50,11 +55,28 @@ class Calibrator:
         """The amax's shape (the input's rank kept, ``()`` per-tensor); ``None`` before the first batch."""
         return self._kept_shape
 
+    def _flush(self) -> None:
+        """Fold batches kept on a device into the running state (a no-op where there are none)."""
+
     def first_nonfinite_batch(self) -> int | None:
         """Index of the first batch that held NaN or inf, else ``None`` (on CUDA, reading it synchronises)."""
+        self._flush()
         if self._bad_batch is None or int(self._bad_batch) < 0:
             return None
         return int(self._bad_batch)
+
+    def state_version(self) -> tuple[int, int]:
+        """Changes whenever the statistics do (a batch collected, a state loaded, a reset)."""
+        return self._batches, self._loads
+
+    def keep_result(self, key: tuple, result) -> None:
+        """Keep a search's ``result`` for the current statistics (:mod:`calibrators.batched`)."""
+        self._results[key] = (self.state_version(), result)
+
+    def kept_result(self, key: tuple):
+        """The result kept under ``key`` if the statistics have not changed since, else ``None``."""
+        found = self._results.get(key)
+        return found[1] if found is not None and found[0] == self.state_version() else None
 
     def _merged_from_ranks(self, num_batches: int, amax_shape: tuple[int, ...]) -> None:
         """Bookkeeping after ``load_merged``: the batches of every rank; non-finite ones were refused
@@ -62,6 +84,7 @@ class Calibrator:
         self._batches = num_batches
         self._kept_shape = tuple(amax_shape)
         self._bad_batch = None
+        self._loads += 1
 
     def _kept(self, x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(kept axes, amax shape with rank kept) for ``x``; checks kept sizes do not change."""
@@ -90,6 +113,26 @@ class Calibrator:
             self._bad_batch = torch.full((), -1, dtype=torch.long, device=batch_max.device)
         self._bad_batch = torch.where(bad & (self._bad_batch < 0), idx, self._bad_batch)
 
+    def _refuse_nonfinite(self) -> None:
+        """Raise for the batch being collected now (on the CPU, where its values were just read)."""
+        raise CalibrationError(
+            f"{self.label}: non-finite values (NaN or inf) in calibration batch {self._batches}; "
+            "check the input data and the model's numerics"
+        )
+
+    def _note_finite_rows(self, finite: torch.Tensor, batches: list[int]) -> None:
+        """Device: ``finite[i]`` says whether batch ``batches[i]`` was finite; keeps the first that was not on
+        the device (no host read)."""
+        bad = ~finite
+        first = torch.argmax(bad.to(torch.uint8))  # the first maximum: the first bad row
+        if batches == list(range(batches[0], batches[0] + len(batches))):
+            index = first + batches[0]
+        else:
+            index = to_device(batches, torch.long, finite.device)[first]
+        if self._bad_batch is None:
+            self._bad_batch = torch.full((), -1, dtype=torch.long, device=finite.device)
+        self._bad_batch = torch.where(bad.any() & (self._bad_batch < 0), index, self._bad_batch)
+
     def _check_ready(self) -> None:
         if self._batches == 0:
             raise CalibrationError(f"{self.label}: no data was collected; run calibration batches first")
@@ -106,6 +149,8 @@ class Calibrator:
         return (self,)
 
     def reset(self) -> None:
+        self._loads += 1
+        self._results = {}
         self._batches = 0
         self._bad_batch = None
         self._kept_shape = None

@@ -27,129 +27,140 @@ import torch
 
 from calibrators import shared
 from calibrators.base import Calibrator
-from calibrators.histogram_calibrator import count_bins, index_dtype
+from calibrators.counting import DeviceSignedCounter, HostSignedCounter, fold_signed, signed_merged
+from calibrators.histogram_calibrator import SIGNED_COUNTS
+from calibrators.max import MINMAX, _observed, batch_min_max
+from calibrators.scratch import HostMinMax, reads_on_host
 from quantcli import defaults
+
+#: the key of a tensor's device counts in :mod:`calibrators.shared`
+SIGNED_PIECES = "signed_pieces"
+
+__all__ = ["SignedHistogramCalibrator", "signed_merged"]
 
 
 class SignedHistogramCalibrator(Calibrator):
     """Collects ``hist`` of shape ``(1, 2 * num_bins)`` (see the module); :meth:`sides` gives the histograms
-    of ``max(x, 0)`` and ``max(-x, 0)`` that :mod:`calibrators.two_sided` searches."""
+    of ``max(x, 0)`` and ``max(-x, 0)`` that :mod:`calibrators.two_sided` searches.
+
+    A batch costs a handful of operations (:mod:`calibrators.counting`): on the CPU scale, truncate, offset,
+    count and add, at the running range; on a device the counts of each sign over the batch's own ranges,
+    folded every few dozen batches. The batch's min and max come with it where the caller has them (the
+    extremes of :class:`calibrators.two_sided_calibrator.TwoSidedHistogramCalibrator`).
+    """
 
     def __init__(self, num_bits: int = 8, num_bins: int = defaults.NUM_BINS, name: str | None = None):
         super().__init__(num_bits, None, False, name)
         if not isinstance(num_bins, int) or num_bins < 2 or num_bins & (num_bins - 1):
             raise ValueError(f"num_bins must be a power of two >= 2, got {num_bins!r}")
         self.num_bins = num_bins
-        self._hist: torch.Tensor | None = None  # (1, 2 * num_bins) int64
+        self._hist: torch.Tensor | None = None  # (1, 2 * num_bins) int64: the counts folded so far
         self._exp_int: int | None = None  # the range is (-2**exp, 2**exp): a Python int on the CPU path,
         self._exp: torch.Tensor | None = None  # else a (1,) int64 tensor on the histogram's device
-        self._buf_f: torch.Tensor | None = None
-        self._buf_i: torch.Tensor | None = None
-        self._views: tuple | None = None  # (n, float32 view, index view) of the buffers
-        self._spiky = False  # the last CPU batch had one dominant bin
+        self._host = HostMinMax()
+        self._cpu: HostSignedCounter | None = None  # counts on the CPU not yet folded
+        self._cpu_new = False
+        self._device: DeviceSignedCounter | None = None  # device batches not yet folded
+        self._device_batches: list[int] = []
 
     @property
     def counts_width(self) -> int:
         """Entries of :attr:`hist` per channel."""
         return 2 * self.num_bins
 
-    def collect(self, x: torch.Tensor, extent=None) -> None:
-        """Add one batch (any float dtype, any device). ``extent``: ``max |x|`` over every batch so far, this
-        one included, where the caller holds it already (a Python float on the CPU, a 0-d tensor on a
-        device; the caller then also refused a non-finite batch); else it is read from ``x``."""
+    def collect(self, x: torch.Tensor, bounds=None):
+        """Add one batch (any float dtype, any device). ``bounds``: on the CPU the batch's ``(min, max)``
+        where the caller has them (Python floats it checked finite), else they are reduced here. Returns the
+        batch's ``(min, max)``: floats on the CPU, 0-d tensors on a device (reduced here, or taken with the
+        counts of another calibrator of this tensor)."""
         self._kept_shape = ()  # per tensor
-        flat = x.detach().reshape(-1)
-        if not (flat.device.type == "cpu" and (self._hist is None or self._exp_int is not None)):
-            self._collect_device(flat, extent)
-            return
-        if extent is None:
-            lo, hi = torch.aminmax(flat)
-            extent = max(-float(lo), float(hi))
-            if not math.isfinite(extent):
-                self._note_finite(torch.tensor(extent))
-        exp = math.frexp(extent)[1]  # extent < 2**exp
-        if self._exp_int is not None:
-            exp = max(exp, self._exp_int)
-        key = ("signed_histogram", self.num_bins)
-        hit = shared.lookup(x, key)  # q/k/v quantizers of one input: counted once
-        if hit is not None and hit[1] <= exp:  # counts no coarser than this calibrator's own range
-            self._add(*hit, exp)
-            return
-        counts = self._count(flat, exp)
-        self._add(counts, exp, exp)
-        shared.store(x, key, (counts, exp))
+        seen, x = x, _observed(x)
+        if reads_on_host(x):
+            if bounds is None:
+                bounds = batch_min_max(seen, x, self._host)
+                if not (math.isfinite(bounds[0]) and math.isfinite(bounds[1])):
+                    self._refuse_nonfinite()
+            self._collect_cpu(seen, x, *bounds)
+            return bounds
+        return self._collect_device(seen, x)
 
-    def _count(self, flat: torch.Tensor, exp: int) -> torch.Tensor:
-        """``(1, 2 * num_bins)`` counts of one CPU batch over ``(-2**exp, 2**exp)``: scale, truncate,
-        count."""
-        a, idx = self._scratch(flat.numel())
-        nb = self.num_bins
-        if flat.dtype == torch.float32:
-            torch.mul(flat, math.ldexp(float(nb), -exp), out=a)  # x / w, exact: w is a power of two
+    def _collect_cpu(self, seen: torch.Tensor, x: torch.Tensor, lo: float, hi: float) -> None:
+        if self._cpu is None:
+            self._cpu = HostSignedCounter(self.num_bins)
+            if self._exp_int is not None:
+                self._cpu.exp = self._exp_int
+        target = self._cpu.target(lo, hi)
+        key = (SIGNED_COUNTS, self.num_bins)
+        hit = shared.lookup(seen, key)  # q/k/v quantizers of one input: counted once
+        if hit is not None and hit[1] <= target:  # counts no coarser than this calibrator's own range
+            self._cpu.add(hit[0], hit[1], target)
         else:
-            a.copy_(flat)  # any float dtype in, float32 out
-            a.mul_(math.ldexp(float(nb), -exp))
-        idx.copy_(a)  # truncation, to integers in (-nb, nb)
-        idx.add_(nb)
-        counts, self._spiky = count_bins(idx, 2 * nb, self._spiky)
-        return counts.view(1, -1)
-
-    def _add(self, counts: torch.Tensor, counts_exp: int, exp: int) -> None:
-        """Add ``counts`` made over ``(-2**counts_exp, 2**counts_exp)`` with the state brought to ``exp``,
-        both re-binned up to it."""
-        if self._hist is None:
-            self._hist = torch.zeros_like(counts)
-        elif exp > self._exp_int:
-            self._hist = signed_merged(self._hist, torch.tensor([exp - self._exp_int]), self.num_bins)
-        if counts_exp < exp:
-            counts = signed_merged(counts, torch.tensor([exp - counts_exp]), self.num_bins)
-        self._hist += counts
-        self._exp_int = exp
+            counts = self._cpu.count(x, target)
+            shared.store(seen, key, (counts, self._cpu.exp))
+        self._cpu_new = True
         self._batches += 1
 
-    def _collect_device(self, flat: torch.Tensor, extent) -> None:
-        """The same on a device, with no host read: the exponent stays a tensor, the merge always runs."""
-        if extent is None:
-            lo, hi = torch.aminmax(flat)
-            extent = torch.maximum(-lo, hi).float()
-            self._note_finite(extent)
-        extent = torch.as_tensor(extent, dtype=torch.float32, device=flat.device).reshape(1)
-        exp = torch.frexp(extent)[1].to(torch.long)
-        nb = self.num_bins
-        if self._hist is None:
-            self._hist = torch.zeros(1, self.counts_width, dtype=torch.long, device=flat.device)
-            self._exp = torch.where(torch.isfinite(extent), exp, torch.zeros_like(exp))
+    def _collect_device(self, seen: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's min and max into a fresh row (the counts read them side by side), its counts kept until
+        folded; calibrators of this tensor take both from the first (:mod:`calibrators.shared`)."""
+        if self._device is None:
+            self._device = DeviceSignedCounter(self.num_bins)
+        key = (SIGNED_PIECES, self.num_bins)
+        found = shared.lookup(seen, key)
+        if found is None:
+            bounds = self._device.bounds_out(x)
+            torch.aminmax(x, out=bounds)
+            shared.store(seen, MINMAX, bounds)  # a max calibrator of this tensor reads it too
+            entries = self._device.count(x)
+            shared.store(seen, key, (entries, bounds))
         else:
-            if self._exp is None:  # the CPU path's state, carried over to this device
-                self._exp = torch.tensor([self._exp_int], device=flat.device)
-                self._hist = self._hist.to(flat.device)
-            new = torch.maximum(self._exp, torch.where(torch.isfinite(extent), exp, self._exp))
-            self._hist = signed_merged(self._hist, new - self._exp, nb)
-            self._exp = new
-        self._exp_int = None  # the tensor path owns the exponent now
-        scale = torch.ldexp(torch.full((1,), float(nb), device=flat.device), -self._exp.to(torch.int32))
-        a = (flat.float() * scale).trunc_().add_(nb)
-        idx = a.nan_to_num_(0.0).clamp_(0, 2 * nb - 1).to(torch.long)  # only a refused batch falls outside
-        ones = torch.ones((), dtype=torch.long, device=flat.device).expand(idx.numel())
-        self._hist.view(-1).index_add_(0, idx, ones)
+            entries, bounds = found
+            self._device.pending.extend(entries)
+        self._device_batches.extend([self._batches] * len(entries))
         self._batches += 1
+        if self._device.full():
+            self._flush()
+        return bounds
 
-    def _scratch(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reusable CPU float32 / bin-index buffers of ``n`` elements (the views of the last size kept: a
-        quantizer sees one size batch after batch)."""
-        if self._views is not None and self._views[0] == n:
-            return self._views[1], self._views[2]
-        f, i = self._buf_f, self._buf_i
-        if f is None or f.numel() < n:
-            f = torch.empty(n, dtype=torch.float32)
-            i = torch.empty(n, dtype=index_dtype(self.counts_width))
-            self._buf_f, self._buf_i = f, i
-        self._views = (n, f[:n], i[:n])
-        return self._views[1], self._views[2]
+    def _flush(self) -> None:
+        """Fold the counts not yet in :attr:`_hist` into it (the range grows to the widest)."""
+        if self._cpu is not None and self._cpu_new:
+            self._add_counts(self._cpu.signed(), torch.tensor([self._cpu.exp]))
+            self._exp_int = int(self._exp[0])
+            self._exp = None
+            self._cpu.exp = self._exp_int
+            self._cpu.clear()
+            self._cpu_new = False
+        if self._device is not None and self._device.pending:
+            counts, exp, finite = fold_signed(self._device.pending, self.num_bins)
+            self._note_finite_rows(finite, self._device_batches)
+            self._device.pending, self._device_batches = [], []
+            self._add_counts(counts, exp)
+            self._exp_int = None
+
+    def _add_counts(self, counts: torch.Tensor, exp: torch.Tensor) -> None:
+        """Add ``(1, 2 nb)`` counts over ``(-2**exp, 2**exp)`` to the state, both re-binned to the wider
+        range."""
+        own = self._own_exponent()
+        if self._hist is None:
+            self._hist, self._exp = counts, exp.to(counts.device)
+            return
+        hist, own = self._hist.to(counts.device), own.to(counts.device)
+        top = torch.maximum(own, exp)
+        nb = self.num_bins
+        both = signed_merged(torch.cat([hist, counts]), torch.cat([top - own, top - exp]), nb)
+        self._hist, self._exp = both.sum(0, keepdim=True), top
+
+    def _own_exponent(self) -> torch.Tensor | None:
+        """The folded counts' exponent as a ``(1,)`` tensor (without folding first)."""
+        if self._hist is None:
+            return None
+        return torch.tensor([self._exp_int]) if self._exp_int is not None else self._exp
 
     @property
     def hist(self) -> torch.Tensor:
         """``(1, 2 * num_bins)`` counts (a copy)."""
+        self._flush()
         self._check_ready()
         return self._hist.clone()
 
@@ -168,16 +179,16 @@ class SignedHistogramCalibrator(Calibrator):
 
     def range_exponent(self) -> torch.Tensor | None:
         """``(1,)`` int64 ``e``: the histogram covers ``(-2**e, 2**e)``; ``None`` before data."""
-        if self._hist is None:
-            return None
-        return torch.tensor([self._exp_int]) if self._exp_int is not None else self._exp.clone()
+        self._flush()
+        own = self._own_exponent()
+        return None if own is None else own.clone()
 
     def counts_over(self, exp: torch.Tensor) -> torch.Tensor:
         """``(1, 2 * num_bins)`` int64: the counts re-binned onto ``(-2**exp, 2**exp)``, no narrower than
         :meth:`range_exponent`, exactly as ``collect`` re-bins when the range grows."""
-        if self._hist is None:
-            raise ValueError(f"{self.label}: no data collected")
         own = self.range_exponent()
+        if own is None:
+            raise ValueError(f"{self.label}: no data collected")
         shift = exp.to(device=own.device, dtype=torch.long).reshape(-1) - own
         if bool((shift < 0).any()):
             raise ValueError(f"{self.label}: counts_over needs a range at least as wide as the histogram's")
@@ -188,6 +199,7 @@ class SignedHistogramCalibrator(Calibrator):
     ) -> None:
         """Take ``hist`` over ``(-2**exp, 2**exp)``, merged over every rank's ``num_batches`` batches, as the
         state."""
+        self._drop_pending()
         self._hist = hist.to(torch.long).reshape(1, -1).clone()
         exp = exp.to(device=hist.device, dtype=torch.long).reshape(1).clone()
         cpu = hist.device.type == "cpu"
@@ -199,22 +211,14 @@ class SignedHistogramCalibrator(Calibrator):
             f"{self.label}: a signed histogram gives a range (calibrators.two_sided), not an amax"
         )
 
+    def _drop_pending(self) -> None:
+        self._cpu, self._cpu_new = None, False
+        self._device, self._device_batches = None, []
+
     def reset(self) -> None:
         super().reset()
         self._hist = self._exp = self._exp_int = None
-        self._buf_f = self._buf_i = self._views = None
-        self._spiky = False
+        self._drop_pending()
 
     def __repr__(self) -> str:
         return f"SignedHistogramCalibrator(num_bits={self.num_bits}, num_bins={self.num_bins})"
-
-
-def signed_merged(hist: torch.Tensor, shift: torch.Tensor, nb: int) -> torch.Tensor:
-    """``hist`` (channels, 2 nb), bin ``f + nb`` holding ``trunc(x / w) == f``, re-binned onto a range
-    ``2**shift[c]`` times wider: bin ``f`` goes to ``trunc(f / 2**shift[c])``."""
-    shift = shift.reshape(-1).clamp(min=0, max=62).to(hist.device).unsqueeze(1)
-    f = torch.arange(-nb, nb, device=hist.device).unsqueeze(0)
-    dst = torch.bitwise_right_shift(f.abs(), shift).mul_(f.sign()).add_(nb)
-    out = torch.zeros_like(hist)
-    out.scatter_add_(1, dst.expand_as(hist), hist)
-    return out

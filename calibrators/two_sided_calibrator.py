@@ -8,6 +8,7 @@ import torch
 from calibrators import shared
 from calibrators.base import Calibrator
 from calibrators.max import MinMaxCalibrator
+from calibrators.scratch import reads_on_host
 from calibrators.signed_histogram import SignedHistogramCalibrator
 from calibrators.two_sided import METHODS
 from quantcli import defaults
@@ -36,9 +37,23 @@ class TwoSidedHistogramCalibrator(Calibrator):
     def first_nonfinite_batch(self) -> int | None:
         return self.extremes.first_nonfinite_batch()
 
+    def state_version(self) -> tuple:
+        return self.extremes.state_version(), self.histogram.state_version()
+
+    def result_key(self, method: str, kwargs: dict) -> tuple:
+        """What :meth:`compute_range` keeps and finds a search's result under."""
+        if method == "mse":
+            kwargs = {"num_bits": self.num_bits, **kwargs}
+        return ("range", method, tuple(sorted(kwargs.items())))
+
     def collect(self, x: torch.Tensor) -> None:
-        self.extremes.collect(x)  # first: refuses a non-finite batch with the quantizer's name
-        self.histogram.collect(x, self.extremes.extent())  # the histogram's range, read from the extremes
+        """One reduction to the batch's min and max serves both parts: on the CPU the extremes make it (and
+        refuse a non-finite batch with the quantizer's name), on a device the histogram, into the row its
+        counts read."""
+        if reads_on_host(x):
+            self.histogram.collect(x, self.extremes.collect(x))
+        else:
+            self.extremes.add_range(*self.histogram.collect(x))
 
     def compute_range(self, method: str = "mse", **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)`` by ``method`` (``mse`` or ``percentile``; kwargs go to it), float32 0-d, ``min <= 0
@@ -48,8 +63,11 @@ class TwoSidedHistogramCalibrator(Calibrator):
         lo, hi = self.extremes.compute_range()
         if method == "mse":
             kwargs.setdefault("num_bits", self.num_bits)
+        key = self.result_key(method, kwargs)
+        found = self.kept_result(key)  # searched with all quantizers of a model at once (calibrators.batched)
+        if found is not None:
+            return found[0].to(lo.device), found[1].to(hi.device)
         # q/k/v calibrators of one input hold equal statistics: one search serves them (calibrators.shared)
-        key = ("range", method, tuple(sorted(kwargs.items())))
         stats = (self.histogram.range_exponent(), self.histogram.hist, lo, hi)
         found = shared.find_equal(key, stats)
         if found is None:

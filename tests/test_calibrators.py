@@ -336,15 +336,21 @@ def test_shared_searches_search_equal_histograms_once(monkeypatch):
             assert torch.equal(got[c][m], want[c][m])
 
 
-@pytest.mark.parametrize("dtype", [torch.int16, torch.int32])
-@pytest.mark.parametrize("n", [1, 1023, 1024, 5000, 65536])
-def test_interleaved_bincount_equals_bincount(n, dtype):
-    from calibrators.histogram_calibrator import bincount_interleaved
+@pytest.mark.parametrize("n", [1, 3, 1023, 1024, 5000, 65536])
+def test_counting_in_lanes_equals_counting_once(n):
+    from calibrators.counting import HostSignedCounter
 
     g = torch.Generator().manual_seed(n)
-    idx = (torch.randn(n, generator=g).relu() * 300).clamp(max=2047).to(dtype)  # a spike at bin 0
-    want = torch.bincount(idx, minlength=2048)
-    assert torch.equal(bincount_interleaved(idx.clone(), 2048), want)
+    x = torch.randn(n, generator=g).relu() * 3 - 0.5  # a spike, and both signs
+    plain, lanes = HostSignedCounter(2048), HostSignedCounter(2048)
+    lanes.spiky, lanes._checked = True, 10**9  # counting in lanes throughout
+    e = HostSignedCounter.batch_exponent(float(x.min()), float(x.max()))
+    for c in (plain, lanes):
+        c.count(x, e)
+    want = torch.bincount((x.double() * 2048 / 2.0**e).trunc().long() + 2048, minlength=4096)
+    assert torch.equal(plain.signed()[0], want)
+    assert torch.equal(lanes.signed()[0], want)
+    assert int(lanes.lanes[1:].sum()) > 0 or n < 2  # the lanes were used
 
 
 def test_cpu_histogram_equals_direct_count_on_spiky_and_smooth_batches():
@@ -397,7 +403,7 @@ def test_max_calibrators_of_one_tensor_reduce_it_once(monkeypatch):
 
     calls = []
     real = torch.aminmax
-    monkeypatch.setattr(cmax.torch, "aminmax", lambda t: calls.append(1) or real(t))
+    monkeypatch.setattr(cmax.torch, "aminmax", lambda t, **kw: calls.append(1) or real(t, **kw))
     g = torch.Generator().manual_seed(5)
     batches = [torch.randn(16, 8, generator=g) * s for s in (1.0, 3.0, 0.5)]
     alone, q, k, v = MaxCalibrator(), MaxCalibrator(), MaxCalibrator(), MaxCalibrator()

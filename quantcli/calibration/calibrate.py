@@ -18,8 +18,10 @@ from torch import nn
 
 from calibrators import MaxCalibrator
 from calibrators.auto import InputSample, choose
+from calibrators.batched import search_histograms, search_ranges
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
+from calibrators.scratch import release as release_scratch
 from calibrators.shared import shared_observations, shared_searches
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from quantcli import defaults
@@ -162,6 +164,7 @@ def calibrate(
             _activation_amax(qs, acts, calls, method, {"percentile": percentile}, summary, auto, group)
     finally:
         _stop_observers(acts, auto)
+        release_scratch()  # the largest activation's temporaries
     _summarise(qs, summary)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -386,11 +389,29 @@ def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
     return out
 
 
+def _search_together(acts: dict, method: str, kwargs: dict) -> None:
+    """Every activation quantizer's histogram search at once, per kind of search (:mod:`calibrators.batched`):
+    each quantizer's ``load_calib_amax`` below then takes its kept result. ``--method auto`` compares every
+    histogram method."""
+    methods = HISTOGRAM_METHODS if method == "auto" else (method,) if method in HISTOGRAM_METHODS else ()
+    _search_all([q.calibrator for q in acts.values() if q.calibrator is not None], methods, kwargs)
+
+
+def _search_all(cals: list, methods, kwargs: dict) -> None:
+    """:mod:`calibrators.batched` over ``cals`` for each of ``methods``, with the keyword arguments
+    ``load_calib_amax`` passes each method (``percentile`` to the percentile search only)."""
+    for m in methods:
+        kw = {"percentile": kwargs["percentile"]} if m == "percentile" and "percentile" in kwargs else {}
+        search_histograms(cals, m, kw)
+        search_ranges(cals, m, kw)
+
+
 def _load_activation_amax(
     qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary, auto: dict | None = None
 ) -> None:
     """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and
     reported."""
+    _search_together(acts, method, kwargs)
     for name, q in acts.items():
         if q.calibrator is not None and q.calibrator.num_batches == 0:
             # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
@@ -425,6 +446,8 @@ def recompute_amax(model: nn.Module, method: str, *, percentile: float = default
             f"recompute needs a histogram method (entropy, mse, percentile), got {method!r}"
         )
     done = []
+    kept = [q.histogram for q in quantizers(model).values() if q.histogram is not None and q.enabled]
+    _search_all(kept, (method,), {"percentile": percentile})
     with shared_searches():
         for name, q in quantizers(model).items():
             if q.histogram is not None and q.enabled:

@@ -1,0 +1,106 @@
+"""Every histogram search of one model at once: one call per kind of search, not one per quantizer.
+
+``calibrate()`` ends with an amax search per activation quantizer (:mod:`calibrators.histogram`) or, for an
+asymmetric one, a range search (:mod:`calibrators.two_sided`). The searches are pure functions of a histogram
+and take many rows at once (a per-channel histogram is rows), so the histograms of all quantizers with the
+same settings on one device are stacked into rows and searched together: one call, chunked by the device's
+memory, instead of one per quantizer with its own small kernels and, on a GPU, its own reads back to the host.
+A row's result depends on that row alone (its own candidates, its own float64 re-scoring of near ties), so
+each quantizer gets what its own search gives; the results are kept with the calibrators
+(:meth:`calibrators.base.Calibrator. keep_result`), which return them from ``compute_amax`` /
+``compute_range`` until their statistics change.
+
+Batched: ``entropy``, ``mse`` and ``percentile`` of :class:`calibrators.HistogramCalibrator`, ``percentile``
+of :class:`calibrators.two_sided_calibrator.TwoSidedHistogramCalibrator`. The asymmetric ``mse`` range is an
+alternating descent whose steps depend on the data; each quantizer still runs its own (on the CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from calibrators.histogram import METHODS, compute_amax_percentile
+from calibrators.histogram_calibrator import HistogramCalibrator
+from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+from quantcli import defaults
+from quantcli.errors import CalibrationError
+
+
+def search_histograms(calibrators: Iterable, method: str, kwargs: dict | None = None) -> int:
+    """Search ``method``'s amax for every :class:`HistogramCalibrator` among ``calibrators`` that has data,
+    one call per group of equal settings; returns the number searched. Calibrators whose search would raise
+    (no data, only zeros with ``skip_zeros``, entropy on an FP8 grid) are left out: their own ``compute_amax``
+    raises as before, with their name."""
+    kwargs = dict(kwargs or {})
+    groups: dict[tuple, list] = {}
+    for c in calibrators:
+        if not isinstance(c, HistogramCalibrator) or c.num_batches == 0:
+            continue
+        kw = c.search_kwargs(method, kwargs)
+        if method == "entropy" and isinstance(kw.get("num_bits"), (tuple, list)):
+            continue
+        if c.kept_result(c.result_key(method, kwargs)) is not None:
+            continue
+        try:
+            hist, edges = c.search_input()
+        except (CalibrationError, ValueError):
+            continue
+        key = (tuple(sorted(kw.items())), c.num_bins, hist.device)
+        groups.setdefault(key, []).append((c, hist, edges))
+    searched = 0
+    for (kw, _, _), items in groups.items():
+        hist = torch.cat([h for _, h, _ in items])
+        edges = torch.cat([e for _, _, e in items])
+        amax = METHODS[method](hist, edges, **dict(kw))
+        for (c, _, _), part in zip(items, amax.split([h.shape[0] for _, h, _ in items])):
+            c.keep_result(c.result_key(method, kwargs), c.shaped(part))
+            searched += 1
+    return searched
+
+
+def _sides(hist: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of :meth:`calibrators.signed_histogram.SignedHistogramCalibrator.sides`: ``(pos, neg)`` ``(rows,
+    nb)`` from ``(rows, 2 nb)`` signed counts (a value of the other sign is a zero of each side)."""
+    pos, neg = hist[:, nb:].clone(), hist[:, 1 : nb + 1].flip(1)
+    pos[:, 0] += hist[:, :nb].sum(1)
+    neg[:, 0] += hist[:, nb + 1 :].sum(1)
+    return pos, neg
+
+
+def search_ranges(calibrators: Iterable, method: str, kwargs: dict | None = None) -> int:
+    """The asymmetric ``percentile`` range of every :class:`TwoSidedHistogramCalibrator` among ``calibrators``
+    with data, one call per group of equal settings on one device (other methods: none batched, 0
+    returned)."""
+    if method != "percentile":
+        return 0
+    kwargs = dict(kwargs or {})
+    percentile = kwargs.get("percentile", defaults.PERCENTILE)
+    groups: dict[tuple, list] = {}
+    for c in calibrators:
+        if not isinstance(c, TwoSidedHistogramCalibrator) or c.num_batches == 0:
+            continue
+        if c.kept_result(c.result_key(method, kwargs)) is not None:
+            continue
+        try:
+            lo, hi = c.extremes.compute_range()
+            hist, exp = c.histogram.hist, c.histogram.range_exponent()
+        except (CalibrationError, ValueError):
+            continue
+        groups.setdefault((c.num_bins, hist.device), []).append((c, hist, exp, lo, hi))
+    searched = 0
+    for (nb, device), items in groups.items():
+        hist = torch.cat([h for _, h, _, _, _ in items]).to(torch.float64)
+        exp = torch.cat([e.to(device) for _, _, e, _, _ in items])
+        top = torch.ldexp(torch.ones_like(exp, dtype=torch.float64), exp.to(torch.int32))
+        edges = top.unsqueeze(1) * (torch.arange(nb + 1, dtype=torch.float64, device=device) / nb)
+        pos, neg = _sides(hist, nb)
+        highs = compute_amax_percentile(pos, edges, percentile).to(torch.float32)
+        lows = compute_amax_percentile(neg, edges, percentile).to(torch.float32)
+        for i, (c, _, _, lo, hi) in enumerate(items):
+            lo, hi = lo.to(device), hi.to(device)  # already widened to include 0
+            found = (torch.maximum(-lows[i], lo), torch.minimum(highs[i], hi))
+            c.keep_result(c.result_key(method, kwargs), found)
+            searched += 1
+    return searched

@@ -1,0 +1,424 @@
+"""Counting one batch into a histogram in a handful of torch operations, on the CPU and on a device.
+
+The histogram calibrators bin on power-of-two ranges (:mod:`calibrators.histogram_calibrator` gives the
+argument): ``nb`` bins of width ``w = 2**e / nb`` over ``[0, 2**e)`` for ``|x|``, or ``2 nb`` bins ``trunc(x /
+w)`` over ``(-2**e, 2**e)`` for ``x`` (:mod:`calibrators.signed_histogram`), ``e`` the smallest exponent with
+every value ``< 2**e``; when the range doubles ``k`` times, bin ``i`` goes to ``i >> k`` (:func:`merged`,
+:func:`signed_merged`), exactly. So counts made over any range no wider than the final one add up, after
+re-binning, to the histogram over the final range, bit for bit. How a batch is counted is what differs between
+the CPU and a device:
+
+- CPU (:class:`HostSignedCounter`): reading the batch's min and max costs nothing on the host
+  (:class:`calibrators.scratch.HostMinMax`), so the running exponent is a Python int and the running counts
+  are re-binned only when it grows. A batch is scaled by ``nb / 2**e``, truncated to integers ``f`` in ``(-nb,
+  nb)``, offset, counted with ``torch.bincount`` and added: five operations after the ``aminmax``, for both
+  calibrators (truncation gives each sign the bins of ``|x|``, so the ``|x|`` histogram is read off the signed
+  one: its bin ``k`` is ``f = k`` plus ``f = -k``). Where one bin holds much of the data (the zeros after a
+  ReLU) a plain count increments one counter back to back and each increment waits for the last; then
+  consecutive values are counted into ``LANES`` copies of the histogram by the offsets (one operation either
+  way; same counts). Measured on the sample models: a bin with half the values counts 20% faster in lanes, one
+  with 15% slower.
+- Device (:class:`DeviceAbsCounter`, :class:`DeviceSignedCounter`): no value is read back per batch (that
+  would synchronise with the host). Each batch is counted over its *own* power-of-two range, taken on the
+  device from the exponent bits of its extreme values, with ``torch.histc`` (shared-memory atomics on a GPU: a
+  spike of zeros does not serialise on one global counter), and the counts are kept, a reference per batch,
+  with the range they were made over. Every :data:`FOLD_EVERY` batches, and before the state is read, all of
+  them are re-binned to the widest range and summed by a few operations over all of them at once
+  (:func:`fold_abs`, :func:`fold_signed`). ``|x|``: five operations per batch (abs, max of the bits, mask,
+  divide, count); ``x``: five (aminmax, mask, divide, and one count per sign).
+
+``histc`` counts in float32, exact below ``2**24`` per bin: batches of more values are counted in chunks of
+:data:`CHUNK` (more operations, on tensors large enough for that not to matter). Values a device count cannot
+place (zeros divided by a zero range, magnitudes that underflow when scaled) all belong to bin 0, and are put
+there from the batch's size: every value of a finite batch is counted exactly once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from calibrators.scratch import CHUNK, persistent, scratch
+
+#: device batches kept before their counts are folded into the running histogram
+FOLD_EVERY = 128
+#: histogram copies consecutive values are counted into on the CPU when one bin dominates
+LANES = 4
+
+#: the integer dtype of a float dtype's width, and the mask of its exponent bits
+_EXPONENT_BITS = {
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+}
+_SIGN_BIT = {torch.int32: -(1 << 31), torch.int16: -(1 << 15)}
+
+
+def merged(hist: torch.Tensor, shift: torch.Tensor, nb: int) -> torch.Tensor:
+    """``hist`` (rows, nb) with groups of ``2**shift[r]`` adjacent bins summed into bin ``i >> shift[r]`` (the
+    range grew by ``2**shift``); shifts below 0 count as 0."""
+    shift = shift.reshape(-1).clamp(min=0, max=62)
+    src = torch.arange(nb, device=hist.device).unsqueeze(0)
+    dst = torch.bitwise_right_shift(src, shift.unsqueeze(1)).clamp_(max=nb - 1)
+    out = torch.zeros_like(hist)
+    out.scatter_add_(1, dst.expand_as(hist), hist)
+    return out
+
+
+def signed_merged(hist: torch.Tensor, shift: torch.Tensor, nb: int) -> torch.Tensor:
+    """``hist`` (rows, 2 nb), bin ``f + nb`` holding ``trunc(x / w) == f``, re-binned onto a range
+    ``2**shift[r]`` times wider: bin ``f`` goes to ``trunc(f / 2**shift[r])``."""
+    shift = shift.reshape(-1).clamp(min=0, max=62).to(hist.device).unsqueeze(1)
+    f = torch.arange(-nb, nb, device=hist.device).unsqueeze(0)
+    dst = torch.bitwise_right_shift(f.abs(), shift).mul_(f.sign()).add_(nb)
+    out = torch.zeros_like(hist)
+    out.scatter_add_(1, dst.expand_as(hist), hist)
+    return out
+
+
+def abs_of_signed(signed: torch.Tensor, nb: int) -> torch.Tensor:
+    """``(rows, nb)`` counts of ``|x|`` from ``(rows, 2 nb)`` counts of ``trunc(x / w)`` (same range): bin
+    ``k`` of ``|x|`` is ``f = k`` plus ``f = -k`` (``f = 0`` once)."""
+    out = signed[:, nb:].clone()
+    out[:, 1:] += signed[:, 1:nb].flip(1)
+    return out
+
+
+def signed_of_sides(pos: torch.Tensor, neg: torch.Tensor, nb: int) -> torch.Tensor:
+    """``(rows, 2 nb)`` counts of ``trunc(x / w)`` from ``(rows, nb)`` counts of the positive values and zeros
+    (``pos``) and of the negative values by magnitude (``neg``), both over the same range."""
+    zero = pos[:, :1] + neg[:, :1]
+    empty = torch.zeros_like(zero)
+    return torch.cat([empty, neg[:, 1:].flip(1), zero, pos[:, 1:]], dim=1)
+
+
+# --------------------------------------------------------------------------------------------------- CPU
+
+
+@functools.lru_cache(maxsize=4)
+def _lane_pattern(nb: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """``nb + (i % LANES) * 2 nb`` for ``i < n``: the offsets that put consecutive values into separate copies
+    of a signed histogram. Cached for the largest ``n`` asked; a prefix serves a smaller batch."""
+    with persistent():
+        return ((torch.arange(n) % LANES) * (2 * nb) + nb).to(dtype)
+
+
+def _lane_offsets(nb: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    size = 1 << max(10, (n - 1).bit_length())  # a few sizes only, each a prefix of the next
+    return _lane_views(_lane_pattern(nb, dtype, size), n)
+
+
+@functools.lru_cache(maxsize=256)
+def _lane_views(pattern: torch.Tensor, n: int) -> torch.Tensor:
+    with persistent():
+        return pattern[:n]
+
+
+def index_dtype(bins: int) -> torch.dtype:
+    """Bin indices over ``LANES`` copies of ``bins`` bins: int16 where they fit (the passes over them then
+    move half the bytes of int32)."""
+    return torch.int16 if LANES * bins <= torch.iinfo(torch.int16).max + 1 else torch.int32
+
+
+class HostSignedCounter:
+    """Counts of ``trunc(x / w)`` of CPU batches, ``w = 2**exp / nb``, accumulated over a range that grows
+    with the data (see the module). State: ``LANES`` copies of ``2 nb`` int64 counts; :meth:`signed` sums
+    them."""
+
+    def __init__(self, nb: int):
+        self.nb = nb
+        self.exp: int | None = None  # the counts are over (-2**exp, 2**exp)
+        self.lanes: torch.Tensor | None = None  # (LANES, 2 nb) int64
+        self._lane0: torch.Tensor | None = None
+        self._flat: torch.Tensor | None = None
+        self._lanes_np = None
+        self.spiky = False
+        self._checked = 0  # batches since the last look at the counts
+        self._scales: dict = {}
+
+    @staticmethod
+    def batch_exponent(lo: float, hi: float) -> int:
+        """The exponent of a batch's own range: ``max |x| < 2**e`` (``0`` for an all-zero batch)."""
+        return math.frexp(max(-lo, hi))[1]
+
+    def target(self, lo: float, hi: float) -> int:
+        """The exponent after a batch with this min and max: the running one or the batch's, whichever is
+        wider."""
+        e = self.batch_exponent(lo, hi)
+        return e if self.exp is None else max(e, self.exp)
+
+    def _widen(self, exp: int) -> None:
+        """Bring the counts to ``(-2**exp, 2**exp)`` (allocating them after a start or a :meth:`clear`)."""
+        with persistent():
+            if self.lanes is None:
+                self._set(torch.zeros(LANES, 2 * self.nb, dtype=torch.long))
+            elif exp > self.exp:
+                self._set(signed_merged(self.lanes, torch.tensor([exp - self.exp]), self.nb))
+        self.exp = exp if self.exp is None else max(self.exp, exp)
+
+    def _set(self, lanes: torch.Tensor) -> None:
+        self.lanes = lanes
+        with persistent():
+            self._lane0, self._flat = lanes[0], lanes.view(-1)
+            self._lanes_np = lanes.numpy()
+
+    def _scale(self, dtype: torch.dtype, exp: int):
+        """``nb / 2**exp``: a Python float for float32 input (exact there); for half inputs a float32 tensor
+        of one element, made once per exponent, so the product is computed in float32 (a half scalar could
+        overflow)."""
+        s = math.ldexp(float(self.nb), -exp)
+        if dtype in (torch.float32, torch.float64):
+            return s
+        t = self._scales.get(exp)
+        if t is None:
+            with persistent():
+                t = self._scales[exp] = torch.tensor([s], dtype=torch.float32)
+        return t
+
+    def count(self, x: torch.Tensor, exp: int) -> torch.Tensor:
+        """Count one batch, every ``|x| < 2**exp``, at the range ``exp`` (no narrower than the running one).
+        Returns this batch's counts (for calibrators of the same tensor: :meth:`add`)."""
+        self._widen(exp)
+        nb, n = self.nb, x.numel()
+        idt = index_dtype(2 * nb)
+        scaled = scratch("scaled", x.device, torch.float32, x.shape)
+        bins = scratch("bins", x.device, idt, x.shape)
+        flat = scratch("bins", x.device, idt, (n,))
+        torch.mul(x, self._scale(x.dtype, self.exp), out=scaled)  # exact: a power of two
+        bins.copy_(scaled)  # truncation: f in (-nb, nb)
+        if self.spiky:
+            flat.add_(_lane_offsets(nb, idt, n))
+            counts = torch.bincount(flat, minlength=LANES * 2 * nb)
+            self._flat.add_(counts)
+        else:
+            flat.add_(nb)
+            counts = torch.bincount(flat, minlength=2 * nb)
+            self._lane0.add_(counts)
+        self._look(n)
+        return counts
+
+    def add(self, counts: torch.Tensor, counts_exp: int, exp: int) -> None:
+        """Add another counter's counts of a batch, made over ``counts_exp <= exp``, at the range ``exp``."""
+        self._widen(exp)
+        if counts_exp < self.exp:
+            shift = torch.tensor([self.exp - counts_exp])
+            counts = signed_merged(counts.view(-1, 2 * self.nb), shift, self.nb)
+        (self._flat if counts.numel() > 2 * self.nb else self._lane0).add_(counts.view(-1))
+
+    def _look(self, n: int) -> None:
+        """Every 8th batch, decide whether to count in lanes: while one bin holds over a quarter of the values
+        so far (read on the host from the state: no torch operation)."""
+        self._checked -= 1
+        if self._checked > 0:
+            return
+        self._checked = 8
+        per_bin = self._lanes_np.sum(0)
+        self.spiky = bool(per_bin.max() * 4 > per_bin.sum())
+
+    def signed(self) -> torch.Tensor | None:
+        """``(1, 2 nb)`` int64 counts over ``(-2**exp, 2**exp)``; ``None`` before the first batch."""
+        return None if self.lanes is None else self.lanes.sum(0, keepdim=True)
+
+    def clear(self) -> None:
+        """Drop the counts, keeping the range (after they were taken into a calibrator's state)."""
+        self.lanes = self._lane0 = self._flat = self._lanes_np = None
+
+
+# ------------------------------------------------------------------------------------------------ device
+
+
+def _bits_of(dtype: torch.dtype) -> tuple[torch.dtype, int]:
+    found = _EXPONENT_BITS.get(dtype)
+    if found is None:
+        raise TypeError(f"cannot count {dtype} values on a device; use float32, bfloat16 or float16")
+    return found
+
+
+def _slots(dtype: torch.dtype, device: torch.device, width: int, view_shape: tuple[int, ...] | None = None):
+    """A fresh ``(FOLD_EVERY, width)`` buffer for one round of batches: its rows (as floats, as bits,
+    optionally viewed as ``view_shape`` for broadcasting) and, per column, its elements as 0-d views; every
+    view made here by a few operations for the whole round. Fresh per round, so a row stays valid as long as a
+    pending batch refers to it (calibrators of one tensor share them)."""
+    ibits, _ = _bits_of(dtype)
+    with persistent():
+        buf = torch.empty(FOLD_EVERY, width, dtype=dtype, device=device)
+        rows = buf.unbind(0)
+        bits = buf.view(ibits).unbind(0)
+        shaped = buf.view(FOLD_EVERY, *view_shape).unbind(0) if view_shape is not None else None
+        columns = tuple(col.unbind(0) for col in buf.unbind(1))
+    return rows, bits, shaped, columns
+
+
+class DeviceAbsCounter:
+    """``|x|`` counts of device batches, each over its own range, kept until folded (see the module).
+
+    ``pending``: per counted piece ``(counts (nb,) float32, q, values)``, ``q`` a 0-d float32 power of two
+    with the piece's values in ``[0, 2 q)``.
+    """
+
+    def __init__(self, nb: int):
+        self.nb = nb
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._round: tuple | None = None
+        self._used = 0
+
+    def count(self, x: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+        """Count one batch; returns its pending entries (also for calibrators of the same tensor)."""
+        if self._round is None or self._used == FOLD_EVERY:
+            self._round, self._used = _slots(torch.float32, x.device, 1), 0
+        rows, bits, _, _ = self._round
+        q, q_bits = rows[self._used], bits[self._used]
+        self._used += 1
+        n = x.numel()
+        a = scratch("abs", x.device, torch.float32, x.shape)
+        if x.dtype == torch.float32:
+            torch.abs(x, out=a)
+        else:  # abs keeps its input's dtype; copysign(x, 1) is |x| and casts to float32 (exact)
+            torch.copysign(x, 1.0, out=a)
+        flat = scratch("abs", x.device, torch.float32, (n,))
+        top = scratch("abs_top", x.device, torch.int32, (1,))
+        # the max of the bit patterns is the bits of max |x| (non-negative floats order as their bits; NaN
+        # above inf), and its exponent bits alone are the power of two q with max |x| in [q, 2 q)
+        torch.amax(scratch("abs", x.device, torch.float32, (n,), torch.int32), 0, keepdim=True, out=top)
+        torch.bitwise_and(top, 0x7F800000, out=q_bits)
+        entries = []
+        for piece in scratch("abs", x.device, torch.float32, (n,), "chunks") if n > CHUNK else (flat,):
+            torch.div(piece, q, out=piece)  # exact: a power of two; |x| / q in [0, 2)
+            entries.append((torch.histc(piece, self.nb, 0, 2), q, piece.numel()))
+        self.pending.extend(entries)
+        return entries
+
+    def full(self) -> bool:
+        return len(self.pending) >= FOLD_EVERY
+
+
+class DeviceSignedCounter:
+    """Counts of ``trunc(x / w)`` of device batches, each sign over its own range, kept until folded.
+
+    ``pending``: per counted piece ``(pos, neg, lohi, sides, values)``: the counts (``(nb,)`` float32 each) of
+    the values ``>= 0`` over ``[0, 2 sides[1])`` and of the magnitudes of those ``< 0`` over ``[0, -2
+    sides[0])``, the batch's ``(min, max)`` and the powers of two ``sides`` (0-d rows of ``(2,)`` tensors in
+    the input's dtype).
+    """
+
+    def __init__(self, nb: int):
+        self.nb = nb
+        self.pending: list[tuple] = []
+        self._rounds: dict = {}
+        self._used = 0
+
+    def bounds_out(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where the next batch's ``aminmax`` goes (0-d views of a fresh row): the ``(min, max)`` that
+        :meth:`count` then reads."""
+        key = (x.dtype, x.device, x.dim())
+        r = self._rounds.get(key)
+        if r is None or self._used == FOLD_EVERY:
+            bounds = _slots(x.dtype, x.device, 2)
+            sides = _slots(x.dtype, x.device, 2, (2,) + (1,) * x.dim())
+            self._rounds = {key: (bounds, sides)}
+            self._used = 0
+            r = self._rounds[key]
+        self._next = (r, self._used)
+        self._used += 1
+        lo, hi = r[0][3]
+        return lo[self._next[1]], hi[self._next[1]]
+
+    def count(self, x: torch.Tensor) -> list[tuple]:
+        """Count one batch whose min and max :meth:`bounds_out` received; returns its pending entries."""
+        (lohi_rows, lohi_bits, _, _), (side_rows, side_bits, side_shaped, _) = self._next[0]
+        k = self._next[1]
+        _, mask = _bits_of(x.dtype)
+        ibits, _ = _bits_of(x.dtype)
+        # [min & (sign | exponent), max & exponent] = [-p, q]: powers of two with min in (-2 p, -p], max in
+        # [q, 2 q)
+        torch.bitwise_and(lohi_bits[k], _side_masks(ibits, mask, x.device), out=side_bits[k])
+        n = x.numel()
+        y = scratch("signed", x.device, torch.float32, (2, *x.shape))
+        torch.div(x, side_shaped[k], out=y)  # [x / -p, x / q]: exact, powers of two
+        halves = scratch("signed", x.device, torch.float32, (2, n), "rows")
+        if n > CHUNK:  # pieces of each half (a view each, made once)
+            halves = [h.split(CHUNK) for h in halves]
+        else:
+            halves = [(h,) for h in halves]
+        entries = []
+        for neg_piece, pos_piece in zip(*halves):
+            pos = torch.histc(pos_piece, self.nb, 0, 2)  # x >= 0 (zeros here)
+            neg = torch.histc(neg_piece, self.nb, _TINY, 2)  # x < 0, by magnitude (zeros excluded)
+            entries.append((pos, neg, lohi_rows[k], side_rows[k], pos_piece.numel()))
+        self.pending.extend(entries)
+        return entries
+
+    def full(self) -> bool:
+        return len(self.pending) >= FOLD_EVERY
+
+
+#: below every positive float32 quotient the signed count can produce: ``histc``'s lower edge that leaves out
+#: 0
+_TINY = 2.0**-149
+
+
+@functools.lru_cache(maxsize=16)
+def _side_masks(ibits: torch.dtype, exponent: int, device: torch.device) -> torch.Tensor:
+    with persistent():
+        return torch.tensor([_SIGN_BIT[ibits] | exponent, exponent], dtype=ibits, device=device)
+
+
+@functools.lru_cache(maxsize=16)
+def _bin_index(nb: int, device: torch.device) -> torch.Tensor:
+    """``(1, nb)`` int64 ``0 .. nb-1``."""
+    with persistent():
+        return torch.arange(nb, device=device).unsqueeze(0)
+
+
+def _exponent(v: torch.Tensor) -> torch.Tensor:
+    """``e`` with ``|v| < 2**e`` as int64 (``frexp``'s: 0 for 0)."""
+    return torch.frexp(v)[1].to(torch.long)
+
+
+def _scatter(counts: torch.Tensor, dst: torch.Tensor, width: int) -> torch.Tensor:
+    """``(1, width)`` int64: ``counts`` (rows, nb) summed into the bins ``dst`` (rows, nb) of one
+    histogram."""
+    out = torch.zeros(1, width, dtype=torch.long, device=counts.device)
+    return out.scatter_add_(1, dst.view(1, -1), counts.to(torch.long).view(1, -1))
+
+
+def fold_abs(pending: list, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts (1, nb) int64, e (1,) int64, finite (pieces,) bool)``: the pending ``|x|`` counts re-binned
+    onto ``[0, 2**e)``, ``e`` the widest of their ranges, and whether each piece's batch was finite."""
+    counts = torch.stack([p[0] for p in pending])  # (R, nb) float32, exact integers
+    q = torch.stack([p[1] for p in pending]).view(-1)  # (R,) powers of two (0: a zero batch; inf: non-finite)
+    finite = torch.isfinite(q)
+    # [0, 2 q) = [0, 2**e); a zero batch: e = 0, as frexp(0) gives; a non-finite one (refused later): 0
+    exp = torch.where(finite, _exponent(q), 0)
+    top = exp.amax()
+    dst = torch.bitwise_right_shift(_bin_index(nb, counts.device), (top - exp).unsqueeze(1))
+    out = _scatter(counts, dst, nb)
+    # what histc could not place (zeros divided by a zero range, subnormals) belongs to bin 0
+    out[:, 0] += sum(p[2] for p in pending) - out.sum()
+    return out, top.view(1), finite
+
+
+def fold_signed(pending: list, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts (1, 2 nb) int64, e (1,) int64, finite (pieces,) bool)``: the pending signed counts re-binned
+    onto ``(-2**e, 2**e)``, ``e`` the exponent of the widest batch extent ``max(-min, max)``."""
+    pos = torch.stack([p[0] for p in pending])  # (R, nb) float32, exact integers
+    neg = torch.stack([p[1] for p in pending])
+    lohi = torch.stack([p[2] for p in pending])  # (R, 2) in the input's dtype
+    sides = torch.stack([p[3] for p in pending])  # (R, 2): [-p, q]
+    finite = torch.isfinite(lohi).all(1)
+    lo, hi = lohi.unbind(1)
+    neg = neg * (lo < 0).unsqueeze(1)  # min >= 0: that count was of positive values over [0, 2 min)
+    # the batch's own exponent, as the CPU takes it: of max(-min, max), 0 for an all-zero batch
+    exp = torch.where(finite, _exponent(torch.maximum(-lo, hi)), 0)
+    top = exp.amax()
+    e_neg, e_pos = _exponent(sides).unbind(1)
+    index = _bin_index(nb, pos.device)
+    # positive bin k goes to f = k >> shift, negative bin k to f = -(k >> shift), stored at f + nb
+    dst_pos = torch.bitwise_right_shift(index, (top - e_pos).clamp_(min=0).unsqueeze(1)).add_(nb)
+    dst_neg = torch.bitwise_right_shift(index, (top - e_neg).clamp_(min=0).unsqueeze(1)).neg_().add_(nb)
+    out = _scatter(torch.cat([pos, neg]), torch.cat([dst_pos, dst_neg]), 2 * nb)
+    # what histc could not place (zeros over a zero range, magnitudes that underflowed) belongs to f = 0
+    out[:, nb] += sum(p[4] for p in pending) - out.sum()
+    return out, top.view(1), finite
