@@ -185,8 +185,10 @@ def _observe_activations(
     seen = [0, 0]  # batches, samples
     with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
         for i, batch in enumerate(batches):
+            if any(v.device != dev for v in batch.values()):  # (a no-op move is an operation per input)
+                batch = to_device(batch, dev)
             with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
-                run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
+                run_model(model, batch, where=f"calibration batch {i}")
             seen[0] += 1
             seen[1] += num_samples([batch])
             if progress is not None:
