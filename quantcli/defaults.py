@@ -12,6 +12,7 @@ NUM_BINS = 2048  # --num-bins: histogram bins for entropy, mse and percentile (a
 BATCH_SIZE = 32  # --batch-size: whole arrays are re-batched into batches of this many samples
 MAX_LENGTH = 128  # --max-length: tokens per text example
 DEVICE = "auto"  # --device: cuda where there is a GPU, else cpu
+DTYPE = "model"  # calibrate --dtype: the observing pass runs in the model's own floating dtype
 POOLING = "none"  # --pooling: a Hugging Face base model's output as is
 WEIGHT_METHOD = "rtn"  # --weight-method: int4 weight rounding
 PLACEMENT = "auto"  # --placement: layers onnxruntime would not run faster quantized stay float

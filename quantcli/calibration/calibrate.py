@@ -8,6 +8,7 @@ quantization during the pass), then each calibrator's amax search. Calibrators c
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -114,6 +115,7 @@ def calibrate(
     device: str | torch.device = "auto",
     progress: Callable[[int], None] | None = None,
     group=None,
+    dtype: str | torch.dtype | None = None,
 ) -> CalibrationSummary:
     """Calibrate every enabled, static quantizer of a quantized ``model`` in place.
 
@@ -135,6 +137,11 @@ def calibrate(
         device: ``auto``, ``cpu``, ``cuda[:i]`` or a ``torch.device``.
         progress: called with the batch index after each batch.
         group: the ``torch.distributed`` process group to merge over (default: the default group, if any).
+        dtype: the floating dtype the model computes in while its activations are observed: ``bfloat16`` or
+            ``float16`` (half precision, as LLMs run on a GPU), ``float32``, or ``None``/``"model"`` for the
+            model's own. The floating inputs are cast to it too. Statistics are float32 either way, and the
+            weights (calibrated before, from the model's own), their amax and every tensor of the model are
+            exactly as they were afterwards: only the activation amax reflect the half-precision run.
     """
     ranks = world_size(group)
     t0 = time.perf_counter()
@@ -143,6 +150,7 @@ def calibrate(
             "--method auto chooses from each rank's own input sample; run it in one process"
         )
     with one_outcome(group):
+        compute = compute_dtype(dtype)
         qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
     auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
     dynamic = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8}
@@ -150,9 +158,10 @@ def calibrate(
         # activations are calibrated on the float model (as TensorRT does): every other quantizer stands
         # aside, so the pass costs a forward plus the observers and nothing else
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
-            total_batches, total_samples, calls = _observe_activations(
-                model, batches, dev, dynamic, progress, group
-            )
+            with running_in(model, compute):
+                total_batches, total_samples, calls = _observe_activations(
+                    model, batches, dev, dynamic, progress, group, compute
+                )
             summary = CalibrationSummary(
                 method,
                 str(dev),
@@ -172,6 +181,45 @@ def calibrate(
     return summary
 
 
+#: calibrate's ``dtype`` choices (``--dtype``): ``model`` keeps the model's own
+COMPUTE_DTYPES = {
+    "model": None,
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def compute_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``dtype`` as a floating torch dtype, or ``None`` for the model's own."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if isinstance(dtype, str) and dtype in COMPUTE_DTYPES:
+        return COMPUTE_DTYPES[dtype]
+    raise CalibrationError(f"unknown dtype {dtype!r}; choose one of {', '.join(COMPUTE_DTYPES)}")
+
+
+@contextlib.contextmanager
+def running_in(model: nn.Module, dtype: torch.dtype | None):
+    """Within the block the model's floating parameters and buffers are ``dtype`` (the quantizers' own amax
+    and amin stay float32); afterwards each is its original tensor again, exactly (not a cast back)."""
+    if dtype is None:
+        yield
+        return
+    own = {id(t) for q in quantizers(model).values() for t in (*q.parameters(False), *q.buffers(False))}
+    swapped = []
+    with torch.no_grad():
+        for t in itertools.chain(model.parameters(), model.buffers()):
+            if t.is_floating_point() and t.dtype != dtype and id(t) not in own:
+                swapped.append((t, t.data))
+                t.data = t.data.to(dtype)
+    try:
+        yield
+    finally:
+        for t, data in swapped:
+            t.data = data
+
+
 def _observe_activations(
     model: nn.Module,
     batches: Sequence[Batch],
@@ -179,14 +227,17 @@ def _observe_activations(
     dynamic: dict,
     progress: Callable[[int], None] | None,
     group,
+    compute: torch.dtype | None = None,
 ) -> tuple[int, int, dict[str, int]]:
-    """The observing pass over this rank's batches. Returns (batches, samples, calls of each dynamic
-    quantizer), summed over every rank."""
+    """The observing pass over this rank's batches (floating inputs cast to ``compute`` where given). Returns
+    (batches, samples, calls of each dynamic quantizer), summed over every rank."""
     seen = [0, 0]  # batches, samples
     with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
         for i, batch in enumerate(batches):
             if any(v.device != dev for v in batch.values()):  # (a no-op move is an operation per input)
                 batch = to_device(batch, dev)
+            if compute is not None:
+                batch = {k: v.to(compute) if v.is_floating_point() else v for k, v in batch.items()}
             with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
                 run_model(model, batch, where=f"calibration batch {i}")
             seen[0] += 1

@@ -67,6 +67,7 @@ class CalibrationRequest:
     batch_size: int | None = None
     num_samples: int | None = None
     device: str = defaults.DEVICE
+    dtype: str = defaults.DTYPE  # what the observing pass computes in (quantcli.calibration.calibrate)
     out: Path | None = None
     trust_pickle: bool = False
     pooling: str = defaults.POOLING
@@ -161,6 +162,7 @@ class CalibrationJob:
             num_bins=r.num_bins,
             device=device,
             progress=progress,
+            dtype=r.dtype,
         )
         if r.weight_method == "gptq":  # rounds within the calibrated grid, on the device calibration used
             from quantcli.calibration.weight_rounding import gptq

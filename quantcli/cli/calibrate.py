@@ -14,6 +14,7 @@ from quantcli.cli.guard import STATE, guarded
 from quantcli.cli.options import (
     PREPROCESSING,
     BatchSizeOpt,
+    ComputeDtype,
     CpuOpt,
     DataOpt,
     JsonOpt,
@@ -77,6 +78,15 @@ def calibrate(
     num_samples: NumSamplesOpt = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda[:i].")] = defaults.DEVICE,
     cpu: CpuOpt = None,
+    dtype: Annotated[
+        ComputeDtype,
+        typer.Option(
+            "--dtype",
+            help="What the model computes in while activations are observed: model (its own dtype), "
+            "float32, bfloat16 or float16, as LLMs run on a GPU. Statistics stay float32; the checkpoint "
+            "keeps the model's own weights.",
+        ),
+    ] = ComputeDtype(defaults.DTYPE),
     out_path: Annotated[
         Optional[Path],
         typer.Option("--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
@@ -190,6 +200,7 @@ def calibrate(
         batch_size=batch_size,
         num_samples=num_samples,
         device=device,
+        dtype=dtype.value,
         out=out_path,
         trust_pickle=trust_pickle,
         pooling=pooling,

@@ -30,6 +30,15 @@ from quantcli.quant import cpu as cpu_kinds
 Method = Enum("Method", {m: m for m in CALIBRATION_METHODS}, type=str)
 
 
+class ComputeDtype(str, Enum):
+    """calibrate --dtype: what the model runs in while its activations are observed."""
+
+    model = "model"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class Exporter(str, Enum):
     torchscript = "torchscript"
     dynamo = "dynamo"
