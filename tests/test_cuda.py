@@ -163,3 +163,136 @@ def test_two_sided_histograms_on_cuda_equal_the_cpus():
     for method in ("mse", "percentile"):
         for a, b in zip(gpu.compute_range(method), cpu.compute_range(method)):
             assert a.device.type == "cuda" and torch.equal(a.cpu(), b), method
+
+
+# ------------------------------------------------------------------------------------------- issue 38
+
+
+def _small_batches(name: str, count: int, size: int, device: str = "cuda") -> list[dict]:
+    from tests.test_calibration_ops import _batches
+
+    return [{k: v.to(device) for k, v in b.items()} for b in _batches(name, count, size)]
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
+@pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
+def test_operations_per_quantizer_per_batch_on_cuda(name, method):
+    """The CPU test's limits (tests/test_calibration_ops.py), on the GPU: max <= 3, histograms <= 6 operations
+    per quantizer per batch, a fold of FOLD_EVERY batches included."""
+    from calibrators.counting import FOLD_EVERY
+    from tests.dispatch import calibration_ops
+    from tests.test_calibration_ops import LIMIT, _quantized
+
+    model = _quantized(name).cuda()
+    got = calibration_ops(model, _small_batches(name, FOLD_EVERY + 2, 2), method, device="cuda")
+    assert 0 < got.per_quantizer_batch <= LIMIT[method], got
+
+
+@pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
+def test_calibration_over_folds_never_synchronizes(method):
+    """More batches than FOLD_EVERY, so folds happen while sync-debug mode raises on any host
+    synchronisation."""
+    from calibrators.counting import FOLD_EVERY
+    from tests.test_calibration_ops import _quantized
+
+    batches = _small_batches("text_encoder", 2 * FOLD_EVERY + 3, 2)
+    model = _quantized("text_encoder").cuda()
+    last = len(batches) - 1
+
+    def progress(i):
+        torch.cuda.set_sync_debug_mode("error" if i < last else "default")
+
+    try:
+        calibrate(model, batches, method, device="cuda", progress=progress)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_device_counts_equal_the_cpus_over_folds(dtype):
+    """Both histograms counted on the GPU (each batch over its own range, histc, folded) equal the CPU's bin
+    for bin: zeros of both signs, all-zero and one-signed batches, a growing range, half-precision input."""
+    from calibrators import HistogramCalibrator
+    from calibrators.counting import FOLD_EVERY
+    from calibrators.signed_histogram import SignedHistogramCalibrator
+
+    g = torch.Generator().manual_seed(5)
+    cals = {d: (HistogramCalibrator(), SignedHistogramCalibrator()) for d in ("cpu", "cuda")}
+    for i in range(FOLD_EVERY + 50):
+        x = torch.randn(1000 + i % 7, generator=g) * (0.2 if i < 80 else 5.0)
+        if i % 9 == 0:
+            x = x.relu()
+        if i % 11 == 0:
+            x = -x.abs()
+        if i % 13 == 0:
+            x = torch.zeros_like(x)
+        x[:2] = torch.tensor([0.0, -0.0])
+        x = x.to(dtype)
+        for d, cs in cals.items():
+            for c in cs:
+                c.collect(x.to(d))
+    for cpu, gpu in zip(cals["cpu"], cals["cuda"]):
+        assert torch.equal(gpu.hist.cpu(), cpu.hist)
+        assert torch.equal(gpu.range_exponent().cpu(), cpu.range_exponent().cpu())
+
+
+@pytest.mark.parametrize("method", ["entropy", "mse", "percentile"])
+def test_batched_searches_on_the_gpu_equal_one_by_one(method):
+    """All searches of a model at once on the GPU (calibrators.batched): each quantizer's own search's
+    amax."""
+    from calibrators import HistogramCalibrator
+    from calibrators.batched import search_histograms, search_ranges
+    from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+
+    kw = {"percentile": 99.9} if method == "percentile" else {}
+
+    def made():
+        g = torch.Generator().manual_seed(9)
+        cals = [
+            HistogramCalibrator(axis=1 if i == 3 else None, num_bits=4 if i == 4 else 8) for i in range(6)
+        ]
+        cals += [TwoSidedHistogramCalibrator() for _ in range(3)]
+        for c in cals:
+            for _ in range(3):
+                c.collect(
+                    (torch.randn(64, 96, generator=g) * float(torch.rand(1, generator=g) * 5 + 0.1)).cuda()
+                )
+        return cals
+
+    def amax(c):
+        if isinstance(c, TwoSidedHistogramCalibrator):
+            return torch.stack(c.compute_range(method, **kw)) if method == "percentile" else None
+        return c.compute_amax(method, **kw)
+
+    alone = [amax(c) for c in made()]
+    together = made()
+    search_histograms(together, method, kw)
+    search_ranges(together, method, kw)
+    for i, (c, want) in enumerate(zip(together, alone)):
+        if want is not None:
+            got = amax(c)
+            assert got.device.type == "cuda" and torch.equal(got, want), i
+
+
+@pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
+def test_bfloat16_calibration_on_the_gpu_is_float32_within_its_rounding(name):
+    """calibrate(dtype="bfloat16") on the GPU: each activation amax a bfloat16 value within two of its steps
+    of the float32 run's (on the GPU too), the weights and their amax exactly a float32 run's."""
+    from tests.test_calibration_ops import _quantized
+
+    batches = _small_batches(name, 6, 16)
+    runs = {}
+    for dtype in (None, "bfloat16"):
+        model = _quantized(name).cuda()
+        calibrate(model, batches, "max", device="cuda", dtype=dtype)
+        runs[dtype] = {n: q.amax for n, q in quantizers(model).items() if q.amax is not None}
+        if dtype is not None:
+            assert all(p.dtype == torch.float32 for p in model.parameters())
+    eps = torch.finfo(torch.bfloat16).eps
+    for n, a in runs["bfloat16"].items():
+        want = runs[None][n]
+        if n.endswith("weight_quantizer"):
+            assert torch.equal(a, want), n
+        else:
+            assert torch.equal(a.bfloat16().float(), a), n
+            torch.testing.assert_close(a, want, rtol=2 * eps, atol=0, msg=n)
