@@ -1,14 +1,15 @@
 """Calibration against a plain forward pass on models of the size people calibrate on a GPU (issue 38).
 
-Five workloads (``benchmarks.sized_models``, random weights; the samples with their own data): a ResNet-50-shaped
-CNN at batch 64 x 224 x 224, a BERT-base-shaped encoder at batch 32 x 128 tokens, a decoder of about 1 B parameters
-in bfloat16 at batch 4 x 512 tokens, digits_cnn and text_encoder. For each and each method (max, entropy, mse,
-percentile): the plain forward pass of the batches (the same quantized model, every quantizer disabled, under
-``inference_mode``) against ``calibrate()`` of the same batches, both already on the device, timed with the device
-synchronised before and after, the first run of each (allocation, kernel selection) not timed, the fastest of the
-rounds kept. ``calibrate`` is split at its last batch (a CUDA event there): the observing pass (weights too) and the
-searches after it, per quantizer searched. The host time per quantizer per batch is what the observing loop spent
-in Python and dispatch beyond the plain loop's, per batch and observing quantizer (on a GPU, without waiting).
+Five workloads (``benchmarks.sized_models``, random weights; the samples with their own data): a
+ResNet-50-shaped CNN at batch 64 x 224 x 224, a BERT-base-shaped encoder at batch 32 x 128 tokens, a decoder
+of about 1 B parameters in bfloat16 at batch 4 x 512 tokens, digits_cnn and text_encoder. For each and each
+method (max, entropy, mse, percentile): the plain forward pass of the batches (the same quantized model, every
+quantizer disabled, under ``inference_mode``) against ``calibrate()`` of the same batches, both already on the
+device, timed with the device synchronised before and after, the first run of each (allocation, kernel
+selection) not timed, the fastest of the rounds kept. ``calibrate`` is split at its last batch (a CUDA event
+there): the observing pass (weights too) and the searches after it, per quantizer searched. The host time per
+quantizer per batch is what the observing loop spent in Python and dispatch beyond the plain loop's, per batch
+and observing quantizer (on a GPU, without waiting).
 
 Targets (issue 38): max <= 1.15x and histogram methods <= 1.5x a plain forward pass on the ResNet-50- and
 BERT-base-shaped models, <= 2x on the decoder and the samples; each entropy/mse search <= 10 ms per quantizer.
@@ -49,7 +50,9 @@ class Workload:
 
 def _ids(count: int, batch: int, tokens: int, vocab: int, device):
     g = torch.Generator().manual_seed(0)
-    return [{"input_ids": torch.randint(0, vocab, (batch, tokens), generator=g).to(device)} for _ in range(count)]
+    return [
+        {"input_ids": torch.randint(0, vocab, (batch, tokens), generator=g).to(device)} for _ in range(count)
+    ]
 
 
 def _images(count: int, batch: int, side: int, device):
@@ -185,7 +188,9 @@ def measure(w: Workload, method: str, device: torch.device, quick: bool, rounds:
     return _row(w, method, best, host, len(observing), searched, last)
 
 
-def _row(w: Workload, method: str, best: dict, host: dict, observing: int, searched: int, batches: int) -> dict:
+def _row(
+    w: Workload, method: str, best: dict, host: dict, observing: int, searched: int, batches: int
+) -> dict:
     limit = w.limits[0 if method == "max" else 1]
     ratio = best["calibrate"] / best["plain"]
     search_ms = max(0.0, best["calibrate"] - best["observe"]) * 1e3
@@ -216,12 +221,16 @@ def gpu_description(device: torch.device) -> str:
         return machine() + f", CPU flags: {cpu_flags()}"
     name = torch.cuda.get_device_name(device)
     try:
-        driver = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-        ).stdout.split("\n")[0].strip()
+        driver = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            .stdout.split("\n")[0]
+            .strip()
+        )
     except (OSError, subprocess.SubprocessError):
         driver = "unknown"
     return (
@@ -292,7 +301,7 @@ def main(argv=None) -> list[dict]:
     print(gpu_description(dev), flush=True)
     models = a.models.split(",") if a.models else None
     rows = run(a.device, a.quick, rounds, models, a.methods.split(","))
-    print(f"(fastest of {rounds} timed round(s) after one untimed; batches on the device; synchronised timing)")
+    print(f"(fastest of {rounds} timed round(s) after an untimed one; batches on the device; synchronised)")
     print(table(rows, COLUMNS))
     if a.json:
         with open(a.json, "w") as f:

@@ -1,7 +1,7 @@
-"""Models of the sizes people calibrate on a GPU, with random weights (for timing only: what a layer computes does
-not depend on its weights' values, how long it takes does not either): a ResNet-50-shaped CNN, a BERT-base-shaped
-encoder and a decoder of about 1 B parameters. Each takes a ``scale`` in ``(0, 1]`` that shrinks widths and depth
-for a CPU run (``bench_gpu_calibration --quick``)."""
+"""Models of the sizes people calibrate on a GPU, with random weights (for timing only: what a layer computes
+does not depend on its weights' values, how long it takes does not either): a ResNet-50-shaped CNN, a
+BERT-base-shaped encoder and a decoder of about 1 B parameters. Each takes a ``scale`` in ``(0, 1]`` that
+shrinks widths and depth for a CPU run (``bench_gpu_calibration --quick``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ class Bottleneck(nn.Module):
 
 
 class ResNet50Like(nn.Module):
-    """ResNet-50's layout: stem, [3, 4, 6, 3] bottlenecks of widths 64-512 (x scale), global pool, classifier."""
+    """ResNet-50's layout: stem, [3, 4, 6, 3] bottlenecks of widths 64-512 (x scale), global pool,
+    classifier."""
 
     def __init__(self, scale: float = 1.0, classes: int = 1000):
         super().__init__()
@@ -68,7 +69,8 @@ class EncoderLayer(nn.Module):
 
     def forward(self, x):
         b, s, h = x.shape
-        a = F.scaled_dot_product_attention(self._split(self.q(x)), self._split(self.k(x)), self._split(self.v(x)))
+        q, k, v = (self._split(p(x)) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v)
         x = self.ln1(x + self.o(a.transpose(1, 2).reshape(b, s, h)))
         return self.ln2(x + self.down(F.gelu(self.up(x))))
 
@@ -119,8 +121,8 @@ class DecoderLayer(nn.Module):
 
 
 class Decoder1BLike(nn.Module):
-    """About 1 B parameters at scale 1: hidden 2048, 16 layers, 16 heads, SwiGLU 5632, vocabulary 32000, untied
-    output layer; returns the logits."""
+    """About 1 B parameters at scale 1: hidden 2048, 16 layers, 16 heads, SwiGLU 5632, vocabulary 32000,
+    untied output layer; returns the logits."""
 
     def __init__(self, scale: float = 1.0, vocab: int = 32000):
         super().__init__()
