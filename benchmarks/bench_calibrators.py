@@ -163,6 +163,61 @@ def collect_rows(device: str) -> list[dict]:
     return rows
 
 
+HOST_US_TARGET = 20.0
+
+
+def host_rows(device: str = "cpu") -> list[dict]:
+    """Host time and torch operations of one ``collect`` per calibrator kind, per tensor, on an activation of
+    64 values (the kernels' own time is then negligible: what remains is Python, dispatch and launch) and on a
+    64 x 768 one, batch after batch (state allocated, 2 x FOLD_EVERY batches so a device fold is in the
+    average)."""
+    from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+    from calibrators.counting import FOLD_EVERY
+    from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+    from tests.dispatch import OpCounter
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    kinds = {
+        "max": MaxCalibrator,
+        "min/max (asymmetric, max)": MinMaxCalibrator,
+        "histogram of |x|": HistogramCalibrator,
+        "two-sided (asymmetric, mse/percentile)": TwoSidedHistogramCalibrator,
+    }
+    n = 2 * FOLD_EVERY
+    rows = []
+    for shape in ((4, 16), (64, 768)):
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randn(*shape, generator=g).to(device) for _ in range(8)]
+        for label, cls in kinds.items():
+            with torch.inference_mode():
+                c = cls()
+                for x in xs:
+                    c.collect(x)
+                counter = OpCounter()
+                with counter:
+                    for i in range(n):
+                        c.collect(xs[i % 8])
+                best = float("inf")
+                for _ in range(5):
+                    sync()
+                    t = time.perf_counter()
+                    for i in range(n):
+                        c.collect(xs[i % 8])
+                    host = time.perf_counter() - t  # on a GPU: without waiting for the kernels
+                    best = min(best, host / n)
+            row = {
+                "calibrator": label,
+                "activation": "x".join(map(str, shape)),
+                "operations": f"{counter.count / n:.2f}",
+                "host us": f"{best * 1e6:.1f}",
+            }
+            if shape == (4, 16):
+                row["target"] = f"<= {HOST_US_TARGET:.0f} us"
+                row["result"] = verdict(best * 1e6 <= HOST_US_TARGET)
+            rows.append(row)
+    return rows
+
+
 _MEM = """
 import torch
 torch.set_num_threads(1)
@@ -236,6 +291,10 @@ def main(argv=None):
         table(
             collect_rows(a.device), ["collect", "activation", "collect ms", "matmul ms", "collect / matmul"]
         )
+    )
+    print("\nhost time and operations per quantizer per batch (64 values: what is not the kernels' own time)")
+    print(
+        table(host_rows(a.device), ["calibrator", "activation", "operations", "host us", "target", "result"])
     )
     if a.device == "cpu":
         print("\nmemory: three calibrators, 64 x 3072 activations, separate processes")

@@ -88,6 +88,9 @@ class Calibrator:
 
     def _kept(self, x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(kept axes, amax shape with rank kept) for ``x``; checks kept sizes do not change."""
+        if self.axis is None:  # per tensor: the common case, without the general bookkeeping below
+            self._kept_shape = ()
+            return (), ()
         axes = normalize_axis(self.axis, x.dim())
         shape = tuple(x.shape[d] if d in axes else 1 for d in range(x.dim())) if axes else ()
         if self._kept_shape is not None and shape != self._kept_shape:

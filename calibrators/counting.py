@@ -40,7 +40,7 @@ import math
 
 import torch
 
-from calibrators.scratch import CHUNK, persistent, scratch
+from calibrators.scratch import CHUNK, generation, persistent, scratch
 
 #: device batches kept before their counts are folded into the running histogram
 FOLD_EVERY = 128
@@ -146,6 +146,7 @@ class HostSignedCounter:
         self.spiky = False
         self._checked = 0  # batches since the last look at the counts
         self._scales: dict = {}
+        self._kept_views: tuple | None = None
         self._narrow: list[torch.Tensor] = []  # counts of batches not yet added: (2 nb,) each
         self._wide: list[torch.Tensor] = []  # ... counted in lanes: (LANES * 2 nb,) each
 
@@ -194,22 +195,35 @@ class HostSignedCounter:
         """Count one batch, every ``|x| < 2**exp``, at the range ``exp`` (no narrower than the running one).
         Returns this batch's counts (for calibrators of the same tensor: :meth:`add`)."""
         self._widen(exp)
-        nb, n = self.nb, x.numel()
-        idt = index_dtype(2 * nb)
-        scaled = scratch("scaled", x.device, torch.float32, x.shape)
-        bins = scratch("bins", x.device, idt, x.shape)
-        flat = scratch("bins", x.device, idt, (n,))
-        torch.mul(x, self._scale(x.dtype, self.exp), out=scaled)  # exact: a power of two
+        nb = self.nb
+        scaled, bins, flat, scale = self._views(x)
+        torch.mul(x, scale, out=scaled)  # exact: a power of two
         bins.copy_(scaled)  # truncation: f in (-nb, nb)
         if self.spiky:
-            flat.add_(_lane_offsets(nb, idt, n))
+            flat.add_(_lane_offsets(nb, flat.dtype, flat.numel()))
             counts = torch.bincount(flat, minlength=LANES * 2 * nb)
         else:
-            flat.add_(_offset(nb, idt))
+            flat.add_(_offset(nb, flat.dtype))
             counts = torch.bincount(flat, minlength=2 * nb)
         self._keep(counts)
-        self._look(n)
+        self._look()
         return counts
+
+    def _views(self, x: torch.Tensor) -> tuple:
+        """The scratch tensors a batch like ``x`` is counted in, and the scale: kept while ``x``'s shape,
+        dtype and the range stay and no scratch buffer was replaced (even looking them up costs
+        microseconds)."""
+        key = (x.shape, x.dtype, self.exp, generation())
+        if self._kept_views is None or self._kept_views[0] != key:
+            idt = index_dtype(2 * self.nb)
+            views = (
+                scratch("scaled", x.device, torch.float32, x.shape),
+                scratch("bins", x.device, idt, x.shape),
+                scratch("bins", x.device, idt, (x.numel(),)),
+                self._scale(x.dtype, self.exp),
+            )
+            self._kept_views = (key, views)
+        return self._kept_views[1]
 
     def _keep(self, counts: torch.Tensor) -> None:
         """Keep a batch's counts to be added with the next ones (:data:`HOST_ADD_EVERY` at a time)."""
@@ -232,7 +246,7 @@ class HostSignedCounter:
             counts = signed_merged(counts.view(-1, 2 * self.nb), shift, self.nb).view(-1)
         self._keep(counts)
 
-    def _look(self, n: int) -> None:
+    def _look(self) -> None:
         """Every 8th batch, decide whether to count in lanes: while one bin holds over a quarter of the values
         so far (read on the host from the state: no torch operation)."""
         self._checked -= 1

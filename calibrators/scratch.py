@@ -35,6 +35,13 @@ class _Pool:
 
 
 _pools: dict[tuple, _Pool] = {}
+_generation = [0]  # bumped whenever a buffer is replaced: views kept elsewhere are then stale
+
+
+def generation() -> int:
+    """Changes whenever a scratch buffer is replaced (grown, released): a caller that keeps views of scratch
+    tensors (to skip even the lookup) makes them again when this changes."""
+    return _generation[0]
 
 
 def scratch(
@@ -70,6 +77,7 @@ def scratch(
         with torch.inference_mode(False):  # written in and out of inference mode alike
             pool.buf = torch.empty(max(n, 1), dtype=dtype, device=device)
         pool.views.clear()
+        _generation[0] += 1
     if len(pool.views) >= _MAX_VIEWS:
         pool.views.clear()
     with torch.inference_mode(False):  # a view made in inference mode could not be written outside it
@@ -86,6 +94,7 @@ def release() -> None:
     """Free every scratch buffer (after calibration: the largest activation's temporaries otherwise stay
     allocated, on a GPU in the caching allocator)."""
     _pools.clear()
+    _generation[0] += 1
 
 
 def _bf16_values(bits: np.ndarray) -> np.ndarray:
