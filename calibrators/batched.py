@@ -7,12 +7,14 @@ same settings on one device are stacked into rows and searched together: one cal
 memory, instead of one per quantizer with its own small kernels and, on a GPU, its own reads back to the host.
 A row's result depends on that row alone (its own candidates, its own float64 re-scoring of near ties), so
 each quantizer gets what its own search gives; the results are kept with the calibrators
-(:meth:`calibrators.base.Calibrator. keep_result`), which return them from ``compute_amax`` /
+(:meth:`calibrators.base.Calibrator.keep_result`), which return them from ``compute_amax`` /
 ``compute_range`` until their statistics change.
 
 Batched: ``entropy``, ``mse`` and ``percentile`` of :class:`calibrators.HistogramCalibrator`, ``percentile``
-of :class:`calibrators.two_sided_calibrator.TwoSidedHistogramCalibrator`. The asymmetric ``mse`` range is an
-alternating descent whose steps depend on the data; each quantizer still runs its own (on the CPU).
+of :class:`calibrators.two_sided_calibrator.TwoSidedHistogramCalibrator`, and its ``mse`` on a device
+(:func:`calibrators.two_sided.ranges_mse`: the alternating descent of every quantizer in step, over every
+bin; on the CPU each quantizer's own search, over its non-empty bins only, costs several times less and is
+kept).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from calibrators.histogram import METHODS, compute_amax_percentile
 from calibrators.histogram_calibrator import HistogramCalibrator
+from calibrators.two_sided import ranges_mse
 from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
 from quantcli.errors import CalibrationError
@@ -69,11 +72,16 @@ def _sides(hist: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
     return pos, neg
 
 
+def mse_together(device: torch.device) -> bool:
+    """Whether the asymmetric ``mse`` searches on ``device`` run together (see the module)."""
+    return device.type != "cpu"
+
+
 def search_ranges(calibrators: Iterable, method: str, kwargs: dict | None = None) -> int:
     """The asymmetric ``percentile`` range of every :class:`TwoSidedHistogramCalibrator` among ``calibrators``
-    with data, one call per group of equal settings on one device (other methods: none batched, 0
-    returned)."""
-    if method != "percentile":
+    with data, and the ``mse`` one of those on a device (:func:`mse_together`), one call per group of equal
+    settings on one device; returns the number searched."""
+    if method not in ("percentile", "mse"):
         return 0
     kwargs = dict(kwargs or {})
     percentile = kwargs.get("percentile", defaults.PERCENTILE)
@@ -88,14 +96,25 @@ def search_ranges(calibrators: Iterable, method: str, kwargs: dict | None = None
             hist, exp = c.histogram.hist, c.histogram.range_exponent()
         except (CalibrationError, ValueError):
             continue
-        groups.setdefault((c.num_bins, hist.device), []).append((c, hist, exp, lo, hi))
+        if method == "mse" and not mse_together(hist.device):
+            continue
+        groups.setdefault((c.num_bins, hist.device, c.num_bits), []).append((c, hist, exp, lo, hi))
     searched = 0
-    for (nb, device), items in groups.items():
+    for (nb, device, num_bits), items in groups.items():
         hist = torch.cat([h for _, h, _, _, _ in items]).to(torch.float64)
         exp = torch.cat([e.to(device) for _, _, e, _, _ in items])
         top = torch.ldexp(torch.ones_like(exp, dtype=torch.float64), exp.to(torch.int32))
         edges = top.unsqueeze(1) * (torch.arange(nb + 1, dtype=torch.float64, device=device) / nb)
         pos, neg = _sides(hist, nb)
+        if method == "mse":
+            lo_all = torch.stack([lo.to(device).reshape(()) for _, _, _, lo, _ in items])
+            hi_all = torch.stack([hi.to(device).reshape(()) for _, _, _, _, hi in items])
+            kw = {k: v for k, v in kwargs.items() if k != "num_bits"}
+            lows, highs = ranges_mse(pos, neg, edges, lo_all, hi_all, num_bits=num_bits, **kw)
+            for i, (c, *_) in enumerate(items):
+                c.keep_result(c.result_key(method, kwargs), (lows[i], highs[i]))
+                searched += 1
+            continue
         highs = compute_amax_percentile(pos, edges, percentile).to(torch.float32)
         lows = compute_amax_percentile(neg, edges, percentile).to(torch.float32)
         for i, (c, _, _, lo, hi) in enumerate(items):

@@ -212,6 +212,48 @@ def test_range_percentiles_together_equal_one_by_one(monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _range_error(c: TwoSidedHistogramCalibrator, lo: torch.Tensor, hi: torch.Tensor) -> float:
+    """The squared error range_mse minimises, of ``(lo, hi)`` on ``c``'s histogram."""
+    from calibrators.two_sided import _errors, _points, _side
+
+    pos, neg, edges = c.histogram.sides()
+    points = _points((_side(pos, edges), _side(neg, edges)))
+    return float(_errors(lo.cpu().reshape(1), hi.cpu().reshape(1), points, c.num_bits))
+
+
+def test_range_mse_searches_together_equal_one_by_one(monkeypatch):
+    """The asymmetric mse search of many quantizers in step (calibrators.two_sided.ranges_mse, what a GPU
+    runs; here on the CPU) ends where each quantizer's own search ends, or, where errors tie to float64
+    rounding, at a pair of the same error."""
+    from calibrators import batched
+
+    def made():
+        out = []
+        spec = [(0.5, 1.0), (-2.0, 0.3), (0.0, 9.0), (3.0, 0.01), (0.7, 2.0), (0.0, 0.05)]
+        for i, (shift, scale) in enumerate(spec):
+            c = TwoSidedHistogramCalibrator(num_bits=8 if i != 3 else 6, name=f"t{i}")
+            g = torch.Generator().manual_seed(20 + i)
+            for _ in range(4):
+                x = torch.randn(64, 50, generator=g) * scale + shift * scale
+                c.collect(torch.where(x > 0, x, 0.3 * x) if i == 4 else x.relu() if i == 5 else x)
+            out.append(c)
+        return out
+
+    alone = [c.compute_range("mse") for c in made()]
+    monkeypatch.setattr(batched, "mse_together", lambda device: True)
+    together = made()
+    assert search_ranges(together, "mse", {}) == 6
+    same = 0
+    for c, want in zip(together, alone):
+        got = c.kept_result(c.result_key("mse", {}))
+        assert got is not None
+        if all(torch.equal(a, b) for a, b in zip(got, want)):
+            same += 1
+        else:
+            assert _range_error(c, *got) == pytest.approx(_range_error(c, *want), rel=1e-9)
+    assert same >= 4
+
+
 @pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
 @pytest.mark.parametrize("method", ["entropy", "mse", "percentile"])
 def test_calibrate_searches_together_as_one_by_one(name, method, monkeypatch):

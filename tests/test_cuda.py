@@ -261,17 +261,25 @@ def test_batched_searches_on_the_gpu_equal_one_by_one(method):
 
     def amax(c):
         if isinstance(c, TwoSidedHistogramCalibrator):
-            return torch.stack(c.compute_range(method, **kw)) if method == "percentile" else None
+            return torch.stack(c.compute_range(method, **kw)) if method != "entropy" else None
         return c.compute_amax(method, **kw)
 
     alone = [amax(c) for c in made()]
     together = made()
     search_histograms(together, method, kw)
-    search_ranges(together, method, kw)
+    assert search_ranges(together, method, kw) == (3 if method != "entropy" else 0)
     for i, (c, want) in enumerate(zip(together, alone)):
-        if want is not None:
-            got = amax(c)
-            assert got.device.type == "cuda" and torch.equal(got, want), i
+        if want is None:
+            continue
+        got = amax(c)
+        assert got.device.type == "cuda", i
+        if isinstance(c, TwoSidedHistogramCalibrator) and method == "mse" and not torch.equal(got, want):
+            # the mse ranges searched in step (ranges_mse) may keep another pair where errors tie to rounding
+            from tests.test_calibration_ops import _range_error
+
+            assert _range_error(c, *got) == pytest.approx(_range_error(c, *want), rel=1e-9), i
+        else:
+            assert torch.equal(got, want), i
 
 
 @pytest.mark.parametrize("name", ["digits_cnn", "text_encoder"])
