@@ -22,9 +22,14 @@ from quantcli.quant import arithmetic
 
 def _chunk_elements(device: torch.device) -> int:
     """candidates x bins x channels evaluated at once. On the CPU about one 2048-bin channel (a couple of
-    MiB per temporary, cache-resident: larger chunks measured 2-3x slower per element); on a GPU, many
-    channels."""
-    return 1 << 24 if device.type == "cuda" else 1 << 18
+    MiB per temporary, cache-resident: larger chunks measured 2-3x slower per element); on a GPU as many as
+    its free memory holds with room to spare (the searches' temporaries take 16-32 bytes per element: 1/32 of
+    the free bytes, between 2**24 and 2**27), so the searches of a whole model (calibrators.batched) run in a
+    few chunks, each with its few reads back to the host."""
+    if device.type != "cuda":
+        return 1 << 18
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(min(1 << 27, max(1 << 24, free // 32)))
 
 
 def _prepare(hist, bin_edges):
