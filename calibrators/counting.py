@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 import torch
 
 from calibrators.scratch import CHUNK, generation, persistent, scratch
@@ -108,8 +109,15 @@ def _lane_pattern(nb: int, dtype: torch.dtype, n: int) -> torch.Tensor:
 
 
 def _lane_offsets(nb: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """The offsets for ``n`` values: one row of ``_LANE_ROW`` broadcast over the batch where ``n`` is a
+    multiple of it (a cache-resident row; activations mostly are), else a prefix of a full-length pattern."""
+    if n % _LANE_ROW == 0:
+        return _lane_pattern(nb, dtype, _LANE_ROW)
     size = 1 << max(10, (n - 1).bit_length())  # a few sizes only, each a prefix of the next
     return _lane_views(_lane_pattern(nb, dtype, size), n)
+
+
+_LANE_ROW = 1024
 
 
 @functools.lru_cache(maxsize=256)
@@ -134,7 +142,14 @@ def index_dtype(bins: int) -> torch.dtype:
 class HostSignedCounter:
     """Counts of ``trunc(x / w)`` of CPU batches, ``w = 2**exp / nb``, accumulated over a range that grows
     with the data (see the module). State: ``LANES`` copies of ``2 nb`` int64 counts; :meth:`signed` sums
-    them."""
+    them.
+
+    For a histogram of ``|x|`` alone (:meth:`abs_counts`) a batch may instead be counted by magnitude
+    (:meth:`abs_max`, :meth:`count_abs`: abs, max of the bits, scale, truncate, count: one pass over the
+    input, then over the scratch copy; ``nb`` bins): cheaper where the data are not concentrated in one bin.
+    Where they are (the zeros after a ReLU), the signed count in lanes is. Both kinds add up into one
+    histogram.
+    """
 
     def __init__(self, nb: int):
         self.nb = nb
@@ -149,6 +164,10 @@ class HostSignedCounter:
         self._kept_views: tuple | None = None
         self._narrow: list[torch.Tensor] = []  # counts of batches not yet added: (2 nb,) each
         self._wide: list[torch.Tensor] = []  # ... counted in lanes: (LANES * 2 nb,) each
+        self._magnitudes: list[torch.Tensor] = []  # ... counted by magnitude: (nb,) each
+        self.absolute: torch.Tensor | None = None  # (nb,) int64: counts of |x| over [0, 2**exp)
+        self._absolute_np = None
+        self._top = self._top_np = None  # the max of a batch's bit patterns, and the host's view of it
 
     @staticmethod
     def batch_exponent(lo: float, hi: float) -> int:
@@ -168,16 +187,22 @@ class HostSignedCounter:
         self._add_batches()
         with persistent():
             if self.lanes is None:
-                self._set(torch.zeros(LANES, 2 * self.nb, dtype=torch.long))
+                self._set(
+                    torch.zeros(LANES, 2 * self.nb, dtype=torch.long), torch.zeros(self.nb, dtype=torch.long)
+                )
             else:
-                self._set(signed_merged(self.lanes, torch.tensor([exp - self.exp]), self.nb))
+                shift = torch.tensor([exp - self.exp])
+                self._set(
+                    signed_merged(self.lanes, shift, self.nb),
+                    merged(self.absolute.view(1, -1), shift, self.nb)[0],
+                )
         self.exp = exp if self.exp is None else max(self.exp, exp)
 
-    def _set(self, lanes: torch.Tensor) -> None:
-        self.lanes = lanes
+    def _set(self, lanes: torch.Tensor, absolute: torch.Tensor) -> None:
+        self.lanes, self.absolute = lanes, absolute
         with persistent():
             self._lane0, self._flat = lanes[0], lanes.view(-1)
-            self._lanes_np = lanes.numpy()
+            self._lanes_np, self._absolute_np = lanes.numpy(), absolute.numpy()
 
     def _scale(self, dtype: torch.dtype, exp: int) -> torch.Tensor:
         """``nb / 2**exp`` as a float32 tensor made once per exponent: a Python scalar costs a conversion per
@@ -196,11 +221,11 @@ class HostSignedCounter:
         Returns this batch's counts (for calibrators of the same tensor: :meth:`add`)."""
         self._widen(exp)
         nb = self.nb
-        scaled, bins, flat, scale = self._views(x)
+        scaled, bins, flat, rows, scale = self._views(x)
         torch.mul(x, scale, out=scaled)  # exact: a power of two
         bins.copy_(scaled)  # truncation: f in (-nb, nb)
         if self.spiky:
-            flat.add_(_lane_offsets(nb, flat.dtype, flat.numel()))
+            (flat if rows is None else rows).add_(_lane_offsets(nb, flat.dtype, flat.numel()))
             counts = torch.bincount(flat, minlength=LANES * 2 * nb)
         else:
             flat.add_(_offset(nb, flat.dtype))
@@ -215,25 +240,72 @@ class HostSignedCounter:
         microseconds)."""
         key = (x.shape, x.dtype, self.exp, generation())
         if self._kept_views is None or self._kept_views[0] != key:
-            idt = index_dtype(2 * self.nb)
+            idt, n = index_dtype(2 * self.nb), x.numel()
             views = (
                 scratch("scaled", x.device, torch.float32, x.shape),
                 scratch("bins", x.device, idt, x.shape),
-                scratch("bins", x.device, idt, (x.numel(),)),
+                scratch("bins", x.device, idt, (n,)),
+                scratch("bins", x.device, idt, (n // _LANE_ROW, _LANE_ROW)) if n % _LANE_ROW == 0 else None,
                 self._scale(x.dtype, self.exp),
             )
             self._kept_views = (key, views)
         return self._kept_views[1]
 
-    def _keep(self, counts: torch.Tensor) -> None:
+    def abs_max(self, x: torch.Tensor) -> float:
+        """``max |x|`` of a batch, with ``|x|`` left in the scratch buffer :meth:`count_abs` counts (abs, then
+        the max of the bit patterns: for non-negative floats their order, NaN above inf; an integer max runs
+        twice as fast as a float one). Two operations; the max is read on the host without another."""
+        if self._top is None:
+            with persistent():
+                self._top = torch.zeros(1, dtype=torch.int32)
+                self._top_np = self._top.numpy().view(np.float32)
+        a = scratch("scaled", x.device, torch.float32, x.shape)
+        if x.dtype == torch.float32:
+            torch.abs(x, out=a)
+        else:  # abs keeps its input's dtype; copysign(x, 1) is |x| and casts to float32 (exact)
+            torch.copysign(x, 1.0, out=a)
+        torch.amax(
+            scratch("scaled", x.device, torch.float32, (x.numel(),), torch.int32), 0, True, out=self._top
+        )
+        return float(self._top_np[0])
+
+    def count_abs(self, x: torch.Tensor, exp: int) -> torch.Tensor:
+        """Count the magnitudes :meth:`abs_max` left of the batch ``x``, every one ``< 2**exp``, at the range
+        ``exp``: scale, truncate, count (``nb`` bins). Returns the counts (for calibrators of the same tensor:
+        :meth:`add_abs`)."""
+        self._widen(exp)
+        n = x.numel()
+        a = scratch("scaled", x.device, torch.float32, (n,))
+        bins = scratch("bins", x.device, index_dtype(2 * self.nb), (n,))
+        a.mul_(self._scale(torch.float32, self.exp))  # exact: a power of two
+        bins.copy_(a)  # truncation == floor for non-negative values, every bin < nb
+        counts = torch.bincount(bins, minlength=self.nb)
+        self._keep(counts, self._magnitudes)
+        self._look()
+        return counts
+
+    def add_abs(self, counts: torch.Tensor, counts_exp: int, exp: int) -> None:
+        """Add another counter's magnitude counts of a batch, made over ``counts_exp <= exp``."""
+        self._widen(exp)
+        if counts_exp < self.exp:
+            counts = merged(counts.view(1, -1), torch.tensor([self.exp - counts_exp]), self.nb)[0]
+        self._keep(counts, self._magnitudes)
+
+    def _keep(self, counts: torch.Tensor, kind: list | None = None) -> None:
         """Keep a batch's counts to be added with the next ones (:data:`HOST_ADD_EVERY` at a time)."""
-        (self._wide if counts.numel() > 2 * self.nb else self._narrow).append(counts)
-        if len(self._wide) + len(self._narrow) >= HOST_ADD_EVERY:
+        if kind is None:
+            kind = self._wide if counts.numel() > 2 * self.nb else self._narrow
+        kind.append(counts)
+        if len(self._wide) + len(self._narrow) + len(self._magnitudes) >= HOST_ADD_EVERY:
             self._add_batches()
 
     def _add_batches(self) -> None:
-        """Add the kept batches' counts into the lanes: two operations for each kind kept."""
-        for kept, into in ((self._narrow, self._lane0), (self._wide, self._flat)):
+        """Add the kept batches' counts into the state: two operations for each kind kept."""
+        for kept, into in (
+            (self._narrow, self._lane0),
+            (self._wide, self._flat),
+            (self._magnitudes, self.absolute),
+        ):
             if kept:
                 into.add_(torch.stack(kept).sum(0) if len(kept) > 1 else kept[0])
                 kept.clear()
@@ -254,17 +326,26 @@ class HostSignedCounter:
             return
         self._checked = 8
         per_bin = self._lanes_np.sum(0)
-        self.spiky = bool(per_bin.max() * 4 > per_bin.sum())
+        self.spiky = bool(
+            per_bin.max() * 4 > per_bin.sum() or self._absolute_np.max() * 4 > self._absolute_np.sum()
+        )
 
     def signed(self) -> torch.Tensor | None:
         """``(1, 2 nb)`` int64 counts over ``(-2**exp, 2**exp)``; ``None`` before the first batch."""
         self._add_batches()
         return None if self.lanes is None else self.lanes.sum(0, keepdim=True)
 
+    def abs_counts(self) -> torch.Tensor | None:
+        """``(1, nb)`` int64 counts of ``|x|`` over ``[0, 2**exp)`` from both kinds of counts; ``None`` before
+        the first batch."""
+        signed = self.signed()
+        return None if signed is None else abs_of_signed(signed, self.nb) + self.absolute
+
     def clear(self) -> None:
         """Drop the counts, keeping the range (after they were taken into a calibrator's state)."""
         self.lanes = self._lane0 = self._flat = self._lanes_np = None
-        self._narrow, self._wide = [], []
+        self.absolute = self._absolute_np = None
+        self._narrow, self._wide, self._magnitudes = [], [], []
 
 
 # ------------------------------------------------------------------------------------------------ device

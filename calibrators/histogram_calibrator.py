@@ -21,7 +21,6 @@ from calibrators.base import Calibrator
 from calibrators.counting import (
     DeviceAbsCounter,
     HostSignedCounter,
-    abs_of_signed,
     fold_abs,
     merged,
 )
@@ -32,7 +31,7 @@ from quantcli import defaults
 
 #: keys of a tensor's counts in :mod:`calibrators.shared`: signed counts on the CPU (both histogram
 #: calibrators make them alike), ``|x|`` counts of one batch over its own range on a device
-SIGNED_COUNTS, ABS_COUNTS = "signed_counts", "abs_counts"
+SIGNED_COUNTS, ABS_COUNTS, MAGNITUDE_COUNTS = "signed_counts", "abs_counts", "magnitude_counts"
 
 
 class HistogramCalibrator(Calibrator):
@@ -91,16 +90,19 @@ class HistogramCalibrator(Calibrator):
             self._collect_device(seen, x)
 
     def _collect_cpu(self, seen: torch.Tensor, x: torch.Tensor) -> None:
-        """Per tensor on the CPU: the batch's min and max (shared by calibrators of this tensor), then its
-        signed counts at the running range (or another calibrator's counts of this tensor where no
-        coarser)."""
-        lo, hi = batch_min_max(seen, x, self._host)
-        if not (math.isfinite(lo) and math.isfinite(hi)):
-            self._refuse_nonfinite()
+        """Per tensor on the CPU: the batch counted by magnitude, or where one bin dominates by sign in lanes
+        (:class:`calibrators.counting.HostSignedCounter`), at the running range; or another calibrator's
+        counts of this tensor where no coarser."""
         if self._cpu is None:
             self._cpu = HostSignedCounter(self.num_bins)
             if self._exp_int is not None:  # a state loaded or folded before: no narrower than it
                 self._cpu.exp = self._exp_int
+        if not self._cpu.spiky:
+            self._collect_magnitudes(seen, x)
+            return
+        lo, hi = batch_min_max(seen, x, self._host)
+        if not (math.isfinite(lo) and math.isfinite(hi)):
+            self._refuse_nonfinite()
         target = self._cpu.target(lo, hi)
         hit = shared.lookup(seen, (SIGNED_COUNTS, self.num_bins))
         if hit is not None and hit[1] <= target:
@@ -108,6 +110,25 @@ class HistogramCalibrator(Calibrator):
         else:
             counts = self._cpu.count(x, target)
             shared.store(seen, (SIGNED_COUNTS, self.num_bins), (counts, self._cpu.exp))
+        if self.skip_zeros:
+            self._zeros += int((x == 0).sum())
+        self._cpu_new = True
+        self._batches += 1
+
+    def _collect_magnitudes(self, seen: torch.Tensor, x: torch.Tensor) -> None:
+        """The batch's ``|x|`` counted at the running range widened to its max (shared with calibrators of
+        this tensor as the signed counts are)."""
+        c = self._cpu
+        key = (MAGNITUDE_COUNTS, self.num_bins)
+        hit = shared.lookup(seen, key)
+        if hit is not None and math.isfinite(hit[2]) and hit[1] <= c.target(-hit[2], hit[2]):
+            c.add_abs(hit[0], hit[1], c.target(-hit[2], hit[2]))
+        else:
+            top = c.abs_max(x)
+            if not math.isfinite(top):
+                self._refuse_nonfinite()
+            counts = c.count_abs(x, c.target(-top, top))
+            shared.store(seen, key, (counts, c.exp, top))
         if self.skip_zeros:
             self._zeros += int((x == 0).sum())
         self._cpu_new = True
@@ -134,7 +155,7 @@ class HistogramCalibrator(Calibrator):
     def _flush(self) -> None:
         """Fold the counts not yet in :attr:`_hist` into it (the range grows to the widest)."""
         if self._cpu is not None and self._cpu_new:
-            counts = abs_of_signed(self._cpu.signed(), self.num_bins)
+            counts = self._cpu.abs_counts()
             self._add_counts(counts, torch.tensor([self._cpu.exp]))
             self._exp_int = int(self._exp[0])
             self._cpu.exp = self._exp_int
