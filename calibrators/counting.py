@@ -527,8 +527,9 @@ def fold_signed(pending: list, nb: int) -> tuple[torch.Tensor, torch.Tensor, tor
     onto ``(-2**e, 2**e)``, ``e`` the exponent of the widest batch extent ``max(-min, max)``."""
     pos = torch.stack([p[0] for p in pending])  # (R, nb) float32, exact integers
     neg = torch.stack([p[1] for p in pending])
-    lohi = torch.stack([p[2] for p in pending])  # (R, 2) in the input's dtype
-    sides = torch.stack([p[3] for p in pending])  # (R, 2): [-p, q]
+    # float32 (exact): frexp is not defined for every half dtype on every device
+    lohi = torch.stack([p[2] for p in pending]).to(torch.float32)  # (R, 2): the batches' (min, max)
+    sides = torch.stack([p[3] for p in pending]).to(torch.float32)  # (R, 2): [-p, q]
     finite = torch.isfinite(lohi).all(1)
     lo, hi = lohi.unbind(1)
     neg = neg * (lo < 0).unsqueeze(1)  # min >= 0: that count was of positive values over [0, 2 min)
