@@ -15,9 +15,8 @@ import math
 import numpy as np
 import torch
 
-from calibrators import shared
+from calibrators import counting, shared
 from calibrators.base import Calibrator
-from calibrators.counting import FOLD_EVERY
 from calibrators.scratch import HostMinMax, persistent, reads_on_host
 
 #: the key of a tensor's (min, max) in :mod:`calibrators.shared`
@@ -55,7 +54,7 @@ class _Pending:
         self.items.append(item)
         self.batches.append(batch)
         self.key = key
-        return len(self.items) >= FOLD_EVERY
+        return len(self.items) >= counting.FOLD_EVERY
 
     def mismatch(self, key: tuple) -> bool:
         return bool(self.items) and key != self.key
