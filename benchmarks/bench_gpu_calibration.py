@@ -260,7 +260,13 @@ def run(device: str, quick: bool, rounds: int, models: list[str] | None, methods
         print(f"{name}: built in {time.perf_counter() - t:.1f} s", flush=True)
         for method in methods:
             rows.append(measure(w, method, dev, quick, rounds, model))
-            print(f"  {method}: {rows[-1]['ratio']} {rows[-1]['result']}", flush=True)
+            r = rows[-1]  # as it comes: a run cut short by a time limit keeps what it measured
+            print(
+                f"  {method}: plain {r['plain ms']} ms, calibrate {r['calibrate ms']} ms, {r['ratio']} "
+                f"{r['result']} ({r['target']}); observe {r['observe ratio']}, search {r['search ms']} ms "
+                f"({r['ms / search']} ms each), host {r['host us / q / batch']} us/q/batch",
+                flush=True,
+            )
         del model
         if dev.type == "cuda":
             torch.cuda.empty_cache()
