@@ -69,4 +69,8 @@ step bench_gpu 170 "$PY" -m benchmarks.bench_gpu_calibration --device cuda --rou
 # 6. the amax searches on the GPU (one histogram, 768 per-channel ones), and collection against a matmul
 step bench_calibrators 40 "$PY" -m benchmarks.bench_calibrators --device cuda --quick
 
+# 7. issue 36: this machine's CPU kind and its row set of the kernel-cost table latency placement reads (a CPU
+#    with VNNI adds the x86-vnni rows: copy $OUT/kernel_costs.json's entry into exporters/onnxruntime/)
+step cpu_kernel_costs 60 "$PY" -m benchmarks.bench_kernel_costs --write --out "$OUT/kernel_costs.json" --seconds 0.3
+
 log "done in ${SECONDS}s; outputs: $(ls "$OUT" | tr '\n' ' ')"
