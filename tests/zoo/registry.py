@@ -90,11 +90,15 @@ def float_outputs(name: str, data: dict[str, np.ndarray]) -> list[np.ndarray]:
     return [t.numpy() for t in (out if isinstance(out, tuple) else (out,))]
 
 
-def onnx_outputs(path: Path, data: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """The graph in onnxruntime (CPU, default options, as deployed) on ``data``."""
+def onnx_outputs(path: Path, data: dict[str, np.ndarray], optimize: bool = True) -> list[np.ndarray]:
+    """The graph in onnxruntime (CPU, default options, as deployed; ``optimize=False``: every optimization
+    off, each node as ONNX defines it) on ``data``."""
     import onnxruntime as ort
 
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    so = ort.SessionOptions()
+    if not optimize:
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
     feeds = {i.name: data[i.name] for i in sess.get_inputs()}
     return sess.run(None, feeds)
 

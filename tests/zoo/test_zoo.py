@@ -43,7 +43,10 @@ def test_zoo_model_through_the_cli(model, exporter, target, calibrated, tmp_path
     # the independent judge: onnxruntime on the graph against the model as the user's factory builds it
     with np.load(held) as z:
         data = {k: z[k] for k in z.files}
-    cos = min(zoo.cosine(g, f) for g, f in zip(zoo.onnx_outputs(graph, data), zoo.float_outputs(model, data)))
+    # a TensorRT-target graph is judged as ONNX defines it (TensorRT runs it, not onnxruntime's CPU kernels,
+    # which can saturate its 8-bit weights on a CPU without VNNI); an onnxruntime one as it is deployed
+    outs = zoo.onnx_outputs(graph, data, optimize=target == "onnxruntime")
+    cos = min(zoo.cosine(g, f) for g, f in zip(outs, zoo.float_outputs(model, data)))
     explained = _quantization_cosine(ck, data)
     assert cos >= explained - COSINE_MARGIN and cos >= MIN_COSINE_TO_FLOAT, (
         f"the graph computes something else: cosine {cos:.4f} to the model, quantization explains "
@@ -81,9 +84,20 @@ def test_zoo_every_linear_like_layer_is_quantized(model, calibrated):
     import torch
 
     ck, _ = calibrated(model, "onnxruntime")
-    stored = torch.load(ck, weights_only=True)["quantizers"]
+    data = torch.load(ck, weights_only=True)
+    stored = data["quantizers"]
     quantized = {
         n.rsplit(".", 1)[0] for n, q in stored.items() if n.endswith("weight_quantizer") and q["enabled"]
     }
-    missing = [n for n in zoo.linear_like_layers(zoo.module(model).make()) if n not in quantized]
+    # latency placement may keep a layer float for the deployment CPU (not fused, or a slower kernel by the
+    # measured table): a decision with its reason, not a layer quantize_model missed
+    latency = data["calibration"]["placement"].get("latency") or {}
+    placed = {d["layer"]: d["reason"] for d in latency.get("layers", []) if d["decision"] == "float"}
+    assert all(
+        why.startswith(("onnxruntime runs it in float", "its integer kernel is slower"))
+        for why in placed.values()
+    )
+    missing = [
+        n for n in zoo.linear_like_layers(zoo.module(model).make()) if n not in quantized and n not in placed
+    ]
     assert not missing, f"{len(missing)} layers stay float: {missing[:5]}"
