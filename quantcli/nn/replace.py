@@ -55,8 +55,8 @@ class QuantizeReport:
     computed: list[str] = field(default_factory=list)
     fast_paths_off: list[str] = field(default_factory=list)
     # the float check: every transformation compared, module by module and quantizers off, with the model as
-    # loaded on the example batch (quantcli.nn.module_outputs): {"checked", "modules", "reverted": [{"layer",
-    # "cause"}]}
+    # loaded on the example batch (quantcli.nn.module_outputs): {"checked", "modules", "reverted": [{"kind":
+    # "fold" or "layer", "layer", "cause"}]}
     float_check: dict = field(default_factory=lambda: {"checked": False})
     # the model as loaded, module by module (a later transformation, SmoothQuant, is checked against it)
     float_reference: dict[str, Fingerprint] = field(default_factory=dict, repr=False)
@@ -275,7 +275,7 @@ def _check_conversions(
             )
             unfold(model, report.batchnorm, bn, "folding it changed the float output (float check)")
             del folded[bn]
-            reverted.append({"layer": bn, "cause": cause})
+            reverted.append({"kind": "fold", "layer": bn, "cause": cause})
         else:
             layer = layers.pop(what)
             cause = f"quantizing {what} changed {module} ({describe_change(rel)}); left float"
@@ -289,7 +289,7 @@ def _check_conversions(
             report.float_layers.append(
                 {"name": what, "type": type(layer).__name__, "reason": f"float check: {cause}"}
             )
-            reverted.append({"layer": what, "cause": cause})
+            reverted.append({"kind": "layer", "layer": what, "cause": cause})
 
 
 def _culprit(module: str, folded: dict[str, str], layers: dict[str, nn.Module], report) -> tuple | None:

@@ -40,6 +40,9 @@ BLOCKS = (
     (6, 5, 1, 32, 40),
     (6, 5, 1, 40, 40),
 )
+#: a shorter network for the default tests: a stride-2 block (right/bottom padding only), then two residual
+#: blocks in a row (the second one's skip input is the first one's sum)
+SHORT_BLOCKS = ((1, 3, 1, 16, 8), (6, 3, 2, 8, 12), (6, 5, 1, 12, 12), (6, 3, 1, 12, 12))
 BN_MOMENTUM, BN_EPS = 0.01, 1e-3
 DROP_CONNECT_RATE = 0.2
 
@@ -140,18 +143,18 @@ class MBConvBlock(nn.Module):
 
 
 class EfficientNet(nn.Module):
-    def __init__(self, image_size: int = IMAGE, classes: int = CLASSES):
+    def __init__(self, image_size: int = IMAGE, classes: int = CLASSES, blocks=BLOCKS):
         super().__init__()
         self._conv_stem = Conv2dStaticSamePadding(3, 16, 3, stride=2, bias=False, image_size=image_size)
         self._bn0 = nn.BatchNorm2d(16, momentum=BN_MOMENTUM, eps=BN_EPS)
         size = math.ceil(image_size / 2)
-        blocks = []
-        for expand, kernel, stride, inp, out in BLOCKS:
-            blocks.append(MBConvBlock(expand, kernel, stride, inp, out, size))
+        layers = []
+        for expand, kernel, stride, inp, out in blocks:
+            layers.append(MBConvBlock(expand, kernel, stride, inp, out, size))
             size = math.ceil(size / stride)
-        self._blocks = nn.ModuleList(blocks)
-        head = 4 * BLOCKS[-1][4]
-        self._conv_head = Conv2dStaticSamePadding(BLOCKS[-1][4], head, 1, bias=False, image_size=size)
+        self._blocks = nn.ModuleList(layers)
+        head = 4 * blocks[-1][4]
+        self._conv_head = Conv2dStaticSamePadding(blocks[-1][4], head, 1, bias=False, image_size=size)
         self._bn1 = nn.BatchNorm2d(head, momentum=BN_MOMENTUM, eps=BN_EPS)
         self._avg_pooling = nn.AdaptiveAvgPool2d(1)
         self._dropout = nn.Dropout(0.2)
@@ -201,5 +204,13 @@ def warm_batchnorm(model: nn.Module, inputs: dict[str, np.ndarray], passes: int 
 def make() -> nn.Module:
     torch.manual_seed(0)
     model = EfficientNet()
+    warm_batchnorm(model, samples(64, 1000))
+    return model
+
+
+def make_short() -> nn.Module:
+    """The same construction with :data:`SHORT_BLOCKS` (21 convolutions instead of 57)."""
+    torch.manual_seed(0)
+    model = EfficientNet(blocks=SHORT_BLOCKS)
     warm_batchnorm(model, samples(64, 1000))
     return model
