@@ -1,8 +1,9 @@
 """Layers are quantized where the model computes them, their ``forward`` left as written (issue 35).
 
-EfficientNet-PyTorch's ``Conv2dStaticSamePadding`` pads in ``forward``: found by class, its stride-2 layers lost
-their right/bottom padding in silence (a 9x9 probe cannot see it) and the others stayed float. Weight
-standardisation, LoRA-style subclasses and a weight passed to ``F.linear`` by a plain function were left float;
+EfficientNet-PyTorch's ``Conv2dStaticSamePadding`` pads in ``forward``: found by class, its stride-2 layers
+lost their right/bottom padding in silence (a 9x9 probe cannot see it) and the others stayed float. Weight
+standardisation, LoRA-style subclasses and a weight passed to ``F.linear`` by a plain function were left
+float;
 ``nn.TransformerEncoderLayer`` ran its fused fast path and quantized nothing.
 """
 
@@ -231,8 +232,8 @@ def test_weight_standardisation_lora_and_a_plain_function_are_quantized_and_exac
             padding=1,
         )
         torch.testing.assert_close(conv(x), want, rtol=0, atol=1e-5)
-        # the head computes F.linear(Q(h), Q(W), b) of its function's arguments; the LoRA layer its own F.linear
-        # plus its two quantized branch layers
+        # the head computes F.linear(Q(h), Q(W), b) of its function's arguments; the LoRA layer its own
+        # F.linear plus its two quantized branch layers
         h = F.relu(model.lora(F.relu(conv(x)).mean((2, 3))))
         p, lo = model.head.proj, model.lora
         want = F.linear(_quant(h, p.input_quantizer.amax), _quant(p.weight, p.weight_quantizer.amax), p.bias)
@@ -248,9 +249,10 @@ def test_weight_standardisation_lora_and_a_plain_function_are_quantized_and_exac
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_computed_layers_export_and_verify(tmp_path, exporter):
+    root = str(Path(__file__).resolve().parents[1])
     (tmp_path / "net.py").write_text(
-        "import torch\nimport sys\nsys.path.insert(0, %r)\nfrom tests.test_computed_layers import _net\n"
-        "def make():\n    return _net()\n" % str(Path(__file__).resolve().parents[1])
+        f"import sys\nsys.path.insert(0, {root!r})\nfrom tests.test_computed_layers import _net\n"
+        "def make():\n    return _net()\n"
     )
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 3, 8, 8)).astype(np.float32))
     ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"

@@ -161,8 +161,8 @@ def test_modules_are_found_by_what_they_compute():
     )
     quantize_model(m)
     report = m.quantcli_report
-    # a torch layer's subclass with a forward of its own (and the attention's out_proj class) is quantized where
-    # its convolution runs, its forward kept (issue 35): without an example batch too
+    # a torch layer's subclass with a forward of its own (and the attention's out_proj class) is quantized
+    # where its convolution runs, its forward kept (issue 35): without an example batch too
     assert sorted(report.layers) == ["lin", "log", "std", "sub"]
     assert sorted(report.computed) == ["log", "std", "sub"]
     assert isinstance(m["log"], ComputedLayer) and isinstance(m["log"], LoggingConv)
