@@ -91,6 +91,30 @@ def _pads(path) -> int:
     return sum(n.op_type == "Pad" for n in onnx.load(str(path)).graph.node)
 
 
+def _conv_padding(path) -> list[tuple[int, ...]]:
+    """Every Conv's spatial padding, (top, left, bottom, right), sorted: its ``pads`` plus those of a zero
+    ``Pad`` it reads (the dynamo exporter folds the Pad into the Conv; TorchScript keeps it)."""
+    from exporters.fold import constants_to_initializers, fold_pad_amounts
+
+    model = onnx.load(str(path))
+    constants_to_initializers(model)
+    fold_pad_amounts(model)  # torch's float export computes "same" amounts from the input's shape
+    g = model.graph
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    out = []
+    for n in g.node:
+        if n.op_type != "Conv":
+            continue
+        pads = next((list(a.ints) for a in n.attribute if a.name == "pads"), [0, 0, 0, 0])
+        src = producers.get(n.input[0])
+        if src is not None and src.op_type == "Pad":
+            amounts = inits[src.input[1]].tolist()  # N, C, H, W begins then ends
+            pads = [pads[0] + amounts[2], pads[1] + amounts[3], pads[2] + amounts[6], pads[3] + amounts[7]]
+        out.append(tuple(int(v) for v in pads))
+    return sorted(out)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_efficientnet_same_runs_every_conv_as_qlinearconv_and_every_residual_add_as_qlinearadd(
@@ -117,21 +141,25 @@ def test_efficientnet_same_runs_every_conv_as_qlinearconv_and_every_residual_add
     convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
     fusion = inspect_fusion(graph)
     assert fusion.load_error is None
-    runs = Counter(layer.runs_as for layer in fusion.layers)
+    runs = Counter(layer.kernel for layer in fusion.layers)
     assert runs["QLinearConv"] == convs and not fusion.unfused, fusion.to_dict()
     ops = Counter(n.op_type for n in optimized_graph(graph).graph.node)
     assert ops["QLinearConv"] == convs and ops["Conv"] == 0
     residual = sum(b.stride == 1 and b.inp == b.out for b in model._blocks)
     assert ops["QLinearAdd"] == residual == 2 and ops["Add"] == 0
-    # the same Pads as torch's own export of the float model
+    # the padding torch's own export of the float model has: the same Pads (TorchScript: 5, the stem's and
+    # the depthwise convolutions'), every Conv padded as there (right/bottom only after stride 2)
     torch.onnx.export(
         model,
         (torch.from_numpy(E.samples(2, 0)["inputs"]),),
         str(tmp_path / "float.onnx"),
-        dynamo=False,
+        dynamo=exporter == "dynamo",
         input_names=["inputs"],
     )
-    assert _pads(graph) == _pads(tmp_path / "float.onnx") == 5
+    assert _pads(graph) == _pads(tmp_path / "float.onnx") == (5 if exporter == "torchscript" else 0)
+    padding = _conv_padding(graph)
+    assert padding == _conv_padding(tmp_path / "float.onnx") and len(padding) == convs
+    assert padding.count((0, 0, 1, 1)) == 2  # the stem's and the stride-2 depthwise convolution's
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "held.npz", "--json")
     rep = json.loads(r.stdout)
     assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
@@ -274,7 +302,7 @@ def test_computed_layers_export_and_verify(tmp_path, exporter):
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
     rep = json.loads(r.stdout)
     assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
-    assert rep["structure"]["problems"] == {}
+    assert rep["structure"]["problems"] == []
 
 
 # ------------------------------------------------------------------------ nn.TransformerEncoderLayer
@@ -319,3 +347,32 @@ def test_transformer_encoder_layer_fast_path_is_off_and_its_layers_are_quantized
     _disabled(model)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)  # the slow path: the same values
+
+
+def _encoder():
+    torch.manual_seed(0)
+    return Encoder().eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_transformer_encoder_layer_exports_and_verifies(tmp_path, exporter):
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "enc.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nfrom tests.test_computed_layers import _encoder\n"
+        "def make():\n    return _encoder()\n"
+    )
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 5, 6)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    spec = f"{tmp_path / 'enc.py'}:make"
+    r = cli("calibrate", spec, "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    # truthful: nothing "never called", nothing "disabled"
+    assert info["not_called"] == [] and info["layers"]["float"] == []
+    assert len(info["layers"]["quantized"]) == 6
+    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    assert rep["structure"]["problems"] == []

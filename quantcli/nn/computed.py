@@ -113,6 +113,25 @@ def _with_operands(kind: str, args: tuple, kwargs: dict, values: tuple) -> tuple
     return tuple(args), kwargs
 
 
+@contextlib.contextmanager
+def _traced_scope(module: nn.Module, inside: bool) -> Iterator[None]:
+    """While the TorchScript exporter traces and ``module``'s own forward is not the one running (``inside``
+    False: a weight other code passes to ``F.linear``, ``nn.MultiheadAttention``'s ``out_proj``), its scope,
+    as ``nn.Module`` pushes it for a call: the exporter names the quantizers' nodes by scope
+    (``/head/proj/input_quantizer/QuantizeLinear``), and export maps them back to quantizers by those names."""
+    state = torch._C._get_tracing_state() if not inside else None
+    names = getattr(torch.jit._trace, "_trace_module_map", None) if state is not None else None
+    name = names.get(module) if names else None
+    if name is None:
+        yield
+        return
+    state.push_scope(name)
+    try:
+        yield
+    finally:
+        state.pop_scope()
+
+
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
 
@@ -325,9 +344,13 @@ class ComputedLayer(QuantMixin):
     def weight_source(self) -> torch.Tensor:
         return self._parameters[self.weight_name]
 
-    def run_op(self, func: Callable, kind: str, args: tuple, kwargs: dict):
+    def run_op(self, func: Callable, kind: str, args: tuple, kwargs: dict, inside: bool = True):
         """The operation with this layer's quantizers around it (recorded as this layer's call while a
-        recording is under way)."""
+        recording is under way). ``inside``: the layer's own ``forward`` is the innermost one running."""
+        with _traced_scope(self, inside):
+            return self._run_op(func, kind, args, kwargs)
+
+    def _run_op(self, func: Callable, kind: str, args: tuple, kwargs: dict):
         x, w, b = operands(kind, args, kwargs)
 
         def run():
@@ -459,7 +482,9 @@ class Dispatch(TorchFunctionMode):
             out = func(*args, **kwargs)
             self.prov.track(args, kwargs, out)
             return out
-        return layer.run_op(func, kind, args, kwargs)
+        return layer.run_op(
+            func, kind, args, kwargs, inside=bool(self.frames) and self.frames[-1].module is layer
+        )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
