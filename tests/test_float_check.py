@@ -216,3 +216,29 @@ def test_a_smoothquant_that_changes_the_model_stops_calibrate_naming_the_module(
     r = cli("calibrate", spec, "--data", tmp_path / "d.npz", "--smoothquant", "0.5", "--out", out, "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["smoothquant"]["counts"]["layernorm"] == 1
+
+
+class Sampling(nn.Module):
+    """A forward that draws random numbers (a VAE's sampling, noise injection) and counts its calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.fc = nn.Linear(4, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        h = self.bn(self.conv(x)) + 0.1 * torch.randn_like(x[:, :1])
+        return self.fc(h.mean((2, 3))) + self.calls
+
+
+def test_random_draws_and_changing_state_in_forward_are_not_transformations():
+    torch.manual_seed(0)
+    model = Sampling().eval()
+    model.bn.running_var.fill_(2.0)
+    quantize_model(model, "int8", example={"x": torch.randn(4, 3, 8, 8)})
+    check = model.quantcli_report.float_check
+    assert check["reverted"] == [] and [f.batchnorm for f in model.quantcli_report.batchnorm.folded] == ["bn"]
+    assert check["unstable"] == [""]  # the model's own output counts calls: not compared, nothing blamed

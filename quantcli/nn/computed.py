@@ -50,6 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from quantcli.errors import DataError, first_line
+from quantcli.nn.module_outputs import same_randomness
 from quantcli.nn.modules import QuantMixin
 from quantcli.nn.recorded_graph import classify, is_add, layer_call
 
@@ -118,7 +119,8 @@ def _traced_scope(module: nn.Module, inside: bool) -> Iterator[None]:
     """While the TorchScript exporter traces and ``module``'s own forward is not the one running (``inside``
     False: a weight other code passes to ``F.linear``, ``nn.MultiheadAttention``'s ``out_proj``), its scope,
     as ``nn.Module`` pushes it for a call: the exporter names the quantizers' nodes by scope
-    (``/head/proj/input_quantizer/QuantizeLinear``), and export maps them back to quantizers by those names."""
+    (``/head/proj/input_quantizer/QuantizeLinear``), and export maps them back to quantizers by those
+    names."""
     state = torch._C._get_tracing_state() if not inside else None
     names = getattr(torch.jit._trace, "_trace_module_map", None) if state is not None else None
     name = names.get(module) if names else None
@@ -302,7 +304,7 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
         handles.append(m.register_forward_hook(post, always_call=True))
     try:
         model.eval()
-        with torch.no_grad(), mode:
+        with torch.no_grad(), same_randomness(), mode:
             model(**example)
     except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
         raise DataError(

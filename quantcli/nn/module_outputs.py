@@ -19,8 +19,9 @@ call.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,18 @@ SAMPLE = 4096
 TOLERANCE = 1e-3
 #: below this RMS a change is rounding whatever the output's own scale (outputs that are exactly zero)
 _ABSOLUTE = 1e-7
+#: the random state every compared forward starts from (a model that samples in ``forward`` draws the same)
+SEED = 0
+
+
+@contextlib.contextmanager
+def same_randomness() -> Iterator[None]:
+    """The block runs from torch's CPU random state :data:`SEED`; the caller's state is back after it, so a
+    forward that draws random numbers draws the same ones on the model as loaded and on the transformed
+    one."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        yield
 
 
 @dataclass
@@ -122,7 +135,7 @@ def capture(
     training = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        with quantizer_modes(model, "disabled"), torch.no_grad():
+        with quantizer_modes(model, "disabled"), torch.no_grad(), same_randomness():
             model(**example)
     finally:
         for h in handles:
@@ -130,6 +143,14 @@ def capture(
         for m, t in training.items():
             m.training = t
     return store
+
+
+def unstable(model: nn.Module, example: Mapping[str, torch.Tensor], names: Iterable[str]) -> set[str]:
+    """The modules of ``names`` whose output differs between two forwards of the same ``model`` (a forward
+    that reads a clock, a counter or a global it changes): no transformation explains their differences."""
+    names = list(names)
+    first, second = capture(model, example, names), capture(model, example, names)
+    return {n for n in names if n in first and n in second and relative_change(first[n], second[n]) > 0.0}
 
 
 def differences(
