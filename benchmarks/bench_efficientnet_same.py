@@ -130,12 +130,16 @@ def main(argv=None) -> None:
         )
         graphs = {"fp32": fp32, "quantize_static u8": peer(fp32, calib, folder)}
         verdicts = {}
-        for exporter, (graph, v) in quantcli_graphs(factory, folder, folder / "calib.npz", folder / "held.npz").items():
+        for exporter, (graph, v) in quantcli_graphs(
+            factory, folder, folder / "calib.npz", folder / "held.npz"
+        ).items():
             graphs[f"quantcli {exporter}"] = graph
             verdicts[f"quantcli {exporter}"] = v
         sessions = {k: session(p) for k, p in graphs.items()}
         feed = {"inputs": held["inputs"][:BATCH]}
-        best = best_interleaved({k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}, args.rounds, 3)
+        best = best_interleaved(
+            {k: (lambda s=s: s.run(None, feed)) for k, s in sessions.items()}, args.rounds, 3
+        )
         rows = []
         for label, path in graphs.items():
             ops = kernels(path)
@@ -154,8 +158,10 @@ def main(argv=None) -> None:
                     "_adds": ops["QLinearAdd"],
                 }
             )
-    print(f"bench_efficientnet_same ({factory}): {machine()}; CPU flags {cpu_kinds.flags()}; onnxruntime "
-          f"{ort.__version__}; 1 thread; best of {args.rounds} interleaved rounds")
+    print(
+        f"bench_efficientnet_same ({factory}): {machine()}; CPU flags {cpu_kinds.flags()}; onnxruntime "
+        f"{ort.__version__}; 1 thread; best of {args.rounds} interleaved rounds"
+    )
     cols = ["graph", "QLinearConv", "QLinearAdd", "ms (batch 16)", "x fp32", "x peer", "cosine", "verify"]
     print(table(rows, cols))
     by = {r["graph"]: r for r in rows}
@@ -166,7 +172,8 @@ def main(argv=None) -> None:
             f"{exporter}: every conv QLinearConv ({r['_convs']}/{convs}): {verdict(r['_convs'] == convs)}; "
             f"every residual Add QLinearAdd ({r['_adds']}/{adds}): {verdict(r['_adds'] == adds)}; "
             f"<= 1.0x quantize_static's latency ({r['x peer']}x): {verdict(r['x peer'] <= 1.0)}; "
-            f">= its cosine ({r['cosine']} vs {ref_peer['cosine']}): {verdict(r['cosine'] >= ref_peer['cosine'])}"
+            f">= its cosine ({r['cosine']} vs {ref_peer['cosine']}): "
+            f"{verdict(r['cosine'] >= ref_peer['cosine'])}"
         )
     print(json.dumps({r["graph"]: {k: v for k, v in r.items() if not k.startswith("_")} for r in rows}))
 
