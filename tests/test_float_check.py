@@ -242,3 +242,20 @@ def test_random_draws_and_changing_state_in_forward_are_not_transformations():
     check = model.quantcli_report.float_check
     assert check["reverted"] == [] and [f.batchnorm for f in model.quantcli_report.batchnorm.folded] == ["bn"]
     assert check["unstable"] == [""]  # the model's own output counts calls: not compared, nothing blamed
+
+
+def test_relative_change_reads_shapes_rounding_and_non_finite_values():
+    from quantcli.nn.module_outputs import SAMPLE, fingerprint, relative_change
+
+    x = torch.linspace(-1, 1, 3 * SAMPLE).reshape(3, SAMPLE)
+    assert relative_change(fingerprint(x), fingerprint(x.clone())) == 0.0
+    assert relative_change(fingerprint(x), fingerprint(x[:, 1:])) == float("inf")  # a lost padding column
+    assert 0.09 < relative_change(fingerprint(x), fingerprint(1.1 * x)) < 0.11
+    assert relative_change(fingerprint(x), fingerprint(x + 1e-9)) == 0.0  # rounding
+    y = x.clone().view(-1)  # every 3rd value is sampled
+    y[0], y[30] = float("nan"), float("inf")
+    assert relative_change(fingerprint(y), fingerprint(y.clone())) == 0.0  # NaN where NaN was: unchanged
+    z = y.clone()
+    z[30] = -float("inf")
+    assert relative_change(fingerprint(y), fingerprint(z)) == float("inf")
+    assert len(fingerprint(x).values[0]) <= SAMPLE

@@ -49,10 +49,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from quantcli.errors import DataError, first_line
 from quantcli.nn.module_outputs import same_randomness
 from quantcli.nn.modules import QuantMixin
-from quantcli.nn.recorded_graph import classify, is_add, layer_call
+from quantcli.nn.recorded_graph import FORWARD_ERRORS, classify, forward_failed, is_add, layer_call
 
 #: weighted operations: function -> (kind, output-channel axis of the weight operand; -1 for its last)
 _FUNCTIONS: dict[Callable, tuple[str, int]] = {
@@ -306,10 +305,8 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
         model.eval()
         with torch.no_grad(), same_randomness(), mode:
             model(**example)
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        raise DataError(
-            f"forward() failed on the example batch (finding the operations it computes): {first_line(e)}"
-        ) from None
+    except FORWARD_ERRORS as e:
+        raise forward_failed(example, e, "finding the operations it computes") from None
     finally:
         for h in handles:
             h.remove()

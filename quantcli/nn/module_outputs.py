@@ -6,7 +6,7 @@ placement rewrites). Each is meant to compute what the model as loaded computes,
 transformation that does not (a padding that a converted class's ``forward`` no longer applies, a BatchNorm
 folded into a layer whose ``forward`` does more than its convolution) must not pass in silence. The model as
 loaded is read once (:func:`observer`, :func:`capture`): for every module, the first call's output, as its
-shapes and a bounded, evenly spaced sample of its values (at most :data:`SAMPLE` per tensor, so the memory
+shapes and a bounded, evenly strided sample of its values (at most :data:`SAMPLE` per tensor, so the memory
 does not grow with the model's activations). The transformed model, quantizers off, is read the same way and
 compared module by module in the order the modules finished (:func:`differences`): the first module listed is
 the innermost, earliest one whose output moved.
@@ -71,7 +71,7 @@ def fingerprint(output) -> Fingerprint:
     for t in _flat(output):
         flat = t.detach().reshape(-1)
         if flat.numel() > SAMPLE:
-            flat = flat[torch.linspace(0, flat.numel() - 1, SAMPLE, device=flat.device).long()]
+            flat = flat[:: -(-flat.numel() // SAMPLE)]  # every k-th value: at most SAMPLE of them, a view
         shapes.append(tuple(t.shape))
         dtypes.append(t.dtype)
         values.append(flat.to("cpu", torch.float64, copy=True))
@@ -89,8 +89,11 @@ def relative_change(ref: Fingerprint, got: Fingerprint) -> float:
             if not torch.equal(a, b):
                 return math.inf
             continue
-        finite = torch.isfinite(a) & torch.isfinite(b)
-        if not torch.equal(torch.isfinite(a), torch.isfinite(b)) or not torch.equal(a[~finite], b[~finite]):
+        finite = torch.isfinite(a)
+        if not torch.equal(finite, torch.isfinite(b)) or not torch.equal(torch.isnan(a), torch.isnan(b)):
+            return math.inf
+        infinite = ~finite & ~torch.isnan(a)  # +-inf where both have one: the same sign
+        if not torch.equal(a[infinite], b[infinite]):
             return math.inf
         if not finite.any():
             continue
@@ -170,4 +173,6 @@ def differences(
 
 
 def describe_change(rel: float) -> str:
-    return "its output shape changed" if math.isinf(rel) else f"its output moved by relative RMS {rel:.3g}"
+    if math.isinf(rel):
+        return "its output changed shape, type or where it is not finite"
+    return f"its output moved by relative RMS {rel:.3g}"

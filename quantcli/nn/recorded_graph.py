@@ -239,6 +239,21 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
     return handles
 
 
+#: what a forward that does not fit the example batch raises
+FORWARD_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+
+
+def forward_failed(example: Mapping[str, torch.Tensor], e: BaseException, doing: str) -> DataError:
+    """The one-line error for a forward that failed on the example batch: its inputs' dtypes and shapes, what
+    quantcli was doing, the model's own first line."""
+    shapes = ", ".join(
+        f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+        for k, v in example.items()
+        if isinstance(v, torch.Tensor)
+    )
+    return DataError(f"forward({shapes}) failed on the example batch ({doing}): {first_line(e)}")
+
+
 def record(
     model: nn.Module, example: Mapping[str, torch.Tensor], is_leaf: Callable[[str, nn.Module], bool]
 ) -> RecordedGraph:
@@ -263,15 +278,8 @@ def record(
         _RECORDING.append(rec)
         with torch.no_grad(), rec:
             model(**example)
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        shapes = ", ".join(
-            f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
-            for k, v in example.items()
-            if isinstance(v, torch.Tensor)
-        )
-        raise DataError(
-            f"forward({shapes}) failed on the example batch (reading the model's graph): {first_line(e)}"
-        ) from None
+    except FORWARD_ERRORS as e:
+        raise forward_failed(example, e, "reading the model's graph") from None
     finally:
         if rec in _RECORDING:
             _RECORDING.remove(rec)
