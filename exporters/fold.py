@@ -100,46 +100,98 @@ _CONSTANT_INPUTS = {"Pad": (1, 2)}
 
 def fold_pad_amounts(model: onnx.ModelProto) -> int:
     """Evaluate the ``pads``/``constant_value`` inputs of ``Pad`` nodes that are computed from initializers
-    alone (ONNX's reference evaluator) and store them as initializers; returns how many inputs were folded.
-    The nodes that computed them go where nothing else reads them."""
+    alone, or from initializers and the static dimensions of a tensor's ``Shape`` (ONNX's reference
+    evaluator), and store them as initializers; returns how many inputs were folded. The nodes that computed
+    them go where nothing else reads them.
+
+    A "same" padding computed in ``forward`` from the input's height and width (EfficientNet's
+    ``Conv2dDynamicSamePadding``) reaches the TorchScript graph as ``Shape -> Gather -> Sub -> Div ...``; with
+    the batch dimension dynamic, onnxruntime folds none of it, its ``Pad`` does not fold into the
+    ``Conv``, and the Conv stays float. The amounts are evaluated with every symbolic dimension set to 1
+    and then to 3, and folded only when both give the same (they read only static dimensions)."""
     g = model.graph
     inits = initializer_map(g)
     producers = producer_map(g)
+    shapes = _Shapes(model)
     folded = 0
     computed: set[str] = set()  # first outputs of the nodes that computed folded amounts
     for n in g.node:
         for i in _CONSTANT_INPUTS.get(n.op_type, ()):
             if i >= len(n.input) or not n.input[i] or n.input[i] in inits:
                 continue
-            nodes = _constant_subgraph(n.input[i], producers, inits)
-            if nodes is None:
+            found = _constant_subgraph(n.input[i], producers, inits, shapes)
+            if found is None:
                 continue
-            from onnx.reference import ReferenceEvaluator  # only for computed amounts: a costly import
-
-            sub = helper.make_graph(
-                nodes,
-                "constant",
-                [],
-                [helper.make_tensor_value_info(n.input[i], onnx.TensorProto.UNDEFINED, None)],
-                [inits[x] for x in {x for m in nodes for x in m.input} if x in inits],
-            )
-            try:
-                (value,) = ReferenceEvaluator(helper.make_model(sub, opset_imports=model.opset_import)).run(
-                    None, {}
-                )
-            except Exception:  # an op the reference evaluator lacks: leave the graph as it is
+            nodes, shaped = found
+            value = _evaluate(model, nodes, n.input[i], inits, shaped)
+            if value is None:
                 continue
             name = f"{n.input[i]}_folded"
             if name not in inits:
                 t = numpy_helper.from_array(np.asarray(value), name)
                 g.initializer.append(t)
                 inits[name] = t
+            computed.update(_ancestors(n.input[i], producers))  # through Shape: the whole computation
             n.input[i] = name
             folded += 1
-            computed.update(m.output[0] for m in nodes)
+            if shaped:  # the tensors after this Pad may have static shapes now: infer them again when asked
+                shapes.refresh()
+    for n in g.node:
+        # an empty trailing input (TorchScript writes Pad(x, pads, "")) is absent: onnxruntime's Pad fusion
+        # reads it as a non-constant value and keeps the Pad out of the Conv
+        while n.op_type == "Pad" and len(n.input) > 2 and not n.input[-1]:
+            n.input.pop()
     if folded:
         _drop_unread(g, computed)
     return folded
+
+
+def _ancestors(name: str, producers: dict[str, onnx.NodeProto], limit: int = 1024) -> set[str]:
+    """The first outputs of the nodes ``name`` is computed from (at most ``limit``)."""
+    seen: set[str] = set()
+    stack = [name]
+    while stack and len(seen) < limit:
+        node = producers.get(stack.pop())
+        if node is not None and node.output[0] not in seen:
+            seen.add(node.output[0])
+            stack.extend(node.input)
+    return seen
+
+
+def _evaluate(
+    model: onnx.ModelProto,
+    nodes: list[onnx.NodeProto],
+    output: str,
+    inits: dict,
+    shaped: dict[str, list[int | None]],
+) -> np.ndarray | None:
+    """``output`` of ``nodes`` (ONNX's reference evaluator), the tensors in ``shaped`` (read only through
+    ``Shape``) fed as zeros of their shape; with symbolic dimensions, the value when it is the same for each
+    filled in as 1 and as 3, else None."""
+    from onnx.reference import ReferenceEvaluator  # only for computed amounts: a costly import
+
+    sub = helper.make_graph(
+        nodes,
+        "constant",
+        [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in shaped],
+        [helper.make_tensor_value_info(output, onnx.TensorProto.UNDEFINED, None)],
+        [inits[x] for x in {x for m in nodes for x in m.input} if x in inits],
+    )
+    values = []
+    for fill in (1, 3) if any(None in dims for dims in shaped.values()) else (1,):
+        feeds = {
+            x: np.zeros([fill if d is None else d for d in dims], np.float32) for x, dims in shaped.items()
+        }
+        try:
+            (value,) = ReferenceEvaluator(helper.make_model(sub, opset_imports=model.opset_import)).run(
+                None, feeds
+            )
+        except Exception:  # an op the reference evaluator lacks: leave the graph as it is
+            return None
+        values.append(np.asarray(value))
+    if any(v.shape != values[0].shape or not np.array_equal(v, values[0]) for v in values[1:]):
+        return None
+    return values[0]
 
 
 _PADDED_OPS = ("Conv", "MaxPool", "AveragePool")
@@ -187,6 +239,10 @@ class _Shapes:
 
     def __init__(self, model: onnx.ModelProto):
         self.model, self.known, self.inferred = model, None, False
+
+    def refresh(self) -> None:
+        """Forget what was read and inferred (the graph changed)."""
+        self.known, self.inferred = None, False
 
     def get(self, name: str) -> list[int | None] | None:
         if self.known is None:
@@ -288,11 +344,14 @@ def _read_in_subgraphs(g: onnx.GraphProto) -> set[str]:
 
 
 def _constant_subgraph(
-    name: str, producers: dict[str, onnx.NodeProto], inits: dict, limit: int = 32
-) -> list[onnx.NodeProto] | None:
-    """The nodes that compute ``name`` from initializers alone, in graph order; None where a graph input (or
-    more than ``limit`` nodes) is involved."""
+    name: str, producers: dict[str, onnx.NodeProto], inits: dict, shapes=None, limit: int = 64
+) -> tuple[list[onnx.NodeProto], dict[str, list[int | None]]] | None:
+    """The nodes that compute ``name`` from initializers alone, in graph order, and (with ``shapes``, a
+    :class:`_Shapes`) the tensors they read only through a ``Shape`` node, with their dimensions (None:
+    symbolic); None where a graph input or a tensor of unknown rank is read otherwise (or more than ``limit``
+    nodes are involved)."""
     seen: dict[str, onnx.NodeProto] = {}  # by first output (protobuf wrappers have no stable identity)
+    shaped: dict[str, list[int | None]] = {}
     stack = [name]
     while stack:
         x = stack.pop()
@@ -301,11 +360,18 @@ def _constant_subgraph(
         node = producers.get(x)
         if node is None or len(seen) >= limit:
             return None
-        if node.output[0] not in seen:
-            seen[node.output[0]] = node
-            stack.extend(node.input)
+        if node.output[0] in seen:
+            continue
+        seen[node.output[0]] = node
+        if node.op_type == "Shape" and shapes is not None:
+            dims = shapes.get(node.input[0])
+            if dims is None:
+                return None
+            shaped[node.input[0]] = dims
+            continue
+        stack.extend(node.input)
     order = {o: k for k, o in enumerate(producers)}
-    return sorted(seen.values(), key=lambda m: order[m.output[0]])
+    return sorted(seen.values(), key=lambda m: order[m.output[0]]), shaped
 
 
 def _drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:

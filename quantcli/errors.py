@@ -69,3 +69,8 @@ class UntrustedCodeError(QuantCliError):
 
 class MissingExtraError(QuantCliError):
     """An optional feature needs a package from an optional extra (``pip install 'quantcli[extra]'``)."""
+
+
+class TransformationError(QuantCliError):
+    """A transformation quantcli made to the float model (a placement rewrite, SmoothQuant) changed what a
+    module computes, and could not be undone: the message names the first module whose output moved."""

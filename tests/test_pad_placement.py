@@ -251,9 +251,10 @@ def test_method_auto_on_quantizers_before_a_functional_padding(tf_padded, tmp_pa
 # ------------------------------------------------------------------------------------------- graph passes
 
 
-def _pad_model(pads_from_input: bool) -> onnx.ModelProto:
+def _pad_model(pads_from_input: bool, dims=(1, 1, 4, 4)) -> onnx.ModelProto:
     """Pad amounts as TorchScript writes ``F.pad(x, (0, 1, 2, 3))``: torch's order (last dim first, begin/end
-    pairs) reversed by a Slice of step -1, then transposed into ONNX's order (all begins, then all ends)."""
+    pairs) reversed by a Slice of step -1, then transposed into ONNX's order (all begins, then all ends).
+    ``pads_from_input``: the amounts times the input's dimensions (``dims``, a name for a symbolic one)."""
     torch_order = numpy_helper.from_array(np.array([[0, 1], [2, 3], [0, 0], [0, 0]], np.int64), "torch_pads")
     consts = [
         numpy_helper.from_array(np.array([-1], np.int64), "start"),
@@ -268,12 +269,11 @@ def _pad_model(pads_from_input: bool) -> onnx.ModelProto:
         helper.make_node("Transpose", ["reversed"], ["onnx_order"], perm=[1, 0]),
         helper.make_node("Reshape", ["onnx_order", "flat"], ["amounts"]),
     ]
-    if pads_from_input:  # amounts that depend on the input's shape: not constant
-        nodes += [  # amounts * (shape / shape), shape twice over for the 8 amounts
+    if pads_from_input:  # amounts that depend on the input's shape
+        nodes += [  # amounts * shape, shape twice over for the 8 amounts
             helper.make_node("Shape", ["x"], ["shape"]),
             helper.make_node("Concat", ["shape", "shape"], ["shapes"], axis=0),
-            helper.make_node("Div", ["shapes", "shapes"], ["ones"]),
-            helper.make_node("Mul", ["amounts", "ones"], ["pads"]),
+            helper.make_node("Mul", ["amounts", "shapes"], ["pads"]),
         ]
     else:
         nodes.append(helper.make_node("Identity", ["amounts"], ["pads"]))
@@ -281,7 +281,7 @@ def _pad_model(pads_from_input: bool) -> onnx.ModelProto:
     graph = helper.make_graph(
         nodes,
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(dims))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [torch_order, *consts],
     )
@@ -309,11 +309,27 @@ def test_pad_amounts_computed_from_constants_become_an_initializer():
     assert before.shape == (1, 1, 9, 5)
 
 
-def test_pad_amounts_that_depend_on_an_input_are_left_alone():
-    model = _pad_model(pads_from_input=True)
+def test_pad_amounts_that_depend_on_a_symbolic_dimension_are_left_alone():
+    model = _pad_model(pads_from_input=True, dims=(1, 1, "height", 4))
     nodes = len(model.graph.node)
     assert fold_pad_amounts(model) == 0
     assert len(model.graph.node) == nodes
+
+
+def test_pad_amounts_computed_from_static_dimensions_are_folded():
+    """EfficientNet's "same" padding computed from the input's height and width in ``forward``: TorchScript
+    writes ``Shape -> Gather -> ...``; with the batch dimension symbolic, only the static dimensions are read,
+    and the amounts become an initializer (issue 35: onnxruntime then folds the Pad into QLinearConv)."""
+    model = _pad_model(pads_from_input=True, dims=("batch", 1, 4, 4))
+    x = np.arange(16, dtype=np.float32).reshape(1, 1, 4, 4)
+    before = _run(model, x)
+    assert fold_pad_amounts(model) == 1
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    pad = next(n for n in model.graph.node if n.op_type == "Pad")
+    # [0, 0, 2, 0, 0, 0, 3, 1] times the shape (1, 1, 4, 4) twice over; the batch dimension multiplies a 0
+    assert inits[pad.input[1]].tolist() == [0, 0, 8, 0, 0, 0, 12, 4]
+    assert [n.op_type for n in model.graph.node] == ["Pad"]
+    np.testing.assert_array_equal(_run(model, x), before)
 
 
 def test_valid_convolution_gets_explicit_zero_pads_and_computes_the_same():

@@ -50,6 +50,9 @@ def test_a_transformation_that_changes_an_activation_fails_verify(user_model, tm
     check = next(c for c in rep["checks"] if c["name"] == "reference.transformations")
     assert code == 1 and not check["passed"] and check["value"] > 0.1, check
     assert rep["reference"]["float_model"] == "as loaded"
+    # the check names where the float model changed: the first module whose output differs (issue 35)
+    assert "first module that differs: act (its output moved by relative RMS" in check["detail"], check
+    assert rep["reference"]["first_difference"]["module"] == "act"
     # every other check compares the graph with the fake-quant model, which carries the same rewrite: it
     # passes
     assert all(c["passed"] for c in rep["checks"] if c["name"].startswith("fidelity"))

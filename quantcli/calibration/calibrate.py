@@ -317,30 +317,59 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
     if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
         model.to(dev)  # (moving walks every module even when nothing moves)
     _calibrate_weights(model, qs, method, num_bins, {"percentile": percentile})
-    return qs, dev, _start_observers(qs, method, num_bins)
+    return qs, dev, _start_observers(model, qs, method, num_bins)
+
+
+def _weight_method(q, method: str) -> str:
+    """A weight quantizer's amax method: max, or the descriptor's histogram method (``mse`` under ``--method
+    auto``)."""
+    return (method if method != "auto" else "mse") if q.desc.calib_method == "histogram" else "max"
+
+
+def _weight_from_forward(model: nn.Module, name: str) -> bool:
+    """Whether weight quantizer ``name`` is calibrated on what its layer's operation takes as the forward runs
+    (a layer the model computes functionally, :mod:`quantcli.nn.computed`: the operand may be computed from
+    the parameter, as weight standardisation does) rather than on the layer's ``weight``."""
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    return bool(getattr(parent, "weight_from_forward", False))
 
 
 def _calibrate_weights(model: nn.Module, qs: dict, method: str, num_bins: int, kwargs: dict) -> None:
     """Every enabled weight quantizer's amax from the weights themselves (the same on every rank: nothing to
-    merge): max, or the descriptor's histogram method (``mse`` under ``--method auto``)."""
+    merge): max, or the descriptor's histogram method (``mse`` under ``--method auto``). Weights a computed
+    layer's operation takes are observed in the forward instead (:func:`_start_observers`)."""
     for name, q in qs.items():
         if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
             continue
+        if _weight_from_forward(model, name):
+            continue
         parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        wmethod = (method if method != "auto" else "mse") if q.desc.calib_method == "histogram" else "max"
+        wmethod = _weight_method(q, method)
         q.start_calibration(wmethod, num_bins)
         q.collect(parent.weight.detach())
         q.load_calib_amax(wmethod, **kwargs)
 
 
-def _start_observers(qs: dict, method: str, num_bins: int) -> dict:
-    """Switch every enabled, static activation quantizer to observing; returns them by name."""
+def _start_observers(model: nn.Module, qs: dict, method: str, num_bins: int) -> dict:
+    """Switch every enabled, static activation quantizer, and every weight quantizer that observes its
+    operation's operand (:func:`_weight_from_forward`), to observing; returns them by name, weights first (an
+    activation's ``--method auto`` choice runs its layer with the weight quantized)."""
+    weights = {
+        n: q
+        for n, q in qs.items()
+        if n.endswith("weight_quantizer")
+        and q.enabled
+        and not q.desc.dynamic
+        and _weight_from_forward(model, n)
+    }
     acts = {
         n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled and not q.desc.dynamic
     }
+    for q in weights.values():
+        q.start_calibration(_weight_method(q, method), num_bins)
     for q in acts.values():
         q.start_calibration("mse" if method == "auto" else method, num_bins)  # auto: a histogram
-    return acts
+    return {**weights, **acts}
 
 
 @dataclass
@@ -380,6 +409,7 @@ def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _Au
             or q._block is not None
             or getattr(layer, "input_quantizer", None) is not q
             or not hasattr(layer, "weight_quantizer")
+            or not _runs_alone(layer)
         ):
             continue
         nb = q.desc.num_bits
@@ -393,6 +423,17 @@ def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _Au
             st.hooks = [q.register_forward_pre_hook(st.observe), layer.register_forward_pre_hook(st.keep)]
         states[name] = st
     return states
+
+
+def _runs_alone(layer: nn.Module) -> bool:
+    """Whether ``layer(x)`` computes the layer's operation on ``x`` (``--method auto`` compares candidates
+    so): every class-path layer; a computed layer only when it is a torch convolution or linear layer (its own
+    ``forward`` takes one input: "same" padding, weight standardisation), not ``nn.MultiheadAttention``."""
+    if not getattr(layer, "weight_from_forward", False):
+        return True
+    return isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and not isinstance(
+        layer, nn.modules.linear.NonDynamicallyQuantizableLinear
+    )
 
 
 def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
@@ -471,6 +512,9 @@ def _load_activation_amax(
             # and nothing of it reaches an exported graph
             _leave_out(qs, name, summary)
             q.calibrator = None
+            continue
+        if name.endswith("weight_quantizer"):  # a computed layer's operand, observed in the forward
+            q.load_calib_amax(_weight_method(q, method), **kwargs)
             continue
         if q.desc.asymmetric and method in ("max", "entropy"):
             summary.min_max.append(name)

@@ -142,9 +142,25 @@ class CalibrationJob:
         not asked for."""
         if self.request.smoothquant is None:
             return None
+        from quantcli.calibration.float_check import check_unchanged, expected_changes, smoothed_modules
         from quantcli.calibration.smoothquant import smooth_quant
 
-        return smooth_quant(self.model, self.batches, self.request.smoothquant, device=self.request.device)
+        smoothed = smooth_quant(
+            self.model, self.batches, self.request.smoothquant, device=self.request.device
+        )
+        reference = self.report.float_reference
+        if reference and self.batches:
+            folds = getattr(self.model, "quantcli_folded_batchnorm", [])
+            skip = expected_changes(folds, smoothed_modules(smoothed), reference)
+            check_unchanged(
+                self.model,
+                example_of(self.batches[0]),
+                reference,
+                skip,
+                "SmoothQuant",
+                "calibrate without --smoothquant, and please report this",
+            )
+        return smoothed
 
     def calibrate(self, progress: Callable[[int], None] | None = None) -> CalibrationSummary:
         """Every amax, from this rank's batches merged over the ranks; leaves the model on the CPU."""
@@ -240,9 +256,10 @@ class CalibrationJob:
         if self.latency is not None:
             info["placement"]["latency"] = self.latency.to_dict()
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
-        info["layers"] = layers_summary(self.report, self.model, self.latency)
+        info["layers"] = layers_summary(self.report, self.model, self.latency, summary.not_called)
         info["quantized_layers"] = len(info["layers"]["quantized"])
         info["cpu"] = cpu_summary(self.config, self.model, self.request.cpu)
+        info["float_check"] = dict(self.report.float_check)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
         info["weight_rounding"] = (
@@ -326,11 +343,22 @@ def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None) -> dic
     }
 
 
-def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = None) -> dict:
+def layers_summary(
+    report, model: nn.Module, latency: LatencyPlacement | None = None, not_called: list[str] | None = None
+) -> dict:
     """The layers quantized (converted by quantize_model with a quantizer still enabled), the weighted modules
     left float and why (:mod:`quantcli.nn.linear_like`; a converted layer whose quantizers the preset, a rule
-    or the quality target disabled), the parametrized weights stored as values, and a one-line ``text``."""
+    or the quality target disabled, or that never ran on the calibration data: ``not_called`` quantizers), the
+    parametrized weights stored as values, and a one-line ``text``."""
     modules = dict(model.named_modules())
+    idle = {q.rsplit(".", 1)[0] if "." in q else "" for q in not_called or ()}
+
+    def why_disabled(n: str) -> str:
+        if n in slower:
+            return f"latency placement: {slower[n]}"
+        if n in idle:
+            return "it never ran on the calibration data (its operation was not computed)"
+        return "its quantizers are disabled (preset, config rule or quality target)"
 
     def enabled(name: str) -> bool:
         return any(
@@ -348,9 +376,7 @@ def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = 
             {
                 "name": n,
                 "type": type(modules[n]).__name__.removeprefix("Quant"),
-                "reason": f"latency placement: {slower[n]}"
-                if n in slower
-                else "its quantizers are disabled (preset, config rule or quality target)",
+                "reason": why_disabled(n),
             }
             for n in report.layers
             if not enabled(n) or n in slower

@@ -297,6 +297,8 @@ def _calibrate_warnings(outcome) -> None:
         )
     for bn, reason in report.batchnorm.skipped:
         err.print(f"warning: BatchNorm {bn} not folded: {reason}")
+    for r in report.float_check.get("reverted", []):
+        err.print(f"warning: float check: {r['cause']}")
     ignored = outcome.summary.method_ignored_by()
     if ignored:
         err.print(
@@ -346,6 +348,18 @@ def _calibrate_setup_rows(outcome):
         )
     elif not cfg.fold_batchnorm:
         yield "BatchNorm folded", "off (--no-fold-bn / fold_batchnorm: false)"
+    check = outcome.info.get("float_check") or {}
+    if check.get("checked"):
+        reverted = check.get("reverted") or []
+        yield (
+            "float check",
+            f"{check.get('modules', 0)} modules compared with the model as loaded, quantizers off: "
+            + (
+                "every transformation kept their outputs"
+                if not reverted
+                else f"{len(reverted)} transformation(s) undone: " + "; ".join(r["cause"] for r in reverted)
+            ),
+        )
 
 
 def _calibrate_result_rows(outcome):

@@ -315,7 +315,17 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
             {k: v for k, v in data["state_dict"].items() if k in own and own[k].shape == v.shape},
             strict=False,
         )
-    quantize_model(model, cfg, fold=False, example=data["inputs"]["example"] if recorded else None)
+    # layers calibrate's float check left as loaded stay float; the check itself ran at calibration
+    reverted = (data.get("calibration") or {}).get("float_check", {}).get("reverted", [])
+    keep = [r["layer"] for r in reverted if isinstance(r, dict) and r.get("kind") == "layer"]
+    quantize_model(
+        model,
+        cfg,
+        fold=False,
+        example=data["inputs"]["example"] if recorded else None,
+        keep_float=keep,
+        check_float=False,
+    )
     # SmoothQuant's explicit Muls, if any, before their weights load
     restore_smoothing(model, data["state_dict"])
     try:

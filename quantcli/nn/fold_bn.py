@@ -76,6 +76,9 @@ class FoldReport:
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (batchnorm, reason)
     detection: str = "none"
     trace_error: str = ""
+    # BatchNorm -> (the layer's weight and bias before folding, the BatchNorm module): what :func:`unfold`
+    # puts back (not part of the report the model carries)
+    saved: dict = field(default_factory=dict, repr=False)
 
     def to_dict(self) -> dict:
         return {
@@ -206,6 +209,41 @@ def _bn_input_ranks(
     return ranks
 
 
+def _forward_problem(name: str, layer: nn.Module, census) -> str:
+    """Why a BatchNorm cannot fold into ``layer`` because of what its ``forward`` does, or ''.
+
+    Folding scales the weight and bias the layer's operation takes, which computes the BatchNorm's output only
+    when the layer's output is that operation's output, with the weight parameter itself and its own bias: a
+    torch layer's ``forward`` does that; an overridden one (a "same" padding before the convolution is fine; a
+    standardised weight or a LoRA branch added to the output is not) is checked on the operations one forward
+    on the example batch computed (:func:`quantcli.nn.computed.census`)."""
+    cls = type(layer)
+    base = next((c for c in cls.__mro__ if c in QUANT_CLASSES), None)
+    if base is None or cls.forward in (base.forward, QUANT_CLASSES[base].forward):
+        return ""
+    if cls.__name__ == "NonDynamicallyQuantizableLinear":
+        return "its layer never computes its own output (nn.MultiheadAttention reads its weight)"
+    uses = census.by_layer().get(name) if census is not None else None
+    if uses is None:
+        return (
+            f"{type(layer).__name__} overrides {base.__name__}'s forward, and no example batch showed "
+            "what it computes"
+        )
+    if len(uses) != 1:
+        return f"{name}'s forward computes {len(uses)} operations with its weight"
+    u = uses[0]
+    kind = "conv_transpose" if base in _TRANSPOSED else ("linear" if base is nn.Linear else "conv")
+    if u.kind != kind or u.caller != name or u.derived or u.params != ("weight",) or u.bias == "other":
+        return f"{name}'s forward computes its {u.kind} with " + (
+            "a weight computed from its parameters"
+            if u.derived
+            else "other operands than its own weight and bias"
+        )
+    if not u.returns_output:
+        return f"{name}'s forward computes more after its {u.kind} (its output is not the {u.kind}'s)"
+    return ""
+
+
 def _linear_problem(bn_name: str, ranks: dict[str, int], have_example: bool) -> str:
     """A Linear's output ``(N, ..., F)`` has its features last; a BatchNorm normalises dim 1, so the pair
     folds only when the BatchNorm sees ``(N, F)``."""
@@ -221,12 +259,16 @@ def _linear_problem(bn_name: str, ranks: dict[str, int], have_example: bool) -> 
     return ""
 
 
-def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None = None) -> FoldReport:
+def find_foldable(
+    model: nn.Module, example: Mapping[str, torch.Tensor] | None = None, census=None
+) -> FoldReport:
     """Which BatchNorms of ``model`` fold into the layer before them (nothing is changed).
 
     ``example``: one keyword batch for ``model(**example)``: the data flow is read from one forward on it
     (:mod:`quantcli.nn.recorded_graph`), so Python control flow in ``forward`` does not hide a pair; without
-    it, ``torch.fx`` symbolic tracing, and a BatchNorm after a Linear does not fold.
+    it, ``torch.fx`` symbolic tracing, and a BatchNorm after a Linear does not fold. ``census``: the weighted
+    operations of one forward (:func:`quantcli.nn.computed.census`), which tell whether a layer with a
+    ``forward`` of its own returns its operation's output (:func:`_forward_problem`).
     """
     report = FoldReport()
     modules = dict(model.named_modules())
@@ -258,7 +300,9 @@ def find_foldable(model: nn.Module, example: Mapping[str, torch.Tensor] | None =
     linear_bns = [bn for layer, bn in candidates if isinstance(modules[layer], nn.Linear)]
     ranks = _bn_input_ranks(model, linear_bns, example)
     for layer, bn in candidates:
-        problem = _batchnorm_problem(modules[bn], modules[layer])
+        problem = _batchnorm_problem(modules[bn], modules[layer]) or _forward_problem(
+            layer, modules[layer], census
+        )
         if not problem and isinstance(modules[layer], nn.Linear):
             problem = _linear_problem(bn, ranks, example is not None)
         if problem:
@@ -417,7 +461,9 @@ def _groups_ok(axis: int, groups: int) -> bool:
     return axis == 0 or groups == 1
 
 
-def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None = None) -> FoldReport:
+def fold_batchnorm(
+    model: nn.Module, example: Mapping[str, torch.Tensor] | None = None, census=None
+) -> FoldReport:
     """Fold every foldable BatchNorm of ``model`` into the layer before it, in place (see the module
     docstring).
 
@@ -426,13 +472,15 @@ def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None 
 
     Args:
         example: one keyword batch for ``model(**example)``; needed only for a BatchNorm after a Linear.
+        census: what one forward computes (:func:`quantcli.nn.computed.census`), for layers whose ``forward``
+            is their own.
 
     Returns:
         the :class:`FoldReport`: folded pairs, and every BatchNorm left alone with the reason. The pairs
         folded so far are also listed in ``model.quantcli_folded_batchnorm``, which the calibrated checkpoint
         stores.
     """
-    report = find_foldable(model, example)
+    report = find_foldable(model, example, census)
     done = []
     for fold in report.folded:
         layer, bn = model.get_submodule(fold.layer), model.get_submodule(fold.batchnorm)
@@ -448,6 +496,11 @@ def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None 
         s, t = batchnorm_affine(bn)
         axis, groups = _weight_axis_and_groups(layer)
         w, b = fold_parameters(layer.weight, layer.bias, s, t, axis, groups)
+        report.saved[fold.batchnorm] = (
+            layer.weight.detach().clone(),
+            None if layer.bias is None else layer.bias.detach().clone(),
+            bn,
+        )
         with torch.no_grad():
             layer.weight.copy_(w)
             _ensure_bias(layer)
@@ -464,6 +517,29 @@ def fold_batchnorm(model: nn.Module, example: Mapping[str, torch.Tensor] | None 
         *({"layer": f.layer, "batchnorm": f.batchnorm} for f in done),
     ]
     return report
+
+
+def unfold(model: nn.Module, report: FoldReport, batchnorm: str, reason: str) -> Fold:
+    """Undo the fold of ``batchnorm`` (an uncalibrated one, as :func:`fold_batchnorm` left it): the layer's
+    weight and bias as they were, the BatchNorm back in its place; the report lists it as not folded, for
+    ``reason``."""
+    fold = next(f for f in report.folded if f.batchnorm == batchnorm)
+    weight, bias, bn = report.saved.pop(batchnorm)
+    layer = model.get_submodule(fold.layer)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is None:
+            layer.bias = None
+        else:
+            layer.bias.copy_(bias)
+    _set_module(model, batchnorm, bn)
+    report.folded.remove(fold)
+    report.skipped.append((batchnorm, reason))
+    report.skipped.sort()
+    model.quantcli_folded_batchnorm = [
+        f for f in getattr(model, "quantcli_folded_batchnorm", []) if f["batchnorm"] != batchnorm
+    ]
+    return fold
 
 
 def _refit_weight_amax(q: TensorQuantizer, layer: nn.Module, s: torch.Tensor) -> str:

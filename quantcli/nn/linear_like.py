@@ -1,24 +1,28 @@
 """Layers that are a Linear or a Conv in all but name, found by what they compute, not only by their class.
 
-:func:`quantize_model` converted exact ``nn.Linear``/``nn.ConvNd``/``nn.ConvTransposeNd`` only, so GPT-2's
-``transformers.pytorch_utils.Conv1D`` (``x @ W + b`` with ``W`` stored ``[in, out]``), wav2vec2's
-weight-normed ``ParametrizedConv1d`` and subclasses such as ``NonDynamicallyQuantizableLinear`` stayed float,
-unreported. :func:`quant_class` decides per module:
+:func:`quant_class` decides which modules keep the class path (the module's class becomes a quantized wrapper
+whose ``forward`` is the layer's):
 
-* an exact torch layer: its ``Quant*`` class, as before;
-* a subclass of one whose ``forward`` is the torch layer's, or is checked to compute the same on a probe: a
-  subclass of both (``Quant<Name>``), so the module keeps its own attributes;
+* an exact torch layer: its ``Quant*`` class;
+* a subclass of one whose ``forward`` is the torch layer's: a subclass of both (``Quant<Name>``), so the
+  module keeps its own attributes;
 * a parametrized torch layer (``torch.nn.utils.parametrize``, e.g. ``weight_norm``):
   :func:`resolve_parametrizations` first stores the weight it computes (the same value, computed once), after
   which it is the plain layer;
 * any other leaf module whose parameters are a 2-D ``weight`` and an optional ``bias``, when its ``forward``
-  is checked to equal ``F.linear(x, W, b)`` (``[out, in]``) or ``x @ W + b`` (``[in, out]``, as Conv1D) for
-  random ``W``, ``b`` and ``x`` (:func:`linear_layout`): a ``Quant<Name>`` whose forward is that computation
-  on quantized ``x`` and ``W``. The probe uses its own random values, never the module's weights, so the
-  answer is the same at calibration and when a checkpoint is rebuilt from freshly initialised modules.
+  is checked to equal ``F.linear(x, W, b)`` (``[out, in]``) or ``x @ W + b`` (``[in, out]``, as transformers'
+  ``Conv1D``, which computes it with ``torch.addmm``) for random ``W``, ``b`` and ``x``
+  (:func:`linear_layout`): a ``Quant<Name>`` whose forward is that computation on quantized ``x`` and ``W``.
+  The probe uses its own random values, never the module's weights, so the answer is the same at calibration
+  and when a checkpoint is rebuilt from freshly initialised modules.
 
-Every other module that owns a floating ``*weight`` of two or more dimensions stays float with a reason
-(:func:`float_reason`), listed in the quantize report.
+A subclass whose ``forward`` is its own (EfficientNet's "same"-padding ``Conv2dStaticSamePadding``, weight
+standardisation, a LoRA branch) is not converted by class: a probe on a small input cannot show what its
+``forward`` does on the real one (a stride-2 layer's right and bottom padding never reaches a 9x9 probe's
+windows, so the layer passed as a plain Conv2d and its padding vanished). Such modules,
+``nn.MultiheadAttention`` and modules whose weight other code passes to ``F.linear`` are quantized where
+their operations run (:mod:`quantcli.nn.computed`); :func:`float_reason` says why a module with a floating
+``*weight`` of two or more dimensions is left float.
 """
 
 from __future__ import annotations
@@ -93,15 +97,6 @@ def resolve_parametrizations(model: nn.Module) -> list[str]:
     return done
 
 
-def _probe_input(layer: nn.Module, base: type, gen: torch.Generator) -> torch.Tensor:
-    w = layer.weight
-    if base is nn.Linear:
-        return torch.randn(2, 3, w.shape[1], generator=gen).to(w)
-    dims = int(base.__name__[-2])  # Conv1d .. ConvTranspose3d
-    channels = layer.in_channels
-    return torch.randn(2, channels, *([9] * dims), generator=gen).to(w)
-
-
 def _close(y, ref: torch.Tensor) -> bool:
     if not isinstance(y, torch.Tensor) or y.shape != ref.shape:
         return False
@@ -123,20 +118,6 @@ def _parameters_set(module: nn.Module, params: dict[str, torch.Tensor]):
         yield module
     finally:
         module._parameters.update(saved)
-
-
-def _same_as_base(module: nn.Module, base: type) -> bool:
-    """Whether ``module``'s own ``forward`` computes what ``base.forward`` does, on random weights and
-    input."""
-    gen = torch.Generator().manual_seed(_PROBE_SEED)
-    params = _random_params(module, gen)
-    x = _probe_input(module, base, gen)
-    try:
-        with torch.no_grad(), _parameters_set(module, params):
-            y, ref = module.forward(x), base.forward(module, x)
-    except Exception:  # a forward that needs other inputs is not the torch layer's
-        return False
-    return _close(y, ref)
 
 
 def linear_layout(module: nn.Module) -> int | None:
@@ -179,15 +160,24 @@ def quant_class(module: nn.Module) -> type | None:
         return None  # already converted
     base = _torch_base(cls)
     if base is not None:
-        if cls.__name__ == "NonDynamicallyQuantizableLinear":
-            return None  # nn.MultiheadAttention reads its weight directly and never calls it
-        if cls.forward is not base.forward and not _same_as_base(module, base):
-            return None
+        if cls.__name__ == "NonDynamicallyQuantizableLinear" or overrides_forward(cls):
+            return None  # computed where its operations run (quantcli.nn.computed)
         return _subclass(QUANT_CLASSES[base], cls)
     if cls.__module__.startswith("torch."):
         return None
     axis = linear_layout(module)
     return None if axis is None else _subclass(QuantLinearLike, cls, axis)
+
+
+def overrides_forward(cls: type) -> bool:
+    """Whether a torch layer's subclass has a ``forward`` of its own."""
+    base = _torch_base(cls)
+    return base is not None and cls.forward is not base.forward
+
+
+def torch_base(cls: type) -> type | None:
+    """The exact torch layer class ``cls`` derives from, if any."""
+    return _torch_base(cls)
 
 
 def float_reason(module: nn.Module) -> str | None:
@@ -206,5 +196,11 @@ def float_reason(module: nn.Module) -> str | None:
         return "nn.MultiheadAttention computes with these weights itself (F.multi_head_attention_forward)"
     base = _torch_base(cls)
     if base is not None:
-        return f"its forward (overridden) computes something other than {base.__name__} on a probe"
-    return "its forward is neither F.linear(x, W, b) nor x @ W + b of its own weight (checked on a probe)"
+        return (
+            f"its forward (overridden) is not {base.__name__}'s, and no example batch showed the "
+            "operations it computes"
+        )
+    return (
+        "its forward is neither F.linear(x, W, b) nor x @ W + b of its own weight (checked on a probe), "
+        "and no example batch showed a convolution, linear or matmul computed with its weight"
+    )

@@ -49,7 +49,13 @@ Python, or a checkpoint written before the recording existed) the model is read 
 tracing instead; a model it cannot trace keeps the per-layer placement (quantized inputs and weights, int32
 biases for onnxruntime) without the structural additions, and :class:`Placement` says why. TensorRT's residual
 quantizers rewrite a block's ``forward`` through its ``torch.fx`` trace (a recording cannot be turned back
-into code): a block that does not trace keeps its skip input unquantized, and :class:`Placement` names it.
+into code); a block that does not trace (Python control flow on an argument, as EfficientNet's
+``drop_connect_rate``) gets its skip quantizer at run time instead: its own additions are counted as its
+``forward`` runs, and the ones the recorded graph marked quantize their skip operand
+(:func:`quantcli.nn.computed.quantize_adds`).
+
+Layers the model computes functionally (:mod:`quantcli.nn.computed`) are recorded where their operation runs,
+so a padding in their ``forward`` is a node before them, as the exporter's ``Pad`` is.
 """
 
 from __future__ import annotations
@@ -65,8 +71,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from quantcli.errors import first_line
+from quantcli.nn.computed import is_computed, is_conv_layer, quantize_adds
 from quantcli.nn.modules import QUANT_POOL_CLASSES
-from quantcli.nn.recorded_graph import RecordedGraph, RecordedNode, record
+from quantcli.nn.recorded_graph import ADD_FUNCTIONS, ADD_METHODS, RecordedGraph, RecordedNode, record
 
 #: onnxruntime target: quantize the skip input of residual Adds that can then run as QLinearAdd (issue 25)
 RESIDUAL_QLINEAR_ADD = True
@@ -195,6 +202,8 @@ def read_graph(
     leaves = _leaf_ids(model, layers)
 
     def is_leaf(name: str, m: nn.Module) -> bool:
+        if is_computed(m):
+            return False  # recorded op by op: its operation is its node (quantcli.nn.recorded_graph)
         return (
             id(m) in leaves
             or next(m.children(), None) is None
@@ -409,7 +418,7 @@ def analyse(
     # zero paddings before a Conv whose input quantizer then runs before them: their input is quantized
     pads = set()
     for name, nodes in layer_calls.items():
-        if len(nodes) == 1 and name in quantized_inputs and isinstance(layers[name], _CONVS):
+        if len(nodes) == 1 and name in quantized_inputs and is_conv_layer(layers[name]):
             hooked = _zero_pad_before(nodes[0], calls, modules, graph)
             if hooked is not None:
                 placement.input_before[name] = hooked
@@ -435,7 +444,7 @@ def analyse(
     for name, nodes in layer_calls.items():
         if name in quantized_inputs and all(n.args and nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
-        conv = isinstance(layers[name], _CONVS)
+        conv = is_conv_layer(layers[name])
         reached = used_pools | pads
         if (
             conv
@@ -477,14 +486,14 @@ def _output_point(
 
 # ------------------------------------------------------------------------------------------- residual Adds
 
-_ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+_ADD_FUNCTIONS = ADD_FUNCTIONS
 # between a Conv and its Add in a block
 _PASS_THROUGH = (nn.modules.batchnorm._BatchNorm, nn.Identity, nn.Dropout)
 
 
 def _is_add(node: fx.Node) -> bool:
     return (node.op == "call_function" and node.target in _ADD_FUNCTIONS) or (
-        node.op == "call_method" and node.target in ("add", "add_", "__add__")
+        node.op == "call_method" and node.target in ADD_METHODS
     )
 
 
@@ -494,9 +503,7 @@ def _quantized_conv_behind(node, modules: dict[str, nn.Module], layer_ids: set[i
     while _is_node(node) and node.op == "call_module":
         m = modules.get(node.target)
         if m is not None and id(m) in layer_ids:
-            return (
-                m if isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d)) and m.input_quantizer.enabled else None
-            )
+            return m if is_conv_layer(m) and m.input_quantizer.enabled else None
         if not isinstance(m, _PASS_THROUGH) or not node.args:
             return None
         node = node.args[0]
@@ -573,7 +580,8 @@ def insert_residual_quantizers(
     ``make(name, branch_conv)`` builds the quantizer. Each owning module gets ``residual_quantizer`` (then
     ``residual_quantizer_1``, ...) and its ``forward`` becomes the fx trace of its own code (submodules called
     as they were) with the quantizer on the skip operand. The Adds of that trace are matched to the graph's by
-    order.
+    order. A module whose ``forward`` fx cannot trace keeps its code, and its Adds get their quantizers as
+    they run, matched to the graph's by the same order (:func:`quantcli.nn.computed.quantize_adds`).
     """
     modules = dict(model.named_modules())
     branch_convs = {n: conv for n, _, conv in residual_skips(graph, modules, layers)}
@@ -588,10 +596,14 @@ def insert_residual_quantizers(
         mod = model.get_submodule(owner) if owner else model
         try:
             block = _ChildrenTracer().trace(mod)
-        except Exception as e:  # fx cannot trace every block; its Add stays as it is, and the report says so
-            untraced[label] = (
-                f"torch.fx could not trace its forward ({type(e).__name__}: {first_line(e, 120)})"
-            )
+        except Exception as e:  # fx cannot trace every block: its Adds are quantized as they run instead
+            if isinstance(graph, RecordedGraph):
+                names += _quantize_adds_as_they_run(model, owner, mod, adds, graph, branch_convs, make)
+            else:
+                untraced[label] = (
+                    f"torch.fx could not trace its forward ({type(e).__name__}: {first_line(e, 120)}), and "
+                    "no example batch was recorded to find its additions by"
+                )
             continue
         fx_adds = [n for n in block.nodes if _is_add(n)]
         if len(fx_adds) != len(adds) or any(
@@ -625,6 +637,28 @@ def insert_residual_quantizers(
         # the generated forward reads only ``self.<path>`` attributes, which ``mod`` has (checked above)
         mod.forward = types.MethodType(type(traced).forward, mod)
     return names, untraced
+
+
+def _quantize_adds_as_they_run(
+    model: nn.Module, owner: str, mod: nn.Module, adds: list, graph: RecordedGraph, branch_convs, make
+) -> list[str]:
+    """The residual quantizers of a block fx cannot rewrite: each skip operand the recorded graph marks
+    (``adds``: per addition of the block's first call, in order, the skip operand's index or None) is
+    quantized when the block's ``forward`` runs that addition."""
+    recorded = [n for n in graph.nodes if _is_add(n) and _owner(n) == owner]
+    spec: dict[int, tuple[int, str]] = {}
+    names = []
+    for k, (i, rec) in enumerate(zip(adds, recorded)):
+        if i is None:
+            continue
+        attr = "residual_quantizer" if not spec else f"residual_quantizer_{len(spec)}"
+        qname = f"{owner}.{attr}" if owner else attr
+        mod.add_module(attr, make(qname, branch_convs[rec], rec.args[i]))
+        spec[k] = (i, attr)
+        names.append(qname)
+    if spec:
+        quantize_adds(model, mod, spec)
+    return names
 
 
 def _resolves(mod: nn.Module, target: str) -> bool:

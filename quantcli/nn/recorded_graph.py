@@ -22,6 +22,11 @@ Nodes:
 * ``call_method``: a tensor method (target: its name, ``"view"``; operators by their method, ``x + y`` is
   ``"add"``, ``x += y`` is ``"add_"``).
 
+A layer the model computes functionally (:mod:`quantcli.nn.computed`: a convolution, linear or matmul that a
+forward calls with a module's weight) is recorded where its operation runs, as one ``call_module`` node of
+that layer whose only argument is the operation's input (:func:`layer_call`); the ops of the forward around
+it (a padding, a residual branch) are recorded as they run.
+
 A tensor argument that no recorded node produced (a parameter, a buffer, a constant) is ``None`` in ``args``;
 an in-place op makes its node the producer of the tensor from then on. ``meta["call"]`` numbers the call of
 the innermost enclosing module (a module called twice records its ops twice, with two numbers).
@@ -106,9 +111,51 @@ def _classify(func: Callable) -> tuple[str, Any]:
     return "call_function", func
 
 
+#: the additions a forward can compute (``x + y``, ``x += y``, ``torch.add``), as a graph node's (op, target)
+ADD_FUNCTIONS = {operator.add, operator.iadd, torch.add}
+ADD_METHODS = ("add", "add_", "__add__")
+
+
+def is_add(op: str, target: Any) -> bool:
+    """Whether a node's ``(op, target)`` (or :func:`classify`'s, for a function a mode sees) is an
+    addition."""
+    return (op == "call_function" and target in ADD_FUNCTIONS) or (
+        op == "call_method" and target in ADD_METHODS
+    )
+
+
+def classify(func: Callable) -> tuple[str, Any]:
+    """``(op, target)`` of a function a ``TorchFunctionMode`` sees, as a recorded node has them."""
+    return _classify(func)
+
+
+#: the recordings under way (innermost last): :func:`layer_call` records into the last
+_RECORDING: list[_Recorder] = []
+
+
+def layer_call(module: nn.Module, inputs: list[torch.Tensor], run: Callable[[], Any]) -> Any:
+    """``run()``: one operation of ``module``, a layer the model computes functionally; while a recording is
+    under way, recorded as one ``call_module`` node of ``module`` with ``inputs`` as its arguments, and
+    nothing of what ``run`` calls (its quantizers) recorded beside it, as for a leaf module's call."""
+    rec = _RECORDING[-1] if _RECORDING else None
+    name = rec.names.get(id(module)) if rec is not None else None
+    if rec is None or name is None or rec.leaf_depth > 0:
+        return run()
+    rec.alive.extend(inputs)
+    node = rec.node("call_module", name, inputs)
+    rec.leaf_depth += 1
+    try:
+        out = run()
+    finally:
+        rec.leaf_depth -= 1
+    rec.produced(node, out)
+    return out
+
+
 class _Recorder(TorchFunctionMode):
-    def __init__(self) -> None:
+    def __init__(self, names: dict[int, str] | None = None) -> None:
         super().__init__()
+        self.names = names or {}  # id(module) -> qualified name
         self.graph = RecordedGraph()
         self.producer: dict[int, RecordedNode] = {}
         # keeps every seen tensor alive, so no id is reused while recording
@@ -192,6 +239,21 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
     return handles
 
 
+#: what a forward that does not fit the example batch raises
+FORWARD_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+
+
+def forward_failed(example: Mapping[str, torch.Tensor], e: BaseException, doing: str) -> DataError:
+    """The one-line error for a forward that failed on the example batch: its inputs' dtypes and shapes, what
+    quantcli was doing, the model's own first line."""
+    shapes = ", ".join(
+        f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
+        for k, v in example.items()
+        if isinstance(v, torch.Tensor)
+    )
+    return DataError(f"forward({shapes}) failed on the example batch ({doing}): {first_line(e)}")
+
+
 def record(
     model: nn.Module, example: Mapping[str, torch.Tensor], is_leaf: Callable[[str, nn.Module], bool]
 ) -> RecordedGraph:
@@ -200,7 +262,7 @@ def record(
     recorded op by op inside). Raises :class:`quantcli.errors.DataError` when the forward fails."""
     from quantcli.nn.tensor_quantizer import TensorQuantizer
 
-    rec = _Recorder()
+    rec = _Recorder({id(m): n for n, m in model.named_modules()})
     for k, v in example.items():
         if isinstance(v, torch.Tensor):
             rec.alive.append(v)
@@ -213,18 +275,14 @@ def record(
         for q in quantizers:
             q.mode = "disabled"
         model.eval()
+        _RECORDING.append(rec)
         with torch.no_grad(), rec:
             model(**example)
-    except (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError) as e:
-        shapes = ", ".join(
-            f"{k}: {str(v.dtype).replace('torch.', '')}{list(v.shape)}"
-            for k, v in example.items()
-            if isinstance(v, torch.Tensor)
-        )
-        raise DataError(
-            f"forward({shapes}) failed on the example batch (reading the model's graph): {first_line(e)}"
-        ) from None
+    except FORWARD_ERRORS as e:
+        raise forward_failed(example, e, "reading the model's graph") from None
     finally:
+        if rec in _RECORDING:
+            _RECORDING.remove(rec)
         for h in handles:
             h.remove()
         for q, mode in zip(quantizers, modes):

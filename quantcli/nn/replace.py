@@ -8,10 +8,31 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from quantcli.errors import TransformationError
+from quantcli.nn import computed
+from quantcli.nn.computed import Census, census
 from quantcli.nn.config import QuantConfig, load_config
-from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
-from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
-from quantcli.nn.modules import QUANT_POOL_CLASSES, apply_input_quantizer_before, apply_output_quantizer_after
+from quantcli.nn.fold_bn import FoldReport, fold_batchnorm, unfold
+from quantcli.nn.linear_like import (
+    float_reason,
+    overrides_forward,
+    quant_class,
+    resolve_parametrizations,
+    torch_base,
+)
+from quantcli.nn.module_outputs import (
+    Fingerprint,
+    capture,
+    describe_change,
+    differences,
+    observer,
+    unstable,
+)
+from quantcli.nn.modules import (
+    QUANT_POOL_CLASSES,
+    apply_input_quantizer_before,
+    apply_output_quantizer_after,
+)
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
@@ -36,6 +57,16 @@ class QuantizeReport:
     float_layers: list[dict[str, str]] = field(default_factory=list)
     # torch layers whose parametrized weight (weight_norm, ...) was stored as the value it computes
     resolved_parametrizations: list[str] = field(default_factory=list)
+    # layers quantized where their operations run (quantcli.nn.computed), and the torch modules whose fused
+    # fast path is off so that their layers run
+    computed: list[str] = field(default_factory=list)
+    fast_paths_off: list[str] = field(default_factory=list)
+    # the float check: every transformation compared, module by module and quantizers off, with the model as
+    # loaded on the example batch (quantcli.nn.module_outputs): {"checked", "modules", "reverted": [{"kind":
+    # "fold" or "layer", "layer", "cause"}]}
+    float_check: dict = field(default_factory=lambda: {"checked": False})
+    # the model as loaded, module by module (a later transformation, SmoothQuant, is checked against it)
+    float_reference: dict[str, Fingerprint] = field(default_factory=dict, repr=False)
 
 
 def quantize_model(
@@ -44,10 +75,15 @@ def quantize_model(
     *,
     example: Mapping[str, torch.Tensor] | None = None,
     fold: bool | None = None,
+    keep_float: list[str] | tuple[str, ...] = (),
+    check_float: bool = True,
 ) -> nn.Module:
-    """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd``, and
-    every module that computes what one does (:mod:`quantcli.nn.linear_like`: transformers' ``Conv1D``,
-    subclasses, weight-normed convolutions); the report lists the weighted modules left float and why.
+    """Insert quantizers in place into every ``nn.Linear``, ``nn.ConvNd`` and ``nn.ConvTransposeNd``, every
+    module that computes what one does (:mod:`quantcli.nn.linear_like`: transformers' ``Conv1D``,
+    weight-normed convolutions), and every module whose weight a convolution, linear or matmul the model
+    computes takes (:mod:`quantcli.nn.computed`: subclasses with a ``forward`` of their own, such as
+    "same"-padding convolutions, ``nn.MultiheadAttention``, a weight a plain function passes to ``F.linear``);
+    the report lists the weighted modules left float and why.
 
     First, when the config's ``fold_batchnorm`` is on (the default), every BatchNorm that only its preceding
     Conv/ConvTranspose/Linear feeds is folded into that layer (:func:`quantcli.nn.fold_bn.fold_batchnorm`), so
@@ -58,11 +94,18 @@ def quantize_model(
     ``model.quantcli_report``.
 
     Args:
-        example: one keyword batch for ``model(**example)``. The model's structure (BatchNorm folding,
-            placement) is read from one forward on it, as the exporter reads it
-            (:mod:`quantcli.nn.recorded_graph`); without it, from ``torch.fx`` symbolic tracing, which fails
-            on Python control flow and leaves a BatchNorm after a Linear unfolded.
+        example: one keyword batch for ``model(**example)``. The operations the model computes are read from
+            one forward on it (:func:`quantcli.nn.computed.census`), and its structure (BatchNorm folding,
+            placement) from another, as the exporter reads it (:mod:`quantcli.nn.recorded_graph`); without
+            it, torch layers are found by class and the structure from ``torch.fx`` symbolic tracing, which
+            fails on Python control flow and leaves a BatchNorm after a Linear unfolded.
         fold: overrides the config's ``fold_batchnorm`` (``load_calibrated`` restores stored folds instead).
+        keep_float: layers to leave float (a calibrated checkpoint's layers the float check left as loaded).
+        check_float: with ``example``, check every transformation against the model as loaded, module by
+            module, quantizers off (:mod:`quantcli.nn.module_outputs`): a BatchNorm fold or a layer
+            conversion that changes a module's float output is undone (reported in ``float_check`` and
+            ``float_layers``); a placement rewrite that does raises
+            :class:`quantcli.errors.TransformationError` naming the module.
 
     The config's ``target`` then decides the placement (:mod:`quantcli.nn.placement`): for ``onnxruntime``,
     inputs that are non-negative by construction use the unsigned grid, Convs whose output no quantized layer
@@ -73,19 +116,36 @@ def quantize_model(
     report = QuantizeReport()
     # first: a folded BatchNorm scales the weight a parametrization would otherwise recompute
     report.resolved_parametrizations = resolve_parametrizations(model)
+    reference: dict[str, Fingerprint] = {}
+    found: Census | None = None
+    check = check_float and example is not None
+    if example is not None:
+        found = census(model, example, observer(reference) if check else None)
     if cfg.fold_batchnorm if fold is None else fold:
-        report.batchnorm = fold_batchnorm(model, example)
+        report.batchnorm = fold_batchnorm(model, example, found)
     used: set[int] = set()
     layers: dict[str, nn.Module] = {}
+    originals: dict[str, type] = {}
     own_grid: set[str] = set()  # input quantizers whose grid a rule chose
+    uses = found.by_layer() if found is not None else {}
     for name, module in list(model.named_modules()):
-        qcls = quant_class(module)
-        if qcls is None:
-            reason = float_reason(module)
-            if reason is not None:
-                report.float_layers.append({"name": name, "type": type(module).__name__, "reason": reason})
+        plan = _plan(name, module, uses.get(name, []), found)
+        if name in keep_float and plan[0] != "float":
+            plan = (
+                "float",
+                "the float check found that quantizing it changed its float output (calibration)",
+            )
+        if plan[0] == "float":
+            if plan[1] is not None:
+                report.float_layers.append({"name": name, "type": type(module).__name__, "reason": plan[1]})
             continue
-        module.__class__ = qcls
+        originals[name] = type(module)
+        if plan[0] == "class":
+            module.__class__ = plan[1]
+        else:
+            _, kind, weight_name, derived, axis, callers = plan
+            computed.convert(model, name, kind, weight_name, derived, axis, callers)
+            report.computed.append(name)
         for kind in ("input", "weight"):
             qname = _qname(name, kind)
             enabled, desc, matched = cfg.resolve(qname, kind, module)
@@ -95,14 +155,181 @@ def quantize_model(
             module.add_module(f"{kind}_quantizer", TensorQuantizer(desc, name=qname, enabled=enabled))
         report.layers.append(name)
         layers[name] = module
+    report.fast_paths_off = computed.disable_fast_paths(model, list(layers.values()))
+    if check:
+        report.float_reference = reference
+        _check_conversions(model, example, reference, report, layers, originals)
     if cfg.target == "onnxruntime" and not getattr(cfg, "legacy_placement", False):
         used.update(_place_for_onnxruntime(model, cfg, layers, own_grid, report, example))
     elif cfg.target == "tensorrt":
         used.update(_place_for_tensorrt(model, cfg, layers, report, example))
+    if check:
+        _check_placement(model, example, reference, report)
     report.unmatched_patterns = [r["pattern"] for i, r in enumerate(cfg.rules) if i not in used]
     model.quantcli_config = cfg
     model.quantcli_report = report
     return model
+
+
+def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tuple:
+    """How ``module`` is quantized: ``("class", quantized class)``, ``("computed", kind, weight parameter,
+    derived, weight axis, callers)`` (:mod:`quantcli.nn.computed`), or ``("float", reason or None)``."""
+    cls = type(module)
+    if cls.__module__.startswith("quantcli."):
+        return ("float", None)  # already converted, or a quantcli module
+    qcls = quant_class(module)
+    callers = sorted({u.caller for u in uses if u.caller != name})
+    shared = found.combined.get(name) if found is not None else None
+    if qcls is not None and not callers:
+        return ("class", qcls)
+    base = torch_base(cls)
+    static = (
+        base is not None and (overrides_forward(cls) or cls.__name__ == "NonDynamicallyQuantizableLinear")
+    ) or isinstance(module, nn.MultiheadAttention)
+    if found is None:
+        if not static:
+            reason = float_reason(module)
+            return ("float", reason)
+        return _static_plan(module, base)
+    if not uses:
+        reason = float_reason(module)
+        if reason is None and not static:
+            return ("float", None)
+        if shared:
+            return ("float", f"its weight is combined with parameters of {', '.join(sorted(shared))}")
+        if isinstance(module, nn.Embedding):
+            return ("float", reason)
+        return (
+            "float",
+            "no convolution, linear or matmul took its weight (or a tensor computed from its parameters "
+            "alone) on the example batch",
+        )
+    sources = {u.params for u in uses}
+    kinds = {(u.kind, u.weight_axis) for u in uses}
+    if len(sources) > 1:
+        names = ", ".join("+".join(p) for p in sorted(sources))
+        return (
+            "float",
+            f"it computes with {len(sources)} weights in separate operations ({names}); one weighted "
+            "operation per module is quantized",
+        )
+    if len(kinds) > 1:
+        return (
+            "float",
+            f"its weight is used by operations of different kinds ({', '.join(sorted(k for k, _ in kinds))})",
+        )
+    (params,) = sources
+    ((kind, axis),) = kinds
+    weight = "weight" if "weight" in params else max(params, key=lambda p: module._parameters[p].numel())
+    derived = any(u.derived for u in uses)
+    return ("computed", kind, weight, derived, axis, callers)
+
+
+def _static_plan(module: nn.Module, base: type | None) -> tuple:
+    """Without an example batch: a torch layer's subclass with a ``forward`` of its own is computed as its
+    base computes (its weight, derived or not, is attributed at run time), ``nn.MultiheadAttention`` through
+    its packed input projection."""
+    if isinstance(module, nn.MultiheadAttention):
+        if getattr(module, "in_proj_weight", None) is None:
+            return ("float", "its query, key and value projections are three separate weights")
+        return ("computed", "linear", "in_proj_weight", False, 0, [])
+    if base in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+        return ("computed", "conv_transpose", "weight", True, 1, [])
+    return ("computed", "linear" if base is nn.Linear else "conv", "weight", True, 0, [])
+
+
+def _qname(layer: str, kind: str) -> str:
+    return f"{layer}.{kind}_quantizer" if layer else f"{kind}_quantizer"
+
+
+def _remove_quantizers(module: nn.Module) -> None:
+    for kind in ("input", "weight", "output"):
+        if f"{kind}_quantizer" in module._modules:
+            delattr(module, f"{kind}_quantizer")
+
+
+def _check_conversions(
+    model: nn.Module,
+    example: Mapping[str, torch.Tensor],
+    reference: dict[str, Fingerprint],
+    report: QuantizeReport,
+    layers: dict[str, nn.Module],
+    originals: dict[str, type],
+) -> None:
+    """BatchNorm folds and layer conversions, compared with the model as loaded: the first module whose float
+    output moved is put back as it was (its fold undone, or its conversion), until none moves."""
+    folded = {f.batchnorm: f.layer for f in report.batchnorm.folded}
+    reverted = []
+    report.float_check = {"checked": True, "modules": len(reference), "reverted": reverted}
+    unsteady: set[str] | None = None
+    for _ in range(len(layers) + len(folded) + 2):
+        # a folded layer computes its BatchNorm's output: that one is compared
+        skip = set(folded.values()) | (unsteady or set())
+        diffs = differences(reference, capture(model, example, reference), skip)
+        if not diffs:
+            return
+        module, rel = diffs[0]
+        culprit = _culprit(module, folded, layers, report)
+        if culprit is None and unsteady is None:
+            # a forward whose outputs change from one call to the next: those modules are not compared
+            unsteady = unstable(model, example, reference)
+            report.float_check["unstable"] = sorted(unsteady)
+            continue
+        if culprit is None:
+            raise TransformationError(
+                f"quantcli changed what the float model computes: {module} ({describe_change(rel)} on the "
+                "example batch) and no fold or layer conversion explains it; please report this"
+            )
+        kind, what = culprit
+        if kind == "fold":
+            bn = what
+            cause = (
+                f"folding BatchNorm {bn} into {folded[bn]} changed {module} ({describe_change(rel)}); left "
+                "unfolded"
+            )
+            unfold(model, report.batchnorm, bn, "folding it changed the float output (float check)")
+            del folded[bn]
+            reverted.append({"kind": "fold", "layer": bn, "cause": cause})
+        else:
+            layer = layers.pop(what)
+            cause = f"quantizing {what} changed {module} ({describe_change(rel)}); left float"
+            if computed.is_computed(layer):
+                computed.unconvert(model, layer)
+                report.computed.remove(what)
+            else:
+                layer.__class__ = originals[what]
+            _remove_quantizers(layer)
+            report.layers.remove(what)
+            report.float_layers.append(
+                {"name": what, "type": type(layer).__name__, "reason": f"float check: {cause}"}
+            )
+            reverted.append({"kind": "layer", "layer": what, "cause": cause})
+
+
+def _culprit(module: str, folded: dict[str, str], layers: dict[str, nn.Module], report) -> tuple | None:
+    """The transformation to undo for a change first seen at ``module``: the fold whose BatchNorm (now an
+    identity computing the folded layer's output) or layer it is, or the converted layer it is. A change first
+    seen at a module that holds them (its children's outputs unchanged) is none of theirs."""
+    for bn, layer in folded.items():
+        if module in (bn, layer):
+            return ("fold", bn)
+    return ("layer", module) if module in layers else None
+
+
+def _check_placement(
+    model: nn.Module, example: Mapping[str, torch.Tensor], reference: dict[str, Fingerprint], report
+) -> None:
+    """The placement's rewrites (residual quantizers in a block's ``forward``, quantizers moved before a
+    padding or after a ReLU) compute, quantizers off, what the model as loaded computes."""
+    skip = {f.layer for f in report.batchnorm.folded} | set(report.float_check.get("unstable", ()))
+    diffs = differences(reference, capture(model, example, reference), skip)
+    if diffs:
+        module, rel = diffs[0]
+        raise TransformationError(
+            f"quantcli's placement changed what the float model computes: {module} ({describe_change(rel)} "
+            "on the example batch); calibrate with --target tensorrt or a config that leaves its layers "
+            "float, and please report this"
+        )
 
 
 def _qname(layer: str, kind: str) -> str:

@@ -127,7 +127,7 @@ def verify_onnx(
     except GraphRunError as e:
         return _graph_failed(report, e, t0)
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
-    _reference_check(report, cmp)
+    _reference_check(report, cmp, ckpt)
     use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
     report.quality = {
         "session": "deployed" if use is cmp.dqual else "exact",
@@ -230,6 +230,9 @@ class _Comparison:
     transformed: dict[str, PairStats] | None = None
     # the fake-quant model with a saturating CPU's u8s8 kernels emulated, vs the fake-quant model
     saturation: cpu_kernels.Saturation | None = None
+    # (model as loaded, transformed float model, the sample): where reference.transformations looks for the
+    # first module that differs when it fails
+    transformed_models: tuple | None = None
 
     def start(self, logits: set[int]) -> None:
         """Fresh statistics; ``logits``: the outputs (by index) whose top-1 agreement is counted."""
@@ -300,7 +303,7 @@ def _compare_outputs(
             if i == 0:
                 ref, flt, got = _sample_pass(ss, cmp, qmodel, fmodel, batch, where)
                 if tmodel is not None:
-                    _compare_transformed(cmp, tmodel, batch, flt, where)
+                    _compare_transformed(cmp, fmodel, tmodel, batch, flt, where)
             else:
                 with torch.inference_mode():
                     ref = _numpy(run_model(qmodel, batch, where))
@@ -328,7 +331,9 @@ def _sample_pass(
     return ref, flt, got
 
 
-def _compare_transformed(cmp: _Comparison, tmodel, batch: Batch, flt: list[np.ndarray], where: str) -> None:
+def _compare_transformed(
+    cmp: _Comparison, fmodel, tmodel, batch: Batch, flt: list[np.ndarray], where: str
+) -> None:
     """The float model as quantcli transformed it (BatchNorm folding, SmoothQuant, placement rewrites;
     quantizers off) against the model as loaded, on the sample: the transformations must compute the same, up
     to rounding."""
@@ -339,12 +344,14 @@ def _compare_transformed(cmp: _Comparison, tmodel, batch: Batch, flt: list[np.nd
     cmp.transformed = {n: PairStats() for n in cmp.out_names}
     for k, n in enumerate(cmp.out_names):
         cmp.transformed[n].add(got[k], flt[k])
+    cmp.transformed_models = (fmodel, tmodel, batch)
 
 
-def _reference_check(report: VerifyReport, cmp: _Comparison) -> None:
+def _reference_check(report: VerifyReport, cmp: _Comparison, ckpt: Calibrated) -> None:
     """``report.reference`` and, where the checkpoint stores the model as loaded,
     ``reference.transformations``: RMS(transformed float - float as loaded) / RMS(float as loaded), the worst
-    output."""
+    output; when it fails, its detail names the first module whose output differs
+    (:func:`quantcli.calibration.float_check.first_difference`)."""
     if cmp.transformed is None:
         report.reference = {
             "float_model": "as transformed (the checkpoint does not store the model as "
@@ -358,6 +365,23 @@ def _reference_check(report: VerifyReport, cmp: _Comparison) -> None:
     check = at_most("reference.transformations", MAX_TRANSFORM_DEVIATION, rel[worst], worst)
     if any(s.nonfinite for s in cmp.transformed.values()):
         check.passed, check.detail = False, "non-finite values in one model but not the other"
+    if not check.passed and cmp.transformed_models is not None:
+        from quantcli.calibration.float_check import describe_first, first_difference, smoothed_modules
+
+        fmodel, tmodel, batch = cmp.transformed_models
+        found = first_difference(
+            fmodel,
+            tmodel,
+            batch,
+            ckpt.data.get("batchnorm_folds", []),
+            smoothed_modules((ckpt.data.get("calibration") or {}).get("smoothquant")),
+        )
+        report.reference["first_difference"] = (
+            None
+            if found is None
+            else {"module": found[0], "relative_rms": found[1] if math.isfinite(found[1]) else None}
+        )
+        check.detail = f"{check.detail}; {describe_first(found)}"
     report.checks.append(check)
 
 

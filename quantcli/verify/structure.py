@@ -98,6 +98,22 @@ def graph_weight(p: QdqPair, inits: dict[str, onnx.TensorProto]) -> np.ndarray |
     return p.quantizer_layout(deq)
 
 
+def _weight_operands(ckpt: Calibrated) -> dict[str, torch.Tensor]:
+    """``<layer>.weight`` -> the tensor a layer's weight quantizer quantizes, where that is not the layer's
+    ``weight`` parameter: a computed layer's operand (:mod:`quantcli.nn.computed`), which is its parameter
+    under another name (``nn.MultiheadAttention``'s ``in_proj_weight``) or a tensor its forward computes from
+    its parameters (weight standardisation: read on one forward of the example batch)."""
+    from quantcli.nn.computed import ComputedLayer, weight_operands
+
+    out: dict[str, torch.Tensor] = {}
+    for name, m in ckpt.model.named_modules():
+        if isinstance(m, ComputedLayer) and not m.weight_derived and m.weight_name != "weight":
+            out[f"{name}.weight" if name else "weight"] = m.weight_source()
+    derived = weight_operands(ckpt.model, ckpt.example)
+    out.update({q.rsplit(".", 1)[0] + ".weight" if "." in q else "weight": t for q, t in derived.items()})
+    return out
+
+
 def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any] | None, str | None]:
     """Per-layer row of a weight quantizer and a problem, if its stored codes differ from the checkpoint's."""
     module = name.rsplit(".", 1)[0]
@@ -280,7 +296,7 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
             pairs.setdefault(p.quantizer, p)
     qs = {n: q for n, q in quantizers(ckpt.model).items() if q.enabled}
     inits = initializer_map(model.graph)
-    params = dict(ckpt.model.named_parameters())
+    params = {**dict(ckpt.model.named_parameters()), **_weight_operands(ckpt)}
     problems: dict[str, list[str]] = {}
     rows: list[dict[str, Any]] = []
     dynamic = _check_dynamic_layers(model, ckpt, qs, problems, rows)

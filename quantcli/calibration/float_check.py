@@ -1,0 +1,95 @@
+"""The float check: what quantcli's transformations did to the float model, module by module (issue 35).
+
+``quantize_model`` compares its BatchNorm folds, layer conversions and placement rewrites with the model as
+loaded on the example batch (:mod:`quantcli.nn.module_outputs`), undoes a fold or a conversion that changed a
+module's output and stops on a placement rewrite that did. Here the same comparison covers what calibrate does
+after it (SmoothQuant, :func:`check_unchanged`), and names the first module that differs for verify's
+``reference.transformations`` (:func:`first_difference`), so a failure says where the float model changed,
+not only that an output did.
+
+Modules changed by design are not compared: a layer a BatchNorm was folded into (the BatchNorm, now an
+identity, computes what it computed), and a LayerNorm or Linear that absorbed SmoothQuant's ``1 / s`` (the
+layers reading it compute what they computed), with any module whose output was that very tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from quantcli.errors import TransformationError
+from quantcli.nn.module_outputs import Fingerprint, capture, describe_change, differences, relative_change
+
+
+def expected_changes(
+    folds: Iterable[Mapping[str, str]],
+    smoothed_into: Iterable[str],
+    reference: Mapping[str, Fingerprint],
+) -> set[str]:
+    """The modules whose float output a correct transformation changes: the layers BatchNorms were folded
+    into, the modules SmoothQuant divided by ``s`` and every module of ``reference`` whose output was
+    theirs."""
+    into = {n for n in smoothed_into if n}
+    same = {
+        name
+        for name, fp in reference.items()
+        for n in into
+        if n in reference and name != n and relative_change(reference[n], fp) == 0.0
+    }
+    return {f["layer"] for f in folds} | into | same
+
+
+def smoothed_modules(smooth_report) -> list[str]:
+    """The LayerNorms and Linears that absorbed SmoothQuant's ``1 / s`` (a :class:`SmoothReport` or its
+    dict)."""
+    if smooth_report is None:
+        return []
+    groups = smooth_report.get("groups", []) if isinstance(smooth_report, dict) else smooth_report.groups
+    into = [g["into"] if isinstance(g, dict) else g.into for g in groups]
+    return [n for n in into if n]
+
+
+def check_unchanged(
+    model: nn.Module,
+    example: Mapping[str, torch.Tensor],
+    reference: Mapping[str, Fingerprint],
+    skip: set[str],
+    what: str,
+    remedy: str,
+) -> None:
+    """Raise :class:`TransformationError` naming the first module of ``reference`` whose float output (every
+    quantizer off) ``model`` no longer computes, after ``what``."""
+    if not reference:
+        return
+    diffs = differences(reference, capture(model, example, reference), skip)
+    if diffs:
+        module, rel = diffs[0]
+        raise TransformationError(
+            f"{what} changed what the float model computes: {module} ({describe_change(rel)} on the example "
+            f"batch); {remedy}"
+        )
+
+
+def first_difference(
+    loaded: nn.Module,
+    transformed: nn.Module,
+    example: Mapping[str, torch.Tensor],
+    folds: Iterable[Mapping[str, str]] = (),
+    smoothed_into: Iterable[str] = (),
+) -> tuple[str, float] | None:
+    """The first module (innermost, earliest to finish) whose output ``transformed`` computes differently from
+    ``loaded`` on ``example``, quantizers off, with its relative change; None when none does. ``folds`` and
+    ``smoothed_into``: what the transformations changed by design (:func:`expected_changes`)."""
+    reference = capture(loaded, example)
+    skip = expected_changes(folds, smoothed_into, reference)
+    diffs = differences(reference, capture(transformed, example, reference), skip)
+    return diffs[0] if diffs else None
+
+
+def describe_first(found: tuple[str, float] | None) -> str:
+    if found is None:
+        return "no module's output differs on the sample (the difference is in how modules are combined)"
+    module, rel = found
+    return f"first module that differs: {module} ({describe_change(rel)})"

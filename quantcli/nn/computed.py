@@ -1,0 +1,609 @@
+"""Layers found by the operations a model computes, not by their class (issue 35).
+
+The exported graph has a ``Conv`` for every convolution a forward computes, whatever Python class computed it.
+Found by class, a ``nn.Conv2d`` subclass whose ``forward`` pads before ``F.conv2d`` (EfficientNet-PyTorch's
+``Conv2dStaticSamePadding``) either lost its padding (converted as a plain Conv2d) or stayed float. Here a
+layer is quantized where it computes, and its ``forward`` runs as written:
+
+* :func:`census` runs one forward on the example batch and lists every *weighted operation* it computes
+  (``F.conv1d/2d/3d``, ``F.conv_transpose1d/2d/3d``, ``F.linear``, ``torch.matmul``/``@``, and the
+  ``F.linear`` calls inside ``F.multi_head_attention_forward``): which module's parameters its weight operand
+  is (the parameter itself, or a tensor computed from that module's parameters alone, as weight
+  standardisation does), in which module's ``forward`` it runs, its bias, and whether that module returns the
+  operation's output as its own (BatchNorm folding needs that).
+* :func:`convert` makes such a module a *computed layer*: its class becomes ``Quant<Name>``
+  (:class:`ComputedLayer` in front of the user's class, whose ``forward`` stays), with the same
+  ``input_quantizer`` and ``weight_quantizer`` (and the placement's ``output_quantizer`` and int32 bias) as a
+  converted ``nn.Conv2d``, so quantizer names, ``amax`` buffers, ``state_dict`` keys and the exporters' hooks
+  are the same.
+* while the model runs, a :class:`Dispatch` (a ``TorchFunctionMode``) puts the layer's quantizers around each
+  of its operations: ``F.conv2d(x, w, b, ...)`` becomes ``output_quantizer(F.conv2d(input_quantizer(x),
+  weight_quantizer(w), b', ...))``, ``b'`` the int32 bias where the target has one. Forward hooks enter it for
+  the computed layers, the modules whose ``forward`` calls their operations (a plain function passing a
+  module's weight to ``F.linear``), and the torch modules with a fused fast path
+  (:data:`FAST_PATH_MODULES`): with a mode active, ``nn.TransformerEncoderLayer`` and
+  ``nn.MultiheadAttention`` take their Python path (``torch.overrides.has_torch_function``), which calls the
+  layers they own, in calibration, export and verify alike.
+
+The dispatch also quantizes the skip operand of residual Adds in a block whose ``forward`` ``torch.fx`` cannot
+rewrite (:func:`quantize_adds`): the block's own additions are counted as they run, and the ones the recorded
+graph marked get their quantizer.
+
+A weight operand is attributed to a layer when it is one of the layer's parameters, a view of one, or the
+result of operations whose tensor arguments are all such tensors (the same rule in the census and at run
+time); the operation's input must not be one (``B @ A`` of two LoRA factors is part of a weight, not a layer).
+``F.multi_head_attention_forward`` calls ``F.linear`` from inside one torch function, where no mode sees it:
+while it runs, ``torch.nn.functional.linear`` is the dispatch's (restored after, whatever happens).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from quantcli.nn.module_outputs import same_randomness
+from quantcli.nn.modules import QuantMixin
+from quantcli.nn.recorded_graph import FORWARD_ERRORS, classify, forward_failed, is_add, layer_call
+
+#: weighted operations: function -> (kind, output-channel axis of the weight operand; -1 for its last)
+_FUNCTIONS: dict[Callable, tuple[str, int]] = {
+    F.conv1d: ("conv", 0),
+    F.conv2d: ("conv", 0),
+    F.conv3d: ("conv", 0),
+    F.conv_transpose1d: ("conv_transpose", 1),
+    F.conv_transpose2d: ("conv_transpose", 1),
+    F.conv_transpose3d: ("conv_transpose", 1),
+    F.linear: ("linear", 0),
+    torch.matmul: ("matmul", -1),
+}
+KINDS = ("conv", "conv_transpose", "linear", "matmul")
+# the argument names of the operands, by kind: input, weight, bias
+_NAMES = {
+    "conv": ("input", "weight", "bias"),
+    "conv_transpose": ("input", "weight", "bias"),
+    "linear": ("input", "weight", "bias"),
+    "matmul": ("input", "other", None),
+}
+#: torch modules with a fused fast path that skips the layers they own while no torch function mode is active
+FAST_PATH_MODULES: tuple[type, ...] = (
+    nn.TransformerEncoderLayer,
+    nn.TransformerEncoder,
+    nn.TransformerDecoderLayer,
+    nn.MultiheadAttention,
+)
+
+
+def weighted_kind(func: Callable) -> tuple[str, int] | None:
+    """``(kind, weight axis)`` of a weighted operation, None for any other function."""
+    hit = _FUNCTIONS.get(func)
+    if hit is not None:
+        return hit
+    op, target = classify(func)
+    return ("matmul", -1) if op == "call_method" and target == "matmul" else None
+
+
+def _operand(args: tuple, kwargs: dict, i: int, name: str | None):
+    if name is None:
+        return None
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def operands(kind: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+    """``(input, weight, bias)`` of a weighted operation's call (bias None for matmul)."""
+    return tuple(_operand(args, kwargs, i, n) for i, n in enumerate(_NAMES[kind]))
+
+
+def _with_operands(kind: str, args: tuple, kwargs: dict, values: tuple) -> tuple[tuple, dict]:
+    args, kwargs = list(args), dict(kwargs)
+    for i, (name, v) in enumerate(zip(_NAMES[kind], values)):
+        if name is None:
+            continue
+        if len(args) > i:
+            args[i] = v
+        elif name in kwargs or v is not None:
+            kwargs[name] = v
+    return tuple(args), kwargs
+
+
+@contextlib.contextmanager
+def _traced_scope(module: nn.Module, inside: bool) -> Iterator[None]:
+    """While the TorchScript exporter traces and ``module``'s own forward is not the one running (``inside``
+    False: a weight other code passes to ``F.linear``, ``nn.MultiheadAttention``'s ``out_proj``), its scope,
+    as ``nn.Module`` pushes it for a call: the exporter names the quantizers' nodes by scope
+    (``/head/proj/input_quantizer/QuantizeLinear``), and export maps them back to quantizers by those
+    names."""
+    state = torch._C._get_tracing_state() if not inside else None
+    names = getattr(torch.jit._trace, "_trace_module_map", None) if state is not None else None
+    name = names.get(module) if names else None
+    if name is None:
+        yield
+        return
+    state.push_scope(name)
+    try:
+        yield
+    finally:
+        state.pop_scope()
+
+
+def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+
+
+@contextlib.contextmanager
+def _linear_replaced(fn: Callable) -> Iterator[None]:
+    """``torch.nn.functional.linear`` is ``fn`` while the block runs (``F.multi_head_attention_forward`` calls
+    the module's ``linear``); the original is back after, whatever happens."""
+    original = F.__dict__["linear"]
+    F.linear = fn
+    try:
+        yield
+    finally:
+        F.linear = original
+
+
+# ------------------------------------------------------------------------------------------------ census
+
+
+@dataclass
+class OpUse:
+    """One weighted operation the forward computed with a module's parameters as its weight."""
+
+    kind: str  # conv, conv_transpose, linear, matmul
+    layer: str  # the module whose parameters the weight operand is, or is computed from
+    params: tuple[str, ...]  # those parameters (one, and ``derived`` False: the parameter itself)
+    derived: bool
+    caller: str  # the module whose forward (or a function it called) ran the operation; "" for the model
+    bias: str  # "none", "own" (the layer's parameter ``bias``) or "other"
+    weight_shape: tuple[int, ...]
+    weight_axis: int  # the output-channel axis of the weight operand
+    returns_output: bool = False  # the layer's forward returned this operation's output as its own
+
+
+@dataclass
+class Census:
+    """What :func:`census` saw: every weighted operation, and the weights it could not attribute to one
+    module (``{module: other modules its parameters were combined with}``)."""
+
+    uses: list[OpUse] = field(default_factory=list)
+    combined: dict[str, set[str]] = field(default_factory=dict)
+
+    def by_layer(self) -> dict[str, list[OpUse]]:
+        out: dict[str, list[OpUse]] = {}
+        for u in self.uses:
+            out.setdefault(u.layer, []).append(u)
+        return out
+
+
+class _Provenance:
+    """Which tensors are a module's parameters or computed from them alone: ``id -> {(module, param)}``."""
+
+    def __init__(self) -> None:
+        self.params: dict[int, frozenset[tuple[str, str]]] = {}
+        self.derived: dict[int, frozenset[tuple[str, str]]] = {}
+        self.alive: list[torch.Tensor] = []  # no id is reused while tracked
+
+    def source(self, t) -> frozenset[tuple[str, str]] | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        s = self.params.get(id(t)) or self.derived.get(id(t))
+        if s is None and t._base is not None:  # a view (``split``, ``chunk`` of a packed weight)
+            s = self.params.get(id(t._base)) or self.derived.get(id(t._base))
+        return s
+
+    def track(self, args: tuple, kwargs: dict, out) -> None:
+        ins = _tensors(args, kwargs)
+        if not ins:
+            return
+        srcs = [self.source(t) for t in ins]
+        if any(s is None for s in srcs):
+            return
+        union = frozenset().union(*srcs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.alive.append(t)
+                self.derived[id(t)] = union
+
+
+class _CensusMode(TorchFunctionMode):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.prov = _Provenance()
+        for mname, m in model.named_modules():
+            for pname, p in m.named_parameters(recurse=False):
+                if p.is_floating_point():
+                    self.prov.params[id(p)] = self.prov.params.get(id(p), frozenset()) | {(mname, pname)}
+        self.stack: list[str] = [""]
+        self.result = Census()
+        self.outputs: dict[int, OpUse] = {}  # id(operation output) -> its use
+
+    def weighted(self, func: Callable, kind: str, axis: int, args: tuple, kwargs: dict):
+        x, w, b = operands(kind, args, kwargs)
+        out = func(*args, **kwargs)
+        src = self.prov.source(w)
+        if src is None or self.prov.source(x) is not None or not isinstance(w, torch.Tensor):
+            self.prov.track(args, kwargs, out)
+            return out
+        caller = self.stack[-1]
+        owners = {m for m, _ in src}
+        if len(owners) > 1:
+            # a parameter registered in several modules: the one whose forward calls the operation owns it
+            if len(src) == 1 or caller not in owners:
+                for m in owners:
+                    self.result.combined.setdefault(m, set()).update(owners - {m})
+                return out
+            owners = {caller}
+        (layer,) = owners
+        params = tuple(sorted(p for m, p in src if m == layer))
+        own = isinstance(b, torch.Tensor) and (layer, "bias") in self.prov.params.get(id(b), frozenset())
+        bias = "none" if b is None else ("own" if own else "other")
+        use = OpUse(
+            kind,
+            layer,
+            params,
+            derived=id(w) not in self.prov.params,
+            caller=caller,
+            bias=bias,
+            weight_shape=tuple(w.shape),
+            weight_axis=axis % w.dim() if w.dim() else 0,
+        )
+        self.result.uses.append(use)
+        if isinstance(out, torch.Tensor):
+            self.prov.alive.append(out)
+            self.outputs[id(out)] = use
+        return out
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward:
+            linear = F.__dict__["linear"]
+
+            def mha_linear(*a, **k):
+                return self.weighted(linear, "linear", 0, a, k)
+
+            with _linear_replaced(mha_linear):
+                return func(*args, **kwargs)
+        hit = weighted_kind(func)
+        if hit is not None:
+            return self.weighted(func, *hit, args, kwargs)
+        out = func(*args, **kwargs)
+        self.prov.track(args, kwargs, out)
+        return out
+
+
+def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Callable | None = None) -> Census:
+    """Every weighted operation of one forward of ``model`` on ``example`` (no gradients, eval mode, the
+    model's own modes restored after). ``observe(name, module, output)``, if given, is called after every
+    module's call (the float check reads the outputs there). Raises :class:`quantcli.errors.DataError` when
+    the forward fails."""
+    mode = _CensusMode(model)
+    training = {m: m.training for m in model.modules()}
+    handles = []
+    for name, m in model.named_modules():
+
+        def pre(module, args, name=name):
+            mode.stack.append(name)
+
+        def post(module, args, output, name=name):
+            mode.stack.pop()
+            use = mode.outputs.get(id(output)) if isinstance(output, torch.Tensor) else None
+            if use is not None and use.layer == name:
+                use.returns_output = True
+            if observe is not None:
+                observe(name, module, output)
+
+        handles.append(m.register_forward_pre_hook(pre))
+        handles.append(m.register_forward_hook(post, always_call=True))
+    try:
+        model.eval()
+        with torch.no_grad(), same_randomness(), mode:
+            model(**example)
+    except FORWARD_ERRORS as e:
+        raise forward_failed(example, e, "finding the operations it computes") from None
+    finally:
+        for h in handles:
+            h.remove()
+        for m, t in training.items():
+            m.training = t
+    return mode.result
+
+
+# ------------------------------------------------------------------------------------------ computed layers
+
+
+class ComputedLayer(QuantMixin):
+    """Mixed in front of a module whose weighted operation is quantized where it runs (module docstring).
+
+    ``op_kind``: conv, conv_transpose, linear or matmul; ``weight_name``: the parameter its weight operand is
+    (or is computed from); ``weight_derived``: the operand is computed from the parameters, not the parameter
+    itself (weight standardisation); ``weight_axis``: the operand's output-channel axis. The weight quantizer
+    quantizes the operand the operation takes, so it is calibrated on it as the forward runs
+    (``weight_from_forward``), not on the parameter."""
+
+    op_kind = "linear"
+    weight_name = "weight"
+    weight_derived = False
+    weight_from_forward = True
+    #: see :class:`quantcli.nn.modules.QuantLinear` (a Linear whose input quantizer is dynamic)
+    export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def takes_int32_bias(self) -> bool:
+        """QLinearConv and QGemm add an int32 bias; a bias that is the layer's own ``bias`` parameter can be
+        one (onnxruntime has no CPU QDQ rule for ConvTranspose)."""
+        return self.op_kind in ("conv", "linear") and isinstance(self._parameters.get("bias"), torch.Tensor)
+
+    def weight_source(self) -> torch.Tensor:
+        return self._parameters[self.weight_name]
+
+    def run_op(self, func: Callable, kind: str, args: tuple, kwargs: dict, inside: bool = True):
+        """The operation with this layer's quantizers around it (recorded as this layer's call while a
+        recording is under way). ``inside``: the layer's own ``forward`` is the innermost one running."""
+        with _traced_scope(self, inside):
+            return self._run_op(func, kind, args, kwargs)
+
+    def _run_op(self, func: Callable, kind: str, args: tuple, kwargs: dict):
+        x, w, b = operands(kind, args, kwargs)
+
+        def run():
+            q = self.input_quantizer
+            if q.dynamic_uint8 and q.mode == "quantize" and self._plain_linear(kind, w, b):
+                if self.export_hook is not None:
+                    return self.export_hook(x)
+                if torch.onnx.is_in_onnx_export():  # DynamicQuantizeLinear -> MatMulInteger
+                    from quantcli.nn.dynamic import dynamic_linear
+
+                    return dynamic_linear(self, x)
+            bias = b
+            own_bias = b is not None and b is self._parameters.get("bias")
+            if own_bias and self.int32_bias and (kind == "conv" or (kind == "linear" and x.dim() == 2)):
+                bias = self.quantized_bias()  # QLinearConv / QGemm: int32 codes
+            values = (self.quantize_input(x), self.weight_quantizer(w), bias)
+            a, k = _with_operands(kind, args, kwargs, values)
+            return self.quantize_output(func(*a, **k))
+
+        return layer_call(self, [x], run)
+
+    def _plain_linear(self, kind: str, w, b) -> bool:
+        """``F.linear(x, self.weight, self.bias)``: what the int8-dynamic export pattern computes."""
+        return (
+            kind == "linear"
+            and w is self._parameters.get("weight")
+            and (b is None or b is self._parameters.get("bias"))
+        )
+
+
+_CLASSES: dict[tuple, type] = {}
+
+
+def computed_class(cls: type, kind: str, weight_name: str, derived: bool, axis: int) -> type:
+    """``Quant<Name>``: :class:`ComputedLayer` in front of ``cls`` (its ``forward`` and attributes stay)."""
+    key = (cls, kind, weight_name, derived, axis)
+    if key not in _CLASSES:
+        attrs = {
+            "__module__": __name__,
+            "op_kind": kind,
+            "weight_name": weight_name,
+            "weight_derived": derived,
+            "weight_axis": axis,
+        }
+        if weight_name != "weight" and not hasattr(cls, "weight"):
+            # nn.MultiheadAttention's in_proj_weight: read as ``weight`` where layers are read (configs)
+            attrs["weight"] = property(lambda self: self._parameters[self.weight_name])
+        _CLASSES[key] = type(f"Quant{cls.__name__}", (ComputedLayer, cls), attrs)
+    return _CLASSES[key]
+
+
+def is_computed(module) -> bool:
+    return isinstance(module, ComputedLayer)
+
+
+def is_conv_layer(module) -> bool:
+    """A quantized layer that runs as a (non-transposed) convolution: ``QLinearConv`` for onnxruntime."""
+    if isinstance(module, ComputedLayer):
+        return module.op_kind == "conv"
+    return isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d))
+
+
+# -------------------------------------------------------------------------------------------------- dispatch
+
+
+@dataclass
+class _Frame:
+    module: nn.Module
+    adds: dict[int, tuple[int, str]] | None  # a residual owner's additions to quantize: ordinal -> operand
+    count: int = 0
+
+
+class Dispatch(TorchFunctionMode):
+    """The model's computed layers' quantizers, put around their operations while a hooked module runs (module
+    docstring). One per model; every hooked module holds it (``copy.deepcopy`` copies it with the model, its
+    layers mapped to the copies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers: list[ComputedLayer] = []
+        self.frames: list[_Frame] = []
+        self.weights: dict[int, ComputedLayer] = {}
+        self.prov = _Provenance()
+
+    # entered and left by the hooked modules' forward hooks
+    def enter(self, module: nn.Module) -> None:
+        if not self.frames:
+            self.prov = _Provenance()
+            self.weights = {}
+            for layer in self.layers:
+                w = layer._parameters.get(layer.weight_name)
+                if isinstance(w, torch.Tensor):
+                    self.weights[id(w)] = layer
+                    self.prov.params[id(w)] = frozenset({(str(id(layer)), layer.weight_name)})
+                for pname, p in layer.named_parameters(recurse=False):
+                    if pname != layer.weight_name and p.is_floating_point():
+                        self.prov.params[id(p)] = frozenset({(str(id(layer)), pname)})
+            self.__enter__()
+        self.frames.append(_Frame(module, module.__dict__.get("_quantcli_adds")))
+
+    def leave(self, module: nn.Module) -> None:
+        if not self.frames:
+            return
+        self.frames.pop()
+        if not self.frames:
+            self.__exit__(None, None, None)
+            self.prov = _Provenance()
+            self.weights = {}
+
+    def _layer_of(self, w) -> ComputedLayer | None:
+        if not isinstance(w, torch.Tensor):
+            return None
+        layer = self.weights.get(id(w))
+        if layer is not None:
+            return layer
+        src = self.prov.source(w)
+        if src is None:
+            return None
+        owners = {m for m, _ in src}
+        if len(owners) != 1:
+            return None
+        (owner,) = owners
+        return next((la for la in self.layers if str(id(la)) == owner), None)
+
+    def _weighted(self, func: Callable, kind: str, args: tuple, kwargs: dict):
+        x, w, _ = operands(kind, args, kwargs)
+        layer = self._layer_of(w)
+        if layer is None or self.prov.source(x) is not None:
+            out = func(*args, **kwargs)
+            self.prov.track(args, kwargs, out)
+            return out
+        return layer.run_op(
+            func, kind, args, kwargs, inside=bool(self.frames) and self.frames[-1].module is layer
+        )
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.multi_head_attention_forward:
+            linear = F.__dict__["linear"]
+
+            def mha_linear(*a, **k):
+                return self._weighted(linear, "linear", a, k)
+
+            with _linear_replaced(mha_linear):
+                return func(*args, **kwargs)
+        hit = weighted_kind(func)
+        if hit is not None:
+            return self._weighted(func, hit[0], args, kwargs)
+        frame = self.frames[-1] if self.frames else None
+        if frame is not None and frame.adds is not None and is_add(*classify(func)):
+            k = frame.count
+            frame.count += 1
+            if k in frame.adds:
+                i, attr = frame.adds[k]
+                args = list(args)
+                args[i] = getattr(frame.module, attr)(args[i])
+                args = tuple(args)
+        out = func(*args, **kwargs)
+        self.prov.track(args, kwargs, out)
+        return out
+
+
+def _enter(module: nn.Module, args) -> None:
+    module.__dict__["_quantcli_dispatch"].enter(module)
+
+
+def _leave(module: nn.Module, args, output) -> None:
+    module.__dict__["_quantcli_dispatch"].leave(module)
+
+
+def dispatch_of(model: nn.Module) -> Dispatch:
+    """The model's :class:`Dispatch` (made on first use)."""
+    d = model.__dict__.get("_quantcli_model_dispatch")
+    if d is None:
+        d = Dispatch()
+        object.__setattr__(model, "_quantcli_model_dispatch", d)
+    return d
+
+
+def hook(module: nn.Module, dispatch: Dispatch) -> None:
+    """Enter ``dispatch`` while ``module`` runs (once per module; the hooks are module-level functions reading
+    plain attributes, so a deep copy hooks the copy to the copied dispatch)."""
+    if module.__dict__.get("_quantcli_dispatch") is not None:
+        return
+    object.__setattr__(module, "_quantcli_dispatch", dispatch)
+    module.register_forward_pre_hook(_enter)
+    module.register_forward_hook(_leave, always_call=True)
+
+
+def convert(
+    model: nn.Module, name: str, kind: str, weight_name: str, derived: bool, axis: int, callers: list[str]
+) -> ComputedLayer:
+    """Make module ``name`` a computed layer, hooked, with its operation's callers hooked too (the
+    quantizers are added by the caller, as for any converted layer)."""
+    module = model.get_submodule(name) if name else model
+    module.__class__ = computed_class(type(module), kind, weight_name, derived, axis)
+    d = dispatch_of(model)
+    d.layers.append(module)
+    hook(module, d)
+    for c in callers:
+        hook(model.get_submodule(c) if c else model, d)
+    return module
+
+
+def disable_fast_paths(model: nn.Module, quantized: list[nn.Module]) -> list[str]:
+    """Hook every module with a fused fast path (:data:`FAST_PATH_MODULES`) that holds or is a quantized
+    layer, so that it runs its Python path, which calls them. Returns their names."""
+    ids = {id(m) for m in quantized}
+    d = dispatch_of(model)
+    done = []
+    for name, m in model.named_modules():
+        if isinstance(m, FAST_PATH_MODULES) and any(id(s) in ids for s in m.modules()):
+            hook(m, d)
+            done.append(name)
+    return done
+
+
+def quantize_adds(model: nn.Module, owner: nn.Module, adds: dict[int, tuple[int, str]]) -> None:
+    """Quantize, as ``owner``'s ``forward`` runs, the operand ``i`` of its ``k``-th own addition with its
+    submodule ``attr`` (``adds``: ``{k: (i, attr)}``, additions counted as the recording counts them: those
+    ``owner``'s ``forward`` runs itself, not those of modules it calls)."""
+    d = dispatch_of(model)
+    object.__setattr__(owner, "_quantcli_adds", dict(adds))
+    hook(owner, d)
+    for child in owner.children():
+        hook(child, d)
+
+
+def unconvert(model: nn.Module, module: ComputedLayer) -> None:
+    """Give a computed layer its own class back (its quantizers are removed by the caller)."""
+    module.__class__ = type(module).__bases__[1]
+    d = dispatch_of(model)
+    d.layers = [la for la in d.layers if la is not module]
+
+
+def weight_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The weight operand each computed layer with a derived weight (``weight_derived``) takes on one forward
+    of ``example`` (its weight quantizer's input, by quantizer name); the others' operand is their
+    parameter."""
+    seen: dict[str, torch.Tensor] = {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, ComputedLayer) and m.weight_derived:
+            q = m.weight_quantizer
+            qname = f"{name}.weight_quantizer" if name else "weight_quantizer"
+            hooks.append(
+                q.register_forward_pre_hook(lambda mod, a, n=qname: seen.setdefault(n, a[0].detach().clone()))
+            )
+    if not hooks:
+        return seen
+    try:
+        with torch.no_grad():
+            model(**example)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen

@@ -1,0 +1,378 @@
+"""Layers are quantized where the model computes them, their ``forward`` left as written (issue 35).
+
+EfficientNet-PyTorch's ``Conv2dStaticSamePadding`` pads in ``forward``: found by class, its stride-2 layers
+lost their right/bottom padding in silence (a 9x9 probe cannot see it) and the others stayed float. Weight
+standardisation, LoRA-style subclasses and a weight passed to ``F.linear`` by a plain function were left
+float;
+``nn.TransformerEncoderLayer`` ran its fused fast path and quantized nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from exporters.onnxruntime.fusion import inspect_fusion, optimized_graph
+from quantcli.calibration.calibrate import calibrate
+from quantcli.nn.computed import census
+from quantcli.nn.config import QuantConfig
+from quantcli.nn.modules import QuantConv2d
+from quantcli.nn.replace import quantize_model
+from quantcli.nn.tensor_quantizer import quantizers
+from tests.helpers import cli
+
+EFFICIENTNET = Path(__file__).resolve().parent / "user_models" / "efficientnet_same.py"
+
+
+def _efficientnet():
+    spec = importlib.util.spec_from_file_location("efficientnet_same", EFFICIENTNET)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _quant(x: torch.Tensor, amax: torch.Tensor, bound: int = 127) -> torch.Tensor:
+    """Symmetric fake quantization written out (round half to even, clamp to the grid)."""
+    scale = amax / bound
+    return torch.clamp(torch.round(x / scale), -bound - 1, bound) * scale
+
+
+def _disabled(model):
+    for q in quantizers(model).values():
+        q.set_mode("disabled")
+
+
+# ------------------------------------------------------------------------------ EfficientNet "same" padding
+
+
+def test_same_padding_subclasses_keep_their_padding_and_every_conv_is_quantized():
+    E = _efficientnet()
+    model, loaded = E.make_short(), E.make_short()
+    x = torch.from_numpy(E.samples(8, 3)["inputs"])
+    convs = [n for n, m in loaded.named_modules() if isinstance(m, nn.Conv2d)]
+    quantize_model(model, "int8", example={"inputs": x})
+    report = model.quantcli_report
+    assert sorted(n for n in report.layers if n in convs) == sorted(convs)
+    assert set(report.computed) == set(convs)  # every one of them is a subclass with a forward of its own
+    assert not any(isinstance(m, QuantConv2d) for m in model.modules())
+    assert report.float_layers == [] and report.float_check["reverted"] == []
+    _disabled(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), loaded(x), rtol=1e-4, atol=1e-5)  # BatchNorms folded: rounding
+        # the stride-2 depthwise layer pads right and bottom only: its output keeps the padded size
+        feats = {}
+        h = model._blocks[1]._depthwise_conv.register_forward_hook(lambda m, a, o: feats.update(y=o.shape))
+        model(x)
+        h.remove()
+    assert feats["y"][-2:] == (16, 16)
+
+
+def test_census_sees_the_padded_convolution_and_what_it_returns():
+    E = _efficientnet()
+    model = E.make_short()
+    uses = census(model, {"inputs": torch.from_numpy(E.samples(2, 3)["inputs"])}).by_layer()
+    dw = uses["_blocks.1._depthwise_conv"]
+    assert [(u.kind, u.params, u.derived, u.caller, u.returns_output) for u in dw] == [
+        ("conv", ("weight",), False, "_blocks.1._depthwise_conv", True)
+    ]
+
+
+def _pads(path) -> int:
+    return sum(n.op_type == "Pad" for n in onnx.load(str(path)).graph.node)
+
+
+def _conv_padding(path) -> list[tuple[int, ...]]:
+    """Every Conv's spatial padding, (top, left, bottom, right), sorted: its ``pads`` plus those of a zero
+    ``Pad`` it reads (the dynamo exporter folds the Pad into the Conv; TorchScript keeps it)."""
+    from exporters.fold import constants_to_initializers, fold_pad_amounts
+
+    model = onnx.load(str(path))
+    constants_to_initializers(model)
+    fold_pad_amounts(model)  # torch's float export computes "same" amounts from the input's shape
+    g = model.graph
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    out = []
+    for n in g.node:
+        if n.op_type != "Conv":
+            continue
+        pads = next((list(a.ints) for a in n.attribute if a.name == "pads"), [0, 0, 0, 0])
+        src = producers.get(n.input[0])
+        if src is not None and src.op_type == "Pad":
+            amounts = inits[src.input[1]].tolist()  # N, C, H, W begins then ends
+            pads = [pads[0] + amounts[2], pads[1] + amounts[3], pads[2] + amounts[6], pads[3] + amounts[7]]
+        out.append(tuple(int(v) for v in pads))
+    return sorted(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_efficientnet_same_runs_every_conv_as_qlinearconv_and_every_residual_add_as_qlinearadd(
+    tmp_path, exporter
+):
+    E = _efficientnet()
+    np.savez(tmp_path / "calib.npz", **E.samples(32, 1))
+    np.savez(tmp_path / "held.npz", **E.samples(16, 2))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    spec = f"{EFFICIENTNET}:make_short"
+    r = cli("calibrate", spec, "--data", tmp_path / "calib.npz", "--placement", "all", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["float_check"]["checked"] and info["float_check"]["reverted"] == []
+    assert info["layers"]["float"] == [] and info["not_called"] == []
+    # the two residual blocks in a row: the second's skip input (the first one's sum) is quantized although
+    # torch.fx cannot trace the block (``if drop_connect_rate``)
+    assert info["placement"]["residual_quantized"] == ["_blocks.3.residual_quantizer"]
+    assert info["placement"]["residual_untraced"] == {}
+    r = cli("export", ck, "--onnx", graph, "--exporter", exporter)
+    assert r.exit_code == 0, r.output
+
+    model = E.make_short()
+    convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    fusion = inspect_fusion(graph)
+    assert fusion.load_error is None
+    runs = Counter(layer.kernel for layer in fusion.layers)
+    assert runs["QLinearConv"] == convs and not fusion.unfused, fusion.to_dict()
+    ops = Counter(n.op_type for n in optimized_graph(graph).graph.node)
+    assert ops["QLinearConv"] == convs and ops["Conv"] == 0
+    residual = sum(b.stride == 1 and b.inp == b.out for b in model._blocks)
+    assert ops["QLinearAdd"] == residual == 2 and ops["Add"] == 0
+    # the padding torch's own export of the float model has: the same Pads (TorchScript: 5, the stem's and
+    # the depthwise convolutions'), every Conv padded as there (right/bottom only after stride 2)
+    torch.onnx.export(
+        model,
+        (torch.from_numpy(E.samples(2, 0)["inputs"]),),
+        str(tmp_path / "float.onnx"),
+        dynamo=exporter == "dynamo",
+        input_names=["inputs"],
+    )
+    assert _pads(graph) == _pads(tmp_path / "float.onnx") == (5 if exporter == "torchscript" else 0)
+    padding = _conv_padding(graph)
+    assert padding == _conv_padding(tmp_path / "float.onnx") and len(padding) == convs
+    assert padding.count((0, 0, 1, 1)) == 2  # the stem's and the stride-2 depthwise convolution's
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "held.npz", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    check = next(c for c in rep["checks"] if c["name"] == "reference.transformations")
+    assert check["value"] < 1e-5
+
+
+# ------------------------------------------------------------------ forwards of their own, plain functions
+
+
+class StdConv(nn.Conv2d):
+    """Weight standardisation (timm's StdConv2d)."""
+
+    def forward(self, x):
+        w = (self.weight - self.weight.mean(dim=(1, 2, 3), keepdim=True)) / (
+            self.weight.std(dim=(1, 2, 3), keepdim=True) + 1e-5
+        )
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+class LoRALinear(nn.Linear):
+    """A LoRA-style wrapper: the frozen layer plus a low-rank branch, ``base(x) + B(A(x))``."""
+
+    def __init__(self, i, o, r=2):
+        super().__init__(i, o)
+        self.A = nn.Linear(i, r, bias=False)
+        self.B = nn.Linear(r, o, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.B(self.A(x))
+
+
+def project(x, w, b):
+    return F.linear(x, w, b)
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return project(x, self.proj.weight, self.proj.bias)  # proj's own forward never runs
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = StdConv(3, 8, 3, padding=1)
+        self.lora = LoRALinear(8, 8)
+        self.head = Head()
+
+    def forward(self, x):
+        y = F.relu(self.conv(x)).mean((2, 3))
+        return self.head(F.relu(self.lora(y)))
+
+
+def _net():
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def test_weight_standardisation_lora_and_a_plain_function_are_quantized_and_exact():
+    model, loaded = _net(), _net()
+    x = torch.randn(16, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+    # tensorrt: symmetric int8 grids, no output quantizers or int32 biases, so the arithmetic is written out
+    quantize_model(model, QuantConfig(target="tensorrt"), example={"x": x[:4]})
+    report = model.quantcli_report
+    assert sorted(report.layers) == ["conv", "head.proj", "lora", "lora.A", "lora.B"]
+    assert sorted(report.computed) == ["conv", "head.proj", "lora"] and report.float_layers == []
+    assert model.conv.weight_derived and not model.lora.weight_derived
+    with torch.no_grad():
+        _disabled(model)
+        assert torch.equal(model(x), loaded(x))  # quantizers off: the user's model, bit for bit
+    for q in quantizers(model).values():
+        q.set_mode("quantize")
+    summary = calibrate(model, [{"x": x}])
+    assert summary.not_called == []
+    called = set()
+    hooks = [
+        q.register_forward_pre_hook(lambda m, a, n=n: called.add(n)) for n, q in quantizers(model).items()
+    ]
+    with torch.no_grad():
+        y = model(x)
+    for h in hooks:
+        h.remove()
+    assert called == set(quantizers(model))
+    # the standardised weight is what is quantized: its amax is its own max per output channel
+    w = loaded.conv.weight.detach()
+    ws = (w - w.mean(dim=(1, 2, 3), keepdim=True)) / (w.std(dim=(1, 2, 3), keepdim=True) + 1e-5)
+    conv = model.conv
+    torch.testing.assert_close(conv.weight_quantizer.amax.flatten(), ws.abs().amax((1, 2, 3)))
+    with torch.no_grad():
+        want = F.conv2d(
+            _quant(x, conv.input_quantizer.amax),
+            _quant(ws, conv.weight_quantizer.amax),
+            conv.bias,
+            padding=1,
+        )
+        torch.testing.assert_close(conv(x), want, rtol=0, atol=1e-5)
+        # the head computes F.linear(Q(h), Q(W), b) of its function's arguments; the LoRA layer its own
+        # F.linear plus its two quantized branch layers
+        h = F.relu(model.lora(F.relu(conv(x)).mean((2, 3))))
+        p, lo = model.head.proj, model.lora
+        want = F.linear(_quant(h, p.input_quantizer.amax), _quant(p.weight, p.weight_quantizer.amax), p.bias)
+        torch.testing.assert_close(y, want, rtol=0, atol=1e-5)
+        z = F.relu(conv(x)).mean((2, 3))
+        base = F.linear(
+            _quant(z, lo.input_quantizer.amax), _quant(lo.weight, lo.weight_quantizer.amax), lo.bias
+        )
+        torch.testing.assert_close(lo(z), base + lo.B(lo.A(z)), rtol=0, atol=1e-5)
+        assert not torch.allclose(lo(z), loaded.lora(z), atol=1e-6)  # quantized, not float
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_computed_layers_export_and_verify(tmp_path, exporter):
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nfrom tests.test_computed_layers import _net\n"
+        "def make():\n    return _net()\n"
+    )
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 3, 8, 8)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli(
+        "calibrate",
+        f"{tmp_path / 'net.py'}:make",
+        "--data",
+        tmp_path / "d.npz",
+        "--placement",
+        "all",
+        "--out",
+        ck,
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["layers"]["float"] == [] and len(info["layers"]["quantized"]) == 5
+    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    assert rep["structure"]["problems"] == []
+
+
+# ------------------------------------------------------------------------ nn.TransformerEncoderLayer
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.layer(self.inp(x)).mean(1))
+
+
+def test_transformer_encoder_layer_fast_path_is_off_and_its_layers_are_quantized():
+    torch.manual_seed(0)
+    model = Encoder().eval()
+    loaded = copy.deepcopy(model)
+    x = torch.randn(16, 5, 6, generator=torch.Generator().manual_seed(1))
+    quantize_model(model, "int8", example={"x": x[:4]})
+    report = model.quantcli_report
+    layers = ["inp", "layer.self_attn", "layer.self_attn.out_proj", "layer.linear1", "layer.linear2", "out"]
+    assert report.layers == layers and report.float_layers == []
+    assert report.fast_paths_off == ["layer", "layer.self_attn"]
+    with torch.inference_mode():  # where PyTorch runs torch._transformer_encoder_layer_fwd
+        summary = calibrate(model, [{"x": x}])
+    assert summary.not_called == []
+    called = set()
+    hooks = [
+        q.register_forward_pre_hook(lambda m, a, n=n: called.add(n)) for n, q in quantizers(model).items()
+    ]
+    with torch.inference_mode():
+        y = model(x)
+    for h in hooks:
+        h.remove()
+    assert called == set(quantizers(model))
+    with torch.inference_mode():
+        ref = loaded(x)
+    assert float(F.cosine_similarity(y.flatten(), ref.flatten(), 0)) > 0.99
+    _disabled(model)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)  # the slow path: the same values
+
+
+def _encoder():
+    torch.manual_seed(0)
+    return Encoder().eval()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_transformer_encoder_layer_exports_and_verifies(tmp_path, exporter):
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "enc.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nfrom tests.test_computed_layers import _encoder\n"
+        "def make():\n    return _encoder()\n"
+    )
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 5, 6)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    spec = f"{tmp_path / 'enc.py'}:make"
+    r = cli("calibrate", spec, "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    # truthful: nothing "never called", nothing "disabled"
+    assert info["not_called"] == [] and info["layers"]["float"] == []
+    assert len(info["layers"]["quantized"]) == 6
+    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    assert rep["structure"]["problems"] == []
