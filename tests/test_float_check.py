@@ -259,3 +259,80 @@ def test_relative_change_reads_shapes_rounding_and_non_finite_values():
     z[30] = -float("inf")
     assert relative_change(fingerprint(y), fingerprint(z)) == float("inf")
     assert len(fingerprint(x).values[0]) <= SAMPLE
+
+
+ATTENTION = """
+import torch
+from torch import nn
+
+
+class Mixer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        w = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / 4.0, dim=-1)
+        return w @ self.v(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mixer = Mixer()
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.mixer(x))
+
+
+def make():
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        net.mixer.v.weight[5] *= 40  # an outlier channel of V for SmoothQuant to move into out
+    return net
+"""
+
+
+def test_smoothquant_folded_into_a_linear_changes_what_runs_before_the_reader_and_nothing_after(
+    tmp_path, monkeypatch
+):
+    """SmoothQuant's 1 / s folded into V's output channels: the attention module returning softmax . V carries
+    the divided tensor by design and is not blamed (BERT's attention.self); the reader (out), multiplied back,
+    must compute what it did."""
+    (tmp_path / "net.py").write_text(ATTENTION)
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 6, 16)).astype(np.float32))
+    spec = f"{tmp_path / 'net.py'}:make"
+    out = tmp_path / "m.pt"
+    r = cli("calibrate", spec, "--data", tmp_path / "d.npz", "--smoothquant", "0.5", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    groups = json.loads(r.stdout)["smoothquant"]["groups"]
+    assert {"consumers": ["out"], "fold": "linear", "into": "mixer.v"}.items() <= next(
+        g for g in groups if g["consumers"] == ["out"]
+    ).items()
+
+    from quantcli.calibration import smoothquant
+
+    right = smoothquant.smooth_quant
+
+    def wrong(model, *args, **kwargs):
+        report = right(model, *args, **kwargs)
+        with torch.no_grad():
+            model.out.weight.mul_(1.01)  # the reader's columns off by 1 %
+        return report
+
+    monkeypatch.setattr(smoothquant, "smooth_quant", wrong)
+    out.unlink()
+    r = cli("calibrate", spec, "--data", tmp_path / "d.npz", "--smoothquant", "0.5", "--out", out)
+    assert_clean_error(r, "SmoothQuant changed what the float model computes: out ", "without --smoothquant")
+    assert not out.exists()
+
+
+def test_expected_changes_take_the_modules_between_the_producer_and_its_readers():
+    from quantcli.calibration.float_check import expected_changes
+
+    order = ["a.q", "a.v", "a.self", "a.drop", "a.out", "a", "head"]  # finish order
+    reference = dict.fromkeys(order)
+    assert expected_changes([], [("a.v", ["a.out"])], reference) == {"a.v", "a.self", "a.drop"}
+    assert expected_changes([{"layer": "a.q"}], [], reference) == {"a.q"}

@@ -8,8 +8,9 @@ after it (SmoothQuant, :func:`check_unchanged`), and names the first module that
 not only that an output did.
 
 Modules changed by design are not compared: a layer a BatchNorm was folded into (the BatchNorm, now an
-identity, computes what it computed), and a LayerNorm or Linear that absorbed SmoothQuant's ``1 / s`` (the
-layers reading it compute what they computed), with any module whose output was that very tensor.
+identity, computes what it computed), and a LayerNorm or Linear that absorbed SmoothQuant's ``1 / s`` with
+the modules that finish between it and the layers reading the divided tensor (those layers, multiplied back,
+compute what they computed).
 """
 
 from __future__ import annotations
@@ -20,35 +21,45 @@ import torch
 from torch import nn
 
 from quantcli.errors import TransformationError
-from quantcli.nn.module_outputs import Fingerprint, capture, describe_change, differences, relative_change
+from quantcli.nn.module_outputs import Fingerprint, capture, describe_change, differences
 
 
 def expected_changes(
     folds: Iterable[Mapping[str, str]],
-    smoothed_into: Iterable[str],
+    smoothed: Iterable[tuple[str, Iterable[str]]],
     reference: Mapping[str, Fingerprint],
 ) -> set[str]:
     """The modules whose float output a correct transformation changes: the layers BatchNorms were folded
-    into, the modules SmoothQuant divided by ``s`` and every module of ``reference`` whose output was
-    theirs."""
-    into = {n for n in smoothed_into if n}
-    same = {
-        name
-        for name, fp in reference.items()
-        for n in into
-        if n in reference and name != n and relative_change(reference[n], fp) == 0.0
-    }
-    return {f["layer"] for f in folds} | into | same
+    into, and for each ``(into, consumers)`` SmoothQuant group the module that absorbed ``1 / s`` with every
+    module of ``reference`` that finished after it and before the first of its readers did (what runs between
+    the producer and the readers carries the divided tensor: a Linear's output through attention's softmax
+    times V, the wrapper that returns it, a dropout). The readers themselves, and every module after them,
+    must compute what they computed."""
+    order = {name: i for i, name in enumerate(reference)}
+    changed = {f["layer"] for f in folds}
+    for into, consumers in smoothed:
+        if not into:
+            continue
+        changed.add(into)
+        if into not in order:
+            continue
+        ends = [order[c] for c in consumers if c in order]
+        end = min(ends) if ends else order[into] + 1
+        changed.update(name for name, i in order.items() if order[into] < i < end)
+    return changed
 
 
-def smoothed_modules(smooth_report) -> list[str]:
-    """The LayerNorms and Linears that absorbed SmoothQuant's ``1 / s`` (a :class:`SmoothReport` or its
-    dict)."""
+def smoothed_modules(smooth_report) -> list[tuple[str, list[str]]]:
+    """``(into, consumers)`` of every SmoothQuant group that folded ``1 / s`` into a LayerNorm or Linear (a
+    :class:`SmoothReport` or its dict)."""
     if smooth_report is None:
         return []
     groups = smooth_report.get("groups", []) if isinstance(smooth_report, dict) else smooth_report.groups
-    into = [g["into"] if isinstance(g, dict) else g.into for g in groups]
-    return [n for n in into if n]
+    pairs = [
+        (g["into"], list(g["consumers"])) if isinstance(g, dict) else (g.into, list(g.consumers))
+        for g in groups
+    ]
+    return [(into, consumers) for into, consumers in pairs if into]
 
 
 def check_unchanged(
@@ -77,13 +88,13 @@ def first_difference(
     transformed: nn.Module,
     example: Mapping[str, torch.Tensor],
     folds: Iterable[Mapping[str, str]] = (),
-    smoothed_into: Iterable[str] = (),
+    smoothed: Iterable[tuple[str, Iterable[str]]] = (),
 ) -> tuple[str, float] | None:
     """The first module (innermost, earliest to finish) whose output ``transformed`` computes differently from
     ``loaded`` on ``example``, quantizers off, with its relative change; None when none does. ``folds`` and
-    ``smoothed_into``: what the transformations changed by design (:func:`expected_changes`)."""
+    ``smoothed``: what the transformations changed by design (:func:`expected_changes`)."""
     reference = capture(loaded, example)
-    skip = expected_changes(folds, smoothed_into, reference)
+    skip = expected_changes(folds, smoothed, reference)
     diffs = differences(reference, capture(transformed, example, reference), skip)
     return diffs[0] if diffs else None
 
