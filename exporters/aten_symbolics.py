@@ -60,9 +60,7 @@ def _diff(g, x, n, dim, prepend, append):
     parts = [p for p in (prepend, x, append) if not sh._is_none(p)]
     if len(parts) > 1:
         x = g.op("Concat", *parts, axis_i=dim)
-    is_bool = (
-        types.JitScalarType.from_value(x, types.JitScalarType.UNDEFINED) == types.JitScalarType.BOOL
-    )
+    is_bool = types.JitScalarType.from_value(x, types.JitScalarType.UNDEFINED) == types.JitScalarType.BOOL
     axes = _const(g, [dim])
     for _ in range(n):
         hi = g.op("Slice", x, _const(g, [1]), _const(g, [_INT64_MAX]), axes)

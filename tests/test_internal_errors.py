@@ -1,6 +1,6 @@
-"""An exception quantcli did not expect is an internal error, not bad input (issue 35, item 11): exit 3 and one
-line that says so; and what torchvision's import does to ``torch.onnx.symbolic_helper`` no longer breaks the
-TorchScript export."""
+"""An exception quantcli did not expect is an internal error, not bad input (issue 35, item 11): exit 3 and
+one line that says so; and what torchvision's import does to ``torch.onnx.symbolic_helper`` no longer breaks
+the TorchScript export."""
 
 import json
 
@@ -11,7 +11,7 @@ from tests.helpers import cli, cli_subprocess
 # a model file as torchvision users have one: torchvision's ops run `import torch.onnx.symbolic_helper`, which
 # binds torch's backward-compatibility module (no `_type_utils`, no `_maybe_get_const`) to that name; the
 # forward calls torch.diff and a cumsum of bool, the two ops exporters/aten_symbolics.py translates
-TORCHVISION_LIKE = '''
+TORCHVISION_LIKE = """
 import torch
 import torch.onnx.symbolic_helper  # what `import torchvision` does
 from torch import nn
@@ -32,7 +32,7 @@ class Net(nn.Module):
 def make():
     torch.manual_seed(0)
     return Net().eval()
-'''
+"""
 
 
 def test_torchscript_export_after_torchvisions_import(tmp_path):
