@@ -17,7 +17,7 @@
    (possibly through the ``Max``/``Min`` clip) is replaced by its codes, computed with quantcli's arithmetic,
    the same arithmetic the fake-quant model uses; the float weight disappears from the file.
 5. :func:`narrow_types`: 2..4-bit pairs, emitted as clipped int8, are stored as int4/uint4.
-6. Unused initializers are dropped.
+6. Unused initializers are dropped (those a subgraph reads are used).
 """
 
 from __future__ import annotations
@@ -312,7 +312,7 @@ def _drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:
     """Remove the nodes whose first output is in ``candidates`` and none of whose outputs is read any more,
     repeatedly."""
     while True:
-        read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        read = {x for n in g.node for x in n.input} | {o.name for o in g.output} | _read_in_subgraphs(g)
         keep = [n for n in g.node if n.output[0] not in candidates or any(o in read for o in n.output)]
         if len(keep) == len(g.node):
             return
@@ -428,8 +428,10 @@ def narrow_types(model: onnx.ModelProto, targets: dict[str, int]) -> int:
 
 
 def drop_unused_initializers(model: onnx.ModelProto) -> None:
+    """Remove the initializers nothing reads: no node, no graph output, and no node inside a subgraph (a
+    ``Loop`` body, as TorchScript exports ``EmbeddingBag``, reads outer-scope constants by name)."""
     g = model.graph
-    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output} | _read_in_subgraphs(g)
     keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)

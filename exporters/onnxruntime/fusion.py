@@ -227,8 +227,7 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
     fusion)."""
     out = n.output[0]
     readers = g.consumers.get(out, [])
-    if out in g.outputs:
-        return None, True
+    is_output = out in g.outputs
     if (
         len(readers) == 1
         and readers[0].op_type in ("Relu", "Clip")
@@ -254,8 +253,16 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
                     "unsigned (uint8, zero point 0)"
                 )
                 return nxt, False
+        if is_output:
+            reasons.append(_graph_output_and_q(out, f" through the {act.op_type}"))
+            return None, False
         return nxt, True
     qs = [c for c in readers if c.op_type == "QuantizeLinear"]
+    if is_output:
+        if qs:
+            reasons.append(_graph_output_and_q(out, ""))
+            return None, False
+        return None, True
     if qs and len(qs) != len(readers):
         reasons.append(f"its output is read by {len(readers)} ops, not only by a QuantizeLinear")
         return None, False
@@ -266,6 +273,19 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
             "BatchNormalization between the layer and the next QuantizeLinear (fold it into the layer)"
         )
     return None, True
+
+
+def _graph_output_and_q(out: str, through: str) -> str:
+    """Why a layer whose output is a graph output and also quantized for the next layer stays float
+    (``qdq_selectors.cc``, ``CheckQDQNodes``): with a Q among its readers onnxruntime takes that Q into the
+    fusion, requires it to be the only reader of an output that is not a graph output, and does not fall
+    back to the float-output kernel (a Relu/Clip before the Q is no way out: it is absorbed, or removed first
+    when the Q makes it redundant)."""
+    return (
+        f"its output {out!r} is a graph output and is also quantized for the next layer{through}: "
+        "onnxruntime fuses a layer with an output QuantizeLinear only when that Q is its only reader and the "
+        "output is not a graph output, and with a Q there it does not fall back to the float-output kernel"
+    )
 
 
 def _bias_ok(g: _Graph, n: onnx.NodeProto, x_dq, w_dq, out_q, reasons: list[str]) -> bool:

@@ -31,6 +31,7 @@ from quantcli.calibration.mixed_precision import (
 from quantcli.calibration.process_group import Rank, broadcast_from_rank0, one_outcome
 from quantcli.errors import DataError, QuantCliError
 from quantcli.files import refuse_overwriting_inputs
+from quantcli.inputs import batch_axes
 from quantcli.inputs.checkpoint import example_of, save_calibrated, state_snapshot
 from quantcli.inputs.data import (
     Batch,
@@ -42,6 +43,8 @@ from quantcli.inputs.data import (
 )
 from quantcli.inputs.loading import load_model
 from quantcli.inputs.model_spec import ModelSpec
+from quantcli.inputs.precision import describe as describe_precision
+from quantcli.inputs.precision import loaded_dtype
 from quantcli.inputs.shard import load_shard, strided
 from quantcli.nn import QuantConfig, load_config, quantize_model
 
@@ -250,6 +253,10 @@ class CalibrationJob:
         )
         if self.preprocessing is not None:
             info["preprocessing"] = describe_preprocessing(self.preprocessing)
+        if loaded_dtype(self.model):  # a half-precision model, calibrated in float32
+            info["precision"] = describe_precision(loaded_dtype(self.model))
+        if self.batches and batch_axes.describe(self.batches[0]):  # inputs whose samples are not on axis 0
+            info["batch_axes"] = batch_axes.describe(self.batches[0])
         return info
 
     def save(self, info: dict) -> None:

@@ -32,6 +32,7 @@ from exporters.graph import (
     to_numpy,
 )
 from quantcli.errors import VerifyError, first_line
+from quantcli.inputs.batch_axes import head
 from quantcli.inputs.checkpoint import Calibrated
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
@@ -285,7 +286,7 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     rows: list[dict[str, Any]] = []
     dynamic = _check_dynamic_layers(model, ckpt, qs, problems, rows)
     absent = sorted(set(qs) - set(pairs) - dynamic)
-    one = {k: v[:1] for k, v in ckpt.example.items()}  # connectivity does not depend on the batch size
+    one = head(ckpt.example, 1)  # connectivity does not depend on the batch size
     unused = (unused_quantizers(ckpt.model, one) or set()) if absent else set()
     pruned = [n for n in absent if n in unused]
     if absent and all_pairs and not quantizer_map(model):
