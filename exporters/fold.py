@@ -308,6 +308,41 @@ def _constant_subgraph(
     return sorted(seen.values(), key=lambda m: order[m.output[0]])
 
 
+def constant_value(model: onnx.ModelProto, name: str, limit: int = 32) -> tuple[np.ndarray, set[str]] | None:
+    """The value of tensor ``name``: an initializer's, or computed with ONNX's reference evaluator where at
+    most ``limit`` nodes compute it from initializers alone (the dynamo exporter leaves an LSTM's
+    gate-reordered weights as Slice/Concat of the parameter above onnxscript's folding size limit). Returns
+    ``(value, first outputs of the nodes that computed it)``, or None (a graph input is involved, or the
+    evaluator cannot run an op)."""
+    g = model.graph
+    inits = initializer_map(g)
+    if name in inits:
+        return to_numpy(inits[name]), set()
+    nodes = _constant_subgraph(name, producer_map(g), inits, limit)
+    if nodes is None:
+        return None
+    from onnx.reference import ReferenceEvaluator
+
+    sub = helper.make_graph(
+        nodes,
+        "constant",
+        [],
+        [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
+        [inits[x] for x in {x for m in nodes for x in m.input} if x in inits],
+    )
+    try:
+        (value,) = ReferenceEvaluator(helper.make_model(sub, opset_imports=model.opset_import)).run(None, {})
+    except Exception:  # an op the reference evaluator lacks
+        return None
+    return np.asarray(value), {m.output[0] for m in nodes}
+
+
+def drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:
+    """Remove the nodes whose first output is in ``candidates`` and that nothing reads any more (repeatedly):
+    what computed a value a pass replaced."""
+    _drop_unread(g, candidates)
+
+
 def _drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:
     """Remove the nodes whose first output is in ``candidates`` and none of whose outputs is read any more,
     repeatedly."""

@@ -43,11 +43,13 @@ from exporters.onnxruntime.compat import guard_fp8, session_needs
 from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
 from exporters.onnxruntime.fusion import inspect_fusion
 from exporters.onnxruntime.placement import place_for_onnxruntime
+from exporters.onnxruntime.recurrent import RECURRENT_KEY, to_dynamic_quantize_lstm
 from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
 from quantcli import __version__
 from quantcli.errors import ExportError, whole_line
 from quantcli.files import staging_directory, writable_directory
 from quantcli.nn.modules import input_quantized_before
+from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import formats
@@ -101,6 +103,8 @@ class ExportResult:
     decode: dict | None = None
     decode_note: str = ""  # why a model with an lm_head got no decode graph
     genai_config: str | None = None  # the genai_config.json written beside a decode graph (--genai-config)
+    # DynamicQuantizeLSTM node -> {"layer", "quantizers"} (exporters.onnxruntime.recurrent)
+    recurrent: dict[str, dict] = field(default_factory=dict)
     # input name -> its axes exported with a symbolic size (the batch axis, --dynamic-dim's)
     dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
 
@@ -116,6 +120,7 @@ def required_opset(model: nn.Module) -> tuple[int, str]:
 def check_exportable(model: nn.Module) -> None:
     from quantcli.nn.dynamic import exportable
 
+    recurrent = recurrent_quantizers(model)  # dynamic by construction: exported as DynamicQuantizeLSTM
     missing = [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -124,7 +129,9 @@ def check_exportable(model: nn.Module) -> None:
             f"`quantcli calibrate` first"
         )
     dynamic = [
-        n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic and not q.dynamic_uint8
+        n
+        for n, q in quantizers(model).items()
+        if q.enabled and q.desc.dynamic and not q.dynamic_uint8 and n not in recurrent
     ]
     for module in model.modules():  # dynamic uint8 inputs export with their Linear (MatMulInteger)
         q = getattr(module, "input_quantizer", None)
@@ -379,7 +386,8 @@ def export_onnx(
         axes = _dynamic_axes(example, output_names, outputs, dynamic_dims) if dynamic_axes else None
     res.dynamic_dims = {k: sorted(v) for k, v in (axes or {}).items() if k in example}
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
-        onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
+        with exported_weights(model):  # quantized LSTM layers: their dequantized weights, for the LSTM node
+            onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
         rename_inputs(onnx_model, renamed)
         if edit_graph is not None:
             edit_graph(onnx_model)
@@ -520,6 +528,7 @@ def _post_process(
             narrow[out_name] = formats.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
     narrow_types(onnx_model, narrow)
     res.placement = place_for_onnxruntime(onnx_model) if res.target == "onnxruntime" else {}
+    res.recurrent = to_dynamic_quantize_lstm(onnx_model, onnx_layers(model))
     if res.target == "onnxruntime" and not weights_qdq:
         res.kn_weights = to_matmul_nbits(onnx_model)
         res.matmul_nbits_layers = len(res.kn_weights)
@@ -530,7 +539,8 @@ def _post_process(
         del node.metadata_props[:]
     res.fp8_guards = guard_fp8(onnx_model) if res.target == "onnxruntime" else 0
     res.onnxruntime_disabled_optimizers = list(session_needs(onnx_model).disabled_optimizers)
-    res.pruned_quantizers = _pruned(model, example, mapping)
+    recurrent = {q for entry in res.recurrent.values() for q in entry["quantizers"]}
+    res.pruned_quantizers = _pruned(model, example, mapping, recurrent)
     return mapping
 
 
@@ -548,6 +558,7 @@ def _stamp_metadata(
         **({CPU_KEY: res.cpu} if res.cpu else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
         **({KN_WEIGHTS_KEY: json.dumps(res.kn_weights)} if res.kn_weights else {}),
+        **({RECURRENT_KEY: json.dumps(res.recurrent)} if res.recurrent else {}),
         **(metadata or {}),
     }
     del onnx_model.metadata_props[:]
@@ -616,13 +627,15 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
         res.fusion_error = fusion.load_error
 
 
-def _pruned(model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str]) -> list[str]:
-    """Enabled quantizers without a DequantizeLinear whose output reaches no model output (traced by
-    autograd).
+def _pruned(
+    model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str], elsewhere: set[str]
+) -> list[str]:
+    """Enabled quantizers without a DequantizeLinear (nor a node of their own: ``elsewhere``, the weights of
+    DynamicQuantizeLSTM nodes) whose output reaches no model output (traced by autograd).
 
     A quantizer that is absent and *is* used stays out of this list: verify reports it as missing.
     """
-    absent = {n for n, q in quantizers(model).items() if q.enabled} - set(mapping.values())
+    absent = {n for n, q in quantizers(model).items() if q.enabled} - set(mapping.values()) - elsewhere
     if not absent:
         return []
     unused = unused_quantizers(model, example) or set()

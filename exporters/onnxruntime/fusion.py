@@ -25,7 +25,9 @@ from onnx import helper
 
 from exporters.graph import consumer_map, initializer_map, producer_map, quantizer_map, read_onnx
 from exporters.onnxruntime import compat
+from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, first_line
+from quantcli.nn.recurrent import DYNAMIC_LSTM
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
 INTEGER_KERNELS = frozenset(
@@ -41,6 +43,7 @@ INTEGER_KERNELS = frozenset(
         "ConvInteger",
         "QAttention",
         "NhwcQLinearConv",
+        DYNAMIC_LSTM,
     }
 )
 LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -160,13 +163,19 @@ def _layer_name(quantizers: list[str], node: onnx.NodeProto) -> str:
 
 def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, list[str]]]:
     """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul whose second input (the
-    weight, or a MatMul's right operand) is a DequantizeLinear output.
+    weight, or a MatMul's right operand) is a DequantizeLinear output, every dynamic MatMulInteger layer and
+    every DynamicQuantizeLSTM (named after its LSTM layer, ``lstm.l0``).
 
     Named after the module of its quantizers in the quantizer map, else after the node.
     """
     g = _Graph(model)
+    recurrent = {r.node.name: r for r in recurrent_layers(model)}
     out = []
     for n in model.graph.node:
+        if n.op_type == DYNAMIC_LSTM:  # an integer kernel itself (exporters.onnxruntime.recurrent)
+            r = recurrent.get(n.name)
+            out.append((r.layer if r else n.name, n, r.quantizers if r else []))
+            continue
         if (
             n.op_type in DYNAMIC_OPS
             and n.input[0] in g.producers
@@ -449,7 +458,7 @@ def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | 
         or any(
             # not the Q/DQ/Mul/Cast nodes fusions name after it
             k in n.op_type
-            for k in ("Conv", "Gemm", "MatMul")
+            for k in ("Conv", "Gemm", "MatMul", "LSTM")
         )
     ]
     cands = [

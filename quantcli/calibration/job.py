@@ -46,7 +46,9 @@ from quantcli.inputs.model_spec import ModelSpec
 from quantcli.inputs.precision import describe as describe_precision
 from quantcli.inputs.precision import loaded_dtype
 from quantcli.inputs.shard import load_shard, strided
-from quantcli.nn import QuantConfig, load_config, quantize_model
+from quantcli.nn import QuantConfig, load_config, quantize_model, quantizers
+from quantcli.nn.recurrent import QuantLSTM
+from quantcli.nn.recurrent import precision as lstm_precision
 
 if TYPE_CHECKING:
     from quantcli.calibration.latency_placement import LatencyPlacement
@@ -338,6 +340,8 @@ def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = 
     modules = dict(model.named_modules())
 
     def enabled(name: str) -> bool:
+        if isinstance(modules[name], QuantLSTM):  # one quantizer per weight, under l<k>
+            return any(q.enabled for q in quantizers(modules[name]).values())
         return any(
             getattr(getattr(modules[name], f"{k}_quantizer", None), "enabled", False)
             for k in ("input", "weight")
@@ -361,16 +365,31 @@ def layers_summary(report, model: nn.Module, latency: LatencyPlacement | None = 
             if not enabled(n) or n in slower
         ),
     ]
+    # every recurrent layer by name, quantized or not, with what it runs as
+    recurrent = [
+        {"name": n, "type": "LSTM", "precision": lstm_precision(modules[n])}
+        for n in report.layers
+        if isinstance(modules[n], QuantLSTM)
+    ] + [
+        {"name": f["name"], "type": f["type"], "precision": f"float: {f['reason']}"}
+        for f in report.float_layers
+        if isinstance(modules.get(f["name"]), nn.RNNBase)
+    ]
     text = f"{len(quantized)} quantized"
-    if floats:
-        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in floats[:3])
-        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (
-            " ..." if len(floats) > 3 else ""
+    if recurrent:
+        text += "; recurrent: " + "; ".join(f"{r['name']} ({r['type']}) {r['precision']}" for r in recurrent)
+    named = {r["name"] for r in recurrent}
+    others = [f for f in floats if f["name"] not in named]  # recurrent ones: said above
+    if others:
+        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in others[:3])
+        text += f"; {len(others)} weighted module(s) left float: {shown}" + (
+            " ..." if len(others) > 3 else ""
         )
     return {
         "quantized": quantized,
         "float": floats,
         "resolved_parametrizations": list(report.resolved_parametrizations),
+        "recurrent": recurrent,
         "text": text,
     }
 

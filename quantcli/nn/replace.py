@@ -13,6 +13,10 @@ from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
 from quantcli.nn.modules import QUANT_POOL_CLASSES, apply_input_quantizer_before, apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
+from quantcli.nn.recurrent import WeightView, lstm_weights
+from quantcli.nn.recurrent import convert as convert_lstm
+from quantcli.nn.recurrent import float_reason as recurrent_float_reason
+from quantcli.nn.recurrent import weight_format_reason as lstm_weight_format_reason
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
 
@@ -79,6 +83,10 @@ def quantize_model(
     layers: dict[str, nn.Module] = {}
     own_grid: set[str] = set()  # input quantizers whose grid a rule chose
     for name, module in list(model.named_modules()):
+        if isinstance(module, nn.RNNBase):  # LSTM as onnxruntime's DynamicQuantizeLSTM; GRU, RNN: float
+            if _recurrent(name, module, cfg, report, used):
+                report.layers.append(name)
+            continue
         qcls = quant_class(module)
         if qcls is None:
             reason = float_reason(module)
@@ -103,6 +111,33 @@ def quantize_model(
     model.quantcli_config = cfg
     model.quantcli_report = report
     return model
+
+
+def _recurrent(
+    name: str, module: nn.Module, cfg: QuantConfig, report: QuantizeReport, used: set[int]
+) -> bool:
+    """Convert an LSTM into a :class:`~quantcli.nn.recurrent.QuantLSTM` (True), or report why a recurrent
+    module stays float (False)."""
+    why = recurrent_float_reason(module, cfg.target)
+    if why is None:
+        _, desc, _ = cfg.resolve(
+            _qname(f"{name}.l0" if name else "l0", "weight"), "weight", WeightView(module)
+        )
+        why = lstm_weight_format_reason(desc)
+    if why is not None:
+        report.float_layers.append({"name": name, "type": type(module).__name__, "reason": why})
+        return False
+
+    def resolve(path: str):
+        qname = f"{name}.{path}" if name else path
+        enabled, desc, matched = cfg.resolve(qname, "weight", WeightView(module))
+        used.update(matched)
+        if not any("num_bits" in cfg.rules[i] for i in matched):
+            desc = lstm_weights(desc)
+        return enabled, desc, qname
+
+    convert_lstm(module, resolve)
+    return True
 
 
 def _qname(layer: str, kind: str) -> str:

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 from torch import nn
 
-FRAMES, FEATURES, HIDDEN, CLASSES = 24, 16, 32, 10
+FRAMES, FEATURES, HIDDEN, CLASSES = 32, 40, 128, 10
 
 
 class GRUClassifier(nn.Module):
