@@ -47,7 +47,6 @@ from quantcli.inputs.precision import describe as describe_precision
 from quantcli.inputs.precision import loaded_dtype
 from quantcli.inputs.shard import load_shard, strided
 from quantcli.nn import QuantConfig, load_config, quantize_model, quantizers
-from quantcli.nn.neighbours import inputs_to_keep
 from quantcli.nn.recurrent import QuantLSTM
 from quantcli.nn.recurrent import precision as lstm_precision
 
@@ -108,8 +107,6 @@ class CalibrationJob:
     # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
     unrounded: dict | None = None
     latency: LatencyPlacement | None = None  # --placement auto for onnxruntime: what place_for_latency chose
-    # input quantizers of layers kept float, kept on as the only Q of the quantized Conv before them
-    neighbour_inputs: list[str] = field(default_factory=list)
 
     @classmethod
     def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
@@ -210,27 +207,11 @@ class CalibrationJob:
             if self.rank is not None:
                 placement = broadcast_from_rank0(placement)
             apply(self.model, placement)
-            self.neighbour_inputs = self._keep_neighbour_inputs(placement)
             self.latency = placement
         off = set(self.latency.quantizers_disabled)
         summary.calibrated = [n for n in summary.calibrated if n not in off]
         summary.skipped += [n for n in self.latency.quantizers_disabled if n not in summary.skipped]
         return self.latency
-
-    def _keep_neighbour_inputs(self, placement: LatencyPlacement) -> list[str]:
-        """Switch back on the input quantizers of layers the placement kept float that are the only Q of a
-        quantized Conv before them (:mod:`quantcli.nn.neighbours`); returns their names."""
-        floats = {d.layer for d in placement.layers if d.decision == "float"}
-        if not floats or not self.batches or all(d.decision == "float" for d in placement.layers):
-            return []
-        names = inputs_to_keep(self.model, example_of(self.batches[0]), floats)
-        qs = quantizers(self.model)
-        for name in names:
-            qs[name].enabled = True
-            qs[name].set_mode("quantize")
-            if name in placement.quantizers_disabled:
-                placement.quantizers_disabled.remove(name)
-        return names
 
     def meet_target(self, summary: CalibrationSummary) -> MixedPrecisionResult | None:
         """Keep the fewest layers in float for --min-cosine/--min-snr (``None`` without a target)."""
@@ -261,12 +242,6 @@ class CalibrationJob:
         info["placement"] = placement_summary(self.report.placement, self.config.target)
         if self.latency is not None:
             info["placement"]["latency"] = self.latency.to_dict()
-            if self.neighbour_inputs:
-                info["placement"]["latency"]["inputs_kept_for_neighbours"] = list(self.neighbour_inputs)
-                info["placement"]["latency"]["text"] += (
-                    f"; {len(self.neighbour_inputs)} input quantizer(s) of float layers kept, each the Q "
-                    f"the quantized Conv before it needs for QLinearConv: {', '.join(self.neighbour_inputs)}"
-                )
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
         info["layers"] = layers_summary(self.report, self.model, self.latency)
         info["quantized_layers"] = len(info["layers"]["quantized"])
