@@ -38,6 +38,9 @@ from quantcli.cli import app
 from tests import user_models as um
 
 _runner = CliRunner()
+#: cosines this close are a tie: the same kernels on the same grid (the CNNs: both tools' u8 graphs) differ
+#: in the fifth decimal by float rounding of their scales (docs/zoo.md, ``cos last-bit``)
+COS_TIE = 1e-4
 
 
 def cli(*args) -> tuple[int, str]:
@@ -142,21 +145,21 @@ def goals(rows: list[dict]) -> list[str]:
     band = max((abs(r["A/A"] - 1) for r in ok), default=0.0)
     fused = [r["model"] for r in ok if not r["all eligible"]]
     slow = [r["model"] for r in ok if r["int8/peer"] > 1.0 + band]
-    worse = [r["model"] for r in ok if r["cos"] < r["peer cos"]]
+    worse = [r["model"] for r in ok if r["cos"] < r["peer cos"] - COS_TIE]
     lstm = [r for r in ok if r["model"] == "lstm_classifier"]
     out = [
         f"every layer onnxruntime has an integer kernel for is fused: {verdict(not fused)}"
         + (f" (not on {', '.join(fused)})" if fused else ""),
         f"latency <= 1.0x the peer (noise band {band:.3f}): {verdict(not slow)}"
         + (f" (over on {', '.join(slow)})" if slow else ""),
-        f"cosine to float >= the peer's: {verdict(not worse)}"
+        f"cosine to float >= the peer's (ties within {COS_TIE}): {verdict(not worse)}"
         + (f" (below on {', '.join(worse)})" if worse else ""),
     ]
     if lstm:
         r = lstm[0]
         out.append(
             f"LSTM: {r['int8/peer']}x quantize_dynamic's latency at cosine {r['cos']} vs {r['peer cos']}: "
-            f"{verdict(r['int8/peer'] <= 1.0 + band and r['cos'] >= r['peer cos'])}"
+            f"{verdict(r['int8/peer'] <= 1.0 + band and r['cos'] >= r['peer cos'] - COS_TIE)}"
         )
     errors = [r["model"] for r in rows if "error" in r]
     if errors:
