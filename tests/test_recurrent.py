@@ -89,7 +89,17 @@ def lstm(tmp_path_factory):
     root = tmp_path_factory.mktemp("lstm")
     calib, held = user_models.write_data("lstm_classifier", root)
     ck = root / "lstm.calib.pt"
-    r = cli("calibrate", user_models.spec("lstm_classifier"), "--data", calib, "--out", ck, "--json")
+    r = cli(  # for a CPU without VNNI, whatever this one is: 7-bit weights
+        "calibrate",
+        user_models.spec("lstm_classifier"),
+        "--data",
+        calib,
+        "--out",
+        ck,
+        "--cpu",
+        "x86-avx2",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     return ck, held, json.loads(r.stdout)
 
@@ -111,7 +121,8 @@ def test_the_summary_names_the_lstm_and_its_precision(lstm):
 def test_an_lstm_classifier_through_the_cli(lstm, exporter, tmp_path):
     """Export writes DynamicQuantizeLSTM (dynamo: its weights computed by Slice/Concat, evaluated), verify
     passes, inspect reports the integer kernel, and the graph is closer to the float model than onnxruntime's
-    own quantize_dynamic of the same model (which saturates u8s8 sums on CPUs without VNNI)."""
+    own quantize_dynamic of the same model (on CPUs without VNNI its 8-bit weights saturate u8s8 sums: 0.9957
+    against 0.9992 on AVX2; with VNNI the two are within float rounding of each other)."""
     ck, held, _ = lstm
     graph = tmp_path / "lstm.onnx"
     r = cli("export", ck, "--onnx", graph, "--exporter", exporter, "--json")
@@ -126,7 +137,7 @@ def test_an_lstm_classifier_through_the_cli(lstm, exporter, tmp_path):
         data = {k: z[k] for k in z.files}
     ref = user_models.float_outputs("lstm_classifier", data)[0]
     ours = user_models.cosine(user_models.onnx_outputs(graph, data)[0], ref)
-    assert ours >= _quantize_dynamic_cosine(data, ref, tmp_path) and ours > 0.999
+    assert ours >= _quantize_dynamic_cosine(data, ref, tmp_path) - 5e-4 and ours > 0.999
 
 
 def _quantize_dynamic_cosine(data, ref, folder) -> float:
@@ -162,9 +173,16 @@ def test_a_gru_stays_float_and_says_why(tmp_path):
     assert "GRU" in {n.op_type for n in onnx.load(str(graph)).graph.node}
 
 
-def test_eight_bit_lstm_weights_by_a_rule(tmp_path):
-    """A rule that sets num_bits decides: 8-bit weights (they can saturate u8s8 kernels without VNNI)."""
-    model = quantize_model(Recurrent().eval(), [{"pattern": "lstm.*", "num_bits": 8}])
-    assert {q.desc.num_bits for q in quantizers(model).values() if q.name.startswith("lstm.")} == {8}
-    model = quantize_model(Recurrent().eval())
-    assert {(q.desc.num_bits, q.desc.narrow_range) for q in quantizers(model).values()} == {(7, True)}
+@pytest.mark.parametrize(
+    "config, bits",
+    [
+        ({"preset": "int8", "cpu": "x86-avx2"}, (7, True)),  # its u8s8 kernels can saturate: 7-bit weights
+        ({"preset": "int8", "cpu": "x86-vnni"}, (8, False)),
+        ({"preset": "int8", "cpu": "x86-avx2", "reduce_range": False}, (8, False)),
+    ],
+)
+def test_lstm_weights_follow_reduce_range(config, bits):
+    """The kernel's activations are uint8 over their whole range: on a CPU whose u8s8 kernels can saturate, an
+    LSTM's weights go on the 7-bit grid like a Linear's (quantcli.nn.config, reduce_range)."""
+    model = quantize_model(Recurrent().eval(), config)
+    assert {(q.desc.num_bits, q.desc.narrow_range) for q in quantizers(model).values()} == {bits}

@@ -63,7 +63,12 @@ def float_reason(module: nn.Module, target: str) -> str | None:
 
 class WeightView:
     """What the config reads of a layer when it resolves a weight quantizer (:meth:`QuantConfig.resolve`):
-    the output-channel axis and the weight, here an LSTM's first input weight (rows: gate units)."""
+    the output-channel axis and the weight, here an LSTM's first input weight (rows: gate units). Its
+    ``reduce_range`` applies as to a Linear: the kernel's activations are uint8 over their whole range, so on
+    a CPU whose u8s8 kernels can saturate (x86 without VNNI) 8-bit weights become 7-bit (measured on the
+    zoo's LSTM classifier, AVX2: with 8-bit weights onnxruntime's output was 0.0137 (max abs) from the model
+    where the fake-quant model's was 0.0016, verify's replay 13 steps off; with 7-bit weights the graph
+    computes the fake-quant model to float rounding, replay 0.0 steps)."""
 
     weight_axis = 0
 
@@ -90,27 +95,6 @@ def weight_format_reason(desc: QuantDescriptor) -> str | None:
             + (" blocked" if desc.block_sizes else "")
         )
     return None
-
-
-#: the bits of an LSTM's weights unless a config rule sets them (:func:`lstm_weights`)
-LSTM_WEIGHT_BITS = 7
-
-
-def lstm_weights(desc: QuantDescriptor) -> QuantDescriptor:
-    """An LSTM's weight format from the config's weight format: 7-bit codes ``[-63, 63]`` (stored as int8)
-    where the config says 8 bits.
-
-    Why: the kernel quantizes its activations at run time over the whole uint8 range, and on x86 CPUs
-    without VNNI (AVX2, AVX-512 without VNNI) onnxruntime multiplies uint8 by int8 with ``VPMADDUBSW``, which
-    saturates a pair's sum at 16 bits: 255 * 127 * 2 > 32767. With 7-bit weights (255 * 63 * 2 = 32130) no
-    sum can saturate, on any CPU. Measured on the zoo's LSTM classifier (2-core AMD EPYC, AVX2, no VNNI):
-    8-bit weights put onnxruntime's output 0.0137 (max abs) from the model against the fake-quant model's
-    0.0016, and verify failed (replay 13 steps); 7-bit weights: the graph computes the fake-quant model to
-    float rounding (replay 0.0 steps), cosine to the float model 0.999994 (``python -m
-    benchmarks.bench_user_models``). A config rule that sets ``num_bits`` decides instead."""
-    if desc.num_bits != 8 or desc.is_fp8:
-        return desc
-    return QuantDescriptor(**{**desc.dict(), "num_bits": LSTM_WEIGHT_BITS, "narrow_range": True})
 
 
 def weight_names(lstm: nn.LSTM) -> list[tuple[int, int, str, str]]:

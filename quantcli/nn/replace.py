@@ -13,7 +13,7 @@ from quantcli.nn.fold_bn import FoldReport, fold_batchnorm
 from quantcli.nn.linear_like import float_reason, quant_class, resolve_parametrizations
 from quantcli.nn.modules import QUANT_POOL_CLASSES, apply_input_quantizer_before, apply_output_quantizer_after
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
-from quantcli.nn.recurrent import WeightView, lstm_weights
+from quantcli.nn.recurrent import WeightView
 from quantcli.nn.recurrent import convert as convert_lstm
 from quantcli.nn.recurrent import float_reason as recurrent_float_reason
 from quantcli.nn.recurrent import weight_format_reason as lstm_weight_format_reason
@@ -132,8 +132,6 @@ def _recurrent(
         qname = f"{name}.{path}" if name else path
         enabled, desc, matched = cfg.resolve(qname, "weight", WeightView(module))
         used.update(matched)
-        if not any("num_bits" in cfg.rules[i] for i in matched):
-            desc = lstm_weights(desc)
         return enabled, desc, qname
 
     convert_lstm(module, resolve)
