@@ -26,14 +26,7 @@ EXPORTERS = ("torchscript", "dynamo")
 #: the graph (deployed session) against the float model: at least as close as the fake-quant model less this
 COSINE_MARGIN = 0.02
 #: (model, check) -> why it fails today and who owns the fix
-_SATURATION = (
-    "issue 36 (lead): on x86 CPUs without VNNI onnxruntime's u8s8 kernels saturate 16-bit sums; the deployed "
-    "graph's cosine to the float model drops (AVX2: 0.970 convnext_block, 0.952 multihead_attention, against "
-    "0.9999 for the fake-quant model) while verify, judging the exact session, passes"
-)
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("convnext_block", "cli"): _SATURATION,
-    ("multihead_attention", "cli"): _SATURATION,
     ("multihead_attention", "fused"): (
         "issue 35 items 1-3 (ops35): nn.MultiheadAttention's projections are parameters it calls through "
         "F.multi_head_attention_forward, not Linear layers: found by what the model computes"
