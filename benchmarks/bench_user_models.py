@@ -31,8 +31,7 @@ import torch
 from torch import nn
 from typer.testing import CliRunner
 
-from benchmarks.bench_reduce_range import cpu_flags
-from benchmarks.common import machine, setup_threads, table, verdict
+from benchmarks.common import cpu_flags, machine, setup_threads, table, verdict
 from exporters.onnxruntime.profile import time_interleaved
 from quantcli.cli import app
 from tests import user_models as um
