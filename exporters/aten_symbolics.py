@@ -30,12 +30,29 @@ _INT64_MAX = 2**63 - 1
 _registered = False
 
 
+def _helpers():
+    """torch's TorchScript symbolic helpers and its scalar-type table, from where they are defined.
+
+    ``torch.onnx.symbolic_helper`` is a backward-compatibility module since torch 2.9: it re-exports only the
+    names in the real module's ``__all__`` (no ``_type_utils``, no ``_maybe_get_const``). Whether the name
+    ``torch.onnx.symbolic_helper`` means that module or the real one depends on which import ran first (any
+    ``import torch.onnx.symbolic_helper``, as torchvision's ops do, binds the shim), so the helpers are taken
+    from their definition, and from the old place on a torch that has only that."""
+    try:
+        from torch.onnx._internal.torchscript_exporter import _type_utils
+        from torch.onnx._internal.torchscript_exporter import symbolic_helper as sh
+    except ImportError:  # torch < 2.9: the public module is the real one
+        from torch.onnx import _type_utils
+        from torch.onnx import symbolic_helper as sh
+    return sh, _type_utils
+
+
 def _const(g, values: list[int]):
     return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
 
 
 def _diff(g, x, n, dim, prepend, append):
-    from torch.onnx import symbolic_helper as sh
+    sh, types = _helpers()
 
     n, dim = sh._maybe_get_const(n, "i"), sh._maybe_get_const(dim, "i")
     if not isinstance(n, int) or not isinstance(dim, int):
@@ -43,10 +60,7 @@ def _diff(g, x, n, dim, prepend, append):
     parts = [p for p in (prepend, x, append) if not sh._is_none(p)]
     if len(parts) > 1:
         x = g.op("Concat", *parts, axis_i=dim)
-    is_bool = (
-        sh._type_utils.JitScalarType.from_value(x, sh._type_utils.JitScalarType.UNDEFINED)
-        == sh._type_utils.JitScalarType.BOOL
-    )
+    is_bool = types.JitScalarType.from_value(x, types.JitScalarType.UNDEFINED) == types.JitScalarType.BOOL
     axes = _const(g, [dim])
     for _ in range(n):
         hi = g.op("Slice", x, _const(g, [1]), _const(g, [_INT64_MAX]), axes)
@@ -56,9 +70,8 @@ def _diff(g, x, n, dim, prepend, append):
 
 
 def _cumsum(g, x, dim, dtype):
-    from torch.onnx import symbolic_helper as sh
-
-    jit = sh._type_utils.JitScalarType
+    sh, types = _helpers()
+    jit = types.JitScalarType
     dim = sh._maybe_get_const(dim, "i")
     if not isinstance(dim, int):
         return sh._unimplemented("cumsum", "dim must be a constant")
@@ -71,9 +84,7 @@ def _cumsum(g, x, dim, dtype):
 
 
 def _promoted_to_int64():
-    from torch.onnx import symbolic_helper as sh
-
-    jit = sh._type_utils.JitScalarType
+    jit = _helpers()[1].JitScalarType
     return (jit.BOOL, jit.UINT8, jit.INT8, jit.INT16, jit.INT)
 
 

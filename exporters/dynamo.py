@@ -22,6 +22,13 @@ merges identical Q/DQ pairs: q/k/v input quantizers share their input and scale,
 its own pair) nor its renaming passes (the quantizer map names tensors). Without it, the ``CastLike`` chains
 the exporter writes for every ``Clip``/``hardtanh`` bound keep onnxruntime from fusing the Conv + Clip and the
 Q/DQ around them: the zoo's MobileNetV2 int8 graph ran 8x slower (22.5 ms vs 2.7 ms at 32 samples, 1 thread).
+
+:class:`_Root` works around a name clash in torch.export: its ``GraphModule`` has attributes of its own
+(``meta``, ``graph``, ``code``, ...), and the exported program's module copies the model's top-level children
+onto one, so a child named ``meta`` (a model's metadata branch) is shadowed by ``GraphModule.meta`` and the
+decomposition step fails ("Node meta_weight target meta.weight references nonexistent attribute weight of
+meta"). Such a model is exported inside a wrapper that moves every child one level down; the wrapper's scope
+is then removed from every node's recorded module path, so the quantizer map reads as without it.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from exporters.causal_lm import attention
-from quantcli.errors import ExportError, first_line
+from quantcli.errors import ExportError, whole_line
 from quantcli.nn.dynamic import weight_spec
 from quantcli.nn.export_hooks import export_hooks
 from quantcli.nn.modules import QuantMixin
@@ -307,11 +314,86 @@ def simplify(model) -> None:
     )(model)
 
 
+_ROOT = "quantcli_root"  # the wrapper's child: the model, when its own children's names clash (_Root)
+_SCOPES = "pkg.torch.onnx.name_scopes"
+
+
+@functools.cache
+def _graph_module_names() -> frozenset[str]:
+    """The attribute names a ``torch.fx.GraphModule`` has beyond ``nn.Module``'s (``meta``, ``graph``,
+    ...)."""
+    gm = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    return frozenset((set(dir(gm)) | set(vars(gm))) - set(dir(nn.Module())) - set(vars(nn.Module())))
+
+
+def clashing_children(model: nn.Module) -> list[str]:
+    """The model's top-level children whose names a ``GraphModule`` attribute shadows."""
+    return [n for n, _ in model.named_children() if n in _graph_module_names()]
+
+
+class _Root(nn.Module):
+    """The model one level down (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        setattr(self, _ROOT, model)
+
+    def forward(self, *args, **kwargs):
+        return getattr(self, _ROOT)(*args, **kwargs)
+
+
+def _wrapped(model: nn.Module) -> nn.Module:
+    """``model`` inside a :class:`_Root` whose ``forward`` has the model's signature, so that torch.export
+    binds the same keyword inputs and dynamic shapes."""
+    import inspect
+
+    own = inspect.signature(model.forward)
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+    def forward(self, *args, **kwargs):
+        return _Root.forward(self, *args, **kwargs)
+
+    forward.__signature__ = own.replace(parameters=[self_param, *own.parameters.values()])
+    cls = type("QuantcliRoot", (_Root,), {"forward": forward})
+    return cls(model).train(model.training)
+
+
+def _unwrap_scopes(model) -> None:
+    """Remove the wrapper's scope from every node's recorded module path (``pkg.torch.onnx.name_scopes``)."""
+    from onnxscript import ir
+
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        value = node.metadata_props.get(_SCOPES)
+        if value is None:
+            continue
+        scopes = [s.strip(" '\"") for s in value.strip("[]").split(",")]
+        kept = [s[len(_ROOT) + 1 :] if s.startswith(_ROOT + ".") else s for s in scopes if s != _ROOT]
+        node.metadata_props[_SCOPES] = repr(kept)
+
+
+def _cause(e: BaseException) -> str:
+    """torch.export's message for a failure, one line: its own first line (a step's banner, "Failed to
+    decompose the FX graph for ONNX compatibility. This is step 2/3 ...", says where, not why) and the
+    innermost cause's."""
+    inner = e
+    for _ in range(20):
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    outer = whole_line(e, 1000).split(" This is step", 1)[0]
+    if inner is e:
+        return outer[:400]
+    return f"{outer[:200]}: {type(inner).__name__}: {whole_line(inner, 300)}"
+
+
 def export_dynamo(
     model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names, axes
 ) -> None:
     """``torch.onnx.export(..., dynamo=True)`` with the quantize ops translated to Q/DQ nodes."""
     hooks = export_hooks_for(model, example, opset)
+    wrap = bool(clashing_children(model))
+    traced = _wrapped(model) if wrap else model
     dynamic_shapes = None
     if axes:
         dynamic_shapes = {k: {d: torch.export.Dim.DYNAMIC for d in axes.get(k, {})} or None for k in example}
@@ -328,7 +410,7 @@ def export_dynamo(
             warnings.simplefilter("ignore")
             torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
             prog = torch.onnx.export(
-                model,
+                traced,
                 (),
                 kwargs=dict(example),
                 dynamo=True,
@@ -349,6 +431,8 @@ def export_dynamo(
                 report=False,
             )
             simplify(prog.model)
+            if wrap:
+                _unwrap_scopes(prog.model)
             prog.save(str(path))
     except ExportError:
         raise
@@ -356,7 +440,7 @@ def export_dynamo(
         from exporters.aten_symbolics import unsupported_operator
 
         raise unsupported_operator(e, "dynamo", opset) or ExportError(
-            f"torch.onnx.export(dynamo=True) failed: {first_line(e, 200)}"
+            f"torch.onnx.export(dynamo=True) failed: {_cause(e)} (try --exporter torchscript)"
         ) from None
     finally:
         torch_onnx_log.setLevel(level)

@@ -17,7 +17,7 @@
    (possibly through the ``Max``/``Min`` clip) is replaced by its codes, computed with quantcli's arithmetic,
    the same arithmetic the fake-quant model uses; the float weight disappears from the file.
 5. :func:`narrow_types`: 2..4-bit pairs, emitted as clipped int8, are stored as int4/uint4.
-6. Unused initializers are dropped.
+6. Unused initializers are dropped (those a subgraph reads are used).
 """
 
 from __future__ import annotations
@@ -374,11 +374,47 @@ def _constant_subgraph(
     return sorted(seen.values(), key=lambda m: order[m.output[0]]), shaped
 
 
+def constant_value(model: onnx.ModelProto, name: str, limit: int = 32) -> tuple[np.ndarray, set[str]] | None:
+    """The value of tensor ``name``: an initializer's, or computed with ONNX's reference evaluator where at
+    most ``limit`` nodes compute it from initializers alone (the dynamo exporter leaves an LSTM's
+    gate-reordered weights as Slice/Concat of the parameter above onnxscript's folding size limit). Returns
+    ``(value, first outputs of the nodes that computed it)``, or None (a graph input is involved, or the
+    evaluator cannot run an op)."""
+    g = model.graph
+    inits = initializer_map(g)
+    if name in inits:
+        return to_numpy(inits[name]), set()
+    found = _constant_subgraph(name, producer_map(g), inits, limit=limit)
+    if found is None:
+        return None
+    nodes, _ = found
+    from onnx.reference import ReferenceEvaluator
+
+    sub = helper.make_graph(
+        nodes,
+        "constant",
+        [],
+        [helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
+        [inits[x] for x in {x for m in nodes for x in m.input} if x in inits],
+    )
+    try:
+        (value,) = ReferenceEvaluator(helper.make_model(sub, opset_imports=model.opset_import)).run(None, {})
+    except Exception:  # an op the reference evaluator lacks
+        return None
+    return np.asarray(value), {m.output[0] for m in nodes}
+
+
+def drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:
+    """Remove the nodes whose first output is in ``candidates`` and that nothing reads any more (repeatedly):
+    what computed a value a pass replaced."""
+    _drop_unread(g, candidates)
+
+
 def _drop_unread(g: onnx.GraphProto, candidates: set[str]) -> None:
     """Remove the nodes whose first output is in ``candidates`` and none of whose outputs is read any more,
     repeatedly."""
     while True:
-        read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        read = {x for n in g.node for x in n.input} | {o.name for o in g.output} | _read_in_subgraphs(g)
         keep = [n for n in g.node if n.output[0] not in candidates or any(o in read for o in n.output)]
         if len(keep) == len(g.node):
             return
@@ -494,8 +530,10 @@ def narrow_types(model: onnx.ModelProto, targets: dict[str, int]) -> int:
 
 
 def drop_unused_initializers(model: onnx.ModelProto) -> None:
+    """Remove the initializers nothing reads: no node, no graph output, and no node inside a subgraph (a
+    ``Loop`` body, as TorchScript exports ``EmbeddingBag``, reads outer-scope constants by name)."""
     g = model.graph
-    used = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    used = {i for n in g.node for i in n.input} | {o.name for o in g.output} | _read_in_subgraphs(g)
     keep = [t for t in g.initializer if t.name in used]
     del g.initializer[:]
     g.initializer.extend(keep)

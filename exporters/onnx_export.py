@@ -43,11 +43,13 @@ from exporters.onnxruntime.compat import guard_fp8, session_needs
 from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
 from exporters.onnxruntime.fusion import inspect_fusion
 from exporters.onnxruntime.placement import place_for_onnxruntime
+from exporters.onnxruntime.recurrent import RECURRENT_KEY, to_dynamic_quantize_lstm
 from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
 from quantcli import __version__
-from quantcli.errors import ExportError, first_line
+from quantcli.errors import ExportError, whole_line
 from quantcli.files import staging_directory, writable_directory
 from quantcli.nn.modules import input_quantized_before
+from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import formats
@@ -101,6 +103,10 @@ class ExportResult:
     decode: dict | None = None
     decode_note: str = ""  # why a model with an lm_head got no decode graph
     genai_config: str | None = None  # the genai_config.json written beside a decode graph (--genai-config)
+    # DynamicQuantizeLSTM node -> {"layer", "quantizers"} (exporters.onnxruntime.recurrent)
+    recurrent: dict[str, dict] = field(default_factory=dict)
+    # input name -> its axes exported with a symbolic size (the batch axis, --dynamic-dim's)
+    dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "kn_weights"}
@@ -114,6 +120,7 @@ def required_opset(model: nn.Module) -> tuple[int, str]:
 def check_exportable(model: nn.Module) -> None:
     from quantcli.nn.dynamic import exportable
 
+    recurrent = recurrent_quantizers(model)  # dynamic by construction: exported as DynamicQuantizeLSTM
     missing = [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -122,7 +129,9 @@ def check_exportable(model: nn.Module) -> None:
             f"`quantcli calibrate` first"
         )
     dynamic = [
-        n for n, q in quantizers(model).items() if q.enabled and q.desc.dynamic and not q.dynamic_uint8
+        n
+        for n, q in quantizers(model).items()
+        if q.enabled and q.desc.dynamic and not q.dynamic_uint8 and n not in recurrent
     ]
     for module in model.modules():  # dynamic uint8 inputs export with their Linear (MatMulInteger)
         q = getattr(module, "input_quantizer", None)
@@ -151,15 +160,29 @@ def _output_names(outputs) -> list[str]:
 
 
 def _dynamic_axes(
-    example: dict[str, torch.Tensor], output_names: list[str], outputs
+    example: dict[str, torch.Tensor],
+    output_names: list[str],
+    outputs,
+    dims: dict[str, list[int]] | None = None,
 ) -> dict[str, dict[int, str]]:
+    """The graph's symbolic dimensions: each input's batch axis (:mod:`quantcli.inputs.batch_axes`: axis 0
+    unless the example says otherwise), axis 1 of batch-first integer inputs of rank 2 and more (token ids'
+    sequence), every axis of an input that has no batch axis (its size follows what the batch holds, as
+    EmbeddingBag indices do), ``dims``' axes (``--dynamic-dim``), and axis 0 of the outputs."""
+    from quantcli.inputs.batch_axes import batch_axes
+
+    batch = batch_axes(example)
     axes: dict[str, dict[int, str]] = {}
     for name, t in example.items():
         if t.dim() == 0:
             continue
-        a = {0: "batch"}
-        if not t.dtype.is_floating_point and t.dim() >= 2:
+        a = {} if batch[name] is None else {batch[name]: "batch"}
+        if batch[name] is None:
+            a.update({i: f"{name}_{i}" for i in range(t.dim())})
+        elif batch[name] == 0 and not t.dtype.is_floating_point and t.dim() >= 2:
             a[1] = "sequence"
+        for i in (dims or {}).get(name, ()):
+            a.setdefault(i, f"{name}_{i}")
         axes[name] = a
     flat = (
         list(outputs.values())
@@ -172,6 +195,41 @@ def _dynamic_axes(
         if isinstance(o, torch.Tensor) and o.dim() > 0:
             axes[name] = {0: "batch"}
     return axes
+
+
+def check_dynamic_dims(
+    dims: dict[str, list[int]] | None, example: dict[str, torch.Tensor], dynamic_axes: bool
+) -> dict[str, list[int]]:
+    """``dims`` (input name -> axes to export with a symbolic size, ``--dynamic-dim``) checked against the
+    inputs, with negative axes counted from the end; an empty name means the only input."""
+    if not dims:
+        return {}
+    if not dynamic_axes:
+        raise ExportError(
+            "--dynamic-dim makes axes dynamic, --static-shapes fixes them all: pass one of them"
+        )
+    out: dict[str, list[int]] = {}
+    for name, wanted in dims.items():
+        if not name:
+            if len(example) != 1:
+                raise ExportError(
+                    f"--dynamic-dim without an input name applies to a model with one input; this one has "
+                    f"{', '.join(example)}: write NAME=AXES (e.g. {next(iter(example))}=2,3)"
+                )
+            name = next(iter(example))
+        if name not in example:
+            raise ExportError(
+                f"--dynamic-dim {name}: the model has no input {name!r} (its inputs: {', '.join(example)})"
+            )
+        rank = example[name].dim()
+        bad = [a for a in wanted if not -rank <= a < rank]
+        if bad:
+            raise ExportError(
+                f"--dynamic-dim {name}={','.join(map(str, wanted))}: input {name!r} has {rank} axes "
+                f"(shape {list(example[name].shape)}), so axis {bad[0]} does not exist; use 0..{rank - 1}"
+            )
+        out[name] = sorted({a % rank for a in [*out.get(name, []), *wanted]})
+    return out
 
 
 def _ir_version(opset: int) -> int:
@@ -263,6 +321,7 @@ def export_onnx(
     provider: str | None = None,
     graph_input_names: dict[str, str] | None = None,
     edit_graph: Callable[[onnx.ModelProto], None] | None = None,
+    dynamic_dims: dict[str, list[int]] | None = None,
 ) -> ExportResult:
     """Export a calibrated, quantized ``model`` to a standard Q/DQ ONNX file.
 
@@ -275,6 +334,9 @@ def export_onnx(
         exporter: ``torchscript`` or ``dynamo``.
         dynamic_axes: batch (and sequence, for integer token inputs) dimensions are dynamic; or the dynamic
             dimensions of each input (by ``example_inputs`` key) and output, ``{name: {dim: label}}``.
+        dynamic_dims: more dynamic axes, input name -> axes (``{"image": [2, 3]}``: any image size; ``""``
+            names the only input). Needs ``dynamic_axes`` (not a dict). Each input's batch axis is found from
+            the example (:mod:`quantcli.inputs.batch_axes`).
         weights_qdq: keep float weights with Q/DQ instead of storing them quantized.
         provider: onnxruntime target only: the execution provider the graph is for, ``cpu`` (default) or
             ``cuda``. For ``cpu`` the residual and GELU-bias Adds are written as ``Sum``
@@ -299,6 +361,7 @@ def export_onnx(
     parent = _check_destination(path)
     model = model.eval().cpu()
     example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
+    dynamic_dims = check_dynamic_dims(dynamic_dims, example, dynamic_axes)
     probe = OpProbe()
     with torch.no_grad(), probe:
         outputs = model(**example)
@@ -320,15 +383,17 @@ def export_onnx(
     if isinstance(dynamic_axes, dict):
         axes = dynamic_axes
     else:
-        axes = _dynamic_axes(example, output_names, outputs) if dynamic_axes else None
+        axes = _dynamic_axes(example, output_names, outputs, dynamic_dims) if dynamic_axes else None
+    res.dynamic_dims = {k: sorted(v) for k, v in (axes or {}).items() if k in example}
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
-        onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
+        with exported_weights(model):  # quantized LSTM layers: their dequantized weights, for the LSTM node
+            onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
         rename_inputs(onnx_model, renamed)
         if edit_graph is not None:
             edit_graph(onnx_model)
         mapping = _post_process(onnx_model, model, example, res, weights_qdq)
         _stamp_metadata(onnx_model, mapping, res, metadata)
-        onnx_model = _checked(onnx_model)
+        onnx_model = _checked(onnx_model, res.exporter)
         res.external_data = _save(onnx_model, path, parent, workdir)
     _describe_saved(onnx_model, path, res)
     res.seconds = time.perf_counter() - t0
@@ -463,6 +528,7 @@ def _post_process(
             narrow[out_name] = formats.integer_type(d.num_bits, d.unsigned or d.asymmetric).elem_type
     narrow_types(onnx_model, narrow)
     res.placement = place_for_onnxruntime(onnx_model) if res.target == "onnxruntime" else {}
+    res.recurrent = to_dynamic_quantize_lstm(onnx_model, onnx_layers(model))
     if res.target == "onnxruntime" and not weights_qdq:
         res.kn_weights = to_matmul_nbits(onnx_model)
         res.matmul_nbits_layers = len(res.kn_weights)
@@ -473,7 +539,8 @@ def _post_process(
         del node.metadata_props[:]
     res.fp8_guards = guard_fp8(onnx_model) if res.target == "onnxruntime" else 0
     res.onnxruntime_disabled_optimizers = list(session_needs(onnx_model).disabled_optimizers)
-    res.pruned_quantizers = _pruned(model, example, mapping)
+    recurrent = {q for entry in res.recurrent.values() for q in entry["quantizers"]}
+    res.pruned_quantizers = _pruned(model, example, mapping, recurrent)
     return mapping
 
 
@@ -491,6 +558,7 @@ def _stamp_metadata(
         **({CPU_KEY: res.cpu} if res.cpu else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
         **({KN_WEIGHTS_KEY: json.dumps(res.kn_weights)} if res.kn_weights else {}),
+        **({RECURRENT_KEY: json.dumps(res.recurrent)} if res.recurrent else {}),
         **(metadata or {}),
     }
     del onnx_model.metadata_props[:]
@@ -500,13 +568,21 @@ def _stamp_metadata(
     onnx_model.producer_version = __version__
 
 
-def _checked(onnx_model: onnx.ModelProto) -> onnx.ModelProto:
-    """The model with inferred shapes, after ``onnx.checker``; a failure is an :class:`ExportError`."""
+def other_exporter(exporter: str) -> str:
+    """What to try when ``exporter`` fails on a model: the other torch exporter."""
+    return "try --exporter dynamo" if exporter == "torchscript" else "try --exporter torchscript"
+
+
+def _checked(onnx_model: onnx.ModelProto, exporter: str) -> onnx.ModelProto:
+    """The model with inferred shapes, after ``onnx.checker``; a failure is an :class:`ExportError` quoting
+    the checker whole (the node it names is on its second line) and naming the other exporter."""
     try:
         onnx_model = onnx.shape_inference.infer_shapes(onnx_model, check_type=True)
         onnx.checker.check_model(onnx_model)
     except Exception as e:
-        raise ExportError(f"the exported graph failed the ONNX checker: {first_line(e, 200)}") from None
+        raise ExportError(
+            f"the exported graph failed the ONNX checker: {whole_line(e)} ({other_exporter(exporter)})"
+        ) from None
     return onnx_model
 
 
@@ -551,13 +627,15 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
         res.fusion_error = fusion.load_error
 
 
-def _pruned(model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str]) -> list[str]:
-    """Enabled quantizers without a DequantizeLinear whose output reaches no model output (traced by
-    autograd).
+def _pruned(
+    model: nn.Module, example: dict[str, torch.Tensor], mapping: dict[str, str], elsewhere: set[str]
+) -> list[str]:
+    """Enabled quantizers without a DequantizeLinear (nor a node of their own: ``elsewhere``, the weights of
+    DynamicQuantizeLSTM nodes) whose output reaches no model output (traced by autograd).
 
     A quantizer that is absent and *is* used stays out of this list: verify reports it as missing.
     """
-    absent = {n for n, q in quantizers(model).items() if q.enabled} - set(mapping.values())
+    absent = {n for n, q in quantizers(model).items() if q.enabled} - set(mapping.values()) - elsewhere
     if not absent:
         return []
     unused = unused_quantizers(model, example) or set()
@@ -633,7 +711,7 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
                     raise nxt from None
                 cause = nxt
             raise aten_symbolics.unsupported_operator(e, "torchscript", opset) or ExportError(
-                f"torch.onnx.export failed: {first_line(e, 200)}"
+                f"torch.onnx.export failed: {whole_line(e, 400)} ({other_exporter('torchscript')})"
             ) from None
 
 

@@ -14,6 +14,18 @@ def first_line(e: BaseException, limit: int | None = None) -> str:
     return line[:limit] if limit is not None else line
 
 
+def whole_line(e: BaseException, limit: int = 1000) -> str:
+    """All of ``str(e)`` on one line: its lines joined with spaces, terminal colour codes removed, runs of
+    spaces collapsed; longer than ``limit`` characters, cut there with `` ...``. How a foreign message whose
+    point is on a later line (onnx's checker names the node on its second line) is quoted in a one-line
+    error."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+    text = " ".join(text.split()) or type(e).__name__
+    return text if len(text) <= limit else text[: limit - 4].rstrip() + " ..."
+
+
 class QuantCliError(Exception):
     """Base class: bad usage or bad input (exit code 2 on the command line)."""
 

@@ -238,6 +238,9 @@ def test_no_kv_cache_keeps_the_prefill_graph_and_static_shapes_are_refused(folde
     r = cli("export", ck, "--onnx", tmp_path / "s.onnx", "--static-shapes")
     assert_clean_error(r, "--static-shapes", "--no-kv-cache")
     assert not (tmp_path / "s.onnx").exists()
+    r = cli("export", ck, "--onnx", tmp_path / "s.onnx", "--dynamic-dim", "input_ids=1")
+    assert_clean_error(r, "--dynamic-dim", "--no-kv-cache")  # was: an internal error, exit 3
+    assert not (tmp_path / "s.onnx").exists()
 
 
 def test_the_tiny_llama_sample_exports_a_decode_graph_that_equals_its_logits(tmp_path):

@@ -124,3 +124,52 @@ def test_dynamo_exports_attention_whose_output_is_viewed_after_transpose(tmp_pat
     assert r.exit_code == 0, r.output
     r = cli("verify", out, "--reference", ck, "--data", tmp_path / "ids.npz", "--json")
     assert r.exit_code == 0, r.output
+
+
+CLASHING_NAMES = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.meta = nn.Linear(4, 8)  # a metadata branch, named as users name it
+        self.graph = nn.Linear(8, 8)  # and a graph-features one
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x, meta):
+        return self.head(torch.cat([torch.relu(self.graph(x)), torch.relu(self.meta(meta))], dim=1))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+def test_dynamo_exports_children_named_like_graph_module_attributes(tmp_path):
+    """torch.export's GraphModule has attributes ``meta``, ``graph``, ...: a top-level child of that name was
+    shadowed and the export failed with "Node meta_weight target meta.weight references nonexistent attribute
+    weight of meta" (cut, with the exporter's colour codes). exporters.dynamo exports such a model one level
+    down and removes that level from the recorded module paths, so the quantizers are named as without it."""
+    (tmp_path / "net.py").write_text(CLASHING_NAMES)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((16, 8)), meta=rng.standard_normal((16, 4)))
+    ck, out = tmp_path / "net.calib.pt", tmp_path / "net.onnx"
+    r = cli(
+        "calibrate",
+        f"{tmp_path / 'net.py'}:make",
+        "--data",
+        tmp_path / "d.npz",
+        "--out",
+        ck,
+        "--placement",
+        "all",
+    )
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", out, "--exporter", "dynamo")
+    assert r.exit_code == 0, r.output
+    assert {q for q in _pairs(out) if q} >= {"meta.weight_quantizer", "graph.weight_quantizer"}
+    r = cli("verify", out, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
+    assert r.exit_code == 0, r.output

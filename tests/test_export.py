@@ -535,3 +535,37 @@ def test_torchscript_scopes_of_nested_containers_name_the_module():
     # a container inside a container: ModuleList "layers" of Sequentials -> scopes "layers.1", "layers.1.0"
     assert scope_module_path(["layers.1", "layers.1.0"]) == "layers.1.0"
     assert scope_module_path(["a.0", "a.0.1", "a.0.1.2", "fc"]) == "a.0.1.2.fc"
+
+
+def test_a_checker_failure_is_quoted_whole_on_one_line_with_the_other_exporter():
+    """onnx's checker names the node on its second line; the error was cut after "of node:" (issue 35,
+    item 5)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from exporters.onnx_export import _checked
+    from quantcli.errors import ExportError
+
+    g = helper.make_graph(
+        [helper.make_node("Relu", ["missing"], ["y"], name="/tables.0/Gather")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    with pytest.raises(ExportError) as e:
+        _checked(m, "torchscript")
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "name: /tables.0/Gather OpType: Relu is not output of any previous nodes" in msg
+    assert msg.endswith("(try --exporter dynamo)")
+    with pytest.raises(ExportError, match=r"try --exporter torchscript\)$"):
+        _checked(onnx.ModelProto.FromString(m.SerializeToString()), "dynamo")
+
+
+def test_foreign_messages_become_one_line_without_colour_codes():
+    from quantcli.errors import whole_line
+
+    e = RuntimeError("Failed to decompose.\x1b[96m This is step 2/3\x1b[0m of exporting\n  next:  steps")
+    assert whole_line(e) == "Failed to decompose. This is step 2/3 of exporting next: steps"
+    assert whole_line(RuntimeError("x" * 50), 20) == "x" * 16 + " ..."

@@ -151,6 +151,22 @@ def test_float_bias_without_output_q_is_diagnosed(tmp_path):
     )
 
 
+@pytest.mark.parametrize("relu", [True, False])
+def test_a_graph_output_that_is_also_quantized_is_diagnosed(relu, tmp_path):
+    """Issue 35 item 10 (a two-input model whose ``proj`` returns its output and feeds the head through a
+    Relu): the layer's output is a graph output and also goes to a Q; onnxruntime keeps the Gemm float. Was
+    "no known condition explains it"."""
+    m = _layer_graph("Gemm", relu=relu)
+    m.graph.output.append(helper.make_tensor_value_info("y0", T.FLOAT, YSHAPE["Gemm"]))
+    path = _save(m, tmp_path)
+    (layer,) = inspect_fusion(path).layers
+    assert layer.fused is False and layer.kernel == "Gemm"
+    (reason,) = layer.reasons
+    assert "'y0' is a graph output and is also quantized" in reason and ("through the Relu" in reason) == relu
+    kinds = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
+    assert kinds["QGemm"] == 0 and kinds["Gemm"] == 1  # onnxruntime's own graph
+
+
 def test_int8_activation_shared_by_two_layers_is_diagnosed_on_x86(tmp_path):
     import platform
 

@@ -233,6 +233,11 @@ def export_model(
                 "--static-shapes does not apply to a decode graph (its sequence and cache lengths change "
                 "at every step); leave it out, or add --no-kv-cache for a prefill graph of fixed shape"
             )
+        if kwargs.pop("dynamic_dims", None):
+            raise ExportError(
+                "--dynamic-dim does not apply to a decode graph (its batch, sequence and cache lengths are "
+                "dynamic already); leave it out, or add --no-kv-cache for a prefill graph"
+            )
         return export_decoder(
             model, example, path, opset, exporter, contrib_ops=contrib_ops, layout=layout, **kwargs
         )

@@ -25,7 +25,9 @@ from onnx import helper
 
 from exporters.graph import consumer_map, initializer_map, producer_map, quantizer_map, read_onnx
 from exporters.onnxruntime import compat
+from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, first_line
+from quantcli.nn.recurrent import DYNAMIC_LSTM
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
 INTEGER_KERNELS = frozenset(
@@ -41,6 +43,7 @@ INTEGER_KERNELS = frozenset(
         "ConvInteger",
         "QAttention",
         "NhwcQLinearConv",
+        DYNAMIC_LSTM,
     }
 )
 LAYER_OPS = ("Conv", "ConvTranspose", "Gemm", "MatMul")
@@ -160,13 +163,19 @@ def _layer_name(quantizers: list[str], node: onnx.NodeProto) -> str:
 
 def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, list[str]]]:
     """(layer name, node, quantizer names) for every Conv/ConvTranspose/Gemm/MatMul whose second input (the
-    weight, or a MatMul's right operand) is a DequantizeLinear output.
+    weight, or a MatMul's right operand) is a DequantizeLinear output, every dynamic MatMulInteger layer and
+    every DynamicQuantizeLSTM (named after its LSTM layer, ``lstm.l0``).
 
     Named after the module of its quantizers in the quantizer map, else after the node.
     """
     g = _Graph(model)
+    recurrent = {r.node.name: r for r in recurrent_layers(model)}
     out = []
     for n in model.graph.node:
+        if n.op_type == DYNAMIC_LSTM:  # an integer kernel itself (exporters.onnxruntime.recurrent)
+            r = recurrent.get(n.name)
+            out.append((r.layer if r else n.name, n, r.quantizers if r else []))
+            continue
         if (
             n.op_type in DYNAMIC_OPS
             and n.input[0] in g.producers
@@ -227,8 +236,7 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
     fusion)."""
     out = n.output[0]
     readers = g.consumers.get(out, [])
-    if out in g.outputs:
-        return None, True
+    is_output = out in g.outputs
     if (
         len(readers) == 1
         and readers[0].op_type in ("Relu", "Clip")
@@ -254,8 +262,16 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
                     "unsigned (uint8, zero point 0)"
                 )
                 return nxt, False
+        if is_output:
+            reasons.append(_graph_output_and_q(out, f" through the {act.op_type}"))
+            return None, False
         return nxt, True
     qs = [c for c in readers if c.op_type == "QuantizeLinear"]
+    if is_output:
+        if qs:
+            reasons.append(_graph_output_and_q(out, ""))
+            return None, False
+        return None, True
     if qs and len(qs) != len(readers):
         reasons.append(f"its output is read by {len(readers)} ops, not only by a QuantizeLinear")
         return None, False
@@ -266,6 +282,19 @@ def _output_q(g: _Graph, n: onnx.NodeProto, reasons: list[str]) -> tuple[onnx.No
             "BatchNormalization between the layer and the next QuantizeLinear (fold it into the layer)"
         )
     return None, True
+
+
+def _graph_output_and_q(out: str, through: str) -> str:
+    """Why a layer whose output is a graph output and also quantized for the next layer stays float
+    (``qdq_selectors.cc``, ``CheckQDQNodes``): with a Q among its readers onnxruntime takes that Q into the
+    fusion, requires it to be the only reader of an output that is not a graph output, and does not fall
+    back to the float-output kernel (a Relu/Clip before the Q is no way out: it is absorbed, or removed first
+    when the Q makes it redundant)."""
+    return (
+        f"its output {out!r} is a graph output and is also quantized for the next layer{through}: "
+        "onnxruntime fuses a layer with an output QuantizeLinear only when that Q is its only reader and the "
+        "output is not a graph output, and with a Q there it does not fall back to the float-output kernel"
+    )
 
 
 def _bias_ok(g: _Graph, n: onnx.NodeProto, x_dq, w_dq, out_q, reasons: list[str]) -> bool:
@@ -429,7 +458,7 @@ def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | 
         or any(
             # not the Q/DQ/Mul/Cast nodes fusions name after it
             k in n.op_type
-            for k in ("Conv", "Gemm", "MatMul")
+            for k in ("Conv", "Gemm", "MatMul", "LSTM")
         )
     ]
     cands = [

@@ -31,6 +31,7 @@ from quantcli.calibration.mixed_precision import (
 from quantcli.calibration.process_group import Rank, broadcast_from_rank0, one_outcome
 from quantcli.errors import DataError, QuantCliError
 from quantcli.files import refuse_overwriting_inputs
+from quantcli.inputs import batch_axes
 from quantcli.inputs.checkpoint import example_of, save_calibrated, state_snapshot
 from quantcli.inputs.data import (
     Batch,
@@ -42,8 +43,12 @@ from quantcli.inputs.data import (
 )
 from quantcli.inputs.loading import load_model
 from quantcli.inputs.model_spec import ModelSpec
+from quantcli.inputs.precision import describe as describe_precision
+from quantcli.inputs.precision import loaded_dtype
 from quantcli.inputs.shard import load_shard, strided
-from quantcli.nn import QuantConfig, load_config, quantize_model
+from quantcli.nn import QuantConfig, load_config, quantize_model, quantizers
+from quantcli.nn.recurrent import QuantLSTM
+from quantcli.nn.recurrent import precision as lstm_precision
 
 if TYPE_CHECKING:
     from quantcli.calibration.latency_placement import LatencyPlacement
@@ -269,6 +274,10 @@ class CalibrationJob:
         )
         if self.preprocessing is not None:
             info["preprocessing"] = describe_preprocessing(self.preprocessing)
+        if loaded_dtype(self.model):  # a half-precision model, calibrated in float32
+            info["precision"] = describe_precision(loaded_dtype(self.model))
+        if self.batches and batch_axes.describe(self.batches[0]):  # inputs whose samples are not on axis 0
+            info["batch_axes"] = batch_axes.describe(self.batches[0])
         return info
 
     def save(self, info: dict) -> None:
@@ -361,6 +370,8 @@ def layers_summary(
         return "its quantizers are disabled (preset, config rule or quality target)"
 
     def enabled(name: str) -> bool:
+        if isinstance(modules[name], QuantLSTM):  # one quantizer per weight, under l<k>
+            return any(q.enabled for q in quantizers(modules[name]).values())
         return any(
             getattr(getattr(modules[name], f"{k}_quantizer", None), "enabled", False)
             for k in ("input", "weight")
@@ -382,16 +393,31 @@ def layers_summary(
             if not enabled(n) or n in slower
         ),
     ]
+    # every recurrent layer by name, quantized or not, with what it runs as
+    recurrent = [
+        {"name": n, "type": "LSTM", "precision": lstm_precision(modules[n])}
+        for n in report.layers
+        if isinstance(modules[n], QuantLSTM)
+    ] + [
+        {"name": f["name"], "type": f["type"], "precision": f"float: {f['reason']}"}
+        for f in report.float_layers
+        if isinstance(modules.get(f["name"]), nn.RNNBase)
+    ]
     text = f"{len(quantized)} quantized"
-    if floats:
-        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in floats[:3])
-        text += f"; {len(floats)} weighted module(s) left float: {shown}" + (
-            " ..." if len(floats) > 3 else ""
+    if recurrent:
+        text += "; recurrent: " + "; ".join(f"{r['name']} ({r['type']}) {r['precision']}" for r in recurrent)
+    named = {r["name"] for r in recurrent}
+    others = [f for f in floats if f["name"] not in named]  # recurrent ones: said above
+    if others:
+        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in others[:3])
+        text += f"; {len(others)} weighted module(s) left float: {shown}" + (
+            " ..." if len(others) > 3 else ""
         )
     return {
         "quantized": quantized,
         "float": floats,
         "resolved_parametrizations": list(report.resolved_parametrizations),
+        "recurrent": recurrent,
         "text": text,
     }
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from quantcli.calibration.calibrate import resolve_device
 from quantcli.errors import CalibrationError
+from quantcli.inputs.batch_axes import head
 from quantcli.inputs.data import Batch, run_model, to_device
 from quantcli.nn.linear_like import QuantLinearLike
 from quantcli.nn.modes import quantizer_modes
@@ -146,7 +147,7 @@ def smooth_quant(
         )
     if not layers:
         raise CalibrationError("no Linear layer with an enabled input quantizer: nothing to smooth")
-    check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batches[0], dev).items()}
+    check = head(to_device(batches[0], dev), CHECK_SAMPLES)
     with quantizer_modes(model, "disabled"), torch.inference_mode():  # observe the float model
         obs = _observe(model, layers, batches, dev)
         reference = _outputs(run_model(model, check, where="calibration batch 0"))
@@ -393,7 +394,7 @@ def plan_folds(
     ``(consumers, fold, into)`` per tensor read (the layers reading it, ``layernorm``/``linear``/``mul``, the
     module absorbing ``1 / s``), found on one batch by the trials :func:`smooth_quant` runs; and the layers
     left out with why."""
-    check = {k: v[:CHECK_SAMPLES] for k, v in to_device(batch, device).items()}
+    check = head(to_device(batch, device), CHECK_SAMPLES)
     with quantizer_modes(model, "disabled"), torch.inference_mode():
         obs = _observe(model, layers, [batch], device)
         reference = _outputs(run_model(model, check, where="calibration batch 0"))

@@ -332,6 +332,10 @@ def _calibrate_setup_rows(outcome):
     )
     if job.preprocessing is not None:
         yield "preprocessing", describe_preprocessing(job.preprocessing)
+    if outcome.info.get("precision"):
+        yield "precision", outcome.info["precision"]
+    if outcome.info.get("batch_axes"):
+        yield "batch axis", f"{outcome.info['batch_axes']} (the others: axis 0)"
     yield "target", f"{cfg.target}: {outcome.info['placement']['text']}"
     yield "cpu", outcome.info["cpu"]["text"]
     latency = outcome.info["placement"].get("latency")

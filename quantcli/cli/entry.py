@@ -100,7 +100,7 @@ def _run(argv: list[str]) -> int:
             import traceback
 
             traceback.print_exc()
-        _error_exit(unexpected(e), 2, argv, type(e).__name__)
+        _error_exit(*unexpected(e), argv, type(e).__name__)
     return code if isinstance(code, int) else 0
 
 
@@ -126,7 +126,7 @@ def main() -> None:
         sys.exit(141)
     except OSError as e:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
-        _error_exit(unexpected(e), 2, [], type(e).__name__)
+        _error_exit(*unexpected(e), [], type(e).__name__)
     sys.exit(code)
 
 

@@ -33,9 +33,20 @@ def export(
         bool,
         typer.Option(
             "--dynamic-axes/--static-shapes",
-            help="Dynamic batch (and sequence, for token inputs) dimensions.",
+            help="Dynamic batch (and sequence, for token inputs) dimensions. Each input's batch axis is the "
+            "one calibration found (axis 0 unless the data said otherwise).",
         ),
     ] = True,
+    dynamic_dim: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--dynamic-dim",
+            metavar="[NAME=]AXES",
+            help="Also export these axes of an input with a symbolic size, e.g. image=2,3 (a fully "
+            "convolutional net at any image size) or frames=1 (any sequence length); NAME may be left out "
+            "for a model with one input. Repeatable.",
+        ),
+    ] = None,
     weights_qdq: Annotated[
         bool,
         typer.Option("--weights-qdq", help="Keep float weights with Q/DQ instead of storing them quantized."),
@@ -108,6 +119,7 @@ def export(
         weights_qdq=weights_qdq,
         metadata=meta,
         provider=provider.value if provider else None,
+        dynamic_dims=parse_dynamic_dims(dynamic_dim),
     )
     if genai_config:
         from exporters.causal_lm.export import write_genai_config
@@ -119,6 +131,26 @@ def export(
         render_export(res, calibrated)
 
 
+def parse_dynamic_dims(values: list[str] | None) -> dict[str, list[int]]:
+    """``["image=2,3", "mask=1"]`` -> ``{"image": [2, 3], "mask": [1]}`` (``"2,3"``: ``{"": [2, 3]}``, the
+    only input)."""
+    from quantcli.errors import ExportError
+
+    out: dict[str, list[int]] = {}
+    for v in values or []:
+        name, _, axes = v.rpartition("=")
+        try:
+            parsed = [int(a) for a in axes.split(",") if a.strip()]
+        except ValueError:
+            parsed = []
+        if not parsed:
+            raise ExportError(
+                f"--dynamic-dim {v!r}: expected NAME=AXES, axes as integers separated by commas (image=2,3)"
+            )
+        out.setdefault(name.strip(), []).extend(parsed)
+    return out
+
+
 def render_export(res, calibrated: Path) -> None:
     if not res.pairs_by_format and not res.dynamic_layers:
         err.print(
@@ -126,6 +158,12 @@ def render_export(res, calibrated: Path) -> None:
             "or the config quantizes nothing; `quantcli inspect` on the checkpoint says which)"
         )
     out.print(key_value_table(f"quantcli export {calibrated}", _export_rows(res)))
+
+
+def _input_text(res, name: str) -> str:
+    """``image``, with its dynamic axes where they are more than axis 0: ``image (dynamic axes 0, 2, 3)``."""
+    axes = res.dynamic_dims.get(name, [])
+    return f"{name} (dynamic axes {', '.join(map(str, axes))})" if axes and axes != [0] else name
 
 
 def _export_rows(res):
@@ -155,7 +193,7 @@ def _export_rows(res):
         yield "decode graph", _decode_row(res.decode)
     elif res.decode_note:
         yield "decode graph", res.decode_note
-    yield "inputs", _names(res.input_names)
+    yield "inputs", _names([_input_text(res, n) for n in res.input_names])
     yield "outputs", _names(res.output_names)
     if res.fp8_guards:
         yield "fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)"

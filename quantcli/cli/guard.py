@@ -3,7 +3,9 @@
 Library code raises :class:`quantcli.errors.QuantCliError`; here it becomes its first line on stderr and exit
 2 (with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout). A failed numerical check (``verify``)
 or a missed quality target (``calibrate --min-cosine``) is a command's own exit code 1. Ctrl-C is 130, SIGTERM
-143.
+143. What the machine refuses (an ``OSError``: a full disk, a permission, a missing file; ``MemoryError``) is
+exit 2 too, named. Any other exception is an internal error: a bug in quantcli or in a library it calls, not a
+fault in the user's input, so it is exit 3 (:data:`INTERNAL_ERROR`) and its line says to report it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RunState:
 
 
 STATE = RunState()
+INTERNAL_ERROR = 3  # an exception nothing in quantcli expected: a bug, not bad input (README, exit codes)
 
 
 def fail(message: str, code: int = 2, as_json: bool = False, kind: str = "QuantCliError") -> None:
@@ -45,9 +48,12 @@ def fail(message: str, code: int = 2, as_json: bool = False, kind: str = "QuantC
     raise typer.Exit(code)
 
 
-def unexpected(e: BaseException) -> str:
-    """The one line for an exception no library code turned into a QuantCliError: named where the cause is
-    known (a full disk), else its type and first line."""
+def unexpected(e: BaseException) -> tuple[str, int]:
+    """(the one line, the exit code) for an exception no library code turned into a QuantCliError.
+
+    What the machine refused (a full disk, named as such; any other ``OSError``; ``MemoryError``) is exit 2,
+    as bad input is: the user can act on it. Anything else is an internal error, exit
+    :data:`INTERNAL_ERROR`, said to be one, with its type and first line."""
     from quantcli.errors import first_line
     from quantcli.files import no_space
 
@@ -56,9 +62,14 @@ def unexpected(e: BaseException) -> str:
         return (
             f"no space left on device{where}; free some space or write the output elsewhere "
             "(nothing was written)"
-        )
+        ), 2
     message = first_line(e) if str(e).strip() else ""
-    return f"{type(e).__name__}: {message} (set QUANTCLI_DEBUG=1 for a traceback)"
+    if isinstance(e, (OSError, MemoryError)):
+        return f"{type(e).__name__}: {message} (set QUANTCLI_DEBUG=1 for a traceback)", 2
+    return (
+        f"internal error, not a problem with your input: {type(e).__name__}: {message} (a bug in quantcli "
+        "or a library it calls; please report it with the traceback QUANTCLI_DEBUG=1 prints)"
+    ), INTERNAL_ERROR
 
 
 def interrupted_text(code: int) -> str:
@@ -68,9 +79,9 @@ def interrupted_text(code: int) -> str:
 def guarded(command):
     """A command's error guard. The command returns its exit code (``None``: 0). A QuantCliError becomes its
     first line on stderr and exit 2; Ctrl-C exit 130 (SIGTERM 143), whatever it interrupted (an import that
-    turns the interrupt into an ImportError included); anything unexpected (a bug, an input we did not
-    foresee) one line naming it and exit 2, with no traceback unless QUANTCLI_DEBUG is set. With ``--json``
-    the error is also a JSON object on stdout."""
+    turns the interrupt into an ImportError included); anything unexpected one line naming it (exit 2 for
+    what the machine refused, 3 for an internal error: :func:`unexpected`), with no traceback unless
+    QUANTCLI_DEBUG is set. With ``--json`` the error is also a JSON object on stdout."""
 
     @functools.wraps(command)
     def run(*args, **kwargs):
@@ -92,7 +103,7 @@ def guarded(command):
                 fail(first_line(e), 2, as_json, type(e).__name__)
             if not isinstance(e, Exception) or os.environ.get("QUANTCLI_DEBUG"):
                 raise
-            fail(unexpected(e), 2, as_json, type(e).__name__)
+            fail(*unexpected(e), as_json, type(e).__name__)
         if code is not None:
             raise typer.Exit(code)
 

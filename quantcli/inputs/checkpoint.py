@@ -25,6 +25,7 @@ from torch import nn
 from quantcli import __version__
 from quantcli.errors import CheckpointError, QuantCliError, first_line
 from quantcli.files import atomic_write
+from quantcli.inputs.batch_axes import batch_axes, take, unbatched
 from quantcli.inputs.data import Batch, has_signature
 from quantcli.inputs.loading import build_model
 from quantcli.inputs.model_spec import ModelSpec
@@ -42,10 +43,14 @@ EXAMPLE_SAMPLES = 8
 
 
 def example_of(batch: Batch) -> Batch:
-    """The example batch a checkpoint stores: the first samples of ``batch``, on the CPU.
+    """The example batch a checkpoint stores: the first samples of ``batch`` (each input cut along its own
+    batch axis; the whole batch where an input has none, :mod:`quantcli.inputs.batch_axes`), on the CPU.
     ``quantize_model`` reads the model's structure from a forward on it, at calibration and again when the
     checkpoint is loaded."""
-    return {k: v[:EXAMPLE_SAMPLES].detach().cpu().clone() for k, v in batch.items()}
+    axes = batch_axes(batch)
+    if not unbatched(batch, axes):
+        batch = take(batch, 0, EXAMPLE_SAMPLES, axes)
+    return {k: v.detach().cpu().clone() for k, v in batch.items()}
 
 
 def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -4,7 +4,8 @@ Formats: ``.npz`` (one array per forward argument, by name; ``arr_0, arr_1, ...`
 single input), ``.pt`` (a tensor, a dict of tensors, or a list of such batches; read with
 ``weights_only=True``), or a directory of such files (one batch per file, sequence lengths may differ).
 Whole arrays are split into batches of ``batch_size``; lists and directories are used batch by batch.
-float64 becomes float32; integer and bool arrays (token ids, masks) pass through unchanged.
+float64, float16 and bfloat16 become float32 (a half-precision model is calibrated in float32:
+:mod:`quantcli.inputs.precision`); integer and bool arrays (token ids, masks) pass through unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from quantcli import defaults
 from quantcli.errors import DataError, first_line
+from quantcli.inputs import batch_axes
 
 Batch = dict[str, torch.Tensor]
 _SUFFIXES = (".npz", ".npy", ".pt")
@@ -53,7 +55,7 @@ def _tensor(x, where: str) -> torch.Tensor:
             f"inputs; "
             "save the real (or magnitude) part"
         )
-    if x.dtype == torch.float64:
+    if x.dtype in (torch.float64, torch.float16, torch.bfloat16):  # models run in float32 (inputs.precision)
         x = x.to(torch.float32)
     return x
 
@@ -150,15 +152,20 @@ def _load_pt(path: Path, mmap: bool):
 
 
 def _split(batch: Batch, batch_size: int, where: str) -> list[Batch]:
-    sizes = {k: v.shape[0] if v.dim() else None for k, v in batch.items()}
-    if any(s is None for s in sizes.values()):
+    """Whole arrays cut into batches of ``batch_size`` samples, each input along its own batch axis
+    (:mod:`quantcli.inputs.batch_axes`)."""
+    if any(v.dim() == 0 for v in batch.values()):
         raise DataError(
             f"{where}: scalar arrays cannot be batched; give each input a leading sample dimension"
         )
-    if len(set(sizes.values())) > 1:
-        raise DataError(f"{where}: inputs have different sample counts {sizes}")
-    n = next(iter(sizes.values()), 0)
-    return [{k: v[i : i + batch_size] for k, v in batch.items()} for i in range(0, n, batch_size)]
+    features = {k: int(v.shape[0]) for k, v in batch.items() if v.is_floating_point()}
+    if len(set(features.values())) > 1:
+        raise DataError(f"{where}: inputs have different sample counts {features}")
+    axes = batch_axes.batch_axes(batch)
+    n = batch_axes.batch_size(batch, axes)
+    if n <= batch_size:
+        return [batch]
+    return [batch_axes.take(batch, i, i + batch_size, axes, where) for i in range(0, n, batch_size)]
 
 
 def check_names(batch: Batch, model: nn.Module, where: str) -> None:
@@ -209,8 +216,7 @@ def load_batches(
 
 
 def _count(batch: Batch) -> int:
-    v = next(iter(batch.values()), None)
-    return int(v.shape[0]) if v is not None and v.dim() else 1
+    return batch_axes.batch_size(batch)
 
 
 def cap_samples(batches: list[Batch], num_samples: int | None) -> list[Batch]:
@@ -222,8 +228,9 @@ def cap_samples(batches: list[Batch], num_samples: int | None) -> list[Batch]:
     for b in batches:
         if seen >= num_samples:
             break
-        take = min(_count(b), num_samples - seen)
-        out.append({k: v[:take] for k, v in b.items()} if take < _count(b) else b)
+        n = _count(b)
+        take = min(n, num_samples - seen)
+        out.append(batch_axes.take(b, 0, take, where=f"--num-samples {num_samples}") if take < n else b)
         seen += take
     return out
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError, first_line
 from quantcli.inputs.model_spec import ModelSpec
+from quantcli.inputs.precision import to_float32
 from quantcli.inputs.trust import module_provenance, require_installed, require_trust, sha256_hex
 
 
@@ -157,14 +158,15 @@ def build_model(spec: ModelSpec, trust_code: bool = False, origin: str | None = 
     """Call the factory; it must return an ``nn.Module``.
 
     Code that came inside a checkpoint (``origin``) runs only with ``trust_code``; otherwise
-    :class:`UntrustedCodeError` is raised before anything runs (see :mod:`quantcli.inputs.trust`).
+    :class:`UntrustedCodeError` is raised before anything runs (see :mod:`quantcli.inputs.trust`). A
+    half-precision model comes back in float32 (:mod:`quantcli.inputs.precision`).
     """
     if spec.kind == "pickle":
-        return _unpickled(spec, trust_code, origin)
+        return to_float32(_unpickled(spec, trust_code, origin))
     if spec.kind == "hf":
         from quantcli.inputs.hf_model import build_hf_model
 
-        return build_hf_model(spec)
+        return to_float32(build_hf_model(spec))
     fn = _factory(spec, trust_code, origin)
     try:
         model = fn()
@@ -172,7 +174,7 @@ def build_model(spec: ModelSpec, trust_code: bool = False, origin: str | None = 
         raise ModelLoadError(f"factory {spec.spec} raised {type(e).__name__}: {e}") from None
     if not isinstance(model, nn.Module):
         raise ModelLoadError(f"factory {spec.spec} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
+    return to_float32(model)
 
 
 def read_state_dict(path: str | Path, trust_pickle: bool = False) -> dict[str, torch.Tensor]:
@@ -253,7 +255,7 @@ def load_model(
     if ms.kind == "hf":
         from quantcli.inputs.hf_model import load_hf_folder
 
-        model = load_hf_folder(ms)
+        model = to_float32(load_hf_folder(ms))
     else:
         model = build_model(ms, trust_code=trust_pickle)
     if weights is not None:

@@ -34,6 +34,10 @@ from quantcli.nn.modules import (
     apply_output_quantizer_after,
 )
 from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
+from quantcli.nn.recurrent import WeightView
+from quantcli.nn.recurrent import convert as convert_lstm
+from quantcli.nn.recurrent import float_reason as recurrent_float_reason
+from quantcli.nn.recurrent import weight_format_reason as lstm_weight_format_reason
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
 
@@ -129,6 +133,10 @@ def quantize_model(
     own_grid: set[str] = set()  # input quantizers whose grid a rule chose
     uses = found.by_layer() if found is not None else {}
     for name, module in list(model.named_modules()):
+        if isinstance(module, nn.RNNBase):  # LSTM as onnxruntime's DynamicQuantizeLSTM; GRU, RNN: float
+            if _recurrent(name, module, cfg, report, used):
+                report.layers.append(name)
+            continue
         plan = _plan(name, module, uses.get(name, []), found)
         if name in keep_float and plan[0] != "float":
             plan = (
@@ -330,6 +338,31 @@ def _check_placement(
             "on the example batch); calibrate with --target tensorrt or a config that leaves its layers "
             "float, and please report this"
         )
+
+
+def _recurrent(
+    name: str, module: nn.Module, cfg: QuantConfig, report: QuantizeReport, used: set[int]
+) -> bool:
+    """Convert an LSTM into a :class:`~quantcli.nn.recurrent.QuantLSTM` (True), or report why a recurrent
+    module stays float (False)."""
+    why = recurrent_float_reason(module, cfg.target)
+    if why is None:
+        _, desc, _ = cfg.resolve(
+            _qname(f"{name}.l0" if name else "l0", "weight"), "weight", WeightView(module)
+        )
+        why = lstm_weight_format_reason(desc)
+    if why is not None:
+        report.float_layers.append({"name": name, "type": type(module).__name__, "reason": why})
+        return False
+
+    def resolve(path: str):
+        qname = f"{name}.{path}" if name else path
+        enabled, desc, matched = cfg.resolve(qname, "weight", WeightView(module))
+        used.update(matched)
+        return enabled, desc, qname
+
+    convert_lstm(module, resolve)
+    return True
 
 
 def _qname(layer: str, kind: str) -> str:

@@ -37,6 +37,7 @@ import torch
 from exporters.dynamic_linear import DynamicLayer, dynamic_layers
 from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli.analysis.quality import snr_db
+from quantcli.inputs.batch_axes import split
 from quantcli.inputs.data import Batch, flat_outputs, num_samples, run_model
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import arithmetic
@@ -126,11 +127,8 @@ def evidence_outputs(model: onnx.ModelProto) -> list[tuple[str, int]]:
 
 def split_sample(batches: list[Batch]) -> tuple[Batch, list[Batch]]:
     """(the first :data:`REPLAY_SAMPLES` inputs of the first batch, every other input in batches)."""
-    first = batches[0]
-    n = num_samples([first])
-    sample = {k: v[:REPLAY_SAMPLES] for k, v in first.items()}
-    rest = [{k: v[REPLAY_SAMPLES:] for k, v in first.items()}] if n > REPLAY_SAMPLES else []
-    return sample, rest + list(batches[1:])
+    sample, rest = split(batches[0], REPLAY_SAMPLES)  # each input along its batch axis
+    return sample, ([rest] if rest is not None else []) + list(batches[1:])
 
 
 def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:

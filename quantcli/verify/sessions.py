@@ -125,8 +125,23 @@ def feeds(sess, batch: Batch, where: str) -> dict[str, np.ndarray]:
         if len(i.shape) != arr.ndim or any(isinstance(d, int) and d != s for d, s in zip(i.shape, arr.shape)):
             raise VerifyError(
                 f"{where}: input {i.name!r} has shape {list(arr.shape)} but the graph expects {i.shape}"
+                + _fixed_size_remedy(i.name, i.shape, arr.shape)
             )
     return out
+
+
+def _fixed_size_remedy(name: str, graph_shape: list, shape: tuple[int, ...]) -> str:
+    """Where the data's rank fits and only sizes the graph fixed differ: how to export the graph so that
+    those axes may vary (``quantcli export --dynamic-dim``)."""
+    if len(graph_shape) != len(shape):
+        return ""
+    fixed = [a for a, (d, s) in enumerate(zip(graph_shape, shape)) if isinstance(d, int) and d != s]
+    axes = ",".join(map(str, fixed))
+    where = f"axis {axes}" if len(fixed) == 1 else f"axes {', '.join(map(str, fixed))}"
+    return (
+        f"; the graph was exported with a fixed size on {where}: export it again with "
+        f"`quantcli export ... --dynamic-dim {name}={axes}` to run it at other sizes"
+    )
 
 
 #: onnxruntime's words for a node that failed while running (not for inputs it refused before running any)

@@ -31,8 +31,11 @@ from exporters.graph import (
     quantizer_map,
     to_numpy,
 )
+from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, first_line
+from quantcli.inputs.batch_axes import head
 from quantcli.inputs.checkpoint import Calibrated
+from quantcli.nn.recurrent import onnx_layers
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import arithmetic
@@ -202,6 +205,61 @@ def _check_dynamic_layers(
     return found
 
 
+def _check_recurrent_layers(
+    model: onnx.ModelProto,
+    ckpt: Calibrated,
+    qs: dict,
+    problems: dict[str, list[str]],
+    rows: list[dict[str, Any]],
+) -> set[str]:
+    """The ``DynamicQuantizeLSTM`` layers (:mod:`exporters.onnxruntime.recurrent`): their stored int8 codes
+    and float32 scales must be the checkpoint's LSTM weights quantized as :class:`QuantLSTM` quantizes them,
+    their zero points 0. Returns the quantizer names found in such layers; appends a row per layer."""
+    found: set[str] = set()
+    inits = initializer_map(model.graph)
+    want = {layer.name: layer for layer in onnx_layers(ckpt.model)}
+    for got in recurrent_layers(model):
+        found |= set(got.quantizers)
+        expected = want.get(got.layer)
+        where = next((q for q in got.quantizers if q in qs), got.layer)
+        if expected is None:
+            problems.setdefault(where, []).append(
+                f"{got.node.name}: the checkpoint has no quantized LSTM layer {got.layer}"
+            )
+            continue
+        stored = [to_numpy(inits[i]) if i in inits else None for i in got.node.input]
+        checks = [
+            ("input weight codes", 1, expected.w_codes),
+            ("recurrent weight codes", 2, expected.r_codes),
+            ("input weight scale", 8, expected.w_scale),
+            ("input weight zero point", 9, torch.zeros(tuple(expected.w_scale.shape))),
+            ("recurrent weight scale", 10, expected.r_scale),
+            ("recurrent weight zero point", 11, torch.zeros(tuple(expected.r_scale.shape))),
+        ]
+        bad = 0
+        for what, index, values in checks:
+            value = stored[index] if index < len(stored) else None
+            ref = values.numpy()
+            if value is None or value.shape != ref.shape:
+                problems.setdefault(where, []).append(f"{got.node.name}: {what} missing or of another shape")
+                bad += ref.size
+            elif not np.array_equal(value.astype(np.float64), ref.astype(np.float64)):
+                n = int(np.count_nonzero(value.astype(np.float64) != ref.astype(np.float64)))
+                problems.setdefault(where, []).append(f"{got.node.name}: {n} {what} value(s) differ")
+                bad += n
+        total = expected.w_codes.numel() + expected.r_codes.numel()
+        rows.append(
+            {
+                "quantizer": where,
+                "module": got.layer,
+                "kind": "weight (DynamicQuantizeLSTM)",
+                "identical_codes": 1.0 - min(bad, total) / max(total, 1),
+                "identical_codes_end_to_end": 1.0 - min(bad, total) / max(total, 1),
+            }
+        )
+    return found
+
+
 def _bias_layer(node: onnx.NodeProto, producers, dq_quantizer: dict[str, str]) -> str | None:
     """The module whose int32 bias ``node`` (the bias's consumer: Conv, Gemm, or the Add after a MatMul) adds:
     the one whose weight quantizer's DequantizeLinear feeds the same op (or the MatMul before the Add)."""
@@ -300,8 +358,9 @@ def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str,
     problems: dict[str, list[str]] = {}
     rows: list[dict[str, Any]] = []
     dynamic = _check_dynamic_layers(model, ckpt, qs, problems, rows)
+    dynamic |= _check_recurrent_layers(model, ckpt, qs, problems, rows)
     absent = sorted(set(qs) - set(pairs) - dynamic)
-    one = {k: v[:1] for k, v in ckpt.example.items()}  # connectivity does not depend on the batch size
+    one = head(ckpt.example, 1)  # connectivity does not depend on the batch size
     unused = (unused_quantizers(ckpt.model, one) or set()) if absent else set()
     pruned = [n for n in absent if n in unused]
     if absent and all_pairs and not quantizer_map(model):

@@ -1,0 +1,68 @@
+"""Dynamic image size (issue 35, item 7): a fully convolutional net calibrated at 32x32, exported with
+``--dynamic-dim image=2,3``, runs and verifies at 48x48; exported without it, verify's refusal names the
+remedy."""
+
+import json
+
+import onnx
+import pytest
+
+from tests import user_models
+from tests.helpers import assert_clean_error, cli
+
+FCN = user_models.module("fully_convolutional")
+
+
+@pytest.fixture(scope="module")
+def fcn(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fcn")
+    calib, held = user_models.write_data("fully_convolutional", root)
+    _, other = user_models.write_data("fully_convolutional", root, size=FCN.OTHER_IMAGE)
+    ck = root / "fcn.calib.pt"
+    r = cli("calibrate", user_models.spec("fully_convolutional"), "--data", calib, "--out", ck)
+    assert r.exit_code == 0, r.output
+    return ck, held, other
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_verified_at_two_sizes(fcn, exporter, tmp_path):
+    ck, held, other = fcn
+    graph = tmp_path / "fcn.onnx"
+    r = cli("export", ck, "--onnx", graph, "--exporter", exporter, "--dynamic-dim", "image=2,3", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["dynamic_dims"] == {"image": [0, 2, 3]}
+    dims = onnx.load(graph).graph.input[0].type.tensor_type.shape.dim
+    assert [bool(d.dim_param) for d in dims] == [True, False, True, True]
+    for data in (held, other):
+        r = cli("verify", graph, "--reference", ck, "--data", data)
+        assert r.exit_code == 0, r.output
+    (batch,) = user_models.read_data(other)
+    got = user_models.onnx_outputs(graph, batch)[0]
+    assert got.shape == (len(batch["image"]), FCN.CLASSES, FCN.OTHER_IMAGE // 2, FCN.OTHER_IMAGE // 2)
+    assert user_models.cosine(got, user_models.float_outputs("fully_convolutional", batch)[0]) > 0.98
+
+
+def test_a_fixed_size_graph_names_the_remedy(fcn, tmp_path):
+    """Was: "input 'image' has shape [16, 3, 48, 48] but the graph expects ['batch', 3, 32, 32]" and nothing
+    more."""
+    ck, _, other = fcn
+    graph = tmp_path / "fixed.onnx"
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", other)
+    assert_clean_error(r, "fixed size on axes 2, 3", "--dynamic-dim image=2,3")
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (("--dynamic-dim", "image=4"), ["image", "4 axes", "axis 4 does not exist"]),
+        (("--dynamic-dim", "pixels=2"), ["no input 'pixels'", "image"]),
+        (("--dynamic-dim", "image=a,b"), ["NAME=AXES"]),
+        (("--dynamic-dim", "2,3", "--static-shapes"), ["--static-shapes"]),
+    ],
+)
+def test_bad_dynamic_dims_are_one_line(fcn, tmp_path, args, words):
+    ck, _, _ = fcn
+    r = cli("export", ck, "--onnx", tmp_path / "m.onnx", *args)
+    assert_clean_error(r, *words)
+    assert not (tmp_path / "m.onnx").exists()
