@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 MASKED = (
@@ -163,7 +164,8 @@ def fused_attention(
     d]`` (``k``/``v`` None: packed in ``q``), ``caches``: ``(cos, sin)`` ``[max_positions, d / 2]`` or
     None."""
     seqlens = (attention_mask.sum(dim=-1) - 1).to(torch.int32)
-    total = torch.ones_like(attention_mask[0]).sum().to(torch.int32)
+    # Shape -> Gather -> Cast in both exporters' graphs (the length of the mask, not a traced constant)
+    total = torch.tensor(attention_mask.shape[1], dtype=torch.int32)
     cos, sin = caches if caches is not None else (None, None)
     return torch.ops.quantcli.group_query_attention(
         q, k, v, past_key, past_value, seqlens, total, cos, sin, num_heads, past_key.shape[1], scale
@@ -276,6 +278,60 @@ def dynamo_translations() -> dict:
         )
 
     return {torch.ops.quantcli.group_query_attention.default: gqa_onnx}
+
+
+def total_length_from_shape(onnx_model) -> int:
+    """Give each ``GroupQueryAttention`` its ``total_sequence_length`` as ``Cast(Shape(attention_mask,
+    start=1, end=2))``, in place: the exporters write the length as ``Shape -> Gather`` (TorchScript) or
+    ``Shape -> Squeeze`` (dynamo) before the ``Cast``, a node more per step (onnxruntime's kernel reads the
+    one-element tensor as it reads a scalar). Opset 15 or later (Shape's ``start``/``end``). Returns how many
+    chains were shortened; the nodes left unread are removed."""
+    from onnx import helper, numpy_helper
+
+    g = onnx_model.graph
+    if next((o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx")), 0) < 15:
+        return 0  # Shape's start and end came in opset 15
+    producers = {o: n for n in g.node for o in n.output}
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer if not t.dims or list(t.dims) == [1]}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    done = 0
+    for gqa in [n for n in g.node if n.op_type == GQA and n.domain == MS_DOMAIN and len(n.input) > 6]:
+        cast = producers.get(gqa.input[6])
+        pick = producers.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
+        shape = producers.get(pick.input[0]) if pick is not None else None
+        if shape is None or shape.op_type != "Shape":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in shape.attribute}
+        if pick.op_type == "Gather" and not attrs and pick.input[1] in consts:
+            if int(np.asarray(consts[pick.input[1]]).reshape(-1)[0]) != 1 or consts[pick.input[1]].ndim:
+                continue
+        elif not (pick.op_type == "Squeeze" and attrs.get("start") == 1 and attrs.get("end") == 2):
+            continue
+        length = f"{shape.input[0]}_length"
+        if length not in producers:
+            node = helper.make_node(
+                "Shape", [shape.input[0]], [length], name=f"{length}/Shape", start=1, end=2
+            )
+            g.node.insert(list(g.node).index(shape), node)
+            producers[length] = node
+        cast.input[0] = length
+        done += 1
+    _drop_unread(g)
+    return done
+
+
+def _drop_unread(g) -> None:
+    """Remove nodes whose outputs nothing reads (and that write no graph output), until none is left."""
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {i for n in g.node for i in n.input} | outputs
+        dead = [n for n in g.node if not any(o in read for o in n.output if o)]
+        if not dead:
+            return
+        for n in dead:
+            g.node.remove(n)
 
 
 def default_scale(head_size: int) -> float:

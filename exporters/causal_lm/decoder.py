@@ -10,8 +10,10 @@ for ``seq`` new tokens after ``past`` cached positions::
         -> logits [batch, seq, vocab], present.{i}.key / .value [batch, kv_heads, past + seq, head_size]
 
 One graph serves the prompt (``past`` = 0) and each generated token (``seq`` = 1). Attention is
-:mod:`exporters.causal_lm.attention`'s, plain ops or onnxruntime's ``GroupQueryAttention`` (``fused``); the
-embeddings, norms, projections and MLPs are the model's modules, called as its own forward calls them.
+:mod:`exporters.causal_lm.attention`'s, plain ops or onnxruntime's ``GroupQueryAttention`` (``fused``); with
+``skip_norm`` each residual ``Add`` of a Llama-style model and the RMSNorm after it are onnxruntime's
+``SkipSimplifiedLayerNormalization`` (:mod:`exporters.causal_lm.norm`); the embeddings, projections and MLPs
+(and otherwise the norms) are the model's modules, called as its own forward calls them.
 ``position_ids`` is an input of the plain form and of learned-position models; ``GroupQueryAttention`` takes
 the positions from ``attention_mask`` (as onnxruntime-genai's graphs do).
 """
@@ -29,6 +31,7 @@ from exporters.causal_lm.attention import (
     rotary_tables,
 )
 from exporters.causal_lm.layout import DecoderLayout, decoder_layout
+from exporters.causal_lm.norm import fusable_norm, skip_rms_norm
 
 FORWARD_INPUTS = ("input_ids", "attention_mask", "position_ids")
 
@@ -42,13 +45,15 @@ def python_name(graph_name: str) -> str:
 class _Step:
     """What every layer of one decode step shares: the mask, the new positions' rotary tables, the form."""
 
-    def __init__(self, attention_mask, bias, rope, caches, fused: bool, num_heads: int):
+    def __init__(
+        self, attention_mask, bias, rope, caches, fused: bool, num_heads: int, skip_norm: bool = False
+    ):
         self.attention_mask, self.bias, self.rope, self.caches = attention_mask, bias, rope, caches
-        self.fused, self.num_heads = fused, num_heads
+        self.fused, self.num_heads, self.skip_norm = fused, num_heads, skip_norm
 
     def attend(self, q, k, v, past_key, past_value, scale: float):
-        """Attention of the new tokens' ``q``/``k``/``v`` ``[b, s, heads * d]``: (output, present key,
-        value)."""
+        """Attention of the new tokens' ``q``/``k``/``v`` ``[b, s, heads * d]`` (``k``, ``v`` None: all three
+        packed in ``q``, fused form only): (output, present key, value)."""
         if self.fused:
             return fused_attention(
                 q, k, v, past_key, past_value, self.attention_mask, self.caches, self.num_heads, scale
@@ -88,10 +93,19 @@ class _LlamaLayer(nn.Module):
         self.post_attention_layernorm = src.post_attention_layernorm
         self.mlp = src.mlp
 
-    def forward(self, h, past_key, past_value, step: _Step):
-        a, key, value = self.self_attn(self.input_layernorm(h), past_key, past_value, step)
-        h = h + a
-        return h + self.mlp(self.post_attention_layernorm(h)), key, value
+    def forward(self, h, past_key, past_value, step: _Step, x=None, after: nn.Module | None = None):
+        """``(h, key, value)``; with ``after`` (skip-norm form) the residual ``Add`` s are fused into the
+        RMSNorms that read the sums: it takes the residual stream ``h`` and its normalised form ``x`` and
+        returns ``(h, x, key, value)`` for the next layer (``after``: the next layer's input norm, or the
+        final norm). The same arithmetic either way."""
+        if after is None:
+            a, key, value = self.self_attn(self.input_layernorm(h), past_key, past_value, step)
+            h = h + a
+            return h + self.mlp(self.post_attention_layernorm(h)), key, value
+        a, key, value = self.self_attn(x, past_key, past_value, step)
+        x, h = skip_rms_norm(h, a, self.post_attention_layernorm)
+        x, h = skip_rms_norm(h, self.mlp(x), after)
+        return h, x, key, value
 
 
 class _LlamaBody(nn.Module):
@@ -103,11 +117,32 @@ class _LlamaBody(nn.Module):
 
     def forward(self, input_ids, past, step: _Step):
         h = self.embed_tokens(input_ids)
+        if step.skip_norm:
+            return self._skip_norm_forward(h, past, step)
         present = []
         for i, layer in enumerate(self.layers):
             h, key, value = layer(h, past[2 * i], past[2 * i + 1], step)
             present += [key, value]
         return self.norm(h), present
+
+    def _skip_norm_forward(self, h, past, step: _Step):
+        """The layers with each residual ``Add`` fused into the RMSNorm that reads the sum (the next
+        sublayer's, or the final norm): the same arithmetic, one node per pair in the graph. Each layer is
+        called as a module (the exporters name nodes, and so quantizers, by the module calls)."""
+        present = []
+        x = self.layers[0].input_layernorm(h)
+        for i, layer in enumerate(self.layers):
+            after = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, x, key, value = layer(h, past[2 * i], past[2 * i + 1], step, x, after)
+            present += [key, value]
+        return x, present
+
+    def norms(self) -> list[nn.Module]:
+        """Every RMSNorm, in order."""
+        out = []
+        for layer in self.layers:
+            out += [layer.input_layernorm, layer.post_attention_layernorm]
+        return out + [self.norm]
 
 
 class _GPT2Attention(nn.Module):
@@ -117,8 +152,12 @@ class _GPT2Attention(nn.Module):
         self.scale, self.width = _scale(src, head_size), width
 
     def forward(self, x, past_key, past_value, step: _Step):
-        q, k, v = self.c_attn(x).split(self.width, dim=-1)
-        out, key, value = step.attend(q, k, v, past_key, past_value, self.scale)
+        qkv = self.c_attn(x)
+        if step.fused:  # GroupQueryAttention reads q, k and v packed, as c_attn computes them
+            out, key, value = step.attend(qkv, None, None, past_key, past_value, self.scale)
+        else:
+            q, k, v = qkv.split(self.width, dim=-1)
+            out, key, value = step.attend(q, k, v, past_key, past_value, self.scale)
         return self.c_proj(out), key, value
 
 
@@ -154,20 +193,34 @@ class _GPT2Body(nn.Module):
 
 class DecoderWithCache(nn.Module):
     """A causal LM as one decode step over a KV cache (module docstring). ``fused``: attention as
-    ``GroupQueryAttention``.
+    ``GroupQueryAttention``; ``skip_norm``: residual ``Add`` + RMSNorm as ``SkipSimplifiedLayerNormalization``
+    where every norm of the model computes its arithmetic (:attr:`skip_norm_note` says why not otherwise).
 
     The module tree mirrors the LM's (``model.layers.0.self_attn.q_proj``) and holds the LM's own modules at
     its leaves, so module paths, quantizer names and the TorchScript exporter's node scopes are the LM's; only
     the containers' forwards differ (they pass the cache). The LM itself is not changed."""
 
-    def __init__(self, lm: nn.Module, fused: bool = False, layout: DecoderLayout | None = None):
+    def __init__(
+        self,
+        lm: nn.Module,
+        fused: bool = False,
+        layout: DecoderLayout | None = None,
+        skip_norm: bool = False,
+    ):
         super().__init__()
         self.layout = lo = layout or decoder_layout(lm)
         self.fused = fused
+        self.skip_norm_note = ""
         if lo.family == "gpt2":
             self.transformer = _GPT2Body(lm.transformer, lo.head_size, lo.hidden_size)
+            if skip_norm:
+                self.skip_norm_note = "GPT-2's LayerNorm: no SkipSimplifiedLayerNormalization (RMSNorm only)"
         else:
             self.model = _LlamaBody(lm.model, lo.head_size)
+            if skip_norm:
+                why = [w for w in (fusable_norm(n, lo.hidden_size) for n in self.model.norms()) if w]
+                self.skip_norm_note = f"residual Add and RMSNorm not fused: {why[0]}" if why else ""
+        self.skip_norm = skip_norm and not self.skip_norm_note
         self.lm_head = lm.lm_head
         self.quantcli_config = getattr(lm, "quantcli_config", None)
         if lo.rotary:
@@ -215,7 +268,7 @@ class DecoderWithCache(nn.Module):
             bias = causal_bias(attention_mask, input_ids)
             if lo.rotary:
                 rope = rotary_tables(self.inv_freq, position_ids, self.rope_scaling)
-        step = _Step(attention_mask, bias, rope, caches, self.fused, lo.num_heads)
+        step = _Step(attention_mask, bias, rope, caches, self.fused, lo.num_heads, self.skip_norm)
         if lo.family == "gpt2":
             hidden, present = self.transformer(input_ids, position_ids, past, step)
         else:

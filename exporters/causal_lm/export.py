@@ -8,10 +8,19 @@ checkpoint's example batch) with every size dynamic: batch, new tokens (``sequen
 (``past_key_values.0.key``). Everything else -- Q/DQ folding, MatMulNBits form, metadata, checks, atomic
 write -- is :func:`exporters.onnx_export.export_onnx`'s, on the same quantizers under the same names.
 
-``GroupQueryAttention`` (onnxruntime's contrib op) replaces the plain attention where onnxruntime's CPU
-provider runs it (``head_size`` a multiple of 16) unless ``contrib_ops=False``;
-:attr:`DecodeExport.contrib_ops` lists
-what the graph uses and :attr:`DecodeExport.note` says why a fused form was not used.
+With ``contrib_ops`` (the default) the graph takes the forms onnxruntime's CPU provider runs fastest, each
+of which :data:`FUSIONS` names and ``fusions`` can leave out:
+
+* ``group_query_attention``: attention as ``GroupQueryAttention`` where its CPU kernel runs the model
+  (``head_size`` a multiple of 16);
+* ``skip_norm``: each residual ``Add`` and the RMSNorm after it as ``SkipSimplifiedLayerNormalization``
+  (Llama-style models whose norms compute ``LlamaRMSNorm``'s arithmetic);
+* ``pack_projections``: weight-only projections that read the same tensor as one ``MatMulNBits`` (q/k/v
+  straight into ``GroupQueryAttention``, gate/up before a ``Split``; :mod:`exporters.causal_lm.packing`).
+
+``contrib_ops=False`` writes standard ONNX ops only. :attr:`DecodeExport.contrib_ops` lists the contrib ops
+the graph holds, :attr:`DecodeExport.fusions` what was fused, :attr:`DecodeExport.note` why a fused form was
+not used.
 """
 
 from __future__ import annotations
@@ -23,13 +32,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from exporters.causal_lm.attention import total_length_from_shape
 from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
 from exporters.causal_lm.layout import DecoderLayout, NotDecodable, decoder_layout
+from exporters.causal_lm.norm import drop_unused_outputs
+from exporters.causal_lm.packing import PACKED_KEY, pack_projections
+from exporters.fold import drop_unused_initializers
 from quantcli.errors import ExportError
 
 LAYOUT_KEY = "quantcli.causal_lm"  # metadata: the decode graph's layout and inputs (generate, verify read it)
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
 TRACE_BATCH, TRACE_PAST, TRACE_SEQ = 2, 3, 2
+FUSIONS = ("group_query_attention", "skip_norm", "pack_projections")  # contrib_ops=True: all of them
 
 
 @dataclass
@@ -41,6 +55,7 @@ class DecodeExport:
     outputs: list[str]
     contrib_ops: list[str] = field(default_factory=list)  # onnxruntime contrib ops the graph uses
     note: str = ""  # why a fused form was not used, if it was asked for
+    fusions: list[str] = field(default_factory=list)  # what was fused, in words
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,20 +122,40 @@ def dynamic_axes(decoder: DecoderWithCache) -> dict[str, dict[int, str]]:
     return axes
 
 
+def _fusions(contrib_ops: bool, fusions) -> set[str]:
+    if fusions is None:
+        return set(FUSIONS) if contrib_ops else set()
+    unknown = set(fusions) - set(FUSIONS)
+    if unknown:
+        raise ExportError(
+            f"unknown decode-graph fusion {sorted(unknown)[0]!r}; choose from {', '.join(FUSIONS)}"
+        )
+    return set(fusions)
+
+
 def decoder_for_export(
-    model: nn.Module, layout: DecoderLayout, contrib_ops: bool
+    model: nn.Module, layout: DecoderLayout, contrib_ops: bool, fusions=None
 ) -> tuple[DecoderWithCache, DecodeExport]:
-    """The decode module to trace and what it will be, with the fused form where asked for and possible."""
-    note = fused_note(layout) if contrib_ops else ""
-    fused = contrib_ops and not note
-    decoder = with_named_forward(DecoderWithCache(model, fused=fused, layout=layout))
+    """The decode module to trace and what it will be, with the fused forms asked for (``fusions``, default
+    :data:`FUSIONS` with ``contrib_ops``, none without) where the model allows them."""
+    wanted = _fusions(contrib_ops, fusions)
+    note = fused_note(layout) if "group_query_attention" in wanted else ""
+    fused = "group_query_attention" in wanted and not note
+    decoder = DecoderWithCache(model, fused=fused, layout=layout, skip_norm="skip_norm" in wanted)
+    decoder = with_named_forward(decoder)
     info = DecodeExport(
         layout=layout.to_plain(),
         inputs=decoder.input_names,
         outputs=decoder.output_names,
         contrib_ops=["GroupQueryAttention"] if fused else [],
-        note=note,
+        note="; ".join(n for n in (note, decoder.skip_norm_note) if n),
+        fusions=["GroupQueryAttention"] if fused else [],
     )
+    if decoder.skip_norm:
+        info.contrib_ops.append("SkipSimplifiedLayerNormalization")
+        info.fusions.append("residual Add + RMSNorm as SkipSimplifiedLayerNormalization")
+    if fused and layout.family == "gpt2":
+        info.fusions.append("c_attn's packed q/k/v into GroupQueryAttention")
     return decoder, info
 
 
@@ -132,19 +167,40 @@ def export_decoder(
     exporter: str = "torchscript",
     *,
     contrib_ops: bool = True,
+    fusions=None,
     layout: DecoderLayout | None = None,
     weights_qdq: bool = False,
     metadata: dict[str, str] | None = None,
     provider: str | None = None,
 ):
     """Export a (quantized, calibrated) causal LM as a decode graph; returns the driver's
-    :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict)."""
+    :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict).
+    ``fusions``: which of :data:`FUSIONS` to apply (default: all with ``contrib_ops``, none without)."""
     from exporters.onnx_export import export_onnx
 
     layout = layout or decoder_layout(model)
-    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops)
+    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops, fusions)
+    pack = "pack_projections" in _fusions(contrib_ops, fusions)
     inputs = trace_inputs(decoder, example)
     meta = {**(metadata or {}), LAYOUT_KEY: json.dumps(info.to_dict())}
+
+    def edit(g) -> None:
+        declare_shapes(g, decoder)
+        drop_unused_outputs(g)
+        total_length_from_shape(g)
+
+    def finish(g, mapping: dict[str, str], res) -> None:
+        """Pack sibling projections in the final (MatMulNBits) form; the metadata says what was done."""
+        if pack and not weights_qdq:
+            groups = pack_projections(g, mapping)
+            if groups:
+                drop_unused_initializers(g)
+                gone = {o for grp in groups for o in grp.replaced}
+                res.kn_weights = [o for o in res.kn_weights if o not in gone] + [grp.output for grp in groups]
+                meta[PACKED_KEY] = json.dumps([grp.to_dict() for grp in groups])
+                info.fusions += packed_fusions(groups)
+        meta[LAYOUT_KEY] = json.dumps(info.to_dict())
+
     res = export_onnx(
         decoder,
         inputs,
@@ -156,10 +212,21 @@ def export_decoder(
         metadata=meta,
         provider=provider,
         graph_input_names={python_name(n): n for n in decoder.input_names},
-        edit_graph=lambda g: declare_shapes(g, decoder),
+        edit_graph=edit,
+        finish_graph=finish,
     )
     res.decode = info.to_dict()
     return res
+
+
+def packed_fusions(groups) -> list[str]:
+    """The packed groups in words: ``q/k/v packed into GroupQueryAttention (2 layers)``."""
+    counts: dict[str, int] = {}
+    for grp in groups:
+        short = "/".join(layer.rsplit(".", 1)[-1].removesuffix("_proj") for layer in grp.layers)
+        what = f"{short} packed" + (" into GroupQueryAttention" if grp.into_attention else "")
+        counts[what] = counts.get(what, 0) + 1
+    return [f"{what} ({n} layer{'s' if n > 1 else ''})" for what, n in counts.items()]
 
 
 def io_shapes(decoder: DecoderWithCache) -> dict[str, list[int | str]]:
@@ -218,6 +285,7 @@ def export_model(
     *,
     kv_cache: bool = True,
     contrib_ops: bool = True,
+    fusions=None,
     dynamic_axes: bool = True,
     **kwargs,
 ):
@@ -234,7 +302,15 @@ def export_model(
                 "at every step); leave it out, or add --no-kv-cache for a prefill graph of fixed shape"
             )
         return export_decoder(
-            model, example, path, opset, exporter, contrib_ops=contrib_ops, layout=layout, **kwargs
+            model,
+            example,
+            path,
+            opset,
+            exporter,
+            contrib_ops=contrib_ops,
+            fusions=fusions,
+            layout=layout,
+            **kwargs,
         )
     res = export_onnx(model, example, path, opset, exporter, dynamic_axes=dynamic_axes, **kwargs)
     if why and hasattr(model, "lm_head"):
