@@ -30,6 +30,7 @@ from exporters.causal_lm.attention import (
     plain_attention,
     rotary_tables,
 )
+from exporters.causal_lm.kv_cache import KVCacheQuant
 from exporters.causal_lm.layout import DecoderLayout, decoder_layout
 from exporters.causal_lm.norm import fusable_norm, skip_rms_norm
 
@@ -51,22 +52,49 @@ class _Step:
         self.attention_mask, self.bias, self.rope, self.caches = attention_mask, bias, rope, caches
         self.fused, self.num_heads, self.skip_norm = fused, num_heads, skip_norm
 
-    def attend(self, q, k, v, past_key, past_value, scale: float):
+    def attend(self, q, k, v, past_key, past_value, scale: float, kv_scales=None):
         """Attention of the new tokens' ``q``/``k``/``v`` ``[b, s, heads * d]`` (``k``, ``v`` None: all three
-        packed in ``q``, fused form only): (output, present key, value)."""
+        packed in ``q``, fused form only): (output, present key, value). ``kv_scales``: the layer's int8
+        cache scales (:mod:`exporters.causal_lm.kv_cache`), None for a float cache."""
         if self.fused:
             return fused_attention(
-                q, k, v, past_key, past_value, self.attention_mask, self.caches, self.num_heads, scale
+                q,
+                k,
+                v,
+                past_key,
+                past_value,
+                self.attention_mask,
+                self.caches,
+                self.num_heads,
+                scale,
+                kv_scales,
             )
         kv, d = past_key.shape[1], past_key.shape[-1]
         q = q.unflatten(-1, (self.num_heads, d)).transpose(1, 2)
         k = k.unflatten(-1, (kv, d)).transpose(1, 2)
         v = v.unflatten(-1, (kv, d)).transpose(1, 2)
-        return plain_attention(q, k, v, past_key, past_value, self.bias, self.rope, scale)
+        return plain_attention(q, k, v, past_key, past_value, self.bias, self.rope, scale, kv_scales)
 
 
 def _scale(attn: nn.Module, head_size: int) -> float:
     return float(getattr(attn, "scaling", None) or default_scale(head_size))
+
+
+class _CacheScales(nn.Module):
+    """A layer's int8 cache scales in onnxruntime's shapes (buffers: constants of the graph)."""
+
+    def __init__(self, k_scale: torch.Tensor, v_scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("k_scale", k_scale, persistent=False)
+        self.register_buffer("v_scale", v_scale, persistent=False)
+
+    def pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_scale, self.v_scale
+
+
+def _cache_scales(module: nn.Module):
+    cs = getattr(module, "kv_cache_scales", None)
+    return cs.pair() if cs is not None else None
 
 
 class _LlamaAttention(nn.Module):
@@ -80,7 +108,13 @@ class _LlamaAttention(nn.Module):
 
     def forward(self, x, past_key, past_value, step: _Step):
         out, key, value = step.attend(
-            self.q_proj(x), self.k_proj(x), self.v_proj(x), past_key, past_value, self.scale
+            self.q_proj(x),
+            self.k_proj(x),
+            self.v_proj(x),
+            past_key,
+            past_value,
+            self.scale,
+            _cache_scales(self),
         )
         return self.o_proj(out), key, value
 
@@ -153,11 +187,12 @@ class _GPT2Attention(nn.Module):
 
     def forward(self, x, past_key, past_value, step: _Step):
         qkv = self.c_attn(x)
+        scales = _cache_scales(self)
         if step.fused:  # GroupQueryAttention reads q, k and v packed, as c_attn computes them
-            out, key, value = step.attend(qkv, None, None, past_key, past_value, self.scale)
+            out, key, value = step.attend(qkv, None, None, past_key, past_value, self.scale, scales)
         else:
             q, k, v = qkv.split(self.width, dim=-1)
-            out, key, value = step.attend(q, k, v, past_key, past_value, self.scale)
+            out, key, value = step.attend(q, k, v, past_key, past_value, self.scale, scales)
         return self.c_proj(out), key, value
 
 
@@ -206,10 +241,12 @@ class DecoderWithCache(nn.Module):
         fused: bool = False,
         layout: DecoderLayout | None = None,
         skip_norm: bool = False,
+        kv_cache: KVCacheQuant | None = None,
     ):
         super().__init__()
         self.layout = lo = layout or decoder_layout(lm)
         self.fused = fused
+        self.kv_cache = kv_cache
         self.skip_norm_note = ""
         if lo.family == "gpt2":
             self.transformer = _GPT2Body(lm.transformer, lo.head_size, lo.hidden_size)
@@ -221,6 +258,9 @@ class DecoderWithCache(nn.Module):
                 why = [w for w in (fusable_norm(n, lo.hidden_size) for n in self.model.norms()) if w]
                 self.skip_norm_note = f"residual Add and RMSNorm not fused: {why[0]}" if why else ""
         self.skip_norm = skip_norm and not self.skip_norm_note
+        if kv_cache is not None:
+            for i, attn in enumerate(self.attention_modules()):
+                attn.kv_cache_scales = _CacheScales(*kv_cache.layer_scales(i))
         self.lm_head = lm.lm_head
         self.quantcli_config = getattr(lm, "quantcli_config", None)
         if lo.rotary:
@@ -232,6 +272,17 @@ class DecoderWithCache(nn.Module):
                 half = lo.head_size // 2
                 self.register_buffer("cos_cache", cos[:, :half].contiguous(), persistent=False)
                 self.register_buffer("sin_cache", sin[:, :half].contiguous(), persistent=False)
+
+    def attention_modules(self) -> list[nn.Module]:
+        """Each layer's attention module (``self_attn`` / ``attn``), in order."""
+        if self.layout.family == "gpt2":
+            return [block.attn for block in self.transformer.h]
+        return [layer.self_attn for layer in self.model.layers]
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The type of ``past_key_values.*`` and ``present.*``: int8 codes for a quantized cache."""
+        return torch.int8 if self.kv_cache is not None else torch.float32
 
     @property
     def input_names(self) -> list[str]:

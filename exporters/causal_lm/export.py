@@ -34,6 +34,7 @@ from torch import nn
 
 from exporters.causal_lm.attention import total_length_from_shape
 from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
+from exporters.causal_lm.kv_cache import KVCacheQuant
 from exporters.causal_lm.layout import DecoderLayout, NotDecodable, decoder_layout
 from exporters.causal_lm.norm import drop_unused_outputs
 from exporters.causal_lm.packing import PACKED_KEY, pack_projections
@@ -56,6 +57,7 @@ class DecodeExport:
     contrib_ops: list[str] = field(default_factory=list)  # onnxruntime contrib ops the graph uses
     note: str = ""  # why a fused form was not used, if it was asked for
     fusions: list[str] = field(default_factory=list)  # what was fused, in words
+    kv_cache: dict | None = None  # an int8 cache: KVCacheQuant.summary() (None: float32)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -99,9 +101,10 @@ def trace_inputs(decoder: DecoderWithCache, example: dict[str, torch.Tensor]) ->
         )
     gen = torch.Generator().manual_seed(0)
     for name in lo.past_names:  # distinct tensors: torch.export would alias one tensor passed twice
-        out[python_name(name)] = torch.randn(
-            TRACE_BATCH, lo.num_kv_heads, TRACE_PAST, lo.head_size, generator=gen
-        )
+        past = torch.randn(TRACE_BATCH, lo.num_kv_heads, TRACE_PAST, lo.head_size, generator=gen)
+        if decoder.cache_dtype == torch.int8:
+            past = (past * 40).round().clamp(-128, 127)
+        out[python_name(name)] = past.to(decoder.cache_dtype)
     return out
 
 
@@ -134,14 +137,30 @@ def _fusions(contrib_ops: bool, fusions) -> set[str]:
 
 
 def decoder_for_export(
-    model: nn.Module, layout: DecoderLayout, contrib_ops: bool, fusions=None
+    model: nn.Module,
+    layout: DecoderLayout,
+    contrib_ops: bool,
+    fusions=None,
+    kv_cache: KVCacheQuant | None = None,
 ) -> tuple[DecoderWithCache, DecodeExport]:
     """The decode module to trace and what it will be, with the fused forms asked for (``fusions``, default
-    :data:`FUSIONS` with ``contrib_ops``, none without) where the model allows them."""
+    :data:`FUSIONS` with ``contrib_ops``, none without) where the model allows them; ``kv_cache``: an int8
+    cache's scales (None: float32)."""
     wanted = _fusions(contrib_ops, fusions)
     note = fused_note(layout) if "group_query_attention" in wanted else ""
     fused = "group_query_attention" in wanted and not note
-    decoder = DecoderWithCache(model, fused=fused, layout=layout, skip_norm="skip_norm" in wanted)
+    if kv_cache is not None and tuple(kv_cache.key_scale.shape) != (
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_size,
+    ):
+        raise ExportError(
+            f"the KV cache scales are {list(kv_cache.key_scale.shape)}, the model's cache is "
+            f"[{layout.num_layers}, {layout.num_kv_heads}, {layout.head_size}]; recalibrate with --kv-cache"
+        )
+    decoder = DecoderWithCache(
+        model, fused=fused, layout=layout, skip_norm="skip_norm" in wanted, kv_cache=kv_cache
+    )
     decoder = with_named_forward(decoder)
     info = DecodeExport(
         layout=layout.to_plain(),
@@ -149,7 +168,8 @@ def decoder_for_export(
         outputs=decoder.output_names,
         contrib_ops=["GroupQueryAttention"] if fused else [],
         note="; ".join(n for n in (note, decoder.skip_norm_note) if n),
-        fusions=["GroupQueryAttention"] if fused else [],
+        fusions=["attention as GroupQueryAttention"] if fused else [],
+        kv_cache=kv_cache.summary() if kv_cache is not None else None,
     )
     if decoder.skip_norm:
         info.contrib_ops.append("SkipSimplifiedLayerNormalization")
@@ -168,6 +188,7 @@ def export_decoder(
     *,
     contrib_ops: bool = True,
     fusions=None,
+    kv_cache: KVCacheQuant | None = None,
     layout: DecoderLayout | None = None,
     weights_qdq: bool = False,
     metadata: dict[str, str] | None = None,
@@ -175,11 +196,12 @@ def export_decoder(
 ):
     """Export a (quantized, calibrated) causal LM as a decode graph; returns the driver's
     :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict).
-    ``fusions``: which of :data:`FUSIONS` to apply (default: all with ``contrib_ops``, none without)."""
+    ``fusions``: which of :data:`FUSIONS` to apply (default: all with ``contrib_ops``, none without);
+    ``kv_cache``: an int8 cache (:mod:`exporters.causal_lm.kv_cache`), None for float32."""
     from exporters.onnx_export import export_onnx
 
     layout = layout or decoder_layout(model)
-    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops, fusions)
+    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops, fusions, kv_cache)
     pack = "pack_projections" in _fusions(contrib_ops, fusions)
     inputs = trace_inputs(decoder, example)
     meta = {**(metadata or {}), LAYOUT_KEY: json.dumps(info.to_dict())}
@@ -286,12 +308,14 @@ def export_model(
     kv_cache: bool = True,
     contrib_ops: bool = True,
     fusions=None,
+    cache_quant: KVCacheQuant | None = None,
     dynamic_axes: bool = True,
     **kwargs,
 ):
     """``export --onnx``: a decode graph for a causal LM of a supported family (``kv_cache``), else the graph
     of the model's own forward (:func:`exporters.onnx_export.export_onnx`). For a model with an ``lm_head``
-    that gets no decode graph, ``ExportResult.decode_note`` says why."""
+    that gets no decode graph, ``ExportResult.decode_note`` says why. ``cache_quant``: the decode graph's
+    int8 KV cache scales (None: a float32 cache; a prefill graph has no cache)."""
     from exporters.onnx_export import export_onnx
 
     layout, why = decodable(model) if kv_cache else (None, "")
@@ -309,6 +333,7 @@ def export_model(
             exporter,
             contrib_ops=contrib_ops,
             fusions=fusions,
+            kv_cache=cache_quant,
             layout=layout,
             **kwargs,
         )

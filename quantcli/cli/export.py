@@ -66,6 +66,14 @@ def export(
             "it (faster there); --standard-ops: standard ONNX ops only (any runtime).",
         ),
     ] = True,
+    float_kv_cache: Annotated[
+        bool,
+        typer.Option(
+            "--float-kv-cache",
+            help="Decode graphs of a checkpoint calibrated with --kv-cache int8: keep a float32 KV cache "
+            "(default: the int8 cache with the calibrated scales).",
+        ),
+    ] = False,
     genai_config: Annotated[
         bool,
         typer.Option(
@@ -104,6 +112,7 @@ def export(
         exporter.value,
         kv_cache=kv_cache,
         contrib_ops=contrib_ops,
+        cache_quant=None if float_kv_cache else _cache_quant(ckpt, calibrated),
         dynamic_axes=dynamic_axes,
         weights_qdq=weights_qdq,
         metadata=meta,
@@ -117,6 +126,22 @@ def export(
         print_json(res.to_dict())
     else:
         render_export(res, calibrated)
+
+
+def _cache_quant(ckpt, calibrated: Path):
+    """The checkpoint's int8 KV cache scales (``calibrate --kv-cache``), or None."""
+    from exporters.causal_lm.kv_cache import KVCacheQuant
+    from quantcli.errors import CheckpointError
+
+    if ckpt.kv_cache is None:
+        return None
+    try:
+        return KVCacheQuant.from_plain(ckpt.kv_cache)
+    except ValueError as e:
+        raise CheckpointError(
+            f"{calibrated} is damaged: {e}; re-create it with `quantcli calibrate --kv-cache`, or export "
+            "with --float-kv-cache"
+        ) from None
 
 
 def render_export(res, calibrated: Path) -> None:
@@ -209,9 +234,17 @@ def _names(names: list[str]) -> str:
 def _decode_row(decode: dict) -> str:
     lo = decode["layout"]
     ops = decode["contrib_ops"]
-    attention = f"onnxruntime {', '.join(ops)}" if ops else "standard ONNX ops"
     text = (
         f"{lo['model_type']}, {lo['num_layers']} layers, KV cache: batch x {lo['num_kv_heads']} kv heads x "
-        f"sequence x {lo['head_size']} ({lo['num_heads']} query heads); attention: {attention}"
+        f"sequence x {lo['head_size']} ({lo['num_heads']} query heads); "
+        + (f"onnxruntime contrib ops: {', '.join(ops)}" if ops else "standard ONNX ops only")
     )
+    if decode.get("fusions"):
+        text += f"; fused: {', '.join(decode['fusions'])}"
+    kv = decode.get("kv_cache")
+    if kv:
+        text += (
+            f"; KV cache int8 per {kv['granularity']} ({kv['bytes_per_token']} bytes per token, float32: "
+            f"{kv['float32_bytes_per_token']})"
+        )
     return text + (f"; {decode['note']}" if decode.get("note") else "")

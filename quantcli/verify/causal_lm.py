@@ -6,7 +6,8 @@ to its unpadded length and to ``max_tokens``:
 * ``lm.perplexity_increase`` <= ``max_ppl_increase``: teacher-forced perplexity of the deployed graph (default
   session options; one prefill of each sequence) relative to the float model's, ``ppl_graph / ppl_float - 1``.
   The fake-quant model's perplexity is reported beside them (the graph should equal it; a gap is the export's,
-  the rest is quantization's).
+  the rest is quantization's); for a graph with an int8 KV cache, the fake-quant model's keys and values are
+  quantized as the cache stores them (``calibrate --kv-cache``).
 * ``lm.token_agreement`` >= ``min_token_agreement``: from the first half of each sequence the float model
   generates ``steps`` greedy tokens; along that continuation, the fraction of steps where the graph's most
   likely token is the float model's (teacher-forced, so one early difference does not decide the rest). The
@@ -120,6 +121,31 @@ def greedy_continuation(model, prompt: np.ndarray, steps: int) -> list[int]:
     return out
 
 
+class _QuantizedCacheLM(torch.nn.Module):
+    """The fake-quant model with its int8 KV cache: one prefill through the decode module, keys and values
+    quantized as the graph's cache stores them (:mod:`exporters.causal_lm.kv_cache`)."""
+
+    def __init__(self, model, kv_cache: dict):
+        from exporters.causal_lm.decoder import DecoderWithCache
+        from exporters.causal_lm.kv_cache import KVCacheQuant
+
+        super().__init__()
+        self.decoder = DecoderWithCache(model, kv_cache=KVCacheQuant.from_plain(kv_cache))
+
+    def forward(self, input_ids):
+        lo = self.decoder.layout
+        b, n = input_ids.shape
+        empty = torch.zeros(b, lo.num_kv_heads, 0, lo.head_size, dtype=torch.int8)
+        mask = torch.ones_like(input_ids)
+        positions = torch.arange(n)[None].expand(b, n)
+        return self.decoder.step(input_ids, mask, positions, [empty] * (2 * lo.num_layers))["logits"]
+
+
+def with_quantized_cache(model, kv_cache: dict):
+    """``model`` computing its logits as the decode graph with an int8 cache does (fake-quant reference)."""
+    return _QuantizedCacheLM(model, kv_cache).eval()
+
+
 def is_decode_graph(onnx_path) -> bool:
     import onnx
 
@@ -165,6 +191,8 @@ def verify_decode_graph(
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     exact = DecodeSession(onnx_path, so)
     float_model, fake = ckpt.float_model().eval(), ckpt.model.eval()
+    if deployed.cache_dtype == np.int8 and ckpt.kv_cache is not None:
+        fake = with_quantized_cache(fake, ckpt.kv_cache)
     try:
         return _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds)
     except _graph_errors() as e:  # the graph loads but a step fails: a failed check, not bad input
