@@ -30,6 +30,7 @@ from exporters.causal_lm.attention import (
     plain_attention,
     rotary_tables,
 )
+from exporters.causal_lm.embeddings import EmbeddingQuant
 from exporters.causal_lm.kv_cache import KVCacheQuant
 from exporters.causal_lm.layout import DecoderLayout, decoder_layout
 from exporters.causal_lm.norm import fusable_norm, skip_rms_norm
@@ -47,10 +48,19 @@ class _Step:
     """What every layer of one decode step shares: the mask, the new positions' rotary tables, the form."""
 
     def __init__(
-        self, attention_mask, bias, rope, caches, fused: bool, num_heads: int, skip_norm: bool = False
+        self,
+        attention_mask,
+        bias,
+        rope,
+        caches,
+        fused: bool,
+        num_heads: int,
+        skip_norm: bool = False,
+        embedding_table: torch.Tensor | None = None,
     ):
         self.attention_mask, self.bias, self.rope, self.caches = attention_mask, bias, rope, caches
         self.fused, self.num_heads, self.skip_norm = fused, num_heads, skip_norm
+        self.embedding_table = embedding_table
 
     def attend(self, q, k, v, past_key, past_value, scale: float, kv_scales=None):
         """Attention of the new tokens' ``q``/``k``/``v`` ``[b, s, heads * d]`` (``k``, ``v`` None: all three
@@ -74,6 +84,14 @@ class _Step:
         k = k.unflatten(-1, (kv, d)).transpose(1, 2)
         v = v.unflatten(-1, (kv, d)).transpose(1, 2)
         return plain_attention(q, k, v, past_key, past_value, self.bias, self.rope, scale, kv_scales)
+
+
+def _embed(embedding: nn.Module, input_ids: torch.Tensor, step: _Step) -> torch.Tensor:
+    """The token embedding: the model's module, or the quantized table's rows
+    (:mod:`exporters.causal_lm.embeddings`; the export turns that lookup into ``GatherBlockQuantized``)."""
+    if step.embedding_table is None:
+        return embedding(input_ids)
+    return torch.nn.functional.embedding(input_ids, step.embedding_table)
 
 
 def _scale(attn: nn.Module, head_size: int) -> float:
@@ -150,7 +168,7 @@ class _LlamaBody(nn.Module):
         self.norm = src.norm
 
     def forward(self, input_ids, past, step: _Step):
-        h = self.embed_tokens(input_ids)
+        h = _embed(self.embed_tokens, input_ids, step)
         if step.skip_norm:
             return self._skip_norm_forward(h, past, step)
         present = []
@@ -218,7 +236,7 @@ class _GPT2Body(nn.Module):
         self.ln_f = src.ln_f
 
     def forward(self, input_ids, position_ids, past, step: _Step):
-        h = self.wte(input_ids) + self.wpe(position_ids)
+        h = _embed(self.wte, input_ids, step) + self.wpe(position_ids)
         present = []
         for i, block in enumerate(self.h):
             h, key, value = block(h, past[2 * i], past[2 * i + 1], step)
@@ -242,11 +260,16 @@ class DecoderWithCache(nn.Module):
         layout: DecoderLayout | None = None,
         skip_norm: bool = False,
         kv_cache: KVCacheQuant | None = None,
+        embeddings: EmbeddingQuant | None = None,
     ):
         super().__init__()
         self.layout = lo = layout or decoder_layout(lm)
         self.fused = fused
         self.kv_cache = kv_cache
+        self.embeddings = embeddings
+        # a quantized table's dequantized rows (None: the model's embedding)
+        table = embeddings.table.float().contiguous() if embeddings is not None else None
+        self.register_buffer("embedding_table", table, persistent=False)
         self.skip_norm_note = ""
         if lo.family == "gpt2":
             self.transformer = _GPT2Body(lm.transformer, lo.head_size, lo.hidden_size)
@@ -319,7 +342,16 @@ class DecoderWithCache(nn.Module):
             bias = causal_bias(attention_mask, input_ids)
             if lo.rotary:
                 rope = rotary_tables(self.inv_freq, position_ids, self.rope_scaling)
-        step = _Step(attention_mask, bias, rope, caches, self.fused, lo.num_heads, self.skip_norm)
+        step = _Step(
+            attention_mask,
+            bias,
+            rope,
+            caches,
+            self.fused,
+            lo.num_heads,
+            self.skip_norm,
+            self.embedding_table,
+        )
         if lo.family == "gpt2":
             hidden, present = self.transformer(input_ids, position_ids, past, step)
         else:

@@ -34,6 +34,7 @@ from torch import nn
 
 from exporters.causal_lm.attention import total_length_from_shape
 from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
+from exporters.causal_lm.embeddings import EmbeddingQuant, embedding_quant, replace_gather
 from exporters.causal_lm.kv_cache import KVCacheQuant
 from exporters.causal_lm.layout import DecoderLayout, NotDecodable, decoder_layout
 from exporters.causal_lm.norm import drop_unused_outputs
@@ -58,6 +59,7 @@ class DecodeExport:
     note: str = ""  # why a fused form was not used, if it was asked for
     fusions: list[str] = field(default_factory=list)  # what was fused, in words
     kv_cache: dict | None = None  # an int8 cache: KVCacheQuant.summary() (None: float32)
+    embeddings: dict | None = None  # a quantized table: EmbeddingQuant.summary() (None: float32)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -142,6 +144,7 @@ def decoder_for_export(
     contrib_ops: bool,
     fusions=None,
     kv_cache: KVCacheQuant | None = None,
+    embeddings: EmbeddingQuant | None = None,
 ) -> tuple[DecoderWithCache, DecodeExport]:
     """The decode module to trace and what it will be, with the fused forms asked for (``fusions``, default
     :data:`FUSIONS` with ``contrib_ops``, none without) where the model allows them; ``kv_cache``: an int8
@@ -159,7 +162,12 @@ def decoder_for_export(
             f"[{layout.num_layers}, {layout.num_kv_heads}, {layout.head_size}]; recalibrate with --kv-cache"
         )
     decoder = DecoderWithCache(
-        model, fused=fused, layout=layout, skip_norm="skip_norm" in wanted, kv_cache=kv_cache
+        model,
+        fused=fused,
+        layout=layout,
+        skip_norm="skip_norm" in wanted,
+        kv_cache=kv_cache,
+        embeddings=embeddings,
     )
     decoder = with_named_forward(decoder)
     info = DecodeExport(
@@ -170,7 +178,10 @@ def decoder_for_export(
         note="; ".join(n for n in (note, decoder.skip_norm_note) if n),
         fusions=["attention as GroupQueryAttention"] if fused else [],
         kv_cache=kv_cache.summary() if kv_cache is not None else None,
+        embeddings=embeddings.summary() if embeddings is not None else None,
     )
+    if embeddings is not None:
+        info.contrib_ops.append("GatherBlockQuantized")
     if decoder.skip_norm:
         info.contrib_ops.append("SkipSimplifiedLayerNormalization")
         info.fusions.append("residual Add + RMSNorm as SkipSimplifiedLayerNormalization")
@@ -189,6 +200,7 @@ def export_decoder(
     contrib_ops: bool = True,
     fusions=None,
     kv_cache: KVCacheQuant | None = None,
+    embedding_bits: int | None = None,
     layout: DecoderLayout | None = None,
     weights_qdq: bool = False,
     metadata: dict[str, str] | None = None,
@@ -197,11 +209,22 @@ def export_decoder(
     """Export a (quantized, calibrated) causal LM as a decode graph; returns the driver's
     :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict).
     ``fusions``: which of :data:`FUSIONS` to apply (default: all with ``contrib_ops``, none without);
-    ``kv_cache``: an int8 cache (:mod:`exporters.causal_lm.kv_cache`), None for float32."""
+    ``kv_cache``: an int8 cache (:mod:`exporters.causal_lm.kv_cache`), None for float32;
+    ``embedding_bits``: 4 or 8 for a ``GatherBlockQuantized`` embedding table
+    (:mod:`exporters.causal_lm.embeddings`), None for float32."""
     from exporters.onnx_export import export_onnx
 
     layout = layout or decoder_layout(model)
-    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops, fusions, kv_cache)
+    embeddings, emb_note = None, ""
+    if embedding_bits is not None:
+        if weights_qdq:
+            raise ExportError("--embeddings stores a quantized table; leave out --weights-qdq")
+        try:
+            embeddings, emb_note = embedding_quant(model, embedding_bits)
+        except ValueError as e:
+            raise ExportError(f"--embeddings int{embedding_bits}: {e}") from None
+    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops, fusions, kv_cache, embeddings)
+    info.note = "; ".join(n for n in (info.note, emb_note) if n)
     pack = "pack_projections" in _fusions(contrib_ops, fusions)
     inputs = trace_inputs(decoder, example)
     meta = {**(metadata or {}), LAYOUT_KEY: json.dumps(info.to_dict())}
@@ -212,7 +235,17 @@ def export_decoder(
         total_length_from_shape(g)
 
     def finish(g, mapping: dict[str, str], res) -> None:
-        """Pack sibling projections in the final (MatMulNBits) form; the metadata says what was done."""
+        """Pack sibling projections in the final (MatMulNBits) form, store the embedding table quantized;
+        the metadata says what was done."""
+        if embeddings is not None:
+            note = replace_gather(g, embeddings, mapping)
+            info.embeddings = embeddings.summary()
+            info.note = "; ".join(n for n in (info.note, note) if n)
+            info.fusions.append(
+                f"embedding lookup as GatherBlockQuantized (int{embeddings.bits}"
+                + (", lm_head's codes)" if embeddings.shared else ", its own table)")
+            )
+            drop_unused_initializers(g)
         if pack and not weights_qdq:
             groups = pack_projections(g, mapping)
             if groups:
@@ -309,6 +342,7 @@ def export_model(
     contrib_ops: bool = True,
     fusions=None,
     cache_quant: KVCacheQuant | None = None,
+    embedding_bits: int | None = None,
     dynamic_axes: bool = True,
     **kwargs,
 ):
@@ -334,9 +368,12 @@ def export_model(
             contrib_ops=contrib_ops,
             fusions=fusions,
             kv_cache=cache_quant,
+            embedding_bits=embedding_bits,
             layout=layout,
             **kwargs,
         )
+    if embedding_bits is not None:
+        raise ExportError(f"--embeddings applies to decode graphs: {why or '--no-kv-cache'}")
     res = export_onnx(model, example, path, opset, exporter, dynamic_axes=dynamic_axes, **kwargs)
     if why and hasattr(model, "lm_head"):
         res.decode_note = f"prefill graph, no KV cache: {why}"

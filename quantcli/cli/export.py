@@ -74,6 +74,16 @@ def export(
             "(default: the int8 cache with the calibrated scales).",
         ),
     ] = False,
+    embeddings: Annotated[
+        str,
+        typer.Option(
+            "--embeddings",
+            help="Decode graphs: the token embedding table. float (default), int4 or int8: onnxruntime's "
+            "GatherBlockQuantized; with tied embeddings and an lm_head quantized weight-only at those bits, "
+            "the lookup reads lm_head's own stored codes (no table of its own), else its own table "
+            "(round-to-nearest, blocks of 32 along hidden).",
+        ),
+    ] = "float",
     genai_config: Annotated[
         bool,
         typer.Option(
@@ -89,6 +99,7 @@ def export(
     from exporters.causal_lm.export import export_model
     from quantcli.inputs.checkpoint import load_calibrated
 
+    embedding_bits = _embedding_bits(embeddings, kv_cache)
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
     refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)
@@ -113,6 +124,7 @@ def export(
         kv_cache=kv_cache,
         contrib_ops=contrib_ops,
         cache_quant=None if float_kv_cache else _cache_quant(ckpt, calibrated),
+        embedding_bits=embedding_bits,
         dynamic_axes=dynamic_axes,
         weights_qdq=weights_qdq,
         metadata=meta,
@@ -126,6 +138,19 @@ def export(
         print_json(res.to_dict())
     else:
         render_export(res, calibrated)
+
+
+EMBEDDINGS = {"float": None, "int4": 4, "int8": 8}
+
+
+def _embedding_bits(choice: str, kv_cache: bool) -> int | None:
+    from quantcli.errors import QuantCliError
+
+    if choice not in EMBEDDINGS:
+        raise QuantCliError(f"--embeddings must be one of {', '.join(EMBEDDINGS)}, got {choice!r}")
+    if EMBEDDINGS[choice] is not None and not kv_cache:
+        raise QuantCliError("--embeddings applies to decode graphs; leave out --no-kv-cache")
+    return EMBEDDINGS[choice]
 
 
 def _cache_quant(ckpt, calibrated: Path):
@@ -241,6 +266,13 @@ def _decode_row(decode: dict) -> str:
     )
     if decode.get("fusions"):
         text += f"; fused: {', '.join(decode['fusions'])}"
+    emb = decode.get("embeddings")
+    if emb:
+        text += (
+            f"; embeddings int{emb['bits']} "
+            + ("(lm_head's codes, no table of their own)" if emb["shared_with_lm_head"] else
+               f"({emb['table_bytes']} bytes, float32: {emb['float32_table_bytes']})")
+        )  # fmt: skip
     kv = decode.get("kv_cache")
     if kv:
         text += (
