@@ -4,8 +4,9 @@ A float embedding table is ``vocab x hidden x 4`` bytes: for a 49k-token vocabul
 more than the rest of an int4 model. ``com.microsoft.GatherBlockQuantized`` (onnxruntime's CPU provider)
 looks rows up in a block-quantized table and dequantizes them. :func:`embedding_quant` decides the table:
 
-* tied embeddings (``lm_head.weight`` is the embedding's weight) whose lm_head is weight-only quantized with
-  ``bits`` and a block along the hidden dimension: the graph's lookup reads lm_head's own stored codes and
+* tied embeddings (``lm_head.weight`` is the embedding's weight) whose lm_head is weight-only quantized to
+  int4 with a block along the hidden dimension (``bits`` 4; the kernel takes no int8 table, so an int8
+  lm_head's codes cannot be shared): the graph's lookup reads lm_head's own stored codes and
   scales (``[hidden, vocab]``, each through a ``Transpose`` onnxruntime folds when it loads the graph), so
   the file holds the table once -- as onnxruntime-genai's builder shares its tied int4 table -- and every
   row is the fake-quant weight lm_head computes with;
@@ -101,7 +102,7 @@ def embedding_quant(model: nn.Module, bits: int) -> tuple[EmbeddingQuant, str]:
     emb = _embedding(model)
     tied = model.lm_head.weight is emb.weight
     head = _lm_head_format(model) if tied else None
-    if head is not None and head[0] == bits:
+    if head is not None and head[0] == bits == 4:  # its int8 codes: GatherBlockQuantized takes no int8 table
         with torch.no_grad():
             fq = model.lm_head.weight_quantizer(model.lm_head.weight).detach().float().clone()
         return EmbeddingQuant(bits, head[1], fq, shared=True), ""
@@ -110,11 +111,12 @@ def embedding_quant(model: nn.Module, bits: int) -> tuple[EmbeddingQuant, str]:
         raise ValueError(f"hidden size {hidden} is not a multiple of the embedding block {BLOCK}")
     codes, scales, table = rtn_table(emb.weight, bits, BLOCK)
     note = ""
-    if tied:
+    if tied and bits == 8:
         note = (
-            f"tied embeddings, but lm_head is not weight-only int{bits} blocked: the embedding has its own "
-            f"int{bits} table"
+            "onnxruntime's GatherBlockQuantized reads no int8 table: the embedding has its own (uint8) table"
         )
+    elif tied:
+        note = f"tied embeddings, but lm_head is not weight-only int{bits} blocked: the embedding has a table"
     return EmbeddingQuant(bits, BLOCK, table, shared=False, codes=codes, scales=scales), note
 
 
