@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from exporters.causal_lm import attention
+from exporters.causal_lm import ops as decode_ops
 from quantcli.errors import ExportError, whole_line
 from quantcli.nn.dynamic import weight_spec
 from quantcli.nn.export_hooks import export_hooks
@@ -419,7 +419,7 @@ def export_dynamo(
                     torch.ops.quantcli.qdq.default: _translation(opset),
                     torch.ops.quantcli.int32_bias.default: _bias_translation(opset),
                     torch.ops.quantcli.dynamic_linear.default: _dynamic_linear_translation(opset),
-                    **attention.dynamo_translations(),
+                    **decode_ops.dynamo_translations(),
                 },
                 input_names=input_names,
                 output_names=output_names,

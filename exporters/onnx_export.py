@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from exporters import aten_symbolics
-from exporters.causal_lm import attention
+from exporters.causal_lm import ops as decode_ops
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
 from exporters.graph import (
@@ -322,6 +322,7 @@ def export_onnx(
     graph_input_names: dict[str, str] | None = None,
     edit_graph: Callable[[onnx.ModelProto], None] | None = None,
     dynamic_dims: dict[str, list[int]] | None = None,
+    finish_graph: Callable[[onnx.ModelProto, dict[str, str], ExportResult], None] | None = None,
 ) -> ExportResult:
     """Export a calibrated, quantized ``model`` to a standard Q/DQ ONNX file.
 
@@ -347,6 +348,8 @@ def export_onnx(
             parameters must be Python names: ``past_key_values_0_key`` -> ``past_key_values.0.key``).
         edit_graph: called on the graph as the exporter wrote it (inputs renamed), before the graph passes:
             the caller declares what the exporter could not know (a custom op's output shapes).
+        finish_graph: called after the graph passes with the graph, its quantizer map and the result, before
+            the metadata is written: a caller's pass over the final form (both may be edited in place).
 
     For the onnxruntime target (the config's ``target``, default) float8 pairs get the guards of
     :mod:`exporters.onnxruntime.compat`, so the graph loads with default session options, and the result
@@ -392,6 +395,8 @@ def export_onnx(
         if edit_graph is not None:
             edit_graph(onnx_model)
         mapping = _post_process(onnx_model, model, example, res, weights_qdq)
+        if finish_graph is not None:
+            finish_graph(onnx_model, mapping, res)
         _stamp_metadata(onnx_model, mapping, res, metadata)
         onnx_model = _checked(onnx_model, res.exporter)
         res.external_data = _save(onnx_model, path, parent, workdir)
@@ -685,7 +690,7 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
     from torch.onnx import symbolic_helper  # noqa: F401  (registers helpers used by symbolic functions)
 
     aten_symbolics.register()
-    attention.register_torchscript()
+    decode_ops.register_torchscript()
     args = _positional_args(model, example)
     with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), native_output_silenced():
         warnings.simplefilter("ignore")

@@ -16,6 +16,7 @@ DTYPE = "model"  # calibrate --dtype: the observing pass runs in the model's own
 POOLING = "none"  # --pooling: a Hugging Face base model's output as is
 WEIGHT_METHOD = "rtn"  # --weight-method: int4 weight rounding
 PLACEMENT = "auto"  # --placement: layers onnxruntime would not run faster quantized stay float
+KV_CACHE = "float"  # --kv-cache: a causal LM's decode-graph KV cache (int8: calibrated scales per channel)
 DIST_TIMEOUT = 600.0  # --dist-timeout: seconds a torchrun rank waits for the others
 SENSITIVITY_SAMPLES = 64  # analyze --num-samples: samples the sensitivity passes use
 MAX_DEPLOY_RATIO = 1.0  # verify --max-deploy-ratio: the deployed session's bound (docs/verify-criteria.md)

@@ -70,12 +70,13 @@ def run_steps(run, layout, takes_positions, ids, prompt: int):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_decode_module_equals_the_models_own_logits(kind, fused):
+@pytest.mark.parametrize("fused,skip_norm", [(False, False), (True, False), (True, True), (False, True)])
+def test_decode_module_equals_the_models_own_logits(kind, fused, skip_norm):
     """Eager: prefill + decode steps through DecoderWithCache give transformers' logits of the whole
-    sequence."""
+    sequence, with and without GroupQueryAttention and the fused residual Add + RMSNorm."""
     lm = _causal_lm(kind)
-    dec = with_named_forward(DecoderWithCache(lm, fused=fused))
+    dec = with_named_forward(DecoderWithCache(lm, fused=fused, skip_norm=skip_norm))
+    assert dec.skip_norm == (skip_norm and kind != "gpt2")  # GPT-2's LayerNorm is not an RMSNorm
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
 
     def run(feeds):
@@ -165,7 +166,8 @@ def test_int4_decode_graph_steps_equal_one_prefill_and_cache_holds_kv_heads(
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
     layout = decoder_layout(_causal_lm(kind))
-    assert res["decode"]["contrib_ops"] == (["GroupQueryAttention"] if contrib else [])
+    fused_norm = ["SkipSimplifiedLayerNormalization"] if kind != "gpt2" else []
+    assert res["decode"]["contrib_ops"] == (["GroupQueryAttention", *fused_norm] if contrib else [])
     assert res["output_names"] == ["logits", *layout.present_names]
     assert res["input_names"][-len(layout.past_names) :] == layout.past_names
     takes_positions = "position_ids" in res["input_names"]
@@ -215,18 +217,38 @@ def test_int4_decode_graph_steps_equal_one_prefill_and_cache_holds_kv_heads(
     np.testing.assert_allclose(whole, ref.numpy(), atol=1e-4, rtol=0)
 
 
-def test_int4_decode_graph_runs_every_linear_as_matmul_nbits(folders, tmp_path):
-    """onnxruntime's optimized graph: every Linear (q, k, v, o, gate, up, down per layer, lm_head) is a
-    MatMulNBits node, attention a GroupQueryAttention per layer."""
+def _optimized_ops(path, tmp_path) -> list:
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / f"{path.stem}.optimized.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    return list(onnx.load(so.optimized_model_filepath).graph.node)
+
+
+def test_int4_decode_graph_runs_every_linear_as_matmul_nbits_in_the_builders_fused_form(folders, tmp_path):
+    """onnxruntime's optimized graph: every Linear runs as MatMulNBits, q/k/v as one packed into each
+    GroupQueryAttention and gate/up as one before a Split, every residual Add inside a
+    SkipSimplifiedLayerNormalization (the form onnxruntime-genai's model builder writes); --standard-ops:
+    one MatMulNBits per Linear and no contrib op."""
     ck = _calibrate(folders, "llama")
     path = tmp_path / "llama.onnx"
-    assert cli("export", ck, "--onnx", path).exit_code == 0
-    so = ort.SessionOptions()
-    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    ops = [n.op_type for n in onnx.load(so.optimized_model_filepath).graph.node]
-    assert ops.count("MatMulNBits") == 2 * 7 + 1 and ops.count("GroupQueryAttention") == 2
-    assert "DequantizeLinear" not in ops and "MatMul" not in ops
+    r = cli("export", ck, "--onnx", path, "--json")
+    assert r.exit_code == 0, r.output
+    fusions = json.loads(r.stdout)["decode"]["fusions"]
+    assert "q/k/v packed into GroupQueryAttention (2 layers)" in fusions
+    assert "gate/up packed (2 layers)" in fusions
+    nodes = _optimized_ops(path, tmp_path)
+    ops = [n.op_type for n in nodes]
+    # per layer: q/k/v, o, gate/up, down; and lm_head
+    assert ops.count("MatMulNBits") == 2 * 4 + 1 and ops.count("GroupQueryAttention") == 2
+    assert all(n.input[1] == "" and n.input[2] == "" for n in nodes if n.op_type == "GroupQueryAttention")
+    assert ops.count("SkipSimplifiedLayerNormalization") == 2 * 2 and ops.count("Split") == 2
+    assert "Add" not in ops and "DequantizeLinear" not in ops and "MatMul" not in ops
+
+    std = tmp_path / "standard.onnx"
+    assert cli("export", ck, "--onnx", std, "--standard-ops").exit_code == 0
+    ops = [n.op_type for n in _optimized_ops(std, tmp_path)]
+    assert ops.count("MatMulNBits") == 2 * 7 + 1
+    assert not {"GroupQueryAttention", "SkipSimplifiedLayerNormalization", "Split"} & set(ops)
 
 
 def test_no_kv_cache_keeps_the_prefill_graph_and_static_shapes_are_refused(folders, tmp_path):

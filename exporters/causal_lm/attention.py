@@ -23,7 +23,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
+
+from exporters.causal_lm import kv_cache
 
 MASKED = (
     -1e9
@@ -84,12 +87,21 @@ def plain_attention(
     bias: torch.Tensor,
     rope: tuple[torch.Tensor, torch.Tensor] | None,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[b, h, s, d]`` over ``past`` + the new ``k``/``v`` ``[b, kv, s, d]``; ``bias``:
     :func:`causal_bias`; ``rope``: the new positions' ``(cos, sin)`` ``[b, s, d]`` or None. Returns (output
-    ``[b, s, h * d]``, present key, value)."""
+    ``[b, s, h * d]``, present key, value). ``kv_scales``: ``(k_scale, v_scale)`` of an int8 cache
+    (:mod:`exporters.causal_lm.kv_cache`): ``past`` and ``present`` hold int8 codes, the new keys (after the
+    rotary embedding) and values are quantized, and attention reads every position dequantized."""
     if rope is not None:
         q, k = rotary(q, *rope), rotary(k, *rope)
+    if kv_scales is not None:
+        ks, vs = kv_scales
+        key = torch.cat((past_key, kv_cache.quantize(k, ks)), dim=2)
+        value = torch.cat((past_value, kv_cache.quantize(v, vs)), dim=2)
+        out = _grouped_attention(q, kv_cache.dequantize(key, ks), kv_cache.dequantize(value, vs), bias, scale)
+        return out, key, value
     key = torch.cat((past_key, k), dim=2)
     value = torch.cat((past_value, v), dim=2)
     out = _grouped_attention(q, key, value, bias, scale)
@@ -113,12 +125,16 @@ def group_query_attention(
     num_heads: int,
     kv_num_heads: int,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """onnxruntime's ``com.microsoft.GroupQueryAttention`` (CPU provider, rotary non-interleaved), in float32.
 
     ``query`` ``[b, s, h*d]`` (or q, k and v packed ``[b, s, (h + 2 kv) * d]`` when ``key`` is None);
     ``seqlens_k`` int32 ``[b]``: valid positions - 1 per row, past and new; ``cos_cache``/``sin_cache``
-    ``[max_positions, d / 2]`` or None (no rotary). The new tokens sit at positions ``past + 0..s-1``."""
+    ``[max_positions, d / 2]`` or None (no rotary). The new tokens sit at positions ``past + 0..s-1``.
+    ``k_scale``/``v_scale``: an int8 cache (``[1]`` per tensor, ``[1, kv, 1, d]`` per channel; int8
+    ``past``/``present``)."""
     b, s, _ = query.shape
     kv = kv_num_heads
     d = past_key.shape[-1]
@@ -135,12 +151,26 @@ def group_query_attention(
     # valid keys: the first seqlens_k + 1 positions of each row (onnxruntime's right padding)
     mask = (torch.arange(past + s)[None, :] <= seqlens_k.to(torch.int64)[:, None]).to(torch.int64)
     bias = causal_bias(mask, query[..., 0])
-    return plain_attention(q, k, v, past_key, past_value, bias, rope, scale)
+    kv_scales = (k_scale, v_scale) if k_scale is not None else None
+    return plain_attention(q, k, v, past_key, past_value, bias, rope, scale, kv_scales)
 
 
 @group_query_attention.register_fake
 def _gqa_fake(
-    query, key, value, past_key, past_value, seqlens_k, total, cos, sin, num_heads, kv_num_heads, scale
+    query,
+    key,
+    value,
+    past_key,
+    past_value,
+    seqlens_k,
+    total,
+    cos,
+    sin,
+    num_heads,
+    kv_num_heads,
+    scale,
+    k_scale=None,
+    v_scale=None,
 ):
     b, s, _ = query.shape
     d = past_key.shape[-1]
@@ -158,25 +188,50 @@ def fused_attention(
     caches: tuple[torch.Tensor, torch.Tensor] | None,
     num_heads: int,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`plain_attention`'s result through ``GroupQueryAttention``: ``q``/``k``/``v`` ``[b, s, heads *
     d]`` (``k``/``v`` None: packed in ``q``), ``caches``: ``(cos, sin)`` ``[max_positions, d / 2]`` or
-    None."""
+    None; ``kv_scales``: an int8 cache's ``(k_scale, v_scale)`` in onnxruntime's shapes."""
     seqlens = (attention_mask.sum(dim=-1) - 1).to(torch.int32)
-    total = torch.ones_like(attention_mask[0]).sum().to(torch.int32)
+    # Shape -> Gather -> Cast in both exporters' graphs (the length of the mask, not a traced constant)
+    total = torch.tensor(attention_mask.shape[1], dtype=torch.int32)
     cos, sin = caches if caches is not None else (None, None)
+    ks, vs = kv_scales if kv_scales is not None else (None, None)
     return torch.ops.quantcli.group_query_attention(
-        q, k, v, past_key, past_value, seqlens, total, cos, sin, num_heads, past_key.shape[1], scale
+        q, k, v, past_key, past_value, seqlens, total, cos, sin, num_heads, past_key.shape[1], scale, ks, vs
     )
 
 
+def _quant_type(k_scale_numel: int) -> str:
+    """onnxruntime's ``k_quant_type`` of a cache scale with this many elements."""
+    return "PER_TENSOR" if k_scale_numel == 1 else "PER_CHANNEL"
+
+
+KV_SCALE_INPUT = 12  # k_scale's input index (then v_scale); 9-11: position_ids, attention_bias, head_sink
+
+
 def _gqa_symbolic(
-    g, query, key, value, past_key, past_value, seqlens_k, total, cos, sin, num_heads, kv_heads, scale
+    g,
+    query,
+    key,
+    value,
+    past_key,
+    past_value,
+    seqlens_k,
+    total,
+    cos,
+    sin,
+    num_heads,
+    kv_heads,
+    scale,
+    k_scale=None,
+    v_scale=None,
 ):
     from torch.onnx import symbolic_helper as sh
 
     def optional(x):
-        return x if not sh._is_none(x) else sh._optional_input_placeholder_tensor(g)
+        return x if x is not None and not sh._is_none(x) else sh._optional_input_placeholder_tensor(g)
 
     attrs = {
         "num_heads_i": sh._get_const(num_heads, "i", "num_heads"),
@@ -185,8 +240,15 @@ def _gqa_symbolic(
         "do_rotary_i": 0 if sh._is_none(cos) else 1,
     }
     inputs = [query, optional(key), optional(value), past_key, past_value, seqlens_k, total]
-    if not sh._is_none(cos):
-        inputs += [cos, sin]
+    quantized = k_scale is not None and not sh._is_none(k_scale)
+    if not sh._is_none(cos) or quantized:
+        inputs += [optional(cos), optional(sin)]
+    if quantized:
+        inputs += [optional(None)] * (KV_SCALE_INPUT - len(inputs)) + [k_scale, v_scale]
+        numel = int(sh._maybe_get_const(k_scale, "t").numel())
+        attrs.update(
+            k_quant_type_s=_quant_type(numel), v_quant_type_s=_quant_type(numel), kv_cache_bit_width_i=8
+        )
     return g.op(f"{MS_DOMAIN}::GroupQueryAttention", *inputs, outputs=3, **attrs)
 
 
@@ -219,20 +281,34 @@ def _register_schema() -> None:
             P("query", "T"),
             P("key", "T", param_option=opt),
             P("value", "T", param_option=opt),
-            P("past_key", "T", param_option=opt),
-            P("past_value", "T", param_option=opt),
+            P("past_key", "C", param_option=opt),
+            P("past_value", "C", param_option=opt),
             P("seqlens_k", "M"),
             P("total_sequence_length", "M"),
             P("cos_cache", "T", param_option=opt),
             P("sin_cache", "T", param_option=opt),
+            P("position_ids", "I", param_option=opt),
+            P("attention_bias", "T", param_option=opt),
+            P("head_sink", "T", param_option=opt),
+            P("k_scale", "S", param_option=opt),
+            P("v_scale", "S", param_option=opt),
         ],
-        outputs=[P("output", "T"), P("present_key", "T"), P("present_value", "T")],
-        type_constraints=[("T", ["tensor(float)", "tensor(float16)"], ""), ("M", ["tensor(int32)"], "")],
+        outputs=[P("output", "T"), P("present_key", "C"), P("present_value", "C")],
+        type_constraints=[
+            ("T", ["tensor(float)", "tensor(float16)"], ""),
+            ("C", ["tensor(float)", "tensor(float16)", "tensor(int8)"], ""),
+            ("M", ["tensor(int32)"], ""),
+            ("I", ["tensor(int64)"], ""),
+            ("S", ["tensor(float)"], ""),
+        ],
         attributes=[
             attr("num_heads", types.INT, required=True),
             attr("kv_num_heads", types.INT, required=True),
             attr("scale", types.FLOAT, required=False),
             attr("do_rotary", types.INT, required=False),
+            attr("k_quant_type", types.STRING, required=False),
+            attr("v_quant_type", types.STRING, required=False),
+            attr("kv_cache_bit_width", types.INT, required=False),
         ],
     )
     defs.register_schema(schema)
@@ -258,7 +334,28 @@ def dynamo_translations() -> dict:
         num_heads: int,
         kv_num_heads: int,
         scale: float,
+        k_scale=None,
+        v_scale=None,
     ):
+        if k_scale is None:
+            return ms.GroupQueryAttention(
+                query,
+                key,
+                value,
+                past_key,
+                past_value,
+                seqlens_k,
+                total,
+                cos,
+                sin,
+                num_heads=num_heads,
+                kv_num_heads=kv_num_heads,
+                scale=scale,
+                do_rotary=0 if cos is None else 1,
+            )
+        numel = 1
+        for d in k_scale.shape:
+            numel *= int(d)
         return ms.GroupQueryAttention(
             query,
             key,
@@ -269,13 +366,75 @@ def dynamo_translations() -> dict:
             total,
             cos,
             sin,
+            None,
+            None,
+            None,
+            k_scale,
+            v_scale,
             num_heads=num_heads,
             kv_num_heads=kv_num_heads,
             scale=scale,
             do_rotary=0 if cos is None else 1,
+            k_quant_type=_quant_type(numel),
+            v_quant_type=_quant_type(numel),
+            kv_cache_bit_width=8,
         )
 
     return {torch.ops.quantcli.group_query_attention.default: gqa_onnx}
+
+
+def total_length_from_shape(onnx_model) -> int:
+    """Give each ``GroupQueryAttention`` its ``total_sequence_length`` as ``Cast(Shape(attention_mask,
+    start=1, end=2))``, in place: the exporters write the length as ``Shape -> Gather`` (TorchScript) or
+    ``Shape -> Squeeze`` (dynamo) before the ``Cast``, a node more per step (onnxruntime's kernel reads the
+    one-element tensor as it reads a scalar). Opset 15 or later (Shape's ``start``/``end``). Returns how many
+    chains were shortened; the nodes left unread are removed."""
+    from onnx import helper, numpy_helper
+
+    g = onnx_model.graph
+    if next((o.version for o in onnx_model.opset_import if o.domain in ("", "ai.onnx")), 0) < 15:
+        return 0  # Shape's start and end came in opset 15
+    producers = {o: n for n in g.node for o in n.output}
+    consts = {t.name: numpy_helper.to_array(t) for t in g.initializer if not t.dims or list(t.dims) == [1]}
+    for n in g.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            consts[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    done = 0
+    for gqa in [n for n in g.node if n.op_type == GQA and n.domain == MS_DOMAIN and len(n.input) > 6]:
+        cast = producers.get(gqa.input[6])
+        pick = producers.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
+        shape = producers.get(pick.input[0]) if pick is not None else None
+        if shape is None or shape.op_type != "Shape":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in shape.attribute}
+        if pick.op_type == "Gather" and not attrs and pick.input[1] in consts:
+            if int(np.asarray(consts[pick.input[1]]).reshape(-1)[0]) != 1 or consts[pick.input[1]].ndim:
+                continue
+        elif not (pick.op_type == "Squeeze" and attrs.get("start") == 1 and attrs.get("end") == 2):
+            continue
+        length = f"{shape.input[0]}_length"
+        if length not in producers:
+            node = helper.make_node(
+                "Shape", [shape.input[0]], [length], name=f"{length}/Shape", start=1, end=2
+            )
+            g.node.insert(list(g.node).index(shape), node)
+            producers[length] = node
+        cast.input[0] = length
+        done += 1
+    _drop_unread(g)
+    return done
+
+
+def _drop_unread(g) -> None:
+    """Remove nodes whose outputs nothing reads (and that write no graph output), until none is left."""
+    outputs = {o.name for o in g.output}
+    while True:
+        read = {i for n in g.node for i in n.input} | outputs
+        dead = [n for n in g.node if not any(o in read for o in n.output if o)]
+        if not dead:
+            return
+        for n in dead:
+            g.node.remove(n)
 
 
 def default_scale(head_size: int) -> float:

@@ -8,10 +8,19 @@ checkpoint's example batch) with every size dynamic: batch, new tokens (``sequen
 (``past_key_values.0.key``). Everything else -- Q/DQ folding, MatMulNBits form, metadata, checks, atomic
 write -- is :func:`exporters.onnx_export.export_onnx`'s, on the same quantizers under the same names.
 
-``GroupQueryAttention`` (onnxruntime's contrib op) replaces the plain attention where onnxruntime's CPU
-provider runs it (``head_size`` a multiple of 16) unless ``contrib_ops=False``;
-:attr:`DecodeExport.contrib_ops` lists
-what the graph uses and :attr:`DecodeExport.note` says why a fused form was not used.
+With ``contrib_ops`` (the default) the graph takes the forms onnxruntime's CPU provider runs fastest, each
+of which :data:`FUSIONS` names and ``fusions`` can leave out:
+
+* ``group_query_attention``: attention as ``GroupQueryAttention`` where its CPU kernel runs the model
+  (``head_size`` a multiple of 16);
+* ``skip_norm``: each residual ``Add`` and the RMSNorm after it as ``SkipSimplifiedLayerNormalization``
+  (Llama-style models whose norms compute ``LlamaRMSNorm``'s arithmetic);
+* ``pack_projections``: weight-only projections that read the same tensor as one ``MatMulNBits`` (q/k/v
+  straight into ``GroupQueryAttention``, gate/up before a ``Split``; :mod:`exporters.causal_lm.packing`).
+
+``contrib_ops=False`` writes standard ONNX ops only. :attr:`DecodeExport.contrib_ops` lists the contrib ops
+the graph holds, :attr:`DecodeExport.fusions` what was fused, :attr:`DecodeExport.note` why a fused form was
+not used.
 """
 
 from __future__ import annotations
@@ -23,13 +32,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from exporters.causal_lm.attention import total_length_from_shape
 from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
+from exporters.causal_lm.embeddings import EmbeddingQuant, embedding_quant, replace_gather
+from exporters.causal_lm.kv_cache import KVCacheQuant
 from exporters.causal_lm.layout import DecoderLayout, NotDecodable, decoder_layout
+from exporters.causal_lm.norm import drop_unused_outputs
+from exporters.causal_lm.packing import PACKED_KEY, pack_projections
+from exporters.fold import drop_unused_initializers
 from quantcli.errors import ExportError
 
 LAYOUT_KEY = "quantcli.causal_lm"  # metadata: the decode graph's layout and inputs (generate, verify read it)
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
 TRACE_BATCH, TRACE_PAST, TRACE_SEQ = 2, 3, 2
+FUSIONS = ("group_query_attention", "skip_norm", "pack_projections")  # contrib_ops=True: all of them
 
 
 @dataclass
@@ -41,6 +57,9 @@ class DecodeExport:
     outputs: list[str]
     contrib_ops: list[str] = field(default_factory=list)  # onnxruntime contrib ops the graph uses
     note: str = ""  # why a fused form was not used, if it was asked for
+    fusions: list[str] = field(default_factory=list)  # what was fused, in words
+    kv_cache: dict | None = None  # an int8 cache: KVCacheQuant.summary() (None: float32)
+    embeddings: dict | None = None  # a quantized table: EmbeddingQuant.summary() (None: float32)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,9 +103,10 @@ def trace_inputs(decoder: DecoderWithCache, example: dict[str, torch.Tensor]) ->
         )
     gen = torch.Generator().manual_seed(0)
     for name in lo.past_names:  # distinct tensors: torch.export would alias one tensor passed twice
-        out[python_name(name)] = torch.randn(
-            TRACE_BATCH, lo.num_kv_heads, TRACE_PAST, lo.head_size, generator=gen
-        )
+        past = torch.randn(TRACE_BATCH, lo.num_kv_heads, TRACE_PAST, lo.head_size, generator=gen)
+        if decoder.cache_dtype == torch.int8:
+            past = (past * 40).round().clamp(-128, 127)
+        out[python_name(name)] = past.to(decoder.cache_dtype)
     return out
 
 
@@ -107,20 +127,66 @@ def dynamic_axes(decoder: DecoderWithCache) -> dict[str, dict[int, str]]:
     return axes
 
 
+def _fusions(contrib_ops: bool, fusions) -> set[str]:
+    if fusions is None:
+        return set(FUSIONS) if contrib_ops else set()
+    unknown = set(fusions) - set(FUSIONS)
+    if unknown:
+        raise ExportError(
+            f"unknown decode-graph fusion {sorted(unknown)[0]!r}; choose from {', '.join(FUSIONS)}"
+        )
+    return set(fusions)
+
+
 def decoder_for_export(
-    model: nn.Module, layout: DecoderLayout, contrib_ops: bool
+    model: nn.Module,
+    layout: DecoderLayout,
+    contrib_ops: bool,
+    fusions=None,
+    kv_cache: KVCacheQuant | None = None,
+    embeddings: EmbeddingQuant | None = None,
 ) -> tuple[DecoderWithCache, DecodeExport]:
-    """The decode module to trace and what it will be, with the fused form where asked for and possible."""
-    note = fused_note(layout) if contrib_ops else ""
-    fused = contrib_ops and not note
-    decoder = with_named_forward(DecoderWithCache(model, fused=fused, layout=layout))
+    """The decode module to trace and what it will be, with the fused forms asked for (``fusions``, default
+    :data:`FUSIONS` with ``contrib_ops``, none without) where the model allows them; ``kv_cache``: an int8
+    cache's scales (None: float32)."""
+    wanted = _fusions(contrib_ops, fusions)
+    note = fused_note(layout) if "group_query_attention" in wanted else ""
+    fused = "group_query_attention" in wanted and not note
+    if kv_cache is not None and tuple(kv_cache.key_scale.shape) != (
+        layout.num_layers,
+        layout.num_kv_heads,
+        layout.head_size,
+    ):
+        raise ExportError(
+            f"the KV cache scales are {list(kv_cache.key_scale.shape)}, the model's cache is "
+            f"[{layout.num_layers}, {layout.num_kv_heads}, {layout.head_size}]; recalibrate with --kv-cache"
+        )
+    decoder = DecoderWithCache(
+        model,
+        fused=fused,
+        layout=layout,
+        skip_norm="skip_norm" in wanted,
+        kv_cache=kv_cache,
+        embeddings=embeddings,
+    )
+    decoder = with_named_forward(decoder)
     info = DecodeExport(
         layout=layout.to_plain(),
         inputs=decoder.input_names,
         outputs=decoder.output_names,
         contrib_ops=["GroupQueryAttention"] if fused else [],
-        note=note,
+        note="; ".join(n for n in (note, decoder.skip_norm_note) if n),
+        fusions=["attention as GroupQueryAttention"] if fused else [],
+        kv_cache=kv_cache.summary() if kv_cache is not None else None,
+        embeddings=embeddings.summary() if embeddings is not None else None,
     )
+    if embeddings is not None:
+        info.contrib_ops.append("GatherBlockQuantized")
+    if decoder.skip_norm:
+        info.contrib_ops.append("SkipSimplifiedLayerNormalization")
+        info.fusions.append("residual Add + RMSNorm as SkipSimplifiedLayerNormalization")
+    if fused and layout.family == "gpt2":
+        info.fusions.append("c_attn's packed q/k/v into GroupQueryAttention")
     return decoder, info
 
 
@@ -132,19 +198,64 @@ def export_decoder(
     exporter: str = "torchscript",
     *,
     contrib_ops: bool = True,
+    fusions=None,
+    kv_cache: KVCacheQuant | None = None,
+    embedding_bits: int | None = None,
     layout: DecoderLayout | None = None,
     weights_qdq: bool = False,
     metadata: dict[str, str] | None = None,
     provider: str | None = None,
 ):
     """Export a (quantized, calibrated) causal LM as a decode graph; returns the driver's
-    :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict)."""
+    :class:`~exporters.onnx_export.ExportResult` with ``decode`` filled (:class:`DecodeExport` as a dict).
+    ``fusions``: which of :data:`FUSIONS` to apply (default: all with ``contrib_ops``, none without);
+    ``kv_cache``: an int8 cache (:mod:`exporters.causal_lm.kv_cache`), None for float32;
+    ``embedding_bits``: 4 or 8 for a ``GatherBlockQuantized`` embedding table
+    (:mod:`exporters.causal_lm.embeddings`), None for float32."""
     from exporters.onnx_export import export_onnx
 
     layout = layout or decoder_layout(model)
-    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops)
+    embeddings, emb_note = None, ""
+    if embedding_bits is not None:
+        if weights_qdq:
+            raise ExportError("--embeddings stores a quantized table; leave out --weights-qdq")
+        try:
+            embeddings, emb_note = embedding_quant(model, embedding_bits)
+        except ValueError as e:
+            raise ExportError(f"--embeddings int{embedding_bits}: {e}") from None
+    decoder, info = decoder_for_export(model.eval(), layout, contrib_ops, fusions, kv_cache, embeddings)
+    info.note = "; ".join(n for n in (info.note, emb_note) if n)
+    pack = "pack_projections" in _fusions(contrib_ops, fusions)
     inputs = trace_inputs(decoder, example)
     meta = {**(metadata or {}), LAYOUT_KEY: json.dumps(info.to_dict())}
+
+    def edit(g) -> None:
+        declare_shapes(g, decoder)
+        drop_unused_outputs(g)
+        total_length_from_shape(g)
+
+    def finish(g, mapping: dict[str, str], res) -> None:
+        """Pack sibling projections in the final (MatMulNBits) form, store the embedding table quantized;
+        the metadata says what was done."""
+        if embeddings is not None:
+            note = replace_gather(g, embeddings, mapping)
+            info.embeddings = embeddings.summary()
+            info.note = "; ".join(n for n in (info.note, note) if n)
+            info.fusions.append(
+                f"embedding lookup as GatherBlockQuantized (int{embeddings.bits}"
+                + (", lm_head's codes)" if embeddings.shared else ", its own table)")
+            )
+            drop_unused_initializers(g)
+        if pack and not weights_qdq:
+            groups = pack_projections(g, mapping)
+            if groups:
+                drop_unused_initializers(g)
+                gone = {o for grp in groups for o in grp.replaced}
+                res.kn_weights = [o for o in res.kn_weights if o not in gone] + [grp.output for grp in groups]
+                meta[PACKED_KEY] = json.dumps([grp.to_dict() for grp in groups])
+                info.fusions += packed_fusions(groups)
+        meta[LAYOUT_KEY] = json.dumps(info.to_dict())
+
     res = export_onnx(
         decoder,
         inputs,
@@ -156,10 +267,21 @@ def export_decoder(
         metadata=meta,
         provider=provider,
         graph_input_names={python_name(n): n for n in decoder.input_names},
-        edit_graph=lambda g: declare_shapes(g, decoder),
+        edit_graph=edit,
+        finish_graph=finish,
     )
     res.decode = info.to_dict()
     return res
+
+
+def packed_fusions(groups) -> list[str]:
+    """The packed groups in words: ``q/k/v packed into GroupQueryAttention (2 layers)``."""
+    counts: dict[str, int] = {}
+    for grp in groups:
+        short = "/".join(layer.rsplit(".", 1)[-1].removesuffix("_proj") for layer in grp.layers)
+        what = f"{short} packed" + (" into GroupQueryAttention" if grp.into_attention else "")
+        counts[what] = counts.get(what, 0) + 1
+    return [f"{what} ({n} layer{'s' if n > 1 else ''})" for what, n in counts.items()]
 
 
 def io_shapes(decoder: DecoderWithCache) -> dict[str, list[int | str]]:
@@ -218,12 +340,16 @@ def export_model(
     *,
     kv_cache: bool = True,
     contrib_ops: bool = True,
+    fusions=None,
+    cache_quant: KVCacheQuant | None = None,
+    embedding_bits: int | None = None,
     dynamic_axes: bool = True,
     **kwargs,
 ):
     """``export --onnx``: a decode graph for a causal LM of a supported family (``kv_cache``), else the graph
     of the model's own forward (:func:`exporters.onnx_export.export_onnx`). For a model with an ``lm_head``
-    that gets no decode graph, ``ExportResult.decode_note`` says why."""
+    that gets no decode graph, ``ExportResult.decode_note`` says why. ``cache_quant``: the decode graph's
+    int8 KV cache scales (None: a float32 cache; a prefill graph has no cache)."""
     from exporters.onnx_export import export_onnx
 
     layout, why = decodable(model) if kv_cache else (None, "")
@@ -239,8 +365,20 @@ def export_model(
                 "dynamic already); leave it out, or add --no-kv-cache for a prefill graph"
             )
         return export_decoder(
-            model, example, path, opset, exporter, contrib_ops=contrib_ops, layout=layout, **kwargs
+            model,
+            example,
+            path,
+            opset,
+            exporter,
+            contrib_ops=contrib_ops,
+            fusions=fusions,
+            kv_cache=cache_quant,
+            embedding_bits=embedding_bits,
+            layout=layout,
+            **kwargs,
         )
+    if embedding_bits is not None:
+        raise ExportError(f"--embeddings applies to decode graphs: {why or '--no-kv-cache'}")
     res = export_onnx(model, example, path, opset, exporter, dynamic_axes=dynamic_axes, **kwargs)
     if why and hasattr(model, "lm_head"):
         res.decode_note = f"prefill graph, no KV cache: {why}"

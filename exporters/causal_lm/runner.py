@@ -59,12 +59,15 @@ class DecodeSession:
         self.present_names = [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
         self.session = ort.InferenceSession(str(path), session_options, providers=list(providers))
         self.input_names = {i.name for i in self.session.get_inputs()}
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        # an int8 KV cache (exporters.causal_lm.kv_cache) takes int8 codes
+        self.cache_dtype = np.int8 if types.get(self.past_names[0]) == "tensor(int8)" else np.float32
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.eos_token_id = lo.get("eos_token_id")
 
     def empty(self, batch: int = 1) -> Cache:
         shape = (batch, self.kv_heads, 0, self.head_size)
-        return Cache([np.zeros(shape, np.float32) for _ in self.past_names], 0)
+        return Cache([np.zeros(shape, self.cache_dtype) for _ in self.past_names], 0)
 
     def run(self, ids: np.ndarray, cache: Cache) -> tuple[np.ndarray, Cache]:
         """Logits ``[b, n, vocab]`` of ``ids`` ``[b, n]`` after ``cache``, and the cache with them."""

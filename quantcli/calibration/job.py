@@ -51,6 +51,7 @@ from quantcli.nn.recurrent import QuantLSTM
 from quantcli.nn.recurrent import precision as lstm_precision
 
 if TYPE_CHECKING:
+    from exporters.causal_lm.kv_cache import KVCacheQuant
     from quantcli.calibration.latency_placement import LatencyPlacement
     from quantcli.calibration.smoothquant import SmoothReport
     from quantcli.calibration.weight_rounding import WeightRoundingReport
@@ -88,6 +89,8 @@ class CalibrationRequest:
     placement: str = defaults.PLACEMENT
     # the deployment CPU (quantcli.quant.cpu): None keeps the config's (default auto: this machine)
     cpu: str | None = None
+    # a causal LM's decode-graph KV cache: float, or int8 with calibrated scales (calibration.kv_cache)
+    kv_cache: str = defaults.KV_CACHE
 
 
 @dataclass
@@ -108,6 +111,7 @@ class CalibrationJob:
     # --weight-method gptq: the state dict before GPTQ moved the weights it rounded
     unrounded: dict | None = None
     latency: LatencyPlacement | None = None  # --placement auto for onnxruntime: what place_for_latency chose
+    kv_cache: KVCacheQuant | None = None  # --kv-cache int8: the cache's scales
 
     @classmethod
     def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
@@ -124,6 +128,7 @@ class CalibrationJob:
                 refuse_overwriting_inputs(f"{spec.stem}.calib.pt", _inputs(request), "the default --out")
             if request.pooling != "none" and spec.kind != "hf":
                 raise QuantCliError("--pooling applies to a Hugging Face model folder's base model")
+            _check_kv_cache(request, model)
             batches, prep = _calibration_batches(request, rank, model, spec)
             original = state_snapshot(model)
             quantize_model(model, cfg, example=example_of(batches[0]) if batches else None)
@@ -248,6 +253,16 @@ class CalibrationJob:
         summary.skipped += mixed.quantizers_disabled
         return mixed
 
+    def calibrate_kv_cache(self) -> KVCacheQuant | None:
+        """``--kv-cache int8``: the cache's scales from the calibration batches, on the final quantized model
+        (its keys and values as the graph computes them); None for a float cache."""
+        from quantcli.calibration.kv_cache import calibrate_kv_cache, granularity_of
+
+        granularity = granularity_of(self.request.kv_cache)
+        if granularity is not None:
+            self.kv_cache = calibrate_kv_cache(self.model, self.batches, granularity)
+        return self.kv_cache
+
     def summarise(
         self, summary: CalibrationSummary, mixed: MixedPrecisionResult | None, smoothed: SmoothReport | None
     ) -> dict:
@@ -278,6 +293,8 @@ class CalibrationJob:
             info["precision"] = describe_precision(loaded_dtype(self.model))
         if self.batches and batch_axes.describe(self.batches[0]):  # inputs whose samples are not on axis 0
             info["batch_axes"] = batch_axes.describe(self.batches[0])
+        if self.kv_cache is not None:
+            info["kv_cache"] = self.kv_cache.summary()
         return info
 
     def save(self, info: dict) -> None:
@@ -293,12 +310,14 @@ class CalibrationJob:
                     self.preprocessing,
                     self.original,
                     self.unrounded,
+                    kv_cache=self.kv_cache.to_plain() if self.kv_cache is not None else None,
                 )
 
     def finish(self, summary: CalibrationSummary, smoothed: SmoothReport | None) -> CalibrationOutcome:
         """Keep float the layers that would run slower quantized, meet the quality target, summarise, save."""
         self.place_for_latency(summary)
         mixed = self.meet_target(summary)
+        self.calibrate_kv_cache()
         info = self.summarise(summary, mixed, smoothed)
         self.save(info)
         return CalibrationOutcome(self, summary, info, mixed, smoothed)
@@ -468,12 +487,30 @@ def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
         raise QuantCliError(f"--batch-size must be positive, got {request.batch_size}")
     if request.smoothquant is not None and rank is not None:
         raise QuantCliError("--smoothquant runs in one process; run calibrate without torchrun to smooth")
+    from quantcli.calibration.kv_cache import granularity_of
+
+    if granularity_of(request.kv_cache) is not None and rank is not None:
+        raise QuantCliError("--kv-cache int8 runs in one process; run calibrate without torchrun")
     if request.placement not in ("auto", "all"):
         raise QuantCliError(f"--placement must be auto or all, got {request.placement!r}")
     if request.weight_method not in ("rtn", "gptq", "awq"):
         raise QuantCliError(f"--weight-method must be rtn, gptq or awq, got {request.weight_method!r}")
     if request.smoothquant is not None and not 0.0 <= request.smoothquant <= 1.0:
         raise QuantCliError(f"--smoothquant alpha must be in [0, 1], got {request.smoothquant}")
+
+
+def _check_kv_cache(request: CalibrationRequest, model: nn.Module) -> None:
+    """``--kv-cache int8`` before anything is calibrated: only a model with a decode graph has a cache."""
+    from exporters.causal_lm.export import decodable
+    from quantcli.calibration.kv_cache import granularity_of
+
+    if granularity_of(request.kv_cache) is None:
+        return
+    why = decodable(model)[1]
+    if why:
+        raise QuantCliError(
+            f"--kv-cache {request.kv_cache} needs a causal LM that gets a decode graph: {why}"
+        )
 
 
 def _load_config(request: CalibrationRequest) -> QuantConfig:

@@ -176,6 +176,17 @@ def calibrate(
             "as configured.",
         ),
     ] = defaults.PLACEMENT,
+    kv_cache: Annotated[
+        str,
+        typer.Option(
+            "--kv-cache",
+            help="Causal LMs: the decode graph's KV cache. float (default), or int8 with scales calibrated "
+            "from the calibration data (largest magnitude of each cached key/value channel): int8 or "
+            "int8-channel (a scale per kv head and channel), int8-head (per kv head), int8-tensor (per "
+            "layer). onnxruntime's GroupQueryAttention reads it directly (a quarter of the float32 cache's "
+            "memory); --standard-ops graphs quantize and dequantize around it.",
+        ),
+    ] = defaults.KV_CACHE,
     dist_timeout: Annotated[
         float,
         typer.Option(
@@ -214,6 +225,7 @@ def calibrate(
         weight_method=weight_method,
         placement=placement,
         cpu=cpu.value if cpu is not None else None,
+        kv_cache=kv_cache,
     )
     with torchrun_rank(device, dist_timeout) as rank:
         job = CalibrationJob.load(request, rank)
@@ -409,6 +421,15 @@ def _calibrate_result_rows(outcome):
         yield "kept in float", ", ".join(mixed.kept_float) or "none"
         if mixed.dynamic:
             yield "dynamic int8 (not float)", ", ".join(mixed.dynamic)
+    kv = outcome.info.get("kv_cache")
+    if kv:
+        yield (
+            "KV cache",
+            f"int8 per {kv['granularity']}, key scales {kv['key_scale_range'][0]:.4g} .. "
+            f"{kv['key_scale_range'][1]:.4g}, value scales {kv['value_scale_range'][0]:.4g} .. "
+            f"{kv['value_scale_range'][1]:.4g}; {kv['bytes_per_token']} bytes per token (float32: "
+            f"{kv['float32_bytes_per_token']})",
+        )
     latency = outcome.job.latency
     yield (
         "time",

@@ -77,6 +77,24 @@ def export(
             "it (faster there); --standard-ops: standard ONNX ops only (any runtime).",
         ),
     ] = True,
+    float_kv_cache: Annotated[
+        bool,
+        typer.Option(
+            "--float-kv-cache",
+            help="Decode graphs of a checkpoint calibrated with --kv-cache int8: keep a float32 KV cache "
+            "(default: the int8 cache with the calibrated scales).",
+        ),
+    ] = False,
+    embeddings: Annotated[
+        str,
+        typer.Option(
+            "--embeddings",
+            help="Decode graphs: the token embedding table. float (default), int4 or int8: onnxruntime's "
+            "GatherBlockQuantized; with tied embeddings and an lm_head quantized weight-only at those bits, "
+            "the lookup reads lm_head's own stored codes (no table of its own), else its own table "
+            "(round-to-nearest, blocks of 32 along hidden).",
+        ),
+    ] = "float",
     genai_config: Annotated[
         bool,
         typer.Option(
@@ -92,6 +110,7 @@ def export(
     from exporters.causal_lm.export import export_model
     from quantcli.inputs.checkpoint import load_calibrated
 
+    embedding_bits = _embedding_bits(embeddings, kv_cache)
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
     refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)
@@ -115,6 +134,8 @@ def export(
         exporter.value,
         kv_cache=kv_cache,
         contrib_ops=contrib_ops,
+        cache_quant=None if float_kv_cache else _cache_quant(ckpt, calibrated),
+        embedding_bits=embedding_bits,
         dynamic_axes=dynamic_axes,
         weights_qdq=weights_qdq,
         metadata=meta,
@@ -149,6 +170,35 @@ def parse_dynamic_dims(values: list[str] | None) -> dict[str, list[int]]:
             )
         out.setdefault(name.strip(), []).extend(parsed)
     return out
+
+
+EMBEDDINGS = {"float": None, "int4": 4, "int8": 8}
+
+
+def _embedding_bits(choice: str, kv_cache: bool) -> int | None:
+    from quantcli.errors import QuantCliError
+
+    if choice not in EMBEDDINGS:
+        raise QuantCliError(f"--embeddings must be one of {', '.join(EMBEDDINGS)}, got {choice!r}")
+    if EMBEDDINGS[choice] is not None and not kv_cache:
+        raise QuantCliError("--embeddings applies to decode graphs; leave out --no-kv-cache")
+    return EMBEDDINGS[choice]
+
+
+def _cache_quant(ckpt, calibrated: Path):
+    """The checkpoint's int8 KV cache scales (``calibrate --kv-cache``), or None."""
+    from exporters.causal_lm.kv_cache import KVCacheQuant
+    from quantcli.errors import CheckpointError
+
+    if ckpt.kv_cache is None:
+        return None
+    try:
+        return KVCacheQuant.from_plain(ckpt.kv_cache)
+    except ValueError as e:
+        raise CheckpointError(
+            f"{calibrated} is damaged: {e}; re-create it with `quantcli calibrate --kv-cache`, or export "
+            "with --float-kv-cache"
+        ) from None
 
 
 def render_export(res, calibrated: Path) -> None:
@@ -247,9 +297,24 @@ def _names(names: list[str]) -> str:
 def _decode_row(decode: dict) -> str:
     lo = decode["layout"]
     ops = decode["contrib_ops"]
-    attention = f"onnxruntime {', '.join(ops)}" if ops else "standard ONNX ops"
     text = (
         f"{lo['model_type']}, {lo['num_layers']} layers, KV cache: batch x {lo['num_kv_heads']} kv heads x "
-        f"sequence x {lo['head_size']} ({lo['num_heads']} query heads); attention: {attention}"
+        f"sequence x {lo['head_size']} ({lo['num_heads']} query heads); "
+        + (f"onnxruntime contrib ops: {', '.join(ops)}" if ops else "standard ONNX ops only")
     )
+    if decode.get("fusions"):
+        text += f"; fused: {', '.join(decode['fusions'])}"
+    emb = decode.get("embeddings")
+    if emb:
+        text += (
+            f"; embeddings int{emb['bits']} "
+            + ("(lm_head's codes, no table of their own)" if emb["shared_with_lm_head"] else
+               f"({emb['table_bytes']} bytes, float32: {emb['float32_table_bytes']})")
+        )  # fmt: skip
+    kv = decode.get("kv_cache")
+    if kv:
+        text += (
+            f"; KV cache int8 per {kv['granularity']} ({kv['bytes_per_token']} bytes per token, float32: "
+            f"{kv['float32_bytes_per_token']})"
+        )
     return text + (f"; {decode['note']}" if decode.get("note") else "")

@@ -9,7 +9,7 @@ transformation: its state dict's ``keys`` and the ``changed`` entries, those tha
 SmoothQuant or another rewrite removed or changed; the rest equals ``state_dict``), optionally ``unrounded``
 (with ``--weight-method gptq``: the weights as they were before GPTQ moved them while rounding), ``inputs``
 (names, dtypes, shapes, example batch), ``calibration`` (settings and summary), optionally ``preprocessing``
-(text/image data). Written atomically.
+(text/image data) and ``kv_cache`` (a causal LM's int8 KV cache scales). Written atomically.
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ def save_calibrated(
     preprocessing: dict[str, Any] | None = None,
     original: dict[str, torch.Tensor] | None = None,
     unrounded: dict[str, torch.Tensor] | None = None,
+    kv_cache: dict[str, Any] | None = None,
 ) -> None:
     """Write the calibrated checkpoint for a quantized, calibrated ``model``.
 
@@ -97,7 +98,8 @@ def save_calibrated(
     with what quantcli's transformations made of it. ``unrounded``: the state dict before weight rounding
     (``--weight-method gptq`` moves float weights as it rounds them: part of quantization, not a float
     transformation), so that :meth:`Calibrated.transformed_float_model` describes the float model quantcli's
-    transformations made.
+    transformations made. ``kv_cache``: a causal LM's int8 KV cache scales (``calibrate --kv-cache``), which
+    ``export`` writes into its decode graph.
     """
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
@@ -135,6 +137,8 @@ def save_calibrated(
         data["original"] = original_entries(original, state)
     if unrounded is not None:
         data["unrounded"] = changed_entries(unrounded, state)
+    if kv_cache is not None:
+        data["kv_cache"] = kv_cache
     atomic_write(path, lambda tmp: torch.save(data, tmp))
 
 
@@ -160,6 +164,12 @@ class Calibrated:
     @property
     def quantizer_info(self) -> dict[str, dict[str, Any]]:
         return self.data["quantizers"]
+
+    @property
+    def kv_cache(self) -> dict[str, Any] | None:
+        """A causal LM's int8 KV cache scales (``calibrate --kv-cache``), as stored; None for a float
+        cache."""
+        return self.data.get("kv_cache")
 
     @property
     def has_original(self) -> bool:

@@ -6,7 +6,9 @@ to its unpadded length and to ``max_tokens``:
 * ``lm.perplexity_increase`` <= ``max_ppl_increase``: teacher-forced perplexity of the deployed graph (default
   session options; one prefill of each sequence) relative to the float model's, ``ppl_graph / ppl_float - 1``.
   The fake-quant model's perplexity is reported beside them (the graph should equal it; a gap is the export's,
-  the rest is quantization's).
+  the rest is quantization's); for a graph with an int8 KV cache, the fake-quant model's keys and values are
+  quantized as the cache stores them (``calibrate --kv-cache``), and its embedding rows are the graph's
+  quantized table (``export --embeddings``).
 * ``lm.token_agreement`` >= ``min_token_agreement``: from the first half of each sequence the float model
   generates ``steps`` greedy tokens; along that continuation, the fraction of steps where the graph's most
   likely token is the float model's (teacher-forced, so one early difference does not decide the rest). The
@@ -120,6 +122,45 @@ def greedy_continuation(model, prompt: np.ndarray, steps: int) -> list[int]:
     return out
 
 
+class _DeployedLM(torch.nn.Module):
+    """The fake-quant model as its decode graph computes it: one prefill through the decode module, with the
+    graph's int8 KV cache (keys and values quantized as the cache stores them,
+    :mod:`exporters.causal_lm.kv_cache`) and its quantized embedding table
+    (:mod:`exporters.causal_lm.embeddings`)."""
+
+    def __init__(self, model, kv_cache: dict | None, embeddings: dict | None):
+        from exporters.causal_lm.decoder import DecoderWithCache
+        from exporters.causal_lm.embeddings import as_exported
+        from exporters.causal_lm.kv_cache import KVCacheQuant
+
+        super().__init__()
+        self.decoder = DecoderWithCache(
+            model,
+            kv_cache=KVCacheQuant.from_plain(kv_cache) if kv_cache else None,
+            embeddings=as_exported(model, embeddings) if embeddings else None,
+        )
+
+    def forward(self, input_ids):
+        lo = self.decoder.layout
+        b, n = input_ids.shape
+        empty = torch.zeros(b, lo.num_kv_heads, 0, lo.head_size, dtype=self.decoder.cache_dtype)
+        mask = torch.ones_like(input_ids)
+        positions = torch.arange(n)[None].expand(b, n)
+        return self.decoder.step(input_ids, mask, positions, [empty] * (2 * lo.num_layers))["logits"]
+
+
+def as_deployed(model, kv_cache: dict | None = None, embeddings: dict | None = None):
+    """``model`` computing its logits as its decode graph does: with the checkpoint's int8 KV cache
+    (``kv_cache``: its stored scales) and the graph's quantized embedding table (``embeddings``: the graph's
+    metadata); the fake-quant reference of such a graph."""
+    return _DeployedLM(model, kv_cache, embeddings).eval()
+
+
+def with_quantized_cache(model, kv_cache: dict):
+    """``model`` with its int8 KV cache (:func:`as_deployed`)."""
+    return as_deployed(model, kv_cache)
+
+
 def is_decode_graph(onnx_path) -> bool:
     import onnx
 
@@ -152,7 +193,7 @@ def verify_decode_graph(
     checkpoint ``ckpt`` on ``batches``."""
     import onnxruntime as ort
 
-    from exporters.causal_lm.runner import DecodeSession
+    from exporters.causal_lm.runner import DecodeSession, read_info
     from quantcli.errors import DataError
 
     t0 = time.perf_counter()
@@ -165,6 +206,10 @@ def verify_decode_graph(
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     exact = DecodeSession(onnx_path, so)
     float_model, fake = ckpt.float_model().eval(), ckpt.model.eval()
+    info = read_info(onnx_path)
+    kv = ckpt.kv_cache if deployed.cache_dtype == np.int8 else None
+    if kv is not None or info.embeddings:
+        fake = as_deployed(fake, kv, info.embeddings)
     try:
         return _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds)
     except _graph_errors() as e:  # the graph loads but a step fails: a failed check, not bad input

@@ -1,0 +1,103 @@
+"""int8 decode graphs (issue 37) that keep decode parity.
+
+* int8 weights in MatMulNBits form (``int4-weight-only`` with 8-bit weights): onnxruntime's kernel
+  (``accuracy_level`` 4, its default) quantizes each row of activations to int8 at run time, one scale per
+  token and block, so a token's logits do not depend on the tokens computed with it: step-by-step decoding
+  equals one prefill but where float noise moves a code. ``int8-dynamic``'s DynamicQuantizeLinear takes one
+  scale over all tokens of a step, so every decode step differs from the prefill.
+* static int8 with SmoothQuant: constant activation scales, the same logits either way.
+"""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from exporters.causal_lm.runner import DecodeSession
+from sample_models import tiny_llama
+from tests.helpers import cli
+
+INT8_WEIGHTS = {
+    "preset": "int4-weight-only",
+    "block_size": 32,
+    "reduce_range": False,  # MatMulNBits' int8 kernel does not saturate on AVX2 (its own 8-bit path)
+    "rules": [{"pattern": "*.weight_quantizer", "num_bits": 8}],
+}
+
+
+def _export(root, name: str, config, *calibrate_args) -> tuple:
+    if isinstance(config, dict):
+        (root / f"{name}.json").write_text(json.dumps(config))
+        config = root / f"{name}.json"
+    ck, path = root / f"{name}.calib.pt", root / f"{name}.onnx"
+    r = cli(
+        "calibrate", "tiny_llama", "--config", config, "--placement", "all", "--out", ck, "--json",
+        *calibrate_args,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    r = cli("export", ck, "--onnx", path)
+    assert r.exit_code == 0, r.output
+    return ck, path, info
+
+
+def _steps_off_the_prefill(path, rows=4, length=96) -> float:
+    """The fraction of decode steps (deployed session: default options) whose logits differ from one prefill
+    of the whole sequence by more than float noise (1e-4 of the largest logit)."""
+    s = DecodeSession(path)
+    seqs = [r.numpy()[None, :length] for b in tiny_llama.evaluation_batches() for r in b["input_ids"]][:rows]
+    off = total = 0
+    for ids in seqs:
+        half = length // 2
+        a, b = s.stepwise_logits(ids, half)[0, half:], s.logits(ids)[0, half:]
+        d = np.abs(a - b).max(-1) / np.abs(b).max()
+        off, total = off + int((d > 1e-4).sum()), total + len(d)
+    return off / total
+
+
+@pytest.fixture(scope="module")
+def graphs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("int8")
+    return {
+        "per_token": _export(root, "w8", INT8_WEIGHTS),
+        "dynamic": _export(root, "dyn", "int8-dynamic"),
+    }
+
+
+def test_int8_weights_run_as_matmul_nbits_with_per_token_activation_scales(graphs, tmp_path):
+    ck, path, _ = graphs["per_token"]
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "opt.onnx")
+    ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    nodes = [n for n in onnx.load(so.optimized_model_filepath).graph.node if n.op_type == "MatMulNBits"]
+    attrs = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    assert len(nodes) == 2 * 4 + 1 and all(a["bits"] == 8 and a["accuracy_level"] == 4 for a in attrs)
+    # deployed: decode steps equal the prefill but where float noise moved a code; int8-dynamic: none does
+    assert _steps_off_the_prefill(path) < 0.1
+    assert _steps_off_the_prefill(graphs["dynamic"][1]) > 0.9
+    r = cli("verify", path, "--reference", ck, "--json", "--num-samples", 4, "--decode-steps", 8)
+    assert r.exit_code == 0, r.output
+    checks = {c["name"]: c["value"] for c in json.loads(r.stdout)["checks"]}
+    assert checks["lm.decode_parity"] < 1e-5 and checks["lm.perplexity_increase"] < 0.02
+
+
+def test_static_int8_with_smoothquant_decodes_exactly_as_it_prefills(tmp_path):
+    ck, path, info = _export(tmp_path, "sq", "int8", "--smoothquant", "0.5")
+    assert len(info["smoothquant"]["groups"]) >= 6  # q/k/v, gate/up, down... inputs of both layers smoothed
+    graph = onnx.load(str(path)).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("QuantizeLinear") >= 15 and "GroupQueryAttention" in ops  # static Q/DQ, fused attention
+    s = DecodeSession(path)  # default options: onnxruntime's integer kernels
+    ids = tiny_llama.evaluation_batches()[0]["input_ids"][:2, :80].numpy()
+    for row in ids:  # GroupQueryAttention decodes one row at a time with a cache
+        np.testing.assert_array_equal(s.stepwise_logits(row[None], 40), s.logits(row[None]))
+    r = cli("verify", path, "--reference", ck, "--json", "--num-samples", 4, "--decode-steps", 8)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    checks = {c["name"]: c["value"] for c in rep["checks"]}
+    assert checks["lm.decode_parity"] == 0.0 and checks["lm.perplexity_increase"] < 0.05
+    ppl = rep["perplexity"]
+    assert abs(ppl["graph"] - ppl["fake_quant"]) < 0.01 * ppl["fake_quant"]
