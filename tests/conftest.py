@@ -4,6 +4,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # CLIs started in a subprocess inherit this and quantize every layer as configured (what their tests assert
 # was written for every layer); in-process runs (tests.helpers.cli) unset it and keep the default, auto.
 os.environ["QUANTCLI_PLACEMENT"] = "all"
+# The deployment CPU where a test does not name one: x86 without VNNI, whatever runs the tests, so that the
+# grids (7-bit weights) and latency placement's decisions the tests assert do not change with the machine
+# (a VNNI CPU's kernel costs keep small layers float). detect() still reads this machine, and tests about
+# the deployment CPU name theirs or unset this.
+os.environ["QUANTCLI_CPU"] = "x86-avx2"
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -14,7 +14,8 @@ runner = CliRunner()
 def cli(*args):
     """Invoke the quantcli app in-process; returns click's Result (exit_code, output, stdout, stderr).
 
-    ``--placement`` keeps its default (auto): tests/conftest.py times layers with a stub in this process."""
+    ``--placement`` keeps its default (auto), for the deployment CPU tests/conftest.py names
+    (``QUANTCLI_CPU``)."""
     return runner.invoke(
         app, [str(a) for a in args], catch_exceptions=False, env={"QUANTCLI_PLACEMENT": None}
     )

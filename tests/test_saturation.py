@@ -18,11 +18,12 @@ from torch import nn
 
 from quantcli import calibrate, quantize_model
 from quantcli.analysis.saturation import Emulation, saturating_layers
+from quantcli.errors import ConfigError
 from quantcli.nn import load_config
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import cpu as cpu_kinds
 from quantcli.quant import u8s8
-from tests.helpers import cli
+from tests.helpers import assert_clean_error, cli
 from tests.reference_u8s8 import saturating_dot
 
 AVX2_HERE = cpu_kinds.detect() == "x86-avx2"
@@ -114,11 +115,29 @@ def test_cpu_kind_from_cpuid_and_cpuinfo(machine, cpuid, proc, kind):
     assert cpu_kinds.kind_from(machine, cpuid, proc) == kind
 
 
-def test_resolve_and_saturating_kinds():
+def test_resolve_and_saturating_kinds(monkeypatch):
+    monkeypatch.delenv("QUANTCLI_CPU", raising=False)
     assert cpu_kinds.resolve("auto") == cpu_kinds.detect() == cpu_kinds.resolve(None)
     assert [k for k in cpu_kinds.KINDS if cpu_kinds.can_saturate(k)] == ["x86-avx2", "any"]
-    with pytest.raises(ValueError, match="x86-avx2"):
+    with pytest.raises(ConfigError, match="unknown CPU kind 'avx2'; choose one of auto, x86-avx2"):
         cpu_kinds.resolve("avx2")
+
+
+def test_quantcli_cpu_names_the_deployment_cpu_where_cpu_is_auto(monkeypatch, tmp_path):
+    """A build machine is not the deployment machine: ``QUANTCLI_CPU`` is what auto means (a named --cpu
+    wins), while detect() stays this machine (what onnxruntime's kernels here compute)."""
+    here = cpu_kinds.detect()
+    other = "arm64" if here != "arm64" else "x86-avx2"
+    monkeypatch.setenv("QUANTCLI_CPU", other)
+    assert cpu_kinds.resolve("auto") == cpu_kinds.resolve(None) == other
+    assert cpu_kinds.resolve("x86-vnni") == "x86-vnni" and cpu_kinds.detect() == here
+    assert load_config({"cpu": "auto"}).to_plain()["cpu"] == other
+    monkeypatch.setenv("QUANTCLI_CPU", "auto")
+    assert cpu_kinds.resolve(None) == here
+    monkeypatch.setenv("QUANTCLI_CPU", "avx2")
+    r = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "c.pt")
+    assert_clean_error(r, "QUANTCLI_CPU='avx2' is not a CPU kind", "x86-avx2")
+    assert not (tmp_path / "c.pt").exists()
 
 
 # ------------------------------------------------------------------------------------------ grids
@@ -165,7 +184,8 @@ def test_auto_reduces_the_weights_of_kernels_that_can_saturate_on_a_saturating_c
     assert _weight_bits({"cpu": "x86-avx2", "target": "tensorrt"})["conv"] == 8
 
 
-def test_the_config_stores_the_kind_auto_resolved_to():
+def test_the_config_stores_the_kind_auto_resolved_to(monkeypatch):
+    monkeypatch.delenv("QUANTCLI_CPU", raising=False)
     cfg = load_config({"cpu": "auto"})
     assert cfg.to_plain()["cpu"] == cpu_kinds.detect()
     assert load_config({"cpu": "x86-avx2"}).to_plain()["cpu"] == "x86-avx2"

@@ -87,8 +87,9 @@ CpuOpt = Annotated[
     Optional[Cpu],
     typer.Option(
         "--cpu",
-        help="The CPU the graph will run on: auto (this machine), x86-avx2 (x86 without VNNI: uint8 x int8 "
-        "kernels can saturate), x86-vnni, arm64, or any (a fleet of several kinds).",
+        help="The CPU the graph will run on: auto (the kind $QUANTCLI_CPU names if set, else this "
+        "machine), x86-avx2 (x86 without VNNI: uint8 x int8 kernels can saturate), x86-vnni, arm64, or any "
+        "(a fleet of several kinds).",
     ),
 ]
 TrustCodeOpt = Annotated[

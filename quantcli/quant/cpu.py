@@ -11,12 +11,16 @@ the machine that *deploys* decides what a Q/DQ graph computes and how fast:
 * ``arm64``: 64-bit ARM; the integer kernels widen before they add (``SDOT``/``UDOT`` or ``SMULL``): exact.
 * ``any``: not known, or a fleet of several kinds: every choice must hold on each of the above.
 
-``auto`` (the default of ``calibrate --cpu`` and ``verify --cpu``) is this machine, read with :func:`detect`.
+``auto`` (the default of ``calibrate --cpu`` and ``verify --cpu``) is the kind named by the environment
+variable ``QUANTCLI_CPU`` where it is set (a build machine that is not the deployment machine, a CI job whose
+runners differ), else this machine, read with :func:`detect`. :func:`detect` itself is always this machine:
+what onnxruntime's kernels here compute.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 
 KINDS = ("x86-avx2", "x86-vnni", "arm64", "any")
@@ -27,6 +31,9 @@ CHOICES = (AUTO, *KINDS)
 SATURATING = ("x86-avx2", "any")
 
 _REMEDY_LINK = "docs/calibration.md#the-deployment-cpu---cpu"
+
+#: the environment variable that names the deployment CPU where ``--cpu`` is ``auto`` or not given
+ENV = "QUANTCLI_CPU"
 
 
 def _cpuid_features() -> dict[str, bool]:
@@ -85,12 +92,21 @@ def detect() -> str:
 
 
 def resolve(cpu: str | None) -> str:
-    """A kind from ``--cpu``: ``auto`` (or None) is this machine; raises ``ValueError`` for an unknown
-    name."""
+    """A kind from ``--cpu``: ``auto`` (or None) is ``$QUANTCLI_CPU`` where it names a kind, else this
+    machine; raises :class:`~quantcli.errors.ConfigError` for an unknown name."""
+    from quantcli.errors import ConfigError
+
     if cpu is None or cpu == AUTO:
-        return detect()
+        named = os.environ.get(ENV, "").strip()
+        if named in ("", AUTO):
+            return detect()
+        if named not in KINDS:
+            raise ConfigError(
+                f"{ENV}={named!r} is not a CPU kind; set one of {', '.join(CHOICES)} or unset it"
+            )
+        return named
     if cpu not in KINDS:
-        raise ValueError(f"unknown CPU kind {cpu!r}; choose one of {', '.join(CHOICES)}")
+        raise ConfigError(f"unknown CPU kind {cpu!r}; choose one of {', '.join(CHOICES)}")
     return cpu
 
 
