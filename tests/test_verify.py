@@ -129,8 +129,11 @@ def test_threshold_failure_is_exit_1(calibrated, exported):
     snr = next(c for c in rep["checks"] if c["name"] == "quality.min_snr_db")
     assert not snr["passed"] and snr["threshold"] == 90 and snr["value"] < 90
     worst = rep["fidelity"]["outputs"]["output_0"]["max_abs_diff"]
-    assert worst > 0  # onnxruntime accumulates in another order than PyTorch: a few ulps somewhere
-    for limit, code in ((worst / 2, 1), (worst, 0)):  # --max-abs-diff is an explicit absolute bound
+    # onnxruntime accumulates in another order than PyTorch: a few ulps somewhere on most CPUs (on some, with
+    # some torch builds, none: then only the bound 0 is checked, which that graph meets exactly)
+    assert worst >= 0
+    bounds = ((worst / 2, 1), (worst, 0)) if worst > 0 else ((0.0, 0),)
+    for limit, code in bounds:  # --max-abs-diff is an explicit absolute bound
         r = cli(
             "verify",
             exported("digits_cnn"),
