@@ -1,6 +1,6 @@
 """Run pytest over the test files in N parallel processes (a machine with many cores): the files shared out by
-their number of collected tests, largest first, each process's output in OUT/chunk-K.txt, and one summary
-line per process. Exit code: 0 when every process passed. Usage:
+their number of collected tests, largest first, each process's output in OUT/chunk-K.txt (the failing ones'
+also in OUT/failures.txt), and one summary line per process. Exit code: 0 when every process passed. Usage:
 
     python .ci/parallel_pytest.py N OUT [pytest arguments, e.g. -m "not zoo"]
 """
@@ -48,6 +48,9 @@ def main() -> int:
             if line.startswith(("FAILED", "ERROR")):
                 print("   ", line[:300])
         rc = rc or p.returncode
+        if p.returncode:  # one file with every failing process's whole log (fewer files to bring back)
+            with open(os.path.join(out, "failures.txt"), "a") as f:
+                f.write(f"===== chunk {k}\n" + "\n".join(lines) + "\n")
     print(
         f"{sum(per_file.values())} tests in {len(per_file)} files, {len(procs)} processes, "
         f"{time.time() - t0:.0f} s"
