@@ -12,15 +12,15 @@ session of a model timed interleaved on the 32 held-out samples
 (:func:`exporters.onnxruntime.profile.time_interleaved`: rounds of bursts, alternating order, at least
 ``--rounds`` rounds and 0.3 s per graph, the median); only onnxruntime-target graphs are timed. ``rms_ratio``
 is verify's ``fidelity.rms_ratio`` value, ``dep ratio`` its ``deployment.rms_ratio``
-(docs/verify-criteria.md), ``cos gap`` the exact session's cosine to float less the deployed session's (u8s8
-saturation shows here). ``peer cos spread`` (image models): how far the peer's cosine moves when it is
-calibrated on subsets of the same 64 samples (:func:`peer_draw_cosines`), the accuracy comparison's own
-noise. For CNNs, quantcli is calibrated on the same draws (:func:`quantcli_draw_cosines`): ``draws cos
-int8`` and ``draws cos peer`` are the means over the draws, ``cos diff`` the mean of quantcli's cosine less
-the peer's on the same draw, ``cos noise`` the one-sided 95% t bound of that mean
-(:func:`benchmarks.common.paired_difference`), ``cos last-bit`` the widest cosine move of quantcli's or the
-peer's graph when every scale moves by one float32 ULP (:func:`lastbit_cosines`: a model far from cosine 1
-is that sensitive; a difference within it says nothing of either tool's method).
+(docs/verify-criteria.md), ``cos gap`` the exact session's cosine to float less the deployed session's, both
+on verify's sample (``quality.cosine_gap``; u8s8 saturation shows here). ``peer cos spread`` (image models):
+how far the peer's cosine moves when it is calibrated on subsets of the same 64 samples
+(:func:`peer_draw_cosines`), the accuracy comparison's own noise. For CNNs, quantcli is calibrated on the same
+draws (:func:`quantcli_draw_cosines`): ``draws cos int8`` and ``draws cos peer`` are the means over the draws,
+``cos diff`` the mean of quantcli's cosine less the peer's on the same draw, ``cos noise`` the one-sided 95% t
+bound of that mean (:func:`benchmarks.common.paired_difference`), ``cos last-bit`` the widest cosine move of
+quantcli's or the peer's graph when every scale moves by one float32 ULP (:func:`lastbit_cosines`: a model far
+from cosine 1 is that sensitive; a difference within it says nothing of either tool's method).
 
 Like with like: ``int8/fp32`` divides by the float model exported with the same exporter and opset as that
 row's graph (``torch.onnx.export``; where torch's own export of the float model fails, quantcli's exporter
@@ -256,11 +256,8 @@ def quantcli_graph(name: str, target: str, exporter: str, folder: Path, calib: P
         dep = rep["deployment"].get("outputs", {})
         row["dep ratio"] = max((o["rms_ratio"] for o in dep.values()), default=float("nan"))
         # issue 36: the deployed session's cosine to float against the exact session's (u8s8 saturation)
-        gaps = [
-            rep["quality"]["exact_outputs"][n]["cosine"] - rep["quality"]["outputs"][n]["cosine"]
-            for n in rep["quality"]["outputs"]
-            if rep["quality"]["session"] == "deployed"
-        ]
+        # (on the inputs both sessions ran: verify's sample)
+        gaps = [g for g in rep["quality"]["cosine_gap"].values() if g is not None]
         row["cos gap"] = max(gaps, default=float("nan"))
     code, out = cli("inspect", graph, "--runtime", "onnxruntime", "--json")
     if code == 0:

@@ -405,6 +405,4 @@ def test_verify_fails_the_saturating_convnext_style_block_and_passes_the_default
     )
     code, rep = run("auto")
     assert code == 0, rep["checks"]
-    deployed = rep["quality"]["outputs"]["output_0"]["cosine"]
-    exact = rep["quality"]["exact_outputs"]["output_0"]["cosine"]
-    assert abs(deployed - exact) <= 0.002
+    assert abs(rep["quality"]["cosine_gap"]["output_0"]) <= 0.002  # exact less deployed, the same inputs

@@ -496,3 +496,55 @@ def test_report_destination_is_checked_before_verifying(calibrated, tmp_path):
         f"cannot write {report}",
         "does not exist",
     )
+
+
+def test_cosine_gap_compares_the_deployed_and_exact_sessions_on_the_same_inputs(tmp_path):
+    """quality.cosine_gap (issue 36's figure: the exact session's cosine to float less the deployed
+    session's) is taken on the inputs the exact session ran, the per-quantizer sample, for both sessions;
+    quality.outputs (the deployed session) covers every input. The data here make the difference visible:
+    16 digits, then noise the digits' ranges clip, whose cosine is far lower: the cosines over the two input
+    sets differ by far more than the two sessions do. The graph has 8-bit weights (made for a CPU with VNNI):
+    where this CPU's kernels saturate, the two sessions differ for real. Expected values from onnxruntime
+    and the float model run here."""
+    import onnxruntime as ort
+
+    from quantcli.inputs.checkpoint import load_calibrated
+    from sample_models import SAMPLES
+
+    digits = SAMPLES["digits_cnn"].evaluation_batches()[0]["x"][:REPLAY_SAMPLES].numpy()
+    noise = 4 * np.random.default_rng(0).standard_normal((48, 1, 8, 8)).astype(np.float32)
+    data = np.concatenate([digits, noise])
+    np.save(tmp_path / "d.npy", data)
+    ck, onnx_path = tmp_path / "vnni.calib.pt", tmp_path / "vnni.onnx"
+    r = cli("calibrate", "digits_cnn", "--cpu", "x86-vnni", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
+    r = cli("verify", onnx_path, "--reference", ck, "--data", tmp_path / "d.npy", "--json")
+    q = json.loads(r.stdout)["quality"]
+    assert q["session"] == "deployed" and q["exact_samples"] == REPLAY_SAMPLES
+
+    with torch.no_grad():
+        flt = load_calibrated(ck).float_model()(torch.from_numpy(data)).numpy().astype(np.float64)
+
+    def cosine(a, b):
+        a, b = a.astype(np.float64).ravel(), b.ravel()
+        return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+    def outputs(level):
+        so = ort.SessionOptions()
+        if level is not None:
+            so.graph_optimization_level = level
+        return ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": data}
+        )[0]
+
+    exact, deployed = outputs(ort.GraphOptimizationLevel.ORT_DISABLE_ALL), outputs(None)
+    head = slice(0, REPLAY_SAMPLES)
+    want = cosine(exact[head], flt[head]) - cosine(deployed[head], flt[head])
+    if can_saturate(detect()):  # the deployed session saturates here: a gap that is not rounding
+        assert want > 1e-4
+    assert q["cosine_gap"]["output_0"] == pytest.approx(want, rel=1e-6, abs=1e-9)
+    assert q["outputs"]["output_0"]["cosine"] == pytest.approx(cosine(deployed, flt), abs=1e-9)
+    # the cosines of exact_outputs and outputs are over different inputs: their difference is not the gap
+    naive = q["exact_outputs"]["output_0"]["cosine"] - q["outputs"]["output_0"]["cosine"]
+    assert abs(naive - want) > 10 * max(abs(want), 1e-6)

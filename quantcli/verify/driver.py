@@ -133,6 +133,8 @@ def verify_onnx(
         "session": "deployed" if use is cmp.dqual else "exact",
         "outputs": {n: use[n].quality() for n in cmp.out_names},
         "exact_outputs": {n: cmp.qual[n].quality() for n in cmp.out_names},
+        "exact_samples": cmp.exact_samples,
+        "cosine_gap": cmp.cosine_gap() if use is cmp.dqual else {},
     }
     if deployment:
         _deployment_checks(report, model, ss, cmp, max_deploy_ratio, kind)
@@ -157,7 +159,13 @@ def _graph_failed(report: VerifyReport, error: GraphRunError, t0: float) -> Veri
         "not_replayed": [],
         "failing_quantizers": [],
     }
-    report.quality = {"session": "exact", "outputs": {}, "exact_outputs": {}}
+    report.quality = {
+        "session": "exact",
+        "outputs": {},
+        "exact_outputs": {},
+        "exact_samples": 0,
+        "cosine_gap": {},
+    }
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -224,6 +232,9 @@ class _Comparison:
     qual: dict[str, PairStats] = field(default_factory=dict)  # exact session vs float
     dep: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs fake-quant
     dqual: dict[str, PairStats] = field(default_factory=dict)  # deployed session vs float
+    # the same, on the inputs the exact session ran: the deployed session's side of cosine_gap (dqual covers
+    # every input, qual only those; two cosines over different inputs differ by which inputs they saw)
+    dqual_exact: dict[str, PairStats] = field(default_factory=dict)
     evidence: replay.Replay | None = None
     exact_samples: int = 0
     # quantcli's transformed float model vs the model as loaded
@@ -240,6 +251,7 @@ class _Comparison:
             self.fid[n], self.qerr[n], self.qerr_exact[n] = PairStats(), PairStats(), PairStats()
             self.qual[n] = PairStats(top1=k in logits)
             self.dep[n], self.dqual[n] = PairStats(), PairStats(top1=k in logits)
+            self.dqual_exact[n] = PairStats()
 
     def add(
         self,
@@ -272,6 +284,18 @@ class _Comparison:
             if deployed is not None:
                 self.dep[n].add(deployed[k], ref[k])
                 self.dqual[n].add(deployed[k], flt[k])
+                if got is not None:
+                    self.dqual_exact[n].add(deployed[k], flt[k])
+
+    def cosine_gap(self) -> dict[str, float | None]:
+        """Per output: the exact session's cosine to the float model less the deployed session's, both on the
+        inputs the exact session ran (``exact_samples``; issue 36's figure: u8s8 saturation or a fused kernel
+        that loses accuracy makes it positive). None where either cosine is undefined (a zero output)."""
+        gaps = {}
+        for n in self.out_names:
+            exact, deployed = self.qual[n].cosine, self.dqual_exact[n].cosine
+            gaps[n] = exact - deployed if exact is not None and deployed is not None else None
+        return gaps
 
 
 def _compare_outputs(
