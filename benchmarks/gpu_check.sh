@@ -5,10 +5,11 @@
 #
 #     bash benchmarks/gpu_check.sh            # logs under $OUT (./gpu_check_out where OUT is not set)
 #
-# Every step has a time limit (`timeout`; 455 s in all, plus 5 s each to kill one that hangs), so the whole script
-# ends within about 8 minutes on one H100/H200 whatever happens; a step that fails or times out is logged and the
-# next one runs. The benchmark prints each row as it is measured, so a run cut short keeps what it measured. The summary of every step
-# and its exit code goes to $OUT/gpu_check.log (124: it hit its limit).
+# Every step has a time limit (`timeout`; 755 s in all, plus 5 s each to kill one that hangs), so the whole
+# script ends within about 13 minutes on one H100/H200 whatever happens (about 5 when nothing hangs); a step that
+# fails or times out is logged and the next one runs. The benchmark prints each row as it is measured, so a run
+# cut short keeps what it measured. The summary of every step and its exit code goes to $OUT/gpu_check.log (124:
+# it hit its limit).
 
 set -u
 OUT="${OUT:-$PWD/gpu_check_out}"
@@ -72,5 +73,9 @@ step bench_calibrators 40 "$PY" -m benchmarks.bench_calibrators --device cuda --
 # 7. issue 36: this machine's CPU kind and its row set of the kernel-cost table latency placement reads (a CPU
 #    with VNNI adds the x86-vnni rows: copy $OUT/kernel_costs.json's entry into exporters/onnxruntime/)
 step cpu_kernel_costs 60 "$PY" -m benchmarks.bench_kernel_costs --write --out "$OUT/kernel_costs.json" --seconds 0.3
+
+# 8. the default test suite on this machine's CPU (a VNNI CPU on the lent machines: what CI meets on one), the
+#    test files shared over 13 processes; the failing processes' logs in $OUT/suite/failures.txt
+step suite 300 "$PY" .ci/parallel_pytest.py 13 "$OUT/suite" -m "not zoo and not cuda"
 
 log "done in ${SECONDS}s; outputs: $(ls "$OUT" | tr '\n' ' ')"
