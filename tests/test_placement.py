@@ -317,6 +317,69 @@ def test_conv_relu_pool_before_a_float_op_quantizes_after_the_pool(tmp_path):
         assert not torch.equal(m.features(x), f.features(x))
 
 
+class ConcatHead(nn.Module):
+    """Two Linear -> ReLU branches and a float feature concatenated before the head (the pattern of the second
+    zoo's two_inputs and DLRM). ``signed``: the float feature can be negative (DLRM's embedding bags), so the
+    head's input grid has a zero point above 0."""
+
+    def __init__(self, signed: bool = False):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 8), nn.Linear(12, 6), nn.Linear(8 + 6 + 4, 3)
+        self.signed = signed
+
+    def forward(self, x):
+        extra = x[:, :4] * 3.0 if self.signed else torch.abs(x[:, :4])
+        return self.head(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x)), extra], 1))
+
+
+def _concat_copies(graph: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The Q copies the export put in front of Concats."""
+    concat_inputs = {x for n in graph.graph.node if n.op_type == "Concat" for x in n.input}
+    return [
+        n
+        for n in graph.graph.node
+        if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name and n.output[0] in concat_inputs
+    ]
+
+
+def test_linear_relu_concat_fuses_and_the_concat_runs_on_one_grid(tmp_path):
+    """The head's input quantizer (after the Concat) is copied onto each Concat input, as onnxruntime's
+    quantize_static quantizes every Concat input: a and b then have a Q after their Relu and fuse into QGemm
+    (the Relu absorbed: the grid is >= 0, zero point 0), the Concat runs as QLinearConcat on codes of one
+    scale. Before, both ran as float FusedGemm (Gemm + Relu) and the Concat in float."""
+    shape = (6, 12)
+    m = _quantized(ConcatHead(), shape)
+    path = _export(m, shape, tmp_path)
+    graph = onnx.load(str(path))
+    copies = _concat_copies(graph)
+    assert len(copies) == 3
+    k = _kernels(path)
+    assert k["QGemm"] == 3 and k["QLinearConcat"] == 1, k
+    assert k["Gemm"] == k["FusedGemm"] == k["Relu"] == k["Concat"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    # QLinearConcat of one grid: every input's scale and zero point is the output's (a copy of codes)
+    opt = optimized_graph(path)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in opt.graph.initializer}
+    (qc,) = [n for n in opt.graph.node if n.op_type == "QLinearConcat"]
+    out_grid = (inits[qc.input[0]].item(), inits[qc.input[1]].item())
+    in_grids = [
+        (inits[qc.input[i]].item(), inits[qc.input[i + 1]].item()) for i in range(3, len(qc.input), 3)
+    ]
+    assert in_grids == [out_grid] * 3 and out_grid[1] == 0
+    assert_exact(m, path, shape)
+    # the Concat of the copies' codes is the head's input codes, element for element (optimizations off)
+    head_dq = next(d for d, q in quantizer_map(graph).items() if q == "head.input_quantizer")
+    for name in [c.output[0] for c in copies] + [head_dq]:
+        graph.graph.output.append(onnx.helper.make_tensor_value_info(name, T.FLOAT, None))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(graph.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = _batches(shape, 1, seed=5)[0]["x"].numpy()
+    outs = dict(zip([o.name for o in graph.graph.output], sess.run(None, {"x": x})))
+    (concat,) = [n for n in graph.graph.node if n.op_type == "Concat"]
+    assert np.array_equal(outs[head_dq], np.concatenate([outs[i] for i in concat.input], axis=1))
+
+
 def _activation_grid(q) -> tuple[np.float32, int]:
     """(scale, uint8 zero point) of an 8-bit activation quantizer, by the formulas in numpy: symmetric int8
     codes are stored as uint8 + 128 with scale amax / 127; an asymmetric grid (the onnxruntime target's
