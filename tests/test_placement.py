@@ -101,9 +101,11 @@ def _with_stats(model):
     return model.eval()
 
 
-def _quantized(model, shape, config="int8", seed=0):
+def _quantized(model, shape, config="int8", seed=0, example=False):
+    """``model`` quantized and calibrated; ``example``: its structure recorded on a batch (as calibrate
+    does), else read with torch.fx."""
     torch.manual_seed(seed)
-    m = quantize_model(_with_stats(model), config)
+    m = quantize_model(_with_stats(model), config, example=_batches(shape, 1, seed=7)[0] if example else None)
     calibrate(m, _batches(shape), "max", device="cpu")
     return m
 
@@ -378,6 +380,68 @@ def test_linear_relu_concat_fuses_and_the_concat_runs_on_one_grid(tmp_path):
     outs = dict(zip([o.name for o in graph.graph.output], sess.run(None, {"x": x})))
     (concat,) = [n for n in graph.graph.node if n.op_type == "Concat"]
     assert np.array_equal(outs[head_dq], np.concatenate([outs[i] for i in concat.input], axis=1))
+
+
+class SignedConcat(nn.Module):
+    """DLRM's pattern: a bottom MLP (ReLU modules) concatenated with a feature that can be negative (its
+    embedding bags) before the top layer; ``three_d``: on 3-D inputs (the Linear is a MatMul)."""
+
+    def __init__(self, three_d: bool = False):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU())
+        self.top = nn.Linear(8 + 4, 3)
+        self.three_d = three_d
+
+    def forward(self, x):
+        if self.three_d:
+            x = x.unsqueeze(1)
+        return self.top(torch.cat([self.bottom(x), x[..., :4] * 3.0], -1))
+
+
+def test_linear_relu_into_a_signed_concat_gets_an_unsigned_output_quantizer(tmp_path):
+    """The top layer's input grid has a zero point above 0 (the concatenated feature is negative too), so a
+    copy of its Q after bottom.2's Relu would not let onnxruntime absorb the Relu (Gemm + Relu stayed a float
+    FusedGemm). bottom.2 gets an output quantizer of its own after the ReLU module, on the uint8 grid, as
+    quantize_static quantizes a Gemm -> Relu output: QGemm, and the Concat runs as QLinearConcat of two
+    grids (the other input's Q a copy of the top layer's)."""
+    shape = (6, 12)
+    m = _quantized(SignedConcat(), shape, example=True)
+    p = m.quantcli_report.placement
+    assert p.output_quantized == ["bottom.2"] and p.output_after == {"bottom.2": ("bottom.3", True)}
+    assert m.bottom[2].output_quantizer.desc.unsigned and not m.top.input_quantizer.desc.unsigned
+    path = _export(m, shape, tmp_path)
+    assert len(_concat_copies(onnx.load(str(path)))) == 1  # the float feature; bottom.3's output is a DQ's
+    k = _kernels(path)
+    assert k["QGemm"] == 3 and k["QLinearConcat"] == 1, k
+    assert k["Gemm"] == k["FusedGemm"] == k["Relu"] == k["Concat"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+def test_a_3d_linear_before_a_signed_concat_gets_no_output_quantizer(tmp_path):
+    """Control: on 3-D inputs the Linear is a MatMul, which onnxruntime fuses without a Q on its output."""
+    m = _quantized(SignedConcat(three_d=True), (6, 12), example=True)
+    assert m.quantcli_report.placement.output_quantized == []
+    assert not hasattr(m.bottom[2], "output_quantizer")
+
+
+class ReluConcat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 8), nn.Linear(12, 6), nn.Linear(14, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1))
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "fx"])
+def test_a_concat_of_relu_outputs_is_quantized_unsigned(recorded):
+    """A Concat of tensors that are >= 0 by construction is >= 0: the next layer's input is on the uint8 grid
+    with zero point 0, so the Q copied onto the Concat's inputs lets onnxruntime absorb both Relus."""
+    shape = (6, 12)
+    m = _quantized(ReluConcat(), shape, example=recorded)
+    assert "head" in m.quantcli_report.placement.unsigned_inputs
+    assert m.head.input_quantizer.desc.unsigned
 
 
 def _activation_grid(q) -> tuple[np.float32, int]:
