@@ -402,18 +402,19 @@ def test_linear_relu_into_a_signed_concat_gets_an_unsigned_output_quantizer(tmp_
     """The top layer's input grid has a zero point above 0 (the concatenated feature is negative too), so a
     copy of its Q after bottom.2's Relu would not let onnxruntime absorb the Relu (Gemm + Relu stayed a float
     FusedGemm). bottom.2 gets an output quantizer of its own after the ReLU module, on the uint8 grid, as
-    quantize_static quantizes a Gemm -> Relu output: QGemm, and the Concat runs as QLinearConcat of two
-    grids (the other input's Q a copy of the top layer's)."""
+    quantize_static quantizes a Gemm -> Relu output: QGemm. The Concat's other input is no layer's output,
+    so the export copies no Q onto it (nothing more would fuse): the Concat reads a DQ and that float
+    feature, and the top layer's Q stays after it."""
     shape = (6, 12)
     m = _quantized(SignedConcat(), shape, example=True)
     p = m.quantcli_report.placement
     assert p.output_quantized == ["bottom.2"] and p.output_after == {"bottom.2": ("bottom.3", True)}
     assert m.bottom[2].output_quantizer.desc.unsigned and not m.top.input_quantizer.desc.unsigned
     path = _export(m, shape, tmp_path)
-    assert len(_concat_copies(onnx.load(str(path)))) == 1  # the float feature; bottom.3's output is a DQ's
+    assert _concat_copies(onnx.load(str(path))) == []
     k = _kernels(path)
-    assert k["QGemm"] == 3 and k["QLinearConcat"] == 1, k
-    assert k["Gemm"] == k["FusedGemm"] == k["Relu"] == k["Concat"] == 0, k
+    assert k["QGemm"] == 3 and k["Concat"] == 1, k
+    assert k["Gemm"] == k["FusedGemm"] == k["Relu"] == k["QLinearConcat"] == 0, k
     assert inspect_fusion(path).unfused == []
     assert_exact(m, path, shape)
 
