@@ -499,10 +499,9 @@ def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, e
     (:func:`exporters.onnxruntime.placement.propagate_quantize`), but that grid has a zero point above 0 when
     the Concat can be negative, and onnxruntime absorbs a Relu into the layer before a Q only when the Q's
     zero point is the grid's lowest code; without a Q after it, onnxruntime makes the Gemm and Relu one float
-    ``FusedGemm``. An output quantizer of its own (after the ReLU: unsigned) gives the Gemm its ``QGemm`` and
-    the Concat an input from a DequantizeLinear (``QLinearConcat`` takes grids of different scales), as
-    onnxruntime's ``quantize_static`` quantizes a Gemm -> Relu output. A Concat that is >= 0 needs none: the
-    copied Q is unsigned then."""
+    ``FusedGemm``. An output quantizer of its own (after a ReLU module: unsigned) gives the Gemm its
+    ``QGemm``, as onnxruntime's ``quantize_static`` quantizes a Gemm -> Relu output; the Concat then reads
+    its DequantizeLinear. A Concat that is >= 0 needs none: the copied Q is unsigned then."""
     if node.meta.get("ndim") != 2:
         return False  # a 3-D Linear is a MatMul (+ Add), which fuses without an output Q
     end, relu = node, False
