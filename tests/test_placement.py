@@ -101,9 +101,11 @@ def _with_stats(model):
     return model.eval()
 
 
-def _quantized(model, shape, config="int8", seed=0):
+def _quantized(model, shape, config="int8", seed=0, example=False):
+    """``model`` quantized and calibrated; ``example``: its structure recorded on a batch (as calibrate
+    does), else read with torch.fx."""
     torch.manual_seed(seed)
-    m = quantize_model(_with_stats(model), config)
+    m = quantize_model(_with_stats(model), config, example=_batches(shape, 1, seed=7)[0] if example else None)
     calibrate(m, _batches(shape), "max", device="cpu")
     return m
 
@@ -315,6 +317,132 @@ def test_conv_relu_pool_before_a_float_op_quantizes_after_the_pool(tmp_path):
             ),
         )
         assert not torch.equal(m.features(x), f.features(x))
+
+
+class ConcatHead(nn.Module):
+    """Two Linear -> ReLU branches and a float feature concatenated before the head (the pattern of the second
+    zoo's two_inputs and DLRM). ``signed``: the float feature can be negative (DLRM's embedding bags), so the
+    head's input grid has a zero point above 0."""
+
+    def __init__(self, signed: bool = False):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 8), nn.Linear(12, 6), nn.Linear(8 + 6 + 4, 3)
+        self.signed = signed
+
+    def forward(self, x):
+        extra = x[:, :4] * 3.0 if self.signed else torch.abs(x[:, :4])
+        return self.head(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x)), extra], 1))
+
+
+def _concat_copies(graph: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The Q copies the export put in front of Concats."""
+    concat_inputs = {x for n in graph.graph.node if n.op_type == "Concat" for x in n.input}
+    return [
+        n
+        for n in graph.graph.node
+        if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name and n.output[0] in concat_inputs
+    ]
+
+
+def test_linear_relu_concat_fuses_and_the_concat_runs_on_one_grid(tmp_path):
+    """The head's input quantizer (after the Concat) is copied onto each Concat input, as onnxruntime's
+    quantize_static quantizes every Concat input: a and b then have a Q after their Relu and fuse into QGemm
+    (the Relu absorbed: the grid is >= 0, zero point 0), the Concat runs as QLinearConcat on codes of one
+    scale. Before, both ran as float FusedGemm (Gemm + Relu) and the Concat in float."""
+    shape = (6, 12)
+    m = _quantized(ConcatHead(), shape)
+    path = _export(m, shape, tmp_path)
+    graph = onnx.load(str(path))
+    copies = _concat_copies(graph)
+    assert len(copies) == 3
+    k = _kernels(path)
+    assert k["QGemm"] == 3 and k["QLinearConcat"] == 1, k
+    assert k["Gemm"] == k["FusedGemm"] == k["Relu"] == k["Concat"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    # QLinearConcat of one grid: every input's scale and zero point is the output's (a copy of codes)
+    opt = optimized_graph(path)
+    inits = {t.name: onnx.numpy_helper.to_array(t) for t in opt.graph.initializer}
+    (qc,) = [n for n in opt.graph.node if n.op_type == "QLinearConcat"]
+    out_grid = (inits[qc.input[0]].item(), inits[qc.input[1]].item())
+    in_grids = [
+        (inits[qc.input[i]].item(), inits[qc.input[i + 1]].item()) for i in range(3, len(qc.input), 3)
+    ]
+    assert in_grids == [out_grid] * 3 and out_grid[1] == 0
+    assert_exact(m, path, shape)
+    # the Concat of the copies' codes is the head's input codes, element for element (optimizations off)
+    head_dq = next(d for d, q in quantizer_map(graph).items() if q == "head.input_quantizer")
+    for name in [c.output[0] for c in copies] + [head_dq]:
+        graph.graph.output.append(onnx.helper.make_tensor_value_info(name, T.FLOAT, None))
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(graph.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = _batches(shape, 1, seed=5)[0]["x"].numpy()
+    outs = dict(zip([o.name for o in graph.graph.output], sess.run(None, {"x": x})))
+    (concat,) = [n for n in graph.graph.node if n.op_type == "Concat"]
+    assert np.array_equal(outs[head_dq], np.concatenate([outs[i] for i in concat.input], axis=1))
+
+
+class SignedConcat(nn.Module):
+    """DLRM's pattern: a bottom MLP (ReLU modules) concatenated with a feature that can be negative (its
+    embedding bags) before the top layer; ``three_d``: on 3-D inputs (the Linear is a MatMul)."""
+
+    def __init__(self, three_d: bool = False):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU())
+        self.top = nn.Linear(8 + 4, 3)
+        self.three_d = three_d
+
+    def forward(self, x):
+        if self.three_d:
+            x = x.unsqueeze(1)
+        return self.top(torch.cat([self.bottom(x), x[..., :4] * 3.0], -1))
+
+
+def test_linear_relu_into_a_signed_concat_gets_an_unsigned_output_quantizer(tmp_path):
+    """The top layer's input grid has a zero point above 0 (the concatenated feature is negative too), so a
+    copy of its Q after bottom.2's Relu would not let onnxruntime absorb the Relu (Gemm + Relu stayed a float
+    FusedGemm). bottom.2 gets an output quantizer of its own after the ReLU module, on the uint8 grid, as
+    quantize_static quantizes a Gemm -> Relu output: QGemm. The Concat's other input is no layer's output,
+    so the export copies no Q onto it (nothing more would fuse): the Concat reads a DQ and that float
+    feature, and the top layer's Q stays after it."""
+    shape = (6, 12)
+    m = _quantized(SignedConcat(), shape, example=True)
+    p = m.quantcli_report.placement
+    assert p.output_quantized == ["bottom.2"] and p.output_after == {"bottom.2": ("bottom.3", True)}
+    assert m.bottom[2].output_quantizer.desc.unsigned and not m.top.input_quantizer.desc.unsigned
+    path = _export(m, shape, tmp_path)
+    assert _concat_copies(onnx.load(str(path))) == []
+    k = _kernels(path)
+    assert k["QGemm"] == 3 and k["Concat"] == 1, k
+    assert k["Gemm"] == k["FusedGemm"] == k["Relu"] == k["QLinearConcat"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+def test_a_3d_linear_before_a_signed_concat_gets_no_output_quantizer(tmp_path):
+    """Control: on 3-D inputs the Linear is a MatMul, which onnxruntime fuses without a Q on its output."""
+    m = _quantized(SignedConcat(three_d=True), (6, 12), example=True)
+    assert m.quantcli_report.placement.output_quantized == []
+    assert not hasattr(m.bottom[2], "output_quantizer")
+
+
+class ReluConcat(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(12, 8), nn.Linear(12, 6), nn.Linear(14, 3)
+
+    def forward(self, x):
+        return self.head(torch.cat([torch.relu(self.a(x)), torch.relu(self.b(x))], 1))
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "fx"])
+def test_a_concat_of_relu_outputs_is_quantized_unsigned(recorded):
+    """A Concat of tensors that are >= 0 by construction is >= 0: the next layer's input is on the uint8 grid
+    with zero point 0, so the Q copied onto the Concat's inputs lets onnxruntime absorb both Relus."""
+    shape = (6, 12)
+    m = _quantized(ReluConcat(), shape, example=recorded)
+    assert "head" in m.quantcli_report.placement.unsigned_inputs
+    assert m.head.input_quantizer.desc.unsigned
 
 
 def _activation_grid(q) -> tuple[np.float32, int]:

@@ -20,6 +20,15 @@ optimizations off); they change only how the same codes are expressed:
    onnxruntime then fuses the Conv (with the Relu) into QLinearConv and runs MaxPool/Flatten on the codes.
    Exact: ``DQ(Q(.))`` is monotone and elementwise, so it commutes with max pooling and with moving elements,
    and ``Q(DQ(Q(x))) == Q(x)``.
+
+   A Q after a ``Concat`` (per tensor, the Concat read only by Qs of that grid) gets the same Q -> DQ on each
+   Concat input that no DequantizeLinear produces, as onnxruntime's ``quantize_static`` quantizes every
+   Concat input, where one of them is a quantized layer's output (through a Relu) that then fuses: a layer
+   -> Relu -> Concat -> Q chain (a Linear's output concatenated with other features before the next layer)
+   then has a Q after the Relu, so onnxruntime fuses the layer and the Relu into its integer kernel (when the
+   Q's zero point is the grid's lowest code), and ``DQ -> Concat -> Q`` becomes ``QLinearConcat``, a copy of
+   codes of one scale. Exact for the same reason: the concatenation of ``DQ(Q(x_i))`` quantized again is
+   ``Q(concat(x_i))`` element for element.
 """
 
 from __future__ import annotations
@@ -154,6 +163,13 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
             ):
                 continue  # float8 has no MaxPool/Transpose kernels in onnxruntime: leave it
             op = producers.get(q.input[0])
+            if op is not None and op.op_type == "Concat" and op.output[0] not in outputs:
+                copied = _quantize_concat_inputs(g, op, q, inits, producers, consumers)
+                if copied:
+                    added += copied
+                    changed = True
+                    break
+                continue
             if op is None or op.op_type not in COMMUTING_OPS or op.output[0] in outputs:
                 continue
             if op.input[0] in inits or any(
@@ -183,6 +199,68 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
             changed = True
             break
     return added
+
+
+def _same_grid_readers(op: onnx.NodeProto, q: onnx.NodeProto, inits, consumers) -> bool:
+    """True if every reader of ``op``'s output is a QuantizeLinear of ``q``'s scale, zero point and
+    attributes (a float reader would see quantized values once ``op`` reads codes)."""
+    return all(
+        c.op_type == "QuantizeLinear"
+        and _key(c, inits) is not None
+        and _key(c, inits)[1:] == _key(q, inits)[1:]
+        for c in consumers.get(op.output[0], [])
+    )
+
+
+#: the layers onnxruntime fuses with a Q on their output (a Relu/Clip between them absorbed)
+_LAYER_OPS = ("Conv", "Gemm", "MatMul")
+
+
+def _layer_before(name: str, producers, consumers) -> bool:
+    """True if ``name`` is the output of a Conv/Gemm/MatMul fed by a DequantizeLinear, through at most one
+    Relu/Clip that alone reads it: the tensor a Q must take for onnxruntime to fuse that layer."""
+    n = producers.get(name)
+    if n is not None and n.op_type in ("Relu", "Clip") and len(consumers.get(n.input[0], [])) == 1:
+        n = producers.get(n.input[0])
+    if n is None or n.op_type not in _LAYER_OPS or not n.input:
+        return False
+    src = producers.get(n.input[0])
+    return src is not None and src.op_type == "DequantizeLinear"
+
+
+def _quantize_concat_inputs(g, op: onnx.NodeProto, q: onnx.NodeProto, inits, producers, consumers) -> int:
+    """Put a copy of ``q`` (a per-tensor Q reading the Concat ``op``) with its DQ on each input of ``op`` that
+    no DequantizeLinear produces, where one of those is a quantized layer's output (:func:`_layer_before`)
+    that then fuses; returns how many were added. An input that a DQ produces (an earlier copy, or another
+    quantizer's codes) is left: ``QLinearConcat`` takes inputs of different grids."""
+    if any(name in inits or not name for name in op.input) or not _same_grid_readers(op, q, inits, consumers):
+        return 0
+    if any(to_numpy(inits[name]).size != 1 for name in q.input[1:]):
+        return 0  # a per-channel grid would have to be cut along the concatenation axis
+    todo = []
+    for name in dict.fromkeys(op.input):
+        src = producers.get(name)
+        if src is None or src.op_type != "DequantizeLinear":
+            todo.append(name)
+    if not any(_layer_before(name, producers, consumers) for name in todo):
+        return 0  # no layer gains its integer kernel: the graph stays as the quantizers wrote it
+    nodes = list(g.node)
+    at = nodes.index(op)
+    new = []
+    for k, name in enumerate(todo):
+        base = f"{op.name or op.output[0]}/{PROPAGATED_MARK}_{k}"
+        q_new = helper.make_node("QuantizeLinear", [name, *q.input[1:]], [base + "_q"], name=base + "/Q")
+        q_new.attribute.extend(q.attribute)
+        dq_new = helper.make_node(
+            "DequantizeLinear", [base + "_q", *q.input[1:]], [base + "_dq"], name=base + "/DQ"
+        )
+        new += [q_new, dq_new]
+        for i, x in enumerate(op.input):
+            if x == name:
+                op.input[i] = base + "_dq"
+    del g.node[:]
+    g.node.extend(nodes[:at] + new + nodes[at:])
+    return len(todo)
 
 
 def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:

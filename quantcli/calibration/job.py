@@ -615,7 +615,7 @@ def placement_summary(placement, target: str) -> dict:
     else:
         d["text"] = (
             f"{_count(placement.unsigned_inputs, 'post-ReLU input')} on the uint8 grid, "
-            f"{_count(placement.output_quantized, 'Conv output quantizer')}, int32 biases"
+            f"{_count(placement.output_quantized, 'output quantizer')}, int32 biases"
         )
         extra = [
             (placement.residual_quantized, "residual skip input", "quantized (QLinearAdd)"),

@@ -127,6 +127,7 @@ _SIGN_KEEPING_FUNCTIONS = {
     torch.mean,
 }
 _SIGN_KEEPING_METHODS = {"mean"}
+_CONCAT_FUNCTIONS = {torch.cat, torch.concat, torch.concatenate}
 
 
 @dataclass
@@ -137,7 +138,8 @@ class Placement:
     analysed: bool = True
     note: str | None = None  # why the structure could not be analysed
     unsigned_inputs: list[str] = field(default_factory=list)  # inputs >= 0 by construction: uint8 grid
-    output_quantized: list[str] = field(default_factory=list)  # Conv layers that get an output quantizer
+    # Conv layers that get an output quantizer, and 2-D Linears whose ReLU output feeds a signed Concat
+    output_quantized: list[str] = field(default_factory=list)
     # a Conv's output quantizer applied after the ReLU/pooling after it: layer -> (module applying it,
     # unsigned)
     output_after: dict[str, tuple[str, bool]] = field(default_factory=dict)
@@ -289,9 +291,25 @@ def _zero_pad_before(node, calls: Counter, modules, graph) -> str | None:
     return owner if inside == [src] else None
 
 
+def _is_concat(node) -> bool:
+    return _is_node(node) and node.op == "call_function" and node.target in _CONCAT_FUNCTIONS
+
+
+def _concatenated(node) -> list:
+    """The tensors a concatenation node joins (None for one no recorded node produced: a parameter)."""
+    args = node.args
+    if args and isinstance(args[0], (list, tuple)):  # torch.fx keeps the list
+        args = args[0]
+    return list(args)
+
+
 def nonnegative(node, modules: dict[str, nn.Module]) -> bool:
-    """True if ``node``'s value is >= 0 by construction (a ReLU, possibly through sign-keeping ops)."""
+    """True if ``node``'s value is >= 0 by construction (a ReLU, possibly through sign-keeping ops, or a
+    concatenation of such tensors)."""
     while _is_node(node):
+        if _is_concat(node):
+            parts = _concatenated(node)
+            return bool(parts) and all(nonnegative(p, modules) for p in parts)
         kind = _kind(node, modules)
         if kind == "relu":
             return True
@@ -458,7 +476,49 @@ def analyse(
             after = _output_point(nodes[0], calls, modules, quantized_inputs) if len(nodes) == 1 else None
             if after is not None:
                 placement.output_after[name] = after
+        elif (
+            not conv
+            and name in quantized_inputs
+            and weight_integer.get(name)
+            and len(nodes) == 1
+            and _relu_into_signed_concat(nodes[0], modules, quantized_inputs, skips, reached)
+        ):
+            placement.output_quantized.append(name)
+            after = _output_point(nodes[0], calls, modules, quantized_inputs)
+            if after is not None:
+                placement.output_after[name] = after
     return placement, graph
+
+
+def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
+    """True for a Linear on a 2-D input (a Gemm) whose output goes, through a ReLU (and ops that commute with
+    quantization, one reader each), into a concatenation that can be negative and whose output reaches
+    quantized layers only (DLRM's bottom MLP before the embedding bags).
+
+    The export copies the next layer's input quantizer onto the Concat's inputs
+    (:func:`exporters.onnxruntime.placement.propagate_quantize`), but that grid has a zero point above 0 when
+    the Concat can be negative, and onnxruntime absorbs a Relu into the layer before a Q only when the Q's
+    zero point is the grid's lowest code; without a Q after it, onnxruntime makes the Gemm and Relu one float
+    ``FusedGemm``. An output quantizer of its own (after a ReLU module: unsigned) gives the Gemm its
+    ``QGemm``, as onnxruntime's ``quantize_static`` quantizes a Gemm -> Relu output; the Concat then reads
+    its DequantizeLinear. A Concat that is >= 0 needs none: the copied Q is unsigned then."""
+    if node.meta.get("ndim") != 2:
+        return False  # a 3-D Linear is a MatMul (+ Add), which fuses without an output Q
+    end, relu = node, False
+    while len(end.users) == 1:
+        (user,) = end.users
+        if _kind(user, modules) not in ("relu", "commuting") or not user.args or user.args[0] is not end:
+            break
+        relu = relu or _kind(user, modules) == "relu"
+        end = user
+    if not relu or len(end.users) != 1:
+        return False
+    (cat,) = end.users
+    return (
+        _is_concat(cat)
+        and not nonnegative(cat, modules)
+        and _reaches_quantized_layers_only(cat, modules, quantized_inputs, skips, ends)
+    )
 
 
 def _output_point(

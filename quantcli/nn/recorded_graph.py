@@ -29,7 +29,8 @@ it (a padding, a residual branch) are recorded as they run.
 
 A tensor argument that no recorded node produced (a parameter, a buffer, a constant) is ``None`` in ``args``;
 an in-place op makes its node the producer of the tensor from then on. ``meta["call"]`` numbers the call of
-the innermost enclosing module (a module called twice records its ops twice, with two numbers).
+the innermost enclosing module (a module called twice records its ops twice, with two numbers);
+``meta["ndim"]`` is the number of dimensions of a node's first output tensor.
 """
 
 from __future__ import annotations
@@ -186,6 +187,7 @@ class _Recorder(TorchFunctionMode):
     def produced(self, node: RecordedNode, outputs: Any) -> None:
         for t in tree_flatten(outputs)[0]:
             if isinstance(t, torch.Tensor):
+                node.meta.setdefault("ndim", t.dim())  # of its first output
                 self.alive.append(t)
                 self.producer[id(t)] = node
 

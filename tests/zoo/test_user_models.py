@@ -36,13 +36,9 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
         "its Linear layers; its attention projections are parameters"
     ),
     ("two_inputs", "fused"): (
-        "placement: meta's Relu feeds a Concat (onnxruntime fuses the Relu only before a Q; quantizing the "
-        "Concat's inputs would give it one) and proj's output is both a graph output and quantized for the "
-        "head (onnxruntime then fuses neither way: inspect names both conditions)"
-    ),
-    ("dlrm", "fused"): (
-        "placement: the bottom MLP's last Relu feeds the Concat with the bags (as two_inputs' meta): a "
-        "Linear before a ReLU needs an output quantizer, which the placement gives Convs only"
+        "placement: proj's output is both the graph output 'embedding' and quantized for the head (through a "
+        "Relu): onnxruntime fuses neither way (inspect names the condition). quantize_static fuses it by "
+        "quantizing the graph output itself (Gemm -> Q -> DQ -> 'embedding'), an 8-bit graph output"
     ),
 }
 
