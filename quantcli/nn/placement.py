@@ -73,10 +73,20 @@ from torch import fx, nn
 from quantcli.errors import first_line
 from quantcli.nn.computed import is_computed, is_conv_layer, quantize_adds
 from quantcli.nn.modules import QUANT_POOL_CLASSES
-from quantcli.nn.recorded_graph import ADD_FUNCTIONS, ADD_METHODS, RecordedGraph, RecordedNode, record
+from quantcli.nn.recorded_graph import (
+    ADD_FUNCTIONS,
+    ADD_METHODS,
+    RecordedGraph,
+    RecordedNode,
+    activation_kind,
+    record,
+)
 
 #: onnxruntime target: quantize the skip input of residual Adds that can then run as QLinearAdd (issue 25)
 RESIDUAL_QLINEAR_ADD = True
+#: onnxruntime target: quantize around sigmoids, SiLU/Swish multiplications and global average poolings
+#: between quantized layers, so that they run as QLinearSigmoid/QLinearMul/QLinearGlobalAveragePool (issue 35)
+QLINEAR_ACTIVATIONS = True
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # ops whose output is >= 0 whatever their input
@@ -162,9 +172,15 @@ class Placement:
     # onnxruntime: the residual Adds that run as QLinearAdd once their skip is quantized, as {Add node: skip
     # node} of the graph read (for the rewrite that inserts those quantizers; not part of the report)
     qlinear_adds: dict = field(default_factory=dict, repr=False)
+    # onnxruntime: the sigmoids, multiplications and global poolings run on codes (QLinearSigmoid, QLinearMul,
+    # QLinearGlobalAveragePool) once their operands are quantized, as {node: ActivationOp} of the graph read
+    # (for the rewrite that inserts those quantizers; not part of the report)
+    qlinear_activations: dict = field(default_factory=dict, repr=False)
+    # onnxruntime: the quantizers that rewrite added (by name)
+    activation_quantized: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "qlinear_adds"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("qlinear_adds", "qlinear_activations")}
 
 
 class _Tracer(fx.Tracer):
@@ -211,9 +227,24 @@ def read_graph(
             or next(m.children(), None) is None
             or isinstance(m, (*_RELU_MODULES, *_COMMUTING_MODULES, *_SIGN_KEEPING_MODULES, *_PASS_THROUGH))
             or zero_pad(m)
-        )
+        ) and not (QLINEAR_ACTIVATIONS and function_module(m))
 
     return record(model, example, is_leaf)
+
+
+def function_module(m: nn.Module) -> bool:
+    """A module that only computes a function of its input: ``nn.SiLU``, ``nn.Sigmoid``, or a class of the
+    user's own (a ``Swish``) without submodules, parameters or buffers. The recording runs it op by op, so its
+    sigmoid and multiplication are nodes the onnxruntime placement can quantize around, as the exporter
+    writes them."""
+    if next(m.children(), None) is not None or next(m.parameters(), None) is not None:
+        return False
+    if next(m.buffers(), None) is not None:
+        return False
+    if isinstance(m, (nn.SiLU, nn.Sigmoid)):
+        return True
+    module = type(m).__module__ or ""
+    return not module.startswith(("torch.", "quantcli.", "exporters."))
 
 
 def _is_node(x) -> bool:
@@ -459,6 +490,16 @@ def analyse(
     placement.pool_inputs = {
         p.target: nonnegative(p.args[0], modules) for p in graph.nodes if p in used_pools
     }
+    if QLINEAR_ACTIVATIONS:
+        acts = qlinear_activations(
+            graph, modules, layers, quantized_inputs, weight_integer, calls, pads | used_pools
+        )
+        for n, op in acts.items():
+            if op.kind == "pool_module":
+                if op.quantize:
+                    placement.pool_inputs.setdefault(n.target, op.unsigned[0])
+            elif op.quantize or op.kind == "silu":
+                placement.qlinear_activations[n] = op
     for name, nodes in layer_calls.items():
         if name in quantized_inputs and all(n.args and nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
@@ -519,6 +560,109 @@ def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, e
         and not nonnegative(cat, modules)
         and _reaches_quantized_layers_only(cat, modules, quantized_inputs, skips, ends)
     )
+
+
+@dataclass(frozen=True)
+class ActivationOp:
+    """A sigmoid, SiLU, multiplication or global average pooling that runs on codes once the operands
+    ``quantize`` (positional indices) are quantized (the others are quantized Convs' outputs, which have
+    their output quantizer); ``unsigned``: per index of ``quantize``, whether that operand is >= 0 (a
+    sigmoid's or a ReLU's output: uint8 grid)."""
+
+    kind: str
+    quantize: tuple[int, ...]
+    unsigned: tuple[bool, ...]
+
+
+def _activation_kind(node, modules, calls: Counter) -> str | None:
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        size = getattr(m, "output_size", None)
+        sizes = size if isinstance(size, (tuple, list)) else (size,)
+        if type(m) in QUANT_POOL_CLASSES and calls[node.target] == 1 and all(s == 1 for s in sizes):
+            return "pool_module"  # an adaptive average pooling module to one position: its input_quantizer
+        return None
+    kind = activation_kind(node.op, node.target)
+    if kind == "global_pool" and not node.meta.get("global_pool"):
+        return None
+    return kind
+
+
+def qlinear_activations(
+    graph, modules, layers: dict[str, nn.Module], quantized_inputs: set[str], weight_integer, calls, ends=()
+) -> dict:
+    """The sigmoids, SiLUs, two-tensor multiplications and global average poolings (recorded graph only)
+    that onnxruntime's CPU provider runs on codes (``QLinearSigmoid``, ``QLinearMul``,
+    ``QLinearGlobalAveragePool``: every input from a DQ, a Q on every output edge) once their operands are
+    quantized: ``{node: ActivationOp}``. Each operand is a quantized Conv's output or another such
+    operation's, and each consumer of the output (through ReLUs and commuting ops) a quantized layer's input,
+    another such operation or a node of ``ends`` (paddings, poolings) whose input gets a quantizer; so the
+    chain between quantized layers runs on codes and no float consumer pays for a DQ."""
+    if not isinstance(graph, RecordedGraph):
+        return {}
+
+    def conv_out(x) -> bool:
+        # through a folded BatchNorm's Identity (or a Dropout): the Conv's output quantizer is after it
+        # (_output_point) or before it, the same values either way
+        while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
+            if not x.args or not _is_node(x.args[0]):
+                return False
+            x = x.args[0]
+        return (
+            x.op == "call_module"
+            and x.target in layers
+            and is_conv_layer(layers[x.target])
+            and x.target in quantized_inputs
+            and bool(weight_integer.get(x.target))
+        )
+
+    cands: dict = {}
+    for n in graph.nodes:
+        kind = _activation_kind(n, modules, calls)
+        if kind is None:
+            continue
+        arity = 2 if kind == "mul" else 1
+        if len(n.args) != arity or not all(_is_node(a) for a in n.args):
+            continue
+        if arity == 2 and n.args[0] is n.args[1]:
+            continue
+        cands[n] = kind
+
+    def coded_users(n) -> bool:
+        if not n.users:
+            return False
+        for u in n.users:
+            if u in cands and n in u.args:
+                continue
+            if u in ends and u.args and u.args[0] is n:
+                continue
+            if (
+                u.op == "call_module"
+                and u.target in quantized_inputs
+                and u.args
+                and u.args[0] is n
+                and n not in u.args[1:]
+            ):
+                continue
+            if _kind(u, modules) in ("relu", "commuting") and u.args and u.args[0] is n:
+                if _reaches_quantized_layers_only(u, modules, quantized_inputs, None, set(ends) | set(cands)):
+                    continue
+            return False
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for n in list(cands):
+            if not all(conv_out(a) or a in cands for a in n.args) or not coded_users(n):
+                del cands[n]
+                changed = True
+    out = {}
+    for n, kind in cands.items():
+        idx = tuple(i for i, a in enumerate(n.args) if not conv_out(a))
+        unsigned = tuple(cands.get(n.args[i]) == "sigmoid" or nonnegative(n.args[i], modules) for i in idx)
+        out[n] = ActivationOp(kind, idx, unsigned)
+    return out
 
 
 def _output_point(
@@ -718,6 +862,50 @@ def _quantize_adds_as_they_run(
         names.append(qname)
     if spec:
         quantize_adds(model, mod, spec)
+    return names
+
+
+def insert_activation_quantizers(
+    model: nn.Module, graph: RecordedGraph, ops: Mapping, make: Callable[[str, bool], nn.Module]
+) -> list[str]:
+    """Quantize the operands of the activation operations ``ops`` (:func:`qlinear_activations`, less the
+    pooling modules) as their owning modules' ``forward`` runs (:func:`quantcli.nn.computed.quantize_ops`);
+    returns the new quantizers' names. ``make(name, unsigned)`` builds a quantizer; each owning module gets
+    ``activation_quantizer``, ``activation_quantizer_1``, ... (a SiLU's sigmoid output is one of them)."""
+    from quantcli.nn.computed import OpQuantizers, quantize_ops
+
+    names: list[str] = []
+    per_owner: dict[str, dict[int, dict[int, OpQuantizers]]] = {}
+    counts: Counter = Counter()  # activation operations per (owner, call) so far: the ordinal
+    added: Counter = Counter()
+    for n in graph.nodes:
+        if n.op == "call_module" or activation_kind(n.op, n.target) is None:
+            continue
+        owner, call = _owner(n), n.meta.get("call")
+        k = counts[owner, call]
+        counts[owner, call] += 1
+        op = ops.get(n)
+        calls_of_owner = graph.module_calls.get(owner, [])
+        if op is None or call not in calls_of_owner:
+            continue
+        mod = model.get_submodule(owner) if owner else model
+
+        def new(unsigned: bool, owner=owner, mod=mod) -> str:
+            j = added[owner]
+            added[owner] += 1
+            attr = "activation_quantizer" if j == 0 else f"activation_quantizer_{j}"
+            qname = f"{owner}.{attr}" if owner else attr
+            mod.add_module(attr, make(qname, unsigned))
+            names.append(qname)
+            return attr
+
+        operands = tuple((i, new(u)) for i, u in zip(op.quantize, op.unsigned))
+        sigmoid = new(True) if op.kind == "silu" else None
+        per_owner.setdefault(owner, {}).setdefault(calls_of_owner.index(call), {})[k] = OpQuantizers(
+            operands, sigmoid
+        )
+    for owner, per_call in per_owner.items():
+        quantize_ops(model, model.get_submodule(owner) if owner else model, per_call)
     return names
 
 

@@ -33,7 +33,13 @@ from quantcli.nn.modules import (
     apply_input_quantizer_before,
     apply_output_quantizer_after,
 )
-from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
+from quantcli.nn.placement import (
+    Placement,
+    analyse,
+    insert_activation_quantizers,
+    insert_residual_quantizers,
+    nonnegative,
+)
 from quantcli.nn.recurrent import WeightView
 from quantcli.nn.recurrent import convert as convert_lstm
 from quantcli.nn.recurrent import float_reason as recurrent_float_reason
@@ -463,9 +469,19 @@ def _place_for_onnxruntime(
         placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(
             model, layers, graph, make, only=placement.qlinear_adds
         )
+    if placement.qlinear_activations:
+
+        def make_activation(qname: str, unsigned: bool) -> TensorQuantizer:
+            owner = qname.rsplit(".", 1)[0] if "." in qname else ""
+            return activation_quantizer(qname, modules.get(owner, model), unsigned)
+
+        placement.activation_quantized = insert_activation_quantizers(
+            model, graph, placement.qlinear_activations, make_activation
+        )
     # graph nodes, linked to the whole recorded graph: not kept in the report the model carries (a deep copy
     # of the model would follow every link)
     placement.qlinear_adds = {}
+    placement.qlinear_activations = {}
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
         if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) and getattr(
