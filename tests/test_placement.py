@@ -241,6 +241,106 @@ def test_residual_add_before_global_pooling_runs_as_qlinearadd(tmp_path, project
     assert_exact(m, path, shape)
 
 
+class Swish(nn.Module):
+    """Swish as EfficientNet-PyTorch exports it: ``x * sigmoid(x)``, a module of the user's own."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+class SwishSE(nn.Module):
+    """SiLU three ways (a Swish module called twice, ``nn.SiLU``, ``F.silu``), a squeeze-excitation gate
+    ``sigmoid(s) * x`` after ``F.adaptive_avg_pool2d(x, 1)``, and a global pooling module before the
+    classifier: 5 sigmoids, 5 multiplications, 2 global poolings between quantized layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.se_reduce, self.se_expand = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+        self.proj = nn.Conv2d(8, 8, 1)
+        self.swish, self.silu, self.pool = Swish(), nn.SiLU(), nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.swish(self.bn(self.stem(x)))
+        x = self.silu(self.dw(x))
+        s = self.se_expand(
+            torch.nn.functional.silu(self.se_reduce(torch.nn.functional.adaptive_avg_pool2d(x, 1)))
+        )
+        x = self.swish(self.proj(torch.sigmoid(s) * x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _quantized_on(model, shape, config=None):
+    """Quantized with the structure recorded on an example batch (as calibrate does), then calibrated."""
+    torch.manual_seed(0)
+    m = quantize_model(_with_stats(model), config, example=_batches(shape, 1, seed=5)[0])
+    calibrate(m, _batches(shape), "max", device="cpu")
+    return m
+
+
+def test_sigmoid_swish_and_global_pooling_run_on_codes(tmp_path):
+    """Issue 35: the Swish/SiLU, the squeeze-excitation gate and both global poolings run as QLinearSigmoid,
+    QLinearMul and QLinearGlobalAveragePool (as in onnxruntime's own quantize_static graph), where they ran in
+    float between DQ/Q pairs; the graph stays exact against the fake-quant model, quantizer by quantizer."""
+    shape = (2, 3, 8, 8)
+    torch.manual_seed(0)
+    float_model = _with_stats(SwishSE())
+    batch = _batches(shape, 1, seed=11)[0]
+    with torch.inference_mode():
+        want_float = float_model(**batch)
+    torch.manual_seed(0)
+    m = _quantized_on(SwishSE(), shape)
+    p = m.quantcli_report.placement
+    assert p.pool_inputs == {"pool": False}
+    # the five sigmoids' outputs (uint8: [0, 1]; a SiLU's inside it), and the SiLU output that both the
+    # functional pooling and the gate read (one quantizer each, calibrated on the same values: one shared Q)
+    acts = {n: quantizers(m)[n] for n in p.activation_quantized}
+    assert len(acts) == 7, sorted(acts)
+    assert sum(q.desc.unsigned for q in acts.values()) == 5, sorted(acts)
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearSigmoid"] == 5 and k["QLinearMul"] == 5 and k["QLinearGlobalAveragePool"] == 2, k
+    assert k["Sigmoid"] == k["Mul"] == k["GlobalAveragePool"] == 0, k
+    assert k["QLinearConv"] == 5 and k["QGemm"] == 1, k
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+    # quantizers off: the float model's output
+    for q in quantizers(m).values():
+        q.set_mode("disabled")
+    with torch.inference_mode():
+        assert torch.allclose(m(**batch), want_float, rtol=0, atol=1e-5)
+
+
+def test_a_sigmoid_feeding_a_float_op_stays_float(tmp_path):
+    """A multiplication whose output reaches a float op (the graph output) is not worth a Q: it, and the
+    sigmoid that only it reads, stay float."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            x = self.conv(x)
+            return x * torch.sigmoid(x)
+
+    m = _quantized_on(Head(), (2, 3, 8, 8))
+    assert m.quantcli_report.placement.activation_quantized == []
+
+
+def test_tensorrt_places_nothing_around_sigmoids(tmp_path):
+    """The tensorrt target is unchanged: only the layers' inputs and weights are quantized."""
+    m = _quantized_on(SwishSE(), (2, 3, 8, 8), {"target": "tensorrt"})
+    names = set(quantizers(m))
+    assert (
+        not any("activation" in n for n in names) and m.quantcli_report.placement.activation_quantized == []
+    )
+    assert all(n.endswith(("input_quantizer", "weight_quantizer")) for n in names), sorted(names)
+    assert type(m.pool) is nn.AdaptiveAvgPool2d
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_global_pooling_of_a_1x1_map_is_removed_and_the_classifier_reads_the_adds_codes(tmp_path, exporter):
     """A 1x1 map (a small image through the network): the pooling is the identity, so the export drops it,

@@ -560,7 +560,7 @@ def _quantized_op(module: nn.Module, func: Callable, args: tuple, kwargs: dict, 
             args[i] = getattr(module, attr)(args[i])
     if spec.sigmoid is not None:
         q = getattr(module, spec.sigmoid)
-        if not q.enabled:
+        if q.mode == "disabled":
             return func(*args, **kwargs)  # the float model's own operation while quantizers are off
         x = args[0] if args else kwargs["input"]
         return x * q(torch.sigmoid(x))

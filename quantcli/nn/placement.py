@@ -31,6 +31,18 @@ onnxruntime's QDQ fusions need
   the last block of a ResNet before its global pooling and classifier. The pooling module gets an
   ``input_quantizer`` (uint8 after a ReLU); onnxruntime then runs ``QLinearAdd`` (the ReLU absorbed) and
   ``QLinearGlobalAveragePool`` where the Add, ReLU and pooling ran in float between a DQ and a Q.
+* **sigmoids, SiLU/Swish multiplications and global average poolings on codes** (:func:`qlinear_activations`):
+  where such an operation reads quantized Convs' outputs or other such operations' and what it produces
+  reaches only quantized layers or other such operations, each operand that is not a quantized Conv's output
+  gets a quantizer (an ``activation_quantizer`` of the module whose ``forward`` runs the operation, put on
+  the operand as that ``forward`` runs, :func:`quantcli.nn.computed.quantize_ops`; an adaptive average pooling
+  module to one position gets an ``input_quantizer``; a sigmoid's output is on the uint8 grid), and
+  ``F.silu`` runs as ``x * q(sigmoid(x))``. The quantizers of one tensor are calibrated on the same values,
+  so the export shares one Q among them and the next layer's. onnxruntime then runs ``QLinearSigmoid``,
+  ``QLinearMul`` and ``QLinearGlobalAveragePool`` where the operations ran in float between a DQ and a Q,
+  as in its own ``quantize_static`` graphs: an EfficientNet's Swish (``x * sigmoid(x)``) and
+  squeeze-excitation gate. ``nn.SiLU``, ``nn.Sigmoid`` and the user's own modules that only compute a
+  function (a ``Swish``) are recorded op by op for this (:func:`function_module`).
 * **int32 biases** on Conv and 2-D Linear layers (``QLinearConv``/``QGemm``), see :mod:`quantcli.nn.modules`.
 
 The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ
@@ -206,14 +218,19 @@ def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
 
 
 def read_graph(
-    model: nn.Module, layers: dict[str, nn.Module], example: Mapping[str, torch.Tensor] | None
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    example: Mapping[str, torch.Tensor] | None,
+    functions_inside: bool = False,
 ) -> fx.Graph | RecordedGraph:
     """The graph the analyses read: recorded on ``example`` (a keyword batch) when there is one, else the fx
     trace.
 
     In the recording, the quantized layers, quantizers, modules without submodules and the modules the
     analyses classify (ReLU, pooling, BatchNorm, ...) are single ``call_module`` nodes; other modules are
-    recorded op by op.
+    recorded op by op, and so are the modules that only compute a function (:func:`function_module`) where
+    ``functions_inside`` (the onnxruntime target, which quantizes around their sigmoids and
+    multiplications).
     """
     if example is None:
         return trace(model, layers)
@@ -227,7 +244,7 @@ def read_graph(
             or next(m.children(), None) is None
             or isinstance(m, (*_RELU_MODULES, *_COMMUTING_MODULES, *_SIGN_KEEPING_MODULES, *_PASS_THROUGH))
             or zero_pad(m)
-        ) and not (QLINEAR_ACTIVATIONS and function_module(m))
+        ) and not (functions_inside and QLINEAR_ACTIVATIONS and function_module(m))
 
     return record(model, example, is_leaf)
 
@@ -442,7 +459,7 @@ def analyse(
     """
     placement = Placement(target, graph="recorded" if example is not None else "fx")
     try:
-        graph = read_graph(model, layers, example)
+        graph = read_graph(model, layers, example, functions_inside=target == "onnxruntime")
     except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
         if example is not None:
             raise  # the forward itself failed on the user's batch: a DataError that names it
