@@ -190,9 +190,16 @@ class Placement:
     qlinear_activations: dict = field(default_factory=dict, repr=False)
     # onnxruntime: the quantizers that rewrite added (by name)
     activation_quantized: list[str] = field(default_factory=list)
+    # onnxruntime: per chain of such operations between quantized layers, its quantizers (those above and
+    # pooling modules' input quantizers) and the layers around it: a layer kept float breaks the chain, and
+    # its quantizers then go too (quantcli.calibration.latency_placement.apply)
+    activation_groups: list[dict] = field(default_factory=list)
+    # the chains as graph nodes: [(nodes, layers)] (for the rewrite; not part of the report)
+    activation_chains: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("qlinear_adds", "qlinear_activations")}
+        hidden = ("qlinear_adds", "qlinear_activations", "activation_chains")
+        return {k: v for k, v in self.__dict__.items() if k not in hidden}
 
 
 class _Tracer(fx.Tracer):
@@ -511,6 +518,7 @@ def analyse(
         acts = qlinear_activations(
             graph, modules, layers, quantized_inputs, weight_integer, calls, pads | used_pools
         )
+        placement.activation_chains = _chains(acts, modules, layers)
         for n, op in acts.items():
             if op.kind == "pool_module":
                 if op.quantize:
@@ -680,6 +688,49 @@ def qlinear_activations(
         unsigned = tuple(cands.get(n.args[i]) == "sigmoid" or nonnegative(n.args[i], modules) for i in idx)
         out[n] = ActivationOp(kind, idx, unsigned)
     return out
+
+
+def _chains(acts: Mapping, modules, layers: dict[str, nn.Module]) -> list[tuple[list, list[str]]]:
+    """The activation operations ``acts`` grouped into chains (connected through their operands), each with
+    the quantized layers whose outputs it reads or that read its outputs (through ReLUs, commuting ops and
+    paddings)."""
+    parent = {n: n for n in acts}
+
+    def root(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in acts:
+        for a in n.args:
+            if a in acts:
+                parent[root(a)] = root(n)
+
+    def producer_layer(x) -> str | None:
+        while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
+            x = x.args[0]
+        return x.target if x.op == "call_module" and x.target in layers else None
+
+    def consumer_layers(x, seen: set) -> set[str]:
+        out = set()
+        for u in x.users:
+            if u in seen or u in acts:
+                continue
+            seen.add(u)
+            if u.op == "call_module" and u.target in layers:
+                out.add(u.target)
+            elif _kind(u, modules) != "other":
+                out |= consumer_layers(u, seen)
+        return out
+
+    chains: dict = {}
+    for n in acts:
+        nodes, around = chains.setdefault(root(n), ([], set()))
+        nodes.append(n)
+        around |= {t for a in n.args if a not in acts and (t := producer_layer(a)) is not None}
+        around |= consumer_layers(n, set())
+    return [(nodes, sorted(around)) for nodes, around in chains.values()]
 
 
 def _output_point(
@@ -884,14 +935,15 @@ def _quantize_adds_as_they_run(
 
 def insert_activation_quantizers(
     model: nn.Module, graph: RecordedGraph, ops: Mapping, make: Callable[[str, bool], nn.Module]
-) -> list[str]:
+) -> dict:
     """Quantize the operands of the activation operations ``ops`` (:func:`qlinear_activations`, less the
     pooling modules) as their owning modules' ``forward`` runs (:func:`quantcli.nn.computed.quantize_ops`);
-    returns the new quantizers' names. ``make(name, unsigned)`` builds a quantizer; each owning module gets
-    ``activation_quantizer``, ``activation_quantizer_1``, ... (a SiLU's sigmoid output is one of them)."""
+    returns the new quantizers' names by operation node. ``make(name, unsigned)`` builds a quantizer; each
+    owning module gets ``activation_quantizer``, ``activation_quantizer_1``, ... (a SiLU's sigmoid output is
+    one of them)."""
     from quantcli.nn.computed import OpQuantizers, quantize_ops
 
-    names: list[str] = []
+    names: dict = {}
     per_owner: dict[str, dict[int, dict[int, OpQuantizers]]] = {}
     counts: Counter = Counter()  # activation operations per (owner, call) so far: the ordinal
     added: Counter = Counter()
@@ -907,13 +959,13 @@ def insert_activation_quantizers(
             continue
         mod = model.get_submodule(owner) if owner else model
 
-        def new(unsigned: bool, owner=owner, mod=mod) -> str:
+        def new(unsigned: bool, owner=owner, mod=mod, node=n) -> str:
             j = added[owner]
             added[owner] += 1
             attr = "activation_quantizer" if j == 0 else f"activation_quantizer_{j}"
             qname = f"{owner}.{attr}" if owner else attr
             mod.add_module(attr, make(qname, unsigned))
-            names.append(qname)
+            names.setdefault(node, []).append(qname)
             return attr
 
         operands = tuple((i, new(u)) for i, u in zip(op.quantize, op.unsigned))
