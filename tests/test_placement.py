@@ -313,6 +313,38 @@ def test_sigmoid_swish_and_global_pooling_run_on_codes(tmp_path):
         assert torch.allclose(m(**batch), want_float, rtol=0, atol=1e-5)
 
 
+def test_a_layer_kept_float_takes_the_activation_chains_around_it_float_too(tmp_path):
+    """Latency placement keeps ``dw`` float: the chains on codes it bounds (the Swish before it; its SiLU,
+    the squeeze-excitation pooling and gate after it) would run in float between Q/DQ pairs that serve no
+    integer kernel, so their quantizers go; the chains between quantized layers only (the F.silu inside the
+    squeeze-excitation, the last Swish and the pooling before the classifier) stay on codes."""
+    from quantcli.calibration import latency_placement as lp
+
+    shape = (2, 3, 8, 8)
+    m = _quantized_on(SwishSE(), shape)
+    groups = m.quantcli_report.placement.activation_groups
+    assert len(groups) == 4 and all(g["layers"] for g in groups), groups
+    qs = quantizers(m)
+    dw = [n for n in qs if n.startswith("dw.")]
+    decisions = [lp.LayerDecision("dw", "QLinearConv", 1.5, lp.FLOAT, "slower", dw)] + [
+        lp.LayerDecision(layer, "QLinearConv", 0.5, lp.QUANTIZED, "faster")
+        for layer in ("stem", "se_reduce", "se_expand", "proj", "fc")
+    ]
+    off = lp.apply(m, lp.LatencyPlacement("auto", True, "test", decisions))
+    # the model's own quantizers in the order its forward runs them: the pooling's x, F.silu's sigmoid, the
+    # gate's sigmoid and x
+    chains = {"swish.activation_quantizer", "silu.activation_quantizer"} | {
+        f"activation_quantizer{k}" for k in ("", "_2", "_3")
+    }
+    assert set(off) == set(dw) | chains, sorted(off)
+    assert qs["activation_quantizer_1"].enabled and qs["swish.activation_quantizer_1"].enabled
+    assert qs["pool.input_quantizer"].enabled
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearSigmoid"] == k["QLinearMul"] == 2 and k["QLinearGlobalAveragePool"] == 1, k
+    assert_exact(m, path, shape)
+
+
 def test_a_sigmoid_feeding_a_float_op_stays_float(tmp_path):
     """A multiplication whose output reaches a float op (the graph output) is not worth a Q: it, and the
     sigmoid that only it reads, stay float."""
