@@ -795,6 +795,64 @@ def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
     assert cli("verify", out, "--reference", old).exit_code == 0
 
 
+_SWISH_FILE = """
+import torch
+from torch import nn
+
+
+class Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.conv = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.swish, self.pool, self.fc = Swish(), nn.AdaptiveAvgPool2d(1), nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.swish(self.conv(self.swish(self.stem(x))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+def test_a_checkpoint_from_before_activation_quantizers_keeps_its_placement(tmp_path):
+    """A checkpoint calibrated before sigmoids, multiplications and poolings were quantized (its state dict
+    has none of those quantizers) loads, exports and verifies with the placement it was calibrated with."""
+    spec = tmp_path / "swish_net.py"
+    spec.write_text(_SWISH_FILE)
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    ck = tmp_path / "new.calib.pt"
+    r = cli("calibrate", f"{spec}:make", "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    raw = torch.load(ck, weights_only=True)
+    added = set(raw["calibration"]["placement"]["activation_quantized"]) | {"pool.input_quantizer"}
+    assert {"swish.activation_quantizer", "swish.activation_quantizer_1"} <= added
+    # as the same calibration wrote it before: none of the added quantizers, no such report keys
+    raw["state_dict"] = {k: v for k, v in raw["state_dict"].items() if k.rsplit(".", 1)[0] not in added}
+    raw["quantizers"] = {k: v for k, v in raw["quantizers"].items() if k not in added}
+    for key in ("activation_quantized", "activation_groups"):
+        del raw["calibration"]["placement"][key]
+    raw["calibration"]["placement"]["pool_inputs"] = {}
+    old = tmp_path / "old.calib.pt"
+    torch.save(raw, old)
+    b = load_calibrated(old)
+    assert (
+        not any("activation" in n for n in quantizers(b.model)) and type(b.model.pool) is nn.AdaptiveAvgPool2d
+    )
+    for path, sigmoids in ((ck, 2), (old, 0)):
+        out = path.with_suffix(".onnx")
+        assert cli("export", path, "--onnx", out).exit_code == 0
+        assert _kernels(out)["QLinearSigmoid"] == sigmoids
+        assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
+
+
 class TwoReaders(nn.Module):
     """conv_a's output feeds a mean (float) and conv_b: conv_a gets an output quantizer, so conv_b reads a
     DequantizeLinear output whether or not it is quantized itself."""

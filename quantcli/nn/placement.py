@@ -456,17 +456,20 @@ def analyse(
     input_enabled: dict[str, bool],
     weight_integer: dict[str, bool],
     example: Mapping[str, torch.Tensor] | None = None,
+    activations: bool = True,
 ) -> tuple[Placement, fx.Graph | RecordedGraph | None]:
     """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``, and
     the graph it was read from (None when fx could not trace a model without an example batch).
 
     ``input_enabled``: layers whose input quantizer is on; ``weight_integer``: layers with an integer weight
     quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels); ``example``: one keyword
-    batch, on which the model's graph is recorded (:func:`read_graph`).
+    batch, on which the model's graph is recorded (:func:`read_graph`); ``activations``: quantize around
+    sigmoids, multiplications and global poolings (:func:`qlinear_activations`; off for a checkpoint
+    calibrated before that existed, whose placement is rebuilt as it was).
     """
     placement = Placement(target, graph="recorded" if example is not None else "fx")
     try:
-        graph = read_graph(model, layers, example, functions_inside=target == "onnxruntime")
+        graph = read_graph(model, layers, example, functions_inside=activations and target == "onnxruntime")
     except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
         if example is not None:
             raise  # the forward itself failed on the user's batch: a DataError that names it
@@ -514,7 +517,7 @@ def analyse(
     placement.pool_inputs = {
         p.target: nonnegative(p.args[0], modules) for p in graph.nodes if p in used_pools
     }
-    if QLINEAR_ACTIVATIONS:
+    if QLINEAR_ACTIVATIONS and activations:
         acts = qlinear_activations(
             graph, modules, layers, quantized_inputs, weight_integer, calls, pads | used_pools
         )

@@ -416,6 +416,7 @@ def _place_for_onnxruntime(
         {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic for n, m in layers.items()},
         {n: _integer8(m.weight_quantizer) for n, m in layers.items()},
         example,
+        activations=not getattr(cfg, "legacy_activations", False),
     )
     for name in list(placement.unsigned_inputs):
         q = layers[name].input_quantizer
