@@ -147,6 +147,13 @@ def test_efficientnet_same_runs_every_conv_as_qlinearconv_and_every_residual_add
     assert ops["QLinearConv"] == convs and ops["Conv"] == 0
     residual = sum(b.stride == 1 and b.inp == b.out for b in model._blocks)
     assert ops["QLinearAdd"] == residual == 2 and ops["Add"] == 0
+    # every Swish (x * sigmoid(x): the stem's, the head's, each block's expansion, depthwise and
+    # squeeze-excitation ones) and every squeeze-excitation gate (sigmoid(s) * x) on codes, and every global
+    # pooling (each block's F.adaptive_avg_pool2d, the head's module), as in quantize_static's graph
+    sigmoids = 2 + sum((b.expand != 1) + 3 for b in model._blocks)
+    assert ops["QLinearSigmoid"] == ops["QLinearMul"] == sigmoids == 17, ops
+    assert ops["QLinearGlobalAveragePool"] == len(model._blocks) + 1, ops
+    assert ops["Sigmoid"] == ops["Mul"] == ops["GlobalAveragePool"] == ops["ReduceMean"] == 0, ops
     # the padding torch's own export of the float model has: the same Pads (TorchScript: 5, the stem's and
     # the depthwise convolutions'), every Conv padded as there (right/bottom only after stride 2)
     torch.onnx.export(

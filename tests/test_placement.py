@@ -241,6 +241,138 @@ def test_residual_add_before_global_pooling_runs_as_qlinearadd(tmp_path, project
     assert_exact(m, path, shape)
 
 
+class Swish(nn.Module):
+    """Swish as EfficientNet-PyTorch exports it: ``x * sigmoid(x)``, a module of the user's own."""
+
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+class SwishSE(nn.Module):
+    """SiLU three ways (a Swish module called twice, ``nn.SiLU``, ``F.silu``), a squeeze-excitation gate
+    ``sigmoid(s) * x`` after ``F.adaptive_avg_pool2d(x, 1)``, and a global pooling module before the
+    classifier: 5 sigmoids, 5 multiplications, 2 global poolings between quantized layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.dw = nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.se_reduce, self.se_expand = nn.Conv2d(8, 4, 1), nn.Conv2d(4, 8, 1)
+        self.proj = nn.Conv2d(8, 8, 1)
+        self.swish, self.silu, self.pool = Swish(), nn.SiLU(), nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.swish(self.bn(self.stem(x)))
+        x = self.silu(self.dw(x))
+        s = self.se_expand(
+            torch.nn.functional.silu(self.se_reduce(torch.nn.functional.adaptive_avg_pool2d(x, 1)))
+        )
+        x = self.swish(self.proj(torch.sigmoid(s) * x))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def _quantized_on(model, shape, config=None):
+    """Quantized with the structure recorded on an example batch (as calibrate does), then calibrated."""
+    torch.manual_seed(0)
+    m = quantize_model(_with_stats(model), config, example=_batches(shape, 1, seed=5)[0])
+    calibrate(m, _batches(shape), "max", device="cpu")
+    return m
+
+
+def test_sigmoid_swish_and_global_pooling_run_on_codes(tmp_path):
+    """Issue 35: the Swish/SiLU, the squeeze-excitation gate and both global poolings run as QLinearSigmoid,
+    QLinearMul and QLinearGlobalAveragePool (as in onnxruntime's own quantize_static graph), where they ran in
+    float between DQ/Q pairs; the graph stays exact against the fake-quant model, quantizer by quantizer."""
+    shape = (2, 3, 8, 8)
+    torch.manual_seed(0)
+    float_model = _with_stats(SwishSE())
+    batch = _batches(shape, 1, seed=11)[0]
+    with torch.inference_mode():
+        want_float = float_model(**batch)
+    torch.manual_seed(0)
+    m = _quantized_on(SwishSE(), shape)
+    p = m.quantcli_report.placement
+    assert p.pool_inputs == {"pool": False}
+    # the five sigmoids' outputs (uint8: [0, 1]; a SiLU's inside it), and the SiLU output that both the
+    # functional pooling and the gate read (one quantizer each, calibrated on the same values: one shared Q)
+    acts = {n: quantizers(m)[n] for n in p.activation_quantized}
+    assert len(acts) == 7, sorted(acts)
+    assert sum(q.desc.unsigned for q in acts.values()) == 5, sorted(acts)
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearSigmoid"] == 5 and k["QLinearMul"] == 5 and k["QLinearGlobalAveragePool"] == 2, k
+    assert k["Sigmoid"] == k["Mul"] == k["GlobalAveragePool"] == 0, k
+    assert k["QLinearConv"] == 5 and k["QGemm"] == 1, k
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+    # quantizers off: the float model's output
+    for q in quantizers(m).values():
+        q.set_mode("disabled")
+    with torch.inference_mode():
+        assert torch.allclose(m(**batch), want_float, rtol=0, atol=1e-5)
+
+
+def test_a_layer_kept_float_takes_the_activation_chains_around_it_float_too(tmp_path):
+    """Latency placement keeps ``dw`` float: the chains on codes it bounds (the Swish before it; its SiLU,
+    the squeeze-excitation pooling and gate after it) would run in float between Q/DQ pairs that serve no
+    integer kernel, so their quantizers go; the chains between quantized layers only (the F.silu inside the
+    squeeze-excitation, the last Swish and the pooling before the classifier) stay on codes."""
+    from quantcli.calibration import latency_placement as lp
+
+    shape = (2, 3, 8, 8)
+    m = _quantized_on(SwishSE(), shape)
+    groups = m.quantcli_report.placement.activation_groups
+    assert len(groups) == 4 and all(g["layers"] for g in groups), groups
+    qs = quantizers(m)
+    dw = [n for n in qs if n.startswith("dw.")]
+    decisions = [lp.LayerDecision("dw", "QLinearConv", 1.5, lp.FLOAT, "slower", dw)] + [
+        lp.LayerDecision(layer, "QLinearConv", 0.5, lp.QUANTIZED, "faster")
+        for layer in ("stem", "se_reduce", "se_expand", "proj", "fc")
+    ]
+    off = lp.apply(m, lp.LatencyPlacement("auto", True, "test", decisions))
+    # the model's own quantizers in the order its forward runs them: the pooling's x, F.silu's sigmoid, the
+    # gate's sigmoid and x
+    chains = {"swish.activation_quantizer", "silu.activation_quantizer"} | {
+        f"activation_quantizer{k}" for k in ("", "_2", "_3")
+    }
+    assert set(off) == set(dw) | chains, sorted(off)
+    assert qs["activation_quantizer_1"].enabled and qs["swish.activation_quantizer_1"].enabled
+    assert qs["pool.input_quantizer"].enabled
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearSigmoid"] == k["QLinearMul"] == 2 and k["QLinearGlobalAveragePool"] == 1, k
+    assert_exact(m, path, shape)
+
+
+def test_a_sigmoid_feeding_a_float_op_stays_float(tmp_path):
+    """A multiplication whose output reaches a float op (the graph output) is not worth a Q: it, and the
+    sigmoid that only it reads, stay float."""
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3, padding=1)
+
+        def forward(self, x):
+            x = self.conv(x)
+            return x * torch.sigmoid(x)
+
+    m = _quantized_on(Head(), (2, 3, 8, 8))
+    assert m.quantcli_report.placement.activation_quantized == []
+
+
+def test_tensorrt_places_nothing_around_sigmoids(tmp_path):
+    """The tensorrt target is unchanged: only the layers' inputs and weights are quantized."""
+    m = _quantized_on(SwishSE(), (2, 3, 8, 8), {"target": "tensorrt"})
+    names = set(quantizers(m))
+    assert (
+        not any("activation" in n for n in names) and m.quantcli_report.placement.activation_quantized == []
+    )
+    assert all(n.endswith(("input_quantizer", "weight_quantizer")) for n in names), sorted(names)
+    assert type(m.pool) is nn.AdaptiveAvgPool2d
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_global_pooling_of_a_1x1_map_is_removed_and_the_classifier_reads_the_adds_codes(tmp_path, exporter):
     """A 1x1 map (a small image through the network): the pooling is the identity, so the export drops it,
@@ -661,6 +793,64 @@ def test_a_checkpoint_from_before_targets_keeps_its_placement(tmp_path):
     out = tmp_path / "old.onnx"
     assert cli("export", old, "--onnx", out).exit_code == 0
     assert cli("verify", out, "--reference", old).exit_code == 0
+
+
+_SWISH_FILE = """
+import torch
+from torch import nn
+
+
+class Swish(nn.Module):
+    def forward(self, x):
+        return x * torch.sigmoid(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem, self.conv = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.swish, self.pool, self.fc = Swish(), nn.AdaptiveAvgPool2d(1), nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = self.swish(self.conv(self.swish(self.stem(x))))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+def test_a_checkpoint_from_before_activation_quantizers_keeps_its_placement(tmp_path):
+    """A checkpoint calibrated before sigmoids, multiplications and poolings were quantized (its state dict
+    has none of those quantizers) loads, exports and verifies with the placement it was calibrated with."""
+    spec = tmp_path / "swish_net.py"
+    spec.write_text(_SWISH_FILE)
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    ck = tmp_path / "new.calib.pt"
+    r = cli("calibrate", f"{spec}:make", "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    raw = torch.load(ck, weights_only=True)
+    added = set(raw["calibration"]["placement"]["activation_quantized"]) | {"pool.input_quantizer"}
+    assert {"swish.activation_quantizer", "swish.activation_quantizer_1"} <= added
+    # as the same calibration wrote it before: none of the added quantizers, no such report keys
+    raw["state_dict"] = {k: v for k, v in raw["state_dict"].items() if k.rsplit(".", 1)[0] not in added}
+    raw["quantizers"] = {k: v for k, v in raw["quantizers"].items() if k not in added}
+    for key in ("activation_quantized", "activation_groups"):
+        del raw["calibration"]["placement"][key]
+    raw["calibration"]["placement"]["pool_inputs"] = {}
+    old = tmp_path / "old.calib.pt"
+    torch.save(raw, old)
+    b = load_calibrated(old)
+    assert (
+        not any("activation" in n for n in quantizers(b.model)) and type(b.model.pool) is nn.AdaptiveAvgPool2d
+    )
+    for path, sigmoids in ((ck, 2), (old, 0)):
+        out = path.with_suffix(".onnx")
+        assert cli("export", path, "--onnx", out).exit_code == 0
+        assert _kernels(out)["QLinearSigmoid"] == sigmoids
+        assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
 
 
 class TwoReaders(nn.Module):

@@ -619,8 +619,13 @@ def placement_summary(placement, target: str) -> dict:
         )
         extra = [
             (placement.residual_quantized, "residual skip input", "quantized (QLinearAdd)"),
-            (placement.pool_inputs, "pooling input", "quantized (QLinearAdd before it)"),
+            (placement.pool_inputs, "pooling input", "quantized (QLinear(Global)AveragePool)"),
             (placement.input_before, "Conv input", "quantized before its zero padding"),
+            (
+                getattr(placement, "activation_quantized", []),
+                "sigmoid/multiplication operand",
+                "quantized (QLinearSigmoid/QLinearMul)",
+            ),
             (placement.asymmetric, "signed activation", "on uint8 with a zero point"),
         ]
         d["text"] += "".join(f", {_count(names, what)} {rest}" for names, what, rest in extra if names)

@@ -425,10 +425,19 @@ def measure_and_decide(
 def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:
     """Switch off, for good, every quantizer of the layers ``placement`` keeps float; returns their names.
     When it keeps every layer float, the quantizers of no layer (residual skips, pooling inputs) go too: they
-    serve integer kernels around them, and the graph is the float one."""
+    serve integer kernels around them, and the graph is the float one. The quantizers of a chain of
+    sigmoids, multiplications and global poolings run on codes (``activation_groups`` of the model's
+    structural placement) go with any layer around the chain that is kept float: the chain's operations no
+    longer all read DQs and write Qs, so they run in float again, without a Q/DQ pair that serves nothing."""
     qs = quantizers(model)
     every = bool(placement.layers) and all(d.decision == FLOAT for d in placement.layers)
     names = list(qs) if every else [n for d in placement.layers if d.decision == FLOAT for n in d.quantizers]
+    floats = {d.layer for d in placement.layers if d.decision == FLOAT}
+    structure = getattr(getattr(model, "quantcli_report", None), "placement", None)
+    for group in getattr(structure, "activation_groups", None) or []:
+        # a chain of sigmoids/multiplications/poolings on codes needs every layer around it quantized
+        if floats & set(group["layers"]):
+            names += [n for n in group["quantizers"] if n not in names]
     for name in names:
         if name in qs and qs[name].enabled:
             keep_float(qs[name])

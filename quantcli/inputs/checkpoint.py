@@ -309,6 +309,11 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     if "target" not in data["quant_config"]:
         # written before targets existed: rebuild the placement it was calibrated with
         cfg.legacy_placement = True
+    stored_placement = (data.get("calibration") or {}).get("placement")
+    if isinstance(stored_placement, dict) and "activation_quantized" not in stored_placement:
+        # written before sigmoids, multiplications and global poolings were quantized (issue 35): rebuild
+        # the placement without those quantizers, which its state dict does not have
+        cfg.legacy_activations = True
     if "cpu" not in data["quant_config"] and cfg.reduce_range == "auto":
         # written before the deployment CPU was recorded: its weights kept every bit unless it said otherwise
         cfg.reduce_range = False

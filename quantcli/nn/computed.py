@@ -27,7 +27,9 @@ layer is quantized where it computes, and its ``forward`` runs as written:
 
 The dispatch also quantizes the skip operand of residual Adds in a block whose ``forward`` ``torch.fx`` cannot
 rewrite (:func:`quantize_adds`): the block's own additions are counted as they run, and the ones the recorded
-graph marked get their quantizer.
+graph marked get their quantizer. In the same way it quantizes the operands of the sigmoids,
+multiplications and global average poolings the onnxruntime placement runs on codes (:func:`quantize_ops`):
+each call of an owning module counts its own such operations, and the marked ones get their quantizers.
 
 A weight operand is attributed to a layer when it is one of the layer's parameters, a view of one, or the
 result of operations whose tensor arguments are all such tensors (the same rule in the census and at run
@@ -51,7 +53,14 @@ from torch.utils._pytree import tree_flatten
 
 from quantcli.nn.module_outputs import same_randomness
 from quantcli.nn.modules import QuantMixin
-from quantcli.nn.recorded_graph import FORWARD_ERRORS, classify, forward_failed, is_add, layer_call
+from quantcli.nn.recorded_graph import (
+    FORWARD_ERRORS,
+    activation_kind,
+    classify,
+    forward_failed,
+    is_add,
+    layer_call,
+)
 
 #: weighted operations: function -> (kind, output-channel axis of the weight operand; -1 for its last)
 _FUNCTIONS: dict[Callable, tuple[str, int]] = {
@@ -420,6 +429,19 @@ class _Frame:
     module: nn.Module
     adds: dict[int, tuple[int, str]] | None  # a residual owner's additions to quantize: ordinal -> operand
     count: int = 0
+    # this call's activation operations to quantize (quantize_ops): ordinal -> OpQuantizers
+    ops: dict[int, OpQuantizers] | None = None
+    op_count: int = 0
+
+
+@dataclass(frozen=True)
+class OpQuantizers:
+    """The quantizers (attribute names of the owning module) of one activation operation: ``operands``, per
+    positional operand index; ``sigmoid``: for ``F.silu``, the quantizer of its sigmoid's output (the
+    operation then runs as ``x * sigmoid(x)``, as it exports)."""
+
+    operands: tuple[tuple[int, str], ...] = ()
+    sigmoid: str | None = None
 
 
 class Dispatch(TorchFunctionMode):
@@ -433,6 +455,7 @@ class Dispatch(TorchFunctionMode):
         self.frames: list[_Frame] = []
         self.weights: dict[int, ComputedLayer] = {}
         self.prov = _Provenance()
+        self.calls: dict[int, int] = {}  # calls of each module with quantize_ops in this forward
 
     # entered and left by the hooked modules' forward hooks
     def enter(self, module: nn.Module) -> None:
@@ -448,7 +471,13 @@ class Dispatch(TorchFunctionMode):
                     if pname != layer.weight_name and p.is_floating_point():
                         self.prov.params[id(p)] = frozenset({(str(id(layer)), pname)})
             self.__enter__()
-        self.frames.append(_Frame(module, module.__dict__.get("_quantcli_adds")))
+        frame = _Frame(module, module.__dict__.get("_quantcli_adds"))
+        per_call = module.__dict__.get("_quantcli_ops")
+        if per_call is not None:
+            k = self.calls.get(id(module), 0)
+            self.calls[id(module)] = k + 1
+            frame.ops = per_call.get(k, {})
+        self.frames.append(frame)
 
     def leave(self, module: nn.Module) -> None:
         if not self.frames:
@@ -507,9 +536,39 @@ class Dispatch(TorchFunctionMode):
                 args = list(args)
                 args[i] = getattr(frame.module, attr)(args[i])
                 args = tuple(args)
+        if frame is not None and frame.ops is not None:
+            kind = activation_kind(*classify(func))
+            if kind is not None:
+                k = frame.op_count
+                frame.op_count += 1
+                spec = frame.ops.get(k)
+                if spec is not None:
+                    out = _quantized_op(frame.module, func, args, kwargs, spec)
+                    self.prov.track(args, kwargs, out)
+                    return out
         out = func(*args, **kwargs)
         self.prov.track(args, kwargs, out)
         return out
+
+
+def _quantized_op(module: nn.Module, func: Callable, args: tuple, kwargs: dict, spec: OpQuantizers):
+    """``func(*args, **kwargs)`` with the operands ``spec`` names quantized by ``module``'s quantizers (and
+    ``F.silu`` as ``x * sigmoid_quantizer(sigmoid(x))``)."""
+    args = list(args)
+    for i, attr in spec.operands:
+        if i < len(args) and isinstance(args[i], torch.Tensor):
+            args[i] = getattr(module, attr)(args[i])
+    if spec.sigmoid is not None:
+        q = getattr(module, spec.sigmoid)
+        if q.mode == "disabled":
+            return func(*args, **kwargs)  # the float model's own operation while quantizers are off
+        x = args[0] if args else kwargs["input"]
+        return x * q(torch.sigmoid(x))
+    return func(*args, **kwargs)
+
+
+def _reset_calls(model: nn.Module, args) -> None:
+    model.__dict__["_quantcli_model_dispatch"].calls = {}
 
 
 def _enter(module: nn.Module, args) -> None:
@@ -573,6 +632,21 @@ def quantize_adds(model: nn.Module, owner: nn.Module, adds: dict[int, tuple[int,
     ``owner``'s ``forward`` runs itself, not those of modules it calls)."""
     d = dispatch_of(model)
     object.__setattr__(owner, "_quantcli_adds", dict(adds))
+    hook(owner, d)
+    for child in owner.children():
+        hook(child, d)
+
+
+def quantize_ops(model: nn.Module, owner: nn.Module, per_call: dict[int, dict[int, OpQuantizers]]) -> None:
+    """Quantize, as ``owner``'s ``forward`` runs, the operands of its own activation operations
+    (:func:`quantcli.nn.recorded_graph.activation_kind`) with its submodules: ``per_call``: ``{call: {k:
+    OpQuantizers}}``, the ``call``-th call of ``owner`` in one forward of ``model``, its ``k``-th own such
+    operation (counted as the recording counts them: those ``owner``'s ``forward`` runs itself)."""
+    d = dispatch_of(model)
+    if not model.__dict__.get("_quantcli_counts_calls"):
+        object.__setattr__(model, "_quantcli_counts_calls", True)
+        model.register_forward_pre_hook(_reset_calls, prepend=True)
+    object.__setattr__(owner, "_quantcli_ops", {c: dict(ops) for c, ops in per_call.items()})
     hook(owner, d)
     for child in owner.children():
         hook(child, d)

@@ -31,6 +31,18 @@ onnxruntime's QDQ fusions need
   the last block of a ResNet before its global pooling and classifier. The pooling module gets an
   ``input_quantizer`` (uint8 after a ReLU); onnxruntime then runs ``QLinearAdd`` (the ReLU absorbed) and
   ``QLinearGlobalAveragePool`` where the Add, ReLU and pooling ran in float between a DQ and a Q.
+* **sigmoids, SiLU/Swish multiplications and global average poolings on codes** (:func:`qlinear_activations`):
+  where such an operation reads quantized Convs' outputs or other such operations' and what it produces
+  reaches only quantized layers or other such operations, each operand that is not a quantized Conv's output
+  gets a quantizer (an ``activation_quantizer`` of the module whose ``forward`` runs the operation, put on
+  the operand as that ``forward`` runs, :func:`quantcli.nn.computed.quantize_ops`; an adaptive average pooling
+  module to one position gets an ``input_quantizer``; a sigmoid's output is on the uint8 grid), and
+  ``F.silu`` runs as ``x * q(sigmoid(x))``. The quantizers of one tensor are calibrated on the same values,
+  so the export shares one Q among them and the next layer's. onnxruntime then runs ``QLinearSigmoid``,
+  ``QLinearMul`` and ``QLinearGlobalAveragePool`` where the operations ran in float between a DQ and a Q,
+  as in its own ``quantize_static`` graphs: an EfficientNet's Swish (``x * sigmoid(x)``) and
+  squeeze-excitation gate. ``nn.SiLU``, ``nn.Sigmoid`` and the user's own modules that only compute a
+  function (a ``Swish``) are recorded op by op for this (:func:`function_module`).
 * **int32 biases** on Conv and 2-D Linear layers (``QLinearConv``/``QGemm``), see :mod:`quantcli.nn.modules`.
 
 The tensorrt target follows NVIDIA's Q/DQ placement recommendations (TensorRT developer guide, "Q/DQ
@@ -73,10 +85,20 @@ from torch import fx, nn
 from quantcli.errors import first_line
 from quantcli.nn.computed import is_computed, is_conv_layer, quantize_adds
 from quantcli.nn.modules import QUANT_POOL_CLASSES
-from quantcli.nn.recorded_graph import ADD_FUNCTIONS, ADD_METHODS, RecordedGraph, RecordedNode, record
+from quantcli.nn.recorded_graph import (
+    ADD_FUNCTIONS,
+    ADD_METHODS,
+    RecordedGraph,
+    RecordedNode,
+    activation_kind,
+    record,
+)
 
 #: onnxruntime target: quantize the skip input of residual Adds that can then run as QLinearAdd (issue 25)
 RESIDUAL_QLINEAR_ADD = True
+#: onnxruntime target: quantize around sigmoids, SiLU/Swish multiplications and global average poolings
+#: between quantized layers, so that they run as QLinearSigmoid/QLinearMul/QLinearGlobalAveragePool (issue 35)
+QLINEAR_ACTIVATIONS = True
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # ops whose output is >= 0 whatever their input
@@ -162,9 +184,22 @@ class Placement:
     # onnxruntime: the residual Adds that run as QLinearAdd once their skip is quantized, as {Add node: skip
     # node} of the graph read (for the rewrite that inserts those quantizers; not part of the report)
     qlinear_adds: dict = field(default_factory=dict, repr=False)
+    # onnxruntime: the sigmoids, multiplications and global poolings run on codes (QLinearSigmoid, QLinearMul,
+    # QLinearGlobalAveragePool) once their operands are quantized, as {node: ActivationOp} of the graph read
+    # (for the rewrite that inserts those quantizers; not part of the report)
+    qlinear_activations: dict = field(default_factory=dict, repr=False)
+    # onnxruntime: the quantizers that rewrite added (by name)
+    activation_quantized: list[str] = field(default_factory=list)
+    # onnxruntime: per chain of such operations between quantized layers, its quantizers (those above and
+    # pooling modules' input quantizers) and the layers around it: a layer kept float breaks the chain, and
+    # its quantizers then go too (quantcli.calibration.latency_placement.apply)
+    activation_groups: list[dict] = field(default_factory=list)
+    # the chains as graph nodes: [(nodes, layers)] (for the rewrite; not part of the report)
+    activation_chains: list = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "qlinear_adds"}
+        hidden = ("qlinear_adds", "qlinear_activations", "activation_chains")
+        return {k: v for k, v in self.__dict__.items() if k not in hidden}
 
 
 class _Tracer(fx.Tracer):
@@ -190,14 +225,19 @@ def trace(model: nn.Module, layers: dict[str, nn.Module]) -> fx.Graph:
 
 
 def read_graph(
-    model: nn.Module, layers: dict[str, nn.Module], example: Mapping[str, torch.Tensor] | None
+    model: nn.Module,
+    layers: dict[str, nn.Module],
+    example: Mapping[str, torch.Tensor] | None,
+    functions_inside: bool = False,
 ) -> fx.Graph | RecordedGraph:
     """The graph the analyses read: recorded on ``example`` (a keyword batch) when there is one, else the fx
     trace.
 
     In the recording, the quantized layers, quantizers, modules without submodules and the modules the
     analyses classify (ReLU, pooling, BatchNorm, ...) are single ``call_module`` nodes; other modules are
-    recorded op by op.
+    recorded op by op, and so are the modules that only compute a function (:func:`function_module`) where
+    ``functions_inside`` (the onnxruntime target, which quantizes around their sigmoids and
+    multiplications).
     """
     if example is None:
         return trace(model, layers)
@@ -211,9 +251,24 @@ def read_graph(
             or next(m.children(), None) is None
             or isinstance(m, (*_RELU_MODULES, *_COMMUTING_MODULES, *_SIGN_KEEPING_MODULES, *_PASS_THROUGH))
             or zero_pad(m)
-        )
+        ) and not (functions_inside and QLINEAR_ACTIVATIONS and function_module(m))
 
     return record(model, example, is_leaf)
+
+
+def function_module(m: nn.Module) -> bool:
+    """A module that only computes a function of its input: ``nn.SiLU``, ``nn.Sigmoid``, or a class of the
+    user's own (a ``Swish``) without submodules, parameters or buffers. The recording runs it op by op, so its
+    sigmoid and multiplication are nodes the onnxruntime placement can quantize around, as the exporter
+    writes them."""
+    if next(m.children(), None) is not None or next(m.parameters(), None) is not None:
+        return False
+    if next(m.buffers(), None) is not None:
+        return False
+    if isinstance(m, (nn.SiLU, nn.Sigmoid)):
+        return True
+    module = type(m).__module__ or ""
+    return not module.startswith(("torch.", "quantcli.", "exporters."))
 
 
 def _is_node(x) -> bool:
@@ -401,17 +456,20 @@ def analyse(
     input_enabled: dict[str, bool],
     weight_integer: dict[str, bool],
     example: Mapping[str, torch.Tensor] | None = None,
+    activations: bool = True,
 ) -> tuple[Placement, fx.Graph | RecordedGraph | None]:
     """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``, and
     the graph it was read from (None when fx could not trace a model without an example batch).
 
     ``input_enabled``: layers whose input quantizer is on; ``weight_integer``: layers with an integer weight
     quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels); ``example``: one keyword
-    batch, on which the model's graph is recorded (:func:`read_graph`).
+    batch, on which the model's graph is recorded (:func:`read_graph`); ``activations``: quantize around
+    sigmoids, multiplications and global poolings (:func:`qlinear_activations`; off for a checkpoint
+    calibrated before that existed, whose placement is rebuilt as it was).
     """
     placement = Placement(target, graph="recorded" if example is not None else "fx")
     try:
-        graph = read_graph(model, layers, example)
+        graph = read_graph(model, layers, example, functions_inside=activations and target == "onnxruntime")
     except Exception as e:  # fx cannot trace every model: say so and keep the per-layer placement
         if example is not None:
             raise  # the forward itself failed on the user's batch: a DataError that names it
@@ -459,6 +517,17 @@ def analyse(
     placement.pool_inputs = {
         p.target: nonnegative(p.args[0], modules) for p in graph.nodes if p in used_pools
     }
+    if QLINEAR_ACTIVATIONS and activations:
+        acts = qlinear_activations(
+            graph, modules, layers, quantized_inputs, weight_integer, calls, pads | used_pools
+        )
+        placement.activation_chains = _chains(acts, modules, layers)
+        for n, op in acts.items():
+            if op.kind == "pool_module":
+                if op.quantize:
+                    placement.pool_inputs.setdefault(n.target, op.unsigned[0])
+            elif op.quantize or op.kind == "silu":
+                placement.qlinear_activations[n] = op
     for name, nodes in layer_calls.items():
         if name in quantized_inputs and all(n.args and nonnegative(n.args[0], modules) for n in nodes):
             placement.unsigned_inputs.append(name)
@@ -519,6 +588,152 @@ def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, e
         and not nonnegative(cat, modules)
         and _reaches_quantized_layers_only(cat, modules, quantized_inputs, skips, ends)
     )
+
+
+@dataclass(frozen=True)
+class ActivationOp:
+    """A sigmoid, SiLU, multiplication or global average pooling that runs on codes once the operands
+    ``quantize`` (positional indices) are quantized (the others are quantized Convs' outputs, which have
+    their output quantizer); ``unsigned``: per index of ``quantize``, whether that operand is >= 0 (a
+    sigmoid's or a ReLU's output: uint8 grid)."""
+
+    kind: str
+    quantize: tuple[int, ...]
+    unsigned: tuple[bool, ...]
+
+
+def _activation_kind(node, modules, calls: Counter) -> str | None:
+    if node.op == "call_module":
+        m = modules.get(node.target)
+        size = getattr(m, "output_size", None)
+        sizes = size if isinstance(size, (tuple, list)) else (size,)
+        if type(m) in QUANT_POOL_CLASSES and calls[node.target] == 1 and all(s == 1 for s in sizes):
+            return "pool_module"  # an adaptive average pooling module to one position: its input_quantizer
+        return None
+    kind = activation_kind(node.op, node.target)
+    if kind == "global_pool" and not node.meta.get("global_pool"):
+        return None
+    return kind
+
+
+def qlinear_activations(
+    graph, modules, layers: dict[str, nn.Module], quantized_inputs: set[str], weight_integer, calls, ends=()
+) -> dict:
+    """The sigmoids, SiLUs, two-tensor multiplications and global average poolings (recorded graph only)
+    that onnxruntime's CPU provider runs on codes (``QLinearSigmoid``, ``QLinearMul``,
+    ``QLinearGlobalAveragePool``: every input from a DQ, a Q on every output edge) once their operands are
+    quantized: ``{node: ActivationOp}``. Each operand is a quantized Conv's output or another such
+    operation's, and each consumer of the output (through ReLUs and commuting ops) a quantized layer's input,
+    another such operation or a node of ``ends`` (paddings, poolings) whose input gets a quantizer; so the
+    chain between quantized layers runs on codes and no float consumer pays for a DQ."""
+    if not isinstance(graph, RecordedGraph):
+        return {}
+
+    def conv_out(x) -> bool:
+        # through a folded BatchNorm's Identity (or a Dropout): the Conv's output quantizer is after it
+        # (_output_point) or before it, the same values either way
+        while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
+            if not x.args or not _is_node(x.args[0]):
+                return False
+            x = x.args[0]
+        return (
+            x.op == "call_module"
+            and x.target in layers
+            and is_conv_layer(layers[x.target])
+            and x.target in quantized_inputs
+            and bool(weight_integer.get(x.target))
+        )
+
+    cands: dict = {}
+    for n in graph.nodes:
+        kind = _activation_kind(n, modules, calls)
+        if kind is None:
+            continue
+        arity = 2 if kind == "mul" else 1
+        if len(n.args) != arity or not all(_is_node(a) for a in n.args):
+            continue
+        if arity == 2 and n.args[0] is n.args[1]:
+            continue
+        cands[n] = kind
+
+    def coded_users(n) -> bool:
+        if not n.users:
+            return False
+        for u in n.users:
+            if u in cands and n in u.args:
+                continue
+            if u in ends and u.args and u.args[0] is n:
+                continue
+            if (
+                u.op == "call_module"
+                and u.target in quantized_inputs
+                and u.args
+                and u.args[0] is n
+                and n not in u.args[1:]
+            ):
+                continue
+            if _kind(u, modules) in ("relu", "commuting") and u.args and u.args[0] is n:
+                if _reaches_quantized_layers_only(u, modules, quantized_inputs, None, set(ends) | set(cands)):
+                    continue
+            return False
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for n in list(cands):
+            if not all(conv_out(a) or a in cands for a in n.args) or not coded_users(n):
+                del cands[n]
+                changed = True
+    out = {}
+    for n, kind in cands.items():
+        idx = tuple(i for i, a in enumerate(n.args) if not conv_out(a))
+        unsigned = tuple(cands.get(n.args[i]) == "sigmoid" or nonnegative(n.args[i], modules) for i in idx)
+        out[n] = ActivationOp(kind, idx, unsigned)
+    return out
+
+
+def _chains(acts: Mapping, modules, layers: dict[str, nn.Module]) -> list[tuple[list, list[str]]]:
+    """The activation operations ``acts`` grouped into chains (connected through their operands), each with
+    the quantized layers whose outputs it reads or that read its outputs (through ReLUs, commuting ops and
+    paddings)."""
+    parent = {n: n for n in acts}
+
+    def root(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in acts:
+        for a in n.args:
+            if a in acts:
+                parent[root(a)] = root(n)
+
+    def producer_layer(x) -> str | None:
+        while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
+            x = x.args[0]
+        return x.target if x.op == "call_module" and x.target in layers else None
+
+    def consumer_layers(x, seen: set) -> set[str]:
+        out = set()
+        for u in x.users:
+            if u in seen or u in acts:
+                continue
+            seen.add(u)
+            if u.op == "call_module" and u.target in layers:
+                out.add(u.target)
+            elif _kind(u, modules) != "other":
+                out |= consumer_layers(u, seen)
+        return out
+
+    chains: dict = {}
+    for n in acts:
+        nodes, around = chains.setdefault(root(n), ([], set()))
+        nodes.append(n)
+        around |= {t for a in n.args if a not in acts and (t := producer_layer(a)) is not None}
+        around |= consumer_layers(n, set())
+    return [(nodes, sorted(around)) for nodes, around in chains.values()]
 
 
 def _output_point(
@@ -718,6 +933,51 @@ def _quantize_adds_as_they_run(
         names.append(qname)
     if spec:
         quantize_adds(model, mod, spec)
+    return names
+
+
+def insert_activation_quantizers(
+    model: nn.Module, graph: RecordedGraph, ops: Mapping, make: Callable[[str, bool], nn.Module]
+) -> dict:
+    """Quantize the operands of the activation operations ``ops`` (:func:`qlinear_activations`, less the
+    pooling modules) as their owning modules' ``forward`` runs (:func:`quantcli.nn.computed.quantize_ops`);
+    returns the new quantizers' names by operation node. ``make(name, unsigned)`` builds a quantizer; each
+    owning module gets ``activation_quantizer``, ``activation_quantizer_1``, ... (a SiLU's sigmoid output is
+    one of them)."""
+    from quantcli.nn.computed import OpQuantizers, quantize_ops
+
+    names: dict = {}
+    per_owner: dict[str, dict[int, dict[int, OpQuantizers]]] = {}
+    counts: Counter = Counter()  # activation operations per (owner, call) so far: the ordinal
+    added: Counter = Counter()
+    for n in graph.nodes:
+        if n.op == "call_module" or activation_kind(n.op, n.target) is None:
+            continue
+        owner, call = _owner(n), n.meta.get("call")
+        k = counts[owner, call]
+        counts[owner, call] += 1
+        op = ops.get(n)
+        calls_of_owner = graph.module_calls.get(owner, [])
+        if op is None or call not in calls_of_owner:
+            continue
+        mod = model.get_submodule(owner) if owner else model
+
+        def new(unsigned: bool, owner=owner, mod=mod, node=n) -> str:
+            j = added[owner]
+            added[owner] += 1
+            attr = "activation_quantizer" if j == 0 else f"activation_quantizer_{j}"
+            qname = f"{owner}.{attr}" if owner else attr
+            mod.add_module(attr, make(qname, unsigned))
+            names.setdefault(node, []).append(qname)
+            return attr
+
+        operands = tuple((i, new(u)) for i, u in zip(op.quantize, op.unsigned))
+        sigmoid = new(True) if op.kind == "silu" else None
+        per_owner.setdefault(owner, {}).setdefault(calls_of_owner.index(call), {})[k] = OpQuantizers(
+            operands, sigmoid
+        )
+    for owner, per_call in per_owner.items():
+        quantize_ops(model, model.get_submodule(owner) if owner else model, per_call)
     return names
 
 

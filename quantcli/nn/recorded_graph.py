@@ -71,6 +71,8 @@ class RecordedGraph:
 
     nodes: list[RecordedNode] = field(default_factory=list)
     module_inputs: dict[str, list[list[RecordedNode | None]]] = field(default_factory=dict)
+    #: for each module recorded op by op, the call numbers (``meta["call"]`` of its own nodes) of its calls
+    module_calls: dict[str, list[int]] = field(default_factory=dict)
 
 
 def _zero_pad(args: tuple, kwargs: dict) -> bool:
@@ -78,6 +80,20 @@ def _zero_pad(args: tuple, kwargs: dict) -> bool:
     mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
     value = kwargs.get("value", args[3] if len(args) > 3 else None)
     return mode == "constant" and (value is None or value == 0)
+
+
+_ADAPTIVE_AVG_POOLS = (
+    torch.nn.functional.adaptive_avg_pool1d,
+    torch.nn.functional.adaptive_avg_pool2d,
+    torch.nn.functional.adaptive_avg_pool3d,
+)
+
+
+def _global_pool(args: tuple, kwargs: dict) -> bool:
+    """Whether an adaptive average pooling call pools every spatial position into one (output size 1)."""
+    size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
+    sizes = size if isinstance(size, (tuple, list)) else (size,)
+    return all(s == 1 for s in sizes)
 
 
 def _func_name(func: Callable) -> str:
@@ -123,6 +139,29 @@ def is_add(op: str, target: Any) -> bool:
     return (op == "call_function" and target in ADD_FUNCTIONS) or (
         op == "call_method" and target in ADD_METHODS
     )
+
+
+#: the elementwise and pooling operations onnxruntime's CPU provider runs on codes between a DQ and a Q
+#: (``QLinearSigmoid``, ``QLinearMul``, ``QLinearGlobalAveragePool``; ``F.silu`` exports as Sigmoid + Mul), as
+#: a recorded node's ``(op, target)``: kind
+_ACTIVATION_OPS: dict[tuple[str, Any], str] = {
+    ("call_function", torch.sigmoid): "sigmoid",
+    ("call_method", "sigmoid"): "sigmoid",
+    ("call_function", torch.nn.functional.silu): "silu",
+    ("call_function", torch.mul): "mul",
+    ("call_function", operator.mul): "mul",
+    ("call_method", "mul"): "mul",
+    **{("call_function", f): "global_pool" for f in _ADAPTIVE_AVG_POOLS},
+}
+
+
+def activation_kind(op: str, target: Any) -> str | None:
+    """``sigmoid``, ``silu``, ``mul`` or ``global_pool`` (an adaptive average pooling, of any output size) for
+    a node's ``(op, target)`` (or :func:`classify`'s), else None."""
+    try:
+        return _ACTIVATION_OPS.get((op, target))
+    except TypeError:  # an unhashable target
+        return None
 
 
 def classify(func: Callable) -> tuple[str, Any]:
@@ -203,6 +242,8 @@ class _Recorder(TorchFunctionMode):
                 node = self.node(op, target, flat)
                 if func is torch.nn.functional.pad:
                     node.meta["zero_pad"] = _zero_pad(args, kwargs)
+                if func in _ADAPTIVE_AVG_POOLS:
+                    node.meta["global_pool"] = _global_pool(args, kwargs)
                 self.produced(node, out)
         return out
 
@@ -224,6 +265,7 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
                     rec.graph.module_inputs.setdefault(name, []).append(
                         [rec.producer.get(id(t)) for t in args if isinstance(t, torch.Tensor)]
                     )
+                    rec.graph.module_calls.setdefault(name, []).append(rec.calls)
             if leaf:
                 rec.leaf_depth += 1
 

@@ -33,7 +33,13 @@ from quantcli.nn.modules import (
     apply_input_quantizer_before,
     apply_output_quantizer_after,
 )
-from quantcli.nn.placement import Placement, analyse, insert_residual_quantizers, nonnegative
+from quantcli.nn.placement import (
+    Placement,
+    analyse,
+    insert_activation_quantizers,
+    insert_residual_quantizers,
+    nonnegative,
+)
 from quantcli.nn.recurrent import WeightView
 from quantcli.nn.recurrent import convert as convert_lstm
 from quantcli.nn.recurrent import float_reason as recurrent_float_reason
@@ -410,6 +416,7 @@ def _place_for_onnxruntime(
         {n: m.input_quantizer.enabled and not m.input_quantizer.desc.dynamic for n, m in layers.items()},
         {n: _integer8(m.weight_quantizer) for n, m in layers.items()},
         example,
+        activations=not getattr(cfg, "legacy_activations", False),
     )
     for name in list(placement.unsigned_inputs):
         q = layers[name].input_quantizer
@@ -463,9 +470,29 @@ def _place_for_onnxruntime(
         placement.residual_quantized, placement.residual_untraced = insert_residual_quantizers(
             model, layers, graph, make, only=placement.qlinear_adds
         )
+    by_node: dict = {}
+    if placement.qlinear_activations:
+
+        def make_activation(qname: str, unsigned: bool) -> TensorQuantizer:
+            owner = qname.rsplit(".", 1)[0] if "." in qname else ""
+            return activation_quantizer(qname, modules.get(owner, model), unsigned)
+
+        by_node = insert_activation_quantizers(model, graph, placement.qlinear_activations, make_activation)
+        placement.activation_quantized = [q for qs in by_node.values() for q in qs]
+    for nodes, around in placement.activation_chains:
+        qs = [q for n in nodes for q in by_node.get(n, [])]
+        qs += [
+            _qname(n.target, "input")
+            for n in nodes
+            if n.op == "call_module" and n.target in placement.pool_inputs
+        ]
+        if qs:
+            placement.activation_groups.append({"quantizers": qs, "layers": around})
     # graph nodes, linked to the whole recorded graph: not kept in the report the model carries (a deep copy
     # of the model would follow every link)
     placement.qlinear_adds = {}
+    placement.qlinear_activations = {}
+    placement.activation_chains = []
     for module in layers.values():
         # QLinearConv and QGemm take an int32 bias; onnxruntime has no CPU QDQ rule for ConvTranspose
         if not isinstance(module, (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)) and getattr(
