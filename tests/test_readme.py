@@ -27,8 +27,9 @@ def test_quick_start_command_runs_as_written(tmp_path):
 
 
 def test_test_command_is_the_one_ci_runs():
-    assert _block_after("## Run the tests") == "python -m pytest -q"
-    assert "python -m pytest -q" in (README.parent / ".ci" / "run").read_text()
+    command = _block_after("## Run the tests")
+    assert command == "python -m pytest -q -n auto"
+    assert command in (README.parent / ".ci" / "run").read_text().splitlines()
 
 
 def _blocks_after(heading: str) -> list[str]:
