@@ -27,14 +27,6 @@ EXPORTERS = ("torchscript", "dynamo")
 COSINE_MARGIN = 0.02
 #: (model, check) -> why it fails today and who owns the fix
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    ("multihead_attention", "fused"): (
-        "issue 35 items 1-3 (ops35): nn.MultiheadAttention's projections are parameters it calls through "
-        "F.multi_head_attention_forward, not Linear layers: found by what the model computes"
-    ),
-    ("transformer_encoder", "fused"): (
-        "issue 35 items 1-3 (ops35): nn.TransformerEncoderLayer's fast path under inference_mode never calls "
-        "its Linear layers; its attention projections are parameters"
-    ),
     ("two_inputs", "fused"): (
         "placement: proj's output is both the graph output 'embedding' and quantized for the head (through a "
         "Relu): onnxruntime fuses neither way (inspect names the condition). quantize_static fuses it by "
