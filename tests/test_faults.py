@@ -431,7 +431,9 @@ PAUSED_WRITER = textwrap.dedent("""
 
     def paused(obj, f, *a, **k):
         real(obj, f, *a, **k)
-        open(mark, "w").write(str(f))
+        with open(mark + ".part", "w") as m:  # renamed whole, so the test never reads it half-written
+            m.write(str(f))
+        os.replace(mark + ".part", mark)
         while True:
             time.sleep(0.05)
 
