@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantcli.errors import ExportError
+from quantcli.quant.one_node import traced_as_one_node
 
 
 class DynamicLinearFunction(torch.autograd.Function):
@@ -37,6 +38,7 @@ class DynamicLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, x, weight, weight_amax, bias, num_bits: int = 8, narrow_range: bool = False):
         from quantcli.quant.tensor_quant import FakeDynamicQuantFunction, FakeTensorQuantFunction
 

@@ -20,6 +20,7 @@ from quantcli.errors import CalibrationError, ConfigError, ExportError
 from quantcli.quant import arithmetic
 from quantcli.quant.descriptor import QuantDescriptor
 from quantcli.quant.granularity import block_of
+from quantcli.quant.one_node import untraced
 from quantcli.quant.tensor_quant import (
     FakeAffineTensorQuantFunction,
     FakeDynamicQuantFunction,
@@ -241,18 +242,22 @@ class TensorQuantizer(nn.Module):
         amax = self._dynamic_amax(x) if self.desc.dynamic else self.amax
         if amax is None:
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
-        amax = amax.to(x.device)
         if torch.onnx.is_in_onnx_export():  # learned or calibrated, amax is a constant in the graph
             from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
 
-            amax = export_amax(amax)
+            with untraced():
+                amax = export_amax(amax)
+        else:
+            amax = amax.to(x.device)
         if self.desc.asymmetric:
             amin = self.amin if self.amin is not None else torch.zeros_like(amax)
-            amin = amin.to(x.device)
             if torch.onnx.is_in_onnx_export():
                 from quantcli.quant.qdq import export_amax
 
-                amin = export_amax(amin)
+                with untraced():
+                    amin = export_amax(amin)
+            else:
+                amin = amin.to(x.device)
             return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)
         if self.desc.is_fp8:
             return ScaledE4M3Function.apply(x, amax, 4, 3)

@@ -21,6 +21,7 @@ import torch
 from quantcli.quant import arithmetic
 from quantcli.quant.descriptor import QuantDescriptor, ScaledQuantDescriptor
 from quantcli.quant.granularity import expand_amax
+from quantcli.quant.one_node import traced_as_one_node
 
 __all__ = [
     "TensorQuantFunction",
@@ -90,6 +91,7 @@ class TensorQuantFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         codes, onnx_scale, amax_e = _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range)
         ctx.save_for_backward(inputs, amax_e)
@@ -120,6 +122,7 @@ class FakeTensorQuantFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         codes, scale, amax_e = _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range)
         amax_t = amax if isinstance(amax, torch.Tensor) else None
@@ -148,6 +151,7 @@ class LegacyFakeTensorQuantFunction(torch.autograd.Function):
     """Same forward as :class:`FakeTensorQuantFunction`; backward is the plain straight-through estimator."""
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, inputs, amax, num_bits=8, unsigned=False, narrow_range=True):
         codes, scale, _ = _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range)
         return arithmetic.dequantize_linear(codes, scale).to(inputs.dtype)
@@ -170,6 +174,7 @@ class FakeAffineTensorQuantFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, inputs, min_range, max_range, num_bits=8):
         scale, zp = arithmetic.affine_qparams(min_range, max_range, num_bits)
         scale, zp = scale.to(inputs.device), zp.to(inputs.device)
@@ -201,6 +206,7 @@ class FakeDynamicQuantFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, inputs):
         return arithmetic.fake_quant_dynamic(inputs)
 
@@ -216,6 +222,7 @@ class ScaledE4M3Function(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, inputs, amax=None, E=4, M=3):
         if (E, M) != (4, 3):
             raise ValueError(f"only FP8 E4M3 (E=4, M=3) is supported, got E={E}, M={M}")
@@ -251,6 +258,7 @@ class Int32BiasFunction(torch.autograd.Function):
     """
 
     @staticmethod
+    @traced_as_one_node
     def forward(ctx, codes, scale):
         return arithmetic.dequantize_linear(codes, scale)
 
