@@ -85,7 +85,7 @@ def test_thresholds_validate_and_leave_out_what_was_not_given():
 def test_the_defaults_shown_are_the_librarys():
     from quantcli.calibration.calibrate import calibrate
     from quantcli.calibration.job import CalibrationRequest
-    from quantcli.cli.app import app
+    from quantcli.cli.application import app
     from quantcli.verify.verdict import MAX_RMS_RATIO
 
     request = CalibrationRequest(model="m")
@@ -112,3 +112,19 @@ def test_the_defaults_shown_are_the_librarys():
     assert f"[default: {defaults.MAX_RMS_RATIO}]" in verify_help
     analyze_help = " ".join(runner.invoke(app, ["analyze", "--help"]).output.split())
     assert f"[default: {defaults.SENSITIVITY_SAMPLES}]" in analyze_help
+
+
+def test_the_packages_app_is_the_typer_app_whatever_was_imported_first():
+    # a submodule named like the package's lazy attribute would replace it once imported (the import system
+    # sets the package's attribute to the submodule): `from quantcli.cli import app` then gave a module
+    import subprocess
+    import sys
+
+    code = (
+        "import quantcli.cli.entry, quantcli.cli.application, typer\n"
+        "from quantcli.cli import app, main\n"
+        "assert isinstance(app, typer.Typer), type(app)\n"
+        "assert callable(main) and not isinstance(main, type(typer)), type(main)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ inside the commands, so that ``quantcli --help`` starts fast.
 from quantcli.lazy import lazy_getattr
 
 # loaded on first use, so that this package imports nothing when it loads (no import cycle through it)
-_LAZY = {"app": "quantcli.cli.app", "main": "quantcli.cli.entry"}
+_LAZY = {"app": "quantcli.cli.application", "main": "quantcli.cli.entry"}
 
 __all__ = list(_LAZY)
 

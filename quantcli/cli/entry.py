@@ -9,7 +9,7 @@ import sys
 
 import typer
 
-from quantcli.cli.app import app
+from quantcli.cli.application import app
 from quantcli.cli.guard import STATE, unexpected
 from quantcli.cli.output import print_json
 
