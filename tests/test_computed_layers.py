@@ -243,7 +243,7 @@ def test_weight_standardisation_lora_and_a_plain_function_are_quantized_and_exac
         assert torch.equal(model(x), loaded(x))  # quantizers off: the user's model, bit for bit
     for q in quantizers(model).values():
         q.set_mode("quantize")
-    summary = calibrate(model, [{"x": x}])
+    summary = calibrate(model, [{"x": x}], device="cpu")
     assert summary.not_called == []
     called = set()
     hooks = [
@@ -337,7 +337,7 @@ def test_transformer_encoder_layer_fast_path_is_off_and_its_layers_are_quantized
     assert report.layers == layers and report.float_layers == []
     assert report.fast_paths_off == ["layer", "layer.self_attn"]
     with torch.inference_mode():  # where PyTorch runs torch._transformer_encoder_layer_fwd
-        summary = calibrate(model, [{"x": x}])
+        summary = calibrate(model, [{"x": x}], device="cpu")
     assert summary.not_called == []
     called = set()
     hooks = [

@@ -30,7 +30,7 @@ def _calibrated(config="int8") -> tuple[nn.Module, dict[str, torch.Tensor]]:
     model = _ConvNet().eval()
     batches = [{"x": torch.randn(2, 3, 8, 8)} for _ in range(3)]
     quantize_model(model, config, example=batches[0])
-    calibrate(model, batches, "max")
+    calibrate(model, batches, "max", device="cpu")
     return model, batches[0]
 
 

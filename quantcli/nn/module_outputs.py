@@ -48,6 +48,28 @@ def same_randomness() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def full_float32() -> Iterator[None]:
+    """CUDA's float32 convolutions and matmuls in full precision within the block: a model moved to the GPU
+    (calibration, SmoothQuant) is compared with its CPU reference, and TensorFloat-32's 10-bit mantissa
+    (cuDNN's default for convolutions) moves an output by about 1e-3, the tolerance itself."""
+    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+
+
+def _on_device_of(model: nn.Module, example: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+    """``example`` on the device of the model's parameters (a model calibrated or smoothed on the GPU stays
+    there)."""
+    p = next(model.parameters(), None)
+    if p is None or all(not isinstance(v, torch.Tensor) or v.device == p.device for v in example.values()):
+        return example
+    return {k: v.to(p.device) if isinstance(v, torch.Tensor) else v for k, v in example.items()}
+
+
 @dataclass
 class Fingerprint:
     """One module output: each tensor's shape and dtype, and its sampled values (float64)."""
@@ -136,9 +158,10 @@ def capture(
             m.register_forward_hook(lambda mod, a, out, name=name: observe(name, mod, out), always_call=True)
         )
     training = {m: m.training for m in model.modules()}
+    example = _on_device_of(model, example)
     try:
         model.eval()
-        with quantizer_modes(model, "disabled"), torch.no_grad(), same_randomness():
+        with quantizer_modes(model, "disabled"), torch.no_grad(), same_randomness(), full_float32():
             model(**example)
     finally:
         for h in handles:
