@@ -143,7 +143,15 @@ def _traced_scope(module: nn.Module, inside: bool) -> Iterator[None]:
 
 
 def _tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    return [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    # runs on every torch function a hooked module calls: tensors and flat lists of them (``cat``) are read
+    # directly, and only a nested structure goes through ``tree_flatten`` (10x slower per call)
+    out = []
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple, dict)):
+            out += [t for t in tree_flatten(a)[0] if isinstance(t, torch.Tensor)]
+    return out
 
 
 @contextlib.contextmanager
