@@ -41,7 +41,7 @@ from exporters.graph import (
 from exporters.matmul_nbits import KN_WEIGHTS_KEY, to_matmul_nbits
 from exporters.onnxruntime.compat import guard_fp8, session_needs
 from exporters.onnxruntime.cpu_fusions import keep_cpu_kernels
-from exporters.onnxruntime.fusion import inspect_fusion
+from exporters.onnxruntime.fusion import FusionReport, inspect_fusion
 from exporters.onnxruntime.placement import place_for_onnxruntime
 from exporters.onnxruntime.recurrent import RECURRENT_KEY, to_dynamic_quantize_lstm
 from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
@@ -107,9 +107,12 @@ class ExportResult:
     recurrent: dict[str, dict] = field(default_factory=dict)
     # input name -> its axes exported with a symbolic size (the batch axis, --dynamic-dim's)
     dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
+    # onnxruntime target: what onnxruntime fuses in the saved graph (counted above; latency placement reads
+    # the layers, so that it does not load the graph a second time)
+    fusion: FusionReport | None = field(default=None, repr=False)
 
     def to_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "kn_weights"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("kn_weights", "fusion")}
 
 
 def required_opset(model: nn.Module) -> tuple[int, str]:
@@ -627,7 +630,7 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
         inits = {t.name for t in onnx_model.graph.initializer}
         res.weights_stored_quantized += sum(1 for d in dyn if d.weight in inits)
     if res.target == "onnxruntime":
-        fusion = inspect_fusion(path)
+        res.fusion = fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)
         res.fusion_error = fusion.load_error
 

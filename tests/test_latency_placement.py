@@ -102,6 +102,20 @@ def test_a_float_layer_keeps_its_input_quantizer_where_the_layer_before_needs_it
     assert latency_placement.INPUT_KEPT in got[1].reason
 
 
+def test_a_layer_beside_a_chain_on_codes_is_not_kept_float_for_speed():
+    decisions = [
+        _decision("stem", "float"),  # fused, kept float for speed, beside the SiLU chain
+        _decision("head", "float"),  # fused, kept float for speed, beside no chain
+        _decision("up", "float", fused=False),  # not fused: float whatever borders it
+        _decision("b", "quantized"),
+    ]
+    groups = [{"quantizers": ["act.sigmoid.q", "act.mul.q"], "layers": ["stem", "up", "b"]}]
+    got = latency_placement.keep_chains(decisions, groups)
+    assert [d.decision for d in got] == ["quantized", "float", "float", "quantized"]
+    assert "sigmoid/multiplication chain beside it" in got[0].reason
+    assert latency_placement.keep_chains(decisions, []) == decisions
+
+
 def test_keep_neighbours_asks_nothing_without_float_layers():
     decisions = [_decision("a", "quantized")]
     assert latency_placement.keep_neighbours(decisions, lambda *a: pytest.fail("exported")) == decisions

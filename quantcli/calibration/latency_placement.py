@@ -16,8 +16,9 @@ one. Three steps, none of them timed, so the same model gets the same decisions 
    kernels (a Conv whose output Q is gone when the layer it feeds turns float). The graph with the float
    choices is exported and inspected again; where a layer fused before is not any more, the float choices
    made for speed go back to quantized, and if that is not enough, every choice does
-   (:func:`keep_neighbours`). The chosen graph is then never slower than ``--placement all``'s by more than
-   the table's error.
+   (:func:`keep_neighbours`). A layer beside a sigmoid/multiplication chain run on codes is not kept float
+   for speed at all (:func:`keep_chains`): the chain would go float with it. The chosen graph is then
+   never slower than ``--placement all``'s by more than the table's error.
 
 Layers placement has nothing to decide for (weight-only INT4, float8, other widths) are left as configured
 with no export at all, so an INT4 weight-only calibration of an LLM spends nothing here.
@@ -245,6 +246,22 @@ def _chosen(d: LayerDecision, chosen: frozenset[str], keep_inputs: bool, why: st
     )
 
 
+def keep_chains(decisions: list[LayerDecision], groups: list[dict]) -> list[LayerDecision]:
+    """Step 3 for the operations between layers: a layer kept float for speed goes back to quantized where it
+    borders a chain of sigmoids, multiplications or global poolings run on codes (``groups``: the structural
+    placement's ``activation_groups``, each ``{"quantizers", "layers"}``). Kept float, it would break the
+    chain, whose ``QLinearSigmoid``/``QLinearMul``/``QLinearGlobalAveragePool`` kernels then run in float
+    between new Q/DQ pairs (:func:`apply`): the table's ratio is of the layer alone, and on MobileViT's SiLU
+    blocks the graph with three such layers float ran 1.08x ``--placement all``'s. A layer onnxruntime does
+    not fuse stays float: its chain is in float whatever is decided."""
+    bordering = {layer for g in groups for layer in g.get("layers", ())}
+    why = "keeping it float would cost the sigmoid/multiplication chain beside it its integer kernels"
+    return [
+        _requantized(d, why) if d.decision == FLOAT and d.fused and d.layer in bordering else d
+        for d in decisions
+    ]
+
+
 # ------------------------------------------------------------------------------------------- measuring
 
 
@@ -342,8 +359,9 @@ def _with_float(
 
 def _fusion(model: nn.Module, example: Batch, workdir: Path, name: str) -> FusionReport:
     path = workdir / f"{name}.onnx"
-    export_onnx(model, example, path)
-    report = inspect_fusion(path)
+    report = export_onnx(model, example, path).fusion  # the export inspected it (onnxruntime target)
+    if report is None:
+        report = inspect_fusion(path)
     if report.load_error:
         raise RuntimeError(f"onnxruntime does not load the int8 graph: {report.load_error}")
     return report
@@ -401,7 +419,10 @@ def measure_and_decide(
         with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
             work = Path(d)
             costs, _ = measure(model, example, cpu, work)
-            decisions = decide(costs, margin)
+            structure = getattr(getattr(model, "quantcli_report", None), "placement", None)
+            decisions = keep_chains(
+                decide(costs, margin), getattr(structure, "activation_groups", None) or []
+            )
             tries = iter(range(1, 6))
 
             def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
