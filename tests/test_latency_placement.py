@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from exporters.onnxruntime import kernel_costs
+from exporters.onnxruntime.fusion import FusionReport, LayerFusion
 from exporters.onnxruntime.kernel_costs import CONV, DEPTHWISE, GEMM, LayerShape, Prediction, Row
 from quantcli.calibration import latency_placement
 from quantcli.quant import cpu as cpu_kinds
@@ -229,6 +230,99 @@ def test_a_slower_integer_conv_is_kept_float_in_checkpoint_export_and_verify(tmp
     r = cli("inspect", onnx_path, "--runtime", "onnxruntime", "--json")
     fused = {row["layer"]: row["fused"] for row in json.loads(r.stdout)["layers"]}
     assert fused["conv1"] is True and "conv2" not in fused
+
+
+def _slower(monkeypatch, slow: LayerShape) -> list[str]:
+    """A stand-in table with ``slow`` 2x slower than float and every other shape 0.5x; returns the names of
+    the graphs placement exports (``int8``, then ``float1``... for each check of the neighbours)."""
+
+    def predict(kind, shape):
+        ratio = 2.0 if shape == slow else 0.5
+        return Prediction(ratio, Row(shape, ratio))
+
+    monkeypatch.setattr(kernel_costs, "predict", predict)
+    exported, real = [], latency_placement._fusion
+
+    def fusion(model, example, workdir, name):
+        exported.append(name)
+        return real(model, example, workdir, name)
+
+    monkeypatch.setattr(latency_placement, "_fusion", fusion)
+    return exported
+
+
+def test_a_stem_kept_float_is_not_exported_again_and_costs_no_neighbour(tmp_path, monkeypatch):
+    # conv1 reads the graph input and its quantizers feed it alone: kept float, it takes no Q or DQ from any
+    # other node, so its neighbours' kernels need no second export to check
+    exported = _slower(monkeypatch, LayerShape(CONV, 9, 16, 64))
+    ck, info = _calibrate(tmp_path)
+    latency = info["placement"]["latency"]
+    assert latency["kept_float"] == ["conv1"] and exported == ["int8"]
+    stored = torch.load(ck, weights_only=True)
+    conv1 = {n: q["enabled"] for n, q in stored["quantizers"].items() if n.startswith("conv1.")}
+    assert conv1 == {"conv1.input_quantizer": False, "conv1.weight_quantizer": False}  # (it has no output q)
+    onnx_path = tmp_path / "m.onnx"
+    assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
+    r = cli("inspect", onnx_path, "--runtime", "onnxruntime", "--json")
+    fused = {row["layer"]: row["fused"] for row in json.loads(r.stdout)["layers"]}
+    assert "conv1" not in fused and all(fused.values()) and len(fused) == 3, fused
+    assert cli("verify", onnx_path, "--reference", ck).exit_code == 0
+
+
+def _stem_graph(shared_input: bool) -> onnx.ModelProto:
+    """x -> Q -> DQ -> Conv (weight DQ) -> Q -> DQ -> Sigmoid, the Q/DQ named as the exporter's quantizer map
+    names them; ``shared_input``: the input DQ also feeds a second Conv."""
+    from onnx import TensorProto, helper
+
+    from exporters.graph import QUANTIZERS_KEY
+
+    s, z = (
+        helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+        helper.make_tensor("z", TensorProto.INT8, [], [0]),
+    )
+    w = helper.make_tensor("w", TensorProto.INT8, [2, 1, 1, 1], [1, 2])
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s", "z"], ["xq"], name="q_in"),
+        helper.make_node("DequantizeLinear", ["xq", "s", "z"], ["xd"], name="dq_in"),
+        helper.make_node("DequantizeLinear", ["w", "s", "z"], ["wd"], name="dq_w"),
+        helper.make_node("Conv", ["xd", "wd"], ["y"], name="stem"),
+        helper.make_node("QuantizeLinear", ["y", "s", "z"], ["yq"], name="q_out"),
+        helper.make_node("DequantizeLinear", ["yq", "s", "z"], ["yd"], name="dq_out"),
+        helper.make_node("Sigmoid", ["yd"], ["out"], name="act"),
+    ]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    if shared_input:
+        nodes.append(helper.make_node("Conv", ["xd", "wd"], ["y2"], name="other"))
+        outputs.append(helper.make_tensor_value_info("y2", TensorProto.FLOAT, None))
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])], outputs, [s, z, w]
+    )
+    model = helper.make_model(graph)
+    qmap = {"xd": "stem.input_quantizer", "wd": "stem.weight_quantizer", "yd": "stem.output_quantizer"}
+    model.metadata_props.add(key=QUANTIZERS_KEY, value=json.dumps(qmap))
+    return model
+
+
+def test_a_stem_keeps_its_output_quantizer_and_a_shared_input_is_no_stem(tmp_path):
+    qs = ["stem.input_quantizer", "stem.weight_quantizer", "stem.output_quantizer"]
+    decisions = [latency_placement.LayerDecision("stem", "QLinearConv", 2.0, "float", "slower", qs, True)]
+    for shared in (False, True):
+        path = tmp_path / f"g{shared}.onnx"
+        onnx.save(_stem_graph(shared), path)
+        report = FusionReport(str(path), "CPUExecutionProvider")
+        report.layers = [LayerFusion("stem", "stem", "Conv", qs, "QLinearConv", True)]
+        got = latency_placement.as_stems(decisions, report)
+        assert latency_placement.is_stem(onnx.load(path), "stem", qs) is (not shared)
+        if shared:
+            assert got is None  # the second Conv would lose its input DQ: the neighbours are checked
+        else:
+            assert got[0].quantizers == qs[:2] and latency_placement.OUTPUT_KEPT in got[0].reason
+
+
+def test_a_layer_between_two_is_checked_by_a_second_export(tmp_path, monkeypatch):
+    exported = _slower(monkeypatch, LayerShape(CONV, 144, 32, 64))  # conv2: conv1's QLinearConv needs its Q
+    _, info = _calibrate(tmp_path)
+    assert info["placement"]["latency"]["kept_float"] == ["conv2"] and exported[:2] == ["int8", "float1"]
 
 
 def test_repeated_calibrations_decide_the_same(tmp_path):

@@ -17,8 +17,10 @@ one. Three steps, none of them timed, so the same model gets the same decisions 
    choices is exported and inspected again; where a layer fused before is not any more, the float choices
    made for speed go back to quantized, and if that is not enough, every choice does
    (:func:`keep_neighbours`). A layer beside a sigmoid/multiplication chain run on codes is not kept float
-   for speed at all (:func:`keep_chains`): the chain would go float with it. The chosen graph is then
-   never slower than ``--placement all``'s by more than the table's error.
+   for speed at all (:func:`keep_chains`): the chain would go float with it. Where every layer kept float is
+   a stem (it reads a graph input, and its input and weight quantizers feed it alone: :func:`is_stem`), those
+   two go, its output's stay, no neighbour can lose anything, and the graph is not exported again. The
+   chosen graph is then never slower than ``--placement all``'s by more than the table's error.
 
 Layers placement has nothing to decide for (weight-only INT4, float8, other widths) are left as configured
 with no export at all, so an INT4 weight-only calibration of an LLM spends nothing here.
@@ -38,9 +40,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import onnx
 import torch
 from torch import nn
 
+from exporters.graph import quantizer_map
 from exporters.onnx_export import export_onnx
 from exporters.onnxruntime import kernel_costs
 from exporters.onnxruntime.fusion import FusionReport, inspect_fusion
@@ -262,6 +266,69 @@ def keep_chains(decisions: list[LayerDecision], groups: list[dict]) -> list[Laye
     ]
 
 
+_OWN = (".input_quantizer", ".weight_quantizer")
+
+#: a stem kept float (:func:`as_stems`): its other quantizers (the Q on its output) stay on
+OUTPUT_KEPT = "its output stays quantized, as the graph after it reads it"
+
+
+def is_stem(graph: onnx.ModelProto, node: str, quantizers: list[str]) -> bool:
+    """Whether the layer run by ``node`` of the exported int8 ``graph`` reads a graph input through its input
+    quantizer and its input and weight quantizers (among ``quantizers``) feed that node alone. Kept float with
+    those two off and the others (its output's) on, it takes no Q or DQ from any other node: no neighbour
+    can lose its integer kernel, and placement need not export the graph again to find out
+    (:func:`keep_neighbours`). A DQ that feeds another node too (a shared input or weight), or an input Q that
+    reads anything but a graph input: not a stem."""
+    own = {q for q in quantizers if q.endswith(_OWN)}
+    producers = {o: n for n in graph.graph.node for o in n.output}
+    consumers: dict[str, set[str]] = {}
+    for n in graph.graph.node:
+        for i in n.input:
+            consumers.setdefault(i, set()).add(n.name)
+    inputs = {i.name for i in graph.graph.input}
+    reads_input = False
+    for dq_out, q in quantizer_map(graph).items():
+        if q not in own:
+            continue
+        if consumers.get(dq_out, set()) - {node}:
+            return False  # the DQ serves another node too
+        if q.endswith(".input_quantizer"):
+            dq = producers.get(dq_out)
+            quantize = producers.get(dq.input[0]) if dq is not None else None
+            if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.input[0] not in inputs:
+                return False
+            reads_input = True
+    return reads_input
+
+
+def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[LayerDecision] | None:
+    """``decisions`` with every layer kept float a stem (:func:`is_stem` in the graph ``report`` inspected):
+    only its input and weight quantizers go, the others stay on (:data:`OUTPUT_KEPT`). None where some layer
+    kept float is not a stem, or none is kept float."""
+    floats = [d for d in decisions if d.decision == FLOAT]
+    if not floats:
+        return None
+    graph = onnx.load(report.path, load_external_data=False)
+    nodes = {lf.layer: lf.node for lf in report.layers}
+    if not all(d.layer in nodes and is_stem(graph, nodes[d.layer], d.quantizers) for d in floats):
+        return None
+    out = []
+    for d in decisions:
+        if d.decision == FLOAT and any(not q.endswith(_OWN) for q in d.quantizers):
+            d = LayerDecision(
+                d.layer,
+                d.kernel,
+                d.ratio,
+                FLOAT,
+                f"{d.reason}; {OUTPUT_KEPT}",
+                [q for q in d.quantizers if q.endswith(_OWN)],
+                d.fused,
+                d.applicable,
+            )
+        out.append(d)
+    return out
+
+
 # ------------------------------------------------------------------------------------------- measuring
 
 
@@ -418,7 +485,7 @@ def measure_and_decide(
     try:
         with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
             work = Path(d)
-            costs, _ = measure(model, example, cpu, work)
+            costs, report = measure(model, example, cpu, work)
             structure = getattr(getattr(model, "quantcli_report", None), "placement", None)
             decisions = keep_chains(
                 decide(costs, margin), getattr(structure, "activation_groups", None) or []
@@ -430,7 +497,8 @@ def measure_and_decide(
                 rep = _fusion(plain, example, work, f"float{next(tries)}")
                 return {lf.layer: lf.fused for lf in rep.layers}
 
-            decisions = keep_neighbours(decisions, fused_after)
+            stems = as_stems(decisions, report)  # stems kept float cost no neighbour anything
+            decisions = stems if stems is not None else keep_neighbours(decisions, fused_after)
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
         return LatencyPlacement(
             "auto",
