@@ -67,6 +67,10 @@ def measure(name: str, folder: Path, repeats: int, exporter: str) -> dict:
     }
 
 
+def _shown(rows: list[dict]) -> str:
+    return table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows])
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=DEFAULT_MODELS)
@@ -81,8 +85,8 @@ def main(argv=None) -> None:
             folder = Path(d) / name
             folder.mkdir()
             rows.append(measure(name, folder, args.repeats, args.exporter))
-            print(table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows[-1:]]), flush=True)
-    print(table([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]))
+            print(_shown(rows[-1:]), flush=True)
+    print(_shown(rows))
     met = sum(r["_met"] for r in rows)
     print(f"export within {TARGET_S:.0f} s: {met}/{len(rows)} {verdict(met == len(rows))}")
 
