@@ -380,26 +380,34 @@ def _reaches_quantized_layers_only(
     """True if every path from ``node`` through ReLUs and commuting ops ends at a quantized layer's input (or
     at a residual Add in ``skips`` whose skip operand it is, or at a node of ``ends`` (poolings, paddings)
     whose input gets a quantizer)."""
-    if not node.users:
-        return False
-    for user in node.users:
-        if user in ends and user.args and user.args[0] is node:
-            continue
-        if (
-            user.op == "call_module"
-            and user.target in quantized_inputs
-            and user.args
-            and user.args[0] is node
-            and node not in user.args[1:]
-        ):
-            continue
-        if skips and skips.get(user) is node:
-            continue
-        if _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
-            if _reaches_quantized_layers_only(user, modules, quantized_inputs, skips, ends):
-                continue
-        return False
-    return True
+    return bool(node.users) and all(
+        _user_reaches_quantized_layers_only(node, user, modules, quantized_inputs, skips, ends)
+        for user in node.users
+    )
+
+
+def _user_reaches_quantized_layers_only(
+    node: fx.Node, user: fx.Node, modules, quantized_inputs: set[str], skips: dict | None, ends
+) -> bool:
+    """:func:`_reaches_quantized_layers_only` for the paths through one user of ``node``."""
+    if user in ends and user.args and user.args[0] is node:
+        return True
+    if (
+        user.op == "call_module"
+        and user.target in quantized_inputs
+        and user.args
+        and user.args[0] is node
+        and node not in user.args[1:]
+    ):
+        return True
+    if skips and skips.get(user) is node:
+        return True
+    return (
+        _kind(user, modules) in ("relu", "commuting")
+        and bool(user.args)
+        and user.args[0] is node
+        and _reaches_quantized_layers_only(user, modules, quantized_inputs, skips, ends)
+    )
 
 
 def _avg_pools(graph, modules, quantized_inputs: set[str], calls: Counter, ends=()) -> set:
@@ -657,26 +665,14 @@ def qlinear_activations(
         cands[n] = kind
 
     def coded_users(n) -> bool:
-        if not n.users:
-            return False
-        for u in n.users:
-            if u in cands and n in u.args:
-                continue
-            if u in ends and u.args and u.args[0] is n:
-                continue
-            if (
-                u.op == "call_module"
-                and u.target in quantized_inputs
-                and u.args
-                and u.args[0] is n
-                and n not in u.args[1:]
-            ):
-                continue
-            if _kind(u, modules) in ("relu", "commuting") and u.args and u.args[0] is n:
-                if _reaches_quantized_layers_only(u, modules, quantized_inputs, None, set(ends) | set(cands)):
-                    continue
-            return False
-        return True
+        # a chain operation may take n as any operand; every other user must lead to quantized inputs only,
+        # the chain's operations counting as ends there
+        ends_or_chain = set(ends) | set(cands)
+        return bool(n.users) and all(
+            (u in cands and n in u.args)
+            or _user_reaches_quantized_layers_only(n, u, modules, quantized_inputs, None, ends_or_chain)
+            for u in n.users
+        )
 
     changed = True
     while changed:
