@@ -18,14 +18,13 @@ The target printed is quantcli's export within 10 s.
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 import warnings
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import cpu_flags, machine, setup_threads, table, verdict
+from benchmarks.common import cpu_flags, machine, rows_per_model, setup_threads, table, verdict
 
 TARGET_S = 10.0
 DEFAULT_MODELS = "efficientnet_b0,mobilenet_v2,resnet,vit,bert"
@@ -79,13 +78,15 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     setup_threads(1)
     print(f"export: {machine()}; CPU {cpu_flags()}; exporter {args.exporter}")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="bench-export-") as d:
-        for name in args.models.split(","):
-            folder = Path(d) / name
-            folder.mkdir()
-            rows.append(measure(name, folder, args.repeats, args.exporter))
-            print(_shown(rows[-1:]), flush=True)
+
+    def one(name: str, root: Path) -> list[dict]:
+        folder = root / name  # each model's calibration data and graphs apart
+        folder.mkdir()
+        row = measure(name, folder, args.repeats, args.exporter)
+        print(_shown([row]), flush=True)
+        return [row]
+
+    rows = rows_per_model(args.models.split(","), one)
     print(_shown(rows))
     met = sum(r["_met"] for r in rows)
     print(f"export within {TARGET_S:.0f} s: {met}/{len(rows)} {verdict(met == len(rows))}")
