@@ -92,6 +92,7 @@ from quantcli.nn.recorded_graph import (
     RecordedNode,
     activation_kind,
     record,
+    to_one_position,
 )
 
 #: onnxruntime target: quantize the skip input of residual Adds that can then run as QLinearAdd (issue 25)
@@ -613,15 +614,24 @@ class ActivationOp:
 def _activation_kind(node, modules, calls: Counter) -> str | None:
     if node.op == "call_module":
         m = modules.get(node.target)
-        size = getattr(m, "output_size", None)
-        sizes = size if isinstance(size, (tuple, list)) else (size,)
-        if type(m) in QUANT_POOL_CLASSES and calls[node.target] == 1 and all(s == 1 for s in sizes):
+        one = to_one_position(getattr(m, "output_size", None))
+        if type(m) in QUANT_POOL_CLASSES and calls[node.target] == 1 and one:
             return "pool_module"  # an adaptive average pooling module to one position: its input_quantizer
         return None
     kind = activation_kind(node.op, node.target)
     if kind == "global_pool" and not node.meta.get("global_pool"):
         return None
     return kind
+
+
+def _past_identities(x, modules):
+    """The node ``x`` is, past Identities (a folded BatchNorm) and Dropouts; None where one has no node
+    input."""
+    while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
+        if not x.args or not _is_node(x.args[0]):
+            return None
+        x = x.args[0]
+    return x
 
 
 def qlinear_activations(
@@ -640,12 +650,10 @@ def qlinear_activations(
     def conv_out(x) -> bool:
         # through a folded BatchNorm's Identity (or a Dropout): the Conv's output quantizer is after it
         # (_output_point) or before it, the same values either way
-        while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
-            if not x.args or not _is_node(x.args[0]):
-                return False
-            x = x.args[0]
+        x = _past_identities(x, modules)
         return (
-            x.op == "call_module"
+            x is not None
+            and x.op == "call_module"
             and x.target in layers
             and is_conv_layer(layers[x.target])
             and x.target in quantized_inputs
@@ -707,9 +715,8 @@ def _chains(acts: Mapping, modules, layers: dict[str, nn.Module]) -> list[tuple[
                 parent[root(a)] = root(n)
 
     def producer_layer(x) -> str | None:
-        while x.op == "call_module" and isinstance(modules.get(x.target), (nn.Identity, nn.Dropout)):
-            x = x.args[0]
-        return x.target if x.op == "call_module" and x.target in layers else None
+        x = _past_identities(x, modules)
+        return x.target if x is not None and x.op == "call_module" and x.target in layers else None
 
     def consumer_layers(x, seen: set) -> set[str]:
         out = set()

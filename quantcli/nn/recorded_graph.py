@@ -89,11 +89,15 @@ _ADAPTIVE_AVG_POOLS = (
 )
 
 
+def to_one_position(output_size) -> bool:
+    """Whether an adaptive pooling's ``output_size`` (an int or one per spatial axis) is one position."""
+    sizes = output_size if isinstance(output_size, (tuple, list)) else (output_size,)
+    return all(s == 1 for s in sizes)
+
+
 def _global_pool(args: tuple, kwargs: dict) -> bool:
     """Whether an adaptive average pooling call pools every spatial position into one (output size 1)."""
-    size = kwargs.get("output_size", args[1] if len(args) > 1 else None)
-    sizes = size if isinstance(size, (tuple, list)) else (size,)
-    return all(s == 1 for s in sizes)
+    return to_one_position(kwargs.get("output_size", args[1] if len(args) > 1 else None))
 
 
 def _func_name(func: Callable) -> str:
