@@ -37,7 +37,7 @@ import math
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx
@@ -315,16 +315,8 @@ def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[Layer
     out = []
     for d in decisions:
         if d.decision == FLOAT and any(not q.endswith(_OWN) for q in d.quantizers):
-            d = LayerDecision(
-                d.layer,
-                d.kernel,
-                d.ratio,
-                FLOAT,
-                f"{d.reason}; {OUTPUT_KEPT}",
-                [q for q in d.quantizers if q.endswith(_OWN)],
-                d.fused,
-                d.applicable,
-            )
+            own = [q for q in d.quantizers if q.endswith(_OWN)]
+            d = replace(d, reason=f"{d.reason}; {OUTPUT_KEPT}", quantizers=own)
         out.append(d)
     return out
 
@@ -486,10 +478,7 @@ def measure_and_decide(
         with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
             work = Path(d)
             costs, report = measure(model, example, cpu, work)
-            structure = getattr(getattr(model, "quantcli_report", None), "placement", None)
-            decisions = keep_chains(
-                decide(costs, margin), getattr(structure, "activation_groups", None) or []
-            )
+            decisions = keep_chains(decide(costs, margin), _activation_groups(model))
             tries = iter(range(1, 6))
 
             def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
@@ -511,6 +500,13 @@ def measure_and_decide(
     return LatencyPlacement("auto", True, source, decisions, margin, time.perf_counter() - t0, cpu)
 
 
+def _activation_groups(model: nn.Module) -> list[dict]:
+    """The chains of operations on codes of the model's structural placement (``activation_groups``; none for
+    a model quantized without one)."""
+    structure = getattr(getattr(model, "quantcli_report", None), "placement", None)
+    return getattr(structure, "activation_groups", None) or []
+
+
 def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:
     """Switch off, for good, every quantizer of the layers ``placement`` keeps float; returns their names.
     When it keeps every layer float, the quantizers of no layer (residual skips, pooling inputs) go too: they
@@ -522,8 +518,7 @@ def apply(model: nn.Module, placement: LatencyPlacement) -> list[str]:
     every = bool(placement.layers) and all(d.decision == FLOAT for d in placement.layers)
     names = list(qs) if every else [n for d in placement.layers if d.decision == FLOAT for n in d.quantizers]
     floats = {d.layer for d in placement.layers if d.decision == FLOAT}
-    structure = getattr(getattr(model, "quantcli_report", None), "placement", None)
-    for group in getattr(structure, "activation_groups", None) or []:
+    for group in _activation_groups(model):
         # a chain of sigmoids/multiplications/poolings on codes needs every layer around it quantized
         if floats & set(group["layers"]):
             names += [n for n in group["quantizers"] if n not in names]
