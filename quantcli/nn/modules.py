@@ -15,7 +15,6 @@ Two more pieces exist where the deployment target's placement asks for them (:mo
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -58,16 +57,15 @@ class QuantMixin:
             return self.bias
         if self.bias_export_hook is not None:
             return self.bias_export_hook()
-        exporting = torch.onnx.is_in_onnx_export()
-        with untraced() if exporting else contextlib.nullcontext():  # graph constants, not traced arithmetic
+        with untraced():  # graph constants when exporting, not traced arithmetic
             constants = self.int32_bias_constants()
-            if constants is None:
-                return self.bias
-            codes, scale = constants
-            if exporting:
-                from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
+        if constants is None:
+            return self.bias
+        codes, scale = constants
+        if torch.onnx.is_in_onnx_export():
+            from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
 
-                codes, scale = export_amax(codes), export_amax(scale)
+            codes, scale = export_amax(codes), export_amax(scale)
         from quantcli.quant.tensor_quant import Int32BiasFunction
 
         bias = Int32BiasFunction.apply(codes, scale)

@@ -20,7 +20,6 @@ from quantcli.errors import CalibrationError, ConfigError, ExportError
 from quantcli.quant import arithmetic
 from quantcli.quant.descriptor import QuantDescriptor
 from quantcli.quant.granularity import block_of
-from quantcli.quant.one_node import untraced
 from quantcli.quant.tensor_quant import (
     FakeAffineTensorQuantFunction,
     FakeDynamicQuantFunction,
@@ -245,8 +244,7 @@ class TensorQuantizer(nn.Module):
         if torch.onnx.is_in_onnx_export():  # learned or calibrated, amax is a constant in the graph
             from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
 
-            with untraced():
-                amax = export_amax(amax)
+            amax = export_amax(amax)
         else:
             amax = amax.to(x.device)
         if self.desc.asymmetric:
@@ -254,8 +252,7 @@ class TensorQuantizer(nn.Module):
             if torch.onnx.is_in_onnx_export():
                 from quantcli.quant.qdq import export_amax
 
-                with untraced():
-                    amin = export_amax(amin)
+                amin = export_amax(amin)
             else:
                 amin = amin.to(x.device)
             return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)

@@ -23,6 +23,7 @@ import torch
 from quantcli.errors import ExportError
 from quantcli.quant import arithmetic, formats
 from quantcli.quant.granularity import Granularity, expand_amax, flatten_for_onnx, granularity_of
+from quantcli.quant.one_node import untraced
 
 
 @dataclass
@@ -46,8 +47,10 @@ class QdqSpec:
 
 
 def export_amax(amax: torch.Tensor) -> torch.Tensor:
-    """amax as a graph constant: the TorchScript exporter hands constants (not parameters) to ``symbolic``."""
-    return torch.tensor(amax.detach().cpu().tolist(), dtype=torch.float32)
+    """amax as a graph constant: the TorchScript exporter hands constants (not parameters) to ``symbolic``;
+    made with the tracer off, so the trace records the constant and not the reads that made it."""
+    with untraced():
+        return torch.tensor(amax.detach().cpu().tolist(), dtype=torch.float32)
 
 
 def constant_value(v, what: str) -> torch.Tensor:
