@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from calibrators import shared
@@ -23,6 +24,7 @@ from calibrators.counting import (
     HostSignedCounter,
     fold_abs,
     merged,
+    small_values,
 )
 from calibrators.histogram import METHODS
 from calibrators.max import _observed, batch_min_max
@@ -78,6 +80,12 @@ class HistogramCalibrator(Calibrator):
     def collect(self, x: torch.Tensor) -> None:
         """Add one batch (any float dtype, any device; stays there). Works on ``x`` without its autograd
         history: no graph is recorded, without the cost of entering ``no_grad`` once per batch."""
+        if self.axis is None:
+            a = small_values(x)
+            if a is not None:
+                self._kept_shape = self._amax_shape = ()
+                self._collect_small(a)
+                return
         axes, shape = self._kept(x)
         self._amax_shape = shape
         seen, x = x, _observed(x)
@@ -94,9 +102,7 @@ class HistogramCalibrator(Calibrator):
         (:class:`calibrators.counting.HostSignedCounter`), at the running range; or another calibrator's
         counts of this tensor where no coarser."""
         if self._cpu is None:
-            self._cpu = HostSignedCounter(self.num_bins)
-            if self._exp_int is not None:  # a state loaded or folded before: no narrower than it
-                self._cpu.exp = self._exp_int
+            self._start_cpu()
         if not self._cpu.spiky:
             self._collect_magnitudes(seen, x)
             return
@@ -112,6 +118,25 @@ class HistogramCalibrator(Calibrator):
             shared.store(seen, (SIGNED_COUNTS, self.num_bins), (counts, self._cpu.exp))
         if self.skip_zeros:
             self._zeros += int((x == 0).sum())
+        self._cpu_new = True
+        self._batches += 1
+
+    def _start_cpu(self) -> HostSignedCounter:
+        self._cpu = HostSignedCounter(self.num_bins)
+        if self._exp_int is not None:  # a state loaded or folded before: no narrower than it
+            self._cpu.exp = self._exp_int
+        return self._cpu
+
+    def _collect_small(self, a: np.ndarray) -> None:
+        """A small float32 batch (:func:`calibrators.counting.small_values`): its magnitudes counted in numpy
+        (cheaper to count again than to look up another calibrator's counts of the same tensor)."""
+        c = self._cpu
+        if c is None:
+            c = self._start_cpu()
+        if not math.isfinite(c.count_small_abs(a)):
+            self._refuse_nonfinite()
+        if self.skip_zeros:
+            self._zeros += a.size - int(np.count_nonzero(a))
         self._cpu_new = True
         self._batches += 1
 

@@ -27,7 +27,13 @@ import torch
 
 from calibrators import shared
 from calibrators.base import Calibrator
-from calibrators.counting import DeviceSignedCounter, HostSignedCounter, fold_signed, signed_merged
+from calibrators.counting import (
+    DeviceSignedCounter,
+    HostSignedCounter,
+    fold_signed,
+    signed_merged,
+    small_values,
+)
 from calibrators.histogram_calibrator import SIGNED_COUNTS
 from calibrators.max import MINMAX, _observed, batch_min_max
 from calibrators.scratch import HostMinMax, reads_on_host
@@ -74,6 +80,13 @@ class SignedHistogramCalibrator(Calibrator):
         batch's ``(min, max)``: floats on the CPU, 0-d tensors on a device (reduced here, or taken with the
         counts of another calibrator of this tensor)."""
         self._kept_shape = ()  # per tensor
+        a = small_values(x)
+        if a is not None:
+            bounds = float(a.min()), float(a.max())
+            if not (math.isfinite(bounds[0]) and math.isfinite(bounds[1])):
+                self._refuse_nonfinite()
+            self.collect_small(a, *bounds)
+            return bounds
         seen, x = x, _observed(x)
         if reads_on_host(x):
             if bounds is None:
@@ -84,11 +97,27 @@ class SignedHistogramCalibrator(Calibrator):
             return bounds
         return self._collect_device(seen, x)
 
+    def collect_small(self, a, lo: float, hi: float) -> None:
+        """Add a small float32 batch, its values ``a`` (:func:`calibrators.counting.small_values`) with its
+        finite ``(min, max)``: counted in numpy (cheaper to count again than to look up another calibrator's
+        counts of the same tensor)."""
+        self._kept_shape = ()
+        c = self._cpu
+        if c is None:
+            c = self._start_cpu()
+        c.count_small(a, c.target(lo, hi))
+        self._cpu_new = True
+        self._batches += 1
+
+    def _start_cpu(self) -> HostSignedCounter:
+        self._cpu = HostSignedCounter(self.num_bins)
+        if self._exp_int is not None:
+            self._cpu.exp = self._exp_int
+        return self._cpu
+
     def _collect_cpu(self, seen: torch.Tensor, x: torch.Tensor, lo: float, hi: float) -> None:
         if self._cpu is None:
-            self._cpu = HostSignedCounter(self.num_bins)
-            if self._exp_int is not None:
-                self._cpu.exp = self._exp_int
+            self._start_cpu()
         target = self._cpu.target(lo, hi)
         key = (SIGNED_COUNTS, self.num_bins)
         hit = shared.lookup(seen, key)  # q/k/v quantizers of one input: counted once

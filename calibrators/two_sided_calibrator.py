@@ -7,6 +7,7 @@ import torch
 
 from calibrators import shared
 from calibrators.base import Calibrator
+from calibrators.counting import small_values
 from calibrators.max import MinMaxCalibrator
 from calibrators.scratch import reads_on_host
 from calibrators.signed_histogram import SignedHistogramCalibrator
@@ -50,7 +51,12 @@ class TwoSidedHistogramCalibrator(Calibrator):
         """One reduction to the batch's min and max serves both parts: on the CPU the extremes make it (and
         refuse a non-finite batch with the quantizer's name), on a device the histogram, into the row its
         counts read."""
-        if reads_on_host(x):
+        a = small_values(x)
+        if a is not None:  # a small float32 batch: in numpy (calibrators.counting)
+            lo, hi = float(a.min()), float(a.max())
+            self.extremes.add_range(lo, hi)  # refuses a non-finite batch
+            self.histogram.collect_small(a, lo, hi)
+        elif reads_on_host(x):
             self.histogram.collect(x, self.extremes.collect(x))
         else:
             self.extremes.add_range(*self.histogram.collect(x))

@@ -416,3 +416,79 @@ def test_max_calibrators_of_one_tensor_reduce_it_once(monkeypatch):
     assert len(calls) == 3 * 3  # alone, the shared one, the clone: per batch
     for c in (q, k, v):
         assert torch.equal(c.compute_amax(), alone.compute_amax())
+
+
+def _host_batches(g) -> list[torch.Tensor]:
+    """Small and large CPU batches, the range growing midway and a small one after large ones: zeros,
+    negative zeros, an all-zero batch, one-signed ones, a ReLU-like spike, non-contiguous ones."""
+    sizes = [64, 5, 3000, 64, 1, 40_000, 16, 257, 4096, 64]
+    batches = []
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, generator=g) * (0.3 if i < 4 else 6.0)
+        if i % 3 == 1:
+            x = x.relu()
+        if i == 6:
+            x = -x.abs()
+        if i == 8:
+            x = torch.zeros_like(x)
+        x[: min(3, n)] = torch.tensor([0.0, -0.0, 0.0])[: min(3, n)]
+        batches.append(x.view(-1, 4)[:, :3] if n % 4 == 0 and i % 2 else x)
+    return batches
+
+
+@pytest.mark.parametrize("path", ["numpy for small batches", "torch only"])
+def test_cpu_paths_equal_a_direct_count(path, monkeypatch):
+    """Both CPU counting paths (small float32 batches in numpy, the rest through torch; or torch alone) give
+    the count made here by plain arithmetic over the final range, for ``|x|`` (with and without skip_zeros)
+    and for ``x`` (with the batches' min and max)."""
+    from calibrators import counting
+    from calibrators.signed_histogram import SignedHistogramCalibrator
+    from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+
+    if path == "torch only":
+        monkeypatch.setattr(counting, "NUMPY_MAX", 0)
+    batches = _host_batches(torch.Generator().manual_seed(5))
+    absolute, skipping = HistogramCalibrator(), HistogramCalibrator(skip_zeros=True)
+    signed, two_sided = SignedHistogramCalibrator(), TwoSidedHistogramCalibrator()
+    for x in batches:
+        for c in (absolute, skipping, signed, two_sided):
+            c.collect(x)
+    seen = torch.cat([b.reshape(-1) for b in batches]).double()
+    top = float(absolute.bin_edges[0, -1])
+    assert top > float(seen.abs().max()) >= top / 2
+    want = torch.bincount((seen.abs() * 2048 / top).floor().long(), minlength=2048)
+    assert torch.equal(absolute.hist[0], want)
+    want[0] -= int((seen == 0).sum())
+    assert torch.equal(skipping.hist[0], want)
+    want_signed = torch.bincount((seen * 2048 / top).trunc().long() + 2048, minlength=4096)
+    for c in (signed, two_sided.histogram):
+        assert 2.0 ** int(c.range_exponent()[0]) == top
+        assert torch.equal(c.hist[0], want_signed)
+    lo, hi = two_sided.extremes.compute_range()
+    assert (float(lo), float(hi)) == (float(seen.min()), float(seen.max()))
+
+
+def test_small_batches_are_counted_without_torch_arithmetic():
+    """A small float32 batch is counted in numpy: the only torch operations are those of reading it as a numpy
+    array (no reduction, no arithmetic, no count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 16)
+    narrower = x * 0.5  # inside the range the first batch set: nothing re-binned
+    for c in (HistogramCalibrator(), TwoSidedHistogramCalibrator()):
+        c.collect(x)
+        names = Names()
+        with names:
+            c.collect(narrower)
+        assert names.names <= {"detach", "to", "resolve_conj", "resolve_neg"}, names.names
