@@ -3,7 +3,10 @@
 Same process, same batches, same thread count. Targets on a CPU: max <= 1.15x, histogram methods (collection
 plus amax search for every quantizer) <= 1.5x the plain forward time.
 
-    python -m benchmarks.bench_calibration [--device cpu|cuda] [--threads N]
+    python -m benchmarks.bench_calibration [--device cpu|cuda] [--threads N] [--before REV]
+
+``--before REV`` measures an earlier commit too, in a temporary git worktree, its processes alternating with
+this checkout's, and says per row whether calibration is no slower than it was (issue 38's CPU goal).
 """
 
 from __future__ import annotations
@@ -91,60 +94,135 @@ def _row(label: str, method: str, tp: float, tc: float) -> dict:
     }
 
 
-def run(device: str = "cpu", threads: int = 1, processes: int = 2) -> list[dict]:
-    """Every (model, method) row in ``processes`` fresh processes with a fixed malloc policy; each side's
-    fastest run over all of them. glibc's adaptive mmap threshold otherwise puts a process in a fast or a
-    slow state at random (MiB-sized activations paged in afresh every batch or not: digits_cnn's plain
-    forward measured 28 or 44 ms), a larger swing than the differences measured here; even with the policy
-    fixed, about one process in twenty ran one side slow throughout (max calibration once measured 1.24x
-    where it measures 1.07-1.10x). Both sides run under the same policy, in the same processes."""
+_ENV = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(512 << 20)}
+
+
+def _measure_in_process(label: str, method: str, device: str, threads: int, root: str | None) -> dict:
+    """One :func:`measure` in a fresh process, of the checkout at ``root`` (this one where ``None``)."""
     import json
     import os
     import subprocess
     import sys
 
+    code = (
+        f"import json, torch; torch.set_num_threads({threads}); from "
+        f"benchmarks.bench_calibration import measure; "
+        f"print(json.dumps(measure({label!r}, {method!r}, {device!r})))"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **_ENV}
+    if root is not None:
+        env["PYTHONPATH"] = root
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env, cwd=root
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+METHODS = ("max", "entropy", "mse", "percentile")
+
+
+def run(
+    device: str = "cpu",
+    threads: int = 1,
+    processes: int = 2,
+    before: str | None = None,
+    models: tuple[str, ...] = ("digits_cnn", "text_encoder"),
+    methods: tuple[str, ...] = METHODS,
+) -> list[dict]:
+    """Every (model, method) row in ``processes`` fresh processes with a fixed malloc policy; each side's
+    fastest run over all of them. glibc's adaptive mmap threshold otherwise puts a process in a fast or a
+    slow state at random (MiB-sized activations paged in afresh every batch or not: digits_cnn's plain
+    forward measured 28 or 44 ms), a larger swing than the differences measured here; even with the policy
+    fixed, about one process in twenty ran one side slow throughout (max calibration once measured 1.24x
+    where it measures 1.07-1.10x). Both sides run under the same policy, in the same processes.
+
+    ``before``: the checkout of an earlier commit, its processes alternating with this one's row by row
+    (the machine's drift then touches both alike); each row gains that commit's ratio and whether this one's
+    is no higher, within :data:`SAME_BAND`."""
     rows = []
-    for label in workloads("cpu"):
-        for method in ("max", "entropy", "mse", "percentile"):
-            code = (
-                f"import json, torch; torch.set_num_threads({threads}); from "
-                f"benchmarks.bench_calibration import measure; "
-                f"print(json.dumps(measure({label!r}, {method!r}, {device!r})))"
-            )
-            found = []
+    for label, (name, _) in workloads("cpu").items():
+        for method in methods if name in models else ():
+            found, earlier = [], []
             for _ in range(processes):
-                out = subprocess.run(
-                    [sys.executable, "-c", code],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    env={
-                        **os.environ,
-                        "OMP_NUM_THREADS": str(threads),
-                        "MALLOC_MMAP_THRESHOLD_": str(256 << 20),
-                        "MALLOC_TRIM_THRESHOLD_": str(512 << 20),
-                    },
+                found.append(_measure_in_process(label, method, device, threads, None))
+                if before is not None:
+                    earlier.append(_measure_in_process(label, method, device, threads, before))
+            row = _row(label, method, *_fastest(found))
+            if before is not None:
+                was = _row(label, method, *_fastest(earlier))
+                ratio, old = row["_calibrate_s"] / row["_plain_s"], was["_calibrate_s"] / was["_plain_s"]
+                row.update(
+                    {
+                        "before": was["ratio"],
+                        "after / before": f"{ratio / old:.2f}",
+                        "no slower": verdict(ratio <= old * (1 + SAME_BAND)),
+                    }
                 )
-                found.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            rows.append(
-                _row(label, method, min(r["_plain_s"] for r in found), min(r["_calibrate_s"] for r in found))
-            )
+            rows.append(row)
     return rows
+
+
+#: a ratio this much above the earlier commit's still counts as no slower: the spread of repeated runs here
+SAME_BAND = 0.05
+
+
+def _fastest(results: list[dict]) -> tuple[float, float]:
+    return min(r["_plain_s"] for r in results), min(r["_calibrate_s"] for r in results)
+
+
+def _checkout(rev: str):
+    """A temporary worktree of ``rev`` (a context manager yielding its path), removed afterwards."""
+    import contextlib
+    import subprocess
+    import tempfile
+
+    @contextlib.contextmanager
+    def made():
+        with tempfile.TemporaryDirectory(prefix="quantcli-before-") as tmp:
+            path = f"{tmp}/tree"
+            subprocess.run(["git", "worktree", "add", "--detach", "-q", path, rev], check=True)
+            try:
+                yield path
+            finally:
+                subprocess.run(["git", "worktree", "remove", "--force", path], check=False)
+
+    return made()
 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--before",
+        metavar="REV",
+        help="also measure this earlier commit (a temporary git worktree), alternating with this checkout",
+    )
+    p.add_argument("--models", default="digits_cnn,text_encoder", help="comma-separated sample models")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated calibration methods")
+    p.add_argument("--processes", type=int, default=2, help="fresh processes per row and side")
     a = p.parse_args(argv)
     setup_threads(a.threads)
-    rows = run(a.device, a.threads)
+    chosen = {
+        "models": tuple(a.models.split(",")),
+        "methods": tuple(a.methods.split(",")),
+        "processes": a.processes,
+    }
+    columns = ["model", "method", "plain forward ms", "calibrate ms", "ratio", "target", "result"]
+    if a.before:
+        with _checkout(a.before) as tree:
+            rows = run(a.device, a.threads, before=tree, **chosen)
+        columns += ["before", "after / before", "no slower"]
+    else:
+        rows = run(a.device, a.threads, **chosen)
     print(f"calibration overhead on {a.device} — {machine()}")
     print(
-        "(each row in two fresh processes: fastest of 2 x 11 interleaved runs; calibrate excludes "
-        "building the model)"
+        f"(each row in {a.processes} fresh processes: fastest of {a.processes} x 11 interleaved runs; "
+        "calibrate excludes building the model"
+        + (f"; before: {a.before}, its processes alternating with these" if a.before else "")
+        + ")"
     )
-    print(table(rows, ["model", "method", "plain forward ms", "calibrate ms", "ratio", "target", "result"]))
+    print(table(rows, columns))
     return rows
 
 
