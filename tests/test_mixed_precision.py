@@ -172,12 +172,13 @@ def test_layers_the_target_needs_become_dynamic_int8_not_float_and_verify(tmp_pa
         "--out",
         out,
         "--json",
-        "--device",  # the figures below are the CPU's (on a lent H200, torch 2.11: 0.99901 before the search)
-        "cpu",
+        "--device",  # the figures below are the CPU's (on a lent H200, torch 2.11: 0.99901 before the search;
+        "cpu",  # tests/test_cuda.py compares the GPU's calibration of this model with the CPU's)
     )
     assert r.exit_code == 0, r.output
     mp = json.loads(r.stdout)["mixed_precision"]
-    # static int8 reaches 0.9966 on pretrained_like's outlier channels: the search keeps the last FFN's
+    # static int8 reaches 0.9948 on pretrained_like's outlier channels with x86-avx2's 7-bit weights (0.9966
+    # with x86-vnni's 8-bit ones), below 0.999 on either deployment CPU: the search keeps the last FFN's
     # up-projection in float and runs its down-projection with dynamic inputs (with SmoothQuant and --method
     # auto the whole model is at 0.99994 and nothing needs to be kept)
     assert mp["met"] and mp["before"]["cosine"] < 0.999 and mp["dynamic"], mp
