@@ -17,7 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from quantcli import calibrate, quantize_model
-from quantcli.analysis.saturation import Emulation, saturating_layers
+from quantcli.analysis.saturation import Emulation, saturating_layers, weight_columns
 from quantcli.errors import ConfigError
 from quantcli.nn import load_config
 from quantcli.nn.tensor_quantizer import quantizers
@@ -406,3 +406,44 @@ def test_verify_fails_the_saturating_convnext_style_block_and_passes_the_default
     code, rep = run("auto")
     assert code == 0, rep["checks"]
     assert abs(rep["quality"]["cosine_gap"]["output_0"]) <= 0.002  # exact less deployed, the same inputs
+
+
+class _SlicedWeight(nn.Module):
+    """A layer whose operation takes a slice (or a transpose) of its parameter, not the parameter."""
+
+    def __init__(self, transpose: bool):
+        super().__init__()
+        self.transpose = transpose
+        self.W = nn.Parameter(torch.randn(16, 32) if transpose else torch.randn(10, 16) * 3)
+
+    def forward(self, x):
+        return F.linear(x, self.W.t() if self.transpose else self.W[:6])
+
+
+class _Net(nn.Module):
+    def __init__(self, transpose: bool):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.head = _SlicedWeight(transpose)
+
+    def forward(self, x):
+        return self.head(F.relu(self.fc(x)))
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["slice", "transpose"])
+def test_layers_whose_weight_operand_is_derived_are_judged_on_it(transpose, tmp_path):
+    """saturating_layers quantizes the operand the layer's operation takes (a slice or a transpose of the
+    parameter, recorded on one forward), not the parameter: before, its amax did not fit the parameter and
+    calibrate's summary and verify stopped with an internal error."""
+    torch.manual_seed(0)
+    batches = [{"x": torch.randn(16, 8)} for _ in range(2)]
+    model = quantize_model(_Net(transpose).eval(), load_config({"cpu": "x86-vnni"}), example=batches[0])
+    calibrate(model, batches, "max", device="cpu")
+    head = model.head
+    operand = head.W.t() if transpose else head.W[:6]
+    with torch.no_grad():
+        cols = weight_columns(head, head.weight_quantizer(operand))
+    want = ["head"] if any(u8s8.can_saturate(c) for c in cols) else []
+    got = saturating_layers(model, batches[0])
+    assert [n for n in got if n == "head"] == want
+    assert "head" not in saturating_layers(model) and "head" in saturating_layers(model, unknown=True)

@@ -18,6 +18,7 @@ onnxruntime's uint8 x int8 kernels on x86 without VNNI add pairs of products in 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -93,17 +94,52 @@ def weight_columns(module: nn.Module, weight: torch.Tensor | None = None) -> tor
     return (codes.t() if axis == 0 else codes).unsqueeze(0)
 
 
-def saturating_layers(model: nn.Module) -> list[str]:
+def saturating_layers(
+    model: nn.Module, example: Mapping[str, torch.Tensor] | None = None, unknown: bool = False
+) -> list[str]:
     """The quantized layers onnxruntime runs with a u8s8 kernel whose weight codes can saturate with uint8
-    activations up to 255 (:func:`quantcli.quant.u8s8.can_saturate`), by module name."""
+    activations up to 255 (:func:`quantcli.quant.u8s8.can_saturate`), by module name.
+
+    A layer whose weight operand is computed in its forward (a slice, a transpose, weight standardisation:
+    ``weight_derived``) is judged on the operand it takes on one forward of ``example``; without an example
+    its codes are not known, and it is listed where ``unknown`` (the cautious answer for a caller deciding
+    whether to emulate saturation) and left out otherwise."""
+    layers = [
+        (n, m) for n, m in model.named_modules() if _u8s8_layer(m) and m.weight_quantizer.amax is not None
+    ]
+    operands = {}
+    if example is not None and any(getattr(m, "weight_derived", False) for _, m in layers):
+        from quantcli.nn.computed import weight_operands
+
+        operands = weight_operands(model, example)
     out = []
     with torch.no_grad():
-        for name, m in model.named_modules():
-            if _u8s8_layer(m) and m.weight_quantizer.amax is not None:
-                cols = weight_columns(m)
-                if any(u8s8.can_saturate(c) for c in cols):
+        for name, m in layers:
+            w = _weight_operand(name, m, operands)
+            if w is None:
+                if unknown:
                     out.append(name)
+                continue
+            if any(u8s8.can_saturate(c) for c in weight_columns(m, m.weight_quantizer(w))):
+                out.append(name)
     return out
+
+
+def _weight_operand(name: str, module: nn.Module, operands: dict) -> torch.Tensor | None:
+    """The weight the layer's operation takes: its parameter, or the operand recorded for a derived one;
+    ``None`` where not known or where its quantizer's amax does not fit it."""
+    if getattr(module, "weight_derived", False):
+        w = operands.get(f"{name}.weight_quantizer" if name else "weight_quantizer")
+    else:
+        w = module.weight_source() if hasattr(module, "weight_source") else module.weight
+    return w if w is not None and _amax_fits(module, w) else None
+
+
+def _amax_fits(module: nn.Module, w: torch.Tensor) -> bool:
+    """Whether the layer's weight amax is one per tensor or one per channel of ``w`` along its axis."""
+    amax = module.weight_quantizer.amax
+    axis = getattr(module, "weight_axis", 0)
+    return amax.numel() == 1 or (w.dim() > axis and amax.numel() == w.shape[axis])
 
 
 @dataclass
@@ -205,7 +241,7 @@ class Emulation(TorchFunctionMode):
                 return out
             self._qparams[name] = _activation_qparams(qi, args[0])
         x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
-        if w is None or tuple(w.shape) not in (tuple(module.weight.shape), tuple(module.weight.shape[::-1])):
+        if w is None or not _amax_fits(module, w):
             return out
         with torch.no_grad():
             delta = self._delta(name, module, func, x, w, args, kwargs)

@@ -278,7 +278,9 @@ class CalibrationJob:
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
         info["layers"] = layers_summary(self.report, self.model, self.latency, summary.not_called)
         info["quantized_layers"] = len(info["layers"]["quantized"])
-        info["cpu"] = cpu_summary(self.config, self.model, self.request.cpu)
+        info["cpu"] = cpu_summary(
+            self.config, self.model, self.request.cpu, example_of(self.batches[0]) if self.batches else None
+        )
         info["float_check"] = dict(self.report.float_check)
         if smoothed is not None:
             info["smoothquant"] = smoothed.to_dict()
@@ -323,7 +325,7 @@ class CalibrationJob:
         return CalibrationOutcome(self, summary, info, mixed, smoothed)
 
 
-def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None) -> dict:
+def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None, example=None) -> dict:
     """The deployment CPU the grids were chosen for (:mod:`quantcli.quant.cpu`): its kind, whether it is this
     machine, the weight quantizers put on the 7-bit grid so that its u8s8 kernels cannot saturate, and the
     layers whose weights can still saturate there (``reduce_range: false``), with a one-line ``text``."""
@@ -340,7 +342,7 @@ def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None) -> dic
         if n.endswith("weight_quantizer") and q.enabled and q.desc.num_bits == REDUCED_WEIGHT_BITS
     ]
     saturates = cpu_kinds.can_saturate(kind) and config.target == "onnxruntime"
-    saturating = saturating_layers(model) if saturates else []
+    saturating = saturating_layers(model, example) if saturates else []
     where = f"{kind} ({'this machine' if auto else 'named with --cpu or the config'})"
     if saturating:
         text = (

@@ -118,7 +118,7 @@ def verify_onnx(
     for_onnxruntime = _target(model) == "onnxruntime"
     kind = cpu_kernels.emulated_kind(cpu, cpu_kernels.graph_cpu(model)) if for_onnxruntime else None
     saturation = None
-    if kind is not None and saturating_layers(ckpt.model):
+    if kind is not None and saturating_layers(ckpt.model, batches[0], unknown=True):
         saturation = cpu_kernels.Saturation(kind, cpu_kernels.u8s8_layers(onnx_path))
     try:
         cmp = _compare_outputs(

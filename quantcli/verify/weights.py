@@ -27,9 +27,10 @@ def constant_weights(model: nn.Module) -> Iterator[None]:
     for name, q in quantizers(model).items():
         if not name.endswith("weight_quantizer") or q.mode != "quantize":
             continue
-        weight = getattr(modules.get(name.rsplit(".", 1)[0] if "." in name else ""), "weight", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
+        layer = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+        weight = getattr(layer, "weight", None)
+        if not isinstance(weight, torch.Tensor) or getattr(layer, "weight_derived", False):
+            continue  # a derived operand (a slice, a transpose, a standardised weight) is not the parameter
         with torch.no_grad():
             cached = q(weight.detach())
 
