@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 
 from exporters.causal_lm import ops as decode_ops
 from quantcli.errors import ExportError, whole_line
+from quantcli.nn.config import computes_plain_linear
 from quantcli.nn.dynamic import weight_spec
 from quantcli.nn.export_hooks import export_hooks
 from quantcli.nn.modules import QuantMixin
@@ -255,7 +256,7 @@ def export_hooks_for(
     hooks: list[tuple[nn.Module, str, Callable]] = []
     for module in model.modules():
         q = getattr(module, "input_quantizer", None)
-        if isinstance(module, nn.Linear) and q is not None and q.mode == "quantize" and q.dynamic_uint8:
+        if computes_plain_linear(module) and q is not None and q.mode == "quantize" and q.dynamic_uint8:
             hooks.append(
                 (
                     module,

@@ -121,6 +121,7 @@ def required_opset(model: nn.Module) -> tuple[int, str]:
 
 
 def check_exportable(model: nn.Module) -> None:
+    from quantcli.nn.config import computes_plain_linear
     from quantcli.nn.dynamic import exportable
 
     recurrent = recurrent_quantizers(model)  # dynamic by construction: exported as DynamicQuantizeLSTM
@@ -141,7 +142,7 @@ def check_exportable(model: nn.Module) -> None:
         if q is not None and q.enabled and q.dynamic_uint8:
             why = (
                 exportable(module)
-                if isinstance(module, nn.Linear)
+                if computes_plain_linear(module)
                 else f"it quantizes a {type(module).__name__}"
             )
             if why is not None:

@@ -380,3 +380,62 @@ def test_checkpoint_reload_is_bit_identical(text_dynamic):
     batch = text_encoder.evaluation_batches()[0]
     with torch.no_grad():
         assert torch.equal(model(**batch), load_calibrated(ck).model(**batch))
+
+
+class _FunctionalLinear(torch.nn.Module):
+    """Not an nn.Linear: its forward calls F.linear on its own (out, in) weight."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(o, i) / i**0.5)
+        self.bias = torch.nn.Parameter(torch.randn(o) * 0.1)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+
+
+class _HalvedLinear(torch.nn.Linear):
+    """An nn.Linear subclass with a forward of its own (quantized where its F.linear runs)."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias) * 0.5
+
+
+class _LinearKinds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = _FunctionalLinear(16, 32)
+        self.h = _HalvedLinear(32, 32)
+        self.out = torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.h(torch.relu(self.f(x)))))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_every_layer_computing_f_linear_is_dynamic_whatever_its_class(tmp_path, exporter):
+    """int8-dynamic quantizes a module computing F.linear on its own weight and a Linear subclass with its own
+    forward as it does nn.Linear (before, both stayed float), and both exporters write the MatMulInteger
+    pattern for each, equal to the fake-quant model's layers."""
+    from exporters import export_onnx
+    from exporters.graph import quantizer_map
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 16)}
+    model = quantize_model(_LinearKinds(), "int8-dynamic", example=batch)
+    summary = calibrate(model, [batch], device="cpu")
+    assert sorted(summary.dynamic) == ["f.input_quantizer", "h.input_quantizer", "out.input_quantizer"]
+    path = tmp_path / "kinds.onnx"
+    export_onnx(model, batch, path, exporter=exporter)
+    graph = onnx.load(path)
+    qmap = quantizer_map(graph)
+    assert sorted(qmap[d.codes] for d in dynamic_layers(graph)) == sorted(summary.dynamic)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": batch["x"].numpy()}
+    )[0]
+    with torch.no_grad():
+        want = model(**batch).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))

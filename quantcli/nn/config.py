@@ -238,7 +238,7 @@ class QuantConfig:
     def resolve(self, quantizer_name: str, kind: str, layer) -> tuple[bool, QuantDescriptor, list[int]]:
         """(enabled, descriptor, indices of the rules that matched) for one quantizer."""
         base = PRESETS[self.preset][kind]
-        if self.preset in LINEAR_ONLY_PRESETS and not _is_linear(layer):
+        if self.preset in LINEAR_ONLY_PRESETS and not computes_plain_linear(layer):
             base = {"enable": False}  # a rule may still enable it (as a static quantizer)
         fields = copy.deepcopy(base)
         matched = self.matching_rules(quantizer_name)
@@ -285,10 +285,27 @@ def kernel_can_saturate(layer) -> bool:
     return True
 
 
-def _is_linear(layer) -> bool:
+def computes_plain_linear(layer) -> bool:
+    """A layer the int8-dynamic presets quantize: one computing ``F.linear(x, self.weight, self.bias)`` with
+    its own ``(out, in)`` weight, whatever its class (an ``nn.Linear``, a module found to compute it, or one
+    whose forward calls it on its parameters): what the DynamicQuantizeLinear -> MatMulInteger export
+    writes. transformers' ``Conv1D`` (``x @ W + b``, ``W`` ``(in, out)``) is not one of them."""
     from torch import nn
 
-    return isinstance(layer, nn.Linear)
+    from quantcli.nn.computed import is_computed
+    from quantcli.nn.linear_like import QuantLinearLike
+
+    if isinstance(layer, nn.Linear):
+        return True
+    if isinstance(layer, QuantLinearLike):
+        return layer.weight_axis == 0
+    return (
+        is_computed(layer)
+        and layer.op_kind == "linear"
+        and not layer.weight_derived
+        and layer.weight_name == "weight"
+        and layer.weight_axis == 0
+    )
 
 
 def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantConfig:

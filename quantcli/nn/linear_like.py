@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from quantcli.nn.modules import QUANT_CLASSES, QuantMixin
+from quantcli.nn.modules import QUANT_CLASSES, QuantMixin, dynamic_export
 
 _PROBE_SEED = 0
 _PROBE_TOL = 1e-4  # relative to the reference's scale; layouts or formulas that differ are off by O(1)
@@ -49,11 +49,17 @@ class QuantLinearLike(QuantMixin):
     bias)."""
 
     takes_int32_bias = False
+    #: see :class:`quantcli.nn.modules.QuantLinear` (``F.linear`` with a dynamic input quantizer)
+    export_hook = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
         if smooth is not None:
             input = smooth(input)
+        if self.weight_axis == 0:  # F.linear: a dynamic input exports as a Linear's does
+            exported = dynamic_export(self, input)
+            if exported is not None:
+                return exported
         x, w = self.input_quantizer(input), self.quantized_weight()
         bias = self._parameters.get("bias")
         if self.weight_axis == 1:

@@ -130,17 +130,29 @@ class QuantLinear(nn.Linear, QuantMixin):
         smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
         if smooth is not None:
             input = smooth(input)
-        if self.input_quantizer.dynamic_uint8 and self.input_quantizer.mode == "quantize":
-            if self.export_hook is not None:
-                return self.export_hook(input)
-            if torch.onnx.is_in_onnx_export():  # DynamicQuantizeLinear -> MatMulInteger
-                from quantcli.nn.dynamic import dynamic_linear
-
-                return dynamic_linear(self, input)
+        exported = dynamic_export(self, input)
+        if exported is not None:
+            return exported
         # only a 2-D input exports as Gemm (QGemm takes an int32 bias); 3-D is MatMul + Add, whose
         # MatMulIntegerToFloat adds a float bias
         bias = self.quantized_bias() if input.dim() == 2 else self.bias
         return self.quantize_output(F.linear(self.input_quantizer(input), self.quantized_weight(), bias))
+
+
+def dynamic_export(layer: nn.Module, input: torch.Tensor) -> torch.Tensor | None:
+    """A layer computing ``F.linear(x, self.weight, self.bias)`` with a dynamic (run-time uint8) input
+    quantizer, while exporting: its export hook's output, or DynamicQuantizeLinear -> MatMulInteger; ``None``
+    otherwise (the caller computes its forward)."""
+    if not (layer.input_quantizer.dynamic_uint8 and layer.input_quantizer.mode == "quantize"):
+        return None
+    hook = getattr(layer, "export_hook", None)
+    if hook is not None:
+        return hook(input)
+    if torch.onnx.is_in_onnx_export():
+        from quantcli.nn.dynamic import dynamic_linear
+
+        return dynamic_linear(layer, input)
+    return None
 
 
 class _QuantConvNd(QuantMixin):
