@@ -156,11 +156,22 @@ def check_exportable(model: nn.Module) -> None:
 
 
 def _output_names(outputs) -> list[str]:
-    if isinstance(outputs, dict):
-        return [str(k) for k in outputs]
-    if isinstance(outputs, (tuple, list)):
-        return [f"output_{i}" for i in range(len(outputs))]
-    return ["output_0"]
+    """The graph's output names (:func:`quantcli.inputs.data.named_outputs`); refuses a model that returns
+    one tensor twice (the graph would have one value under two names) or no tensor at all."""
+    from quantcli.inputs.data import named_outputs
+
+    named = named_outputs(outputs)
+    if not named:
+        raise ExportError("the model's forward returns no tensor; return the outputs to export as tensors")
+    first: dict[int, str] = {}
+    for name, t in named:
+        if id(t) in first:
+            raise ExportError(
+                f"the model returns one tensor twice, as {first[id(t)]} and {name}; return it once, or "
+                "return a copy (x.clone()) the second time"
+            )
+        first[id(t)] = name
+    return [name for name, _ in named]
 
 
 def _dynamic_axes(
@@ -188,14 +199,9 @@ def _dynamic_axes(
         for i in (dims or {}).get(name, ()):
             a.setdefault(i, f"{name}_{i}")
         axes[name] = a
-    flat = (
-        list(outputs.values())
-        if isinstance(outputs, dict)
-        else list(outputs)
-        if isinstance(outputs, (tuple, list))
-        else [outputs]
-    )
-    for name, o in zip(output_names, flat):
+    from quantcli.inputs.data import flat_outputs
+
+    for name, o in zip(output_names, flat_outputs(outputs)):
         if isinstance(o, torch.Tensor) and o.dim() > 0:
             axes[name] = {0: "batch"}
     return axes
@@ -395,6 +401,7 @@ def export_onnx(
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
         with exported_weights(model):  # quantized LSTM layers: their dequantized weights, for the LSTM node
             onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
+        _inputs_kept_apart_from_outputs(onnx_model, list(example))
         rename_inputs(onnx_model, renamed)
         if edit_graph is not None:
             edit_graph(onnx_model)
@@ -501,6 +508,17 @@ def _export_graph(
 
         export_dynamo(model, example, raw, res.opset, list(example), res.output_names, axes)
     return onnx.load(str(raw))
+
+
+def _inputs_kept_apart_from_outputs(onnx_model: onnx.ModelProto, inputs: list[str]) -> None:
+    """An input the model also returns: the dynamo exporter names the graph input after the output. It gets
+    its own name back, and the output reads it through an ``Identity``, in place."""
+    outputs = {o.name for o in onnx_model.graph.output}
+    for graph_input, want in zip(onnx_model.graph.input, inputs):
+        if graph_input.name != want and graph_input.name in outputs:
+            returned = graph_input.name
+            rename_inputs(onnx_model, {returned: want})
+            onnx_model.graph.node.insert(0, onnx.helper.make_node("Identity", [want], [returned]))
 
 
 def rename_inputs(onnx_model: onnx.ModelProto, names: dict[str, str]) -> None:

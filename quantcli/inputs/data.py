@@ -248,13 +248,30 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def named_outputs(out) -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a model's output in the order the exporters write them (tuples, lists and dicts
+    flattened depth first, in order; ``None`` and other non-tensor values left out, as the exporters leave
+    them out), each with its graph output name: the dict key, ``output_<i>`` for position ``i`` of a tuple,
+    joined with ``.`` where nested (``reg.0``); a single tensor is ``output_0``."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(value, name: str) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((name or "output_0", value))
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, (tuple, list)):
+            for i, v in enumerate(value):
+                walk(v, f"{name}.{i}" if name else f"output_{i}")
+
+    walk(out, "")
+    return found
+
+
 def flat_outputs(out) -> list[torch.Tensor]:
-    """The tensors of a model's output in the exporter's order (a tensor, a tuple/list, or a dict)."""
-    if isinstance(out, dict):
-        return [v for v in out.values() if isinstance(v, torch.Tensor)]
-    if isinstance(out, (tuple, list)):
-        return [v for v in out if isinstance(v, torch.Tensor)]
-    return [out]
+    """The tensors of a model's output in the exporters' order (:func:`named_outputs`)."""
+    return [t for _, t in named_outputs(out)]
 
 
 def run_model(model: nn.Module, batch: Batch, where: str = "batch"):

@@ -364,7 +364,10 @@ def _compare_transformed(
     with torch.inference_mode():
         got = _numpy(run_model(tmodel, batch, where))
     if len(got) != len(cmp.out_names):
-        raise VerifyError(f"the transformed model has {len(got)} outputs, the model as loaded {len(flt)}")
+        raise VerifyError(
+            f"the transformed model has {len(got)} outputs, the graph {len(cmp.out_names)}; export this "
+            "checkpoint again with quantcli export"
+        )
     cmp.transformed = {n: PairStats() for n in cmp.out_names}
     for k, n in enumerate(cmp.out_names):
         cmp.transformed[n].add(got[k], flt[k])

@@ -1,0 +1,69 @@
+"""A model's outputs as the graph names them: nested tuples and dicts flattened in order, ``None`` left
+out, an input the model also returns kept an input of its own name, one tensor returned twice refused. Each
+graph output is checked against the tensor of that name, computed here from the model's own layers."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+from torch import nn
+
+from exporters import export_onnx
+from quantcli import calibrate, quantize_model
+from quantcli.errors import ExportError
+
+
+class _Outputs(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.a, self.b = nn.Linear(8, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        y = self.b(h)
+        if self.kind == "none":
+            return {"logits": y, "aux": None, "h": h}
+        if self.kind == "nested":
+            return {"cls": y, "reg": (h.sum(-1), (h * 2,))}
+        if self.kind == "passthrough":
+            return {"logits": y, "x_back": x}
+        return y, y, h  # "twice"
+
+
+WANT = {
+    "none": lambda y, h, x: {"logits": y, "h": h},
+    "nested": lambda y, h, x: {"cls": y, "reg.0": h.sum(-1), "reg.1.0": h * 2},
+    "passthrough": lambda y, h, x: {"logits": y, "x_back": x},
+}
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("kind", list(WANT))
+def test_graph_outputs_are_the_models_tensors_by_name(kind, exporter, tmp_path):
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 8)}
+    model = quantize_model(_Outputs(kind).eval())
+    calibrate(model, [batch], "max", device="cpu")
+    res = export_onnx(model, batch, tmp_path / "m.onnx", exporter=exporter)
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x"]
+    names = [o.name for o in sess.get_outputs()]
+    with torch.no_grad():
+        h = torch.relu(model.a(batch["x"]))
+        want = {k: v.numpy() for k, v in WANT[kind](model.b(h), h, batch["x"]).items()}
+    assert names == list(want) == res.output_names
+    for name, got in zip(names, sess.run(None, {"x": batch["x"].numpy()})):
+        np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_one_tensor_returned_twice_is_refused(tmp_path):
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 8)}
+    model = quantize_model(_Outputs("twice").eval())
+    calibrate(model, [batch], "max", device="cpu")
+    with pytest.raises(ExportError, match="returns one tensor twice, as output_0 and output_1"):
+        export_onnx(model, batch, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
