@@ -1,4 +1,4 @@
-"""A model's outputs as the graph names them: nested tuples and dicts flattened in order, ``None`` left
+"""A model's inputs and outputs as the graph names them: nested tuples and dicts flattened in order, ``None`` left
 out, an input the model also returns kept an input of its own name, one tensor returned twice refused. Each
 graph output is checked against the tensor of that name, computed here from the model's own layers."""
 
@@ -67,3 +67,30 @@ def test_one_tensor_returned_twice_is_refused(tmp_path):
     with pytest.raises(ExportError, match="returns one tensor twice, as output_0 and output_1"):
         export_onnx(model, batch, tmp_path / "m.onnx")
     assert not (tmp_path / "m.onnx").exists()
+
+
+class _WithDefaults(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+
+    def forward(self, x, scale: float = 2.0, mask=None, flag: bool = True):
+        y = self.a(x) * scale
+        return y if mask is None or not flag else y * mask
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_non_tensor_defaults_are_constants_not_graph_inputs(exporter, tmp_path):
+    """A forward's later parameters with defaults (a float scale, None, a bool): the graph's inputs are the
+    batch's alone (TorchScript once made ``scale`` a double input), and the defaults apply."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 8)}
+    model = quantize_model(_WithDefaults().eval())
+    calibrate(model, [batch], "max", device="cpu")
+    export_onnx(model, batch, tmp_path / "m.onnx", exporter=exporter)
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x"]
+    with torch.no_grad():
+        want = (model.a(batch["x"]) * 2.0).numpy()
+    np.testing.assert_allclose(sess.run(None, {"x": batch["x"].numpy()})[0], want, rtol=1e-5, atol=1e-5)
+    assert "forward" not in model.__dict__  # the export's view of forward is gone
