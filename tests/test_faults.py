@@ -685,3 +685,19 @@ def test_analyze_takes_mean_and_std(tmp_path, monkeypatch):
 
     first = np.asarray(Image.open(tmp_path / "imgs" / "0.png"), np.float32) / 255
     np.testing.assert_allclose(seen["x"][0, 0].numpy(), (first - 0.5) / 0.25, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pipe_closed_before_the_table_exits_141_not_1(calibrated):
+    """The real path: `quantcli inspect x | true` (the reader gone before rich prints the table). rich's own
+    handler exited 1, which a CI script reads as FAIL; quantcli's console exits 141 as the entry point does."""
+    import subprocess
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "quantcli", "inspect", str(calibrated())],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    p.stdout.close()  # before the process has imported anything: its first write meets a closed pipe
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 141, err
+    assert b"Traceback" not in err

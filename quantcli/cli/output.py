@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 
 from rich.console import Console
 from rich.table import Table
 
-out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """The reader went away (`quantcli verify ... | head`): exit 141 as the entry point does for a broken
+        pipe (128 + SIGPIPE), not rich's 1, which a CI script would read as FAIL."""
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(141)
+
+
+out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def print_json(data) -> None:
