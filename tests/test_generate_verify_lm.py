@@ -101,7 +101,7 @@ def test_verify_passes_the_float_graph_and_fails_a_cache_off_by_one(float_graph,
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     checks = {c["name"]: c for c in rep["checks"]}
-    assert set(checks) == {"lm.perplexity_increase", "lm.token_agreement", "lm.decode_parity"}
+    assert set(checks) == {"structure", "lm.perplexity_increase", "lm.token_agreement", "lm.decode_parity"}
     assert (
         abs(checks["lm.perplexity_increase"]["value"]) < 1e-4 and checks["lm.token_agreement"]["value"] == 1.0
     )

@@ -101,3 +101,33 @@ def test_static_int8_with_smoothquant_decodes_exactly_as_it_prefills(tmp_path):
     assert checks["lm.decode_parity"] == 0.0 and checks["lm.perplexity_increase"] < 0.05
     ppl = rep["perplexity"]
     assert abs(ppl["graph"] - ppl["fake_quant"]) < 0.01 * ppl["fake_quant"]
+
+
+def test_verify_of_a_decode_graph_checks_its_structure(calibrated, tmp_path):
+    """Decode graphs get the structure check too: one activation scale in the graph made 1.3x (what a graph
+    of another calibration looks like) fails it, naming the quantizer; a checkpoint of another model (a text
+    encoder) fails it instead of stopping with an internal error; the graph as exported passes."""
+    from exporters.graph import QUANTIZERS_KEY
+
+    ck, path, _ = _export(tmp_path, "static", "int8", "--num-samples", "8")  # static activation scales
+    m = onnx.load(str(path))
+    names = json.loads(next(p.value for p in m.metadata_props if p.key == QUANTIZERS_KEY))
+    inits = {t.name: t for t in m.graph.initializer}
+    dq = next(
+        n
+        for n in m.graph.node
+        if n.op_type == "DequantizeLinear" and names.get(n.output[0], "").endswith("input_quantizer")
+    )
+    scale = inits[dq.input[1]]
+    wider = onnx.numpy_helper.to_array(scale) * np.float32(1.3)
+    scale.CopyFrom(onnx.numpy_helper.from_array(wider, scale.name))
+    tampered = tmp_path / "tampered.onnx"
+    onnx.save(m, str(tampered))
+    for graph, reference, failing in (
+        (tampered, ck, names[dq.output[0]]),
+        (path, calibrated("text_encoder"), "classifier"),
+    ):
+        r = cli("verify", graph, "--reference", reference, "--json", "--num-samples", 2, "--decode-steps", 4)
+        assert r.exit_code == 1, r.output
+        checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+        assert not checks["structure"]["passed"] and failing in checks["structure"]["detail"]

@@ -183,14 +183,17 @@ def render_lm_verify(rep, onnx_path: Path, reference: Path) -> None:
     )
     out.print(table("checks", ("check", "threshold", "measured", "result", "detail"), rows))
     p, g = rep.perplexity, rep.generation
-    out.print(
-        f"  perplexity on {p['tokens']} held-out tokens: float {fmt(p['float'])}, fake-quant "
-        f"{fmt(p['fake_quant'])}, graph {fmt(p['graph'])}"
-    )
-    out.print(
-        f"  greedy generation, {g['steps']} steps from {g['prompts']} prompts: {g['identical_generations']} "
-        f"identical to the float model's; first divergence per prompt {g['first_divergence']}"
-    )
+    if p:  # measured (not when the structure check failed first)
+        out.print(
+            f"  perplexity on {p['tokens']} held-out tokens: float {fmt(p['float'])}, fake-quant "
+            f"{fmt(p['fake_quant'])}, graph {fmt(p['graph'])}"
+        )
+    if g:
+        out.print(
+            f"  greedy generation, {g['steps']} steps from {g['prompts']} prompts: "
+            f"{g['identical_generations']} identical to the float model's; first divergence per prompt "
+            f"{g['first_divergence']}"
+        )
     out.print("[bold green]PASS[/]" if rep.passed else "[bold red]FAIL[/]", markup=True)
 
 

@@ -336,12 +336,15 @@ def _no_metadata(pairs: int, quantizers: int) -> str:
     )
 
 
-def check_structure(model: onnx.ModelProto, ckpt: Calibrated) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """(the structure section of the report, per-layer rows of the weight quantizers)."""
+def check_structure(
+    model: onnx.ModelProto, ckpt: Calibrated, decode: bool = False
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """(the structure section of the report, per-layer rows of the weight quantizers). ``decode``: a causal
+    LM's decode graph, whose inputs are the checkpoint's and its attention mask and KV cache besides."""
     graph_inputs = [
         i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}
     ]
-    if graph_inputs != ckpt.input_names:
+    if (not set(ckpt.input_names) <= set(graph_inputs)) if decode else graph_inputs != ckpt.input_names:
         raise VerifyError(
             f"the ONNX inputs {graph_inputs} do not match the checkpoint's inputs "
             f"{ckpt.input_names}; "
