@@ -81,11 +81,13 @@ def remove_stale(directory: Path, prefixes: Iterable[str]) -> list[Path]:
 
 def no_space(e: BaseException) -> bool:
     """Whether ``e`` says the disk is full: ENOSPC/EDQUOT, or torch.save's errno-less ``file write
-    failed``."""
+    failed``, or its zip writer's check after a short write (``unexpected pos``, measured on a full tmpfs)."""
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     text = str(e)
-    return isinstance(e, RuntimeError) and ("file write failed" in text or "No space left" in text)
+    return isinstance(e, RuntimeError) and any(
+        s in text for s in ("file write failed", "No space left", "unexpected pos")
+    )
 
 
 def same_file(a: str | Path, b: str | Path) -> bool:

@@ -111,6 +111,10 @@ def export(
     from quantcli.inputs.checkpoint import load_calibrated
 
     embedding_bits = _embedding_bits(embeddings, kv_cache)
+    if not onnx_path.name or onnx_path.name in (".", ".."):
+        from quantcli.errors import DataError
+
+        raise DataError(f"--onnx {str(onnx_path)!r} names no file; give the path of the .onnx file to write")
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
     refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)

@@ -27,6 +27,7 @@ def generate(
         Optional[int],
         typer.Option(
             "--seed",
+            min=0,
             help="Sample (softmax of the logits / --temperature, --top-k) with this seed; "
             "without it: greedy, the most likely token each step.",
         ),
@@ -46,11 +47,11 @@ def generate(
     """Generate text with a decode graph in onnxruntime (CPU provider): greedy, or sampled with --seed."""
     from exporters.causal_lm.runner import DecodeSession
     from exporters.causal_lm.runner import generate as run_generation
+    from exporters.graph import read_onnx
     from quantcli.errors import DataError
     from quantcli.verify.lm_text import codec_for
 
-    if not onnx_path.is_file():
-        raise DataError(f"{onnx_path} does not exist")
+    read_onnx(onnx_path)  # a missing, corrupt or truncated file (or external data) is a one-line error
     codec = codec_for(onnx_path, tokenizer)
     ids = codec.encode(prompt)
     if not ids:

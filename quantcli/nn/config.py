@@ -213,9 +213,15 @@ class QuantConfig:
                 "known: preset, block_size, reduce_range, fold_batchnorm, target, asymmetric_activations, "
                 "cpu, rules"
             )
+        rules = data.get("rules") or []
+        if not isinstance(rules, list):
+            raise ConfigError(
+                f"rules in {source} must be a list of rules (mappings with a pattern), got "
+                f"{type(rules).__name__}"
+            )
         return cls(
             preset=data.get("preset", "int8"),
-            rules=list(data.get("rules") or []),
+            rules=list(rules),
             block_size=data.get("block_size", DEFAULT_BLOCK_SIZE),
             source=data.get("source", source),
             reduce_range=data.get("reduce_range", REDUCE_RANGE_AUTO),

@@ -206,6 +206,13 @@ def verify_decode_graph(
     if not rows:
         raise DataError("no held-out sequence of 4 tokens or more to verify a language model on; pass --data")
     deployed = DecodeSession(onnx_path)
+    vocab = deployed.session.get_outputs()[0].shape[-1]
+    top = max(int(r.max()) for r in rows)
+    if isinstance(vocab, int) and (top >= vocab or min(int(r.min()) for r in rows) < 0):
+        raise DataError(
+            f"token ids in the data range up to {top}, outside the graph's vocabulary of {vocab}; pass data "
+            "tokenized for this model"
+        )
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     exact = DecodeSession(onnx_path, so)

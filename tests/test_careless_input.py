@@ -1,0 +1,51 @@
+"""Mistakes a careless user makes, each refused with one line and exit 2 (they ended in an internal error,
+exit 3, before): found by trying every command with bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from quantcli.files import no_space
+from tests.helpers import assert_clean_error, cli
+
+
+def test_rules_that_are_not_a_list(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("rules: 5\n")
+    assert_clean_error(cli("calibrate", "digits_cnn", "--config", cfg), "rules", "must be a list", "got int")
+
+
+def test_export_to_an_empty_name(calibrated, tmp_path):
+    assert_clean_error(cli("export", calibrated(), "--onnx", ""), "--onnx", "names no file")
+
+
+@pytest.fixture(scope="module")
+def decode_graph(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode")
+    ck, path = root / "tl.calib.pt", root / "tl.onnx"
+    assert cli("calibrate", "tiny_llama", "--num-samples", "8", "--out", ck).exit_code == 0
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    return ck, path
+
+
+def test_generate_refuses_a_negative_seed_and_a_corrupt_graph(decode_graph, tmp_path):
+    _, path = decode_graph
+    r = cli("generate", path, "--prompt", "hi", "--seed", "-1")
+    assert r.exit_code == 2 and "--seed" in r.output and "Traceback" not in r.output
+    corrupt = tmp_path / "cut.onnx"
+    corrupt.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    assert_clean_error(cli("generate", corrupt, "--prompt", "hi"), "not a valid ONNX model")
+
+
+def test_verify_of_a_decode_graph_refuses_ids_outside_its_vocabulary(decode_graph, tmp_path):
+    ck, path = decode_graph
+    data = tmp_path / "oov.npz"
+    np.savez(data, input_ids=np.arange(300, 400, dtype=np.int64).reshape(2, 50))
+    assert_clean_error(cli("verify", path, "--reference", ck, "--data", data), "vocabulary of 256")
+
+
+def test_torch_zip_writer_short_write_counts_as_a_full_disk():
+    # what torch.save raised on a full 120 KiB tmpfs
+    e = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 29440 vs 29328")
+    assert no_space(e) and not no_space(RuntimeError("some other failure"))
