@@ -688,8 +688,9 @@ def test_analyze_takes_mean_and_std(tmp_path, monkeypatch):
 
 
 def test_a_pipe_closed_before_the_table_exits_141_not_1(calibrated):
-    """The real path: `quantcli inspect x | true` (the reader gone before rich prints the table). rich's own
-    handler exited 1, which a CI script reads as FAIL; quantcli's console exits 141 as the entry point does."""
+    """The real path: `quantcli inspect x | true` (the reader gone before rich prints the table). rich's
+    own handler exited 1, which a CI script reads as FAIL; quantcli's console exits 141 as the entry point
+    does."""
     import subprocess
 
     p = subprocess.Popen(

@@ -1,6 +1,7 @@
-"""A model's inputs and outputs as the graph names them: nested tuples and dicts flattened in order, ``None`` left
-out, an input the model also returns kept an input of its own name, one tensor returned twice refused. Each
-graph output is checked against the tensor of that name, computed here from the model's own layers."""
+"""A model's inputs and outputs as the graph names them: nested tuples and dicts flattened in order,
+``None`` left out, an input the model also returns kept an input of its own name, one tensor returned twice
+refused, non-tensor defaults kept out of the inputs. Each graph output is checked against the tensor of that
+name, computed here from the model's own layers."""
 
 from __future__ import annotations
 
