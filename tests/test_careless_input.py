@@ -49,3 +49,17 @@ def test_torch_zip_writer_short_write_counts_as_a_full_disk():
     # what torch.save raised on a full 120 KiB tmpfs
     e = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 29440 vs 29328")
     assert no_space(e) and not no_space(RuntimeError("some other failure"))
+
+
+def test_json_is_strict_where_a_quantizer_adds_no_error():
+    """An SNR of a quantizer that changes nothing is infinite: written as "inf", which every JSON parser reads
+    (Python's json wrote Infinity, which JavaScript's and jq refuse)."""
+    import json
+
+    from quantcli.cli.output import json_text
+
+    text = json_text({"snr_db": float("inf"), "rows": [{"x": float("-inf")}, float("nan"), 1.5]})
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-strict constant {c}")) == {
+        "snr_db": "inf",
+        "rows": [{"x": "-inf"}, "nan", 1.5],
+    }

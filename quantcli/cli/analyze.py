@@ -3,7 +3,6 @@ JSON)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -14,7 +13,7 @@ from quantcli import defaults
 from quantcli.cli.files import checkpoint_inputs, refuse_inputs
 from quantcli.cli.guard import guarded
 from quantcli.cli.options import PREPROCESSING, BatchSizeOpt, CalibratedArg, DataOpt, JsonOpt, TrustCodeOpt
-from quantcli.cli.output import fmt, out, print_json, progress, table
+from quantcli.cli.output import fmt, json_text, out, print_json, progress, table
 
 
 @guarded
@@ -64,7 +63,7 @@ def analyze(
             progress=None if advance is None else (lambda stage, k, n: advance(int(99 * k / n))),
         )
     d = rep.to_dict()
-    write_together(out_dir, {"analysis.json": json.dumps(d, indent=1) + "\n", "report.html": render(d)})
+    write_together(out_dir, {"analysis.json": json_text(d, indent=1) + "\n", "report.html": render(d)})
     html_path, json_path = out_dir / "report.html", out_dir / "analysis.json"
     if as_json:
         print_json({**d, "report": str(html_path), "json": str(json_path)})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 
@@ -23,8 +24,25 @@ out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty(
 err = _Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def json_text(data, indent: int = 2) -> str:
+    """Strict JSON: a non-finite float (an SNR of a quantizer that adds no error is ``inf``) is written as the
+    string ``"inf"``, ``"-inf"`` or ``"nan"``, not as the ``Infinity`` that JSON parsers other than Python's
+    refuse."""
+
+    def strict(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return "nan" if v != v else ("inf" if v > 0 else "-inf")
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [strict(x) for x in v]
+        return v
+
+    return json.dumps(strict(data), indent=indent, default=str, allow_nan=False)
+
+
 def print_json(data) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    sys.stdout.write(json_text(data) + "\n")
 
 
 @contextlib.contextmanager

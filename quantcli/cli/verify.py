@@ -3,7 +3,6 @@ check failed; 2: bad input."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -23,7 +22,7 @@ from quantcli.cli.options import (
     Provider,
     TrustCodeOpt,
 )
-from quantcli.cli.output import err, fmt, out, print_json, table
+from quantcli.cli.output import err, fmt, json_text, out, print_json, table
 
 
 @guarded
@@ -113,7 +112,7 @@ def verify(
         )
         d = rep.to_dict()
         if report_path is not None:
-            atomic_write(report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2) + "\n"))
+            atomic_write(report_path, lambda tmp: Path(tmp).write_text(json_text(d) + "\n"))
         if as_json:
             print_json(d)
         else:
@@ -130,9 +129,7 @@ def verify(
     )
     d = rep.to_dict()
     if report_path is not None:
-        atomic_write(
-            report_path, lambda tmp: Path(tmp).write_text(json.dumps(d, indent=2, default=str) + "\n")
-        )
+        atomic_write(report_path, lambda tmp: Path(tmp).write_text(json_text(d) + "\n"))
     if as_json:
         print_json(d)
     else:
