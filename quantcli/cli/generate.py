@@ -45,7 +45,7 @@ def generate(
     as_json: JsonOpt = False,
 ) -> None:
     """Generate text with a decode graph in onnxruntime (CPU provider): greedy, or sampled with --seed."""
-    from exporters.causal_lm.runner import DecodeSession
+    from exporters.causal_lm.runner import DecodeSession, read_info
     from exporters.causal_lm.runner import generate as run_generation
     from exporters.graph import read_onnx
     from quantcli.errors import DataError
@@ -56,6 +56,13 @@ def generate(
     ids = codec.encode(prompt)
     if not ids:
         raise DataError("--prompt is empty: give at least one token of text")
+    context = read_info(onnx_path).layout.get("max_positions")
+    if context and len(ids) + max_new_tokens > context:
+        room = max(context - len(ids), 0)
+        raise DataError(
+            f"the prompt ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} exceed the graph's "
+            f"context of {context} positions; shorten the prompt or lower --max-new-tokens to {room}"
+        )
     session = DecodeSession(onnx_path)
     g = run_generation(session, ids, max_new_tokens, seed=seed, temperature=temperature, top_k=top_k)
     text = codec.decode(g.tokens)
