@@ -66,8 +66,8 @@ def test_json_is_strict_where_a_quantizer_adds_no_error():
 
 
 def test_generate_refuses_to_run_past_the_graphs_context(decode_graph):
-    """tiny_llama's rotary tables hold 512 positions: onnxruntime failed past them (GroupQueryAttention), and a
-    --standard-ops graph generated garbage."""
+    """tiny_llama's rotary tables hold 512 positions: onnxruntime failed past them (GroupQueryAttention),
+    and a --standard-ops graph generated garbage."""
     _, path = decode_graph
     assert_clean_error(
         cli("generate", path, "--prompt", "hi", "--max-new-tokens", "600"), "context of 512", "to 510"
