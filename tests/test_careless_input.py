@@ -72,3 +72,15 @@ def test_generate_refuses_to_run_past_the_graphs_context(decode_graph):
     assert_clean_error(
         cli("generate", path, "--prompt", "hi", "--max-new-tokens", "600"), "context of 512", "to 510"
     )
+
+
+def test_verify_refuses_a_checkpoint_with_an_amax_deleted(calibrated, exported, tmp_path):
+    import torch
+
+    ck = torch.load(calibrated(), weights_only=False)
+    del ck["state_dict"]["conv1.input_quantizer.amax"]
+    damaged = tmp_path / "damaged.calib.pt"
+    torch.save(ck, damaged)
+    assert_clean_error(
+        cli("verify", exported(), "--reference", damaged), "conv1.input_quantizer", "have no amax"
+    )

@@ -356,6 +356,13 @@ def check_structure(
         if p.quantizer:
             pairs.setdefault(p.quantizer, p)
     qs = {n: q for n, q in quantizers(ckpt.model).items() if q.enabled}
+    missing = [n for n, q in qs.items() if not q.desc.dynamic and q.amax is None]
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise VerifyError(
+            f"the reference checkpoint's quantizer(s) {', '.join(missing[:3])}{more} have no amax (a damaged "
+            "or edited checkpoint); calibrate the model again"
+        )
     inits = initializer_map(model.graph)
     params = {**dict(ckpt.model.named_parameters()), **_weight_operands(ckpt)}
     problems: dict[str, list[str]] = {}
