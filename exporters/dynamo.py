@@ -439,6 +439,10 @@ def export_dynamo(
         raise
     except Exception as e:
         from exporters.aten_symbolics import unsupported_operator
+        from quantcli.files import no_space
+
+        if no_space(e):  # the disk, not the model: the usual one-line full-disk error, not "try torchscript"
+            raise
 
         raise unsupported_operator(e, "dynamo", opset) or ExportError(
             f"torch.onnx.export(dynamo=True) failed: {_cause(e)} (try --exporter torchscript)"

@@ -47,7 +47,7 @@ from exporters.onnxruntime.recurrent import RECURRENT_KEY, to_dynamic_quantize_l
 from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
 from quantcli import __version__
 from quantcli.errors import ExportError, whole_line
-from quantcli.files import staging_directory, writable_directory
+from quantcli.files import no_space, staging_directory, writable_directory
 from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
 from quantcli.nn.tensor_quantizer import quantizers
@@ -766,6 +766,8 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
         except ExportError:
             raise
         except Exception as e:
+            if no_space(e):  # the disk, not the model: the usual one-line full-disk error, not "try dynamo"
+                raise
             cause = e
             while cause.__cause__ is not None or cause.__context__ is not None:
                 nxt = cause.__cause__ or cause.__context__

@@ -702,3 +702,16 @@ def test_a_pipe_closed_before_the_table_exits_141_not_1(calibrated):
     _, err = p.communicate(timeout=300)
     assert p.returncode == 141, err
     assert b"Traceback" not in err
+
+
+def test_a_full_disk_while_exporting_is_not_blamed_on_the_exporter(calibrated, tmp_path, monkeypatch):
+    """torch.onnx.export writing into a full disk: the full-disk error, not "try --exporter dynamo"."""
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.onnx, "export", full)
+    r = cli("export", calibrated(), "--onnx", tmp_path / "m.onnx")
+    assert r.exit_code == 2, r.output
+    assert "no space left on device" in r.stderr.lower() and "--exporter" not in r.stderr
+    assert not (tmp_path / "m.onnx").exists()
