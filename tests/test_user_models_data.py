@@ -298,3 +298,23 @@ def test_missing_extras_are_named(bert, tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
     assert_clean_error(cli("calibrate", d / "clf", "--data", d / "texts.txt"), "transformers", "quantcli[hf]")
     _no_output(tmp_path)
+
+
+def test_one_channel_model_takes_mean_alone(tmp_path):
+    """--mean without --std on a 1-channel model: the std stays the luma default (it was refused as "--std has
+    3 values", though --std was not given)."""
+    from quantcli.inputs.image_data import IMAGENET_STD_L
+
+    torch.manual_seed(0)
+    cnn = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Flatten(), torch.nn.Linear(64, 2))
+    torch.save(cnn.eval(), tmp_path / "grey.pt")
+    _png(tmp_path / "imgs" / "g.png", np.full((8, 8), 51, np.uint8))
+    out = tmp_path / "grey.calib.pt"
+    r = cli(
+        "calibrate", tmp_path / "grey.pt", "--trust-pickle", "--data", tmp_path / "imgs", "--image-size", "4",
+        "--mean", "0.5", "--out", out,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    x = torch.load(out, weights_only=True)["inputs"]["example"]["input"]
+    want = (51 / 255 - 0.5) / IMAGENET_STD_L[0]
+    assert x.shape == (1, 1, 4, 4) and torch.allclose(x, torch.full_like(x, want), atol=1e-6)

@@ -236,8 +236,11 @@ def image_batches(
             f"the model takes {channels}-channel images; image folders give 1 (L) or 3 (RGB) channels"
         )
     mode = settings.mode = "RGB" if channels == 3 else "L"
-    if channels == 1 and (tuple(settings.mean), tuple(settings.std)) == (IMAGENET_MEAN, IMAGENET_STD):
-        settings.mean, settings.std = IMAGENET_MEAN_L, IMAGENET_STD_L  # the defaults, for one channel
+    if channels == 1:  # each default left as it is becomes its luma value (--mean alone keeps the std's)
+        if tuple(settings.mean) == IMAGENET_MEAN:
+            settings.mean = IMAGENET_MEAN_L
+        if tuple(settings.std) == IMAGENET_STD:
+            settings.std = IMAGENET_STD_L
     mean = np.asarray(settings.mean, np.float32)
     std = np.asarray(settings.std, np.float32)
     for name, v in (("--mean", mean), ("--std", std)):
