@@ -84,3 +84,14 @@ def test_verify_refuses_a_checkpoint_with_an_amax_deleted(calibrated, exported, 
     assert_clean_error(
         cli("verify", exported(), "--reference", damaged), "conv1.input_quantizer", "have no amax"
     )
+
+
+def test_inspect_for_cuda_without_a_gpu(exported):
+    """onnxruntime-gpu lists its CUDA provider on a machine without a GPU: inspect reported CPU kernels as the
+    CUDA session's."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is usable here")
+    r = cli("inspect", exported(), "--runtime", "onnxruntime", "--provider", "cuda")
+    assert_clean_error(r, "--provider cuda")

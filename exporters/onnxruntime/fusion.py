@@ -535,6 +535,12 @@ def optimized_graph(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _cuda_usable() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     """Per quantized layer of ``path``: what onnxruntime runs it as with default session options, and why.
 
@@ -550,6 +556,8 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
         raise VerifyError(f"unknown provider {provider!r}; use cpu or cuda")
     if PROVIDERS[provider] not in ort.get_available_providers():
         raise VerifyError(f"onnxruntime here has no {PROVIDERS[provider]}; use --provider cpu")
+    if provider == "cuda" and not _cuda_usable():  # onnxruntime-gpu lists CUDA on a machine without a GPU
+        raise VerifyError("--provider cuda: no CUDA GPU is usable here; use --provider cpu")
     model = read_onnx(path)
     report = FusionReport(str(path), provider, needs=compat.session_needs(model))
     layers = quantized_layers(model)
