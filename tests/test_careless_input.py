@@ -95,3 +95,14 @@ def test_inspect_for_cuda_without_a_gpu(exported):
         pytest.skip("a CUDA GPU is usable here")
     r = cli("inspect", exported(), "--runtime", "onnxruntime", "--provider", "cuda")
     assert_clean_error(r, "--provider cuda")
+
+
+def test_sparse_data_is_refused(tmp_path):
+    import torch
+
+    x = torch.zeros(8, 1, 8, 8)
+    x[0, 0, 0, 0] = 1
+    torch.save({"x": x.to_sparse()}, tmp_path / "sparse.pt")
+    r = cli("calibrate", "digits_cnn", "--data", tmp_path / "sparse.pt", "--out", tmp_path / "d.calib.pt")
+    assert_clean_error(r, "sparse_coo tensor", "to_dense")
+    assert not (tmp_path / "d.calib.pt").exists()

@@ -49,6 +49,9 @@ def _tensor(x, where: str) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(x))
     if not isinstance(x, torch.Tensor):
         raise DataError(f"{where}: expected an array or tensor, got {type(x).__name__}")
+    if x.layout != torch.strided:  # sparse (COO, CSR...): not what a model's forward or an exporter takes
+        layout = str(x.layout).replace("torch.", "")
+        raise DataError(f"{where}: a {layout} tensor; save it dense (x.to_dense())")
     if x.is_complex():
         raise DataError(
             f"{where}: complex values ({str(x.dtype).replace('torch.', '')}) cannot be model "
