@@ -32,7 +32,7 @@ def calibrate(
         str,
         typer.Argument(
             help="package.module:factory, path/to/file.py:factory, a sample "
-            "model (digits_cnn, text_encoder, tiny_lm), a Hugging Face "
+            "model (digits_cnn, text_encoder, tiny_lm, tiny_llama), a Hugging Face "
             "model folder, or a torch.save(model) file (with "
             "--trust-pickle)."
         ),
