@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quantcli import __version__
-from quantcli.errors import CheckpointError, QuantCliError, first_line
+from quantcli.errors import CheckpointError, ConfigError, QuantCliError, first_line
 from quantcli.files import atomic_write
 from quantcli.inputs.batch_axes import batch_axes, take, unbatched
 from quantcli.inputs.data import Batch, has_signature
@@ -298,7 +298,7 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
     spec = ModelSpec.from_plain(data["model"])
     try:
         cfg = QuantConfig.from_plain(data["quant_config"])
-    except (TypeError, ValueError, AttributeError, KeyError) as e:
+    except (TypeError, ValueError, AttributeError, KeyError, ConfigError) as e:
         raise CheckpointError(
             f"{path} is damaged: its quant_config cannot be read ({type(e).__name__}: "
             f"{first_line(e, 120)}); re-create it with `quantcli calibrate`"
