@@ -52,7 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from quantcli.nn.module_outputs import same_randomness
-from quantcli.nn.modules import QuantMixin
+from quantcli.nn.modules import QuantMixin, dynamic_export
 from quantcli.nn.recorded_graph import (
     FORWARD_ERRORS,
     activation_kind,
@@ -370,14 +370,10 @@ class ComputedLayer(QuantMixin):
         x, w, b = operands(kind, args, kwargs)
 
         def run():
-            q = self.input_quantizer
-            if q.dynamic_uint8 and q.mode == "quantize" and self._plain_linear(kind, w, b):
-                if self.export_hook is not None:
-                    return self.export_hook(x)
-                if torch.onnx.is_in_onnx_export():  # DynamicQuantizeLinear -> MatMulInteger
-                    from quantcli.nn.dynamic import dynamic_linear
-
-                    return dynamic_linear(self, x)
+            if self._plain_linear(kind, w, b):  # a dynamic input exports as a Linear's does
+                exported = dynamic_export(self, x)
+                if exported is not None:
+                    return exported
             bias = b
             own_bias = b is not None and b is self._parameters.get("bias")
             if own_bias and self.int32_bias and (kind == "conv" or (kind == "linear" and x.dim() == 2)):
