@@ -50,7 +50,7 @@ from quantcli.errors import ExportError, whole_line
 from quantcli.files import no_space, staging_directory, writable_directory
 from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import quantizers, uncalibrated
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import formats
 
@@ -125,7 +125,7 @@ def check_exportable(model: nn.Module) -> None:
     from quantcli.nn.dynamic import exportable
 
     recurrent = recurrent_quantizers(model)  # dynamic by construction: exported as DynamicQuantizeLSTM
-    missing = [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]
+    missing = uncalibrated(model)
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ExportError(

@@ -305,3 +305,8 @@ class TensorQuantizer(nn.Module):
 def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
     """Every TensorQuantizer in ``model``, by its module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}
+
+
+def uncalibrated(model: nn.Module) -> list[str]:
+    """The enabled static quantizers of ``model`` without an amax, by name (what export and verify refuse)."""
+    return [n for n, q in quantizers(model).items() if q.enabled and not q.desc.dynamic and q.amax is None]

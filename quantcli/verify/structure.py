@@ -36,7 +36,7 @@ from quantcli.errors import VerifyError, first_line
 from quantcli.inputs.batch_axes import head
 from quantcli.inputs.checkpoint import Calibrated
 from quantcli.nn.recurrent import onnx_layers
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import quantizers, uncalibrated
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import arithmetic
 from quantcli.quant.granularity import broadcast_onnx_param
@@ -356,7 +356,7 @@ def check_structure(
         if p.quantizer:
             pairs.setdefault(p.quantizer, p)
     qs = {n: q for n, q in quantizers(ckpt.model).items() if q.enabled}
-    missing = [n for n, q in qs.items() if not q.desc.dynamic and q.amax is None]
+    missing = uncalibrated(ckpt.model)
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise VerifyError(
