@@ -11,7 +11,7 @@ import typer
 
 from quantcli.cli.application import app
 from quantcli.cli.guard import STATE, unexpected
-from quantcli.cli.output import print_json
+from quantcli.cli.output import exit_broken_pipe, print_json
 
 #: options whose value may be left out, and the value they then take (typer has no optional-value options)
 OPTIONAL_VALUES = {"--smoothquant": "0.5"}
@@ -86,8 +86,7 @@ def _run(argv: list[str]) -> int:
             "Interrupted",
         )
     except BrokenPipeError:  # `quantcli ... | head`: the reader has what it wanted
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
+        exit_broken_pipe()
     except Exception as e:  # outside a command's guard: printing --help or output to a full disk
         if STATE.signalled is not None:  # an interrupt some import turned into another error
             _error_exit(
@@ -122,8 +121,7 @@ def main() -> None:
     try:
         sys.stdout.flush()
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(141)
+        exit_broken_pipe()
     except OSError as e:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing more to flush at exit
         _error_exit(*unexpected(e), [], type(e).__name__)

@@ -7,17 +7,24 @@ import json
 import math
 import os
 import sys
+from typing import NoReturn
 
 from rich.console import Console
 from rich.table import Table
 
 
+def exit_broken_pipe() -> NoReturn:
+    """The reader went away (`quantcli verify ... | head`): exit 141 (128 + SIGPIPE), quietly, with stdout
+    pointed at /dev/null so that nothing more is flushed into the closed pipe at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(141)
+
+
 class _Console(Console):
     def on_broken_pipe(self) -> None:
-        """The reader went away (`quantcli verify ... | head`): exit 141 as the entry point does for a broken
-        pipe (128 + SIGPIPE), not rich's 1, which a CI script would read as FAIL."""
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise SystemExit(141)
+        """As the entry point does (:func:`exit_broken_pipe`), not rich's exit 1, which a CI script would read
+        as FAIL."""
+        exit_broken_pipe()
 
 
 out = _Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
