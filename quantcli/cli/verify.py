@@ -75,7 +75,6 @@ def verify(
 ) -> int:
     """Check an exported graph in onnxruntime. Exit 0: every check passed; 1: a numerical check failed; 2: bad
     input."""
-    from exporters.graph import read_onnx
     from quantcli.files import atomic_write, writable_directory
     from quantcli.inputs.checkpoint import load_calibrated
     from quantcli.inputs.data import cap_samples
@@ -101,7 +100,6 @@ def verify(
     if batches is None and num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
     if is_decode_graph(onnx_path):
-        read_onnx(onnx_path)  # its external data too: a missing or corrupt file is a one-line error
         lm = {"max_ppl_increase": max_ppl_increase, "min_token_agreement": min_token_agreement}
         rep = verify_decode_graph(
             onnx_path,

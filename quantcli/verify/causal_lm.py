@@ -198,6 +198,7 @@ def verify_decode_graph(
     import onnxruntime as ort
 
     from exporters.causal_lm.runner import DecodeSession, read_info
+    from exporters.graph import read_onnx
     from quantcli.errors import DataError
 
     t0 = time.perf_counter()
@@ -205,6 +206,7 @@ def verify_decode_graph(
     rows = sequences(batches, max_sequences, max_tokens)
     if not rows:
         raise DataError("no held-out sequence of 4 tokens or more to verify a language model on; pass --data")
+    graph = read_onnx(onnx_path)  # its external data too: a missing or corrupt file is a one-line error
     deployed = DecodeSession(onnx_path)
     vocab = deployed.session.get_outputs()[0].shape[-1]
     top = max(int(r.max()) for r in rows)
@@ -216,7 +218,7 @@ def verify_decode_graph(
     so = ort.SessionOptions()
     so.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "1")
     exact = DecodeSession(onnx_path, so)
-    structure = structure_check(onnx_path, ckpt)
+    structure = structure_check(graph, ckpt)
     if not structure.passed:  # another model's or another calibration's graph: nothing else is meaningful
         return LMReport(False, [structure], {}, {}, {}, len(rows), time.perf_counter() - t0)
     float_model, fake = ckpt.float_model().eval(), ckpt.model.eval()
@@ -233,16 +235,13 @@ def verify_decode_graph(
         return LMReport(False, [check], {}, {}, {}, len(rows), time.perf_counter() - t0)
 
 
-def structure_check(onnx_path, ckpt) -> Check:
+def structure_check(graph, ckpt) -> Check:
     """The structure check of :mod:`quantcli.verify.structure` on a decode graph: every quantizer of the
     checkpoint has its Q/DQ pair with exactly the scale and zero point its amax implies, weight codes
     included. A graph of another model or another calibration fails it."""
-    import onnx
-
     from exporters.causal_lm.packing import PACKED_KEY
     from quantcli.verify.structure import check_structure
 
-    graph = onnx.load(str(onnx_path))
     found, _ = check_structure(graph, ckpt, decode=True)
     problems = found.get("problems") or []
     packed = next((p.value for p in graph.metadata_props if p.key == PACKED_KEY), "")
