@@ -116,6 +116,22 @@ def test_a_rank_that_dies_is_reported(tmp_path):
     assert "QUANTCLI_DEBUG" not in lines[0]  # named, not the generic path
 
 
+def test_a_closed_connection_names_the_other_rank_only_when_there_is_one(monkeypatch):
+    """Rank 1 killed before rank 0 reaches the barrier: Gloo reports a closed connection, not the monitored
+    barrier's list of ranks. In a job of two the dead rank is the other one; with more it cannot be told."""
+    from quantcli.calibration import process_group
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:29500")
+    monkeypatch.setattr(process_group.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(process_group.dist, "get_world_size", lambda group=None: 2)
+    assert str(process_group.explain(gloo)).startswith("rank 1's process ended without reporting an error")
+    monkeypatch.setattr(process_group.dist, "get_rank", lambda group=None: 1)
+    assert str(process_group.explain(gloo)).startswith("rank 0's process ended")
+    monkeypatch.setattr(process_group.dist, "get_world_size", lambda group=None: 3)
+    assert str(process_group.explain(gloo)).startswith("another rank's process ended")
+
+
 def test_dist_timeout_must_be_positive(tmp_path):
     procs = _ranks(tmp_path, "--device", "cpu", "--dist-timeout", "0")
     outs = [p.communicate(timeout=300) for p in procs]

@@ -165,6 +165,13 @@ def _test_stall(rank: int) -> None:
             time.sleep(0.05)
 
 
+def _the_other_rank() -> int | None:
+    """In a job of two ranks, the one that is not this process (the one a closed connection leads to)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != 2:
+        return None
+    return 1 - dist.get_rank()
+
+
 def explain(e: BaseException) -> QuantCliError | None:
     """A collective's failure in words (which rank stalled, or that one died); ``None`` when it is not one."""
     text = str(e)
@@ -178,8 +185,10 @@ def explain(e: BaseException) -> QuantCliError | None:
             "only slow"
         )
     if any(k in text for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe")):
+        other = _the_other_rank()
+        who = f"rank {other}'s process" if other is not None else "another rank's process"
         return RankStalled(
-            "another rank's process ended without reporting an error (killed, out of memory?); the job "
+            f"{who} ended without reporting an error (killed, out of memory?); the job "
             "cannot go on: see torchrun's summary for which rank and why"
         )
     if "Timed out" in text or "timed out" in text:
