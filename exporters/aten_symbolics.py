@@ -6,7 +6,8 @@ stopped at "Exporting the operator 'aten::diff' to ONNX opset version 17 is not 
 the
 definition: concatenate ``prepend``/``append`` along ``dim``, then ``n`` times ``x[1:] - x[:-1]`` (``Xor`` for
 bool, as ``torch.diff`` does), in standard ``Concat``/``Slice``/``Sub``. ``aten::cumsum``: torch's translation
-of the cumulative sum that follows (over a bool tensor) is corrected (:data:`CORRECTED`).
+of the cumulative sum that follows (over a bool tensor) is corrected, and so is ``aten::floor_divide``
+(Python's ``//``), which torch's translation truncates toward zero (:data:`CORRECTED`).
 
 :func:`register` adds a translation only where torch has none, once per process; it is called by the export
 driver before ``torch.onnx.export``. Opset 11 and newer (negative axes in ``Slice`` and ``Concat``).
@@ -83,6 +84,21 @@ def _cumsum(g, x, dim, dtype):
     return g.op("CumSum", x, g.op("Constant", value_t=torch.tensor(dim, dtype=torch.int64)))
 
 
+def _floor_divide(g, x, y):
+    """``x // y`` as torch computes it since 1.13: rounded toward minus infinity, for integers and floats.
+
+    torch's translation of ``aten::floor_divide`` still truncates (its comment: "Deprecated behavior,
+    floor_divide actually truncates"), although its own ``_floor_divide`` helper, used for ``torch.div(...,
+    rounding_mode="floor")``, floors; so every ``//`` that meets a negative value was exported wrong. The
+    common casualty is TensorFlow's "same" padding written ``-(-size // stride)`` in a convolution's
+    ``forward``: ``ceil`` became ``floor`` and the pads came out short or zero."""
+    try:
+        from torch.onnx._internal.torchscript_exporter import symbolic_opset9 as opset9
+    except ImportError:  # torch < 2.9
+        from torch.onnx import symbolic_opset9 as opset9
+    return opset9._floor_divide(g, x, y)
+
+
 def _promoted_to_int64():
     jit = _helpers()[1].JitScalarType
     return (jit.BOOL, jit.UINT8, jit.INT8, jit.INT16, jit.INT)
@@ -93,8 +109,8 @@ _PROMOTED_TO_INT64: tuple = ()
 MISSING = {"aten::diff": _diff}
 #: ops whose torch translation is wrong for some inputs: ``cumsum`` of a bool tensor (the same masks: ``(diff
 # != : 1).cumsum(-1)``) became an ONNX ``CumSum`` of bool, which the checker rejects; and a constant ``dtype``
-# was ignored
-CORRECTED = {"aten::cumsum": _cumsum}
+# was ignored; ``floor_divide`` (Python's ``//`` on tensors and on sizes the tracer records) truncated
+CORRECTED = {"aten::cumsum": _cumsum, "aten::floor_divide": _floor_divide, "aten::floordiv": _floor_divide}
 
 
 def _load_torch_symbolics() -> None:
