@@ -6,7 +6,9 @@
    ``F.pad`` reverses them with a ``Slice`` of step -1, which its own constant folding skips) become an
    initializer, so onnxruntime can fold the Pad into the Conv it feeds (``pad_fusion.cc`` wants constant
    amounts), and :func:`explicit_pads`: a Conv/pooling node with ``auto_pad=VALID`` (``padding="valid"`` in
-   torch) or no ``pads`` gets ``pads`` of zeros (the same op), the form that fusion also wants.
+   torch) or no ``pads`` gets ``pads`` of zeros (the same op), the form that fusion also wants; one with
+   ``auto_pad=SAME_*`` at stride 1 (``padding="same"``) gets the pads that stands for (onnxruntime refuses
+   SAME with dilation).
    :func:`global_average_pools`: a ``ReduceMean`` over every spatial axis of a 4-D/5-D tensor (what the
    dynamo exporter makes of ``AdaptiveAvgPool2d(1)``, and TorchScript of ``x.mean((2, 3))``) becomes
    ``GlobalAveragePool`` (then ``Flatten`` without ``keepdims``): onnxruntime runs that one on codes
@@ -197,10 +199,26 @@ def _evaluate(
 _PADDED_OPS = ("Conv", "MaxPool", "AveragePool")
 
 
+def _same_pads(auto: bytes, kernel: list[int], dilations: list[int]) -> list[int]:
+    """The explicit ``pads`` (begins, then ends) of ``auto_pad`` SAME_UPPER/SAME_LOWER at stride 1, where
+    they do not depend on the input's size: ``dilation * (kernel - 1)`` in all, the odd one at the end for
+    SAME_UPPER (torch's ``padding="same"``), at the beginning for SAME_LOWER."""
+    totals = [d * (k - 1) for k, d in zip(kernel, dilations)]
+    small = [t // 2 for t in totals]
+    large = [t - h for t, h in zip(totals, small)]
+    return small + large if auto == b"SAME_UPPER" else large + small
+
+
 def explicit_pads(model: onnx.ModelProto) -> int:
-    """Give Conv/MaxPool/AveragePool nodes without padding (``auto_pad`` VALID, or no ``pads``) explicit zero
-    ``pads``; returns how many nodes changed. Needs the kernel's rank: from ``kernel_shape``, or the weight
-    initializer of a Conv."""
+    """Give Conv/MaxPool/AveragePool nodes explicit ``pads``; returns how many nodes changed.
+
+    Without padding (``auto_pad`` VALID, or no ``pads``): zeros. With ``auto_pad`` SAME_UPPER/SAME_LOWER at
+    stride 1 (torch's ``padding="same"``, which it allows only at stride 1): the pads it stands for
+    (:func:`_same_pads`). onnxruntime refuses to run a dilated convolution with SAME padding ("Dilation not
+    supported for AutoPadType::SAME_UPPER"), so ``Conv1d(..., padding="same", dilation=2)`` exported by
+    torch could not run; and its Pad fusion wants explicit pads. SAME at a larger stride depends on the
+    input's size and stays. Needs the kernel's shape: from ``kernel_shape``, or the weight initializer of a
+    Conv."""
     inits = initializer_map(model.graph)
     changed = 0
     for n in model.graph.node:
@@ -208,16 +226,22 @@ def explicit_pads(model: onnx.ModelProto) -> int:
             continue
         attrs = _attrs(n)
         auto = attrs.get("auto_pad", b"NOTSET")
-        if auto not in (b"VALID", b"NOTSET") or (auto == b"NOTSET" and "pads" in attrs):
+        if auto == b"NOTSET" and "pads" in attrs:
             continue
-        rank = len(attrs["kernel_shape"]) if "kernel_shape" in attrs else None
-        if rank is None and n.op_type == "Conv" and n.input[1] in inits:
-            rank = len(inits[n.input[1]].dims) - 2
-        if not rank:
+        kernel = list(attrs["kernel_shape"]) if "kernel_shape" in attrs else None
+        if kernel is None and n.op_type == "Conv" and n.input[1] in inits:
+            kernel = list(inits[n.input[1]].dims[2:])
+        if not kernel:
+            continue
+        if auto in (b"VALID", b"NOTSET"):
+            pads = [0] * (2 * len(kernel))
+        elif auto in (b"SAME_UPPER", b"SAME_LOWER") and all(s == 1 for s in attrs.get("strides", [1])):
+            pads = _same_pads(auto, kernel, list(attrs.get("dilations", [1] * len(kernel))))
+        else:
             continue
         keep = [a for a in n.attribute if a.name not in ("auto_pad", "pads")]
         del n.attribute[:]
-        n.attribute.extend([*keep, helper.make_attribute("pads", [0] * (2 * rank))])
+        n.attribute.extend([*keep, helper.make_attribute("pads", pads)])
         changed += 1
     return changed
 

@@ -338,7 +338,9 @@ def test_valid_convolution_gets_explicit_zero_pads_and_computes_the_same():
     nodes = [
         helper.make_node("Conv", ["x", "w"], ["c"], auto_pad="VALID", strides=[2, 2]),
         helper.make_node("MaxPool", ["c"], ["y"], kernel_shape=[2, 2]),
-        helper.make_node("Conv", ["x", "w"], ["same"], auto_pad="SAME_UPPER"),  # needs shapes: left alone
+        helper.make_node("Conv", ["x", "w"], ["same"], auto_pad="SAME_UPPER"),
+        # at stride 2 the pads depend on the input's size: left alone
+        helper.make_node("Conv", ["x", "w"], ["strided"], auto_pad="SAME_UPPER", strides=[2, 2]),
     ]
     graph = helper.make_graph(
         nodes,
@@ -347,19 +349,44 @@ def test_valid_convolution_gets_explicit_zero_pads_and_computes_the_same():
         [
             helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 3, 3]),
             helper.make_tensor_value_info("same", TensorProto.FLOAT, [1, 2, 9, 9]),
+            helper.make_tensor_value_info("strided", TensorProto.FLOAT, [1, 2, 5, 5]),
         ],
         [w],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
     x = rng.standard_normal((1, 1, 9, 9)).astype(np.float32)
     before = _run(model, x)
-    assert explicit_pads(model) == 2
+    assert explicit_pads(model) == 3
     attrs = [{a.name: helper.get_attribute_value(a) for a in n.attribute} for n in model.graph.node]
     assert attrs[0]["pads"] == [0, 0, 0, 0] and "auto_pad" not in attrs[0]
     assert attrs[1]["pads"] == [0, 0, 0, 0]
-    assert attrs[2]["auto_pad"] == b"SAME_UPPER" and "pads" not in attrs[2]
+    assert attrs[2]["pads"] == [1, 1, 1, 1] and "auto_pad" not in attrs[2]
+    assert attrs[3]["auto_pad"] == b"SAME_UPPER" and "pads" not in attrs[3]
     onnx.checker.check_model(model)
     np.testing.assert_array_equal(_run(model, x), before)
+
+
+@pytest.mark.parametrize("kernel,dilation", [(3, 2), (4, 1), (4, 3), (5, 2)])
+def test_dilated_same_convolution_gets_the_pads_torch_computes(tmp_path, kernel, dilation):
+    """torch writes ``Conv1d(padding="same", dilation=2)`` as ``auto_pad=SAME_UPPER`` with dilations, which
+    onnxruntime refuses to run ("Dilation not supported for AutoPadType::SAME_UPPER"); the explicit pads give
+    torch's own result (an even span puts the odd pixel at the end)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(2, 3, kernel, padding="same", dilation=dilation).eval()
+    x = torch.randn(2, 2, 11)
+    path = tmp_path / "c.onnx"
+    torch.onnx.export(conv, (x,), str(path), dynamo=False, input_names=["x"], opset_version=13)
+    model = onnx.load(str(path))
+    assert [helper.get_attribute_value(a) for a in model.graph.node[0].attribute if a.name == "auto_pad"] == [
+        b"SAME_UPPER"
+    ]
+    assert explicit_pads(model) == 1
+    with torch.no_grad():
+        want = conv(x).numpy()
+    got = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy()}
+    )[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_reduce_mean_over_the_spatial_axes_becomes_global_average_pool():
