@@ -86,6 +86,40 @@ def test_verify_refuses_a_checkpoint_with_an_amax_deleted(calibrated, exported, 
     )
 
 
+@pytest.mark.parametrize(
+    "key,values,says",
+    [
+        ("conv1.weight_quantizer.amax", [3, 1, 1, 1], "has 16 along axis 0"),  # per channel, 3 of 16
+        ("fc1.input_quantizer.amax", [5], "per tensor (one value)"),  # a scalar made a vector
+    ],
+)
+def test_an_amax_edited_to_the_wrong_shape_is_refused(calibrated, tmp_path, key, values, says):
+    """A hand-edited amax that does not fit its tensor ended export and verify in an internal error (exit 3:
+    "The expanded size of the tensor (16) must match the existing size (3)")."""
+    import torch
+
+    ck = torch.load(calibrated(), weights_only=False)
+    ck["state_dict"][key] = torch.full(values, 0.5)
+    edited = tmp_path / "edited.calib.pt"
+    torch.save(ck, edited)
+    graph = tmp_path / "m.onnx"
+    assert_clean_error(cli("export", edited, "--onnx", graph), key.rpartition(".")[0], says, "edited")
+    assert not graph.exists()
+
+
+def test_amax_shape_error_accepts_what_calibration_makes():
+    from quantcli.nn.tensor_quantizer import amax_shape_error
+
+    assert amax_shape_error(1, (8, 16), None, None) is None
+    assert amax_shape_error(16, (16, 3, 3, 3), 0, None) is None
+    assert amax_shape_error(1, (16, 3, 3, 3), 0, None) is None  # one value broadcasts
+    assert amax_shape_error(12, (4, 3, 5), (0, 1), None) is None
+    assert amax_shape_error(8 * 3, (8, 40), None, (-1, 16)) is None  # 40 = 16 + 16 + a partial 8
+    assert "24 blocks (3 of 16 along dim 1)" in amax_shape_error(8 * 2, (8, 40), None, (-1, 16))
+    assert "has 16 along axis 0" in amax_shape_error(3, (16, 3, 3, 3), 0, None)
+    assert "one value" in amax_shape_error(16, (8, 16), None, None)
+
+
 def test_inspect_for_cuda_without_a_gpu(exported):
     """onnxruntime-gpu lists its CUDA provider on a machine without a GPU: inspect reported CPU kernels as the
     CUDA session's."""

@@ -6,6 +6,7 @@ Modes: ``"calibrate"`` (observe only: collect statistics, return the input uncha
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -16,7 +17,7 @@ from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
-from quantcli.errors import CalibrationError, ConfigError, ExportError
+from quantcli.errors import CalibrationError, CheckpointError, ConfigError, ExportError
 from quantcli.quant import arithmetic
 from quantcli.quant.descriptor import QuantDescriptor
 from quantcli.quant.granularity import block_of
@@ -241,6 +242,13 @@ class TensorQuantizer(nn.Module):
         amax = self._dynamic_amax(x) if self.desc.dynamic else self.amax
         if amax is None:
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
+        if not (self.desc.dynamic or _tracing()):
+            wrong = amax_shape_error(amax.numel(), tuple(x.shape), self.desc.axis, self._block)
+            if wrong is not None:  # only an edited or damaged checkpoint: calibration sets it from x
+                raise CheckpointError(
+                    f"{self.name}: amax holds {amax.numel()} values, but {wrong}; the checkpoint was edited "
+                    "or is damaged: re-create it with `quantcli calibrate`"
+                )
         if torch.onnx.is_in_onnx_export():  # learned or calibrated, amax is a constant in the graph
             from quantcli.quant.qdq import export_amax  # (loads onnx: only when exporting)
 
@@ -300,6 +308,31 @@ class TensorQuantizer(nn.Module):
         else:
             a = f"amax=[{self.amax.min().item():.4g}, {self.amax.max().item():.4g}]({self.amax.numel()})"
         return f"{bits} {gran}{' narrow' if d.narrow_range else ''} {a} mode={self.mode}"
+
+
+def _tracing() -> bool:
+    """Whether a tracer is recording this forward (sizes may be traced values there: not compared)."""
+    return torch.jit.is_tracing() or torch.onnx.is_in_onnx_export() or torch.compiler.is_compiling()
+
+
+def amax_shape_error(
+    numel: int, shape: tuple[int, ...], axis: int | tuple[int, ...] | None, block: tuple[int, int] | None
+) -> str | None:
+    """Why an amax of ``numel`` values cannot quantize a tensor of ``shape`` (one value per tensor, per index
+    of ``axis``, or per block of ``block = (axis, size)``, the last block possibly partial), or None when it
+    can."""
+    if block is not None:
+        d, size = block[0] % len(shape), block[1]
+        blocks = -(-shape[d] // min(size, shape[d]))
+        want = math.prod(shape) // shape[d] * blocks if shape[d] else 0
+        where = f"the {list(shape)} tensor it quantizes has {want} blocks ({blocks} of {size} along dim {d})"
+    elif axis is None:
+        want, where = 1, "it quantizes per tensor (one value)"
+    else:
+        axes = (axis,) if isinstance(axis, int) else tuple(axis)
+        want = math.prod(shape[a] for a in axes)
+        where = f"the {list(shape)} tensor it quantizes has {want} along axis {axis}"
+    return None if numel in (1, want) else where
 
 
 def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
