@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from quantcli.files import no_space
-from tests.helpers import assert_clean_error, cli
+from tests.helpers import assert_clean_error, cli, cli_subprocess
 
 
 def test_rules_that_are_not_a_list(tmp_path):
@@ -140,3 +140,23 @@ def test_sparse_data_is_refused(tmp_path):
     r = cli("calibrate", "digits_cnn", "--data", tmp_path / "sparse.pt", "--out", tmp_path / "d.calib.pt")
     assert_clean_error(r, "sparse_coo tensor", "to_dense")
     assert not (tmp_path / "d.calib.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "command,option,value",
+    [
+        ("verify", "--batch-size", "0"),
+        ("analyze", "--batch-size", "-3"),
+        ("calibrate", "--num-samples", "0"),
+    ],
+)
+def test_counts_below_one_are_refused(calibrated, exported, tmp_path, command, option, value):
+    """verify and analyze ran with ``--batch-size 0`` or ``-3`` as if it were not given (a subprocess: the
+    entry point turns the usage error into one line)."""
+    args = {
+        "verify": [exported(), "--reference", calibrated()],
+        "analyze": [calibrated(), "--out", tmp_path / "a"],
+        "calibrate": ["digits_cnn", "--out", tmp_path / "c.calib.pt"],
+    }[command]
+    r = cli_subprocess(command, *args, option, value)
+    assert_clean_error(r, option, "greater than or equal to 1")

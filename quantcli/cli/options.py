@@ -78,10 +78,12 @@ DataOpt = Annotated[
 BatchSizeOpt = Annotated[
     Optional[int],
     typer.Option(
-        "--batch-size", help=f"Re-batch whole arrays into batches of N (default {defaults.BATCH_SIZE})."
+        "--batch-size",
+        min=1,
+        help=f"Re-batch whole arrays into batches of N (default {defaults.BATCH_SIZE}).",
     ),
 ]
-NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", help="Use at most N samples.")]
+NumSamplesOpt = Annotated[Optional[int], typer.Option("--num-samples", min=1, help="Use at most N samples.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print as JSON.")]
 CpuOpt = Annotated[
     Optional[Cpu],
