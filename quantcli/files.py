@@ -206,13 +206,15 @@ def write_together(
 
     They are written in a staging folder beside ``folder``, which becomes ``folder`` (one rename) when it does
     not exist; else in one inside it, whose files are renamed into place (renames need no space). A failure
-    leaves ``folder`` as it was."""
+    leaves ``folder`` as it was. Text that UTF-8 cannot encode (a non-UTF-8 file name, as Python decodes it)
+    is written with backslash escapes."""
     folder = Path(folder)
     parent = folder if folder.is_dir() else (folder.parent if str(folder.parent) else Path("."))
     with staging_directory(parent, prefix=".quantcli-out-") as work:
         try:
             for name, text in files.items():
-                (work / name).write_text(text, encoding="utf-8")
+                # a file name that is not UTF-8 (its bytes decoded as lone surrogates) is written escaped
+                (work / name).write_text(text, encoding="utf-8", errors="backslashreplace")
         except OSError as e:
             if no_space(e):
                 raise error(disk_full_message(folder / name)) from None

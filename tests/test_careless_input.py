@@ -160,3 +160,18 @@ def test_counts_below_one_are_refused(calibrated, exported, tmp_path, command, o
     }[command]
     r = cli_subprocess(command, *args, option, value)
     assert_clean_error(r, option, "greater than or equal to 1")
+
+
+def test_analyze_a_checkpoint_whose_name_is_not_utf8(calibrated, tmp_path):
+    """A file name with a byte that is not UTF-8 (Python decodes it as a lone surrogate) stopped analyze with
+    an internal error while writing report.html."""
+    import os
+    import shutil
+
+    name = tmp_path / os.fsdecode(b"run\xff.calib.pt")
+    shutil.copy(calibrated(), name)
+    out = tmp_path / "report"
+    # a real stdout (it escapes surrogates, click's does not); --json: ASCII, so the pipe decodes it
+    r = cli_subprocess("analyze", name, "--out", out, "--json")
+    assert r.returncode == 0, r.stderr
+    assert "run\\udcff.calib.pt" in (out / "report.html").read_text(encoding="utf-8")
