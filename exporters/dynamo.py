@@ -45,6 +45,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from exporters.causal_lm import ops as decode_ops
+from exporters.forward_inputs import forward_by_name
 from quantcli.errors import ExportError, whole_line
 from quantcli.nn.config import computes_plain_linear
 from quantcli.nn.dynamic import weight_spec
@@ -394,7 +395,6 @@ def export_dynamo(
     """``torch.onnx.export(..., dynamo=True)`` with the quantize ops translated to Q/DQ nodes."""
     hooks = export_hooks_for(model, example, opset)
     wrap = bool(clashing_children(model))
-    traced = _wrapped(model) if wrap else model
     dynamic_shapes = None
     if axes:
         dynamic_shapes = {k: {d: torch.export.Dim.DYNAMIC for d in axes.get(k, {})} or None for k in example}
@@ -402,12 +402,14 @@ def export_dynamo(
     level = torch_onnx_log.level
     try:
         with (
+            forward_by_name(model, list(example)),  # before wrapping: the wrapper takes its signature
             export_hooks(hooks),
             AttentionLayout(),
             warnings.catch_warnings(),
             contextlib.redirect_stdout(io.StringIO()),
             contextlib.redirect_stderr(io.StringIO()),
         ):
+            traced = _wrapped(model) if wrap else model
             warnings.simplefilter("ignore")
             torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
             prog = torch.onnx.export(

@@ -29,6 +29,7 @@ from exporters import aten_symbolics
 from exporters.causal_lm import ops as decode_ops
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare
+from exporters.forward_inputs import forward_by_name
 from exporters.graph import (
     CPU_KEY,
     PRUNED_KEY,
@@ -695,60 +696,17 @@ def _in_forward_order(model: nn.Module, example: dict[str, torch.Tensor]) -> dic
     }
 
 
-def _positional_args(model: nn.Module, example: dict[str, torch.Tensor]) -> tuple:
-    """Inputs in forward's parameter order (None for skipped optional ones); extra names as a trailing
-    dict."""
-    from quantcli.inputs.data import forward_parameters
-
-    names, _, _ = forward_parameters(model)
-    named = [k for k in example if k in names]
-    last = max((names.index(k) for k in named), default=-1)
-    args = tuple(example.get(n) for n in names[: last + 1])
-    extra = {k: v for k, v in example.items() if k not in names}
-    return args + (extra,) if extra else args
-
-
-@contextlib.contextmanager
-def _given_parameters_only(model: nn.Module, count: int):
-    """While exporting, ``model.forward`` shows only its first ``count`` parameters (and ``**kwargs``): the
-    TorchScript exporter appends the default of every later one to the inputs, and a non-tensor default
-    (``scale: float = 1.0``) became a graph input of its own. The defaults still apply, as constants."""
-    import inspect
-
-    sig = inspect.signature(model.forward)
-    params = list(sig.parameters.values())
-    keep = params[:count] + [p for p in params[count:] if p.kind is p.VAR_KEYWORD]
-    if len(keep) == len(params):
-        yield
-        return
-    bound, own = model.forward, model.__dict__.get("forward")
-
-    def forward(*a, **k):
-        return bound(*a, **k)
-
-    forward.__signature__ = sig.replace(parameters=keep)
-    model.forward = forward  # an instance attribute: nn.Module.__call__ looks it up first
-    try:
-        yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
-
-
 def _export_torchscript(model, example, path, opset, input_names, output_names, axes) -> None:
     from torch.onnx import symbolic_helper  # noqa: F401  (registers helpers used by symbolic functions)
 
     aten_symbolics.register()
     decode_ops.register_torchscript()
-    args = _positional_args(model, example)
-    given = len(args) - (1 if args and isinstance(args[-1], dict) else 0)
+    args = tuple(example.values())  # in forward's order (_in_forward_order)
     with (
         warnings.catch_warnings(),
         contextlib.redirect_stderr(io.StringIO()),
         native_output_silenced(),
-        _given_parameters_only(model, given),
+        forward_by_name(model, list(example)),
     ):
         warnings.simplefilter("ignore")
         try:

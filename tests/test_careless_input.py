@@ -175,3 +175,61 @@ def test_analyze_a_checkpoint_whose_name_is_not_utf8(calibrated, tmp_path):
     r = cli_subprocess("analyze", name, "--out", out, "--json")
     assert r.returncode == 0, r.stderr
     assert "run\\udcff.calib.pt" in (out / "report.html").read_text(encoding="utf-8")
+
+
+FORWARDS = """
+import torch
+from torch import nn
+
+
+class VarArgs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, *xs):
+        return self.fc(xs[0])
+
+
+class Keywords(VarArgs):
+    def forward(self, **kw):
+        return self.fc(kw["x"])
+
+
+def varargs():
+    return VarArgs()
+
+
+def keywords():
+    return Keywords()
+"""
+
+
+@pytest.mark.parametrize(
+    "factory,data,says",
+    [
+        ("varargs", "x.npz", "forward(self, *args) takes its inputs by position"),
+        ("keywords", "x.npy", "for forward(**kw), save an .npz of the names it reads"),
+    ],
+)
+def test_a_forward_without_named_parameters_is_explained(tmp_path, factory, data, says):
+    """Both said "forward takes no arguments" (or that input 'x' "is not an argument of forward()")."""
+    (tmp_path / "m.py").write_text(FORWARDS)
+    x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    np.savez(tmp_path / "x.npz", x=x)
+    r = cli(
+        "calibrate", f"{tmp_path / 'm.py'}:{factory}", "--data", tmp_path / data, "--out", tmp_path / "c.pt"
+    )
+    assert_clean_error(r, says)
+
+
+def test_forward_kwargs_with_named_data_calibrates_exports_and_verifies(tmp_path):
+    (tmp_path / "m.py").write_text(FORWARDS)
+    np.savez(tmp_path / "x.npz", x=np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32))
+    ck, graph = tmp_path / "c.calib.pt", tmp_path / "m.onnx"
+    r = cli("calibrate", f"{tmp_path / 'm.py'}:keywords", "--data", tmp_path / "x.npz", "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "x.npz")
+    assert r.exit_code == 0, r.output

@@ -95,3 +95,54 @@ def test_non_tensor_defaults_are_constants_not_graph_inputs(exporter, tmp_path):
         want = (model.a(batch["x"]) * 2.0).numpy()
     np.testing.assert_allclose(sess.run(None, {"x": batch["x"].numpy()})[0], want, rtol=1e-5, atol=1e-5)
     assert "forward" not in model.__dict__  # the export's view of forward is gone
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(8, 4)
+
+
+class _KeywordsOnly(_TwoLinears):
+    def forward(self, **kw):
+        return self.a(kw["x"]) - self.b(kw["z"])
+
+
+class _NamedAndKeywords(_TwoLinears):
+    def forward(self, x, **kw):
+        return self.a(x) - self.b(kw["z"])
+
+
+class _SkippedDefault(_TwoLinears):
+    """An optional parameter whose default is not None, skipped between two given inputs."""
+
+    def forward(self, x, gain: float = 3.0, z=None):
+        return self.a(x) * gain - self.b(z)
+
+
+_FORWARDS = {
+    "kwargs_only": _KeywordsOnly,
+    "named_and_kwargs": _NamedAndKeywords,
+    "skipped": _SkippedDefault,
+}
+
+
+@pytest.mark.parametrize("kind", ["kwargs_only", "named_and_kwargs", "skipped"])
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_inputs_forward_reads_by_keyword_reach_the_graph(kind, exporter, tmp_path):
+    """``forward(**kw)`` stopped the TorchScript export with "torch.onnx.export failed: 'x'" (its trailing
+    dict of keyword inputs is matched to named parameters only), and a skipped optional parameter was passed
+    as None instead of its default."""
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 8), "z": torch.randn(4, 8)}
+    torch.manual_seed(0)
+    model = quantize_model(_FORWARDS[kind]().eval())
+    calibrate(model, [batch], "max", device="cpu")
+    export_onnx(model, batch, tmp_path / "m.onnx", exporter=exporter)
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x", "z"]
+    gain = 3.0 if kind == "skipped" else 1.0
+    with torch.no_grad():
+        want = (model.a(batch["x"]) * gain - model.b(batch["z"])).numpy()
+    got = sess.run(None, {k: v.numpy() for k, v in batch.items()})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -92,7 +92,7 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
         if suffix == ".npy":
             arr = np.load(path, allow_pickle=False, mmap_mode="c" if mmap else None)
             if not names:
-                raise DataError(f"{where}: forward takes no arguments")
+                raise DataError(f"{where}: {_UNNAMED}")
             return [{names[0]: _tensor(arr, where)}], True
         if suffix == ".pt":
             obj = _load_pt(path, mmap)
@@ -171,8 +171,22 @@ def _split(batch: Batch, batch_size: int, where: str) -> list[Batch]:
     return [batch_axes.take(batch, i, i + batch_size, axes, where) for i in range(0, n, batch_size)]
 
 
+#: a .npy array or an image folder for a forward without a named parameter (``forward(self, *xs)``,
+#: ``forward(self, **kw)``, or none)
+_UNNAMED = (
+    "forward has no named parameter to pass this data to (quantcli calls forward by keyword): give it one "
+    "(def forward(self, x)), or, for forward(**kw), save an .npz of the names it reads "
+    "(np.savez(path, x=...))"
+)
+
+
 def check_names(batch: Batch, model: nn.Module, where: str) -> None:
     names, required, var_kw = forward_parameters(model)
+    if not names and not var_kw:
+        raise DataError(
+            f"{where}: forward takes no named parameter (quantcli calls forward by keyword, and "
+            "forward(self, *args) takes its inputs by position): give it one per input (def forward(self, x))"
+        )
     for k in batch:
         if k not in names and not var_kw:
             raise DataError(f"{where}: input {k!r} is not an argument of forward({', '.join(names)})")
@@ -402,7 +416,7 @@ def _image_data(
 
     stored = opts.stored or {}
     if not names:
-        raise DataError(f"{path}: forward takes no arguments")
+        raise DataError(f"{path}: {_UNNAMED}")
     settings = image_settings(
         opts.model_folder,
         parse_size(opts.image_size),
