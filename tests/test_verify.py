@@ -433,6 +433,30 @@ def test_a_large_deployment_gap_is_measured_and_explained():
     assert "fused integer kernels compute differently" in driver._deploy_cause(None)
 
 
+def test_a_graph_that_computes_something_else_is_not_blamed_on_the_kernels(calibrated, exported, tmp_path):
+    """A graph whose float ops differ from the model (here its output scaled by 1.5 after the last layer; in
+    the wild, ``//`` exported as truncation dropped a convolution's padding): the deployment check said
+    "onnxruntime's fused integer kernels compute differently", although the exact session was already as far
+    off."""
+
+    def edit(m):
+        out = m.graph.output[0].name
+        for n in m.graph.node:
+            n.output[:] = [o + "_before" if o == out else o for o in n.output]
+        m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1.5, np.float32), "gain"))
+        m.graph.node.append(onnx.helper.make_node("Mul", [out + "_before", "gain"], [out]))
+
+    bad = _tampered(exported("digits_cnn"), tmp_path / "scaled.onnx", edit)
+    r = cli("verify", bad, "--reference", calibrated("digits_cnn"), "--json")
+    assert r.exit_code == 1
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert not checks["fidelity.rms_ratio"]["passed"] and not checks["deployment.rms_ratio"]["passed"]
+    assert "the graph computes something other than the model" in checks["fidelity.rms_ratio"]["detail"]
+    deployed = checks["deployment.rms_ratio"]["detail"]
+    assert "the exact session is already" in deployed and "not onnxruntime's kernels" in deployed
+    assert "fused integer kernels" not in deployed
+
+
 def test_non_finite_data_is_bad_input_not_a_numerical_failure(calibrated, exported, tmp_path):
     """NaN in the data used to give exit 1 and a FAIL table (NaN != NaN in every comparison): bad input, exit
     2, and no report file written."""

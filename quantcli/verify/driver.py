@@ -486,6 +486,8 @@ def _fidelity(
             False,
             f"{nonfinite} non-finite value(s) in one session but not the other",
         )
+    elif not check.passed:
+        check.detail = f"{worst_out}: the graph computes something other than the model: {_GRAPH_DIFFERS}"
     report.checks.append(check)
     if max_abs_diff is not None:
         worst_out = max(out_names, key=lambda n: cmp.fid[n].max_abs)
@@ -551,7 +553,9 @@ def _deployment_checks(
             worst_out,
         )
         if not check.passed:
-            check.detail = f"{worst_out} on this machine ({cpu_kinds.detect()}): {_deploy_cause(sat)}"
+            exact = report.deployment["outputs"][worst_out]["exact_rms_ratio"]
+            cause = _graph_cause(exact) if exact > max_deploy_ratio else _deploy_cause(sat)
+            check.detail = f"{worst_out} on this machine ({cpu_kinds.detect()}): {cause}"
         report.checks.append(check)
     if sat is not None:
         report.checks.append(cpu_kernels.saturation_check(sat, cmp.qerr, max_deploy_ratio))
@@ -564,6 +568,23 @@ def _deployment_checks(
                 f"no layer's weights can saturate {emulated}'s uint8 x int8 kernels",
             )
         )
+
+
+def _graph_cause(exact_ratio: float) -> str:
+    """What a failed ``deployment.rms_ratio`` means when the exact session (no fusions, no integer kernels) is
+    already that far from the fake-quant model: the graph itself computes something else."""
+    return (
+        f"the exact session is already {exact_ratio:.3g}x off (fidelity.rms_ratio), so the graph itself "
+        f"computes something other than the model, not onnxruntime's kernels: {_GRAPH_DIFFERS}"
+    )
+
+
+#: what to try when the exact session differs from the fake-quant model by more than quantization explains
+_GRAPH_DIFFERS = (
+    "an op translated differently, a branch on a size or value the trace fixed, or a model that rebuilds "
+    "differently from its checkpoint (a buffer set at random and not saved); export with the other "
+    "--exporter and compare"
+)
 
 
 def _deploy_cause(sat: cpu_kernels.Saturation | None) -> str:
