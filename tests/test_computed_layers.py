@@ -383,3 +383,54 @@ def test_transformer_encoder_layer_exports_and_verifies(tmp_path, exporter):
     rep = json.loads(r.stdout)
     assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
     assert rep["structure"]["problems"] == []
+
+
+# ------------------------------------------------------------------------ products quantcli leaves float
+
+
+class _Einsum(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 4))
+
+    def forward(self, x):
+        return torch.einsum("bi,oi->bo", x, self.weight)
+
+
+class _Addmm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.zeros(6))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x, self.weight)
+
+
+class _Method(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x):
+        return x.mm(self.weight)
+
+
+class _Products(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.e, self.a, self.m, self.fc = _Einsum(), _Addmm(), _Method(), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.fc(self.m(torch.relu(self.a(torch.relu(self.e(x))))))
+
+
+def test_a_weight_taken_by_a_product_quantcli_leaves_float_is_named():
+    """``torch.einsum``/``torch.addmm``/``Tensor.mm`` layers stayed float "because no convolution, linear or
+    matmul took its weight": the reason now names the operation that did, and what to write instead."""
+    torch.manual_seed(0)
+    model = quantize_model(_Products().eval(), "int8", example={"x": torch.randn(4, 4)})
+    reasons = {f["name"]: f["reason"] for f in model.quantcli_report.float_layers}
+    assert reasons.keys() == {"e", "a", "m"}
+    for name, op in (("e", "torch.einsum"), ("a", "torch.addmm"), ("m", "Tensor.mm")):
+        assert reasons[name].startswith(f"its weight goes to {op}, which quantcli does not quantize"), reasons
+    assert "fc" in model.quantcli_report.layers

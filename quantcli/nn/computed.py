@@ -10,7 +10,9 @@ layer is quantized where it computes, and its ``forward`` runs as written:
   ``F.linear`` calls inside ``F.multi_head_attention_forward``): which module's parameters its weight operand
   is (the parameter itself, or a tensor computed from that module's parameters alone, as weight
   standardisation does), in which module's ``forward`` it runs, its bias, and whether that module returns the
-  operation's output as its own (BatchNorm folding needs that).
+  operation's output as its own (BatchNorm folding needs that). Products it does not quantize
+  (:data:`OTHER_PRODUCTS`: ``torch.einsum``, ``torch.addmm``, ...) are noted against the modules whose weight
+  they take, so that a layer left float says which one did.
 * :func:`convert` makes such a module a *computed layer*: its class becomes ``Quant<Name>``
   (:class:`ComputedLayer` in front of the user's class, whose ``forward`` stays), with the same
   ``input_quantizer`` and ``weight_quantizer`` (and the placement's ``output_quantizer`` and int32 bias) as a
@@ -74,6 +76,22 @@ _FUNCTIONS: dict[Callable, tuple[str, int]] = {
     torch.matmul: ("matmul", -1),
 }
 KINDS = ("conv", "conv_transpose", "linear", "matmul")
+#: products of an activation and a weight that are not quantized (the census names them in a layer's float
+#: reason): what to write instead is F.linear or torch.matmul
+OTHER_PRODUCTS: dict[Callable, str] = {
+    torch.einsum: "torch.einsum",
+    torch.addmm: "torch.addmm",
+    torch.mm: "torch.mm",
+    torch.bmm: "torch.bmm",
+    torch.baddbmm: "torch.baddbmm",
+    torch.addmv: "torch.addmv",
+    torch.mv: "torch.mv",
+    torch.tensordot: "torch.tensordot",
+    F.bilinear: "F.bilinear",
+    torch.Tensor.mm: "Tensor.mm",
+    torch.Tensor.bmm: "Tensor.bmm",
+    torch.Tensor.addmm: "Tensor.addmm",
+}
 # the argument names of the operands, by kind: input, weight, bias
 _NAMES = {
     "conv": ("input", "weight", "bias"),
@@ -191,6 +209,8 @@ class Census:
 
     uses: list[OpUse] = field(default_factory=list)
     combined: dict[str, set[str]] = field(default_factory=dict)
+    # module -> the products quantcli does not quantize that took its weight (``torch.einsum``, ...)
+    other_products: dict[str, set[str]] = field(default_factory=dict)
 
     def by_layer(self) -> dict[str, list[OpUse]]:
         out: dict[str, list[OpUse]] = {}
@@ -290,9 +310,21 @@ class _CensusMode(TorchFunctionMode):
         hit = weighted_kind(func)
         if hit is not None:
             return self.weighted(func, *hit, args, kwargs)
+        if func in OTHER_PRODUCTS:
+            self._other_product(OTHER_PRODUCTS[func], args, kwargs)
         out = func(*args, **kwargs)
         self.prov.track(args, kwargs, out)
         return out
+
+    def _other_product(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Record ``name`` against the modules whose parameters are operands of a product with an activation
+        (a tensor not computed from parameters alone)."""
+        srcs = [self.prov.source(t) for t in _tensors(args, kwargs)]
+        if all(s is not None for s in srcs):
+            return  # parameters only: part of computing a weight
+        for s in srcs:
+            for module, _ in s or ():
+                self.result.other_products.setdefault(module, set()).add(name)
 
 
 def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Callable | None = None) -> Census:

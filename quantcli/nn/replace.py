@@ -213,6 +213,13 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
             return ("float", f"its weight is combined with parameters of {', '.join(sorted(shared))}")
         if isinstance(module, nn.Embedding):
             return ("float", reason)
+        others = found.other_products.get(name) if found is not None else None
+        if others:
+            return (
+                "float",
+                f"its weight goes to {', '.join(sorted(others))}, which quantcli does not quantize: compute "
+                "the product with F.linear or torch.matmul (or @) to quantize it",
+            )
         return (
             "float",
             "no convolution, linear or matmul took its weight (or a tensor computed from its parameters "
