@@ -233,3 +233,35 @@ def test_forward_kwargs_with_named_data_calibrates_exports_and_verifies(tmp_path
     assert cli("export", ck, "--onnx", graph).exit_code == 0
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "x.npz")
     assert r.exit_code == 0, r.output
+
+
+ROOT_WITH_WEIGHTS = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(8, 3, 3, 3) * 0.3)
+        self.w2 = nn.Parameter(torch.randn(10, 8) * 0.2)
+
+    def forward(self, x):
+        x = F.relu(F.conv2d(x, self.w1, padding=1)).mean((2, 3))
+        return F.linear(x, self.w2)
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+def test_a_model_whose_root_computes_with_several_weights_is_told_why_nothing_is_quantized(tmp_path):
+    """It said the model "has no Linear/Conv/ConvTranspose layers to quantize", although it convolves."""
+    (tmp_path / "net.py").write_text(ROOT_WITH_WEIGHTS)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((8, 3, 8, 8)).astype(np.float32))
+    spec = f"{tmp_path / 'net.py'}:make"
+    r = cli("calibrate", spec, "--data", tmp_path / "x.npy", "--out", tmp_path / "c.pt")
+    assert_clean_error(r, "the root module (Net) stays float", "2 weights in separate operations (w1, w2)")

@@ -93,6 +93,20 @@ class CalibrationRequest:
     kv_cache: str = defaults.KV_CACHE
 
 
+def _nothing_to_quantize(model: str, float_layers: list[dict[str, str]]) -> str:
+    """The refusal for a model with no layer to quantize: the first weighted module left float and why (a
+    root module computing with several weights, a weight passed to torch.einsum), or that it has none."""
+    if not float_layers:
+        return (
+            f"{model} has no layer to quantize: no convolution, linear or matmul takes a weight of it on the "
+            "example batch"
+        )
+    first = float_layers[0]
+    more = f" (and {len(float_layers) - 1} more)" if len(float_layers) > 1 else ""
+    where = "the root module" if first["name"] == "" else first["name"]
+    return f"{model} has no layer to quantize: {where} ({first['type']}) stays float{more}: {first['reason']}"
+
+
 @dataclass
 class CalibrationJob:
     """A quantized model and its data, ready to calibrate (the result of :meth:`load`)."""
@@ -133,7 +147,7 @@ class CalibrationJob:
             original = state_snapshot(model)
             quantize_model(model, cfg, example=example_of(batches[0]) if batches else None)
             if not model.quantcli_report.layers:
-                raise QuantCliError(f"{request.model} has no Linear/Conv/ConvTranspose layers to quantize")
+                raise QuantCliError(_nothing_to_quantize(request.model, model.quantcli_report.float_layers))
             batches, holdout = _holdout(request, rank, spec, model, batches)
         return cls(request, rank, cfg, model, spec, batches, holdout, prep, original)
 

@@ -232,7 +232,8 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
         return (
             "float",
             f"it computes with {len(sources)} weights in separate operations ({names}); one weighted "
-            "operation per module is quantized",
+            "operation per module is quantized: give each weight a module of its own (nn.Linear, nn.Conv2d, "
+            "or a module whose forward calls F.linear or F.conv2d)",
         )
     if len(kinds) > 1:
         return (
