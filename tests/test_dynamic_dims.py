@@ -4,6 +4,7 @@ remedy."""
 
 import json
 
+import numpy as np
 import onnx
 import pytest
 
@@ -50,6 +51,19 @@ def test_a_fixed_size_graph_names_the_remedy(fcn, tmp_path):
     assert cli("export", ck, "--onnx", graph).exit_code == 0
     r = cli("verify", graph, "--reference", ck, "--data", other)
     assert_clean_error(r, "fixed size on axes 2, 3", "--dynamic-dim image=2,3")
+
+
+def test_data_with_other_channels_is_not_told_to_export_them_dynamic(fcn, tmp_path):
+    """An image batch with 1 channel for a 3-channel graph was told to export with ``--dynamic-dim image=1``,
+    which no weight allows."""
+    ck, _, _ = fcn
+    graph = tmp_path / "m.onnx"
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    gray = np.random.default_rng(0).standard_normal((4, 1, 32, 32)).astype(np.float32)
+    np.savez(tmp_path / "gray.npz", image=gray)
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "gray.npz")
+    assert_clean_error(r, "is its channels, which the model's weights fix at 3", "NCHW")
+    assert "--dynamic-dim" not in r.stderr
 
 
 @pytest.mark.parametrize(

@@ -136,6 +136,12 @@ def _fixed_size_remedy(name: str, graph_shape: list, shape: tuple[int, ...]) -> 
     if len(graph_shape) != len(shape):
         return ""
     fixed = [a for a, (d, s) in enumerate(zip(graph_shape, shape)) if isinstance(d, int) and d != s]
+    if len(shape) in (4, 5) and 1 in fixed:  # an image's (or volume's) channels: the weights fix them
+        return (
+            f"; axis 1 of a {len(shape)}-D input is its channels, which the model's weights fix at "
+            f"{graph_shape[1]}, not a size to export as dynamic: check the data's channel count and layout "
+            f"(channels first, N{'CDHW' if len(shape) == 5 else 'CHW'})"
+        )
     axes = ",".join(map(str, fixed))
     where = f"axis {axes}" if len(fixed) == 1 else f"axes {', '.join(map(str, fixed))}"
     return (
