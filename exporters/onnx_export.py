@@ -108,6 +108,9 @@ class ExportResult:
     recurrent: dict[str, dict] = field(default_factory=dict)
     # input name -> its axes exported with a symbolic size (the batch axis, --dynamic-dim's)
     dynamic_dims: dict[str, list[int]] = field(default_factory=dict)
+    # the exact session on the example batch against the fake-quant model, in verify's unit
+    # (quantcli.verify.export_check; set by the CLI, None where not measured)
+    graph_agreement: dict | None = None
     # onnxruntime target: what onnxruntime fuses in the saved graph (counted above; latency placement reads
     # the layers, so that it does not load the graph a second time)
     fusion: FusionReport | None = field(default=None, repr=False)

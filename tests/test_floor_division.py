@@ -109,3 +109,36 @@ def test_same_padding_by_floor_division_survives_the_torchscript_export(tmp_path
     assert _padded_shapes(graph, np.load(tmp_path / "held.npz")["x"][:1]) == [(1, 3, 17, 17), (1, 8, 9, 9)]
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "held.npz")
     assert r.exit_code == 0, r.output
+
+
+def test_export_warns_when_its_graph_computes_something_else(tmp_path):
+    """With torch's own truncating translation back for one export, the graph loses its padding: export
+    itself now says so (it said success), measured in verify's unit on the example batch."""
+    import json
+
+    (tmp_path / "net.py").write_text(SAME_BY_FLOOR_DIVISION)
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "calib.npz", x=rng.standard_normal((32, 3, 15, 15)).astype(np.float32))
+    ck = tmp_path / "net.calib.pt"
+    assert (
+        cli(
+            "calibrate", f"{tmp_path / 'net.py'}:make", "--data", tmp_path / "calib.npz", "--out", ck
+        ).exit_code
+        == 0
+    )
+    r = cli("export", ck, "--onnx", tmp_path / "right.onnx", "--json")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.output
+    right = json.loads(r.stdout)["graph_agreement"]
+    assert right["passed"] and max(right["outputs"].values()) < 0.1
+    aten_symbolics.register()
+    torch.onnx.unregister_custom_op_symbolic("aten::floor_divide", aten_symbolics.MIN_OPSET)
+    try:
+        r = cli("export", ck, "--onnx", tmp_path / "wrong.onnx", "--json")
+    finally:
+        torch.onnx.register_custom_op_symbolic(
+            "aten::floor_divide", aten_symbolics.CORRECTED["aten::floor_divide"], aten_symbolics.MIN_OPSET
+        )
+    assert r.exit_code == 0, r.output
+    wrong = json.loads(r.stdout)["graph_agreement"]
+    assert not wrong["passed"] and max(wrong["outputs"].values()) > 10
+    assert "warning: the graph does not compute what the model does" in r.stderr

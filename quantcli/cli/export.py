@@ -150,6 +150,20 @@ def export(
         from exporters.causal_lm.export import write_genai_config
 
         res.genai_config = str(write_genai_config(onnx_path, res.decode))
+    agreement = None
+    if res.decode is None and not res.external_data:  # a decode graph: verify runs it step by step
+        from quantcli.verify.export_check import graph_agreement
+
+        agreement = graph_agreement(onnx_path, ckpt.model, ckpt.example)
+        res.graph_agreement = agreement.to_dict() if agreement is not None else None
+    if agreement is not None and not agreement.passed:
+        worst = agreement.worst
+        err.print(
+            f"warning: the graph does not compute what the model does: on the example batch its {worst} is "
+            f"{agreement.outputs[worst]:.3g}x the quantization error away from the fake-quant model (verify "
+            f"fails above {agreement.limit:g}x); `quantcli verify` says where, and the other --exporter may "
+            "translate the model's ops as it computes them"
+        )
     if as_json:
         print_json(res.to_dict())
     else:
@@ -276,6 +290,14 @@ def _export_rows(res):
                 f"{res.unfused_layers} of {res.quantized_layers} quantized layers run in float"
                 + (f" (quantcli inspect {res.path} --runtime onnxruntime)" if res.unfused_layers else "")
             ),
+        )
+    if res.graph_agreement is not None:
+        worst = max(res.graph_agreement["outputs"].values())
+        verdict = "within" if res.graph_agreement["passed"] else "OVER"
+        yield (
+            "graph vs model",
+            f"{worst:.3g}x the quantization error on the example batch, exact session ({verdict} verify's "
+            f"{res.graph_agreement['limit']:g}x)",
         )
     yield (
         "file size",
