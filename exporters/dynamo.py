@@ -48,7 +48,7 @@ from exporters.causal_lm import ops as decode_ops
 from exporters.forward_inputs import forward_by_name
 from quantcli.errors import ExportError, whole_line
 from quantcli.nn.config import computes_plain_linear
-from quantcli.nn.dynamic import weight_spec
+from quantcli.nn.dynamic import linear_weight, weight_spec
 from quantcli.nn.export_hooks import export_hooks
 from quantcli.nn.modules import QuantMixin
 from quantcli.nn.tensor_quantizer import quantizers
@@ -157,8 +157,9 @@ def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Ten
     """(int8 weight codes (K, N), float32 scale, int8 zero point) of a dynamic Linear, computed before tracing
     (torch.export traces with fake tensors, so values are read first)."""
     wq = layer.weight_quantizer
-    w = layer.weight.detach().cpu()
-    spec = weight_spec(wq.amax, tuple(w.shape), wq.desc.num_bits, wq.desc.narrow_range)
+    w, amax = linear_weight(layer)
+    w = w.detach().cpu()
+    spec = weight_spec(amax, tuple(w.shape), wq.desc.num_bits, wq.desc.narrow_range)
     w_t = w.t().to(torch.float32)
     if spec.lo is not None:
         w_t = torch.minimum(torch.maximum(w_t, spec.lo), spec.hi)

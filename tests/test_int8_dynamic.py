@@ -439,3 +439,70 @@ def test_every_layer_computing_f_linear_is_dynamic_whatever_its_class(tmp_path, 
     with torch.no_grad():
         want = model(**batch).numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_gpt2_conv1d_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_path, exporter):
+    """GPT-2's projections are transformers' ``Conv1D`` (``x @ W + b``, ``W`` is ``(in, out)``): int8-dynamic
+    left all of them float and quantized lm_head alone, where onnxruntime's ``quantize_dynamic`` of the same
+    model quantizes every MatMul. Each Conv1D is now ``DynamicQuantizeLinear -> MatMulInteger`` on its own
+    ``(K, N)`` weight (no transpose), the codes those of ``round(W / (amax / bound))`` per output column,
+    worked out here from the weights; the graph is at least as close to the float model as
+    quantize_dynamic's."""
+    transformers = pytest.importorskip("transformers")
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    from exporters import aten_symbolics, export_onnx
+    from exporters.graph import initializer_map, quantizer_map, to_numpy
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=64, n_positions=16)
+    gpt2 = transformers.GPT2LMHeadModel(cfg).eval()
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = gpt2
+
+        def forward(self, input_ids):
+            return self.lm(input_ids=input_ids, use_cache=False).logits
+
+    ids = torch.randint(0, 64, (8, 12))
+    batch = {"input_ids": ids}
+    with torch.no_grad():
+        ref = Logits()(**batch).numpy()
+    aten_symbolics.register()  # transformers' masks call torch.diff, which torch does not translate
+    torch.onnx.export(
+        Logits(), (ids,), str(tmp_path / "f.onnx"), dynamo=False, input_names=["input_ids"], opset_version=17
+    )
+    quantize_dynamic(
+        tmp_path / "f.onnx", tmp_path / "ort.onnx", weight_type=QuantType.QInt8, per_channel=True
+    )
+
+    model = quantize_model(Logits(), "int8-dynamic", example=batch)
+    summary = calibrate(model, [batch], device="cpu")
+    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "QuantConv1D"]
+    assert len(conv1d) == 8 and all(f"{n}.input_quantizer" in summary.dynamic for n in conv1d)
+    path = tmp_path / "q.onnx"
+    export_onnx(model, batch, path, exporter=exporter)
+    graph = onnx.load(path)
+    qmap, inits = quantizer_map(graph), initializer_map(graph.graph)
+    layers = {qmap[d.codes].rsplit(".", 1)[0]: d for d in dynamic_layers(graph)}
+    assert sorted(layers) == sorted([*conv1d, "lm.lm_head"])
+    for name in conv1d:
+        layer = model.get_submodule(name)
+        w = layer.weight.detach().numpy()  # (in, out) = MatMulInteger's (K, N)
+        bound = 2 ** (layer.weight_quantizer.desc.num_bits - 1) - 1  # 63 where u8s8 kernels can saturate
+        scale = np.abs(w).max(axis=0, keepdims=True).astype(np.float32) / np.float32(bound)
+        codes = np.clip(np.rint(w / scale), -bound - 1, bound)
+        np.testing.assert_array_equal(to_numpy(inits[layers[name].weight]), codes, err_msg=name)
+
+    def cosine(path):
+        got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+            None, {"input_ids": ids.numpy()}
+        )
+        return float(np.dot(got[0].ravel(), ref.ravel()) / np.linalg.norm(got[0]) / np.linalg.norm(ref))
+
+    ours, theirs = cosine(path), cosine(tmp_path / "ort.onnx")
+    assert ours > 0.999 and ours >= theirs - 1e-4, (ours, theirs)

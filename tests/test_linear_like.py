@@ -10,6 +10,7 @@ from quantcli import quantize_model
 from quantcli.calibration.calibrate import calibrate
 from quantcli.calibration.job import layers_summary
 from quantcli.nn.computed import ComputedLayer
+from quantcli.nn.config import QuantConfig
 from quantcli.nn.linear_like import linear_layout
 from quantcli.nn.modules import QuantConv1d, QuantConv2d, QuantLinear
 from quantcli.nn.tensor_quantizer import quantizers
@@ -95,13 +96,13 @@ def test_gpt2_every_projection_quantized_embeddings_reported():
 def test_summary_counts_layers_whose_quantizers_are_disabled_as_float():
     cfg = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=8)
     model = transformers.GPT2LMHeadModel(cfg).eval()
-    quantize_model(model, "int8-dynamic")  # quantizes nn.Linear only: Conv1D keeps disabled quantizers
+    rules = [{"pattern": "*.mlp.*", "enable": False}]  # the MLP's Conv1D layers keep disabled quantizers
+    quantize_model(model, QuantConfig(preset="int8-dynamic", rules=rules))
     summary = layers_summary(model.quantcli_report, model)
-    assert summary["quantized"] == ["lm_head"]
+    attn = [f"transformer.h.0.attn.{n}" for n in ("c_attn", "c_proj")]
+    assert summary["quantized"] == [*attn, "lm_head"]  # int8-dynamic quantizes Conv1D (x @ W + b) too
     disabled = {f["name"]: f["type"] for f in summary["float"] if "disabled" in f["reason"]}
-    assert disabled == {
-        f"transformer.h.0.{n}": "Conv1D" for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-    }
+    assert disabled == {f"transformer.h.0.mlp.{n}": "Conv1D" for n in ("c_fc", "c_proj")}
 
 
 class MyLinear(nn.Module):

@@ -294,8 +294,8 @@ def kernel_can_saturate(layer) -> bool:
 def computes_plain_linear(layer) -> bool:
     """A layer the int8-dynamic presets quantize: one computing ``F.linear(x, self.weight, self.bias)`` with
     its own ``(out, in)`` weight, whatever its class (an ``nn.Linear``, a module found to compute it, or one
-    whose forward calls it on its parameters): what the DynamicQuantizeLinear -> MatMulInteger export
-    writes. transformers' ``Conv1D`` (``x @ W + b``, ``W`` ``(in, out)``) is not one of them."""
+    whose forward calls it on its parameters), or ``x @ W + b`` with an ``(in, out)`` weight (transformers'
+    ``Conv1D``, GPT-2's every projection): what the DynamicQuantizeLinear -> MatMulInteger export writes."""
     from torch import nn
 
     from quantcli.nn.computed import is_computed
@@ -304,7 +304,7 @@ def computes_plain_linear(layer) -> bool:
     if isinstance(layer, nn.Linear):
         return True
     if isinstance(layer, QuantLinearLike):
-        return layer.weight_axis == 0
+        return True
     return (
         is_computed(layer)
         and layer.op_kind == "linear"

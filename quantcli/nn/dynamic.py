@@ -83,6 +83,18 @@ def dynamic_linear_symbolic(g, x, weight, weight_amax, bias, num_bits=8, narrow_
     return y
 
 
+def linear_weight(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's weight in ``F.linear``'s ``(out, in)`` layout and its amax per output channel ``(out, 1)``
+    (or per tensor): the weight itself for a Linear, its transpose for an ``x @ W + b`` layer
+    (``weight_axis = 1``, transformers' ``Conv1D``; its amax is ``(1, out)``)."""
+    w, amax = layer.weight, layer.weight_quantizer.amax
+    if getattr(layer, "weight_axis", 0) == 1:
+        w = w.t()
+        if amax is not None and amax.numel() > 1:
+            amax = amax.reshape(-1, 1)
+    return w, amax
+
+
 def exportable(layer: nn.Module) -> str | None:
     """Why ``layer`` (a QuantLinear with a dynamic input quantizer) cannot export, or None when it can."""
     wq = layer.weight_quantizer
@@ -93,7 +105,9 @@ def exportable(layer: nn.Module) -> str | None:
         return "its weights are not 8-bit symmetric integers per tensor or per output channel"
     if wq.amax is None:
         return "its weight quantizer is not calibrated"
-    if wq.amax.numel() > 1 and tuple(wq.amax.shape) != (layer.weight.shape[0], 1):
+    w = layer.weight
+    per_channel = (w.shape[0], 1) if getattr(layer, "weight_axis", 0) == 0 else (1, w.shape[1])
+    if wq.amax.numel() > 1 and tuple(wq.amax.shape) != per_channel:
         return f"its weight amax has shape {tuple(wq.amax.shape)}, not per output channel"
     return None
 
@@ -110,9 +124,9 @@ def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     from quantcli.quant.qdq import export_amax
 
     d = layer.weight_quantizer.desc
-    amax = layer.weight_quantizer.amax.detach()
+    weight, amax = linear_weight(layer)
     return DynamicLinearFunction.apply(
-        x, layer.weight, export_amax(amax), layer.bias, d.num_bits, d.narrow_range
+        x, weight, export_amax(amax.detach()), layer.bias, d.num_bits, d.narrow_range
     )
 
 

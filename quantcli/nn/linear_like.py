@@ -56,10 +56,9 @@ class QuantLinearLike(QuantMixin):
         smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
         if smooth is not None:
             input = smooth(input)
-        if self.weight_axis == 0:  # F.linear: a dynamic input exports as a Linear's does
-            exported = dynamic_export(self, input)
-            if exported is not None:
-                return exported
+        exported = dynamic_export(self, input)  # a dynamic input exports as a Linear's does (either layout)
+        if exported is not None:
+            return exported
         x, w = self.input_quantizer(input), self.quantized_weight()
         bias = self._parameters.get("bias")
         if self.weight_axis == 1:

@@ -180,9 +180,10 @@ def _check_dynamic_layers(
             with torch.no_grad():
                 want_w = q(w.detach()).cpu().numpy()
             codes = to_numpy(inits[layer.weight]).astype(np.float32)  # (K, N)
-            deq = (codes * want.reshape(1, -1) if want.size > 1 else codes * want.reshape(())).T.astype(
-                np.float32
-            )
+            scale = want.reshape(1, -1) if want.size > 1 else want.reshape(())
+            deq = (codes * scale).astype(np.float32)
+            if getattr(ckpt.model.get_submodule(module), "weight_axis", 0) == 0:
+                deq = deq.T  # a Linear's weight is (N, K); an x @ W + b layer's (transformers' Conv1D) (K, N)
             bad = int(np.count_nonzero(deq != want_w)) if deq.shape == want_w.shape else want_w.size
             if bad:
                 problems.setdefault(wname, []).append(
