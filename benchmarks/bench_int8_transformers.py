@@ -1,10 +1,10 @@
 """``int8-dynamic`` and ``--smoothquant`` on transformers, against onnxruntime's own ``quantize_dynamic``.
 
     python -m benchmarks.bench_int8_transformers [--rounds N] [--opset 17] \\
-        [--models text_encoder,deep_encoder]
+        [--models text_encoder,deep_encoder,gpt2]
 
 Per model (``text_encoder``; ``sample_models.structured.deep_encoder``, 6 layers, hidden 384, outlier
-channels): the fp32 model exported with ``torch.onnx.export``, onnxruntime's ``quantize_dynamic`` of that file
+channels; the zoo's ``gpt2``, transformers' GPT-2 with 2 layers of hidden 64, every projection a ``Conv1D``): the fp32 model exported with ``torch.onnx.export``, onnxruntime's ``quantize_dynamic`` of that file
 (per-channel int8 weights, the reference a user would otherwise run), and quantcli's ``int8-dynamic`` and
 ``int8`` presets, each with and without SmoothQuant (alpha 0.5), calibrated on the model's calibration lines
 and exported with ``exporters.export_onnx`` at the same opset. Every graph runs in onnxruntime on the CPU
@@ -48,6 +48,8 @@ class Subject:
     model: torch.nn.Module
     calib: list[dict[str, torch.Tensor]]
     evals: list[dict[str, torch.Tensor]]
+    latency_shape: tuple[int, int] = LATENCY_SHAPE
+    vocab: int = 258
 
 
 def subject(name: str) -> Subject:
@@ -64,10 +66,21 @@ def subject(name: str) -> Subject:
         from sample_models.structured import deep_encoder, deep_encoder_batches
 
         return Subject(name, deep_encoder(), deep_encoder_batches("calib"), deep_encoder_batches("eval"))
-    raise SystemExit(f"unknown model {name!r}; choose text_encoder, deep_encoder")
+    if name == "gpt2":  # transformers' GPT-2: every projection a Conv1D (x @ W + b), logits out
+        from tests.zoo.models import gpt2
+
+        def batches(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+            data = {k: torch.from_numpy(v) for k, v in gpt2.samples(n, seed).items()}
+            return [{k: v[i : i + 32] for k, v in data.items()} for i in range(0, n, 32)]
+
+        return Subject(name, gpt2.make(), batches(64, 1), batches(128, 2), (32, gpt2.TOKENS), gpt2.VOCAB)
+    raise SystemExit(f"unknown model {name!r}; choose text_encoder, deep_encoder, gpt2")
 
 
 def export_float(model: torch.nn.Module, example: dict[str, torch.Tensor], path: Path, opset: int) -> None:
+    from exporters import aten_symbolics
+
+    aten_symbolics.register()  # transformers' masks call torch.diff, which torch does not translate
     names = list(example)
     axes = {n: {0: "batch", 1: "tokens"} for n in names}
     axes["output"] = {0: "batch"}
@@ -113,8 +126,8 @@ def best_latencies(
 
 def latency_batch(subject: Subject) -> dict[str, np.ndarray]:
     g = torch.Generator().manual_seed(0)
-    b, t = LATENCY_SHAPE
-    ids = torch.randint(2, 258, (b, t), generator=g)
+    b, t = subject.latency_shape
+    ids = torch.randint(2, subject.vocab, (b, t), generator=g)
     ids[:, 0] = 1  # [CLS]
     return {"input_ids": ids.numpy(), "attention_mask": np.ones((b, t), np.int64)}
 
