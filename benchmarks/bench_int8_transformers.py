@@ -4,7 +4,8 @@
         [--models text_encoder,deep_encoder,gpt2]
 
 Per model (``text_encoder``; ``sample_models.structured.deep_encoder``, 6 layers, hidden 384, outlier
-channels; the zoo's ``gpt2``, transformers' GPT-2 with 2 layers of hidden 64, every projection a ``Conv1D``): the fp32 model exported with ``torch.onnx.export``, onnxruntime's ``quantize_dynamic`` of that file
+channels; the zoo's ``gpt2``, transformers' GPT-2 with 2 layers of hidden 64, every projection a ``Conv1D``):
+the fp32 model exported with ``torch.onnx.export``, onnxruntime's ``quantize_dynamic`` of that file
 (per-channel int8 weights, the reference a user would otherwise run), and quantcli's ``int8-dynamic`` and
 ``int8`` presets, each with and without SmoothQuant (alpha 0.5), calibrated on the model's calibration lines
 and exported with ``exporters.export_onnx`` at the same opset. Every graph runs in onnxruntime on the CPU
