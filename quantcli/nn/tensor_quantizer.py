@@ -242,7 +242,9 @@ class TensorQuantizer(nn.Module):
         amax = self._dynamic_amax(x) if self.desc.dynamic else self.amax
         if amax is None:
             raise CalibrationError(f"{self.name}: amax is not set; calibrate the model first")
-        if not (self.desc.dynamic or _tracing()):
+        # one value fits any tensor: only a vector is checked (the check and the tracer test cost microseconds
+        # per call, on the path every quantized forward takes)
+        if amax.numel() > 1 and not (self.desc.dynamic or _tracing()):
             wrong = amax_shape_error(amax.numel(), tuple(x.shape), self.desc.axis, self._block)
             if wrong is not None:  # only an edited or damaged checkpoint: calibration sets it from x
                 raise CheckpointError(
