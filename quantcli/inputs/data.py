@@ -291,6 +291,12 @@ def flat_outputs(out) -> list[torch.Tensor]:
     return [t for _, t in named_outputs(out)]
 
 
+def output_arrays(out) -> list[np.ndarray]:
+    """A model's output as numpy arrays (on the CPU), in the exporters' order: what an onnxruntime session's
+    outputs are compared with."""
+    return [t.detach().cpu().numpy() for t in flat_outputs(out)]
+
+
 def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     """``model(**batch)`` with errors turned into a DataError that names the inputs and their shapes."""
     try:

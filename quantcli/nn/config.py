@@ -301,9 +301,7 @@ def computes_plain_linear(layer) -> bool:
     from quantcli.nn.computed import is_computed
     from quantcli.nn.linear_like import QuantLinearLike
 
-    if isinstance(layer, nn.Linear):
-        return True
-    if isinstance(layer, QuantLinearLike):
+    if isinstance(layer, (nn.Linear, QuantLinearLike)):
         return True
     return (
         is_computed(layer)

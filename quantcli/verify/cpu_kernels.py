@@ -20,7 +20,7 @@ import torch
 
 from exporters.graph import CPU_KEY
 from quantcli.analysis.saturation import Emulation, LayerSaturation
-from quantcli.inputs.data import Batch, flat_outputs, run_model
+from quantcli.inputs.data import Batch, output_arrays, run_model
 from quantcli.quant import cpu as cpu_kinds
 from quantcli.verify.stats import PairStats, ratio
 from quantcli.verify.verdict import Check, at_most
@@ -58,7 +58,7 @@ class Saturation:
         """Run ``model`` on ``batch`` with the kernels emulated; compare with its fake-quant outputs
         ``ref``."""
         with torch.inference_mode(), Emulation(model, self.fused) as emu:
-            got = [t.detach().cpu().numpy() for t in flat_outputs(run_model(model, batch, where))]
+            got = output_arrays(run_model(model, batch, where))
         for k, n in enumerate(names):
             self.outputs.setdefault(n, PairStats()).add(got[k], ref[k])
         for name, s in emu.layers.items():

@@ -20,7 +20,7 @@ from exporters.onnxruntime.placement import strip_propagated
 from quantcli.analysis.saturation import saturating_layers
 from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
 from quantcli.inputs.checkpoint import Calibrated, load_calibrated
-from quantcli.inputs.data import Batch, describe, flat_outputs, num_samples, run_model
+from quantcli.inputs.data import Batch, describe, num_samples, output_arrays, run_model
 from quantcli.quant import cpu as cpu_kinds
 from quantcli.verify import cpu_kernels, replay, sessions
 from quantcli.verify.outputs import logit_outputs
@@ -52,10 +52,6 @@ def _open_exact(model, prov: str, provider: str):
             "CPUExecutionProvider",
             note,
         )
-
-
-def _numpy(out) -> list[np.ndarray]:
-    return [t.detach().cpu().numpy() for t in flat_outputs(out)]
 
 
 def _check_finite(batches: list[Batch]) -> None:
@@ -330,8 +326,8 @@ def _compare_outputs(
                     _compare_transformed(cmp, fmodel, tmodel, batch, flt, where)
             else:
                 with torch.inference_mode():
-                    ref = _numpy(run_model(qmodel, batch, where))
-                    flt = _numpy(run_model(fmodel, batch, where))
+                    ref = output_arrays(run_model(qmodel, batch, where))
+                    flt = output_arrays(run_model(fmodel, batch, where))
                 full_exact = ss.deployed is None or max_abs_diff is not None
                 got = sessions.run(ss.exact, inputs, where, cmp.out_names) if full_exact else None
             cmp.add(batch, ref, flt, got, deployed)
@@ -347,7 +343,7 @@ def _sample_pass(
     outputs are logits), and the replay against the exact session. Returns (fake-quant, float, exact)
     outputs."""
     with torch.inference_mode(), replay.capture(qmodel, replay.evidence_quantizers(ss.graph)) as seen:
-        ref = _numpy(run_model(qmodel, batch, where))
+        ref = output_arrays(run_model(qmodel, batch, where))
     flt_t, logits = logit_outputs(fmodel, batch)
     flt = [t.detach().cpu().numpy() for t in flt_t]
     cmp.start(logits)
@@ -362,7 +358,7 @@ def _compare_transformed(
     quantizers off) against the model as loaded, on the sample: the transformations must compute the same, up
     to rounding."""
     with torch.inference_mode():
-        got = _numpy(run_model(tmodel, batch, where))
+        got = output_arrays(run_model(tmodel, batch, where))
     if len(got) != len(cmp.out_names):
         raise VerifyError(
             f"the transformed model has {len(got)} outputs, the graph {len(cmp.out_names)}; export this "

@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import onnx
 import torch
 from torch import nn
 
 from quantcli.errors import VerifyError
-from quantcli.inputs.data import Batch, flat_outputs, run_model
+from quantcli.inputs.data import Batch, output_arrays, run_model
 from quantcli.nn.modes import quantizer_modes
 from quantcli.verify import sessions
 from quantcli.verify.stats import PairStats, ratio
@@ -51,15 +50,15 @@ def graph_agreement(path: str | Path, model: nn.Module, example: Batch) -> Graph
     None where the two cannot be paired (the session does not load or run on the example, a different number
     of outputs, an output of another shape: verify reports those)."""
     try:
-        session = sessions.open_session(onnx.load(str(path)), "CPUExecutionProvider", optimize=False)
+        session = sessions.open_session(Path(path).read_bytes(), "CPUExecutionProvider", optimize=False)
         feeds = sessions.feeds(session, example, "the example batch")
         got = sessions.run(session, feeds, "the example batch")
     except VerifyError:
         return None
     with torch.inference_mode():
-        ref = [t.detach().cpu().numpy() for t in flat_outputs(run_model(model, example))]
+        ref = output_arrays(run_model(model, example))
         with quantizer_modes(model, "disabled"):
-            flt = [t.detach().cpu().numpy() for t in flat_outputs(run_model(model, example))]
+            flt = output_arrays(run_model(model, example))
     names = [o.name for o in session.get_outputs()]
     if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
         return None

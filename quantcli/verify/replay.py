@@ -38,7 +38,7 @@ from exporters.dynamic_linear import DynamicLayer, dynamic_layers
 from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli.analysis.quality import snr_db
 from quantcli.inputs.batch_axes import split
-from quantcli.inputs.data import Batch, flat_outputs, num_samples, run_model
+from quantcli.inputs.data import Batch, num_samples, output_arrays, run_model
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import arithmetic
 from quantcli.verify import sessions
@@ -254,7 +254,7 @@ class _Forcing:
         ]
         try:
             with torch.inference_mode():
-                return [t.detach().cpu().numpy() for t in flat_outputs(run_model(qmodel, batch, _WHERE))]
+                return output_arrays(run_model(qmodel, batch, _WHERE))
         finally:
             for h in handles:
                 h.remove()
