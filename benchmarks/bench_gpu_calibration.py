@@ -7,7 +7,8 @@ method (max, entropy, mse, percentile): the plain forward pass of the batches (t
 quantizer disabled, under ``inference_mode``) against ``calibrate()`` of the same batches, both already on the
 device, timed with the device synchronised before and after, the first run of each (allocation, kernel
 selection) not timed, the fastest of the rounds kept. ``calibrate`` is split at its last batch (a CUDA event
-there): the observing pass (weights too) and the searches after it, per quantizer searched. The host time per
+there): the observing pass (weights too) and the searches after it, per quantizer searched; and the weights'
+amax before the first batch are timed on their own (``weights ms``). The host time per
 quantizer per batch is what the observing loop spent in Python and dispatch beyond the plain loop's, per batch
 and observing quantizer (on a GPU, without waiting).
 
@@ -136,6 +137,7 @@ def _plain(model, batches) -> float:
 
 def measure(w: Workload, method: str, device: torch.device, quick: bool, rounds: int, model=None) -> dict:
     """One row: the plain pass and calibrate() alternate ``rounds`` times after one untimed run of each."""
+    from quantcli.calibration import calibrate as calibrate_module
     from quantcli.calibration.calibrate import calibrate
     from quantcli.nn import quantizers
     from quantcli.nn.modes import quantizer_modes
@@ -145,7 +147,7 @@ def measure(w: Workload, method: str, device: torch.device, quick: bool, rounds:
     qs = list(quantizers(model).values())
     sync = _sync(device)
     cuda = device.type == "cuda"
-    best = {"plain": float("inf"), "calibrate": float("inf"), "observe": float("inf")}
+    best = {k: float("inf") for k in ("plain", "calibrate", "observe", "weights")}
     host = {"plain": float("inf"), "observe": float("inf")}
     last = len(batches) - 1
     for r in range(rounds + 1):
@@ -168,19 +170,35 @@ def measure(w: Workload, method: str, device: torch.device, quick: bool, rounds:
                 if end_observe is not None:
                     end_observe.record()
 
+        observe_activations = calibrate_module._observe_activations
+        end_weights = torch.cuda.Event(enable_timing=True) if cuda else None
+
+        def observing(*args, marks=marks, end_weights=end_weights, run=observe_activations, **kwargs):
+            # the observing loop starts: everything before it is the weights' amax (and argument checks)
+            marks["weights"] = time.perf_counter()
+            if end_weights is not None:
+                end_weights.record()
+            return run(*args, **kwargs)
+
         sync()
         t = time.perf_counter()
         if start is not None:
             start.record()
-        summary = calibrate(model, batches, method, device=device, progress=progress)
+        calibrate_module._observe_activations = observing
+        try:
+            summary = calibrate(model, batches, method, device=device, progress=progress)
+        finally:
+            calibrate_module._observe_activations = observe_activations
         sync()
         tc = time.perf_counter() - t
         observe = start.elapsed_time(end_observe) / 1e3 if cuda else marks["last"] - t
+        weights = start.elapsed_time(end_weights) / 1e3 if cuda else marks["weights"] - t
         if r == 0:
             continue  # warm-up: allocation, kernel selection, caches
         best["plain"] = min(best["plain"], tp)
         best["calibrate"] = min(best["calibrate"], tc)
         best["observe"] = min(best["observe"], observe)
+        best["weights"] = min(best["weights"], weights)
         host["plain"] = min(host["plain"], h * last / len(batches))  # batches 1.. of the plain loop
         host["observe"] = min(host["observe"], marks["last"] - marks["first"])
     observing = [n for n in summary.calibrated if not n.endswith("weight_quantizer")]
@@ -204,6 +222,7 @@ def _row(
         "ratio": f"{ratio:.2f}x",
         "target": f"<= {limit:.2f}x",
         "result": verdict(ratio <= limit),
+        "weights ms": f"{best['weights'] * 1e3:.1f}",
         "observe ratio": f"{best['observe'] / best['plain']:.2f}x",
         "search ms": f"{search_ms:.1f}",
         "ms / search": "-" if per_search is None else f"{per_search:.2f}",
@@ -263,7 +282,8 @@ def run(device: str, quick: bool, rounds: int, models: list[str] | None, methods
             r = rows[-1]  # as it comes: a run cut short by a time limit keeps what it measured
             print(
                 f"  {method}: plain {r['plain ms']} ms, calibrate {r['calibrate ms']} ms, {r['ratio']} "
-                f"{r['result']} ({r['target']}); observe {r['observe ratio']}, search {r['search ms']} ms "
+                f"{r['result']} ({r['target']}); weights {r['weights ms']} ms, observe {r['observe ratio']}, "
+                f"search {r['search ms']} ms "
                 f"({r['ms / search']} ms each), host {r['host us / q / batch']} us/q/batch",
                 flush=True,
             )
@@ -281,6 +301,7 @@ COLUMNS = [
     "ratio",
     "target",
     "result",
+    "weights ms",
     "observe ratio",
     "search ms",
     "ms / search",

@@ -9,6 +9,8 @@ state (:mod:`calibrators.counting`), and the first non-finite batch's index is k
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from calibrators.scratch import to_device
@@ -101,14 +103,18 @@ class Calibrator:
         self._kept_shape = shape
         return axes, shape
 
+    def _nonfinite(self, batch: int) -> CalibrationError:
+        """The error for non-finite values in ``batch``, naming this calibrator's quantizer."""
+        return CalibrationError(
+            f"{self.label}: non-finite values (NaN or inf) in calibration batch {batch}; "
+            "check the input data and the model's numerics"
+        )
+
     def _note_finite(self, batch_max: torch.Tensor) -> None:
         bad = ~torch.isfinite(batch_max).all()
         if batch_max.device.type == "cpu":
             if bad:
-                raise CalibrationError(
-                    f"{self.label}: non-finite values (NaN or inf) in calibration batch {self._batches}; "
-                    "check the input data and the model's numerics"
-                )
+                raise self._nonfinite(self._batches)
             return
         # a fill, not a host copy
         idx = torch.full((), self._batches, dtype=torch.long, device=batch_max.device)
@@ -118,10 +124,7 @@ class Calibrator:
 
     def _refuse_nonfinite(self) -> None:
         """Raise for the batch being collected now (on the CPU, where its values were just read)."""
-        raise CalibrationError(
-            f"{self.label}: non-finite values (NaN or inf) in calibration batch {self._batches}; "
-            "check the input data and the model's numerics"
-        )
+        raise self._nonfinite(self._batches)
 
     def _note_finite_rows(self, finite: torch.Tensor, batches: list[int]) -> None:
         """Device: ``finite[i]`` says whether batch ``batches[i]`` was finite; keeps the first that was not on
@@ -141,10 +144,7 @@ class Calibrator:
             raise CalibrationError(f"{self.label}: no data was collected; run calibration batches first")
         bad = self.first_nonfinite_batch()
         if bad is not None:
-            raise CalibrationError(
-                f"{self.label}: non-finite values (NaN or inf) in calibration batch {bad}; "
-                "check the input data and the model's numerics"
-            )
+            raise self._nonfinite(bad)
 
     def parts(self) -> tuple[Calibrator, ...]:
         """The calibrators whose statistics :func:`calibrators.distributed.merge_calibrators` merges: this
@@ -157,3 +157,27 @@ class Calibrator:
         self._batches = 0
         self._bad_batch = None
         self._kept_shape = None
+
+
+def refuse_nonfinite(calibrators: Iterable[Calibrator]) -> None:
+    """Raise, as its own ``compute_amax`` would, for the first of ``calibrators`` that saw a non-finite batch.
+
+    On a device each calibrator keeps the index of its first non-finite batch there, and its own check reads
+    it back: a host synchronisation per quantizer at the end of calibration. Here they are read together,
+    one read per device; the ones found finite are then known to be, so their own checks read nothing."""
+    parts = [p for c in calibrators for p in c.parts()]
+    for p in parts:
+        p._flush()
+    kept = [p for p in parts if p._bad_batch is not None]
+    by_device: dict[torch.device, list[Calibrator]] = {}
+    for p in kept:
+        by_device.setdefault(p._bad_batch.device, []).append(p)
+    first: dict[int, int] = {}
+    for group in by_device.values():
+        values = torch.stack([p._bad_batch.reshape(()) for p in group]).tolist()
+        first.update((id(p), v) for p, v in zip(group, values))
+    for p in kept:
+        if first[id(p)] >= 0:
+            raise p._nonfinite(first[id(p)])
+    for p in kept:
+        p._bad_batch = None

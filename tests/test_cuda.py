@@ -335,3 +335,28 @@ def test_max_calibration_on_the_gpu_is_the_cpus_on_a_pretrained_like_bert():
         else:
             torch.testing.assert_close(a, runs["cpu"][n], rtol=1e-4, atol=1e-6, msg=n)
     assert cosines["cuda"] == pytest.approx(cosines["cpu"], abs=1e-4), cosines
+
+
+@pytest.mark.parametrize("method", ["max", "entropy"])
+def test_calibrate_synchronizes_a_few_times_per_call_not_per_quantizer(method):
+    """Before the first batch (the weights) and after the last (checks, searches, summary), calibrate()
+    synchronises a fixed number of times, not once or more per quantizer (issue 38: the weights took three
+    reads each, every activation quantizer six at the end). Counted with CUDA's sync-debug warnings on
+    text_encoder (13 activation and 13 weight quantizers, so per-quantizer reads would count 60 or more);
+    the entropy search reads a few times per chunk of histogram rows, one chunk on a GPU."""
+    import warnings
+
+    model, batches = _sample("text_encoder")
+    quantize_model(model, "int8")
+    model.cuda()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            summary = calibrate(model, batches, method, device="cuda")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(summary.calibrated) >= 26
+    assert len(syncs) <= 16, [str(w.message) for w in syncs[:5]]

@@ -19,6 +19,7 @@ from torch import nn
 
 from calibrators import MaxCalibrator
 from calibrators.auto import InputSample, choose
+from calibrators.base import refuse_nonfinite
 from calibrators.batched import search_histograms, search_ranges
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
@@ -29,6 +30,7 @@ from quantcli import defaults
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.inputs.data import Batch, num_samples, run_model, to_device
+from quantcli.nn.amax_checks import amax_span, checked_together
 from quantcli.nn.dynamic import count_calls
 from quantcli.nn.modes import keep_float, quantizer_modes
 from quantcli.nn.modules import input_quantized_before
@@ -262,8 +264,12 @@ def _activation_amax(
 ) -> None:
     """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
     dynamic one never called, or an observer that saw nothing) are left out and reported."""
-    merge_calibrators([q.calibrator for q in acts.values() if q.calibrator is not None], group)
-    with one_outcome(group), shared_searches():  # equal histograms (q/k/v of one input) search amax once
+    cals = [q.calibrator for q in acts.values() if q.calibrator is not None]
+    merge_calibrators(cals, group)
+    # equal histograms (q/k/v of one input) search amax once; every calibrator's non-finite batches and every
+    # amax are checked all at once (on a GPU, no synchronisation per quantizer)
+    with one_outcome(group), shared_searches(), checked_together():
+        refuse_nonfinite(cals)
         _load_activation_amax(qs, acts, method, kwargs, summary, auto)
     for name, n_calls in calls.items():
         if n_calls == 0:
@@ -285,17 +291,18 @@ def _stop_observers(acts: dict, auto: dict) -> None:
 
 
 def _summarise(qs: dict, summary: CalibrationSummary) -> None:
-    """Which quantizers were calibrated (and the range of their amax) and which skipped."""
+    """Which quantizers were calibrated (and the range of their amax, read in one go) and which skipped."""
+    amaxes = []
     for name, q in qs.items():
         if name in summary.not_called:
             continue
         if q.enabled and not q.desc.dynamic and q.amax is not None:
             summary.calibrated.append(name)
-            lo, hi = float(q.amax.min()), float(q.amax.max())
-            summary.amax_min = lo if summary.amax_min is None else min(summary.amax_min, lo)
-            summary.amax_max = hi if summary.amax_max is None else max(summary.amax_max, hi)
+            amaxes.append(q.amax)
         else:
             summary.skipped.append(name)
+    if any(a.numel() for a in amaxes):
+        summary.amax_min, summary.amax_max = amax_span(amaxes)
 
 
 def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):
@@ -337,17 +344,25 @@ def _weight_from_forward(model: nn.Module, name: str) -> bool:
 def _calibrate_weights(model: nn.Module, qs: dict, method: str, num_bins: int, kwargs: dict) -> None:
     """Every enabled weight quantizer's amax from the weights themselves (the same on every rank: nothing to
     merge): max, or the descriptor's histogram method (``mse`` under ``--method auto``). Weights a computed
-    layer's operation takes are observed in the forward instead (:func:`_start_observers`)."""
-    for name, q in qs.items():
-        if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
-            continue
-        if _weight_from_forward(model, name):
-            continue
-        parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
-        wmethod = _weight_method(q, method)
-        q.start_calibration(wmethod, num_bins)
-        q.collect(parent.weight.detach())
-        q.load_calib_amax(wmethod, **kwargs)
+    layer's operation takes are observed in the forward instead (:func:`_start_observers`).
+
+    A symmetric max (the usual case) is one reduction per weight (``TensorQuantizer.calibrate_max``), and
+    every amax is checked at the end in one read (:mod:`quantcli.nn.amax_checks`): on a GPU, no
+    synchronisation per weight."""
+    with checked_together("the weight holds NaN or inf: check the checkpoint"):
+        for name, q in qs.items():
+            if not name.endswith("weight_quantizer") or not q.enabled or q.desc.dynamic:
+                continue
+            if _weight_from_forward(model, name):
+                continue
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            wmethod = _weight_method(q, method)
+            if wmethod == "max" and not q.desc.asymmetric:
+                q.calibrate_max(parent.weight)
+                continue
+            q.start_calibration(wmethod, num_bins)
+            q.collect(parent.weight.detach())
+            q.load_calib_amax(wmethod, **kwargs)
 
 
 def _start_observers(model: nn.Module, qs: dict, method: str, num_bins: int) -> dict:

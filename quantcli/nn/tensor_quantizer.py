@@ -13,11 +13,14 @@ import torch
 from torch import nn
 
 from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+from calibrators.base import normalize_axis
+from calibrators.max import max_abs
 from calibrators.methods import HISTOGRAM_METHODS, defined_for
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
 from quantcli.errors import CalibrationError, CheckpointError, ConfigError, ExportError
+from quantcli.nn.amax_checks import check_now
 from quantcli.quant import arithmetic
 from quantcli.quant.descriptor import QuantDescriptor
 from quantcli.quant.granularity import block_of
@@ -128,6 +131,26 @@ class TensorQuantizer(nn.Module):
         else:
             self.calibrator.collect(x)
 
+    def calibrate_max(self, x: torch.Tensor) -> torch.Tensor:
+        """amax as ``start_calibration("max")``, ``collect(x)`` and ``load_calib_amax()`` set it from the one
+        tensor ``x`` (a weight), for a symmetric quantizer, in one reduction (:func:`calibrators.max.max_abs`)
+        and with no host read: a NaN or inf in ``x`` gives a non-finite amax, which :meth:`set_amax` refuses.
+        Switches to quantizing."""
+        if self.desc.asymmetric:
+            raise CalibrationError(f"{self.name}: an asymmetric quantizer's range needs its calibrator")
+        x = x.detach()
+        if self._block is not None:
+            xb, d = self._blocked_view(x)
+            amax = max_abs(xb, tuple(i for i in range(xb.dim()) if i != d + 1)).squeeze(d + 1)
+        else:
+            amax = max_abs(x, normalize_axis(self.desc.axis, x.dim()))
+        if self.desc.scale_amax is not None:
+            amax = amax * self.desc.scale_amax
+        self.set_amax(amax)
+        self.calibrator = None
+        self.set_mode("quantize")
+        return self.amax
+
     def load_calib_amax(self, method: str = "max", **kwargs) -> torch.Tensor:
         """Compute amax from the calibrator (``method`` for histograms), store it, and switch to
         quantizing."""
@@ -188,8 +211,7 @@ class TensorQuantizer(nn.Module):
 
     def set_amax(self, amax: torch.Tensor) -> None:
         amax = amax.detach().to(torch.float32)
-        if (amax < 0).any() or not torch.isfinite(amax).all():
-            raise CalibrationError(f"{self.name}: amax must be finite and >= 0")
+        check_now(self.name, amax)
         if isinstance(self._parameters.get("amax"), nn.Parameter):
             self._parameters["amax"] = nn.Parameter(amax)
         elif self.desc.learn_amax:
