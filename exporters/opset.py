@@ -64,9 +64,21 @@ class OpProbe(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in _LAYER_NORM_FUNCTIONS:
             self.layer_norm = True
-        elif func in _ATTENTION_FUNCTIONS:
+        elif func in _ATTENTION_FUNCTIONS or (
+            func is torch.nn.functional.multi_head_attention_forward and not _needs_weights(args, kwargs)
+        ):
+            # nn.MultiheadAttention(need_weights=False) calls scaled_dot_product_attention from inside
+            # multi_head_attention_forward, where no mode sees it
             self.attention = True
         return func(*args, **(kwargs or {}))
+
+
+def _needs_weights(args: tuple, kwargs: dict | None) -> bool:
+    """``need_weights`` of a ``F.multi_head_attention_forward`` call (its 16th parameter, default True)."""
+    kwargs = kwargs or {}
+    if "need_weights" in kwargs:
+        return bool(kwargs["need_weights"])
+    return bool(args[15]) if len(args) > 15 else True
 
 
 def ops_opset(model: nn.Module, probe: OpProbe | None = None) -> tuple[int, str]:

@@ -181,3 +181,63 @@ def test_attention_with_a_too_old_explicit_opset_is_a_clean_error_naming_the_op(
     # an explicit opset is kept
     r = cli("export", ck, "--onnx", tmp_path / "a.onnx", "--opset", "15", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["opset"] == 15, r.output
+
+
+MHA = '''
+import torch
+from torch import nn
+
+
+class MHANet(nn.Module):
+    """nn.MultiheadAttention with need_weights=False (as nn.TransformerEncoderLayer calls it), no LayerNorm:
+    torch computes it with scaled_dot_product_attention inside multi_head_attention_forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.mha = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.out = nn.Linear(32, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        a, _ = self.mha(h, h, h, need_weights=False)
+        return self.out((h + a).mean(1))
+
+
+def make():
+    torch.manual_seed(0)
+    return MHANet().eval()
+'''
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_the_probe_sees_attention_inside_multihead_attention_without_weights(need_weights):
+    mha = nn.MultiheadAttention(8, 2, batch_first=True).eval()
+    x = torch.randn(2, 5, 8)
+    probe = OpProbe()
+    with probe, torch.no_grad():
+        mha(x, x, x, need_weights=need_weights)
+    assert probe.attention is (not need_weights)
+    probe = OpProbe()  # passed by position, as a direct caller may
+    args = (x, x, x, 8, 2, mha.in_proj_weight, mha.in_proj_bias, None, None, False, 0.0)
+    args += (mha.out_proj.weight, mha.out_proj.bias, False, None, need_weights)
+    with probe, torch.no_grad():
+        F.multi_head_attention_forward(*args)
+    assert probe.attention is (not need_weights)
+
+
+def test_multihead_attention_without_weights_calibrates_places_exports_and_verifies(tmp_path):
+    (tmp_path / "mha.py").write_text(MHA)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((16, 10, 12)).astype(np.float32))
+    ck, out = tmp_path / "mha.calib.pt", tmp_path / "mha.onnx"
+    r = cli("calibrate", f"{tmp_path / 'mha.py'}:make", "--data", data, "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    assert "not decided" not in r.stdout  # latency placement exported the model to decide
+    r = cli("export", ck, "--onnx", out, "--json")  # default exporter and opset
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["opset"] == _opset(onnx.load(str(out))) == _torch_attention_opset()
+    assert "scaled_dot_product_attention" in info["opset_reason"]
+    r = cli("verify", out, "--reference", ck, "--data", data)
+    assert r.exit_code == 0, r.output
