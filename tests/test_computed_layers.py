@@ -434,3 +434,68 @@ def test_a_weight_taken_by_a_product_quantcli_leaves_float_is_named():
     for name, op in (("e", "torch.einsum"), ("a", "torch.addmm"), ("m", "Tensor.mm")):
         assert reasons[name].startswith(f"its weight goes to {op}, which quantcli does not quantize"), reasons
     assert "fc" in model.quantcli_report.layers
+
+
+class _LeftMatmul(nn.Module):
+    """A weight multiplied from the left (``W @ x``), beside a layer that quantcli quantizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(16, 8) / 8**0.5)
+        self.fc = nn.Linear(16, 3)
+
+    def forward(self, x):  # x: (N, 8, L)
+        return self.fc(torch.relu(self.W @ x).mean(2))
+
+
+def test_a_weight_on_the_left_of_a_matmul_is_named_as_left_float():
+    """``self.W @ x`` stayed float and unreported: the census read the weight as matmul's second operand."""
+    torch.manual_seed(0)
+    model = quantize_model(_LeftMatmul().eval(), "int8", example={"x": torch.randn(4, 8, 5)})
+    reasons = {f["name"]: f["reason"] for f in model.quantcli_report.float_layers}
+    assert reasons.keys() == {""}, reasons
+    assert reasons[""].startswith("its weight goes to a matmul with the weight on the left (W @ x)"), reasons
+    assert model.quantcli_report.layers == ["fc"]
+
+
+class _TiedAutoencoder(nn.Module):
+    """A decoder computing with the encoder's weight transposed, as tied autoencoders do; ``alias`` also
+    registers that weight on the root module (``self.w = self.enc.weight``)."""
+
+    def __init__(self, alias: bool):
+        super().__init__()
+        self.enc, self.head = nn.Linear(16, 8), nn.Linear(16, 4)
+        self.dec_bias = nn.Parameter(torch.zeros(16))
+        self.alias = alias
+        if alias:
+            self.w = self.enc.weight
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        w = self.w if self.alias else self.enc.weight
+        return self.head(torch.relu(F.linear(h, w.t(), self.dec_bias)))
+
+
+@pytest.mark.parametrize("config", ["int8", "int8-per-tensor"])
+@pytest.mark.parametrize("alias", [False, True], ids=["transposed", "aliased"])
+def test_a_weight_tied_in_two_layouts_stays_float_with_its_reason_and_the_rest_calibrates(config, alias):
+    """Before: one per-channel weight quantizer saw (8, 16) and (16, 8) and calibration stopped with "the
+    per-axis dimensions changed between batches" (one batch), and per-tensor ended in an internal error (its
+    weight taken for the other use's operand). Now the tied weight stays float, saying why, and the rest of
+    the model is quantized and computes as before within the quantization error."""
+    torch.manual_seed(0)
+    model = _TiedAutoencoder(alias).eval()
+    x = torch.randn(32, 16)
+    with torch.no_grad():
+        want = model(x)
+    q = quantize_model(model, config, example={"x": x[:4]})
+    reasons = {f["name"]: f["reason"] for f in q.quantcli_report.float_layers}
+    if alias:
+        assert "its weight is also the weight of enc" in reasons[""], reasons
+    else:
+        assert "its weight is used in 2 layouts ((8, 16) and (16, 8)" in reasons["enc"], reasons
+    assert "head" in q.quantcli_report.layers
+    calibrate(q, [{"x": x}], "max", device="cpu")
+    with torch.no_grad():
+        got = q(x)
+    assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999

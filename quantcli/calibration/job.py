@@ -444,7 +444,9 @@ def layers_summary(
     named = {r["name"] for r in recurrent}
     others = [f for f in floats if f["name"] not in named]  # recurrent ones: said above
     if others:
-        shown = "; ".join(f"{f['name']} ({f['type']}: {f['reason']})" for f in others[:3])
+        shown = "; ".join(
+            f"{f['name'] or 'the root module'} ({f['type']}: {f['reason']})" for f in others[:3]
+        )
         text += f"; {len(others)} weighted module(s) left float: {shown}" + (
             " ..." if len(others) > 3 else ""
         )

@@ -92,6 +92,8 @@ OTHER_PRODUCTS: dict[Callable, str] = {
     torch.Tensor.bmm: "Tensor.bmm",
     torch.Tensor.addmm: "Tensor.addmm",
 }
+#: the name a matmul whose left operand is the weight (``W @ x``) is noted under, as the products above
+LEFT_MATMUL = "a matmul with the weight on the left (W @ x)"
 # the argument names of the operands, by kind: input, weight, bias
 _NAMES = {
     "conv": ("input", "weight", "bias"),
@@ -211,6 +213,9 @@ class Census:
     combined: dict[str, set[str]] = field(default_factory=dict)
     # module -> the products quantcli does not quantize that took its weight (``torch.einsum``, ...)
     other_products: dict[str, set[str]] = field(default_factory=dict)
+    # module -> the other modules its weight parameter is registered in too (``self.w = self.enc.weight``),
+    # where this module's forward computed with it
+    aliased: dict[str, set[str]] = field(default_factory=dict)
 
     def by_layer(self) -> dict[str, list[OpUse]]:
         out: dict[str, list[OpUse]] = {}
@@ -266,6 +271,8 @@ class _CensusMode(TorchFunctionMode):
         out = func(*args, **kwargs)
         src = self.prov.source(w)
         if src is None or self.prov.source(x) is not None or not isinstance(w, torch.Tensor):
+            if kind == "matmul" and src is None and self.prov.source(x) is not None:
+                self._other_product(LEFT_MATMUL, args, kwargs)  # W @ x: the weight is the left operand
             self.prov.track(args, kwargs, out)
             return out
         caller = self.stack[-1]
@@ -276,6 +283,7 @@ class _CensusMode(TorchFunctionMode):
                 for m in owners:
                     self.result.combined.setdefault(m, set()).update(owners - {m})
                 return out
+            self.result.aliased.setdefault(caller, set()).update(owners - {caller})
             owners = {caller}
         (layer,) = owners
         params = tuple(sorted(p for m, p in src if m == layer))

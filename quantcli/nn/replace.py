@@ -207,18 +207,20 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
         return _static_plan(module, base)
     if not uses:
         reason = float_reason(module)
-        if reason is None and not static:
+        # a product that took the module's parameter and an activation says it is a weight, whatever its name
+        others = found.other_products.get(name) if found is not None else None
+        if reason is None and not static and not others:
             return ("float", None)
         if shared:
             return ("float", f"its weight is combined with parameters of {', '.join(sorted(shared))}")
         if isinstance(module, nn.Embedding):
             return ("float", reason)
-        others = found.other_products.get(name) if found is not None else None
         if others:
             return (
                 "float",
                 f"its weight goes to {', '.join(sorted(others))}, which quantcli does not quantize: compute "
-                "the product with F.linear or torch.matmul (or @) to quantize it",
+                "the product with F.linear or torch.matmul (or @), the weight as the second operand, to "
+                "quantize it",
             )
         return (
             "float",
@@ -239,6 +241,27 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
         return (
             "float",
             f"its weight is used by operations of different kinds ({', '.join(sorted(k for k, _ in kinds))})",
+        )
+    by_layer = found.by_layer()
+    quantized_there = sorted(m for m in found.aliased.get(name, ()) if by_layer.get(m))
+    if quantized_there:
+        # the same parameter is another module's weight, computed with there too: its quantized weight would
+        # be taken for this module's operand (one weight quantizer per parameter)
+        where = ", ".join(m or "the root module" for m in quantized_there)
+        return (
+            "float",
+            f"its weight is also the weight of {where}, which computes with it too; one weight quantizer "
+            "serves one module: give this use a weight of its own to quantize both",
+        )
+    layouts = sorted({u.weight_shape for u in uses})
+    if len(layouts) > 1:
+        # a tied weight used as it is and transposed (an autoencoder's decoder): one weight quantizer has one
+        # channel axis and one shape
+        return (
+            "float",
+            f"its weight is used in {len(layouts)} layouts ({' and '.join(str(tuple(s)) for s in layouts)}, "
+            "e.g. tied and transposed); one weight quantizer serves one: give the other use a weight of its "
+            "own to quantize both",
         )
     (params,) = sources
     ((kind, axis),) = kinds
