@@ -293,5 +293,81 @@ def test_models_that_get_no_decode_graph_say_why():
         decoder_layout(lm)
     lm = _causal_lm("qwen2")
     lm.config.use_sliding_window, lm.config.sliding_window = True, 16
+    lm.config.layer_types = ["sliding_attention"] * 2  # what Qwen2Config derives from them
     with pytest.raises(NotDecodable, match="sliding window"):
         decoder_layout(lm)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_every_end_of_sequence_id_stops_generation_and_reaches_genai_config(kind):
+    """A config listing several end-of-sequence ids (Llama 3, instruct models): the layout kept the first
+    only, so generate ran past the others (transformers stops at any) and genai_config named one; its BOS and
+    PAD were the EOS too. Now all of them, and the config's own BOS and PAD."""
+    from exporters.causal_lm.export import genai_config
+    from exporters.causal_lm.runner import generate
+
+    model = _causal_lm(kind)
+    model.config.eos_token_id, model.config.bos_token_id, model.config.pad_token_id = [3, 7], 1, 0
+    lo = decoder_layout(model)
+    assert (lo.eos_token_id, lo.eos_token_ids, lo.bos_token_id, lo.pad_token_id) == (3, (3, 7), 1, 0)
+    layout = dict(lo.__dict__)
+    cfg = genai_config({"layout": layout, "inputs": ["input_ids", "attention_mask"]}, "m.onnx")["model"]
+    assert (cfg["eos_token_id"], cfg["bos_token_id"], cfg["pad_token_id"]) == ([3, 7], 1, 0)
+
+    class Scripted:
+        """A session whose logits pick the scripted tokens in turn."""
+
+        eos_token_ids = frozenset(lo.eos_token_ids)
+
+        def __init__(self, tokens):
+            self.tokens = iter(tokens)
+
+        def _logits(self):
+            z = np.zeros(VOCAB, np.float32)
+            z[next(self.tokens)] = 1
+            return z
+
+        def prefill(self, ids):
+            return self._logits()[None, None], None
+
+        def step(self, token, cache):
+            return self._logits()[None], cache
+
+    got = generate(Scripted([5, 9, 7, 4, 3]), [1, 2], 5)
+    assert got.tokens == [5, 9, 7] and got.stopped == "eos"  # the second id stops it
+
+
+@pytest.mark.parametrize(
+    "kind, settings, slides",
+    [
+        ("mistral", {"sliding_window": 4096}, False),  # longer than the context: never takes effect
+        ("mistral", {"sliding_window": 8}, True),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 28}, False),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}, True),
+    ],
+)
+def test_only_a_window_that_slides_is_refused(kind, settings, slides):
+    """Mistral was refused whenever sliding_window was set, and Qwen2 whenever use_sliding_window was, though
+    a window as long as the context, or layers that all attend fully (max_window_layers beyond the model's),
+    compute what full attention does."""
+    cls, cfg = {
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+    }[kind]
+    model = cls(
+        cfg(
+            num_hidden_layers=2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            vocab_size=VOCAB,
+            **settings,
+        )
+    ).eval()
+    if slides:
+        with pytest.raises(NotDecodable, match="sliding window"):
+            decoder_layout(model)
+    else:
+        assert decoder_layout(model).model_type == kind

@@ -168,3 +168,75 @@ def test_genai_config_lets_onnxruntime_genai_run_the_graph_as_generate_does(floa
         "--genai-config",
         "decode graph",
     )
+
+
+def test_generate_encodes_as_calibration_did_from_anywhere_and_refuses_foreign_ids(tmp_path, monkeypatch):
+    """A Hugging Face Llama folder whose tokenizer adds a BOS (as Llama's and Mistral's do): generate encoded
+    the prompt without it (a different prompt from calibration's texts and transformers' generate), found the
+    tokenizer by MODEL as typed (relative to the current directory, so it failed elsewhere or took another
+    folder of that name), and ended in an internal error on a tokenizer whose ids the graph lacks. Now the
+    prompt starts with the BOS, the greedy tokens are transformers' own, from another directory, and ids
+    beyond the vocabulary are refused."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from tests.test_decoder_lm import _texts
+
+    texts = _texts()
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(
+        texts, tokenizers.trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "<s>", "</s>"])
+    )
+    bos = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    tok.post_processor = bos
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>", pad_token="[PAD]"
+    )
+    vocab = len(fast.get_vocab())
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=2,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    work = tmp_path / "work"
+    folder = work / "lm"
+    model.save_pretrained(str(folder))
+    fast.save_pretrained(str(folder))
+    (work / "texts.txt").write_text("\n".join(texts[:24]) + "\n")
+    (work / "float.json").write_text(json.dumps(FLOAT))
+    monkeypatch.chdir(work)  # MODEL as a relative path, as users type it
+    r = cli("calibrate", "lm", "--data", "texts.txt", "--config", "float.json", "--placement", "all")
+    assert r.exit_code == 0, r.output
+    r = cli("export", "lm.calib.pt", "--onnx", tmp_path / "lm.onnx")
+    assert r.exit_code == 0, r.output
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "lm").mkdir(parents=True)  # a folder of the same name there, without a tokenizer
+    monkeypatch.chdir(elsewhere)
+    prompt = texts[0]
+    r = cli("generate", tmp_path / "lm.onnx", "--prompt", prompt, "--max-new-tokens", 8, "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    enc = fast(prompt, return_tensors="pt")
+    assert res["prompt_tokens"] == enc["input_ids"][0].tolist() and res["prompt_tokens"][0] == 2
+    with torch.no_grad():
+        want = model.generate(**enc, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    assert res["tokens"] == want[0, enc["input_ids"].shape[1] :].tolist()
+    # a tokenizer with more ids than the graph's vocabulary: refused, not an internal error
+    big = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(
+            tokenizers.models.WordLevel({f"w{i}": i for i in range(vocab + 50)}, unk_token="w0")
+        ),
+        unk_token="w0",
+    )
+    big.save_pretrained(str(tmp_path / "big"))
+    r = cli("generate", tmp_path / "lm.onnx", "--prompt", f"w{vocab + 10}", "--tokenizer", tmp_path / "big")
+    assert_clean_error(r, f"token id {vocab + 10}", f"vocabulary of {vocab}", "--tokenizer")

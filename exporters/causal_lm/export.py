@@ -400,10 +400,13 @@ def genai_config(decode: dict, filename: str) -> dict:
     }
     if "position_ids" in decode["inputs"]:
         inputs["position_ids"] = "position_ids"
-    eos = lo.get("eos_token_id")
+    first_eos = lo.get("eos_token_id")
+    eos = list(lo.get("eos_token_ids") or ()) or ([first_eos] if first_eos is not None else [0])
+    first = eos[0]
+    bos, pad = lo.get("bos_token_id"), lo.get("pad_token_id")
     return {
         "model": {
-            "bos_token_id": eos if eos is not None else 0,
+            "bos_token_id": bos if bos is not None else first,
             "context_length": lo["max_positions"],
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
@@ -420,8 +423,8 @@ def genai_config(decode: dict, filename: str) -> dict:
                 "num_hidden_layers": lo["num_layers"],
                 "num_key_value_heads": lo["num_kv_heads"],
             },
-            "eos_token_id": eos if eos is not None else 0,
-            "pad_token_id": eos if eos is not None else 0,
+            "eos_token_id": eos if len(eos) > 1 else first,  # a list where the model has several
+            "pad_token_id": pad if pad is not None else first,
             "type": lo["model_type"],
             "vocab_size": lo["vocab_size"],
         },

@@ -49,6 +49,10 @@ class DecoderLayout:
     max_positions: int
     rotary: bool  # positions enter as a rotary embedding (else a learned position embedding)
     eos_token_id: int | None = None
+    # every end-of-sequence id (Llama 3 and instruct models list several; generation stops at any)
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
 
     @property
     def past_names(self) -> list[str]:
@@ -78,11 +82,41 @@ def _first_int(v) -> int | None:
     return None if v is None else int(v)
 
 
+def _all_ints(v) -> tuple[int, ...]:
+    if isinstance(v, (list, tuple)):
+        return tuple(int(i) for i in v)
+    return () if v is None else (int(v),)
+
+
+def _special_ids(config) -> dict:
+    """The layout's special token ids from the config: the first and every end-of-sequence id, BOS and PAD."""
+    eos = _get(config, "eos_token_id")
+    return {
+        "eos_token_id": _first_int(eos),
+        "eos_token_ids": _all_ints(eos),
+        "bos_token_id": _first_int(_get(config, "bos_token_id")),
+        "pad_token_id": _first_int(_get(config, "pad_token_id")),
+    }
+
+
 def _rope_type(config) -> str:
     params = _get(config, "rope_parameters", "rope_scaling") or {}
     if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
         raise NotDecodable("per-layer-type rotary parameters are not supported")
     return str((params or {}).get("rope_type", (params or {}).get("type", "default")))
+
+
+def _sliding_window(config, mt: str) -> int | None:
+    """The window of a model whose attention slides over one, else None: a window as long as the context
+    never takes effect, and a config whose ``layer_types`` are all full attention has none (Qwen2 with
+    ``use_sliding_window`` and ``max_window_layers`` beyond its layers)."""
+    window = _get(config, "sliding_window")
+    if window is None or int(window) >= int(config.max_position_embeddings):
+        return None
+    types = _get(config, "layer_types")
+    if types is not None:
+        return int(window) if any(t != "full_attention" for t in types) else None
+    return int(window) if mt == "mistral" or _get(config, "use_sliding_window", default=False) else None
 
 
 def _llama(model: nn.Module, config) -> DecoderLayout:
@@ -92,8 +126,8 @@ def _llama(model: nn.Module, config) -> DecoderLayout:
         raise NotDecodable(
             f"model_type {mt!r} has a Llama-like structure but is not one of {', '.join(LLAMA_TYPES)}"
         )
-    window = _get(config, "sliding_window")
-    if window is not None and (mt == "mistral" or _get(config, "use_sliding_window", default=False)):
+    window = _sliding_window(config, mt)
+    if window is not None:
         raise NotDecodable(f"{mt} with a sliding window ({window}) is not supported")
     rope = _rope_type(config)
     if rope not in STATIC_ROPE:
@@ -123,7 +157,7 @@ def _llama(model: nn.Module, config) -> DecoderLayout:
         vocab_size=int(config.vocab_size),
         max_positions=int(config.max_position_embeddings),
         rotary=True,
-        eos_token_id=_first_int(_get(config, "eos_token_id")),
+        **_special_ids(config),
     )
 
 
@@ -145,7 +179,7 @@ def _gpt2(model: nn.Module, config) -> DecoderLayout:
         vocab_size=int(config.vocab_size),
         max_positions=int(config.n_positions),
         rotary=False,
-        eos_token_id=_first_int(_get(config, "eos_token_id")),
+        **_special_ids(config),
     )
 
 

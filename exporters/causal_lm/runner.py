@@ -64,6 +64,10 @@ class DecodeSession:
         self.cache_dtype = np.int8 if types.get(self.past_names[0]) == "tensor(int8)" else np.float32
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.eos_token_id = lo.get("eos_token_id")
+        # every end-of-sequence id (graphs exported before the layout listed them have the first only)
+        self.eos_token_ids = frozenset(lo.get("eos_token_ids") or ()) | (
+            {self.eos_token_id} if self.eos_token_id is not None else set()
+        )
 
     def empty(self, batch: int = 1) -> Cache:
         shape = (batch, self.kv_heads, 0, self.head_size)
@@ -165,7 +169,7 @@ def generate(
     for i in range(max_new_tokens):
         token = sample_token(last, rng, temperature, top_k)
         out.tokens.append(token)
-        if stop_at_eos and session.eos_token_id is not None and token == session.eos_token_id:
+        if stop_at_eos and token in session.eos_token_ids:
             out.stopped = "eos"
             break
         if i + 1 < max_new_tokens:

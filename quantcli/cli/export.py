@@ -121,6 +121,7 @@ def export(
     meta = {  # read back by verify and inspect
         "quantcli.config": json.dumps(ckpt.config.to_plain()),
         "quantcli.model": ckpt.spec.spec,
+        "quantcli.tokenizer": _tokenizer_folder(ckpt),
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
     if genai_config:  # before anything is written
@@ -156,6 +157,12 @@ def export(
 
         agreement = graph_agreement(onnx_path, ckpt.model, ckpt.example)
         res.graph_agreement = agreement.to_dict() if agreement is not None else None
+    if res.decode is None and res.decode_note and kv_cache:
+        # a causal LM quantcli writes no decode graph for: said on stderr too, so that a script sees it
+        err.print(
+            f"warning: {res.decode_note}; generate and onnxruntime-genai need a decode graph "
+            "(docs/llm.md lists the supported families)"
+        )
     if agreement is not None and not agreement.passed:
         worst = agreement.worst
         err.print(
@@ -344,3 +351,17 @@ def _decode_row(decode: dict) -> str:
             f"{kv['float32_bytes_per_token']})"
         )
     return text + (f"; {decode['note']}" if decode.get("note") else "")
+
+
+def _tokenizer_folder(ckpt) -> str:
+    """The absolute folder of the tokenizer the checkpoint's texts were tokenized with (``generate`` reads it
+    from the graph), else a Hugging Face model's own folder, else ""."""
+    from pathlib import Path
+
+    prep = ckpt.data.get("preprocessing") or {}
+    used = prep.get("tokenizer") if prep.get("kind") == "text" else None
+    if used and Path(used).is_absolute() and Path(used).is_dir():
+        return str(used)
+    if ckpt.spec.kind == "hf" and ckpt.spec.path and Path(ckpt.spec.path).is_dir():
+        return str(Path(ckpt.spec.path).resolve())
+    return ""

@@ -56,7 +56,14 @@ def generate(
     ids = codec.encode(prompt)
     if not ids:
         raise DataError("--prompt is empty: give at least one token of text")
-    context = read_info(onnx_path).layout.get("max_positions")
+    layout = read_info(onnx_path).layout
+    vocab = layout.get("vocab_size")
+    if vocab and max(ids) >= vocab:
+        raise DataError(
+            f"the tokenizer ({codec.name}) gave token id {max(ids)}, beyond the graph's vocabulary of "
+            f"{vocab}: pass the model's own tokenizer with --tokenizer FOLDER"
+        )
+    context = layout.get("max_positions")
     if context and len(ids) + max_new_tokens > context:
         room = max(context - len(ids), 0)
         raise DataError(

@@ -396,7 +396,7 @@ def _text_data(
         source, files = stored.get("tokenizer", "stored in the checkpoint"), kept
     else:
         tok = load_tokenizer(folder)
-        source = str(folder)
+        source = str(Path(folder).resolve())  # absolute: generate finds it from any directory
         files = {
             k: torch.frombuffer(bytearray(v), dtype=torch.uint8).clone()
             for k, v in tokenizer_files(folder).items()

@@ -46,17 +46,16 @@ def hf_codec(folder: Path) -> TextCodec:
         raise DataError(f"no tokenizer in {folder} ({type(e).__name__}); pass --tokenizer FOLDER") from None
     return TextCodec(
         str(folder),
-        lambda t: tok(t, add_special_tokens=False)["input_ids"],
+        # the special tokens the tokenizer adds (a BOS), as calibration's texts and transformers' generate do
+        lambda t: tok(t)["input_ids"],
         lambda ids: tok.decode(ids, skip_special_tokens=False),
     )
 
 
-def graph_model(onnx_path: Path) -> str | None:
-    """The MODEL the graph was exported from (its metadata), or None."""
+def _metadata(onnx_path: Path) -> dict[str, str]:
     import onnx
 
-    meta = {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
-    return meta.get("quantcli.model")
+    return {p.key: p.value for p in onnx.load(str(onnx_path), load_external_data=False).metadata_props}
 
 
 def codec_for(onnx_path: Path, tokenizer: Path | None = None) -> TextCodec:
@@ -68,9 +67,14 @@ def codec_for(onnx_path: Path, tokenizer: Path | None = None) -> TextCodec:
         if not Path(tokenizer).is_dir():
             raise DataError(f"--tokenizer {tokenizer} is not a folder with tokenizer files (or 'bytes')")
         return hf_codec(Path(tokenizer))
-    model = graph_model(onnx_path)
+    meta = _metadata(onnx_path)
+    model = meta.get("quantcli.model")
     if model in BYTE_SAMPLES:
         return byte_codec(f"{model}: bytes (UTF-8)")
+    # the absolute folder export recorded (calibration's tokenizer), found from any directory; else MODEL
+    used = meta.get("quantcli.tokenizer")
+    if used and Path(used).is_dir():
+        return hf_codec(Path(used))
     if model and Path(model).is_dir():
         return hf_codec(Path(model))
     where = f"its model {model} is not on disk" if model else "it names no model"
