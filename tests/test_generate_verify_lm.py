@@ -170,13 +170,10 @@ def test_genai_config_lets_onnxruntime_genai_run_the_graph_as_generate_does(floa
     )
 
 
-def test_generate_encodes_as_calibration_did_from_anywhere_and_refuses_foreign_ids(tmp_path, monkeypatch):
-    """A Hugging Face Llama folder whose tokenizer adds a BOS (as Llama's and Mistral's do): generate encoded
-    the prompt without it (a different prompt from calibration's texts and transformers' generate), found the
-    tokenizer by MODEL as typed (relative to the current directory, so it failed elsewhere or took another
-    folder of that name), and ended in an internal error on a tokenizer whose ids the graph lacks. Now the
-    prompt starts with the BOS, the greedy tokens are transformers' own, from another directory, and ids
-    beyond the vocabulary are refused."""
+def _llama_folder(folder, max_positions: int = 64):
+    """A random Hugging Face Llama saved in ``folder`` with a WordLevel tokenizer trained here on CPython's
+    docstrings that adds a BOS (``<s>``, id 2) as Llama's and Mistral's do. Returns (model, tokenizer,
+    texts)."""
     transformers = pytest.importorskip("transformers")
     tokenizers = pytest.importorskip("tokenizers")
     from tests.test_decoder_lm import _texts
@@ -192,25 +189,37 @@ def test_generate_encodes_as_calibration_did_from_anywhere_and_refuses_foreign_i
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>", pad_token="[PAD]"
     )
-    vocab = len(fast.get_vocab())
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab,
+        vocab_size=len(fast.get_vocab()),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
-        max_position_embeddings=64,
+        max_position_embeddings=max_positions,
         bos_token_id=2,
         eos_token_id=None,
         pad_token_id=0,
     )
     model = transformers.LlamaForCausalLM(cfg).eval()
-    work = tmp_path / "work"
-    folder = work / "lm"
     model.save_pretrained(str(folder))
     fast.save_pretrained(str(folder))
+    return model, fast, texts
+
+
+def test_generate_encodes_as_calibration_did_from_anywhere_and_refuses_foreign_ids(tmp_path, monkeypatch):
+    """A Hugging Face Llama folder whose tokenizer adds a BOS (as Llama's and Mistral's do): generate encoded
+    the prompt without it (a different prompt from calibration's texts and transformers' generate), found the
+    tokenizer by MODEL as typed (relative to the current directory, so it failed elsewhere or took another
+    folder of that name), and ended in an internal error on a tokenizer whose ids the graph lacks. Now the
+    prompt starts with the BOS, the greedy tokens are transformers' own, from another directory, and ids
+    beyond the vocabulary are refused."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    work = tmp_path / "work"
+    model, fast, texts = _llama_folder(work / "lm")
+    vocab = len(fast.get_vocab())
     (work / "texts.txt").write_text("\n".join(texts[:24]) + "\n")
     (work / "float.json").write_text(json.dumps(FLOAT))
     monkeypatch.chdir(work)  # MODEL as a relative path, as users type it
@@ -240,3 +249,24 @@ def test_generate_encodes_as_calibration_did_from_anywhere_and_refuses_foreign_i
     big.save_pretrained(str(tmp_path / "big"))
     r = cli("generate", tmp_path / "lm.onnx", "--prompt", f"w{vocab + 10}", "--tokenizer", tmp_path / "big")
     assert_clean_error(r, f"token id {vocab + 10}", f"vocabulary of {vocab}", "--tokenizer")
+
+
+def test_verify_keeps_a_decode_graph_within_its_context(tmp_path, monkeypatch):
+    """A Llama of 32 positions verified on texts of up to 75 tokens: verify fed the GroupQueryAttention graph
+    sequences beyond its rotary tables and reported a failed check (``lm.graph_runs``). It now cuts the
+    held-out sequences, and the prompt with the tokens generated after it, to the graph's context."""
+    _llama_folder(tmp_path / "lm", max_positions=32)
+    monkeypatch.chdir(tmp_path)
+    from tests.test_decoder_lm import _texts
+
+    long_lines = [" ".join(_texts()[i : i + 4]) for i in range(0, 64, 4)]  # 30-80 tokens each
+    (tmp_path / "texts.txt").write_text("\n".join(long_lines) + "\n")
+    (tmp_path / "float.json").write_text(json.dumps(FLOAT))
+    r = cli("calibrate", "lm", "--data", "texts.txt", "--config", "float.json", "--placement", "all")
+    assert r.exit_code == 0, r.output
+    r = cli("export", "lm.calib.pt", "--onnx", "lm.onnx")
+    assert r.exit_code == 0, r.output
+    r = cli("verify", "lm.onnx", "--reference", "lm.calib.pt", "--data", "texts.txt", "--json")
+    assert r.exit_code == 0, r.output
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert "lm.graph_runs" not in checks and checks["lm.decode_parity"]["passed"]

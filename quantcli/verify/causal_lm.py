@@ -203,10 +203,16 @@ def verify_decode_graph(
 
     t0 = time.perf_counter()
     thresholds = (max_ppl_increase, min_token_agreement, max_parity_diff)
+    graph = read_onnx(onnx_path)  # its external data too: a missing or corrupt file is a one-line error
+    info = read_info(onnx_path)
+    context = info.layout.get("max_positions")
+    if context:
+        # within the graph's context: a sequence, and a prompt (half of one) with the steps generated after it
+        max_tokens = min(max_tokens, int(context))
+        steps = max(1, min(steps, int(context) - max_tokens // 2))
     rows = sequences(batches, max_sequences, max_tokens)
     if not rows:
         raise DataError("no held-out sequence of 4 tokens or more to verify a language model on; pass --data")
-    graph = read_onnx(onnx_path)  # its external data too: a missing or corrupt file is a one-line error
     deployed = DecodeSession(onnx_path)
     vocab = deployed.session.get_outputs()[0].shape[-1]
     top = max(int(r.max()) for r in rows)
@@ -222,7 +228,6 @@ def verify_decode_graph(
     if not structure.passed:  # another model's or another calibration's graph: nothing else is meaningful
         return LMReport(False, [structure], {}, {}, {}, len(rows), time.perf_counter() - t0)
     float_model, fake = ckpt.float_model().eval(), ckpt.model.eval()
-    info = read_info(onnx_path)
     kv = ckpt.kv_cache if deployed.cache_dtype == np.int8 else None
     if kv is not None or info.embeddings:
         fake = as_deployed(fake, kv, info.embeddings)
