@@ -569,3 +569,54 @@ def test_foreign_messages_become_one_line_without_colour_codes():
     e = RuntimeError("Failed to decompose.\x1b[96m This is step 2/3\x1b[0m of exporting\n  next:  steps")
     assert whole_line(e) == "Failed to decompose. This is step 2/3 of exporting next: steps"
     assert whole_line(RuntimeError("x" * 50), 20) == "x" * 16 + " ..."
+
+
+NESTED = """
+import torch
+from torch import nn
+
+
+class Inner(nn.Module):  # a container with no forward: never called itself
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner, self.head = Inner(), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.inner.fc(x).relu())
+
+
+def make():
+    torch.manual_seed(0)
+    return Outer()
+"""
+
+
+def test_a_layer_reached_through_a_parent_never_called_is_named_and_verified(tmp_path):
+    """TorchScript's scopes name only the modules called, so ``inner.fc``'s Q/DQ nodes were
+    ``/fc/input_quantizer/...``: export left them unnamed and verify failed the correct graph ("Q/DQ pair
+    missing"); the bundled tiny_llama's --no-kv-cache graph (its forward loops over ``self.model.layers``)
+    failed so. They are now matched to the one known quantizer whose name ends with that path."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    (tmp_path / "nest.py").write_text(NESTED)
+    data = tmp_path / "x.npy"
+    np.save(data, np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32))
+    ck, out = tmp_path / "nest.calib.pt", tmp_path / "nest.onnx"
+    r = cli("calibrate", f"{tmp_path / 'nest.py'}:make", "--data", data, "--out", ck, "--placement", "all")
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", out)
+    assert r.exit_code == 0, r.output
+    meta = {p.key: p.value for p in onnx.load(str(out)).metadata_props}
+    named = set(json.loads(meta["quantcli.quantizers"]).values())
+    assert {"inner.fc.input_quantizer", "inner.fc.weight_quantizer"} <= named, named
+    r = cli("verify", out, "--reference", ck, "--data", data)
+    assert r.exit_code == 0, r.output
