@@ -286,8 +286,9 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         if len(hits) == 1:
             mapping[n.output[0]] = hits[0]
             continue
-        # a module reached through a parent that is never called itself (``self.inner.fc(x)``, a loop over
-        # ``self.model.layers``): TorchScript's scopes leave the parent out, so the path is a known name's tail
+        # a module reached through a parent that is never called itself (``self.inner.fc(x)``, a loop
+        # over ``self.model.layers``): TorchScript's scopes leave the parent out, so the path is a known
+        # name's tail
         tails = [q for q in known if scoped and q.endswith("." + scoped)]
         if len(tails) == 1:
             mapping[n.output[0]] = tails[0]

@@ -256,6 +256,10 @@ def test_bad_folders_texts_and_images(bert, tmp_path):
     notok = tmp_path / "notok"
     make_bert_folder(notok, tokenizer=False)
     assert_clean_error(cli("calibrate", notok, "--data", texts), "no tokenizer", "--tokenizer")
+    for bad in ("0", "-5"):  # 0 was taken as "not given" (128)
+        assert_clean_error(
+            cli("calibrate", d / "clf", "--data", texts, "--max-length", bad), "--max-length must be positive"
+        )
     assert_clean_error(
         cli("calibrate", d / "clf", "--pooling", "mean", "--data", texts), "--pooling", "task head"
     )

@@ -573,3 +573,21 @@ def test_cosine_gap_compares_the_deployed_and_exact_sessions_on_the_same_inputs(
     # the cosines of exact_outputs and outputs are over different inputs: their difference is not the gap
     naive = q["exact_outputs"]["output_0"]["cosine"] - q["outputs"]["output_0"]["cosine"]
     assert abs(naive - want) > 10 * max(abs(want), 1e-6)
+
+
+@pytest.mark.kernels
+def test_cpu_any_names_the_saturating_layers_as_the_deployment_cause(tmp_path):
+    """A graph with 8-bit weights (made for a CPU with VNNI) verified with ``--cpu any`` on a CPU whose
+    kernels saturate: the failed ``deployment.rms_ratio`` blamed onnxruntime's fused kernels' rounding,
+    because the emulated kind ("any") was not this machine's ("x86-avx2"); ``--cpu auto`` named the
+    saturating layers. Both do now."""
+    if not can_saturate(detect()):
+        pytest.skip("this CPU's uint8 x int8 kernels do not saturate (VNNI): nothing to explain")
+    ck, onnx_path = tmp_path / "vnni.calib.pt", tmp_path / "vnni.onnx"
+    assert cli("calibrate", "digits_cnn", "--cpu", "x86-vnni", "--out", ck).exit_code == 0
+    assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
+    for cpu in ("auto", "any"):
+        r = cli("verify", onnx_path, "--reference", ck, "--cpu", cpu, "--json")
+        assert r.exit_code == 1, r.output
+        check = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "deployment.rms_ratio")
+        assert not check["passed"] and "kernels saturate in" in check["detail"], (cpu, check["detail"])

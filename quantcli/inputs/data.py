@@ -384,11 +384,10 @@ def _text_data(
     texts = read_texts(path)
     if num_samples is not None:
         texts = texts[: _positive_samples(num_samples)]
-    max_length = (
-        opts.max_length
-        or (stored.get("max_length") if stored.get("kind") == "text" else None)
-        or DEFAULT_MAX_LENGTH
-    )
+    max_length = opts.max_length  # 0 is refused below, not taken as "not given"
+    if max_length is None:
+        kept_length = stored.get("max_length") if stored.get("kind") == "text" else None
+        max_length = kept_length or DEFAULT_MAX_LENGTH
     folder = opts.tokenizer or opts.model_folder
     kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
     if opts.tokenizer is None and kept:

@@ -587,7 +587,9 @@ def _deploy_cause(sat: cpu_kernels.Saturation | None) -> str:
     """What a failed ``deployment.rms_ratio`` likely means: the layers whose u8s8 kernels saturate, where the
     emulation saw any on this machine's kind, else onnxruntime's fused kernels rounding differently."""
     here = cpu_kinds.detect()
-    ranked = sat.ranked() if sat is not None and sat.kind == here else []
+    # ``--cpu any`` emulates the saturating kernels, which are this machine's where it has them
+    same = sat is not None and (sat.kind == here or (sat.kind == "any" and cpu_kinds.can_saturate(here)))
+    ranked = sat.ranked() if same else []
     if ranked:
         return (
             f"onnxruntime's uint8 x int8 kernels saturate in {len(ranked)} layer(s), worst {ranked[0].layer} "
