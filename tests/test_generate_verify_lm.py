@@ -270,3 +270,24 @@ def test_verify_keeps_a_decode_graph_within_its_context(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
     assert "lm.graph_runs" not in checks and checks["lm.decode_parity"]["passed"]
+
+
+def test_verify_refuses_gates_of_the_other_kind_of_graph(float_graph, calibrated, exported):
+    """A CI gate must not be dropped in silence: --min-cosine, --max-abs-diff, --per-layer... on a decode
+    graph, and --max-ppl-increase, --decode-steps... on any other graph, were accepted and ignored (exit 0);
+    and --decode-steps beyond the context was a failed check (exit 1) instead of bad input."""
+    ck, path = float_graph
+    for extra in (
+        ["--min-cosine", "0.99"],
+        ["--max-abs-diff", "0.1"],
+        ["--per-layer"],
+        ["--max-rms-ratio", "9"],
+    ):
+        r = cli("verify", path, "--reference", ck, "--num-samples", 2, *extra)
+        assert_clean_error(r, extra[0], "decode graph", "--max-ppl-increase")
+    r = cli("verify", path, "--reference", ck, "--num-samples", 2, "--decode-steps", 1000)
+    assert_clean_error(r, "--decode-steps 1000", "context of 512")
+    cnn, cnn_ck = exported("digits_cnn", "int8"), calibrated("digits_cnn", "int8")
+    for extra in (["--max-ppl-increase", "0.1"], ["--min-token-agreement", "0.9"], ["--decode-steps", "4"]):
+        r = cli("verify", cnn, "--reference", cnn_ck, *extra)
+        assert_clean_error(r, extra[0], "decode graphs")

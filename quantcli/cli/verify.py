@@ -24,6 +24,9 @@ from quantcli.cli.options import (
 )
 from quantcli.cli.output import err, fmt, json_text, out, print_json, table
 
+#: verify's ``--decode-steps`` default (an option of decode graphs alone)
+DECODE_STEPS = 16
+
 
 @guarded
 @PREPROCESSING.add
@@ -67,7 +70,7 @@ def verify(
     ] = None,
     decode_steps: Annotated[
         int, typer.Option("--decode-steps", min=1, help="Decode graphs: greedy steps per held-out prompt.")
-    ] = 16,
+    ] = DECODE_STEPS,
     as_json: JsonOpt = False,
     trust_code: TrustCodeOpt = False,
     preprocessing=None,
@@ -99,7 +102,11 @@ def verify(
     batches = checkpoint_inputs(ckpt, data, batch_size, num_samples, preprocessing)
     if batches is None and num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
-    if is_decode_graph(onnx_path):
+    decode = is_decode_graph(onnx_path)
+    _refuse_options_of_the_other_kind(
+        decode, thresholds, per_layer, max_ppl_increase, min_token_agreement, decode_steps
+    )
+    if decode:
         lm = {"max_ppl_increase": max_ppl_increase, "min_token_agreement": min_token_agreement}
         rep = verify_decode_graph(
             onnx_path,
@@ -133,6 +140,46 @@ def verify(
     else:
         render_verify(rep, onnx_path, reference)
     return 0 if rep.passed else 1
+
+
+def _refuse_options_of_the_other_kind(
+    decode: bool, thresholds: dict, per_layer: bool, max_ppl_increase, min_token_agreement, decode_steps: int
+) -> None:
+    """A gate a CI script sets must not be dropped in silence: a decode graph is judged by perplexity, token
+    agreement and decode parity, any other graph by fidelity, deployment and quality checks."""
+    from quantcli import defaults
+    from quantcli.errors import QuantCliError
+
+    if decode:
+        given = [
+            f"--{k.replace('_', '-')}" for k in ("max_abs_diff", "min_cosine", "min_snr") if k in thresholds
+        ]
+        given += [
+            f"--{k.replace('_', '-')}"
+            for k, default in (
+                ("max_rms_ratio", defaults.MAX_RMS_RATIO),
+                ("max_deploy_ratio", defaults.MAX_DEPLOY_RATIO),
+            )
+            if thresholds.get(k, default) != default
+        ]
+        given += ["--per-layer"] if per_layer else []
+        if given:
+            raise QuantCliError(
+                f"{', '.join(given)}: for graphs other than decode graphs; a decode graph (a causal LM with "
+                "a KV cache) is judged by --max-ppl-increase, --min-token-agreement and --decode-steps"
+            )
+        return
+    given = [
+        flag
+        for flag, v in (
+            ("--max-ppl-increase", max_ppl_increase),
+            ("--min-token-agreement", min_token_agreement),
+        )
+        if v is not None
+    ]
+    given += ["--decode-steps"] if decode_steps != DECODE_STEPS else []
+    if given:
+        raise QuantCliError(f"{', '.join(given)} apply to decode graphs (causal LMs with a KV cache) only")
 
 
 def render_verify(rep, onnx_path: Path, reference: Path) -> None:

@@ -207,6 +207,11 @@ def verify_decode_graph(
     info = read_info(onnx_path)
     context = info.layout.get("max_positions")
     if context:
+        if steps >= int(context):
+            raise DataError(
+                f"--decode-steps {steps} cannot follow a prompt within the graph's context of {context} "
+                f"positions; pass at most {int(context) - 1}"
+            )
         # within the graph's context: a sequence, and a prompt (half of one) with the steps generated after it
         max_tokens = min(max_tokens, int(context))
         steps = max(1, min(steps, int(context) - max_tokens // 2))
