@@ -499,3 +499,44 @@ def test_a_weight_tied_in_two_layouts_stays_float_with_its_reason_and_the_rest_c
     with torch.no_grad():
         got = q(x)
     assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+class _PaddingModes(nn.Module):
+    """Convolutions that pad themselves (``padding_mode`` reflect, circular, replicate), as torch runs them:
+    ``F.pad`` and then ``F.conv2d`` with padding 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1, padding_mode="reflect")
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1, padding_mode="circular")
+        self.c3 = nn.Conv1d(8, 8, 3, padding=1, padding_mode="replicate")
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = F.relu(self.c2(F.relu(self.c1(x))))
+        return self.fc(F.relu(self.c3(x.flatten(2))).mean(2))
+
+
+def test_convolutions_that_pad_themselves_run_as_qlinearconv(tmp_path):
+    """Converted as classes, their input quantizer ran before torch's own padding: the graph was
+    ``DequantizeLinear -> Pad -> Conv`` (``Slice/Concat`` for circular), which onnxruntime runs in float, and
+    placement kept all three float. Quantized where the convolution runs, the pair reads the padded tensor:
+    every one is a QLinearConv, and the graph computes the model's padding (verify passes)."""
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
+        "from tests.test_computed_layers import _PaddingModes\n"
+        "def make():\n    torch.manual_seed(0)\n    return _PaddingModes().eval()\n"
+    )
+    np.save(tmp_path / "d.npy", np.random.default_rng(0).standard_normal((16, 3, 10, 10)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli("calibrate", f"{tmp_path / 'net.py'}:make", "--data", tmp_path / "d.npy", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert {"c1", "c2", "c3"} <= set(info["layers"]["quantized"]), info["layers"]
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    fusion = inspect_fusion(graph)
+    kernels = {layer.layer: layer.kernel for layer in fusion.layers}
+    assert all(kernels.get(n) == "QLinearConv" for n in ("c1", "c2", "c3")), fusion.to_dict()
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npy")
+    assert r.exit_code == 0, r.output

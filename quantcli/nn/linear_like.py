@@ -159,6 +159,8 @@ def linear_layout(module: nn.Module) -> int | None:
 def quant_class(module: nn.Module) -> type | None:
     """The class to convert ``module`` to in place, or None when it is not a Linear/Conv in all but name."""
     cls = type(module)
+    if pads_itself(module):
+        return None  # computed where its convolution runs, after its padding (quantcli.nn.computed)
     if cls in QUANT_CLASSES:
         return QUANT_CLASSES[cls]
     if cls.__module__.startswith("quantcli."):
@@ -172,6 +174,14 @@ def quant_class(module: nn.Module) -> type | None:
         return None
     axis = linear_layout(module)
     return None if axis is None else _subclass(QuantLinearLike, cls, axis)
+
+
+def pads_itself(module: nn.Module) -> bool:
+    """A convolution with ``padding_mode`` reflect, replicate or circular: torch pads its input with
+    ``F.pad`` before ``F.conv2d`` (padding 0). Quantized as a class, the input quantizer would run before the
+    padding, and onnxruntime cannot fuse ``DequantizeLinear -> Pad -> Conv`` into QLinearConv; quantized
+    where the convolution runs, the Q/DQ pair reads the padded tensor."""
+    return isinstance(module, nn.modules.conv._ConvNd) and getattr(module, "padding_mode", "zeros") != "zeros"
 
 
 def overrides_forward(cls: type) -> bool:

@@ -16,6 +16,7 @@ from quantcli.nn.fold_bn import FoldReport, fold_batchnorm, unfold
 from quantcli.nn.linear_like import (
     float_reason,
     overrides_forward,
+    pads_itself,
     quant_class,
     resolve_parametrizations,
     torch_base,
@@ -198,7 +199,10 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
         return ("class", qcls)
     base = torch_base(cls)
     static = (
-        base is not None and (overrides_forward(cls) or cls.__name__ == "NonDynamicallyQuantizableLinear")
+        base is not None
+        and (
+            overrides_forward(cls) or cls.__name__ == "NonDynamicallyQuantizableLinear" or pads_itself(module)
+        )
     ) or isinstance(module, nn.MultiheadAttention)
     if found is None:
         if not static:
