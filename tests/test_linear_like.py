@@ -256,3 +256,60 @@ def test_smoothquant_folds_conv1d_inputs_into_the_layernorms_before_them():
     # tied to the token embedding: scaling it would change the embedding too (it did, before)
     assert "lm_head" not in folds and "tied" in report.skipped["lm_head"]
     assert torch.allclose(model(input_ids=ids).logits, ref, atol=1e-4)
+
+
+class _FuncLinear(nn.Module):
+    """A leaf module computing F.linear with its own parameters (not an nn.Linear)."""
+
+    def __init__(self, i: int, o: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(o, i) / i**0.5)
+        self.bias = nn.Parameter(torch.randn(o) * 0.1)
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+class _PooledHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), _FuncLinear(8, 4)
+
+    def forward(self, x):
+        return self.head(F.relu(self.conv(x)).mean((2, 3)))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_linear_like_head_on_2d_features_takes_an_int32_bias_and_runs_as_qgemm(tmp_path, exporter):
+    """An nn.Linear head on pooled features runs as QGemm (its bias int32 codes); the same computation in a
+    module of the user's own kept a float bias, so onnxruntime ran its Gemm in float and latency placement
+    kept it float. The bias now gets the int32 codes QGemm adds: x_scale * w_scale per output channel."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    from exporters import export_onnx
+    from exporters.onnxruntime.fusion import inspect_fusion
+
+    torch.manual_seed(0)
+    model = _PooledHead().eval()
+    batches = [{"x": torch.randn(8, 3, 6, 6)} for _ in range(2)]
+    q = quantize_model(model, "int8", example=batches[0])
+    assert q.head.takes_int32_bias and q.head.int32_bias
+    calibrate(q, batches, "max", device="cpu")
+    path = tmp_path / "m.onnx"
+    export_onnx(q, batches[0], path, exporter=exporter)
+    kernels = {f.layer: f.kernel for f in inspect_fusion(path).layers}
+    assert kernels == {"conv": "QLinearConv", "head": "QGemm"}, kernels
+    graph = onnx.load(str(path)).graph
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    made_by = {o: n for n in graph.node for o in n.output}
+    (gemm,) = [n for n in graph.node if n.op_type == "Gemm"]
+    x_dq, w_dq, b_dq = (made_by[i] for i in gemm.input)  # each operand through a DequantizeLinear
+    assert {x_dq.op_type, w_dq.op_type, b_dq.op_type} == {"DequantizeLinear"}
+    codes, b_scale = inits[b_dq.input[0]], inits[b_dq.input[1]]
+    assert codes.dtype == "int32" and codes.any()
+    # QGemm's bias: int32 codes on the grid x_scale * w_scale (per output channel), the float bias rounded
+    np.testing.assert_allclose(b_scale, inits[x_dq.input[1]] * inits[w_dq.input[1]], rtol=1e-6)
+    bias = q.head.bias.detach().numpy()
+    assert np.abs(codes * b_scale - bias).max() <= 0.5 * b_scale.max() * (1 + 1e-6)

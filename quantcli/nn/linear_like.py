@@ -45,12 +45,17 @@ class QuantLinearLike(QuantMixin):
     ``[out, in]``) or ``x @ W + b`` (``weight_axis = 1``, ``W`` is ``[in, out]``: transformers' ``Conv1D``).
     The output channel is ``weight_axis``, so per-channel weight scales follow the outputs in both layouts,
     and the transposed layout exports as ``MatMul(x, DequantizeLinear(W, axis=1))``, the form onnxruntime
-    fuses. The bias is added in float (as a 3-D ``nn.Linear`` does: ``MatMulIntegerToFloat`` adds a float
-    bias)."""
+    fuses. The bias is added in float there (as a 3-D ``nn.Linear`` does: ``MatMulIntegerToFloat`` adds a
+    float bias); ``F.linear`` on a 2-D input takes the int32 bias QGemm adds, as ``nn.Linear`` does."""
 
-    takes_int32_bias = False
     #: see :class:`quantcli.nn.modules.QuantLinear` (``F.linear`` with a dynamic input quantizer)
     export_hook = None
+
+    @property
+    def takes_int32_bias(self) -> bool:
+        """``F.linear(x, W, b)`` on a 2-D input exports as Gemm, which onnxruntime runs as QGemm with an int32
+        bias, as for ``nn.Linear``; ``x @ W + b`` adds ``b`` after a MatMul, in float."""
+        return self.weight_axis == 0 and isinstance(self._parameters.get("bias"), torch.Tensor)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
@@ -64,6 +69,8 @@ class QuantLinearLike(QuantMixin):
         if self.weight_axis == 1:
             y = torch.matmul(x, w)
             return self.quantize_output(y if bias is None else y + bias)
+        if bias is not None and input.dim() == 2:  # Gemm: QGemm's int32 bias, as nn.Linear's
+            bias = self.quantized_bias()
         return self.quantize_output(F.linear(x, w, bias))
 
 
