@@ -56,7 +56,7 @@ def test_passes_for_every_format(config, calibrated, exported):
     assert rep["num_samples"] == 597  # the held-out set, not the calibration set
     assert rep["quality"]["session"] == "deployed"  # --min-cosine judges what a user ships
     assert rep["quality"]["outputs"]["output_0"]["top1_agreement"] > 0.97  # fc2 returns logits
-    assert [c["name"] for c in rep["checks"]] == CHECKS + ["quality.min_cosine"]
+    assert [c["name"] for c in rep["checks"]] == ["structure", *CHECKS, "quality.min_cosine"]
     assert rep["fidelity"]["sample_size"] == REPLAY_SAMPLES == 16 and not rep["fidelity"]["not_replayed"]
 
 
@@ -194,6 +194,9 @@ def test_weight_initializer_altered_fails_and_names_layer(calibrated, exported, 
     rep = json.loads(r.stdout)
     assert rep["structure"]["layers_with_problems"] == ["fc1.weight_quantizer"]
     assert "stored weight code" in rep["structure"]["problems"][0]
+    # a script listing the failed checks finds it among them (it was only under "structure")
+    failed = [c for c in rep["checks"] if not c["passed"]]
+    assert failed[0]["name"] == "structure" and "fc1.weight_quantizer" in failed[0]["detail"]
 
 
 def test_removed_qdq_pair_fails_and_names_layer(calibrated, exported, tmp_path):

@@ -89,6 +89,15 @@ class VerifyReport:
     def passed(self) -> bool:
         return self.structure.get("passed", False) and all(c.passed for c in self.checks)
 
+    def _structure_check(self) -> list[Check]:
+        st = self.structure
+        if "passed" not in st:
+            return []
+        problems = st.get("problems") or []
+        detail = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+        expected, found = st.get("quantizers_expected", 0), st.get("quantizers_found", 0)
+        return [Check("structure", float(expected), float(found), bool(st["passed"]), "min", detail or None)]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
@@ -98,7 +107,9 @@ class VerifyReport:
             "provider_note": self.provider_note,
             "num_batches": self.num_batches,
             "num_samples": self.num_samples,
-            "checks": [c.to_dict() for c in self.checks],
+            # the structure check first, as the table and a decode graph's report list it: a script that
+            # lists the failed checks finds it here too (its details stay under "structure")
+            "checks": [c.to_dict() for c in self._structure_check() + self.checks],
             "structure": self.structure,
             "fidelity": self.fidelity,
             "quality": self.quality,
