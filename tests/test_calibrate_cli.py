@@ -482,3 +482,41 @@ def test_method_choices_come_from_the_registry():
     assert f"<{'|'.join(CALIBRATION_METHODS)}>" in cli("calibrate", "--help").stdout
     bad = cli("calibrate", "digits_cnn", "--method", "minmax")
     assert bad.exit_code == 2 and "minmax" in bad.stderr
+
+
+MLP = """
+import torch
+from torch import nn
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    return MLP()
+"""
+
+
+def test_activations_that_saw_only_zeros_are_named(tmp_path):
+    """All-zero calibration data gave fc1's input an amax of 0 without a word (its inputs then quantize to 0,
+    and verify passes the graph, since the graph computes what the checkpoint does). fc2's input, the ReLU of
+    fc1's bias, is not zero and is not named."""
+    (tmp_path / "mlp.py").write_text(MLP)
+    np.save(tmp_path / "zeros.npy", np.zeros((32, 16), np.float32))
+    model = f"{tmp_path / 'mlp.py'}:make"
+    r = cli("calibrate", model, "--data", tmp_path / "zeros.npy", "--out", tmp_path / "z.calib.pt")
+    assert r.exit_code == 0, r.output
+    assert "1 activation quantizer(s) saw only zeros" in r.stderr and "fc1.input_quantizer" in r.stderr
+    assert "fc2.input_quantizer" not in r.stderr
+    r = cli("calibrate", model, "--data", tmp_path / "zeros.npy", "--out", tmp_path / "j.calib.pt", "--json")
+    assert json.loads(r.stdout)["zero_amax"] == ["fc1.input_quantizer"]
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32))
+    r = cli("calibrate", model, "--data", tmp_path / "x.npy", "--out", tmp_path / "x.calib.pt")
+    assert r.exit_code == 0 and "saw only zeros" not in r.stderr

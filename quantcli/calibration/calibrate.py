@@ -59,6 +59,8 @@ class CalibrationSummary:
     auto: dict = field(default_factory=dict)  # --method auto: quantizer -> chosen method, amax, local errors
     # asymmetric activation quantizers calibrated from their min and max (method max or entropy)
     min_max: list[str] = field(default_factory=list)
+    # activation quantizers whose every amax is 0: they saw only zeros, so their inputs quantize to 0
+    zero_amax: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -79,6 +81,7 @@ class CalibrationSummary:
             "ranks": self.ranks,
             **({"auto": self.auto} if self.auto else {}),
             "min_max": self.min_max,
+            "zero_amax": self.zero_amax,
         }
 
     def method_ignored_by(self) -> list[str]:
@@ -303,6 +306,13 @@ def _summarise(qs: dict, summary: CalibrationSummary) -> None:
             summary.skipped.append(name)
     if any(a.numel() for a in amaxes):
         summary.amax_min, summary.amax_max = amax_span(amaxes)
+    if summary.amax_min == 0:  # some amax is 0 somewhere: which activation quantizers saw only zeros
+        acts = [
+            (n, q.amax)
+            for n, q in qs.items()
+            if n in summary.calibrated and not n.endswith("weight_quantizer")
+        ]
+        summary.zero_amax = [n for n, a in acts if a.numel() and float(a.max()) == 0]
 
 
 def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):

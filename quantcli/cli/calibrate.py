@@ -307,6 +307,13 @@ def _calibrate_warnings(outcome) -> None:
             f"warning: never called during calibration, left unquantized: "
             f"{', '.join(outcome.summary.not_called)}"
         )
+    zero = outcome.summary.zero_amax
+    if zero:
+        shown = ", ".join(zero[:5]) + (" ..." if len(zero) > 5 else "")
+        err.print(
+            f"warning: {len(zero)} activation quantizer(s) saw only zeros in the calibration data (amax 0), "
+            f"so their layers' inputs quantize to 0: {shown}; check that the data is the model's real input"
+        )
     for bn, reason in report.batchnorm.skipped:
         err.print(f"warning: BatchNorm {bn} not folded: {reason}")
     for r in report.float_check.get("reverted", []):
