@@ -310,9 +310,11 @@ def _summarise(qs: dict, summary: CalibrationSummary) -> None:
         acts = [
             (n, q.amax)
             for n, q in qs.items()
-            if n in summary.calibrated and not n.endswith("weight_quantizer")
+            if n in summary.calibrated and not n.endswith("weight_quantizer") and q.amax.numel()
         ]
-        summary.zero_amax = [n for n, a in acts if a.numel() and float(a.max()) == 0]
+        if acts:  # one read for all (on a GPU, one synchronisation)
+            tops = torch.stack([a.max().to(acts[0][1].device) for _, a in acts]).tolist()
+            summary.zero_amax = [n for (n, _), top in zip(acts, tops) if top == 0]
 
 
 def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):
