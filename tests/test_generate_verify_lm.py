@@ -57,6 +57,13 @@ def test_generate_gives_the_float_models_greedy_tokens(float_graph):
     a = json.loads(cli("generate", path, "--prompt", prompt, "--seed", 3, "--json").stdout)
     b = json.loads(cli("generate", path, "--prompt", prompt, "--seed", 3, "--json").stdout)
     assert a["tokens"] == b["tokens"] and a["tokens"] != res["tokens"] + a["tokens"][24:]
+    # sampling settings without --seed did nothing (greedy) in silence; temperature 0 is greedy, said so
+    for extra in (["--temperature", "0.5"], ["--top-k", "5"]):
+        assert_clean_error(cli("generate", path, "--prompt", prompt, *extra), extra[0], "--seed")
+    cold = json.loads(
+        cli("generate", path, "--prompt", prompt, "--seed", 3, "--temperature", 0, "--json").stdout
+    )
+    assert cold["mode"] == "greedy" and cold["tokens"][:24] == res["tokens"]
 
 
 def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path):

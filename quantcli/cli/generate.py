@@ -51,6 +51,12 @@ def generate(
     from quantcli.errors import DataError
     from quantcli.verify.lm_text import codec_for
 
+    if seed is None and (temperature != 1.0 or top_k):
+        # greedy decoding ignores them: a setting that does nothing is refused, not dropped
+        given = " and ".join(f for f, on in (("--temperature", temperature != 1.0), ("--top-k", top_k)) if on)
+        raise DataError(
+            f"{given} apply to sampling: pass --seed N to sample (without it, decoding is greedy)"
+        )
     read_onnx(onnx_path)  # a missing, corrupt or truncated file (or external data) is a one-line error
     codec = codec_for(onnx_path, tokenizer)
     ids = codec.encode(prompt)
@@ -80,7 +86,7 @@ def generate(
         "tokens": g.tokens,
         "stopped": g.stopped,
         "mode": "greedy"
-        if seed is None
+        if seed is None or temperature == 0  # temperature 0: the most likely token, as greedy
         else f"sampled (seed {seed}, temperature {temperature}, top-k {top_k})",
         "tokenizer": codec.name,
         "prefill_ms": round(g.prefill_seconds * 1e3, 3),
