@@ -277,3 +277,30 @@ def _full_sequence_logits(onnx_path, model, tok, texts) -> None:
     keep = enc["attention_mask"].astype(bool)
     a, b = logits[keep].ravel(), ref[keep].ravel()
     assert np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)) > 0.99
+
+
+def test_texts_longer_than_a_models_positions_are_cut_to_them(tmp_path):
+    """A GPT-2 of 16 learned positions and lines of up to ~60 tokens: the default --max-length (128) went past
+    its position embedding and calibration stopped with "index out of range in self". The default now keeps
+    within the model's positions, and a longer --max-length is refused with the limit."""
+    from quantcli import load_calibrated
+
+    texts = _texts()
+    tok = _tokenizer(texts)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, n_positions=16, vocab_size=len(tok.get_vocab())
+        )
+    ).eval()
+    folder = tmp_path / "gpt2"
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(" ".join(texts[i : i + 3]) for i in range(0, 24, 3)) + "\n")
+    ck = tmp_path / "g.calib.pt"
+    r = cli("calibrate", folder, "--data", data, "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert load_calibrated(ck).example["input_ids"].shape[1] == 16
+    r = cli("calibrate", folder, "--data", data, "--out", tmp_path / "h.calib.pt", "--max-length", 64)
+    assert_clean_error(r, "--max-length 64", "16 positions")

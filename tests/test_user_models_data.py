@@ -77,7 +77,7 @@ def test_classifier_folder_and_text_file(bert, tmp_path):
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["num_samples"] == 8 and info["num_batches"] == 3
-    assert "max length 128" in info["preprocessing"]
+    assert "max length 64" in info["preprocessing"]  # the default 128, within the model's 64 positions
     ck = load_calibrated(out)
     assert ck.input_names == ["input_ids", "attention_mask", "token_type_ids"]
     # the float model is the folder's classifier: same logits as transformers itself on the same tokens

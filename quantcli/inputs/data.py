@@ -350,7 +350,9 @@ def load_data(
     batch_size = batch_size or defaults.BATCH_SIZE
     names, _, var_kw = forward_parameters(model)
     if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
-        batches, prep = _text_data(path, names, var_kw, batch_size, num_samples, opts, shard)
+        batches, prep = _text_data(
+            path, names, var_kw, batch_size, num_samples, opts, shard, model_positions(model)
+        )
     elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
         batches, prep = _image_data(path, model, names, batch_size, num_samples, opts, shard)
     else:
@@ -367,6 +369,17 @@ def load_data(
     return batches, prep
 
 
+def model_positions(model: nn.Module) -> int | None:
+    """The positions a Hugging Face model's config gives it (``max_position_embeddings``, GPT-2's
+    ``n_positions``), else None: a learned position embedding has no row beyond them."""
+    cfg = getattr(model, "config", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        v = getattr(cfg, key, None) if cfg is not None else None
+        if isinstance(v, int) and v > 0:
+            return v
+    return None
+
+
 def _text_data(
     path: Path,
     names: list[str],
@@ -375,9 +388,12 @@ def _text_data(
     num_samples: int | None,
     opts: DataOptions,
     shard: tuple[int, int] | None,
+    positions: int | None = None,
 ) -> tuple[list[Batch], dict[str, Any]]:
     """A text file tokenized (the tokenizer stored in a checkpoint, unless ``--tokenizer`` names one):
-    batches, and the preprocessing to store (tokenizer files, max length)."""
+    batches, and the preprocessing to store (tokenizer files, max length). ``positions``: the model's own
+    limit (:func:`model_positions`), which the default length keeps within and ``--max-length`` may not
+    pass."""
     from quantcli.inputs.text_data import load_tokenizer, read_texts, text_batches, tokenizer_files
 
     stored = opts.stored or {}
@@ -387,7 +403,12 @@ def _text_data(
     max_length = opts.max_length  # 0 is refused below, not taken as "not given"
     if max_length is None:
         kept_length = stored.get("max_length") if stored.get("kind") == "text" else None
-        max_length = kept_length or DEFAULT_MAX_LENGTH
+        max_length = kept_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
+    elif positions is not None and max_length > positions:
+        raise DataError(
+            f"--max-length {max_length} is beyond the model's {positions} positions (its config); pass "
+            f"--max-length {positions} or less"
+        )
     folder = opts.tokenizer or opts.model_folder
     kept = stored.get("tokenizer_files") if stored.get("kind") == "text" else None
     if opts.tokenizer is None and kept:
