@@ -425,7 +425,9 @@ def genai_config(decode: dict, filename: str) -> dict:
             },
             "eos_token_id": eos if len(eos) > 1 else first,  # a list where the model has several
             "pad_token_id": pad if pad is not None else first,
-            "type": lo["model_type"],
+            # onnxruntime-genai's "gpt2" is its older GPT model (one combined past per layer); this graph has
+            # the inputs of its decoder-only models (past_key_values.%d.key/value), which run as "llama"
+            "type": lo["model_type"] if lo.get("family") != "gpt2" else "llama",
             "vocab_size": lo["vocab_size"],
         },
         "search": {

@@ -89,13 +89,19 @@ def _all_ints(v) -> tuple[int, ...]:
 
 
 def _special_ids(config) -> dict:
-    """The layout's special token ids from the config: the first and every end-of-sequence id, BOS and PAD."""
-    eos = _get(config, "eos_token_id")
+    """The layout's special token ids from the config: the first and every end-of-sequence id, BOS and PAD;
+    ids beyond the vocabulary (GPT2Config's default 50256 in a small model) are no tokens and are left out."""
+    vocab = int(config.vocab_size)
+
+    def valid(ids: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i for i in ids if 0 <= i < vocab)
+
+    eos = valid(_all_ints(_get(config, "eos_token_id")))
     return {
-        "eos_token_id": _first_int(eos),
-        "eos_token_ids": _all_ints(eos),
-        "bos_token_id": _first_int(_get(config, "bos_token_id")),
-        "pad_token_id": _first_int(_get(config, "pad_token_id")),
+        "eos_token_id": eos[0] if eos else None,
+        "eos_token_ids": eos,
+        "bos_token_id": _first_int(valid(_all_ints(_get(config, "bos_token_id")))),
+        "pad_token_id": _first_int(valid(_all_ints(_get(config, "pad_token_id")))),
     }
 
 
