@@ -4,6 +4,10 @@
 # quantcli's exit codes: 0 every check passed, 1 a numerical check failed, 2 bad usage or input.
 set -euo pipefail
 work="${1:-$(mktemp -d)}"
+if [ ! -d "$work" ]; then  # bad usage: 2, as quantcli says it; 1 means a check failed
+    echo "WORKDIR $work is not a directory: create it first, or leave it out for a temporary one" >&2
+    exit 2
+fi
 model="${MODEL:-digits_cnn}"
 config="${CONFIG:-int8}"
 python -m quantcli calibrate "$model" --config "$config" --out "$work/$model.calib.pt" --json > "$work/calibrate.json"

@@ -66,11 +66,13 @@ def test_generate_gives_the_float_models_greedy_tokens(float_graph):
     assert cold["mode"] == "greedy" and cold["tokens"][:24] == res["tokens"]
 
 
-def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path):
+def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path, exported):
     ck, _ = float_graph
     prefill = tmp_path / "prefill.onnx"
     assert cli("export", ck, "--onnx", prefill, "--no-kv-cache").exit_code == 0
     assert_clean_error(cli("generate", prefill, "--prompt", "x"), "not a decode graph", "--no-kv-cache")
+    # a CNN's graph was asked for a tokenizer first ("no tokenizer ... pass --tokenizer FOLDER")
+    assert_clean_error(cli("generate", exported("digits_cnn", "int8"), "--prompt", "x"), "not a decode graph")
     assert_clean_error(cli("generate", tmp_path / "none.onnx", "--prompt", "x"), "does not exist")
 
 

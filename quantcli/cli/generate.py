@@ -58,11 +58,11 @@ def generate(
             f"{given} apply to sampling: pass --seed N to sample (without it, decoding is greedy)"
         )
     read_onnx(onnx_path)  # a missing, corrupt or truncated file (or external data) is a one-line error
+    layout = read_info(onnx_path).layout  # not a decode graph: said before looking for its tokenizer
     codec = codec_for(onnx_path, tokenizer)
     ids = codec.encode(prompt)
     if not ids:
         raise DataError("--prompt is empty: give at least one token of text")
-    layout = read_info(onnx_path).layout
     vocab = layout.get("vocab_size")
     if vocab and max(ids) >= vocab:
         raise DataError(
