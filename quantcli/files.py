@@ -157,7 +157,10 @@ def atomic_write(
     path = Path(path)
     parent = writable_directory(path, error)
     remove_stale(parent, [f".{path.name}."])
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer()}-", suffix=".tmp", dir=parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_writer()}-", suffix=".tmp", dir=parent)
+    except OSError as e:  # a directory that says it is writable and takes no file (/proc, a full inode table)
+        raise error(_uncreatable(path, parent, e)) from None
     os.close(fd)
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
@@ -168,6 +171,13 @@ def atomic_write(
         if no_space(e):
             raise error(disk_full_message(path)) from None
         raise
+
+
+def _uncreatable(path: Path, parent: Path, e: OSError) -> str:
+    if no_space(e):
+        return disk_full_message(path)
+    where = f"cannot write {path}: {parent}" if path != parent else f"cannot write in {parent}: it"
+    return f"{where} takes no new file ({e.strerror or e}); write it elsewhere"
 
 
 def disk_full_message(path: str | Path) -> str:
@@ -192,7 +202,10 @@ def staging_directory(directory: str | Path, prefix: str = ".quantcli-") -> Iter
     error before the renames leaves nothing behind.
     """
     remove_stale(Path(directory), [prefix])
-    work = Path(tempfile.mkdtemp(prefix=f"{prefix}{_writer()}-", dir=directory))
+    try:
+        work = Path(tempfile.mkdtemp(prefix=f"{prefix}{_writer()}-", dir=directory))
+    except OSError as e:
+        raise QuantCliError(_uncreatable(Path(directory), Path(directory), e)) from None
     try:
         yield work
     finally:

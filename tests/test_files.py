@@ -68,3 +68,21 @@ def test_staging_directory_is_removed_with_its_contents(tmp_path):
             (work / "raw.onnx").write_bytes(b"partial")
             raise RuntimeError("exporter failed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_directory_that_takes_no_file_is_a_one_line_refusal(tmp_path, monkeypatch):
+    """A directory that passes the writability check and refuses a new file (/proc; a full inode table):
+    ended in 'FileNotFoundError: ...' with traceback advice, on the bad-input path."""
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(ExportError, match=r"^cannot write .*x\.onnx: .* takes no new file \(No such file"):
+        atomic_write(tmp_path / "x.onnx", lambda tmp: None, ExportError)
+    with pytest.raises(QuantCliError, match=r"^cannot write in .*: it takes no new file"):
+        with staging_directory(tmp_path):
+            pass
+    assert list(tmp_path.iterdir()) == []
