@@ -80,3 +80,23 @@ def test_bad_dynamic_dims_are_one_line(fcn, tmp_path, args, words):
     r = cli("export", ck, "--onnx", tmp_path / "m.onnx", *args)
     assert_clean_error(r, *words)
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_data_with_other_features_is_not_told_to_export_them_dynamic(tmp_path):
+    """10 features for a Linear(16, ...) graph were told to re-export with ``--dynamic-dim x=1``, which no
+    weight allows."""
+    from tests.test_calibrate_cli import MLP
+
+    (tmp_path / "mlp.py").write_text(MLP)
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.standard_normal((32, 16)).astype(np.float32))
+    np.save(tmp_path / "narrow.npy", rng.standard_normal((8, 10)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    assert (
+        cli("calibrate", f"{tmp_path / 'mlp.py'}:make", "--data", tmp_path / "x.npy", "--out", ck).exit_code
+        == 0
+    )
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "narrow.npy")
+    assert_clean_error(r, "is its features, which the model's weights fix at 16")
+    assert "--dynamic-dim" not in r.stderr

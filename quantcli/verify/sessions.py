@@ -125,17 +125,24 @@ def feeds(sess, batch: Batch, where: str) -> dict[str, np.ndarray]:
         if len(i.shape) != arr.ndim or any(isinstance(d, int) and d != s for d, s in zip(i.shape, arr.shape)):
             raise VerifyError(
                 f"{where}: input {i.name!r} has shape {list(arr.shape)} but the graph expects {i.shape}"
-                + _fixed_size_remedy(i.name, i.shape, arr.shape)
+                + _fixed_size_remedy(i.name, i.shape, arr.shape, np.issubdtype(arr.dtype, np.floating))
             )
     return out
 
 
-def _fixed_size_remedy(name: str, graph_shape: list, shape: tuple[int, ...]) -> str:
+def _fixed_size_remedy(name: str, graph_shape: list, shape: tuple[int, ...], floating: bool = True) -> str:
     """Where the data's rank fits and only sizes the graph fixed differ: how to export the graph so that
-    those axes may vary (``quantcli export --dynamic-dim``)."""
+    those axes may vary (``quantcli export --dynamic-dim``), unless the axis is one the weights fix."""
     if len(graph_shape) != len(shape):
         return ""
     fixed = [a for a, (d, s) in enumerate(zip(graph_shape, shape)) if isinstance(d, int) and d != s]
+    last = len(shape) - 1
+    if floating and len(shape) in (2, 3) and last in fixed:  # (N, F) or (N, L, F): a Linear's features
+        return (
+            f"; the last axis of a {len(shape)}-D float input is its features, which the model's weights fix "
+            f"at {graph_shape[last]}, not a size to export as dynamic: check the data's feature count and "
+            "layout"
+        )
     if len(shape) in (4, 5) and 1 in fixed:  # an image's (or volume's) channels: the weights fix them
         return (
             f"; axis 1 of a {len(shape)}-D input is its channels, which the model's weights fix at "
