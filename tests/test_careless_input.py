@@ -265,3 +265,17 @@ def test_a_model_whose_root_computes_with_several_weights_is_told_why_nothing_is
     spec = f"{tmp_path / 'net.py'}:make"
     r = cli("calibrate", spec, "--data", tmp_path / "x.npy", "--out", tmp_path / "c.pt")
     assert_clean_error(r, "the root module (Net) stays float", "2 weights in separate operations (w1, w2)")
+
+
+def test_settings_that_would_do_nothing_are_refused(decode_graph, tmp_path):
+    """--percentile under another method, and --float-kv-cache for a checkpoint whose cache is float already,
+    were accepted and did nothing."""
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--method", "max", "--percentile", "99", "--out", tmp_path / "m.pt"),
+        "--percentile applies to --method percentile",
+    )
+    assert not (tmp_path / "m.pt").exists()
+    ck, _ = decode_graph  # calibrated without --kv-cache int8
+    r = cli("export", ck, "--onnx", tmp_path / "f.onnx", "--float-kv-cache")
+    assert_clean_error(r, "--float-kv-cache", "no int8 KV cache")
+    assert not (tmp_path / "f.onnx").exists()

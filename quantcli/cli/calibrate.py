@@ -199,6 +199,11 @@ def calibrate(
     """Insert quantizers into MODEL and calibrate every amax; write a calibrated checkpoint."""
     from quantcli.calibration.job import CalibrationJob, CalibrationRequest
 
+    if percentile != defaults.PERCENTILE and method.value not in ("percentile", "auto"):
+        from quantcli.errors import ConfigError
+
+        # a setting that does nothing under another method is refused, not dropped in silence
+        raise ConfigError(f"--percentile applies to --method percentile (or auto), not {method.value}")
     request = CalibrationRequest(
         model=model,
         weights=weights,

@@ -118,6 +118,13 @@ def export(
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
     refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)
+    if float_kv_cache and not ckpt.kv_cache:
+        from quantcli.errors import QuantCliError
+
+        raise QuantCliError(
+            f"--float-kv-cache: {calibrated} has no int8 KV cache to leave out (calibrate --kv-cache int8 "
+            "makes one); its cache is float32 already"
+        )
     meta = {  # read back by verify and inspect
         "quantcli.config": json.dumps(ckpt.config.to_plain()),
         "quantcli.model": ckpt.spec.spec,
