@@ -371,3 +371,35 @@ def test_only_a_window_that_slides_is_refused(kind, settings, slides):
             decoder_layout(model)
     else:
         assert decoder_layout(model).model_type == kind
+
+
+def test_a_causal_lm_written_as_a_prefill_graph_says_why_in_export_and_generate(tmp_path):
+    """A family with no decode graph (Gemma) was exported as a prefill graph with one table row to say so;
+    generate then told the user to export "without --no-kv-cache", which they had not passed. Export now says
+    it on stderr, and generate gives export's reason."""
+    rng = np.random.default_rng(0)
+    np.savez(
+        tmp_path / "ids.npz", input_ids=rng.integers(0, VOCAB, (4, 12)), attention_mask=np.ones((4, 12), int)
+    )
+    torch.manual_seed(0)
+    cfg = transformers.GemmaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    transformers.GemmaForCausalLM(cfg).eval().save_pretrained(str(tmp_path / "gemma"))
+    ck, path = tmp_path / "g.calib.pt", tmp_path / "g.onnx"
+    r = cli("calibrate", tmp_path / "gemma", "--data", tmp_path / "ids.npz", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", path)
+    assert r.exit_code == 0 and "warning: prefill graph, no KV cache: model_type 'gemma'" in r.stderr, (
+        r.output
+    )
+    r = cli("generate", path, "--prompt", "x", "--tokenizer", "bytes")
+    assert_clean_error(r, "not a decode graph: export wrote a prefill graph, no KV cache: model_type 'gemma'")
+    assert "--no-kv-cache" not in r.stderr

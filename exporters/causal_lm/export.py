@@ -43,6 +43,7 @@ from exporters.fold import drop_unused_initializers
 from quantcli.errors import ExportError
 
 LAYOUT_KEY = "quantcli.causal_lm"  # metadata: the decode graph's layout and inputs (generate, verify read it)
+NO_DECODE_KEY = "quantcli.no_decode_graph"  # metadata: why a causal LM was written as a prefill graph
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
 TRACE_BATCH, TRACE_PAST, TRACE_SEQ = 2, 3, 2
 FUSIONS = ("group_query_attention", "skip_norm", "pack_projections")  # contrib_ops=True: all of them
@@ -379,9 +380,11 @@ def export_model(
         )
     if embedding_bits is not None:
         raise ExportError(f"--embeddings applies to decode graphs: {why or '--no-kv-cache'}")
+    note = f"prefill graph, no KV cache: {why}" if why and hasattr(model, "lm_head") else ""
+    if note:  # read back by generate, which says why the graph has no cache
+        kwargs["metadata"] = {**(kwargs.get("metadata") or {}), NO_DECODE_KEY: note}
     res = export_onnx(model, example, path, opset, exporter, dynamic_axes=dynamic_axes, **kwargs)
-    if why and hasattr(model, "lm_head"):
-        res.decode_note = f"prefill graph, no KV cache: {why}"
+    res.decode_note = note
     return res
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from exporters.causal_lm.export import DecodeExport, read_decode_info
+from exporters.causal_lm.export import NO_DECODE_KEY, DecodeExport, read_decode_info
 from quantcli.errors import QuantCliError
 
 
@@ -33,8 +33,12 @@ class Cache:
 def read_info(path) -> DecodeExport:
     import onnx
 
-    info = read_decode_info(onnx.load(str(path), load_external_data=False))
+    graph = onnx.load(str(path), load_external_data=False)
+    info = read_decode_info(graph)
     if info is None:
+        why = {p.key: p.value for p in graph.metadata_props}.get(NO_DECODE_KEY)
+        if why:  # a causal LM export wrote as a prefill graph, saying why
+            raise NotADecodeGraph(f"{path} is not a decode graph: export wrote a {why}")
         raise NotADecodeGraph(
             f"{path} is not a decode graph (no KV cache inputs); export the causal LM with `quantcli export` "
             "(without --no-kv-cache)"
