@@ -19,16 +19,18 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 96
 
 
-def _causal_lm(kind: str):
-    """A random tiny transformers causal LM: 4 query heads and 2 KV heads of 16 (GPT-2: 2 heads of 16)."""
+def _causal_lm(kind: str, **settings):
+    """A random tiny transformers causal LM: 4 query heads and 2 KV heads of 16 (GPT-2: 2 heads of 16);
+    ``settings`` go to its config."""
     torch.manual_seed(0)
-    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, **settings)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=64, **common)
         return transformers.GPT2LMHeadModel(cfg).eval()
     cls, cfg = {
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
+        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
     }[kind]
     return cls(
         cfg(
@@ -350,22 +352,7 @@ def test_only_a_window_that_slides_is_refused(kind, settings, slides):
     """Mistral was refused whenever sliding_window was set, and Qwen2 whenever use_sliding_window was, though
     a window as long as the context, or layers that all attend fully (max_window_layers beyond the model's),
     compute what full attention does."""
-    cls, cfg = {
-        "mistral": (transformers.MistralForCausalLM, transformers.MistralConfig),
-        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config),
-    }[kind]
-    model = cls(
-        cfg(
-            num_hidden_layers=2,
-            hidden_size=64,
-            intermediate_size=128,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            vocab_size=VOCAB,
-            **settings,
-        )
-    ).eval()
+    model = _causal_lm(kind, **settings)
     if slides:
         with pytest.raises(NotDecodable, match="sliding window"):
             decoder_layout(model)

@@ -141,9 +141,14 @@ class TensorQuantizer(nn.Module):
         x = x.detach()
         if self._block is not None:
             xb, d = self._blocked_view(x)
-            amax = max_abs(xb, tuple(i for i in range(xb.dim()) if i != d + 1)).squeeze(d + 1)
-        else:
-            amax = max_abs(x, normalize_axis(self.desc.axis, x.dim()))
+            return self._take_amax(max_abs(xb, tuple(i for i in range(xb.dim()) if i != d + 1)))
+        return self._take_amax(max_abs(x, normalize_axis(self.desc.axis, x.dim())))
+
+    def _take_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """A calibrated amax (the block axis kept, where blocked) as the quantizer's: the block axis squeezed,
+        ``scale_amax`` applied; the calibrator let go and the mode switched to quantizing."""
+        if self._block is not None:
+            amax = amax.squeeze(self._blocked_axis_after(amax))
         if self.desc.scale_amax is not None:
             amax = amax * self.desc.scale_amax
         self.set_amax(amax)
@@ -187,14 +192,7 @@ class TensorQuantizer(nn.Module):
             self.histogram = self.calibrator
         else:
             amax = self.calibrator.compute_amax()
-        if self._block is not None:
-            amax = amax.squeeze(self._blocked_axis_after(amax))
-        if self.desc.scale_amax is not None:
-            amax = amax * self.desc.scale_amax
-        self.set_amax(amax)
-        self.calibrator = None
-        self.set_mode("quantize")
-        return self.amax
+        return self._take_amax(amax)
 
     def recompute_amax(self, method: str, **kwargs) -> torch.Tensor:
         """amax by another histogram method from the kept histogram (no new data pass)."""
