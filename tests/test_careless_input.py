@@ -279,3 +279,30 @@ def test_settings_that_would_do_nothing_are_refused(decode_graph, tmp_path):
     r = cli("export", ck, "--onnx", tmp_path / "f.onnx", "--float-kv-cache")
     assert_clean_error(r, "--float-kv-cache", "no int8 KV cache")
     assert not (tmp_path / "f.onnx").exists()
+
+
+def test_text_and_image_options_with_other_data_are_refused(tmp_path):
+    """--tokenizer, --max-length with image or tensor data, and --image-size, --mean, --std with text or
+    tensor data, were accepted and did nothing."""
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((4, 1, 8, 8), np.float32))
+    out = tmp_path / "m.calib.pt"
+    for extra, words in (
+        (["--max-length", "32"], ["--max-length", "apply to text data", "tensor data"]),
+        (["--image-size", "32", "--mean", "0.5"], ["--image-size, --mean", "apply to image data"]),
+    ):
+        r = cli("calibrate", "digits_cnn", "--data", x, "--out", out, *extra)
+        assert_clean_error(r, *words)
+        assert not out.exists()
+    texts = tmp_path / "t.txt"
+    texts.write_text("one line\n")
+    r = cli("calibrate", "text_encoder", "--data", texts, "--out", out, "--std", "0.2")
+    assert_clean_error(r, "--std", "apply to image data", "a text file")
+
+
+def test_causal_lm_options_on_another_model_are_refused(calibrated, tmp_path):
+    """--no-kv-cache and --standard-ops on a CNN's checkpoint were accepted and did nothing."""
+    for flag in ("--no-kv-cache", "--standard-ops"):
+        r = cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "m.onnx", flag)
+        assert_clean_error(r, flag, "apply to causal LMs")
+        assert not (tmp_path / "m.onnx").exists()

@@ -118,6 +118,15 @@ def export(
     refuse_inputs(onnx_path, [("the checkpoint", calibrated)], "--onnx", external_data=True)
     ckpt = load_calibrated(calibrated, trust_code=trust_code)
     refuse_inputs(onnx_path, [("the model's file", ckpt.spec.path)], "--onnx", external_data=True)
+    if not hasattr(ckpt.model, "lm_head"):  # not a causal LM: its options would do nothing
+        unused = [f for f, on in (("--no-kv-cache", not kv_cache), ("--standard-ops", not contrib_ops)) if on]
+        if unused:
+            from quantcli.errors import QuantCliError
+
+            raise QuantCliError(
+                f"{' and '.join(unused)} apply to causal LMs (a model with an lm_head); {calibrated}'s model "
+                "has none: leave them out"
+            )
     if float_kv_cache and not ckpt.kv_cache:
         from quantcli.errors import QuantCliError
 

@@ -347,6 +347,7 @@ def load_data(
     path = Path(path)
     if not path.exists():
         raise DataError(f"data {path} does not exist")
+    _refuse_unused_options(path, opts)
     batch_size = batch_size or defaults.BATCH_SIZE
     names, _, var_kw = forward_parameters(model)
     if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
@@ -367,6 +368,32 @@ def load_data(
     for b in batches:
         check_names(b, model, str(path))
     return batches, prep
+
+
+def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
+    """Text options for image or tensor data, image options for text or tensor data: a setting that would do
+    nothing is refused, not dropped in silence."""
+    from quantcli.inputs.text_data import TEXT_SUFFIXES
+
+    text = path.is_file() and path.suffix.lower() in TEXT_SUFFIXES
+    images = path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir())
+    kind = "text" if text else "images" if images else "tensors"
+    given = {
+        "text": [("--tokenizer", opts.tokenizer), ("--max-length", opts.max_length)],
+        "images": [("--image-size", opts.image_size), ("--mean", opts.mean), ("--std", opts.std)],
+    }
+    unused = [flag for k, flags in given.items() if k != kind for flag, v in flags if v is not None]
+    if unused:
+        what = {
+            "text": "a text file",
+            "images": "a folder of images",
+            "tensors": "tensor data (.npy/.npz/.pt)",
+        }
+        applies = "text" if unused[0] in ("--tokenizer", "--max-length") else "image"
+        raise DataError(
+            f"{', '.join(unused)} apply to {applies} data; {path} is {what[kind]}: leave "
+            f"{'it' if len(unused) == 1 else 'them'} out"
+        )
 
 
 def model_positions(model: nn.Module) -> int | None:
