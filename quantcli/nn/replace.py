@@ -212,7 +212,7 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
     if not uses:
         reason = float_reason(module)
         # a product that took the module's parameter and an activation says it is a weight, whatever its name
-        others = found.other_products.get(name) if found is not None else None
+        others = found.other_products.get(name)
         if reason is None and not static and not others:
             return ("float", None)
         if shared:
@@ -246,8 +246,9 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
             "float",
             f"its weight is used by operations of different kinds ({', '.join(sorted(k for k, _ in kinds))})",
         )
-    by_layer = found.by_layer()
-    quantized_there = sorted(m for m in found.aliased.get(name, ()) if by_layer.get(m))
+    aliases = found.aliased.get(name, ())
+    # (looked up only for a module that shares its weight: not a pass over every use per module)
+    quantized_there = sorted(m for m in aliases if any(u.layer == m for u in found.uses))
     if quantized_there:
         # the same parameter is another module's weight, computed with there too: its quantized weight would
         # be taken for this module's operand (one weight quantizer per parameter)

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from quantcli.errors import first_line
-from quantcli.verify.verdict import Check
+from quantcli.verify.verdict import Check, structure_check_of
 
 MAX_PPL_INCREASE = 0.5
 MIN_TOKEN_AGREEMENT = 0.5
@@ -258,15 +258,7 @@ def structure_check(graph, ckpt) -> Check:
     # weights packed into one (q/k/v, gate/up) have no pair of their own: the packed pair's members are named
     # in the metadata, and perplexity and agreement judge them; every other quantizer is checked
     problems = [p for p in problems if not (p.endswith(_NO_PAIR) and f'"{p.split(":")[0]}"' in packed)]
-    detail = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
-    return Check(
-        "structure",
-        float(found.get("quantizers_expected", 0)),
-        float(found.get("quantizers_found", 0)),
-        not problems,
-        "min",
-        detail or None,
-    )
+    return structure_check_of(found, problems, not problems)
 
 
 _NO_PAIR = "Q/DQ pair missing from the graph (its output is used)"

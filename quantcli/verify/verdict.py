@@ -60,6 +60,20 @@ class Check:
         }
 
 
+def structure_check_of(structure: dict[str, Any], problems: list[str], passed: bool) -> Check:
+    """The structure check (:mod:`quantcli.verify.structure`'s report) as a check among the others:
+    quantizers expected against found, and the first problems as its detail."""
+    detail = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
+    return Check(
+        "structure",
+        float(structure.get("quantizers_expected", 0)),
+        float(structure.get("quantizers_found", 0)),
+        passed,
+        "min",
+        detail or None,
+    )
+
+
 def at_most(name: str, threshold: float, value: float, detail: str | None = None) -> Check:
     return Check(name, threshold, value, value <= threshold, "max", detail)
 
@@ -93,10 +107,7 @@ class VerifyReport:
         st = self.structure
         if "passed" not in st:
             return []
-        problems = st.get("problems") or []
-        detail = "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else "")
-        expected, found = st.get("quantizers_expected", 0), st.get("quantizers_found", 0)
-        return [Check("structure", float(expected), float(found), bool(st["passed"]), "min", detail or None)]
+        return [structure_check_of(st, st.get("problems") or [], bool(st["passed"]))]
 
     def to_dict(self) -> dict[str, Any]:
         return {
