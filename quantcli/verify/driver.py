@@ -5,8 +5,10 @@ then the verdict (:mod:`quantcli.verify.verdict`).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ from quantcli.analysis.saturation import saturating_layers
 from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
 from quantcli.inputs.checkpoint import Calibrated, load_calibrated
 from quantcli.inputs.data import Batch, describe, num_samples, output_arrays, run_model
+from quantcli.nn.modes import quantizer_modes
 from quantcli.quant import cpu as cpu_kinds
 from quantcli.verify import cpu_kernels, replay, sessions
 from quantcli.verify.outputs import logit_outputs
@@ -100,28 +103,30 @@ def verify_onnx(
     ckpt = calibrated if isinstance(calibrated, Calibrated) else load_calibrated(calibrated)
     prov = sessions.choose_provider(provider)
     batches = _verification_batches(ckpt, batches)
-    structure, weight_rows = check_structure(model, ckpt)
-    ss = _open_sessions(model, prov, provider, deployment)
-    report = VerifyReport(
-        str(onnx_path),
-        ckpt.path,
-        ss.provider,
-        len(batches),
-        num_samples(batches),
-        structure=structure,
-        provider_note=ss.provider_note,
-    )
-    for_onnxruntime = _target(model) == "onnxruntime"
-    kind = cpu_kernels.emulated_kind(cpu, cpu_kernels.graph_cpu(model)) if for_onnxruntime else None
-    saturation = None
-    if kind is not None and saturating_layers(ckpt.model, batches[0], unknown=True):
-        saturation = cpu_kernels.Saturation(kind, cpu_kernels.u8s8_layers(onnx_path))
-    try:
-        cmp = _compare_outputs(
-            ss, ckpt, batches, [o.name for o in model.graph.output], max_abs_diff, saturation
+    floats = _FloatModels(ckpt)  # before constant_weights: a copy made within would share its cached weights
+    with constant_weights(ckpt.model):  # each weight quantized once, for every check below
+        structure, weight_rows = check_structure(model, ckpt)
+        ss = _open_sessions(model, prov, provider, deployment)
+        report = VerifyReport(
+            str(onnx_path),
+            ckpt.path,
+            ss.provider,
+            len(batches),
+            num_samples(batches),
+            structure=structure,
+            provider_note=ss.provider_note,
         )
-    except GraphRunError as e:
-        return _graph_failed(report, e, t0)
+        for_onnxruntime = _target(model) == "onnxruntime"
+        kind = cpu_kernels.emulated_kind(cpu, cpu_kernels.graph_cpu(model)) if for_onnxruntime else None
+        saturation = None
+        if kind is not None and saturating_layers(ckpt.model, batches[0], unknown=True):
+            saturation = cpu_kernels.Saturation(kind, cpu_kernels.u8s8_layers(onnx_path))
+        try:
+            cmp = _compare_outputs(
+                ss, ckpt, floats, batches, [o.name for o in model.graph.output], max_abs_diff, saturation
+            )
+        except GraphRunError as e:
+            return _graph_failed(report, e, t0)
     rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
     _reference_check(report, cmp, ckpt)
     use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
@@ -297,6 +302,7 @@ class _Comparison:
 def _compare_outputs(
     ss: _Sessions,
     ckpt: Calibrated,
+    floats: _FloatModels,
     batches: list[Batch],
     out_names: list[str],
     max_abs_diff: float | None,
@@ -305,59 +311,85 @@ def _compare_outputs(
     """One pass over the data: the deployed session (what a user ships) against the fake-quant and the float
     model; the exact session runs on every batch only where it is the one judged (no deployed session, or an
     explicit --max-abs-diff), else on the sample, where the replay proves its arithmetic quantizer by
-    quantizer."""
-    qmodel, fmodel = ckpt.model, ckpt.float_model()  # the float reference: the model as loaded
-    tmodel = ckpt.transformed_float_model() if ckpt.has_original else None
+    quantizer. Run within :func:`constant_weights` (verify_onnx): each weight is quantized once."""
+    qmodel = ckpt.model
     cmp = _Comparison(out_names, saturation=saturation)
     sample, rest = replay.split_sample(batches)
-    with constant_weights(qmodel), constant_weights(fmodel):
-        for i, batch in enumerate([sample] + rest):
-            where = "the first batch" if i == 0 else f"batch {i} ({describe(batch)})"
-            inputs = sessions.feeds(ss.exact, batch, where)
-            deployed = None
-            if ss.deployed is not None:
-                try:
-                    deployed = sessions.run(ss.deployed, inputs, where)
-                except VerifyError as e:
-                    ss.deployed, ss.deploy_error = None, str(e)
-            if i == 0:
-                ref, flt, got = _sample_pass(ss, cmp, qmodel, fmodel, batch, where)
-                if tmodel is not None:
-                    _compare_transformed(cmp, fmodel, tmodel, batch, flt, where)
-            else:
-                with torch.inference_mode():
-                    ref = output_arrays(run_model(qmodel, batch, where))
+    for i, batch in enumerate([sample] + rest):
+        where = "the first batch" if i == 0 else f"batch {i} ({describe(batch)})"
+        inputs = sessions.feeds(ss.exact, batch, where)
+        deployed = None
+        if ss.deployed is not None:
+            try:
+                deployed = sessions.run(ss.deployed, inputs, where)
+            except VerifyError as e:
+                ss.deployed, ss.deploy_error = None, str(e)
+        if i == 0:
+            ref, flt, got = _sample_pass(ss, cmp, qmodel, floats, batch, where)
+            if floats.loaded is not None:
+                _compare_transformed(cmp, floats, batch, flt, where)
+        else:
+            with torch.inference_mode():
+                ref = output_arrays(run_model(qmodel, batch, where))
+                with floats.reference() as fmodel:
                     flt = output_arrays(run_model(fmodel, batch, where))
-                full_exact = ss.deployed is None or max_abs_diff is not None
-                got = sessions.run(ss.exact, inputs, where, cmp.out_names) if full_exact else None
-            cmp.add(batch, ref, flt, got, deployed)
-            if cmp.saturation is not None:
-                cmp.saturation.add(qmodel, batch, ref, cmp.out_names, where)
+            full_exact = ss.deployed is None or max_abs_diff is not None
+            got = sessions.run(ss.exact, inputs, where, cmp.out_names) if full_exact else None
+        cmp.add(batch, ref, flt, got, deployed)
+        if cmp.saturation is not None:
+            cmp.saturation.add(qmodel, batch, ref, cmp.out_names, where)
     return cmp
 
 
 def _sample_pass(
-    ss: _Sessions, cmp: _Comparison, qmodel, fmodel, batch: Batch, where: str
+    ss: _Sessions, cmp: _Comparison, qmodel, floats: _FloatModels, batch: Batch, where: str
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """The sample batch: the fake-quant model with its quantizers' outputs captured, the float model (which
     outputs are logits), and the replay against the exact session. Returns (fake-quant, float, exact)
     outputs."""
     with torch.inference_mode(), replay.capture(qmodel, replay.evidence_quantizers(ss.graph)) as seen:
         ref = output_arrays(run_model(qmodel, batch, where))
-    flt_t, logits = logit_outputs(fmodel, batch)
+    with floats.reference() as fmodel:
+        flt_t, logits = logit_outputs(fmodel, batch)
     flt = [t.detach().cpu().numpy() for t in flt_t]
     cmp.start(logits)
     cmp.evidence, got = replay.replay(ss.exact, ss.graph, cmp.out_names, qmodel, batch, seen)
     return ref, flt, got
 
 
+class _FloatModels:
+    """The float models verify compares with.
+
+    ``loaded``: the model as loaded, built from the checkpoint's stored original weights (None where it
+    stores none). The float model as quantcli transformed it (BatchNorm folding, SmoothQuant, placement
+    rewrites) is the quantized model itself with its quantizers off while in use, or, where GPTQ moved the
+    weights while rounding them, a copy with the weights as they were
+    (:meth:`Calibrated.transformed_float_model`)."""
+
+    def __init__(self, ckpt: Calibrated):
+        self.ckpt = ckpt
+        self.loaded = ckpt.float_model() if ckpt.has_original else None
+        self._copy = ckpt.transformed_float_model() if ckpt.data.get("unrounded") else None
+
+    @contextlib.contextmanager
+    def transformed(self) -> Iterator[torch.nn.Module]:
+        if self._copy is not None:
+            yield self._copy
+            return
+        with quantizer_modes(self.ckpt.model, "disabled"):
+            yield self.ckpt.model
+
+    def reference(self) -> contextlib.AbstractContextManager[torch.nn.Module]:
+        """The float reference: the model as loaded, else the transformed one."""
+        return contextlib.nullcontext(self.loaded) if self.loaded is not None else self.transformed()
+
+
 def _compare_transformed(
-    cmp: _Comparison, fmodel, tmodel, batch: Batch, flt: list[np.ndarray], where: str
+    cmp: _Comparison, floats: _FloatModels, batch: Batch, flt: list[np.ndarray], where: str
 ) -> None:
-    """The float model as quantcli transformed it (BatchNorm folding, SmoothQuant, placement rewrites;
-    quantizers off) against the model as loaded, on the sample: the transformations must compute the same, up
-    to rounding."""
-    with torch.inference_mode():
+    """The float model as quantcli transformed it (quantizers off) against the model as loaded, on the sample:
+    the transformations must compute the same, up to rounding."""
+    with torch.inference_mode(), floats.transformed() as tmodel:
         got = output_arrays(run_model(tmodel, batch, where))
     if len(got) != len(cmp.out_names):
         raise VerifyError(
@@ -367,7 +399,7 @@ def _compare_transformed(
     cmp.transformed = {n: PairStats() for n in cmp.out_names}
     for k, n in enumerate(cmp.out_names):
         cmp.transformed[n].add(got[k], flt[k])
-    cmp.transformed_models = (fmodel, tmodel, batch)
+    cmp.transformed_models = (floats.loaded, batch)
 
 
 def _reference_check(report: VerifyReport, cmp: _Comparison, ckpt: Calibrated) -> None:
@@ -391,10 +423,10 @@ def _reference_check(report: VerifyReport, cmp: _Comparison, ckpt: Calibrated) -
     if not check.passed and cmp.transformed_models is not None:
         from quantcli.calibration.float_check import describe_first, first_difference, smoothed_modules
 
-        fmodel, tmodel, batch = cmp.transformed_models
+        fmodel, batch = cmp.transformed_models
         found = first_difference(
             fmodel,
-            tmodel,
+            ckpt.transformed_float_model(),  # a copy of its own: the search hooks every module
             batch,
             ckpt.data.get("batchnorm_folds", []),
             smoothed_modules((ckpt.data.get("calibration") or {}).get("smoothquant")),

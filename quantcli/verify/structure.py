@@ -124,8 +124,8 @@ def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any]
     got = graph_weight(p, inits)
     if w is None or got is None:
         return None, None
-    with torch.no_grad():
-        want = q(w.detach()).cpu().numpy()
+    with torch.no_grad():  # the parameter itself: within verify's constant_weights, its one quantization
+        want = q(w).cpu().numpy()
     if got.shape != want.shape:
         return None, f"stored weight has shape {list(got.shape)}, the checkpoint's {list(want.shape)}"
     local = PairStats()

@@ -27,6 +27,8 @@ def constant_weights(model: nn.Module) -> Iterator[None]:
     for name, q in quantizers(model).items():
         if not name.endswith("weight_quantizer") or q.mode != "quantize":
             continue
+        if q.amax is None and not q.desc.dynamic:
+            continue  # uncalibrated: refused where it is used, with the name of what to do
         layer = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
         weight = getattr(layer, "weight", None)
         if not isinstance(weight, torch.Tensor) or getattr(layer, "weight_derived", False):
@@ -35,7 +37,8 @@ def constant_weights(model: nn.Module) -> Iterator[None]:
             cached = q(weight.detach())
 
         def forward(x, _q=q, _w=weight, _c=cached):
-            return _c if x is _w else type(_q).forward(_q, x)
+            # a quantizer turned off within the block (the float pass of quantizers_disabled) passes through
+            return _c if x is _w and _q.mode == "quantize" else type(_q).forward(_q, x)
 
         q.forward = forward  # an instance attribute: nn.Module.__call__ looks it up first
         patched.append(q)
