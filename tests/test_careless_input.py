@@ -288,7 +288,7 @@ def test_text_and_image_options_with_other_data_are_refused(tmp_path):
     np.save(x, np.zeros((4, 1, 8, 8), np.float32))
     out = tmp_path / "m.calib.pt"
     for extra, words in (
-        (["--max-length", "32"], ["--max-length", "apply to text data", "tensor data"]),
+        (["--max-length", "32"], ["--max-length", "applies to text data", "tensor data"]),
         (["--image-size", "32", "--mean", "0.5"], ["--image-size, --mean", "apply to image data"]),
     ):
         r = cli("calibrate", "digits_cnn", "--data", x, "--out", out, *extra)
@@ -297,7 +297,24 @@ def test_text_and_image_options_with_other_data_are_refused(tmp_path):
     texts = tmp_path / "t.txt"
     texts.write_text("one line\n")
     r = cli("calibrate", "text_encoder", "--data", texts, "--out", out, "--std", "0.2")
-    assert_clean_error(r, "--std", "apply to image data", "a text file")
+    assert_clean_error(r, "--std", "applies to image data", "a text file")
+
+
+def test_preprocessing_options_without_data_and_a_distributed_timeout_in_one_process_are_refused(tmp_path):
+    """A sample model calibrates on its bundled tensors: --max-length, --tokenizer, --image-size, --mean and --std
+    were accepted there and did nothing; so was --dist-timeout in a run not started by torchrun."""
+    out = tmp_path / "m.calib.pt"
+    for model, extra, words in (
+        ("text_encoder", ["--max-length", "16"], ["--max-length applies to a text file", "bundled data"]),
+        (
+            "digits_cnn",
+            ["--image-size", "8", "--std", "0.2"],
+            ["--image-size, --std apply to", "bundled data"],
+        ),
+        ("digits_cnn", ["--dist-timeout", "5"], ["--dist-timeout applies to a calibration run by torchrun"]),
+    ):
+        assert_clean_error(cli("calibrate", model, "--out", out, *extra), *words)
+        assert not out.exists()
 
 
 def test_causal_lm_options_on_another_model_are_refused(calibrated, tmp_path):

@@ -38,6 +38,7 @@ from quantcli.inputs.data import (
     DataOptions,
     cap_samples,
     describe_preprocessing,
+    given_options,
     load_data,
     num_samples,
 )
@@ -568,6 +569,13 @@ def _calibration_batches(
     if spec.kind == "sample":
         from sample_models import SAMPLES
 
+        unused = [flag for flags in given_options(request.data_options).values() for flag in flags]
+        if unused:  # the bundled batches are tensors already: a setting that would do nothing is refused
+            raise DataError(
+                f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to a text file or image folder given with --data; "
+                f"{request.model} calibrates on its bundled data without --data: leave "
+                f"{'it' if len(unused) == 1 else 'them'} out, or pass --data"
+            )
         batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), request.num_samples)
         return (batches if rank is None else strided(batches, rank.rank, rank.world_size)), None
     raise DataError(f"{request.model} is not a sample model, so it needs calibration data: pass --data FILE")

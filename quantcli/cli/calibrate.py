@@ -233,6 +233,13 @@ def calibrate(
         kv_cache=kv_cache,
     )
     with torchrun_rank(device, dist_timeout) as rank:
+        if rank is None and dist_timeout != defaults.DIST_TIMEOUT:
+            from quantcli.errors import ConfigError
+
+            raise ConfigError(
+                "--dist-timeout applies to a calibration run by torchrun in more than one process; this one "
+                "runs in one: leave it out"
+            )
         job = CalibrationJob.load(request, rank)
         smoothed = job.smooth()
         with progress(len(job.batches), "calibrating", not as_json and not STATE.quiet) as advance:

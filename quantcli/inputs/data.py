@@ -370,6 +370,15 @@ def load_data(
     return batches, prep
 
 
+def given_options(opts: DataOptions) -> dict[str, list[str]]:
+    """The preprocessing flags given, by the kind of data they apply to (``text``, ``images``)."""
+    given = {
+        "text": [("--tokenizer", opts.tokenizer), ("--max-length", opts.max_length)],
+        "images": [("--image-size", opts.image_size), ("--mean", opts.mean), ("--std", opts.std)],
+    }
+    return {k: [flag for flag, v in flags if v is not None] for k, flags in given.items()}
+
+
 def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
     """Text options for image or tensor data, image options for text or tensor data: a setting that would do
     nothing is refused, not dropped in silence."""
@@ -378,11 +387,7 @@ def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
     text = path.is_file() and path.suffix.lower() in TEXT_SUFFIXES
     images = path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir())
     kind = "text" if text else "images" if images else "tensors"
-    given = {
-        "text": [("--tokenizer", opts.tokenizer), ("--max-length", opts.max_length)],
-        "images": [("--image-size", opts.image_size), ("--mean", opts.mean), ("--std", opts.std)],
-    }
-    unused = [flag for k, flags in given.items() if k != kind for flag, v in flags if v is not None]
+    unused = [flag for k, flags in given_options(opts).items() if k != kind for flag in flags]
     if unused:
         what = {
             "text": "a text file",
@@ -391,7 +396,7 @@ def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
         }
         applies = "text" if unused[0] in ("--tokenizer", "--max-length") else "image"
         raise DataError(
-            f"{', '.join(unused)} apply to {applies} data; {path} is {what[kind]}: leave "
+            f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to {applies} data; {path} is {what[kind]}: leave "
             f"{'it' if len(unused) == 1 else 'them'} out"
         )
 
