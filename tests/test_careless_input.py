@@ -301,8 +301,8 @@ def test_text_and_image_options_with_other_data_are_refused(tmp_path):
 
 
 def test_preprocessing_options_without_data_and_a_distributed_timeout_in_one_process_are_refused(tmp_path):
-    """A sample model calibrates on its bundled tensors: --max-length, --tokenizer, --image-size, --mean and --std
-    were accepted there and did nothing; so was --dist-timeout in a run not started by torchrun."""
+    """A sample model calibrates on its bundled tensors: --max-length, --tokenizer, --image-size, --mean and
+    --std were accepted there and did nothing; so was --dist-timeout in a run not started by torchrun."""
     out = tmp_path / "m.calib.pt"
     for model, extra, words in (
         ("text_encoder", ["--max-length", "16"], ["--max-length applies to a text file", "bundled data"]),

@@ -458,6 +458,38 @@ def test_a_weight_on_the_left_of_a_matmul_is_named_as_left_float():
     assert model.quantcli_report.layers == ["fc"]
 
 
+class _FixedProjection(nn.Module):
+    """A fixed weight held as a buffer (``F.linear(h, self.frozen)``) or, as its reason advises, as a
+    parameter that needs no gradient; a positional buffer added to the input is not a weight."""
+
+    def __init__(self, as_parameter: bool):
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        frozen = torch.randn(4, 16) / 4
+        if as_parameter:
+            self.frozen = nn.Parameter(frozen, requires_grad=False)
+        else:
+            self.register_buffer("frozen", frozen)
+        self.register_buffer("pe", torch.randn(8))
+
+    def forward(self, x):
+        return F.linear(torch.relu(self.fc(x + self.pe)), self.frozen)
+
+
+def test_a_weight_held_as_a_buffer_is_named_as_left_float_and_quantized_as_a_parameter():
+    """``F.linear(h, self.frozen)`` with a registered buffer stayed float and unreported."""
+    torch.manual_seed(0)
+    example = {"x": torch.randn(4, 8)}
+    model = quantize_model(_FixedProjection(as_parameter=False).eval(), "int8", example=example)
+    reasons = {f["name"]: f["reason"] for f in model.quantcli_report.float_layers}
+    assert reasons.keys() == {""}, reasons
+    assert reasons[""].startswith("its weight frozen is a buffer (register_buffer)"), reasons
+    assert model.quantcli_report.layers == ["fc"]
+    model = quantize_model(_FixedProjection(as_parameter=True).eval(), "int8", example=example)
+    assert model.quantcli_report.float_layers == []
+    assert sorted(model.quantcli_report.layers) == ["", "fc"]
+
+
 class _TiedAutoencoder(nn.Module):
     """A decoder computing with the encoder's weight transposed, as tied autoencoders do; ``alias`` also
     registers that weight on the root module (``self.w = self.enc.weight``)."""

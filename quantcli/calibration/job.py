@@ -572,7 +572,8 @@ def _calibration_batches(
         unused = [flag for flags in given_options(request.data_options).values() for flag in flags]
         if unused:  # the bundled batches are tensors already: a setting that would do nothing is refused
             raise DataError(
-                f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to a text file or image folder given with --data; "
+                f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to a text file or image "
+                "folder given with --data; "
                 f"{request.model} calibrates on its bundled data without --data: leave "
                 f"{'it' if len(unused) == 1 else 'them'} out, or pass --data"
             )

@@ -396,7 +396,8 @@ def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
         }
         applies = "text" if unused[0] in ("--tokenizer", "--max-length") else "image"
         raise DataError(
-            f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to {applies} data; {path} is {what[kind]}: leave "
+            f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to {applies} data; "
+            f"{path} is {what[kind]}: leave "
             f"{'it' if len(unused) == 1 else 'them'} out"
         )
 

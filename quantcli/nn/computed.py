@@ -216,6 +216,8 @@ class Census:
     # module -> the other modules its weight parameter is registered in too (``self.w = self.enc.weight``),
     # where this module's forward computed with it
     aliased: dict[str, set[str]] = field(default_factory=dict)
+    # module -> its buffers (``register_buffer``) a weighted operation took as the weight of an activation
+    buffer_weights: dict[str, set[str]] = field(default_factory=dict)
 
     def by_layer(self) -> dict[str, list[OpUse]]:
         out: dict[str, list[OpUse]] = {}
@@ -258,10 +260,14 @@ class _CensusMode(TorchFunctionMode):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.prov = _Provenance()
+        self.buffers: dict[int, tuple[str, str]] = {}  # floating-point buffers: id -> (module, name)
         for mname, m in model.named_modules():
             for pname, p in m.named_parameters(recurse=False):
                 if p.is_floating_point():
                     self.prov.params[id(p)] = self.prov.params.get(id(p), frozenset()) | {(mname, pname)}
+            for bname, buf in m.named_buffers(recurse=False):
+                if buf.is_floating_point():
+                    self.buffers.setdefault(id(buf), (mname, bname))
         self.stack: list[str] = [""]
         self.result = Census()
         self.outputs: dict[int, OpUse] = {}  # id(operation output) -> its use
@@ -273,6 +279,9 @@ class _CensusMode(TorchFunctionMode):
         if src is None or self.prov.source(x) is not None or not isinstance(w, torch.Tensor):
             if kind == "matmul" and src is None and self.prov.source(x) is not None:
                 self._other_product(LEFT_MATMUL, args, kwargs)  # W @ x: the weight is the left operand
+            elif src is None and isinstance(w, torch.Tensor) and id(w) in self.buffers:
+                module, buffer = self.buffers[id(w)]  # a fixed weight held as a buffer: named, not quantized
+                self.result.buffer_weights.setdefault(module, set()).add(buffer)
             self.prov.track(args, kwargs, out)
             return out
         caller = self.stack[-1]

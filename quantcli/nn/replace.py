@@ -210,6 +210,14 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
             return ("float", reason)
         return _static_plan(module, base)
     if not uses:
+        buffers = found.buffer_weights.get(name)
+        if buffers:
+            held = ", ".join(sorted(buffers))
+            return (
+                "float",
+                f"its weight {held} is a buffer (register_buffer), and quantcli quantizes parameters: "
+                "register it as nn.Parameter(..., requires_grad=False) to quantize it",
+            )
         reason = float_reason(module)
         # a product that took the module's parameter and an activation says it is a weight, whatever its name
         others = found.other_products.get(name)
