@@ -51,7 +51,7 @@ from quantcli.errors import ExportError, whole_line
 from quantcli.files import no_space, staging_directory, writable_directory
 from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
-from quantcli.nn.tensor_quantizer import quantizers, uncalibrated
+from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers, uncalibrated
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import formats
 
@@ -307,7 +307,7 @@ def _padding_inputs(module: nn.Module) -> dict[str, str]:
     DequantizeLinear is named after the padding module."""
     names = {id(m): n for n, m in module.named_modules()}
     return {
-        names[id(input_quantized_before(m))]: f"{name}.input_quantizer"
+        names[id(input_quantized_before(m))]: quantizer_name(name, "input_quantizer")
         for name, m in module.named_modules()
         if id(input_quantized_before(m)) in names
     }
@@ -324,8 +324,8 @@ def _hook_scopes(module: nn.Module) -> dict[str, str]:
         after = layer.__dict__.get("_output_quantized_after")
         if after is None or id(after) not in names:
             continue
-        parent = names[id(after)].rsplit(".", 1)[0] if "." in names[id(after)] else ""
-        out[f"{parent}.output_quantizer" if parent else "output_quantizer"] = f"{name}.output_quantizer"
+        parent = owner(names[id(after)])
+        out[quantizer_name(parent, "output_quantizer")] = quantizer_name(name, "output_quantizer")
     return out
 
 

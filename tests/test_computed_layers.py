@@ -572,3 +572,65 @@ def test_convolutions_that_pad_themselves_run_as_qlinearconv(tmp_path):
     assert all(kernels.get(n) == "QLinearConv" for n in ("c1", "c2", "c3")), fusion.to_dict()
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npy")
     assert r.exit_code == 0, r.output
+
+
+class _RootProjection(nn.Module):
+    """The model's own forward computes a weighted matmul (``h.matmul(self.P)``): the root module, named ""."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+        self.P = nn.Parameter(torch.randn(32, 8) / 6)
+
+    def forward(self, x):
+        return torch.tanh(torch.relu(self.fc(x)).matmul(self.P))
+
+
+def test_a_layer_of_the_root_module_is_placed_and_its_weight_codes_are_checked(tmp_path):
+    """The root module's quantizers have no prefix (``weight_quantizer``), and every place that took a
+    quantizer's module as the name before its last dot missed them: latency placement named the layer after
+    its graph node ("/MatMul": "not mapped to a module of the model") and would have switched off none of its
+    quantizers; verify's structure check never compared its stored weight codes, so a graph with a wrong root
+    weight passed it."""
+    from quantcli.calibration.latency_placement import _layer_quantizers
+
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
+        "from tests.test_computed_layers import _RootProjection\n"
+        "def make():\n    torch.manual_seed(0)\n    return _RootProjection().eval()\n"
+    )
+    np.save(tmp_path / "d.npy", np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli("calibrate", f"{tmp_path / 'net.py'}:make", "--data", tmp_path / "d.npy", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert sorted(info["layers"]["quantized"]) == ["", "fc"]
+    decided = {d["layer"]: d for d in info["placement"]["latency"]["layers"]}
+    assert decided.keys() == {"", "fc"}, decided
+    assert decided[""]["kernel"] == "MatMulIntegerToFloat" and decided[""]["ratio"] is not None, decided
+    model = _RootProjection()
+    quantize_model(model, "int8", example={"x": torch.randn(2, 16)})
+    assert sorted(_layer_quantizers(model, "")) == ["input_quantizer", "weight_quantizer"]
+    assert sorted(_layer_quantizers(model, "fc")) == ["fc.input_quantizer", "fc.weight_quantizer"]
+
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    assert {lf.layer for lf in inspect_fusion(graph).layers} == {"", "fc"}
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npy", "--json", "--per-layer")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    rows = {row["quantizer"]: row for row in rep["layers"]}
+    assert rows["weight_quantizer"]["module"] == "" and rows["weight_quantizer"]["identical_codes"] == 1.0
+    assert rows["input_quantizer"]["module"] == ""
+
+    m = onnx.load(graph)  # one stored code of the root's weight moved by one step
+    dq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear" and n.name.startswith("/weight_q"))
+    init = next(t for t in m.graph.initializer if t.name == dq.input[0])
+    codes = onnx.numpy_helper.to_array(init).copy()
+    codes.flat[0] = codes.flat[0] - 1 if codes.flat[0] > -127 else codes.flat[0] + 1
+    init.CopyFrom(onnx.numpy_helper.from_array(codes, init.name))
+    onnx.save(m, tmp_path / "edited.onnx")
+    r = cli("verify", tmp_path / "edited.onnx", "--reference", ck, "--data", tmp_path / "d.npy", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 1 and not rep["structure"]["passed"], rep["structure"]
+    assert any(p.startswith("weight_quantizer") for p in rep["structure"]["problems"]), rep["structure"]

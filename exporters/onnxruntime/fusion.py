@@ -28,6 +28,7 @@ from exporters.onnxruntime import compat
 from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, first_line
 from quantcli.nn.recurrent import DYNAMIC_LSTM
+from quantcli.nn.tensor_quantizer import owner, role
 
 # the kernels onnxruntime runs a quantized layer as when its QDQ fusions apply
 INTEGER_KERNELS = frozenset(
@@ -154,10 +155,10 @@ def _type_name(t: int | None) -> str:
 
 
 def _layer_name(quantizers: list[str], node: onnx.NodeProto) -> str:
-    for suffix in (".weight_quantizer", ".input_quantizer"):
+    for kind in ("weight_quantizer", "input_quantizer"):
         for q in quantizers:
-            if q.endswith(suffix):
-                return q[: -len(suffix)]
+            if role(q) == kind:
+                return owner(q)  # "" where the model's own (root) module computes it
     return node.name or node.output[0]
 
 

@@ -34,7 +34,7 @@ from quantcli.nn.amax_checks import amax_span, checked_together
 from quantcli.nn.dynamic import count_calls
 from quantcli.nn.modes import keep_float, quantizer_modes
 from quantcli.nn.modules import input_quantized_before
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers
 
 METHODS = CALIBRATION_METHODS  # kept importable under its old name
 
@@ -554,8 +554,7 @@ def _load_activation_amax(
 def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
     """Disable an activation quantizer whose layer never ran, and its layer's weight quantizer; report
     both."""
-    layer = name.rsplit(".", 1)[0]
-    for qn in (name, f"{layer}.weight_quantizer"):
+    for qn in (name, quantizer_name(owner(name), "weight_quantizer")):
         if qn in qs:
             keep_float(qs[qn])
             summary.not_called.append(qn)

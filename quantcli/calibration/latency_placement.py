@@ -52,7 +52,7 @@ from exporters.onnxruntime.kernel_costs import CONV, DEPTHWISE, GEMM, LayerShape
 from quantcli.errors import first_line
 from quantcli.inputs.data import Batch, run_model
 from quantcli.nn.modes import keep_float
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizers, role
 from quantcli.quant import u8s8
 
 #: a fused layer stays float when the table predicts its int8 kernel more than this fraction slower than
@@ -244,7 +244,7 @@ def _chosen(d: LayerDecision, chosen: frozenset[str], keep_inputs: bool, why: st
         return _requantized(d, why)
     if not keep_inputs:
         return d
-    kept = [q for q in d.quantizers if not q.endswith(".input_quantizer")]
+    kept = [q for q in d.quantizers if role(q) != "input_quantizer"]
     return LayerDecision(
         d.layer, d.kernel, d.ratio, FLOAT, f"{d.reason}; {INPUT_KEPT}", kept, d.fused, d.applicable
     )
@@ -266,7 +266,7 @@ def keep_chains(decisions: list[LayerDecision], groups: list[dict]) -> list[Laye
     ]
 
 
-_OWN = (".input_quantizer", ".weight_quantizer")
+_OWN = ("input_quantizer", "weight_quantizer")
 
 #: a stem kept float (:func:`as_stems`): its other quantizers (the Q on its output) stay on
 OUTPUT_KEPT = "its output stays quantized, as the graph after it reads it"
@@ -279,7 +279,7 @@ def is_stem(graph: onnx.ModelProto, node: str, quantizers: list[str]) -> bool:
     can lose its integer kernel, and placement need not export the graph again to find out
     (:func:`keep_neighbours`). A DQ that feeds another node too (a shared input or weight), or an input Q that
     reads anything but a graph input: not a stem."""
-    own = {q for q in quantizers if q.endswith(_OWN)}
+    own = {q for q in quantizers if role(q) in _OWN}
     producers = {o: n for n in graph.graph.node for o in n.output}
     consumers: dict[str, set[str]] = {}
     for n in graph.graph.node:
@@ -292,7 +292,7 @@ def is_stem(graph: onnx.ModelProto, node: str, quantizers: list[str]) -> bool:
             continue
         if consumers.get(dq_out, set()) - {node}:
             return False  # the DQ serves another node too
-        if q.endswith(".input_quantizer"):
+        if role(q) == "input_quantizer":
             dq = producers.get(dq_out)
             quantize = producers.get(dq.input[0]) if dq is not None else None
             if quantize is None or quantize.op_type != "QuantizeLinear" or quantize.input[0] not in inputs:
@@ -314,8 +314,8 @@ def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[Layer
         return None
     out = []
     for d in decisions:
-        if d.decision == FLOAT and any(not q.endswith(_OWN) for q in d.quantizers):
-            own = [q for q in d.quantizers if q.endswith(_OWN)]
+        if d.decision == FLOAT and any(role(q) not in _OWN for q in d.quantizers):
+            own = [q for q in d.quantizers if role(q) in _OWN]
             d = replace(d, reason=f"{d.reason}; {OUTPUT_KEPT}", quantizers=own)
         out.append(d)
     return out
@@ -356,7 +356,7 @@ def _weighed(model: nn.Module) -> list[str]:
 
 def _layer_quantizers(model: nn.Module, layer: str) -> list[str]:
     """The enabled quantizers of module ``layer`` (input, weight, output), by their model-wide names."""
-    return [n for n, q in quantizers(model).items() if n.rsplit(".", 1)[0] == layer and q.enabled]
+    return [n for n, q in quantizers(model).items() if owner(n) == layer and q.enabled]
 
 
 def layer_shape(module: nn.Module, output: torch.Tensor) -> LayerShape:
@@ -411,7 +411,7 @@ def _with_float(
     for d in decisions:
         if d.layer in layers:
             for name in d.quantizers:
-                if name in qs and not (keep_inputs and name.endswith(".input_quantizer")):
+                if name in qs and not (keep_inputs and role(name) == "input_quantizer"):
                     keep_float(qs[name])
     return plain
 

@@ -33,7 +33,7 @@ from quantcli.errors import CalibrationError
 from quantcli.inputs.data import Batch, run_model, to_device
 from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.modules import QuantLinear
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import quantizer_name, quantizers
 
 WEIGHT_METHODS = ("rtn", "gptq", "awq")
 
@@ -164,7 +164,7 @@ def gptq(
                 report.skipped[name] = "never called during calibration"
                 continue
             _round_layer(layers[name], acc[name], damp)
-            modes[f"{name}.weight_quantizer"] = "quantize"
+            modes[quantizer_name(name, "weight_quantizer")] = "quantize"
             report.layers.append(name)
             report.rows = max(report.rows, acc[name].rows)
     report.details = {"damp": damp, "sequential": sequential}

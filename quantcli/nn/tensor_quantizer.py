@@ -357,6 +357,23 @@ def amax_shape_error(
     return None if numel in (1, want) else where
 
 
+def owner(quantizer: str) -> str:
+    """The module a quantizer belongs to, by name: ``layer1.0.conv1`` for ``layer1.0.conv1.weight_quantizer``,
+    and ``""`` (the model itself) for a quantizer of the root module (``weight_quantizer``)."""
+    return quantizer.rsplit(".", 1)[0] if "." in quantizer else ""
+
+
+def role(quantizer: str) -> str:
+    """A quantizer's attribute on its module: ``input_quantizer``, ``weight_quantizer``, ``output_quantizer``,
+    ..., whether its module is a submodule or the model itself."""
+    return quantizer.rsplit(".", 1)[-1]
+
+
+def quantizer_name(module: str, role_name: str) -> str:
+    """The model-wide name of ``module``'s quantizer ``role_name`` (the root module's has no prefix)."""
+    return f"{module}.{role_name}" if module else role_name
+
+
 def quantizers(model: nn.Module) -> dict[str, TensorQuantizer]:
     """Every TensorQuantizer in ``model``, by its module name."""
     return {name: m for name, m in model.named_modules() if isinstance(m, TensorQuantizer)}

@@ -39,7 +39,7 @@ from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli.analysis.quality import snr_db
 from quantcli.inputs.batch_axes import split
 from quantcli.inputs.data import Batch, num_samples, output_arrays, run_model
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizers
 from quantcli.quant import arithmetic
 from quantcli.verify import sessions
 
@@ -346,7 +346,7 @@ def _pair_row(
             e2e_total += dq.size
     return {
         "quantizer": name,
-        "module": name.rsplit(".", 1)[0],
+        "module": owner(name),
         "kind": "activation",
         "snr_db": snr_db(ref2, err2),
         "max_abs_error": max_abs,
@@ -377,7 +377,7 @@ def _dynamic_row(
     ref2, err2 = float(np.square(x, dtype=np.float64).sum()), float(np.square(diff).sum())
     return {
         "quantizer": name,
-        "module": name.rsplit(".", 1)[0],
+        "module": owner(name),
         "kind": "activation (dynamic)",
         "snr_db": snr_db(ref2, err2),
         "max_abs_error": float(np.abs(diff).max(initial=0.0)),

@@ -36,7 +36,7 @@ from quantcli.errors import VerifyError, first_line
 from quantcli.inputs.batch_axes import head
 from quantcli.inputs.checkpoint import Calibrated
 from quantcli.nn.recurrent import onnx_layers
-from quantcli.nn.tensor_quantizer import quantizers, uncalibrated
+from quantcli.nn.tensor_quantizer import owner, quantizers, role, uncalibrated
 from quantcli.nn.usage import unused_quantizers
 from quantcli.quant import arithmetic
 from quantcli.quant.granularity import broadcast_onnx_param
@@ -113,13 +113,13 @@ def _weight_operands(ckpt: Calibrated) -> dict[str, torch.Tensor]:
         if isinstance(m, ComputedLayer) and not m.weight_derived and m.weight_name != "weight":
             out[f"{name}.weight" if name else "weight"] = m.weight_source()
     derived = weight_operands(ckpt.model, ckpt.example)
-    out.update({q.rsplit(".", 1)[0] + ".weight" if "." in q else "weight": t for q, t in derived.items()})
+    out.update({f"{owner(q)}.weight" if owner(q) else "weight": t for q, t in derived.items()})
     return out
 
 
 def _weight_row(name: str, q, p: QdqPair, inits, params) -> tuple[dict[str, Any] | None, str | None]:
     """Per-layer row of a weight quantizer and a problem, if its stored codes differ from the checkpoint's."""
-    module = name.rsplit(".", 1)[0]
+    module = owner(name)
     w = params.get(f"{module}.weight" if module else "weight")
     got = graph_weight(p, inits)
     if w is None or got is None:
@@ -174,8 +174,8 @@ def _check_dynamic_layers(
             continue
         if layer.weight_zero_point is not None and np.any(layer.weight_zero_point != 0):
             problems.setdefault(wname, []).append("weight zero point is not 0")
-        module = wname.rsplit(".", 1)[0]
-        w = weights.get(f"{module}.weight")
+        module = owner(wname)
+        w = weights.get(f"{module}.weight" if module else "weight")
         if layer.weight in inits and w is not None:
             with torch.no_grad():
                 want_w = q(w.detach()).cpu().numpy()
@@ -269,8 +269,8 @@ def _bias_layer(node: onnx.NodeProto, producers, dq_quantizer: dict[str, str]) -
             continue
         for i in candidate.input:
             name = dq_quantizer.get(i, "")
-            if name.endswith(".weight_quantizer"):
-                return name.rsplit(".", 1)[0]
+            if role(name) == "weight_quantizer":
+                return owner(name)
     return None
 
 
