@@ -575,7 +575,7 @@ def test_convolutions_that_pad_themselves_run_as_qlinearconv(tmp_path):
 
 
 class _RootProjection(nn.Module):
-    """The model's own forward computes a weighted matmul (``h.matmul(self.P)``): the root module, named ""."""
+    """The model's own forward computes a weighted matmul (``h.matmul(self.P)``): the root module, ""."""
 
     def __init__(self):
         super().__init__()

@@ -33,6 +33,7 @@ CHECKS = [
     "reference.transformations",
     "deployment.loads",
     "deployment.rms_ratio",
+    "deployment.nonfinite",
     # a graph made for a CPU whose kernels can saturate is emulated as such a CPU runs it: the tests'
     # graphs are made for the deployment CPU tests/conftest.py names (QUANTCLI_CPU), whatever runs them
     *(["deployment.saturation"] if can_saturate(resolve(None)) else []),
@@ -458,6 +459,70 @@ def test_a_graph_that_computes_something_else_is_not_blamed_on_the_kernels(calib
     deployed = checks["deployment.rms_ratio"]["detail"]
     assert "the exact session is already" in deployed and "not onnxruntime's kernels" in deployed
     assert "fused integer kernels" not in deployed
+
+
+def test_a_graph_that_gives_nan_on_some_inputs_fails_even_when_every_other_statistic_passes(
+    calibrated, exported, tmp_path
+):
+    """The output plus ``0 * Log(x[:, 0, r, c] - C)``: the same values, bit for bit, where the pixel is above
+    C (every input of the 16-input sample the exact session runs on), NaN elsewhere. Every statistic leaves
+    non-finite values out, so verify said PASS with cosine 0.9999 and --min-cosine 0.999 (on a user's MLP, 59
+    of 600 rows NaN, accuracy 0.98 -> 0.885)."""
+    from sample_models import digits_cnn
+
+    x = torch.cat([b["x"] for b in digits_cnn.evaluation_batches()]).numpy()
+    sample = x[:REPLAY_SAMPLES, 0]
+    r, c = max(
+        np.ndindex(8, 8), key=lambda rc: int((x[:, 0, rc[0], rc[1]] < sample[:, rc[0], rc[1]].min()).sum())
+    )
+    threshold = float(sample[:, r, c].min()) - 1e-3
+    nan_rows = int((x[:, 0, r, c] < threshold).sum())
+    assert 0 < nan_rows < len(x)
+
+    def edit(m):
+        out = m.graph.output[0].name
+        for n in m.graph.node:
+            n.output[:] = [o + "_before" if o == out else o for o in n.output]
+        for name, value in (("nan_start", [0, 0, r, c]), ("nan_end", [1 << 30, 1, r + 1, c + 1])):
+            m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.int64), name))
+        m.graph.initializer.append(onnx.numpy_helper.from_array(np.array([-1, 1], np.int64), "nan_shape"))
+        for name, value in (("nan_c", threshold), ("nan_zero", 0.0)):
+            m.graph.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
+        m.graph.node.extend(
+            [
+                onnx.helper.make_node("Slice", ["x", "nan_start", "nan_end"], ["nan_px"]),
+                onnx.helper.make_node("Reshape", ["nan_px", "nan_shape"], ["nan_col"]),
+                onnx.helper.make_node("Sub", ["nan_col", "nan_c"], ["nan_d"]),
+                onnx.helper.make_node("Log", ["nan_d"], ["nan_log"]),
+                onnx.helper.make_node("Mul", ["nan_log", "nan_zero"], ["nan_z"]),
+                onnx.helper.make_node("Add", [out + "_before", "nan_z"], [out]),
+            ]
+        )
+
+    bad = _tampered(exported("digits_cnn"), tmp_path / "nan.onnx", edit)
+    r = cli("verify", bad, "--reference", calibrated("digits_cnn"), "--json", "--min-cosine", "0.999")
+    rep = json.loads(r.stdout)
+    checks = {c["name"]: c for c in rep["checks"]}
+    assert r.exit_code == 1 and not rep["passed"]
+    assert [n for n, c in checks.items() if not c["passed"]] == ["deployment.nonfinite"], checks
+    assert checks["deployment.nonfinite"]["value"] == nan_rows * 10  # 10 logits per row
+    assert checks["quality.min_cosine"]["passed"]  # what passed before: the statistics of the finite values
+    assert rep["deployment"]["outputs"]["output_0"]["nonfinite_mismatch"] == nan_rows * 10
+    good = cli("verify", exported("digits_cnn"), "--reference", calibrated("digits_cnn"), "--json")
+    checks = {c["name"]: c for c in json.loads(good.stdout)["checks"]}
+    assert good.exit_code == 0 and checks["deployment.nonfinite"]["value"] == 0
+
+
+def test_non_finite_values_alike_on_both_sides_are_not_a_difference():
+    """A model whose float output holds -inf (masked logits) has them in the graph too: only values NaN or inf
+    on one side and not alike on the other count as a difference."""
+    from quantcli.verify.stats import PairStats
+
+    s = PairStats()
+    ref = np.array([[1.0, -np.inf, np.nan, 2.0, np.inf, 3.0]], np.float32)
+    got = np.array([[1.0, -np.inf, np.nan, np.nan, -np.inf, np.inf]], np.float32)
+    s.add(got, ref)
+    assert s.nonfinite == 5 and s.nonfinite_mismatch == 3 and s.count == 1
 
 
 def test_non_finite_data_is_bad_input_not_a_numerical_failure(calibrated, exported, tmp_path):

@@ -35,6 +35,7 @@ from quantcli.verify.verdict import (
     MAX_REPLAY_STEPS,
     MAX_RMS_RATIO,
     MAX_TRANSFORM_DEVIATION,
+    Check,
     VerifyReport,
     at_least,
     at_most,
@@ -507,7 +508,7 @@ def _fidelity(
         at_most("fidelity.replay_outputs", MAX_REPLAY_OUTPUT, outputs[worst_out]["replay_ratio"], worst_out)
     )
     worst_out = max(out_names, key=lambda n: outputs[n]["rms_ratio"])
-    nonfinite = sum(s.nonfinite for s in cmp.fid.values())
+    nonfinite = sum(s.nonfinite_mismatch for s in cmp.fid.values())
     check = at_most("fidelity.rms_ratio", max_rms_ratio, outputs[worst_out]["rms_ratio"], worst_out)
     if nonfinite:
         check.passed, check.detail = (
@@ -585,6 +586,7 @@ def _deployment_checks(
             cause = _graph_cause(exact) if exact > max_deploy_ratio else _deploy_cause(sat)
             check.detail = f"{worst_out} on this machine ({cpu_kinds.detect()}): {cause}"
         report.checks.append(check)
+        report.checks.append(_finite_check(cmp))
     if sat is not None:
         report.checks.append(cpu_kernels.saturation_check(sat, cmp.qerr, max_deploy_ratio))
     elif emulated is not None:
@@ -596,6 +598,23 @@ def _deployment_checks(
                 f"no layer's weights can saturate {emulated}'s uint8 x int8 kernels",
             )
         )
+
+
+def _finite_check(cmp: _Comparison) -> Check:
+    """``deployment.nonfinite``: the deployed session's outputs are NaN or inf exactly where the fake-quant
+    model's are (every other statistic leaves non-finite values out, so a graph producing NaN on some inputs
+    would pass on the rest)."""
+    counts = {n: cmp.dep[n].nonfinite_mismatch for n in cmp.out_names}
+    worst = max(counts, key=counts.get)
+    detail = None
+    if counts[worst]:
+        total = sum(cmp.dep[n].count + cmp.dep[n].nonfinite for n in cmp.out_names)
+        detail = (
+            f"{worst}: {counts[worst]} value(s) NaN or inf in the deployed session where the fake-quant "
+            f"model's are not (or the other way round), of {total}: `quantcli inspect MODEL.onnx --runtime "
+            "onnxruntime` shows the graph it runs; an edited graph, or a fused kernel overflowing, makes them"
+        )
+    return at_most("deployment.nonfinite", 0, sum(counts.values()), detail)
 
 
 def _graph_cause(exact_ratio: float) -> str:

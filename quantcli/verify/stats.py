@@ -39,7 +39,10 @@ class PairStats:
         self.n_ref = 0.0  # sum ref^2
         self.dot = 0.0
         self.identical = 0
-        self.nonfinite = 0
+        self.nonfinite = 0  # elements where either side is NaN or inf
+        # of those, the ones where the two sides differ: one finite and the other not, NaN against inf, +inf
+        # against -inf (a model whose float output holds -inf, masked logits, has them on both sides alike)
+        self.nonfinite_mismatch = 0
         self.top1_same = 0
         self.top1_total = 0
 
@@ -53,6 +56,9 @@ class PairStats:
         finite = np.isfinite(g) & np.isfinite(r)
         if not finite.all():  # rare: only then pay for masking
             self.nonfinite += int(g.size - np.count_nonzero(finite))
+            bad_g, bad_r = g[~finite], r[~finite]
+            alike = (bad_g == bad_r) | (np.isnan(bad_g) & np.isnan(bad_r))
+            self.nonfinite_mismatch += int(bad_g.size - np.count_nonzero(alike))
             g, r = g[finite], r[finite]
         d = g - r
         a = np.abs(d)
@@ -104,6 +110,7 @@ class PairStats:
             "mean_abs_diff": self.sum_abs / max(self.count, 1),
             "rms_diff": self.rms,
             "nonfinite": self.nonfinite,
+            "nonfinite_mismatch": self.nonfinite_mismatch,
         }
 
     def quality(self) -> dict[str, Any]:
@@ -114,6 +121,7 @@ class PairStats:
             "max_abs_error": self.max_abs,
             "mean_abs_error": self.sum_abs / max(self.count, 1),
             "rms_error": self.rms,
+            "nonfinite_mismatch": self.nonfinite_mismatch,
         }
         if self.top1_total:
             out["top1_agreement"] = self.top1_same / self.top1_total
