@@ -172,6 +172,8 @@ class TensorQuantizer(nn.Module):
             else:  # entropy searches a symmetric threshold: the data's min and max
                 lo, amax = cal.extremes.compute_range()
                 self.histogram = cal
+            if self.desc.scale_amax is not None:  # a two-sided range scales at both ends
+                lo, amax = lo * self.desc.scale_amax, amax * self.desc.scale_amax
             self.amin = lo
             self.set_amax(amax)
             self.calibrator = None

@@ -159,7 +159,7 @@ class ScaledQuantDescriptor:
             ...}``; axis must be None with it.
         amax: a fixed amax (float or nested list).
         learn_amax: make amax a learnable parameter.
-        scale_amax: multiply the calibrated amax by this.
+        scale_amax: multiply the calibrated amax by this (both ends of an asymmetric quantizer's range).
         calib_method: ``"max"`` or ``"histogram"``.
         unsigned: unsigned integer grid.
         narrow_range: signed grid ``[-bound, bound]`` instead of ``[-bound-1, bound]``.
