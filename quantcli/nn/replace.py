@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from quantcli.errors import TransformationError
+from quantcli.errors import ConfigError, TransformationError
 from quantcli.nn import computed
 from quantcli.nn.computed import Census, census
 from quantcli.nn.config import QuantConfig, load_config
@@ -123,6 +123,21 @@ def quantize_model(
     reads directly get an ``output_quantizer``, and Conv/2-D Linear biases are rounded to int32 codes; for
     ``tensorrt``, the skip inputs of residual Adds get a ``residual_quantizer``.
     """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"quantize_model takes a torch nn.Module, got {type(model).__name__}")
+    if example is not None and not isinstance(example, Mapping):
+        raise ConfigError(
+            f"example is one keyword batch, a dict of input name -> tensor for model(**example), got "
+            f"{type(example).__name__}"
+        )
+    already = [n for n, m in model.named_modules() if isinstance(m, TensorQuantizer)]
+    if already:
+        # a second call would keep the first config's quantizers under the second's model.quantcli_config
+        raise ConfigError(
+            f"the model is already quantized ({len(already)} quantizers, {already[0]} first); quantize_model "
+            "inserts quantizers into a float model: load the float model again to quantize it with another "
+            "config"
+        )
     cfg: QuantConfig = load_config(config)
     report = QuantizeReport()
     # first: a folded BatchNorm scales the weight a parametrization would otherwise recompute
