@@ -323,3 +323,25 @@ def test_causal_lm_options_on_another_model_are_refused(calibrated, tmp_path):
         r = cli("export", calibrated("digits_cnn"), "--onnx", tmp_path / "m.onnx", flag)
         assert_clean_error(r, flag, "apply to causal LMs")
         assert not (tmp_path / "m.onnx").exists()
+
+
+def test_an_unsigned_quantizer_on_a_tensor_with_negative_values_is_refused_by_name(tmp_path):
+    """``unsigned: true`` on a weight or an input that holds negative values: calibrate wrote the checkpoint
+    (latency placement said "not decided: TypeError") and export ended in an internal error (exit 3)."""
+    for pattern, extra in (
+        ("layers.0.out.weight_quantizer", ""),
+        ("layers.0.attention.output.input_quantizer", "    asymmetric: false\n"),
+    ):
+        config = tmp_path / "unsigned.yaml"
+        config.write_text(f'preset: int8\nrules:\n  - pattern: "{pattern}"\n    unsigned: true\n{extra}')
+        out = tmp_path / "m.calib.pt"
+        r = cli("calibrate", "text_encoder", "--config", config, "--out", out)
+        assert_clean_error(r, f"{pattern} is unsigned", "negative values (min -", "set `unsigned: false`")
+        assert not out.exists()
+    # kept as configured, the checkpoint is written; export refuses it the same way
+    r = cli("calibrate", "text_encoder", "--config", config, "--placement", "all", "--out", out)
+    assert r.exit_code == 0, r.output
+    graph = tmp_path / "m.onnx"
+    r = cli("export", out, "--onnx", graph)
+    assert_clean_error(r, "layers.0.attention.output.input_quantizer is unsigned", "negative values")
+    assert not graph.exists()

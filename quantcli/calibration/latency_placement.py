@@ -49,7 +49,7 @@ from exporters.onnx_export import export_onnx
 from exporters.onnxruntime import kernel_costs
 from exporters.onnxruntime.fusion import FusionReport, inspect_fusion
 from exporters.onnxruntime.kernel_costs import CONV, DEPTHWISE, GEMM, LayerShape, Prediction
-from quantcli.errors import first_line
+from quantcli.errors import ConfigError, first_line
 from quantcli.inputs.data import Batch, run_model
 from quantcli.nn.modes import keep_float
 from quantcli.nn.tensor_quantizer import owner, quantizers, role
@@ -488,6 +488,8 @@ def measure_and_decide(
 
             stems = as_stems(decisions, report)  # stems kept float cost no neighbour anything
             decisions = stems if stems is not None else keep_neighbours(decisions, fused_after)
+    except ConfigError:  # a config the model cannot be quantized with (export would refuse it too)
+        raise
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
         return LatencyPlacement(
             "auto",

@@ -139,6 +139,8 @@ class TensorQuantizer(nn.Module):
         if self.desc.asymmetric:
             raise CalibrationError(f"{self.name}: an asymmetric quantizer's range needs its calibrator")
         x = x.detach()
+        if self.desc.unsigned and x.numel() and bool(x.min() < 0):  # (a host read for unsigned weights only)
+            raise ConfigError(_negative_to_unsigned(self.name, float(x.min())))
         if self._block is not None:
             xb, d = self._blocked_view(x)
             return self._take_amax(max_abs(xb, tuple(i for i in range(xb.dim()) if i != d + 1)))
@@ -290,9 +292,14 @@ class TensorQuantizer(nn.Module):
             return FakeAffineTensorQuantFunction.apply(x, amin, amax, self.desc.num_bits)
         if self.desc.is_fp8:
             return ScaledE4M3Function.apply(x, amax, 4, 3)
-        return FakeTensorQuantFunction.apply(
-            x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range
-        )
+        try:
+            return FakeTensorQuantFunction.apply(
+                x, amax, self.desc.num_bits, self.desc.unsigned, self.desc.narrow_range
+            )
+        except TypeError:  # the op's own refusal (pytorch_quantization's), said with the quantizer's name
+            if not (self.desc.unsigned and x.numel() and bool(x.min() < 0)):
+                raise
+            raise ConfigError(_negative_to_unsigned(self.name, float(x.min()))) from None
 
     def integer_scale(self) -> torch.Tensor | None:
         """The float32 ONNX scale of an enabled, calibrated integer quantizer of at most 8 bits that is per
@@ -357,6 +364,14 @@ def amax_shape_error(
         want = math.prod(shape[a] for a in axes)
         where = f"the {list(shape)} tensor it quantizes has {want} along axis {axis}"
     return None if numel in (1, want) else where
+
+
+def _negative_to_unsigned(name: str, lowest: float) -> str:
+    return (
+        f"{name} is unsigned (a grid of non-negative values), but the tensor it quantizes has negative "
+        f"values (min {lowest:.6g}): set `unsigned: false` for it in the config, or quantize a non-negative "
+        "tensor"
+    )
 
 
 def owner(quantizer: str) -> str:
