@@ -9,12 +9,14 @@ MatMulNBits nodes.
 """
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from torch import nn
 
 from exporters.graph import consumer_map, initializer_map, qdq_pairs, to_numpy
 from exporters.onnxruntime.fusion import inspect_fusion
@@ -306,3 +308,43 @@ def test_uint4_with_zero_points_rewrites_to_the_same_function(op, rng, tmp_path)
     got = ort.InferenceSession(str(after), so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     assert np.allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert [nd.op_type for nd in _optimized(after, tmp_path).graph.node].count("MatMulNBits") == 1
+
+
+class _UnusedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.out = nn.Linear(32, 32), nn.Linear(32, 4)
+        self.head = nn.Linear(32, 3)  # never called
+
+    def forward(self, x):
+        return self.out(torch.relu(self.fc(x)))
+
+
+def test_a_weight_only_layer_that_never_runs_is_left_out(tmp_path):
+    """Weight-only layers observe nothing (their input quantizer is off) and their weights are calibrated from
+    the parameter: a layer that never ran kept its weight quantizer, export left it out of the graph, and
+    verify failed the correct graph ("Q/DQ pair missing"). It is now left out as under int8."""
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    model = quantize_model(_UnusedHead(), "int4-weight-only")
+    summary = calibrate(model, [{"x": torch.randn(8, 32)}], device="cpu")
+    assert summary.not_called == ["head.weight_quantizer"] and summary.dynamic == []
+    assert not model.head.weight_quantizer.enabled and model.fc.weight_quantizer.enabled
+
+    torch.save(_UnusedHead().state_dict(), tmp_path / "w.pt")
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from tests.test_matmul_nbits import _UnusedHead\ndef make():\n    return _UnusedHead()\n"
+    )
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 32)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    net, data = f"{tmp_path / 'net.py'}:make", tmp_path / "x.npy"
+    r = cli(
+        "calibrate", net, "--weights", tmp_path / "w.pt", "--data", data, "--config", "int4-weight-only",
+        "--out", ck,
+    )  # fmt: skip
+    assert r.exit_code == 0 and "never called during calibration" in r.output, r.output
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", data)
+    assert r.exit_code == 0, r.output

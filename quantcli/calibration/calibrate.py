@@ -34,7 +34,7 @@ from quantcli.nn.amax_checks import amax_span, checked_together
 from quantcli.nn.dynamic import count_calls
 from quantcli.nn.modes import keep_float, quantizer_modes
 from quantcli.nn.modules import input_quantized_before
-from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers, role
 
 METHODS = CALIBRATION_METHODS  # kept importable under its old name
 
@@ -158,14 +158,16 @@ def calibrate(
         compute = compute_dtype(dtype)
         qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
     auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
-    dynamic = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8}
+    # quantizers that observe nothing, whose calls are counted: a layer that never runs is left out as for
+    # the observing ones
+    counted = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8} | _weight_only(qs)
     try:
         # activations are calibrated on the float model (as TensorRT does): every other quantizer stands
         # aside, so the pass costs a forward plus the observers and nothing else
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
             with running_in(model, compute):
                 total_batches, total_samples, calls = _observe_activations(
-                    model, batches, dev, dynamic, progress, group, compute
+                    model, batches, dev, counted, progress, group, compute
                 )
             summary = CalibrationSummary(
                 method,
@@ -225,19 +227,31 @@ def running_in(model: nn.Module, dtype: torch.dtype | None):
             t.data = data
 
 
+def _weight_only(qs: dict) -> dict:
+    """The enabled weight quantizers of layers whose input no enabled quantizer observes (weight-only layers,
+    int4 MatMulNBits), by name."""
+    out = {}
+    for name, q in qs.items():
+        if role(name) == "weight_quantizer" and q.enabled:
+            qi = qs.get(quantizer_name(owner(name), "input_quantizer"))
+            if qi is None or not qi.enabled:
+                out[name] = q
+    return out
+
+
 def _observe_activations(
     model: nn.Module,
     batches: Sequence[Batch],
     dev: torch.device,
-    dynamic: dict,
+    counted: dict,
     progress: Callable[[int], None] | None,
     group,
     compute: torch.dtype | None = None,
 ) -> tuple[int, int, dict[str, int]]:
     """The observing pass over this rank's batches (floating inputs cast to ``compute`` where given). Returns
-    (batches, samples, calls of each dynamic quantizer), summed over every rank."""
+    (batches, samples, calls of each ``counted`` quantizer), summed over every rank."""
     seen = [0, 0]  # batches, samples
-    with one_outcome(group), torch.inference_mode(), count_calls(dynamic) as calls:
+    with one_outcome(group), torch.inference_mode(), count_calls(counted) as calls:
         for i, batch in enumerate(batches):
             if any(v.device != dev for v in batch.values()):  # (a no-op move is an operation per input)
                 batch = to_device(batch, dev)
@@ -277,7 +291,7 @@ def _activation_amax(
     for name, n_calls in calls.items():
         if n_calls == 0:
             _leave_out(qs, name, summary)
-        else:
+        elif qs[name].dynamic_uint8:
             summary.dynamic.append(name)
 
 
@@ -554,7 +568,7 @@ def _load_activation_amax(
 def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
     """Disable an activation quantizer whose layer never ran, and its layer's weight quantizer; report
     both."""
-    for qn in (name, quantizer_name(owner(name), "weight_quantizer")):
+    for qn in dict.fromkeys((name, quantizer_name(owner(name), "weight_quantizer"))):
         if qn in qs:
             keep_float(qs[qn])
             summary.not_called.append(qn)
