@@ -181,6 +181,29 @@ def test_scale_off_by_one_ulp_fails_and_names_layer(calibrated, exported, tmp_pa
     assert rep["structure"]["layers_with_problems"] == ["conv2.input_quantizer"]
 
 
+def test_a_failed_ratio_names_the_structure_problem_it_comes_from(calibrated, exported, tmp_path):
+    """A scale edited 10x failed fidelity.rms_ratio and deployment.rms_ratio with "an op translated
+    differently ... export with the other --exporter", while the structure check had named the edited
+    scale."""
+
+    def edit(m):
+        p = _pair(m, "conv2.input_quantizer")
+        dq = next(n for n in m.graph.node if n.name == p.dq_node)
+        t = next(t for t in m.graph.initializer if t.name == dq.input[1])
+        t.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(t) * np.float32(10), t.name))
+
+    bad = _tampered(exported("digits_cnn"), tmp_path / "x10.onnx", edit)
+    r = cli("verify", bad, "--reference", calibrated("digits_cnn"), "--json")
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert r.exit_code == 1 and not checks["structure"]["passed"]
+    failed = [n for n in ("fidelity.rms_ratio", "deployment.rms_ratio") if not checks[n]["passed"]]
+    assert failed
+    for name in failed:
+        detail = checks[name]["detail"]
+        assert "the structure check found the graph differs" in detail, detail
+        assert "conv2.input_quantizer" in detail and "--exporter" not in detail, detail
+
+
 def test_weight_initializer_altered_fails_and_names_layer(calibrated, exported, tmp_path):
     def edit(m):
         p = _pair(m, "fc1.weight_quantizer")

@@ -516,7 +516,9 @@ def _fidelity(
             f"{nonfinite} non-finite value(s) in one session but not the other",
         )
     elif not check.passed:
-        check.detail = f"{worst_out}: the graph computes something other than the model: {_GRAPH_DIFFERS}"
+        check.detail = (
+            f"{worst_out}: the graph computes something other than the model: {_graph_differs(report)}"
+        )
     report.checks.append(check)
     if max_abs_diff is not None:
         worst_out = max(out_names, key=lambda n: cmp.fid[n].max_abs)
@@ -583,7 +585,12 @@ def _deployment_checks(
         )
         if not check.passed:
             exact = report.deployment["outputs"][worst_out]["exact_rms_ratio"]
-            cause = _graph_cause(exact) if exact > max_deploy_ratio else _deploy_cause(sat)
+            if not (report.structure or {}).get("passed", True):
+                cause = _graph_differs(report)  # an edited graph: what the structure check found
+            elif exact > max_deploy_ratio:
+                cause = _graph_cause(exact, report)
+            else:
+                cause = _deploy_cause(sat)
             check.detail = f"{worst_out} on this machine ({cpu_kinds.detect()}): {cause}"
         report.checks.append(check)
         report.checks.append(_finite_check(cmp))
@@ -617,12 +624,27 @@ def _finite_check(cmp: _Comparison) -> Check:
     return at_most("deployment.nonfinite", 0, sum(counts.values()), detail)
 
 
-def _graph_cause(exact_ratio: float) -> str:
+def _graph_cause(exact_ratio: float, report: VerifyReport) -> str:
     """What a failed ``deployment.rms_ratio`` means when the exact session (no fusions, no integer kernels) is
-    already that far from the fake-quant model: the graph itself computes something else."""
+    already that far from the fake-quant model on the same inputs: the graph itself computes something
+    else."""
     return (
-        f"the exact session is already {exact_ratio:.3g}x off (fidelity.rms_ratio), so the graph itself "
-        f"computes something other than the model, not onnxruntime's kernels: {_GRAPH_DIFFERS}"
+        f"the exact session is already {exact_ratio:.3g}x off on the same inputs (exact_rms_ratio), so the "
+        f"graph itself computes something other than the model, not onnxruntime's kernels: "
+        f"{_graph_differs(report)}"
+    )
+
+
+def _graph_differs(report: VerifyReport) -> str:
+    """Why the graph computes something else: the structure check's first problem where it found one (an
+    edited scale or weight), else what to try."""
+    structure = report.structure or {}
+    problems = structure.get("problems") or []
+    if structure.get("passed", True) or not problems:
+        return _GRAPH_DIFFERS
+    return (
+        f"the structure check found the graph differs from the checkpoint ({problems[0]}): export the "
+        "checkpoint again"
     )
 
 
