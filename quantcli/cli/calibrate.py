@@ -308,9 +308,11 @@ def _calibrate_warnings(outcome) -> None:
         )
         err.print(
             f"warning: on {cpu['kind']} onnxruntime's uint8 x int8 kernels can saturate with the 8-bit "
-            f"weights of {shown} (reduce_range: false); `verify` fails such a graph there. Leave "
-            "reduce_range at auto, or name a CPU with VNNI (--cpu x86-vnni) if the graph never runs "
-            f"without it ({cpu_kinds.remedy_link()})"
+            f"weights of {shown} (reduce_range: false) where pairs of activations are large; `verify` "
+            "emulates those kernels on your data and fails the graph where they move its outputs more "
+            "than quantization does. Leave reduce_range at auto (7-bit weights, which never saturate), "
+            f"or name a CPU with VNNI (--cpu x86-vnni) if the graph never runs without it "
+            f"({cpu_kinds.remedy_link()})"
         )
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
