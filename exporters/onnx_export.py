@@ -49,6 +49,7 @@ from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opse
 from quantcli import __version__
 from quantcli.errors import ExportError, whole_line
 from quantcli.files import no_space, staging_directory, writable_directory
+from quantcli.inputs.data import check_names, checked_batch
 from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
 from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers, uncalibrated
@@ -384,6 +385,8 @@ def export_onnx(
     path = Path(path)
     parent = _check_destination(path)
     model = model.eval().cpu()
+    example_inputs = checked_batch(example_inputs, "export's example_inputs")
+    check_names(example_inputs, model, "export's example_inputs")
     example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
     dynamic_dims = check_dynamic_dims(dynamic_dims, example, dynamic_axes)
     probe = OpProbe()

@@ -70,3 +70,37 @@ def test_cli_help_lists_only_built_commands():
     for name in ("calibrate", "export", "verify", "inspect"):
         assert name in r.output
     assert cli("--version").output.startswith("quantcli ")
+
+
+def test_library_entry_points_refuse_batches_of_the_wrong_kind_with_the_fix(tmp_path):
+    """A dict for calibrate's list of batches, a bare tensor, an example without forward's argument names:
+    each ended deep in torch or Python ('str' object has no attribute 'values', "Boolean value of Tensor ...
+    is ambiguous", forward() got an unexpected keyword argument) instead of a DataError saying what to
+    pass."""
+    import pytest
+    import torch
+    from torch import nn
+
+    from exporters import export_onnx
+    from quantcli import calibrate, quantize_model
+    from quantcli.errors import DataError
+    from quantcli.verify.driver import _verification_batches
+
+    model = quantize_model(nn.Sequential(nn.Linear(4, 3)), "int8")
+    batch = {"input": torch.randn(8, 4)}
+    for wrong, words in (
+        (batch, r"a list of batches.*wrap it in a list, \[batch\]\); got dict"),
+        (torch.randn(8, 4), "a list of batches.*got Tensor"),
+        ([torch.randn(8, 4)], r"batches\[0\] is one batch.*got Tensor"),
+        ([{"input": [1.0, 2.0]}], r"batches\[0\]: input 'input' is a list, not a torch tensor"),
+    ):
+        with pytest.raises(DataError, match=words):
+            calibrate(model, wrong)
+    calibrate(model, [batch])
+    with pytest.raises(DataError, match="example_inputs is one batch.*got Tensor"):
+        export_onnx(model, torch.randn(2, 4), tmp_path / "m.onnx")
+    with pytest.raises(DataError, match=r"input 'y' is not an argument of forward\(input\)"):
+        export_onnx(model, {"y": torch.randn(2, 4)}, tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+    with pytest.raises(DataError, match="verify's batches is a list of batches"):
+        _verification_batches(None, batch)

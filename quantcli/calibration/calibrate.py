@@ -29,7 +29,7 @@ from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from quantcli import defaults
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
-from quantcli.inputs.data import Batch, num_samples, run_model, to_device
+from quantcli.inputs.data import Batch, checked_batches, num_samples, run_model, to_device
 from quantcli.nn.amax_checks import amax_span, checked_together
 from quantcli.nn.dynamic import count_calls
 from quantcli.nn.modes import keep_float, quantizer_modes
@@ -340,6 +340,7 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
         raise CalibrationError(f"--percentile must be in (0, 100], got {percentile}")
     if not isinstance(num_bins, int) or num_bins < 16:
         raise CalibrationError(f"--num-bins must be an int >= 16, got {num_bins}")
+    batches = checked_batches(batches, "calibrate's batches")
     if alone and not batches:  # under torch.distributed a rank may have none (checked over all ranks)
         raise CalibrationError("no calibration batches")
     qs = quantizers(model)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +179,33 @@ _UNNAMED = (
     "(def forward(self, x)), or, for forward(**kw), save an .npz of the names it reads "
     "(np.savez(path, x=...))"
 )
+
+
+def checked_batch(batch, what: str) -> Batch:
+    """``batch`` when it is one keyword batch (a mapping of input name -> tensor, as ``model(**batch)`` takes
+    it); a DataError naming ``what`` and the fix for anything else (a bare tensor, a list)."""
+    if isinstance(batch, Mapping) and all(isinstance(v, torch.Tensor) for v in batch.values()):
+        return batch
+    if isinstance(batch, Mapping):
+        wrong = next(k for k, v in batch.items() if not isinstance(v, torch.Tensor))
+        raise DataError(f"{what}: input {wrong!r} is a {type(batch[wrong]).__name__}, not a torch tensor")
+    hint = " ({'x': tensor}, with forward's argument name)" if isinstance(batch, torch.Tensor) else ""
+    raise DataError(
+        f"{what} is one batch, a dict of input name -> tensor for model(**batch){hint}; got "
+        f"{type(batch).__name__}"
+    )
+
+
+def checked_batches(batches, what: str) -> list[Batch]:
+    """``batches`` as a list of keyword batches (:func:`checked_batch`); a DataError naming the fix for a
+    single batch or a tensor given instead."""
+    if isinstance(batches, (Mapping, torch.Tensor)) or not isinstance(batches, Sequence):
+        single = " (one batch: wrap it in a list, [batch])" if isinstance(batches, Mapping) else ""
+        raise DataError(
+            f"{what} is a list of batches, each a dict of input name -> tensor{single}; got "
+            f"{type(batches).__name__}"
+        )
+    return [checked_batch(b, f"{what}[{i}]") for i, b in enumerate(batches)]
 
 
 def check_names(batch: Batch, model: nn.Module, where: str) -> None:

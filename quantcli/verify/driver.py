@@ -22,7 +22,7 @@ from exporters.onnxruntime.placement import strip_propagated
 from quantcli.analysis.saturation import saturating_layers
 from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
 from quantcli.inputs.checkpoint import Calibrated, load_calibrated
-from quantcli.inputs.data import Batch, describe, num_samples, output_arrays, run_model
+from quantcli.inputs.data import Batch, checked_batches, describe, num_samples, output_arrays, run_model
 from quantcli.nn.modes import quantizer_modes
 from quantcli.quant import cpu as cpu_kinds
 from quantcli.verify import cpu_kernels, replay, sessions
@@ -177,6 +177,7 @@ def _verification_batches(ckpt: Calibrated, batches: list[Batch] | None) -> list
     example batch; checked non-empty and finite."""
     if batches is None:
         batches = ckpt.evaluation_batches() or [ckpt.example]
+    batches = checked_batches(batches, "verify's batches")
     if not batches:
         raise VerifyError("no verification data")
     _check_finite(batches)
