@@ -345,6 +345,8 @@ def test_a_weight_only_layer_that_never_runs_is_left_out(tmp_path):
         "--out", ck,
     )  # fmt: skip
     assert r.exit_code == 0 and "never called during calibration" in r.output, r.output
+    # (its summary said "int32 biases, 2 signed activations on uint8 with a zero point": all of them off)
+    assert "weight-only: activations stay float" in r.output and "int32 biases" not in r.output, r.output
     assert cli("export", ck, "--onnx", graph).exit_code == 0
     r = cli("verify", graph, "--reference", ck, "--data", data)
     assert r.exit_code == 0, r.output

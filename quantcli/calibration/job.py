@@ -50,6 +50,7 @@ from quantcli.inputs.shard import load_shard, strided
 from quantcli.nn import QuantConfig, load_config, quantize_model, quantizers
 from quantcli.nn.recurrent import QuantLSTM
 from quantcli.nn.recurrent import precision as lstm_precision
+from quantcli.nn.tensor_quantizer import role
 
 if TYPE_CHECKING:
     from exporters.causal_lm.kv_cache import KVCacheQuant
@@ -287,7 +288,10 @@ class CalibrationJob:
             info["mixed_precision"] = mixed.to_dict()
         info["config"] = self.config.source
         info["target"] = self.config.target
-        info["placement"] = placement_summary(self.report.placement, self.config.target)
+        activations = any(
+            q.enabled and role(n) != "weight_quantizer" for n, q in quantizers(self.model).items()
+        )
+        info["placement"] = placement_summary(self.report.placement, self.config.target, activations)
         if self.latency is not None:
             info["placement"]["latency"] = self.latency.to_dict()
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
@@ -613,11 +617,17 @@ def _count(items, noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def placement_summary(placement, target: str) -> dict:
-    """What the target's placement did (:mod:`quantcli.nn.placement`), as JSON data and one line of text."""
+def placement_summary(placement, target: str, activations: bool = True) -> dict:
+    """What the target's placement did (:mod:`quantcli.nn.placement`), as JSON data and one line of text.
+    ``activations``: whether any activation quantizer is enabled; without one (weight-only) the placement of
+    activation grids, output quantizers and int32 biases applies to nothing."""
     if placement is None:
         return {"analysed": False, "text": "no placement analysis"}
     d = placement.to_dict()
+    if not activations:
+        d["weight_only"] = True
+        d["text"] = "weight-only: activations stay float (no activation quantizer enabled), biases stay float"
+        return d
     if target == "tensorrt":
         d["text"] = (
             "quantized inputs and weights of every layer, no output quantizers, "
