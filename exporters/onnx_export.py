@@ -84,6 +84,9 @@ class ExportResult:
     matmul_nbits_layers: int = 0
     # their DequantizeLinear outputs (metadata)
     kn_weights: list[str] = field(default_factory=list, repr=False)
+    # the weight quantizers among them with 8-bit codes: onnxruntime's default accuracy level 4 quantizes
+    # those layers' activations to int8 as well, an error of the size of the 8-bit weights' own
+    matmul_nbits_8bit: list[str] = field(default_factory=list)
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
     # other targets: what onnxruntime needs
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)
@@ -573,6 +576,9 @@ def _post_process(
     if res.target == "onnxruntime" and not weights_qdq:
         res.kn_weights = to_matmul_nbits(onnx_model)
         res.matmul_nbits_layers = len(res.kn_weights)
+        res.matmul_nbits_8bit = sorted(
+            mapping[w] for w in res.kn_weights if w in mapping and qs[mapping[w]].desc.num_bits == 8
+        )
     if res.provider == "cpu":
         res.placement.update(keep_cpu_kernels(onnx_model))
     drop_unused_initializers(onnx_model)

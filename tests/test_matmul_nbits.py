@@ -192,6 +192,8 @@ def test_8bit_and_uint4_weight_only_blocked_are_matmul_nbits_too(model_file, tmp
     ck_path = _calibrate(model_file, 3, str(config))
     path, res = _export(model_file, ck_path, "torchscript")
     assert res["matmul_nbits_layers"] == 3 and res["unfused_layers"] == 0
+    # named for export's warning: onnxruntime's default accuracy level quantizes their activations too
+    assert res["matmul_nbits_8bit"] == sorted(f"{n}.weight_quantizer" for n in LAYERS)
     _check_form(onnx.load(str(path)), load_calibrated(ck_path), bits=bits, unsigned=unsigned)
     assert [n.op_type for n in _optimized(path, tmp_path).graph.node].count("MatMulNBits") == 3
     assert verify_onnx(path, load_calibrated(ck_path), deployment=False).passed

@@ -248,6 +248,15 @@ def render_export(res, calibrated: Path) -> None:
             "warning: the graph holds no quantizer: every layer is float (calibrate kept every layer float, "
             "or the config quantizes nothing; `quantcli inspect` on the checkpoint says which)"
         )
+    if res.matmul_nbits_8bit:
+        shown = ", ".join(res.matmul_nbits_8bit[:3]) + (" ..." if len(res.matmul_nbits_8bit) > 3 else "")
+        err.print(
+            f"warning: {len(res.matmul_nbits_8bit)} layer(s) with 8-bit blocked weights ({shown}) run as "
+            "MatMulNBits, which onnxruntime computes at accuracy level 4 by default: it quantizes their "
+            "activations to int8 too, an error as large as the 8-bit weights' own (verify's "
+            "deployment.rms_ratio can fail it). Deploy with the session option "
+            "session.qdq_matmulnbits_accuracy_level=1 (float32 activations), or use 4-bit weights"
+        )
     out.print(key_value_table(f"quantcli export {calibrated}", _export_rows(res)))
 
 
