@@ -109,3 +109,16 @@ def test_errors_are_one_line_exit_2(tmp_path, calibrated):
     )
     assert_clean_error(cli("analyze", calibrated("digits_cnn"), "--num-samples", "0"), "--num-samples")
     assert not (tmp_path / "no").exists()
+
+
+def test_an_asymmetric_quantizer_reports_its_range(planted):
+    """A signed activation on the uint8 grid with a zero point (the int8 preset's on onnxruntime) was
+    described by its amax alone: the amin its grid starts at appeared nowhere."""
+    rep, _, ck = planted
+    rows = {r["quantizer"]: r for r in rep["quantizers"]}
+    asym = [n for n, r in rows.items() if r["asymmetric"]]
+    assert asym, "text_encoder has signed activations on the asymmetric grid"
+    for name in asym:
+        want = float(ck["state_dict"][f"{name}.amin"].min())
+        assert rows[name]["amin"] == pytest.approx(want) and rows[name]["amin"] < 0
+    assert all(r["amin"] is None for r in rows.values() if not r["asymmetric"])

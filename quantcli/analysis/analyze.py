@@ -107,6 +107,7 @@ def _stats(
     amax = q.amax.detach().to(torch.float32) if q.amax is not None else None
     d = q.desc
     fmt = format_name(d.num_bits, d.unsigned or d.asymmetric)  # the grid's name: no " asymmetric" here
+    amin = q.amin.detach().to(torch.float32) if d.asymmetric and q.amin is not None else None
     return {
         "min": lo,
         "max": hi,
@@ -115,6 +116,10 @@ def _stats(
         "outlier_ratio": absmax / p if p > 0 else None,
         "amax": None if amax is None else float(amax.max()),
         "amax_min": None if amax is None else float(amax.min()),
+        # an asymmetric quantizer's range is [amin, amax] on the uint8 grid with a zero point; the methods'
+        # amax below are symmetric thresholds, what it would be with a symmetric grid
+        "asymmetric": bool(d.asymmetric),
+        "amin": None if amin is None else float(amin.min()),
         "per_channel": amax is not None and amax.numel() > 1,
         "format": fmt,
         "method_amax": _method_amax(hist, edges, absmax, d, percentile) if methods else None,

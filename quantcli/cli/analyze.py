@@ -96,7 +96,7 @@ def render_analyze(d: dict, calibrated: Path, html_path: Path, json_path: Path) 
             fmt(r["only_enabled"]["snr_db"]),
             fmt((r["only_disabled"] or {}).get("cosine")),
             fmt(r["outlier_ratio"]),
-            fmt(r["amax"]),
+            fmt(r["amax"]) if r.get("amin") is None else f"{fmt(r['amin'])} .. {fmt(r['amax'])}",
             *(fmt((r["method_amax"] or {}).get(m)) for m in AMAX_METHODS),
         )
         for r in d["quantizers"][:20]
