@@ -186,3 +186,29 @@ def test_lstm_weights_follow_reduce_range(config, bits):
     LSTM's weights go on the 7-bit grid like a Linear's (quantcli.nn.config, reduce_range)."""
     model = quantize_model(Recurrent().eval(), config)
     assert {(q.desc.num_bits, q.desc.narrow_range) for q in quantizers(model).values()} == {bits}
+
+
+@pytest.mark.kernels
+def test_an_lstm_made_for_vnni_fails_on_a_saturating_cpu_naming_its_kernel(tmp_path):
+    """An LSTM calibrated for a CPU with VNNI (8-bit weights) verified on a CPU whose uint8 x int8 kernels
+    saturate: the FAIL was right, but the cause said "an op translated differently ... export with the other
+    --exporter" (DynamicQuantizeLSTM is in the graph, so the exact session saturates too)."""
+    from quantcli.quant.cpu import can_saturate, detect
+
+    if not can_saturate(detect()):
+        pytest.skip("this CPU's uint8 x int8 kernels do not saturate (VNNI): nothing to explain")
+    calib, held = user_models.write_data("lstm_classifier", tmp_path)
+    ck, graph = tmp_path / "vnni.calib.pt", tmp_path / "vnni.onnx"
+    spec = user_models.spec("lstm_classifier")
+    r = cli("calibrate", spec, "--data", calib, "--out", ck, "--cpu", "x86-vnni")
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", held, "--json")
+    failed = {c["name"]: c["detail"] for c in json.loads(r.stdout)["checks"] if not c["passed"]}
+    if r.exit_code == 0:
+        pytest.skip("this model's 8-bit LSTM weights did not saturate on these inputs")
+    explained = [n for n in ("fidelity.rms_ratio", "deployment.rms_ratio") if n in failed]
+    assert explained, failed
+    for name in explained:
+        assert "the LSTM layer(s) lstm run onnxruntime's DynamicQuantizeLSTM" in failed[name], failed
+        assert "--exporter" not in failed[name] and "not onnxruntime's kernels" not in failed[name]

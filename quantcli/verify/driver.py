@@ -24,6 +24,8 @@ from quantcli.errors import GraphOutputError, GraphRunError, VerifyError
 from quantcli.inputs.checkpoint import Calibrated, load_calibrated
 from quantcli.inputs.data import Batch, checked_batches, describe, num_samples, output_arrays, run_model
 from quantcli.nn.modes import quantizer_modes
+from quantcli.nn.recurrent import QuantLSTM
+from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import cpu as cpu_kinds
 from quantcli.verify import cpu_kernels, replay, sessions
 from quantcli.verify.outputs import logit_outputs
@@ -128,7 +130,8 @@ def verify_onnx(
             )
         except GraphRunError as e:
             return _graph_failed(report, e, t0)
-    rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff)
+    lstms = _saturating_lstms(ckpt.model)
+    rows = _fidelity(report, cmp, weight_rows, max_rms_ratio, max_abs_diff, lstms)
     _reference_check(report, cmp, ckpt)
     use = cmp.dqual if deployment and ss.deploy_error is None else cmp.qual
     report.quality = {
@@ -139,7 +142,7 @@ def verify_onnx(
         "cosine_gap": cmp.cosine_gap() if use is cmp.dqual else {},
     }
     if deployment:
-        _deployment_checks(report, model, ss, cmp, max_deploy_ratio, kind)
+        _deployment_checks(report, model, ss, cmp, max_deploy_ratio, kind, lstms)
     _quality_checks(report, use, cmp.out_names, min_cosine, min_snr)
     if per_layer:
         ranked = sorted(rows.values(), key=lambda r: r["snr_db"] if r["snr_db"] is not None else math.inf)
@@ -448,6 +451,7 @@ def _fidelity(
     weight_rows: list[dict[str, Any]],
     max_rms_ratio: float,
     max_abs_diff: float | None,
+    lstms: list[str],
 ) -> dict[str, dict[str, Any]]:
     """The exact session against the fake-quant model: ``report.fidelity`` and the ``fidelity.*`` checks.
     Returns every quantizer's row (weights and activations), by name."""
@@ -518,7 +522,7 @@ def _fidelity(
         )
     elif not check.passed:
         check.detail = (
-            f"{worst_out}: the graph computes something other than the model: {_graph_differs(report)}"
+            f"{worst_out}: the graph computes something other than the model: {_graph_differs(report, lstms)}"
         )
     report.checks.append(check)
     if max_abs_diff is not None:
@@ -548,6 +552,7 @@ def _deployment_checks(
     cmp: _Comparison,
     max_deploy_ratio: float,
     emulated: str | None,
+    lstms: list[str],
 ) -> None:
     """What a user ships, ``InferenceSession(path)`` with default options on this machine:
     ``report.deployment`` and the ``deployment.*`` checks; and, for a CPU whose u8s8 kernels can saturate,
@@ -587,9 +592,9 @@ def _deployment_checks(
         if not check.passed:
             exact = report.deployment["outputs"][worst_out]["exact_rms_ratio"]
             if not (report.structure or {}).get("passed", True):
-                cause = _graph_differs(report)  # an edited graph: what the structure check found
+                cause = _graph_differs(report, lstms)  # an edited graph: what the structure check found
             elif exact > max_deploy_ratio:
-                cause = _graph_cause(exact, report)
+                cause = _graph_cause(exact, report, lstms)
             else:
                 cause = _deploy_cause(sat)
             check.detail = f"{worst_out} on this machine ({cpu_kinds.detect()}): {cause}"
@@ -606,6 +611,19 @@ def _deployment_checks(
                 f"no layer's weights can saturate {emulated}'s uint8 x int8 kernels",
             )
         )
+
+
+def _saturating_lstms(model: torch.nn.Module) -> list[str]:
+    """The quantized LSTM layers (DynamicQuantizeLSTM) with 8-bit weights, where this machine's uint8 x int8
+    kernels can saturate (an x86 CPU without VNNI): their graph runs the integer kernel in every session."""
+    if not cpu_kinds.can_saturate(cpu_kinds.detect()):
+        return []
+    return [
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, QuantLSTM)
+        and any(q.enabled and q.desc.num_bits == 8 for q in quantizers(m).values())
+    ]
 
 
 def _finite_check(cmp: _Comparison) -> Check:
@@ -625,22 +643,32 @@ def _finite_check(cmp: _Comparison) -> Check:
     return at_most("deployment.nonfinite", 0, sum(counts.values()), detail)
 
 
-def _graph_cause(exact_ratio: float, report: VerifyReport) -> str:
+def _graph_cause(exact_ratio: float, report: VerifyReport, lstms: list[str]) -> str:
     """What a failed ``deployment.rms_ratio`` means when the exact session (no fusions, no integer kernels) is
     already that far from the fake-quant model on the same inputs: the graph itself computes something
     else."""
+    why = _graph_differs(report, lstms)
+    off = f"the exact session is already {exact_ratio:.3g}x off on the same inputs (exact_rms_ratio)"
+    if why.startswith("the LSTM layer(s)"):  # the integer kernel is in the graph: every session runs it
+        return f"{off}: {why}"
     return (
-        f"the exact session is already {exact_ratio:.3g}x off on the same inputs (exact_rms_ratio), so the "
-        f"graph itself computes something other than the model, not onnxruntime's kernels: "
-        f"{_graph_differs(report)}"
+        f"{off}, so the graph itself computes something other than the model, not onnxruntime's kernels: "
+        + why
     )
 
 
-def _graph_differs(report: VerifyReport) -> str:
+def _graph_differs(report: VerifyReport, lstms: list[str]) -> str:
     """Why the graph computes something else: the structure check's first problem where it found one (an
-    edited scale or weight), else what to try."""
+    edited scale or weight); LSTM layers whose integer kernel saturates on this CPU (it is in the graph, not a
+    fusion: the exact session runs it too); else what to try."""
     structure = report.structure or {}
     problems = structure.get("problems") or []
+    if (structure.get("passed", True) or not problems) and lstms:
+        return (
+            f"the LSTM layer(s) {', '.join(lstms)} run onnxruntime's DynamicQuantizeLSTM, whose uint8 x int8 "
+            f"kernels saturate on this CPU ({cpu_kinds.detect()}) with their 8-bit weights: calibrate for "
+            f"this CPU (--cpu {cpu_kinds.detect()}: 7-bit weights) ({cpu_kinds.remedy_link()})"
+        )
     if structure.get("passed", True) or not problems:
         return _GRAPH_DIFFERS
     return (
