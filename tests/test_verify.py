@@ -284,6 +284,9 @@ def test_bad_input(calibrated, exported, tmp_path):
     assert_clean_error(
         cli("verify", exported("digits_cnn"), "--reference", tmp_path / "nope.pt"), "does not exist"
     )
+    # a cosine above 1 can never pass: refused as calibrate refuses it, not a FAIL
+    r = cli("verify", exported("digits_cnn"), "--reference", ref, "--min-cosine", "2")
+    assert_clean_error(r, "--min-cosine must be in [-1, 1], got 2.0")
 
 
 def test_ci_example_script(tmp_path):

@@ -221,6 +221,10 @@ def _thresholds(**given: Optional[float]) -> dict[str, float]:
     for name in ("max_abs_diff", "max_rms_ratio", "max_deploy_ratio"):
         if given[name] is not None and not given[name] >= 0:
             raise QuantCliError(f"--{name.replace('_', '-')} must be a number >= 0, got {given[name]}")
+    if given["min_cosine"] is not None or given["min_snr"] is not None:
+        from quantcli.calibration.mixed_precision import check_target
+
+        check_target(given["min_cosine"], given["min_snr"])  # as calibrate's: a cosine is in [-1, 1]
     return {k: v for k, v in given.items() if v is not None}
 
 
