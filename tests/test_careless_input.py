@@ -345,3 +345,17 @@ def test_an_unsigned_quantizer_on_a_tensor_with_negative_values_is_refused_by_na
     r = cli("export", out, "--onnx", graph)
     assert_clean_error(r, "layers.0.attention.output.input_quantizer is unsigned", "negative values")
     assert not graph.exists()
+
+
+def test_a_rule_setting_calib_method_for_activations_is_refused(tmp_path):
+    """calib_method chooses a weight quantizer's amax method; activations take calibrate's --method, so a
+    rule for input quantizers alone did nothing, silently. A rule for every quantizer ("*") may mean the
+    weights' and is taken."""
+    out = tmp_path / "m.calib.pt"
+    config = tmp_path / "c.yaml"
+    config.write_text('preset: int8\nrules:\n  - pattern: "*.input_quantizer"\n    calib_method: histogram\n')
+    r = cli("calibrate", "digits_cnn", "--config", config, "--out", out)
+    assert_clean_error(r, "calib_method applies to weight quantizers", "--method")
+    assert not out.exists()
+    config.write_text('preset: int8\nrules:\n  - pattern: "*"\n    calib_method: histogram\n')
+    assert cli("calibrate", "digits_cnn", "--config", config, "--out", out).exit_code == 0

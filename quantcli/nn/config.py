@@ -251,6 +251,12 @@ class QuantConfig:
         for i in matched:
             fields.update({k: v for k, v in self.rules[i].items() if k != "pattern"})
         enabled = fields.pop("enable", True)
+        if kind != "weight" and any(_sets_calib_method_of_activations(self.rules[i]) for i in matched):
+            # activations are calibrated by calibrate's --method: a rule's calib_method there would do nothing
+            raise ConfigError(
+                f"{quantizer_name}: calib_method applies to weight quantizers; an activation quantizer is "
+                "calibrated by calibrate's --method (max, entropy, mse, percentile): drop it from this rule"
+            )
         if fields.get("axis") == OUTPUT_CHANNEL:
             fields["axis"] = layer.weight_axis
         if fields.get("block_sizes") == INPUT_CHANNEL_BLOCKS:
@@ -279,6 +285,14 @@ class QuantConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{quantizer_name}: {e}") from None
         return enabled, desc, matched
+
+
+def _sets_calib_method_of_activations(rule: dict) -> bool:
+    """Whether ``rule`` sets ``calib_method`` for activation quantizers alone (its pattern matches no weight
+    quantizer's name): a rule for every quantizer (``*``) may mean the weights'."""
+    return "calib_method" in rule and not any(
+        fnmatch.fnmatchcase(name, rule["pattern"]) for name in ("weight_quantizer", "layer.weight_quantizer")
+    )
 
 
 def kernel_can_saturate(layer) -> bool:
