@@ -104,3 +104,9 @@ def test_library_entry_points_refuse_batches_of_the_wrong_kind_with_the_fix(tmp_
     assert not (tmp_path / "m.onnx").exists()
     with pytest.raises(DataError, match="verify's batches is a list of batches"):
         _verification_batches(None, batch)
+    from quantcli import save_calibrated
+    from quantcli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"the ModelSpec the model was loaded.*parse_spec\('m.py:mlp'\)"):
+        save_calibrated(tmp_path / "m.calib.pt", model, "m.py:mlp", batch)
+    assert not (tmp_path / "m.calib.pt").exists()

@@ -26,7 +26,7 @@ from quantcli import __version__
 from quantcli.errors import CheckpointError, ConfigError, QuantCliError, first_line
 from quantcli.files import atomic_write
 from quantcli.inputs.batch_axes import batch_axes, take, unbatched
-from quantcli.inputs.data import Batch, has_signature
+from quantcli.inputs.data import Batch, checked_batch, has_signature
 from quantcli.inputs.loading import build_model
 from quantcli.inputs.model_spec import ModelSpec
 from quantcli.nn.config import QuantConfig
@@ -101,6 +101,12 @@ def save_calibrated(
     transformations made. ``kv_cache``: a causal LM's int8 KV cache scales (``calibrate --kv-cache``), which
     ``export`` writes into its decode graph.
     """
+    if not isinstance(spec, ModelSpec):
+        raise ConfigError(
+            f"save_calibrated's spec is the ModelSpec the model was loaded from (load_model(...)[1], or "
+            f"quantcli.inputs.loading.parse_spec({spec!r}) for a spec string), got {type(spec).__name__}"
+        )
+    example_batch = checked_batch(example_batch, "save_calibrated's example_batch")
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
     for name, q in quantizers(model).items():
