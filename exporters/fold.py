@@ -563,6 +563,45 @@ def drop_unused_initializers(model: onnx.ModelProto) -> None:
     g.initializer.extend(keep)
 
 
+#: initializers at least this large are stored once where several are equal (weights, not scalars: a scale or
+#: zero point of one quantizer stays its own, so editing it edits one pair)
+SHARED_MIN_BYTES = 1024
+
+
+def share_identical_initializers(model: onnx.ModelProto) -> int:
+    """Store equal initializers (the same type, shape and bytes) of at least :data:`SHARED_MIN_BYTES` once:
+    a module called several times in forward (a block applied in a loop, ALBERT's shared layers) is traced
+    once per call, each call writing its own copy of the same weight codes. Readers are pointed at the first
+    copy; returns the bytes saved. Initializers kept in external data are left as they are."""
+    g = model.graph
+    first: dict[bytes, str] = {}
+    renamed: dict[str, str] = {}
+    saved = 0
+    for t in g.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        size = t.ByteSize()
+        if size < SHARED_MIN_BYTES:
+            continue
+        key = onnx.TensorProto()
+        key.CopyFrom(t)
+        key.name = ""
+        k = key.SerializeToString()
+        if k in first:
+            renamed[t.name] = first[k]
+            saved += size
+        else:
+            first[k] = t.name
+    if not renamed:
+        return 0
+    outputs = {o.name for o in g.output}
+    for n in g.node:
+        for i, name in enumerate(n.input):
+            if name in renamed and name not in outputs:
+                n.input[i] = renamed[name]
+    return saved
+
+
 def align_zero_points(model: onnx.ModelProto) -> None:
     """Give every Q/DQ zero point its scale's shape (ONNX requires it; torch.export may lift a 0-d zero as
     [1])."""

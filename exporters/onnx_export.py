@@ -28,7 +28,7 @@ from torch import nn
 from exporters import aten_symbolics
 from exporters.causal_lm import ops as decode_ops
 from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
-from exporters.fold import drop_unused_initializers, narrow_types, prepare
+from exporters.fold import drop_unused_initializers, narrow_types, prepare, share_identical_initializers
 from exporters.forward_inputs import forward_by_name
 from exporters.graph import (
     CPU_KEY,
@@ -84,6 +84,8 @@ class ExportResult:
     matmul_nbits_layers: int = 0
     # their DequantizeLinear outputs (metadata)
     kn_weights: list[str] = field(default_factory=list, repr=False)
+    # bytes of equal initializers stored once (a module called several times: one copy per call)
+    shared_initializer_bytes: int = 0
     # the weight quantizers among them with 8-bit codes: onnxruntime's default accuracy level 4 quantizes
     # those layers' activations to int8 as well, an error of the size of the 8-bit weights' own
     matmul_nbits_8bit: list[str] = field(default_factory=list)
@@ -581,6 +583,7 @@ def _post_process(
         )
     if res.provider == "cpu":
         res.placement.update(keep_cpu_kernels(onnx_model))
+    res.shared_initializer_bytes = share_identical_initializers(onnx_model)  # a module called several times
     drop_unused_initializers(onnx_model)
     for node in onnx_model.graph.node:  # per-node stack traces: local paths and most of the file's size
         del node.metadata_props[:]
