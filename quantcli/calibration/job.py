@@ -41,6 +41,7 @@ from quantcli.inputs.data import (
     given_options,
     load_data,
     num_samples,
+    unused_options_error,
 )
 from quantcli.inputs.loading import load_model
 from quantcli.inputs.model_spec import ModelSpec
@@ -575,11 +576,11 @@ def _calibration_batches(
 
         unused = [flag for flags in given_options(request.data_options).values() for flag in flags]
         if unused:  # the bundled batches are tensors already: a setting that would do nothing is refused
-            raise DataError(
-                f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to a text file or image "
-                "folder given with --data; "
-                f"{request.model} calibrates on its bundled data without --data: leave "
-                f"{'it' if len(unused) == 1 else 'them'} out, or pass --data"
+            raise unused_options_error(
+                unused,
+                "a text file or image folder given with --data",
+                f"{request.model} calibrates on its bundled data without --data",
+                ", or pass --data",
             )
         batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), request.num_samples)
         return (batches if rank is None else strided(batches, rank.rank, rank.world_size)), None

@@ -369,20 +369,19 @@ def load_data(
     ``shard=(rank, world_size)`` keeps batches ``rank, rank + world_size, ...`` (a torch.distributed rank's
     share, :mod:`quantcli.inputs.shard`); images of the other batches are not decoded.
     """
-    from quantcli.inputs.text_data import TEXT_SUFFIXES
-
     opts = options or DataOptions()
     path = Path(path)
     if not path.exists():
         raise DataError(f"data {path} does not exist")
-    _refuse_unused_options(path, opts)
+    kind = _data_kind(path)
+    _refuse_unused_options(path, kind, opts)
     batch_size = batch_size or defaults.BATCH_SIZE
     names, _, var_kw = forward_parameters(model)
-    if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
+    if kind == "text":
         batches, prep = _text_data(
             path, names, var_kw, batch_size, num_samples, opts, shard, model_positions(model)
         )
-    elif path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
+    elif kind == "images":
         batches, prep = _image_data(path, model, names, batch_size, num_samples, opts, shard)
     else:
         batches = load_batches(path, model, batch_size, num_samples, mmap=shard is not None)
@@ -407,14 +406,27 @@ def given_options(opts: DataOptions) -> dict[str, list[str]]:
     return {k: [flag for flag, v in flags if v is not None] for k, flags in given.items()}
 
 
-def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
-    """Text options for image or tensor data, image options for text or tensor data: a setting that would do
-    nothing is refused, not dropped in silence."""
+def _data_kind(path: Path) -> str:
+    """``text`` (a .txt/.jsonl file), ``images`` (a folder without tensor files) or ``tensors``."""
     from quantcli.inputs.text_data import TEXT_SUFFIXES
 
-    text = path.is_file() and path.suffix.lower() in TEXT_SUFFIXES
-    images = path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir())
-    kind = "text" if text else "images" if images else "tensors"
+    if path.is_file() and path.suffix.lower() in TEXT_SUFFIXES:
+        return "text"
+    if path.is_dir() and not any(p.suffix.lower() in _SUFFIXES for p in path.iterdir()):
+        return "images"
+    return "tensors"
+
+
+def unused_options_error(unused: list[str], applies_to: str, why: str, instead: str = "") -> DataError:
+    """The refusal of preprocessing flags that would do nothing: ``--mean applies to image data; {why}: leave
+    it out{instead}``."""
+    verb, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
+    return DataError(f"{', '.join(unused)} {verb} to {applies_to}; {why}: leave {them} out{instead}")
+
+
+def _refuse_unused_options(path: Path, kind: str, opts: DataOptions) -> None:
+    """Text options for image or tensor data, image options for text or tensor data (``kind``, of
+    :func:`_data_kind`): a setting that would do nothing is refused, not dropped in silence."""
     unused = [flag for k, flags in given_options(opts).items() if k != kind for flag in flags]
     if unused:
         what = {
@@ -423,11 +435,7 @@ def _refuse_unused_options(path: Path, opts: DataOptions) -> None:
             "tensors": "tensor data (.npy/.npz/.pt)",
         }
         applies = "text" if unused[0] in ("--tokenizer", "--max-length") else "image"
-        raise DataError(
-            f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to {applies} data; "
-            f"{path} is {what[kind]}: leave "
-            f"{'it' if len(unused) == 1 else 'them'} out"
-        )
+        raise unused_options_error(unused, f"{applies} data", f"{path} is {what[kind]}")
 
 
 def model_positions(model: nn.Module) -> int | None:
