@@ -591,7 +591,7 @@ def _deployment_checks(
         )
         if not check.passed:
             exact = report.deployment["outputs"][worst_out]["exact_rms_ratio"]
-            if not (report.structure or {}).get("passed", True):
+            if _structure_problem(report) is not None:
                 cause = _graph_differs(report, lstms)  # an edited graph: what the structure check found
             elif exact > max_deploy_ratio:
                 cause = _graph_cause(exact, report, lstms)
@@ -647,34 +647,42 @@ def _graph_cause(exact_ratio: float, report: VerifyReport, lstms: list[str]) -> 
     """What a failed ``deployment.rms_ratio`` means when the exact session (no fusions, no integer kernels) is
     already that far from the fake-quant model on the same inputs: the graph itself computes something
     else."""
-    why = _graph_differs(report, lstms)
     off = f"the exact session is already {exact_ratio:.3g}x off on the same inputs (exact_rms_ratio)"
-    if why.startswith("the LSTM layer(s)"):  # the integer kernel is in the graph: every session runs it
-        return f"{off}: {why}"
+    if _structure_problem(report) is None and lstms:  # the integer kernel is in the graph: every session
+        return f"{off}: {_lstm_cause(lstms)}"
     return (
         f"{off}, so the graph itself computes something other than the model, not onnxruntime's kernels: "
-        + why
+        + _graph_differs(report, lstms)
+    )
+
+
+def _structure_problem(report: VerifyReport) -> str | None:
+    """The structure check's first problem, where it failed (an edited scale or weight); else None."""
+    structure = report.structure or {}
+    problems = structure.get("problems") or []
+    return None if structure.get("passed", True) or not problems else problems[0]
+
+
+def _lstm_cause(lstms: list[str]) -> str:
+    """LSTM layers whose integer kernel saturates on this CPU (it is in the graph, not a fusion: the exact
+    session runs it too)."""
+    return (
+        f"the LSTM layer(s) {', '.join(lstms)} run onnxruntime's DynamicQuantizeLSTM, whose uint8 x int8 "
+        f"kernels saturate on this CPU ({cpu_kinds.detect()}) with their 8-bit weights: calibrate for "
+        f"this CPU (--cpu {cpu_kinds.detect()}: 7-bit weights) ({cpu_kinds.remedy_link()})"
     )
 
 
 def _graph_differs(report: VerifyReport, lstms: list[str]) -> str:
-    """Why the graph computes something else: the structure check's first problem where it found one (an
-    edited scale or weight); LSTM layers whose integer kernel saturates on this CPU (it is in the graph, not a
-    fusion: the exact session runs it too); else what to try."""
-    structure = report.structure or {}
-    problems = structure.get("problems") or []
-    if (structure.get("passed", True) or not problems) and lstms:
+    """Why the graph computes something else: the structure check's first problem where it found one; LSTM
+    layers whose integer kernel saturates on this CPU; else what to try."""
+    problem = _structure_problem(report)
+    if problem is not None:
         return (
-            f"the LSTM layer(s) {', '.join(lstms)} run onnxruntime's DynamicQuantizeLSTM, whose uint8 x int8 "
-            f"kernels saturate on this CPU ({cpu_kinds.detect()}) with their 8-bit weights: calibrate for "
-            f"this CPU (--cpu {cpu_kinds.detect()}: 7-bit weights) ({cpu_kinds.remedy_link()})"
+            f"the structure check found the graph differs from the checkpoint ({problem}): export the "
+            "checkpoint again"
         )
-    if structure.get("passed", True) or not problems:
-        return _GRAPH_DIFFERS
-    return (
-        f"the structure check found the graph differs from the checkpoint ({problems[0]}): export the "
-        "checkpoint again"
-    )
+    return _lstm_cause(lstms) if lstms else _GRAPH_DIFFERS
 
 
 #: what to try when the exact session differs from the fake-quant model by more than quantization explains
