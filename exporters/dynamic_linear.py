@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 
 from exporters.graph import initializer_map, name_scopes, producer_map, scope_module_path
+from quantcli.nn.tensor_quantizer import quantizer_name
 
 __all__ = ["DynamicLayer", "dynamic_layers", "dynamic_quantizer_map"]
 
@@ -123,8 +124,8 @@ def dynamic_quantizer_map(model: onnx.ModelProto, quantizer_names) -> dict[str, 
         module = _module_of(nodes[layer.node], known)
         if module is None:
             continue
-        out[layer.codes] = f"{module}.input_quantizer" if module else "input_quantizer"
-        out[layer.weight] = f"{module}.weight_quantizer" if module else "weight_quantizer"
+        out[layer.codes] = quantizer_name(module, "input_quantizer")
+        out[layer.weight] = quantizer_name(module, "weight_quantizer")
     return out
 
 
@@ -134,7 +135,7 @@ def _module_of(node: onnx.NodeProto, known: set[str]) -> str | None:
     modules outward."""
 
     def has_input_quantizer(module: str) -> bool:
-        return (f"{module}.input_quantizer" if module else "input_quantizer") in known
+        return quantizer_name(module, "input_quantizer") in known
 
     hits = [s for s in name_scopes(node) if has_input_quantizer(s)]
     if hits:

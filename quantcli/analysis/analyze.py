@@ -31,7 +31,7 @@ from quantcli.analysis.sensitivity import measure, quantizing, rank, reference_o
 from quantcli.errors import CalibrationError
 from quantcli.inputs.checkpoint import Calibrated
 from quantcli.inputs.data import Batch, cap_samples, num_samples, run_model
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizers
 from quantcli.quant.descriptor import format_name
 
 SAMPLE_SAMPLES = defaults.SENSITIVITY_SAMPLES
@@ -213,7 +213,7 @@ def _statistics(
     for n, q in qs.items():
         if n in acts:
             continue
-        layer = model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model
+        layer = model.get_submodule(owner(n))
         w = layer.weight.detach()
         h = HistogramCalibrator(num_bins=NUM_BINS, name=n)
         h.collect(w)

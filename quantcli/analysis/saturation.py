@@ -27,7 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from quantcli.nn.config import kernel_can_saturate
-from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizer_name
 from quantcli.quant import arithmetic, u8s8
 
 _CONVS = {F.conv1d: 1, F.conv2d: 2, F.conv3d: 3}
@@ -129,7 +129,7 @@ def _weight_operand(name: str, module: nn.Module, operands: dict) -> torch.Tenso
     """The weight the layer's operation takes: its parameter, or the operand recorded for a derived one;
     ``None`` where not known or where its quantizer's amax does not fit it."""
     if getattr(module, "weight_derived", False):
-        w = operands.get(f"{name}.weight_quantizer" if name else "weight_quantizer")
+        w = operands.get(quantizer_name(name, "weight_quantizer"))
     else:
         w = module.weight_source() if hasattr(module, "weight_source") else module.weight
     return w if w is not None and _amax_fits(module, w) else None

@@ -24,7 +24,7 @@ from torch import nn
 from quantcli.analysis.quality import Quality, QualityMeter
 from quantcli.inputs.data import Batch, flat_outputs, run_model
 from quantcli.nn.modes import quantizer_modes
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizers
 
 
 @contextlib.contextmanager
@@ -116,5 +116,5 @@ def layer_units(model: nn.Module) -> dict[str, list[str]]:
     units: dict[str, list[str]] = {}
     for name, q in quantizers(model).items():
         if q.enabled:
-            units.setdefault(name.rsplit(".", 1)[0] if "." in name else "", []).append(name)
+            units.setdefault(owner(name), []).append(name)
     return units

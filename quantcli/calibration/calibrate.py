@@ -364,7 +364,7 @@ def _weight_from_forward(model: nn.Module, name: str) -> bool:
     """Whether weight quantizer ``name`` is calibrated on what its layer's operation takes as the forward runs
     (a layer the model computes functionally, :mod:`quantcli.nn.computed`: the operand may be computed from
     the parameter, as weight standardisation does) rather than on the layer's ``weight``."""
-    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    parent = model.get_submodule(owner(name))
     return bool(getattr(parent, "weight_from_forward", False))
 
 
@@ -382,7 +382,7 @@ def _calibrate_weights(model: nn.Module, qs: dict, method: str, num_bins: int, k
                 continue
             if _weight_from_forward(model, name):
                 continue
-            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            parent = model.get_submodule(owner(name))
             wmethod = _weight_method(q, method)
             if wmethod == "max" and not q.desc.asymmetric:
                 q.calibrate_max(parent.weight)
@@ -445,7 +445,7 @@ def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _Au
     have no auto choice and get the histogram's mse amax (an asymmetric one: the asymmetric mse range)."""
     states = {}
     for name, q in acts.items():
-        layer = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+        layer = model.get_submodule(owner(name))
         if (
             not name.endswith("input_quantizer")
             or q._block is not None

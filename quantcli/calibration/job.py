@@ -51,7 +51,7 @@ from quantcli.inputs.shard import load_shard, strided
 from quantcli.nn import QuantConfig, load_config, quantize_model, quantizers
 from quantcli.nn.recurrent import QuantLSTM
 from quantcli.nn.recurrent import precision as lstm_precision
-from quantcli.nn.tensor_quantizer import role
+from quantcli.nn.tensor_quantizer import owner, role
 
 if TYPE_CHECKING:
     from exporters.causal_lm.kv_cache import KVCacheQuant
@@ -401,7 +401,7 @@ def layers_summary(
     or the quality target disabled, or that never ran on the calibration data: ``not_called`` quantizers), the
     parametrized weights stored as values, and a one-line ``text``."""
     modules = dict(model.named_modules())
-    idle = {q.rsplit(".", 1)[0] if "." in q else "" for q in not_called or ()}
+    idle = {owner(q) for q in not_called or ()}
 
     def why_disabled(n: str) -> str:
         if n in slower:

@@ -45,7 +45,7 @@ from quantcli.nn.recurrent import WeightView
 from quantcli.nn.recurrent import convert as convert_lstm
 from quantcli.nn.recurrent import float_reason as recurrent_float_reason
 from quantcli.nn.recurrent import weight_format_reason as lstm_weight_format_reason
-from quantcli.nn.tensor_quantizer import TensorQuantizer
+from quantcli.nn.tensor_quantizer import TensorQuantizer, owner
 from quantcli.quant.descriptor import QuantDescriptor
 
 # rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
@@ -533,8 +533,7 @@ def _place_for_onnxruntime(
     if placement.qlinear_activations:
 
         def make_activation(qname: str, unsigned: bool) -> TensorQuantizer:
-            owner = qname.rsplit(".", 1)[0] if "." in qname else ""
-            return activation_quantizer(qname, modules.get(owner, model), unsigned)
+            return activation_quantizer(qname, modules.get(owner(qname), model), unsigned)
 
         by_node = insert_activation_quantizers(model, graph, placement.qlinear_activations, make_activation)
         placement.activation_quantized = [q for qs in by_node.values() for q in qs]

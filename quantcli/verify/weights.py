@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import owner, quantizers
 
 
 @contextlib.contextmanager
@@ -29,7 +29,7 @@ def constant_weights(model: nn.Module) -> Iterator[None]:
             continue
         if q.amax is None and not q.desc.dynamic:
             continue  # uncalibrated: refused where it is used, with the name of what to do
-        layer = modules.get(name.rsplit(".", 1)[0] if "." in name else "")
+        layer = modules.get(owner(name))
         weight = getattr(layer, "weight", None)
         if not isinstance(weight, torch.Tensor) or getattr(layer, "weight_derived", False):
             continue  # a derived operand (a slice, a transpose, a standardised weight) is not the parameter
