@@ -121,11 +121,9 @@ class QdqPair:
         return values.T if self.transposed and values.ndim == 2 else values
 
     def to_row(self) -> dict:
-        s = self.scale
-        scale_txt = (
-            f"{float(s):.6g}" if s.size == 1 else f"[{float(s.min()):.4g} .. {float(s.max()):.4g}] ({s.size})"
-        )
-        zp = self.zero_point
+        """The pair as plain data: ``scale``/``zero_point`` as short text for a table, ``scale_values`` and
+        ``zero_point_values`` as the numbers themselves (every channel or block, flattened)."""
+        s, zp = self.scale, self.zero_point
         return {
             "tensor": self.tensor,
             "output": self.output,
@@ -133,10 +131,29 @@ class QdqPair:
             "format": self.format,
             "axis": self.axis,
             "block_size": self.block_size,
-            "scale": scale_txt,
-            "zero_point": float(zp) if zp.size == 1 else f"({zp.size} values)",
+            "scale": values_text(s),
+            "zero_point": values_text(zp),
+            "scale_values": [float(v) for v in np.asarray(s, np.float64).reshape(-1)],
+            "zero_point_values": plain_values(zp),
             "stored": self.stored,
         }
+
+
+def values_text(v: np.ndarray) -> str:
+    """One value as itself (an integer as an integer), several as ``[min .. max] (count)``."""
+    v = np.asarray(v)
+    if v.size == 1:
+        x = v.reshape(-1)[0]
+        return str(int(x)) if np.issubdtype(v.dtype, np.integer) else f"{float(x):.6g}"
+    if np.issubdtype(v.dtype, np.integer):
+        return f"[{int(v.min())} .. {int(v.max())}] ({v.size})"
+    return f"[{float(v.min()):.4g} .. {float(v.max()):.4g}] ({v.size})"
+
+
+def plain_values(v: np.ndarray) -> list:
+    """Flattened values as JSON numbers: integers for integer codes, floats otherwise (float8 zero points)."""
+    v = np.asarray(v).reshape(-1)
+    return [int(x) for x in v] if np.issubdtype(v.dtype, np.integer) else [float(x) for x in v]
 
 
 def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:

@@ -208,6 +208,51 @@ def test_inspect_onnx_lists_pairs(exported):
     assert {p["format"] for p in rows["pairs"]} == {"int4"}
 
 
+def test_inspect_onnx_json_has_the_numbers(exported):
+    """``--json`` gives every scale and zero point as numbers (not the table's short text) and a stored
+    weight's code range, each read back from the graph's own initializers here."""
+    from onnx import numpy_helper
+
+    path = exported("digits_cnn")
+    rows = json.loads(cli("inspect", path, "--json").stdout)
+    m = onnx.load(str(path))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    dq = {n.output[0]: n for n in m.graph.node if n.op_type == "DequantizeLinear"}
+    weights = [p for p in rows["pairs"] if p["stored"] == "initializer"]
+    assert len(weights) == 4
+    for p in rows["pairs"]:
+        node = dq[p["output"]]
+        assert p["scale_values"] == inits[node.input[1]].reshape(-1).astype(float).tolist()
+        assert p["zero_point_values"] == inits[node.input[2]].reshape(-1).astype(int).tolist()
+        if p["stored"] == "initializer":
+            codes = inits[node.input[0]]
+            assert p["codes"] == [int(codes.min()), int(codes.max())]
+        else:
+            assert p["codes"] is None
+    conv1 = next(p for p in weights if p["quantizer"] == "conv1.weight_quantizer")
+    assert len(conv1["scale_values"]) == 16  # per channel, none cut
+
+
+def test_inspect_onnx_lists_dynamic_layers(exported):
+    """A dynamic graph has no Q/DQ pair; inspect lists its DynamicQuantizeLinear -> MatMulInteger layers with
+    their quantizers and the weights' scales and codes, as stored."""
+    from onnx import numpy_helper
+
+    path = exported("text_encoder", "int8-dynamic")
+    rows = json.loads(cli("inspect", path, "--json").stdout)
+    m = onnx.load(str(path))
+    inits = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    mmi = {n.name: n for n in m.graph.node if n.op_type == "MatMulInteger"}
+    assert rows["pairs"] == [] and len(rows["dynamic"]) == len(mmi) == 13
+    for d in rows["dynamic"]:
+        module = d["weight_quantizer"].rsplit(".", 1)[0]
+        assert d["input_quantizer"] == f"{module}.input_quantizer"
+        codes = inits[mmi[d["node"]].input[1]]
+        assert d["codes"] == [int(codes.min()), int(codes.max())] and d["weight_format"] == "int8"
+        assert len(d["weight_scale_values"]) == codes.shape[1]  # one per output channel
+    assert "13 dynamic layers" in cli("inspect", path).stdout
+
+
 # ------------------------------------------------------------------------- narrow range, dead channels
 
 

@@ -46,7 +46,7 @@ def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, 
                 "axis": d.get("axis"),
                 "block_sizes": {k: v for k, v in (d.get("block_sizes") or {}).items()},
                 "amax": _amax_text(q["amax"]) if q["enabled"] else "-",
-                "amax_values": None if q["amax"] is None else q["amax"].flatten().tolist()[:16],
+                "amax_values": None if q["amax"] is None else q["amax"].flatten().tolist(),
             }
         )
     return {
@@ -81,17 +81,59 @@ def _model_loads(path: str | Path) -> dict[str, Any]:
 
 
 def inspect_onnx(path: str | Path) -> dict[str, Any]:
-    from exporters.graph import qdq_pairs, read_onnx
+    """The graph's quantizers: every Q/DQ pair (``pairs``; a stored weight's with the range of its codes,
+    ``codes``, which shows a 7-bit grid held in int8) and every dynamic layer's two (``dynamic``: the input
+    quantized at run time by DynamicQuantizeLinear, the stored weight codes of its MatMulInteger)."""
+    from exporters.dynamic_linear import dynamic_layers
+    from exporters.graph import initializer_map, qdq_pairs, read_onnx, to_numpy
 
     model = read_onnx(path)
-    pairs = qdq_pairs(model)
+    inits = initializer_map(model.graph)
+    pairs = []
+    for p in qdq_pairs(model):
+        row = p.to_row()
+        row["codes"] = _code_range(to_numpy(inits[p.tensor])) if p.stored == "initializer" else None
+        pairs.append(row)
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
     meta = {p.key: p.value for p in model.metadata_props}
     return {
         "opset": opset,
         "target": meta.get("quantcli.target"),
-        "pairs": [p.to_row() for p in pairs],
-        "metadata": {p.key: p.value for p in model.metadata_props},
+        "pairs": pairs,
+        "dynamic": [_dynamic_row(layer, inits) for layer in dynamic_layers(model)],
+        "metadata": meta,
+    }
+
+
+def _code_range(codes) -> list[int] | None:
+    """``[min, max]`` of stored integer codes (``None`` for float8 codes)."""
+    import numpy as np
+
+    if not np.issubdtype(codes.dtype, np.integer) or codes.size == 0:
+        return None
+    return [int(codes.min()), int(codes.max())]
+
+
+def _dynamic_row(layer, inits) -> dict[str, Any]:
+    from exporters.graph import plain_values, to_numpy, values_text
+    from quantcli.quant import formats
+
+    w = inits.get(layer.weight)
+    codes = to_numpy(w) if w is not None else None
+    fmt = formats.BY_ELEM_TYPE.get(w.data_type) if w is not None else None
+    scale = layer.weight_scale
+    zp = layer.weight_zero_point
+    return {
+        "node": layer.node,
+        "input_quantizer": layer.input_quantizer,
+        "weight_quantizer": layer.weight_quantizer,
+        "input_format": "uint8 (scale and zero point computed per batch)",
+        "weight_format": fmt.name if fmt is not None else None,
+        "weight_axis": None if scale is None or scale.size == 1 else 1,
+        "weight_scale": None if scale is None else values_text(scale),
+        "weight_scale_values": None if scale is None else plain_values(scale.astype("float64")),
+        "weight_zero_point_values": None if zp is None else plain_values(zp),
+        "codes": None if codes is None else _code_range(codes),
     }
 
 

@@ -109,18 +109,44 @@ def render_inspect_onnx(rows: dict, path: Path) -> None:
             str(r["axis"]),
             str(r["block_size"] or ""),
             r["scale"],
-            str(r["zero_point"]),
+            r["zero_point"],
             r["stored"],
+            _codes_text(r["codes"]),
         )
         for r in rows["pairs"]
     )
     out.print(
         table(
             f"{path} — {len(rows['pairs'])} Q/DQ pairs, opset {rows['opset']}{target}",
-            ("quantizer", "format", "axis", "block", "scale", "zero point", "stored"),
+            ("quantizer", "format", "axis", "block", "scale", "zero point", "stored", "codes"),
             pairs,
         )
     )
+    from quantcli.nn.tensor_quantizer import owner
+
+    dynamic = rows.get("dynamic") or []
+    if dynamic:
+        out.print(
+            table(
+                f"{len(dynamic)} dynamic layers (input quantized per batch by DynamicQuantizeLinear, uint8)",
+                ("layer", "weight format", "weight axis", "weight scale", "codes"),
+                (
+                    (
+                        owner(d["weight_quantizer"]) if d["weight_quantizer"] else d["node"],
+                        d["weight_format"] or "-",
+                        str(d["weight_axis"]),
+                        d["weight_scale"] or "-",
+                        _codes_text(d["codes"]),
+                    )
+                    for d in dynamic
+                ),
+            )
+        )
+
+
+def _codes_text(codes) -> str:
+    """The stored codes' range (a 7-bit weight grid in int8 shows as -64 .. 63), or '-' for run-time codes."""
+    return "-" if codes is None else f"{codes[0]} .. {codes[1]}"
 
 
 def render_inspect_checkpoint(rows: dict, path: Path) -> None:
