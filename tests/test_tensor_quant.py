@@ -54,6 +54,22 @@ def test_unsigned_negative_input_is_an_error():
         fake_tensor_quant(torch.tensor([-0.1, 1.0]), torch.tensor(1.0), 8, True)
 
 
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda x: fake_tensor_quant(x, torch.tensor(100.0)),
+        lambda x: tensor_quant.tensor_quant(x, torch.tensor(100.0)),
+        lambda x: fake_affine_tensor_quant(x, torch.tensor(-100.0), torch.tensor(100.0)),
+        lambda x: scaled_e4m3(x, torch.tensor(100.0)),
+    ],
+    ids=["fake", "codes", "affine", "e4m3"],
+)
+def test_integer_input_is_an_error(op):
+    """An int64 tensor used to come back truncated in its own dtype ([1, 2, 300] -> [0, 2, 100])."""
+    with pytest.raises(TypeError, match="floating-point tensor, got torch.int64"):
+        op(torch.tensor([1, 2, 300]))
+
+
 def test_negative_amax_and_bad_bits():
     with pytest.raises(ValueError, match="-0.5"):
         fake_tensor_quant(torch.ones(3), torch.tensor(-0.5))

@@ -49,6 +49,16 @@ def _as_amax(amax, like: torch.Tensor) -> torch.Tensor:
     return amax
 
 
+def _check_float_input(inputs: torch.Tensor) -> None:
+    """The ops quantize real values: an integer tensor would be rounded and returned in its own dtype,
+    the dequantized values truncated (``[1, 2, 300]`` at amax 100 came back ``[0, 2, 100]``)."""
+    if not inputs.is_floating_point():
+        raise TypeError(
+            f"quantization takes a floating-point tensor, got {inputs.dtype}; convert it first "
+            "(inputs.float())"
+        )
+
+
 def _check_unsigned_input(inputs: torch.Tensor, unsigned: bool) -> None:
     if unsigned and inputs.numel() and inputs.detach().min() < 0:
         raise TypeError(
@@ -59,6 +69,7 @@ def _check_unsigned_input(inputs: torch.Tensor, unsigned: bool) -> None:
 
 def _symmetric_codes(inputs, amax, num_bits, unsigned, narrow_range):
     """(codes float32, onnx scale float32 broadcastable, amax broadcastable)."""
+    _check_float_input(inputs)
     arithmetic.check_num_bits(num_bits)
     amax = _as_amax(amax, inputs)
     _check_unsigned_input(inputs, unsigned)
@@ -176,6 +187,7 @@ class FakeAffineTensorQuantFunction(torch.autograd.Function):
     @staticmethod
     @traced_as_one_node
     def forward(ctx, inputs, min_range, max_range, num_bits=8):
+        _check_float_input(inputs)
         scale, zp = arithmetic.affine_qparams(min_range, max_range, num_bits)
         scale, zp = scale.to(inputs.device), zp.to(inputs.device)
         codes = arithmetic.quantize_linear(inputs, scale, zp, 0, (1 << num_bits) - 1)
@@ -208,6 +220,7 @@ class FakeDynamicQuantFunction(torch.autograd.Function):
     @staticmethod
     @traced_as_one_node
     def forward(ctx, inputs):
+        _check_float_input(inputs)
         return arithmetic.fake_quant_dynamic(inputs)
 
     @staticmethod
@@ -226,6 +239,7 @@ class ScaledE4M3Function(torch.autograd.Function):
     def forward(ctx, inputs, amax=None, E=4, M=3):
         if (E, M) != (4, 3):
             raise ValueError(f"only FP8 E4M3 (E=4, M=3) is supported, got E={E}, M={M}")
+        _check_float_input(inputs)
         amax_e = None
         if amax is not None:
             amax = _as_amax(amax, inputs)
