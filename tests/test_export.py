@@ -409,13 +409,23 @@ def test_directory_as_output_is_refused_before_exporting(calibrated, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.onnx"] and not any(target.iterdir())
 
 
-def test_uncalibrated_quantizers_listed(tmp_path):
+def test_uncalibrated_quantizers_listed(calibrated, tmp_path):
+    """save_calibrated refuses an uncalibrated model before writing anything; a checkpoint whose amax went
+    missing afterwards is refused by export, by name."""
+    from quantcli.errors import ConfigError
     from quantcli.inputs.checkpoint import save_calibrated
     from quantcli.inputs.loading import load_model
 
     model, spec = load_model("digits_cnn")
     quantize_model(model)
-    save_calibrated(tmp_path / "u.calib.pt", model, spec, {"x": torch.zeros(2, 1, 8, 8)})
+    with pytest.raises(ConfigError, match="without an amax: conv1.input_quantizer"):
+        save_calibrated(tmp_path / "u.calib.pt", model, spec, {"x": torch.zeros(2, 1, 8, 8)})
+    assert not (tmp_path / "u.calib.pt").exists()
+    data = torch.load(calibrated("digits_cnn"), weights_only=False)
+    data["quantizers"]["conv1.input_quantizer"]["amax"] = None
+    for key in ("amax", "amin"):
+        del data["state_dict"][f"conv1.input_quantizer.{key}"]
+    torch.save(data, tmp_path / "u.calib.pt")
     r = cli("export", tmp_path / "u.calib.pt", "--onnx", tmp_path / "o.onnx")
     assert_clean_error(r, "amax missing", "conv1.input_quantizer")
     assert not (tmp_path / "o.onnx").exists()

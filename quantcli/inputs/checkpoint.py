@@ -34,7 +34,7 @@ from quantcli.nn.fold_bn import restore_folds
 from quantcli.nn.modes import keep_float
 from quantcli.nn.replace import quantize_model
 from quantcli.nn.smooth import restore as restore_smoothing
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import quantizers, uncalibrated
 from quantcli.quant.descriptor import QuantDescriptor, to_plain
 
 FORMAT = "quantcli.calibrated"
@@ -107,6 +107,13 @@ def save_calibrated(
             f"quantcli.inputs.loading.parse_spec({spec!r}) for a spec string), got {type(spec).__name__}"
         )
     example_batch = checked_batch(example_batch, "save_calibrated's example_batch")
+    missing = uncalibrated(model)
+    if missing:  # export and verify would refuse the file; say so before writing it
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ConfigError(
+            f"save_calibrated: quantizer(s) without an amax: {', '.join(missing[:5])}{more}; calibrate the "
+            "model first (quantcli.calibration.calibrate.calibrate(model, batches))"
+        )
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()
     qs = {}
     for name, q in quantizers(model).items():
