@@ -407,6 +407,70 @@ def test_a_conv_transpose_onnxruntime_cannot_fuse_stays_float_under_auto(tmp_pat
     assert "2" in info["layers"]["quantized"]
 
 
+_LOOPED = """
+import torch
+from torch import nn
+
+
+class Looped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        for _ in range(3):  # one module, three nodes; each Relu feeds the residual Add, not a Q
+            h = torch.relu(self.block(h)) + h
+        return self.out(h)
+
+
+def make():
+    torch.manual_seed(0)
+    return Looped()
+"""
+
+
+def test_a_module_called_several_times_is_decided_as_one(tmp_path):
+    """Its nodes are named by node in the fusion report ("/block/Gemm", "/block_1/Gemm", ...): placement used
+    to leave them quantized as "not mapped to a module" although onnxruntime ran all three in float between
+    their Q/DQ (FusedGemm), a graph twice as slow as float at batch 1."""
+    (tmp_path / "looped.py").write_text(_LOOPED)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+    _, info = _calibrate(tmp_path, "--data", tmp_path / "x.npy", model=f"{tmp_path / 'looped.py'}:make")
+    latency = info["placement"]["latency"]
+    layers = {e["layer"]: e for e in latency["layers"]}
+    assert sorted(layers) == ["block", "inp", "out"]
+    assert layers["block"]["decision"] == "float" and "(3 of 3 calls)" in layers["block"]["reason"]
+    assert latency["quantizers_disabled"] == ["block.input_quantizer", "block.weight_quantizer"]
+    assert layers["inp"]["decision"] == layers["out"]["decision"] == "quantized"
+
+
+def test_module_calls_groups_nodes_by_the_owner_of_their_quantizers():
+    def call(layer, fused, owner="block"):
+        return LayerFusion(
+            layer,
+            layer,
+            "Gemm",
+            [f"{owner}.input_quantizer", f"{owner}.weight_quantizer"],
+            "QGemm" if fused else "Gemm",
+            fused,
+        )
+
+    modules = {"block": nn.Linear(2, 2), "head": nn.Linear(2, 2)}
+    grouped = latency_placement.module_calls(
+        [call("/block/Gemm", True), call("head", True, "head"), call("/block_1/Gemm", False)], modules
+    )
+    assert [(m.layer, len(m.calls)) for m in grouped] == [("block", 2), ("head", 1)]
+    assert grouped[0].fused is False and grouped[0].kernel == "QGemm, Gemm"  # half the calls in float
+    three = latency_placement.module_calls(
+        [call("/block/Gemm", True), call("/block_1/Gemm", True), call("/block_2/Gemm", False)], modules
+    )
+    assert three[0].fused is True and three[0].unfused_calls == "1 of 3 calls"
+    # quantizers of no module (or of two) keep the node's name
+    odd = latency_placement.module_calls([call("/x/Gemm", True, "gone")], modules)
+    assert odd[0].layer == "/x/Gemm"
+
+
 def test_a_model_that_does_not_export_is_calibrated_and_not_measured(tmp_path, monkeypatch):
     def fail(*a, **k):
         raise RuntimeError("no translation for aten::frobnicate")

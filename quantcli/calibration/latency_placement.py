@@ -74,6 +74,7 @@ class LayerCost:
     prediction: Prediction | None  # the table's int8/float ratio for its shape on the deployment CPU
     quantizers: list[str] = field(default_factory=list)  # the layer's quantizers (input, weight, output)
     not_applicable: str | None = None  # why the layer is left as configured, whatever it costs
+    calls: str = ""  # a module called several times: how many of its calls onnxruntime runs in float
 
 
 @dataclass
@@ -168,7 +169,8 @@ def decide(costs: list[LayerCost], margin: float = MARGIN) -> list[LayerDecision
         if c.not_applicable:
             reason = c.not_applicable
         elif c.fused is False:
-            decision, reason = FLOAT, f"{UNFUSED}: {c.kernel or 'not loaded'}"
+            calls = f" ({c.calls})" if c.calls else ""
+            decision, reason = FLOAT, f"{UNFUSED}: {c.kernel or 'not loaded'}{calls}"
         elif c.fused is None:
             reason = "not found in onnxruntime's optimized graph: left quantized"
         elif c.prediction is None:
@@ -426,6 +428,50 @@ def _fusion(model: nn.Module, example: Batch, workdir: Path, name: str) -> Fusio
     return report
 
 
+@dataclass
+class ModuleCalls:
+    """The graph nodes of one module (several where forward calls it several times: a loop over one block,
+    shared layers), as onnxruntime runs them. Its quantizers serve every call, so placement decides for the
+    module."""
+
+    layer: str  # the module's name, or the node's where its quantizers name no module
+    calls: list  # exporters.onnxruntime.fusion.LayerFusion, one per node
+
+    @property
+    def kernel(self) -> str | None:
+        kinds = list(dict.fromkeys(c.kernel for c in self.calls if c.kernel is not None))
+        return ", ".join(kinds) if kinds else None
+
+    @property
+    def fused(self) -> bool | None:
+        """False when at least half the calls run in float between their Q/DQ (the shared quantizers cannot
+        be switched off for some calls only), None where a call was not found, else True."""
+        unfused = sum(c.fused is False for c in self.calls)
+        if unfused and 2 * unfused >= len(self.calls):
+            return False
+        return None if any(c.fused is None for c in self.calls) else True
+
+    @property
+    def unfused_calls(self) -> str:
+        n = sum(c.fused is False for c in self.calls)
+        return f"{n} of {len(self.calls)} calls" if len(self.calls) > 1 else ""
+
+
+def module_calls(layers: list, modules: dict[str, nn.Module]) -> list[ModuleCalls]:
+    """A fusion report's layers grouped by module, in graph order: a layer named after its node (a module
+    called several times is named by node, :func:`exporters.onnxruntime.fusion.quantized_layers`) goes to the
+    module its input and weight quantizers belong to."""
+    grouped: dict[str, ModuleCalls] = {}
+    for lf in layers:
+        name = lf.layer
+        if name not in modules:
+            owners = {owner(q) for q in lf.quantizers if role(q) in _OWN}
+            if len(owners) == 1 and next(iter(owners)) in modules:
+                name = next(iter(owners))
+        grouped.setdefault(name, ModuleCalls(name, [])).calls.append(lf)
+    return list(grouped.values())
+
+
 def measure(
     model: nn.Module, example: Batch, cpu: str, workdir: Path
 ) -> tuple[list[LayerCost], FusionReport]:
@@ -433,18 +479,20 @@ def measure(
     ``cpu``. Raises what export or onnxruntime raise."""
     report = _fusion(model, example, workdir, "int8")
     modules = dict(model.named_modules())
-    shapes = layer_shapes(model, example, [lf.layer for lf in report.layers])
+    layers = module_calls(report.layers, modules)
+    shapes = layer_shapes(model, example, [m.layer for m in layers])
     costs = []
-    for lf in report.layers:
-        shape = shapes.get(lf.layer)
+    for m in layers:
+        shape = shapes.get(m.layer)
         costs.append(
             LayerCost(
-                lf.layer,
-                lf.kernel,
-                lf.fused,
+                m.layer,
+                m.kernel,
+                m.fused,
                 kernel_costs.predict(cpu, shape) if shape is not None else None,
-                _layer_quantizers(model, lf.layer),
-                _not_applicable(modules, lf.layer),
+                _layer_quantizers(model, m.layer),
+                _not_applicable(modules, m.layer),
+                m.unfused_calls,
             )
         )
     return costs, report
@@ -478,13 +526,14 @@ def measure_and_decide(
         with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
             work = Path(d)
             costs, report = measure(model, example, cpu, work)
+            modules = dict(model.named_modules())
             decisions = keep_chains(decide(costs, margin), _activation_groups(model))
             tries = iter(range(1, 6))
 
             def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
                 plain = _with_float(model, floats, decisions, keep_inputs)
                 rep = _fusion(plain, example, work, f"float{next(tries)}")
-                return {lf.layer: lf.fused for lf in rep.layers}
+                return {m.layer: m.fused for m in module_calls(rep.layers, modules)}
 
             stems = as_stems(decisions, report)  # stems kept float cost no neighbour anything
             decisions = stems if stems is not None else keep_neighbours(decisions, fused_after)
