@@ -292,6 +292,48 @@ def test_bad_folders_texts_and_images(bert, tmp_path):
     _no_output(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: transformers.BartForConditionalGeneration(
+            transformers.BartConfig(
+                vocab_size=len(WORDS),
+                d_model=16,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=32,
+                decoder_ffn_dim=32,
+                max_position_embeddings=64,
+            )
+        ),
+        lambda: transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                vocab_size=len(WORDS),
+                d_model=16,
+                d_kv=8,
+                d_ff=32,
+                num_layers=1,
+                num_decoder_layers=1,
+                num_heads=2,
+            )
+        ),
+    ],
+    ids=["bart", "t5"],
+)
+def test_encoder_decoder_models_are_refused(bert, tmp_path, make):
+    """BART exported as a graph of input_ids alone, its decoder fed the shifted input (verify passed it);
+    T5 failed with transformers' own 'You must specify exactly one of input_ids or inputs_embeds'."""
+    _, d = bert
+    torch.manual_seed(0)
+    make().eval().save_pretrained(str(tmp_path / "s2s"))
+    make_tokenizer(tmp_path / "vocab").save_pretrained(str(tmp_path / "s2s"))
+    r = cli("calibrate", tmp_path / "s2s", "--data", d / "texts.txt")
+    assert_clean_error(r, "ForConditionalGeneration is an encoder-decoder (seq2seq) model")
+    _no_output(tmp_path)
+
+
 def test_missing_extras_are_named(bert, tmp_path, monkeypatch):
     _, d = bert
     torch.save(_cnn(), tmp_path / "cnn.pt")

@@ -118,6 +118,13 @@ def _is_base(cls, config) -> bool:
 
 def _inputs(cls) -> list[str]:
     params = inspect.signature(cls.forward).parameters
+    if "decoder_input_ids" in params:
+        # BART/T5/Marian/...: called with input_ids alone, BART feeds its decoder the shifted input and T5
+        # raises; neither is the model a user deploys (a seq2seq model generates from decoder inputs)
+        raise ModelLoadError(
+            f"{cls.__name__} is an encoder-decoder (seq2seq) model, which quantcli does not export; it "
+            "handles encoder-only and decoder-only (causal LM) text models and image models"
+        )
     if "input_ids" in params:
         return ["input_ids", "attention_mask"] + (["token_type_ids"] if "token_type_ids" in params else [])
     if "pixel_values" in params:
