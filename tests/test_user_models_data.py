@@ -229,6 +229,36 @@ def test_preprocessor_config_gives_the_defaults(tmp_path):
     )
 
 
+@pytest.mark.parametrize("kind", ["resize_then_crop", "shortest_edge_then_crop", "crop_only"])
+def test_image_preprocessing_equals_the_hugging_face_processor(tmp_path, kind):
+    """The pixels quantcli calibrates and verifies on are the ones the model's own image processor makes
+    (transformers' PIL processors, independent of quantcli's code): a DeiT config (resize to 40x40, center
+    crop to 32x32, bicubic) was applied as one bilinear resize to 32x32, off by up to 2.0 normalised."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.deit.image_processing_pil_deit import DeiTImageProcessorPil
+
+    from quantcli.inputs.image_data import image_batches, image_settings
+
+    crop = {"height": 32, "width": 32}
+    proc = {
+        "resize_then_crop": lambda: DeiTImageProcessorPil(
+            size={"height": 40, "width": 40}, crop_size=crop, image_mean=[0.5] * 3, image_std=[0.5] * 3
+        ),
+        "shortest_edge_then_crop": lambda: CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size=crop),
+        "crop_only": lambda: DeiTImageProcessorPil(do_resize=False, crop_size=crop),
+    }[kind]()
+    proc.save_pretrained(str(tmp_path / "model"))
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((48, 48), (40, 64), (70, 30))]
+    for i, a in enumerate(images):
+        _png(tmp_path / "imgs" / f"{i}.png", a)
+    settings = image_settings(tmp_path / "model", None, None, None)
+    (got,) = image_batches(tmp_path / "imgs", _cnn(), "x", settings, 8, None)
+    want = np.concatenate([proc(Image.fromarray(a), return_tensors="np")["pixel_values"] for a in images])
+    assert got["x"].shape == want.shape == (3, 3, 32, 32)
+    np.testing.assert_allclose(got["x"].numpy(), want, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

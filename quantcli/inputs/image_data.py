@@ -32,9 +32,16 @@ IMAGENET_STD_L = (round(sum(w * m for w, m in zip(LUMA, IMAGENET_STD)), 4),)
 _CONVERTIBLE = {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "RGBX", "CMYK", "YCbCr", "LAB", "HSV"}
 
 
+#: PIL's resampling filters by the numbers ``preprocessor_config.json`` stores (``resample``)
+RESAMPLE_NAMES = {0: "nearest", 1: "lanczos", 2: "bilinear", 3: "bicubic", 4: "box", 5: "hamming"}
+BILINEAR = 2
+
+
 @dataclass
 class ImageSettings:
-    """How images become tensors. ``resize_shorter`` (then a center crop to ``size``) or a direct resize."""
+    """How images become tensors, as Hugging Face image processors do it: a resize (to ``resize_to``, or the
+    shorter side to ``resize_shorter`` keeping the aspect ratio, or straight to ``size``), then, with
+    ``crop``, a center crop to ``size``."""
 
     size: tuple[int, int]  # (height, width) of the model input, pixels
     mean: tuple[float, ...]
@@ -44,6 +51,12 @@ class ImageSettings:
     source: str = "ImageNet defaults"
     mode: str = "RGB"  # what every image is converted to
     conversions: dict[str, int] = field(default_factory=dict)
+    resize_to: tuple[int, int] | None = None  # (height, width) before the crop
+    crop: bool = False  # center crop to ``size`` after the resize (always with ``resize_shorter``)
+    resample: int = BILINEAR  # a PIL filter (RESAMPLE_NAMES)
+
+    def __post_init__(self):
+        self.crop = self.crop or self.resize_shorter is not None
 
     def to_plain(self) -> dict[str, Any]:
         return {
@@ -52,6 +65,9 @@ class ImageSettings:
             "mean": list(self.mean),
             "std": list(self.std),
             "resize_shorter": self.resize_shorter,
+            "resize_to": None if self.resize_to is None else list(self.resize_to),
+            "crop": self.crop,
+            "resample": self.resample,
             "rescale": self.rescale,
             "source": self.source,
         }
@@ -65,11 +81,21 @@ class ImageSettings:
             d.get("resize_shorter"),
             d.get("rescale", 1 / 255),
             d.get("source", "stored in the checkpoint"),
+            resize_to=tuple(d["resize_to"]) if d.get("resize_to") else None,
+            crop=bool(d.get("crop", False)),
+            resample=int(d.get("resample", BILINEAR)),
         )
 
     def describe(self) -> str:
         conv = ", ".join(f"{n} from {m}" for m, n in sorted(self.conversions.items()))
-        resize = f"shorter side {self.resize_shorter}, center crop" if self.resize_shorter else "resized"
+        if self.resize_shorter:
+            resize = f"shorter side {self.resize_shorter}, center crop"
+        elif self.resize_to is not None:
+            resize = f"resized to {self.resize_to[0]}x{self.resize_to[1]}, center crop"
+        else:
+            resize = "resized"
+        if self.resample != BILINEAR:
+            resize += f" ({RESAMPLE_NAMES.get(self.resample, self.resample)})"
         return (
             f"images {resize} to {self.size[0]}x{self.size[1]}, mean {list(self.mean)}, std "
             f"{list(self.std)} ({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else "")
@@ -122,8 +148,11 @@ def _hw(v: Any) -> tuple[int, int] | None:
     return None
 
 
-def _from_preprocessor(cfg: dict[str, Any]) -> tuple[tuple[int, int] | None, int | None, tuple, tuple, float]:
-    size, shorter = None, None
+def _from_preprocessor(cfg: dict[str, Any], where: str = "preprocessor_config.json") -> ImageSettings:
+    """The settings a Hugging Face image processor's config describes: ``size`` as ``{height, width}`` (a
+    resize to it) or ``{shortest_edge}`` (the shorter side to it, the aspect kept), then with
+    ``do_center_crop`` a center crop to ``crop_size``; ``resample`` the filter; normalisation and rescale."""
+    size, shorter, resize_to, crop = None, None, None, False
     raw = cfg.get("size")
     if cfg.get("do_resize", True) and raw is not None:
         size = _hw(raw)
@@ -131,12 +160,26 @@ def _from_preprocessor(cfg: dict[str, Any]) -> tuple[tuple[int, int] | None, int
             shorter = int(raw["shortest_edge"])
             size = (shorter, shorter)
     if cfg.get("do_center_crop") and _hw(cfg.get("crop_size")) is not None:
-        size = _hw(cfg["crop_size"])
+        resize_to = size if shorter is None else None  # None and None: a crop of the image as it is
+        size, crop = _hw(cfg["crop_size"]), True
+    resample = cfg.get("resample", BILINEAR)
+    if not isinstance(resample, int) or resample not in RESAMPLE_NAMES:
+        raise DataError(f"{where}: resample {resample!r} is not one of PIL's filters (0-5)")
     normalize = cfg.get("do_normalize", True)
     mean = tuple(cfg.get("image_mean", IMAGENET_MEAN)) if normalize else (0.0,)
     std = tuple(cfg.get("image_std", IMAGENET_STD)) if normalize else (1.0,)
     rescale = float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else 1.0
-    return size, shorter, mean, std, rescale
+    return ImageSettings(
+        size or IMAGENET_SIZE,
+        mean,
+        std,
+        shorter,
+        rescale,
+        f"from {where}",
+        resize_to=resize_to,
+        crop=crop,
+        resample=resample,
+    )
 
 
 def image_settings(
@@ -157,13 +200,12 @@ def image_settings(
                 cfg = json.loads(pre.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise DataError(f"{pre} is not valid JSON: {first_line(e)}") from None
-            s, shorter, m, sd, rescale = _from_preprocessor(cfg)
-            base = ImageSettings(s or IMAGENET_SIZE, m, sd, shorter, rescale, f"from {pre.name}")
+            base = _from_preprocessor(cfg, pre.name)
     given = [n for n, v in (("--image-size", size), ("--mean", mean), ("--std", std)) if v is not None]
     if given:
         base.source = f"{', '.join(given)} given; the rest {base.source}"
-    if size is not None:
-        base.size, base.resize_shorter = size, None
+    if size is not None:  # a direct resize to the size given
+        base.size, base.resize_shorter, base.resize_to, base.crop = size, None, None, False
     base.mean = mean if mean is not None else base.mean
     base.std = std if std is not None else base.std
     return base
@@ -200,14 +242,20 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
     except Exception as e:
         raise DataError(f"cannot decode image {path}: {first_line(e, 160)}") from None
     h, w = settings.size
-    if settings.resize_shorter:
+    if settings.resize_shorter:  # as transformers' get_resize_output_image_size: the longer side truncated
         s = settings.resize_shorter
-        scale = s / min(im.width, im.height)
-        im = im.resize((max(s, round(im.width * scale)), max(s, round(im.height * scale))), Image.BILINEAR)
+        if im.width <= im.height:
+            new_w, new_h = s, int(s * im.height / im.width)
+        else:
+            new_w, new_h = int(s * im.width / im.height), s
+        im = im.resize((new_w, new_h), settings.resample)
+    elif settings.resize_to is not None:
+        im = im.resize((settings.resize_to[1], settings.resize_to[0]), settings.resample)
+    elif not settings.crop:
+        im = im.resize((w, h), settings.resample)
+    if settings.crop:  # as transformers' center_crop; PIL fills what lies outside a small image with 0
         left, top = (im.width - w) // 2, (im.height - h) // 2
         im = im.crop((left, top, left + w, top + h))
-    else:
-        im = im.resize((w, h), Image.BILINEAR)
     a = np.asarray(im, dtype=np.float32)
     return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
 
