@@ -364,6 +364,37 @@ def test_encoder_decoder_models_are_refused(bert, tmp_path, make):
     _no_output(tmp_path)
 
 
+def test_roberta_positions_start_after_the_padding_index(bert, tmp_path):
+    """RoBERTa numbers positions from padding_idx + 1: with 20 position rows and padding index 0 it holds 19
+    tokens. --max-length 20 passed the check, then failed on the example batch with an index error."""
+    _, d = bert
+    cfg = transformers.RobertaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=20,
+        pad_token_id=0,
+        type_vocab_size=1,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    transformers.RobertaForSequenceClassification(cfg).eval().save_pretrained(str(tmp_path / "rob"))
+    make_tokenizer(tmp_path / "vocab").save_pretrained(str(tmp_path / "rob"))
+    (tmp_path / "long.txt").write_text(" ".join(TEXTS) + "\n" + TEXTS[0] + "\n")  # 40 words in line 1
+    assert_clean_error(
+        cli("calibrate", tmp_path / "rob", "--data", tmp_path / "long.txt", "--max-length", "20"),
+        "19 positions",
+    )
+    for extra in (["--max-length", "19"], []):  # the default keeps within the 19 too
+        r = cli(
+            "calibrate", tmp_path / "rob", "--data", tmp_path / "long.txt", "--out", tmp_path / "r.pt", *extra
+        )
+        assert r.exit_code == 0, r.output
+        assert torch.load(tmp_path / "r.pt", weights_only=True)["inputs"]["shapes"][0] == [2, 19]
+
+
 def test_missing_extras_are_named(bert, tmp_path, monkeypatch):
     _, d = bert
     torch.save(_cnn(), tmp_path / "cnn.pt")

@@ -439,14 +439,31 @@ def _refuse_unused_options(path: Path, kind: str, opts: DataOptions) -> None:
 
 
 def model_positions(model: nn.Module) -> int | None:
-    """The positions a Hugging Face model's config gives it (``max_position_embeddings``, GPT-2's
-    ``n_positions``), else None: a learned position embedding has no row beyond them."""
+    """The tokens a Hugging Face model's config gives it positions for (``max_position_embeddings``, GPT-2's
+    ``n_positions``, less the rows RoBERTa-style embeddings skip), else None: a learned position embedding has
+    no row beyond them."""
     cfg = getattr(model, "config", None)
     for key in ("max_position_embeddings", "n_positions"):
         v = getattr(cfg, key, None) if cfg is not None else None
         if isinstance(v, int) and v > 0:
-            return v
+            return v - _position_offset(model)
     return None
+
+
+def _position_offset(model: nn.Module) -> int:
+    """Rows of the position embedding no token reaches: RoBERTa-style embeddings (XLM-R, CamemBERT,
+    Longformer, ...) number positions from ``padding_idx + 1`` (``create_position_ids_from_input_ids``), so
+    514 positions with padding index 1 hold 512 tokens."""
+    for m in model.modules():
+        table = getattr(m, "position_embeddings", None)
+        pad = getattr(m, "padding_idx", None)
+        if (
+            isinstance(table, nn.Embedding)
+            and isinstance(pad, int)
+            and hasattr(m, "create_position_ids_from_input_ids")
+        ):
+            return pad + 1
+    return 0
 
 
 def _text_data(
