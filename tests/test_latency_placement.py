@@ -471,6 +471,50 @@ def test_module_calls_groups_nodes_by_the_owner_of_their_quantizers():
     assert odd[0].layer == "/x/Gemm"
 
 
+_CONSTANT_INPUT = """
+import torch
+from torch import nn
+
+
+class RelativePositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rel = nn.Parameter(torch.randn(1, 32, 64))  # DeBERTa's rel_embeddings: no graph input behind it
+        self.pos_proj, self.query = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.query(x) @ self.pos_proj(self.rel)[0].t()
+
+
+def make():
+    torch.manual_seed(0)
+    return RelativePositions()
+"""
+
+
+def test_a_layer_of_a_constant_input_is_kept_float(tmp_path):
+    """onnxruntime folds a constant input's Q/DQ away and runs the layer as weight-only MatMulNBits on float
+    activations: on DeBERTa-v2 the four relative-position projections made the int8 graph 1.25x its float
+    graph at batch 1, while inspect called them integer kernels. Kept float, the product folds to a
+    constant."""
+    (tmp_path / "rel.py").write_text(_CONSTANT_INPUT)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((16, 8, 64)).astype(np.float32))
+    model = f"{tmp_path / 'rel.py'}:make"
+    out, info = _calibrate(tmp_path, "--data", tmp_path / "x.npy", "--placement", "all", model=model)
+    graph = tmp_path / "all.onnx"
+    assert cli("export", out, "--onnx", graph).exit_code == 0
+    rows = {
+        r["layer"]: r
+        for r in json.loads(cli("inspect", graph, "--runtime", "onnxruntime", "--json").stdout)["layers"]
+    }
+    assert rows["pos_proj"]["kernel"] == "MatMulNBits" and rows["pos_proj"]["fused"] is False
+    assert "its input is a constant" in rows["pos_proj"]["reasons"][0]
+    assert rows["query"]["fused"] is True
+    _, info = _calibrate(tmp_path, "--data", tmp_path / "x.npy", model=model)
+    layers = {e["layer"]: e for e in info["placement"]["latency"]["layers"]}
+    assert layers["pos_proj"]["decision"] == "float" and layers["query"]["decision"] == "quantized"
+
+
 def test_a_model_that_does_not_export_is_calibrated_and_not_measured(tmp_path, monkeypatch):
     def fail(*a, **k):
         raise RuntimeError("no translation for aten::frobnicate")

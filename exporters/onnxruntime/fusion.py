@@ -542,6 +542,19 @@ def _cuda_usable() -> bool:
     return torch.cuda.is_available()
 
 
+#: a layer whose input Q/DQ onnxruntime folded away (a constant input: DeBERTa's relative-position projections
+#: of ``rel_embeddings``) and whose weight DQ it then ran as weight-only ``MatMulNBits``
+CONSTANT_INPUT = (
+    "its input is a constant: onnxruntime folds the input's Q/DQ away and runs the layer as weight-only "
+    "MatMulNBits on float activations at every run, where in float the whole product folds to a constant"
+)
+
+
+def _activation_quantized(g: _Graph, node: onnx.NodeProto) -> bool:
+    """Whether the layer's first input is read through a DequantizeLinear (its activation quantized)."""
+    return g.dq_of(node.input[0], _MOVES)[0] is not None
+
+
 def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     """Per quantized layer of ``path``: what onnxruntime runs it as with default session options, and why.
 
@@ -591,6 +604,11 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
         )
         kernel = got.op_type if got is not None else None
         fused = None if got is None else kernel in INTEGER_KERNELS
+        if fused and kernel == "MatMulNBits" and _activation_quantized(g, node):
+            report.layers.append(
+                LayerFusion(layer, node.name, node.op_type, names, kernel, False, [CONSTANT_INPUT], got.name)
+            )
+            continue
         if fused or provider != "cpu":
             reasons = (
                 []
