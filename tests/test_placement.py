@@ -551,6 +551,77 @@ def test_linear_relu_into_a_signed_concat_gets_an_unsigned_output_quantizer(tmp_
     assert_exact(m, path, shape)
 
 
+class ResidualBlock(nn.Module):
+    """``h + relu(fc(h))``: the ReLU feeds the residual Add alone, not a Q."""
+
+    def __init__(self, relu_module: bool):
+        super().__init__()
+        self.fc = nn.Linear(32, 32)
+        self.act = nn.ReLU() if relu_module else None
+
+    def forward(self, h):
+        return h + (self.act(self.fc(h)) if self.act is not None else torch.relu(self.fc(h)))
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, relu_module: bool):
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.blocks = nn.ModuleList(ResidualBlock(relu_module) for _ in range(2))
+        self.head = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))  # read by blocks.0.fc and by the first Add: a Gemm that fuses on its own
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("relu_module", [True, False], ids=["nn.ReLU", "torch.relu"])
+def test_linear_relu_into_a_residual_add_gets_an_output_quantizer(tmp_path, relu_module):
+    """Without a Q after the ReLU, onnxruntime ran each block's Gemm + Relu as one float FusedGemm between its
+    Q/DQ (and latency placement kept the blocks float); with an output quantizer (after a ReLU module:
+    unsigned, the ReLU absorbed) each block runs as QGemm, as in quantize_static's graphs."""
+    shape = (6, 12)
+    m = _quantized(ResidualMLP(relu_module), shape, example=True)
+    p = m.quantcli_report.placement
+    assert p.output_quantized == ["blocks.0.fc", "blocks.1.fc"]
+    if relu_module:  # after the ReLU module: unsigned; after torch.relu no module to hook: after the Gemm
+        assert p.output_after == {
+            "blocks.0.fc": ("blocks.0.act", True),
+            "blocks.1.fc": ("blocks.1.act", True),
+        }
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QGemm"] == 4 and k["FusedGemm"] == k["Gemm"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    assert_exact(m, path, shape)
+
+
+def test_a_checkpoint_without_a_quantizer_this_version_places_loads_it_off(tmp_path):
+    """A checkpoint written before the residual rule above has no blocks.*.fc.output_quantizer: loading it
+    used to leave those quantizers on and uncalibrated, so export refused a file that exported before."""
+    from quantcli.inputs.checkpoint import save_calibrated
+    from quantcli.inputs.loading import parse_spec
+
+    (tmp_path / "res.py").write_text(
+        "from tests.test_placement import ResidualMLP\n\ndef make():\n    return ResidualMLP(True)\n"
+    )
+    shape = (6, 12)
+    m = _quantized(ResidualMLP(True), shape, example=True)
+    ck = tmp_path / "old.calib.pt"
+    save_calibrated(ck, m, parse_spec(f"{tmp_path / 'res.py'}:make"), _batches(shape, 1)[0])
+    data = torch.load(ck, weights_only=False)
+    for name in [n for n in data["quantizers"] if n.endswith("fc.output_quantizer")]:
+        del data["quantizers"][name]
+        data["state_dict"] = {k: v for k, v in data["state_dict"].items() if not k.startswith(name + ".")}
+    torch.save(data, ck)
+    loaded = load_calibrated(ck, trust_code=True)
+    assert not loaded.model.blocks[0].fc.output_quantizer.enabled
+    r = cli("export", ck, "--onnx", tmp_path / "old.onnx", "--trust-code")
+    assert r.exit_code == 0, r.output
+
+
 def test_a_3d_linear_before_a_signed_concat_gets_no_output_quantizer(tmp_path):
     """Control: on 3-D inputs the Linear is a MatMul, which onnxruntime fuses without a Q on its output."""
     m = _quantized(SignedConcat(three_d=True), (6, 12), example=True)

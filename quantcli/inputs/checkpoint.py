@@ -369,10 +369,13 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         ) from None
     stored = data["quantizers"]
     for name, q in quantizers(model).items():
-        if name in stored and not stored[name]["enabled"]:
-            keep_float(q)  # e.g. a layer that never ran during calibration
+        if name not in stored or not stored[name]["enabled"]:
+            # off in the file (a layer that never ran during calibration), or placed by this version's rules
+            # but not by the one that wrote it (an output quantizer added since): the file records what was
+            # calibrated, and the graph is the one it describes
+            keep_float(q)
         else:
-            if name in stored and stored[name]["descriptor"].get("dynamic") and not q.desc.dynamic:
+            if stored[name]["descriptor"].get("dynamic") and not q.desc.dynamic:
                 # a layer --min-cosine moved to dynamic int8 activations
                 # (quantcli.calibration.mixed_precision)
                 q.desc = QuantDescriptor(**stored[name]["descriptor"])

@@ -11,7 +11,9 @@ onnxruntime's QDQ fusions need
   255]`` (uint8, zero point 0): the same tensor, twice the resolution.
 * **an output quantizer on a Conv** whose output does not reach quantized layers only (through ReLU and ops
   that commute with quantization: max pooling, flattening, reshaping), e.g. a Conv feeding a residual Add, a
-  mean or a graph output: ``QLinearConv`` needs a Q on its output.
+  mean or a graph output: ``QLinearConv`` needs a Q on its output. Likewise on a Gemm (a Linear on 2-D
+  input) whose ReLU feeds one reader that is not a quantized layer (``h + relu(fc(h))``): without a Q there,
+  onnxruntime runs the Gemm and ReLU as one float ``FusedGemm`` (:func:`_relu_not_into_a_q`).
 * **the skip input of a residual Add quantized** when the Add can then run as ``QLinearAdd``: its other
   operand is a quantized Conv's output (which has an output quantizer), the skip is not a Conv's output, and
   what the Add's output reaches through ReLU is quantized layers' inputs (:func:`onnxruntime_residual_skips`).
@@ -559,13 +561,36 @@ def analyse(
             and name in quantized_inputs
             and weight_integer.get(name)
             and len(nodes) == 1
-            and _relu_into_signed_concat(nodes[0], modules, quantized_inputs, skips, reached)
+            and _relu_not_into_a_q(nodes[0], modules, quantized_inputs, skips, reached)
         ):
             placement.output_quantized.append(name)
             after = _output_point(nodes[0], calls, modules, quantized_inputs)
             if after is not None:
                 placement.output_after[name] = after
     return placement, graph
+
+
+def _relu_not_into_a_q(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
+    """True for a Linear on a 2-D input (a Gemm) whose output goes through a ReLU (and ops that commute with
+    quantization, one reader each) to one reader that is not a quantized layer's input: a residual Add
+    (``h + relu(fc(h))``), a mean, a graph output, or a concatenation (:func:`_relu_into_signed_concat`).
+    Without a Q after the ReLU onnxruntime runs the Gemm and ReLU as one float ``FusedGemm`` between the
+    layer's Q/DQ, which latency placement then keeps float; with an output quantizer the Gemm runs as
+    ``QGemm``, as in onnxruntime's own ``quantize_static`` graphs (which quantize the Add too)."""
+    if node.meta.get("ndim") != 2:
+        return False  # a 3-D Linear is a MatMul (+ Add), which fuses without an output Q
+    end, relu = node, False
+    while len(end.users) == 1:
+        (user,) = end.users
+        if _kind(user, modules) not in ("relu", "commuting") or not user.args or user.args[0] is not end:
+            break
+        relu = relu or _kind(user, modules) == "relu"
+        end = user
+    if not relu or len(end.users) != 1:
+        return False  # a ReLU read twice stays a node of its own: the Gemm fuses alone (QGemm, float output)
+    if not _reaches_quantized_layers_only(end, modules, quantized_inputs, skips, ends):
+        return True
+    return _relu_into_signed_concat(node, modules, quantized_inputs, skips, ends)
 
 
 def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
