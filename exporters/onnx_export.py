@@ -90,6 +90,8 @@ class ExportResult:
     # those layers' activations to int8 as well, an error of the size of the 8-bit weights' own
     matmul_nbits_8bit: list[str] = field(default_factory=list)
     fusion_error: str | None = None  # onnxruntime could not load the graph with default options
+    # float layers onnxruntime quantizes itself on per-tensor weights (exporters.onnxruntime.fusion)
+    runtime_quantized_layers: list[str] = field(default_factory=list)
     # other targets: what onnxruntime needs
     onnxruntime_disabled_optimizers: list[str] = field(default_factory=list)
     target: str = "onnxruntime"
@@ -674,6 +676,7 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
     if res.target == "onnxruntime":
         res.fusion = fusion = inspect_fusion(path)
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)
+        res.runtime_quantized_layers = [r.layer for r in fusion.runtime_quantized]
         res.fusion_error = fusion.load_error
 
 

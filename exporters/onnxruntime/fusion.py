@@ -23,7 +23,15 @@ from pathlib import Path
 import onnx
 from onnx import helper
 
-from exporters.graph import consumer_map, initializer_map, producer_map, quantizer_map, read_onnx
+from exporters.graph import (
+    consumer_map,
+    initializer_map,
+    name_scopes,
+    producer_map,
+    quantizer_map,
+    read_onnx,
+    scope_module_path,
+)
 from exporters.onnxruntime import compat
 from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, first_line
@@ -80,6 +88,8 @@ class FusionReport:
     load_error: str | None = None  # the session failed to load with default options
     layers: list[LayerFusion] = field(default_factory=list)
     needs: compat.SessionNeeds = field(default_factory=compat.SessionNeeds)  # for exact results (compat)
+    # float layers (no weight quantizer) onnxruntime quantizes itself: :func:`runtime_quantized_layers`
+    runtime_quantized: list[LayerFusion] = field(default_factory=list)
 
     @property
     def unfused(self) -> list[LayerFusion]:
@@ -96,6 +106,7 @@ class FusionReport:
             "quantized_layers": len(self.layers),
             "unfused_layers": len(self.unfused),
             "layers": [r.to_dict() for r in self.layers],
+            "runtime_quantized": [r.to_dict() for r in self.runtime_quantized],
         }
 
 
@@ -542,6 +553,56 @@ def _cuda_usable() -> bool:
     return torch.cuda.is_available()
 
 
+#: a float layer onnxruntime quantizes itself (``weight_bias_quantization.cc``)
+RUNTIME_QUANTIZED = (
+    "its weight is float, but it reads a per-tensor DequantizeLinear and its output goes (through Relu/Clip) "
+    "to a QuantizeLinear alone: onnxruntime's WeightBiasQuantization gives it per-tensor int8 weights of its "
+    "own and runs it as an integer kernel"
+)
+
+
+def runtime_quantized_layers(
+    model: onnx.ModelProto, optimized: onnx.ModelProto
+) -> list[tuple[str, onnx.NodeProto, onnx.NodeProto | None]]:
+    """``(module name, node, what onnxruntime runs it as)`` for every Conv/ConvTranspose/Gemm of ``model``
+    with a float weight that onnxruntime quantized itself in ``optimized``, the graph it runs. Its
+    WeightBiasQuantization pass (``weight_bias_quantization.cc``, basic level, on by default) gives such a
+    layer symmetric per-tensor int8 weights, coarser than a quantizer's per-channel grid, where it reads a
+    per-tensor DequantizeLinear and its output goes (through Relu/Clip) to a QuantizeLinear alone, also after
+    onnxruntime moved a DQ forward: a layer kept float between quantized neighbours. The pass names the weight
+    scale it adds after the node (``<node>_weight_scale``), which is how it is found. Named after the node's
+    module scope (else the node)."""
+    scales = {t.name for t in optimized.graph.initializer}
+    scales |= {o for n in optimized.graph.node if n.op_type == "Constant" for o in n.output}
+    readers: dict[str, onnx.NodeProto] = {}
+    for n in optimized.graph.node:
+        for i in n.input:
+            readers.setdefault(i, n)
+    g = _Graph(model)
+    out = []
+    for n in model.graph.node:
+        if n.op_type not in ("Conv", "ConvTranspose", "Gemm") or len(n.input) < 2 or not n.name:
+            continue
+        w = g.inits.get(n.input[1])
+        if w is None or w.data_type != onnx.TensorProto.FLOAT:
+            continue
+        mark = n.name + "_weight_scale"
+        added = sorted(name for name in scales if name.startswith(mark))
+        if added:
+            out.append((_scope_module(n), n, readers.get(added[0])))
+    return out
+
+
+def _scope_module(node: onnx.NodeProto) -> str:
+    """The module a node was exported from: the dynamo exporter's innermost name scope, else the TorchScript
+    node name's scope (``/body/body.0/body.0.0/Conv`` is ``body.0.0``), else the node's name."""
+    scopes = [s for s in name_scopes(node) if s]
+    if scopes:
+        return scopes[-1]
+    parts = node.name.strip("/").split("/")
+    return scope_module_path(parts[:-1]) if len(parts) > 1 else node.name
+
+
 #: a layer whose input Q/DQ onnxruntime folded away (a constant input: DeBERTa's relative-position projections
 #: of ``rel_embeddings``) and whose weight DQ it then ran as weight-only ``MatMulNBits``
 CONSTANT_INPUT = (
@@ -633,6 +694,20 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
                 kernel,
                 fused,
                 reasons,
+                got.name if got is not None else None,
+            )
+        )
+    for layer, node, got in runtime_quantized_layers(model, optimized) if optimized is not None else ():
+        kernel = got.op_type if got is not None else None
+        report.runtime_quantized.append(
+            LayerFusion(
+                layer,
+                node.name,
+                node.op_type,
+                [],
+                kernel,
+                None if got is None else kernel in INTEGER_KERNELS,
+                [RUNTIME_QUANTIZED],
                 got.name if got is not None else None,
             )
         )

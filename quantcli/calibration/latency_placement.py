@@ -217,25 +217,44 @@ def keep_neighbours(
 
     ``fused_after(floats, keep_inputs) -> {layer: fused}`` is what onnxruntime fuses with the layers
     ``floats`` kept float (``keep_inputs``: their input quantizers left on, so that the layer before each
-    keeps the Q on its output that its integer kernel needs). Tried in order: every float choice, then the
-    same with their inputs kept, then only the layers onnxruntime does not fuse (both ways), then none."""
+    keeps the Q on its output that its integer kernel needs); a float layer it maps to True is one onnxruntime
+    quantizes itself (between a DQ and a Q: :func:`exporters.onnxruntime.fusion.runtime_quantized_layers`),
+    so that choice is not float. Tried in order: every float choice, then the same with their inputs kept,
+    then only the layers onnxruntime does not fuse (both ways), then none."""
     fused_before = {d.layer for d in decisions if d.fused}
     floats = [d for d in decisions if d.decision == FLOAT]
     every = frozenset(d.layer for d in floats)
     unfused = frozenset(d.layer for d in floats if not d.fused)
     tries = [(every, False), (every, True), (unfused, False), (unfused, True)]
     first_lost: list[str] = []
+    first_requantized: list[str] = []
     for chosen, keep_inputs in dict.fromkeys(t for t in tries if t[0]):
         now = fused_after(set(chosen), keep_inputs)
         lost = sorted(layer for layer in fused_before - chosen if now.get(layer) is False)
-        if not lost:
+        # a float layer between a DQ and a Q gets onnxruntime's own per-tensor int8 weights: not float at all
+        requantized = sorted(layer for layer in chosen if now.get(layer) is True)
+        if not lost and not requantized:
             why = f"keeping it float too would cost {_shown(first_lost)} their integer kernel(s)"
+            if first_requantized and not first_lost:
+                why = RUNTIME_QUANTIZES
             return [_chosen(d, chosen, keep_inputs, why) for d in decisions]
         first_lost = first_lost or lost
-    if not first_lost:
+        first_requantized = first_requantized or requantized
+    if not first_lost and not first_requantized:
         return decisions
-    why = f"keeping it float would cost {_shown(first_lost)} their integer kernel(s)"
+    why = (
+        f"keeping it float would cost {_shown(first_lost)} their integer kernel(s)"
+        if first_lost
+        else RUNTIME_QUANTIZES
+    )
     return [_requantized(d, why) if d.decision == FLOAT else d for d in decisions]
+
+
+#: why a float choice went back to quantized: onnxruntime would quantize the float layer itself
+RUNTIME_QUANTIZES = (
+    "kept float between its neighbours' Q/DQ, onnxruntime would quantize it itself with coarser per-tensor "
+    "int8 weights (WeightBiasQuantization)"
+)
 
 
 def _chosen(d: LayerDecision, chosen: frozenset[str], keep_inputs: bool, why: str) -> LayerDecision:
@@ -533,7 +552,10 @@ def measure_and_decide(
             def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
                 plain = _with_float(model, floats, decisions, keep_inputs)
                 rep = _fusion(plain, example, work, f"float{next(tries)}")
-                return {m.layer: m.fused for m in module_calls(rep.layers, modules)}
+                now = {m.layer: m.fused for m in module_calls(rep.layers, modules)}
+                # float layers onnxruntime quantizes itself: True (its integer kernel, not the float chosen)
+                now.update({m.layer: m.fused for m in module_calls(rep.runtime_quantized, modules)})
+                return now
 
             stems = as_stems(decisions, report)  # stems kept float cost no neighbour anything
             decisions = stems if stems is not None else keep_neighbours(decisions, fused_after)

@@ -323,6 +323,12 @@ def _export_rows(res):
                 + (f" (quantcli inspect {res.path} --runtime onnxruntime)" if res.unfused_layers else "")
             ),
         )
+        if res.runtime_quantized_layers:
+            yield (
+                "float layers onnxruntime quantizes",
+                f"{', '.join(res.runtime_quantized_layers)}: between a DequantizeLinear and a QuantizeLinear "
+                "it gives them per-tensor int8 weights of its own (quantcli inspect --runtime onnxruntime)",
+            )
     if res.graph_agreement is not None:
         worst = max(res.graph_agreement["outputs"].values())
         verdict = "within" if res.graph_agreement["passed"] else "OVER"

@@ -87,6 +87,11 @@ def render_inspect_runtime(rep: dict, path: Path) -> None:
             rows,
         )
     )
+    for r in rep.get("runtime_quantized") or ():
+        out.print(
+            f"[yellow]float layer onnxruntime quantizes itself:[/yellow] {r['layer']} runs as {r['kernel']}: "
+            f"{r['reasons'][0]}"
+        )
     if rep["load_error"]:
         out.print(f"onnxruntime cannot load it with default options: {rep['load_error']}")
     if rep["session_needs"]:
