@@ -483,6 +483,7 @@ def _fidelity(
         "sample_size": sample.samples,
         "exact_samples": cmp.exact_samples,  # inputs the exact session's output statistics cover
         "not_replayed": sample.not_replayed,
+        "recurrent_segments": sample.recurrent_segments,  # replayed, not judged (verify.replay)
         "failing_quantizers": [r["quantizer"] for r in failing],
     }
     codes = [r["identical_codes"] for r in sample.rows if r["identical_codes"] is not None]

@@ -39,6 +39,7 @@ from exporters.graph import QdqPair, producer_map, qdq_pairs
 from quantcli.analysis.quality import snr_db
 from quantcli.inputs.batch_axes import split
 from quantcli.inputs.data import Batch, num_samples, output_arrays, run_model
+from quantcli.nn.recurrent import DYNAMIC_LSTM
 from quantcli.nn.tensor_quantizer import owner, quantizers
 from quantcli.quant import arithmetic
 from quantcli.verify import sessions
@@ -152,6 +153,27 @@ def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:
     return float((np.abs(diff) / step).max())
 
 
+def _after_recurrent(model: onnx.ModelProto, tensor: str) -> bool:
+    """Whether the float segment that computes ``tensor`` (back to the DequantizeLinear outputs and graph
+    inputs before it) holds a ``DynamicQuantizeLSTM``. Such a segment quantizes inside itself, at every time
+    step, with scales computed from its own values: one code that float rounding flips at one step (PyTorch's
+    thread count changes it) is carried through every later step, so the segment replayed on onnxruntime's
+    input is not within float rounding of onnxruntime (an accurate 2-layer LSTM over 32 steps: 4 steps at
+    the next quantizer with 2 threads, 3e-4 with 1). The deployment checks judge what it computes."""
+    producers = producer_map(model.graph)
+    stack, seen = [tensor], {tensor}
+    while stack:
+        node = producers.get(stack.pop())
+        if node is None or node.op_type == "DequantizeLinear":
+            continue
+        if node.op_type == DYNAMIC_LSTM:
+            return True
+        fresh = [i for i in node.input if i and i not in seen]
+        seen.update(fresh)
+        stack.extend(fresh)
+    return False
+
+
 @dataclass
 class Replay:
     """The per-quantizer evidence of one sample."""
@@ -161,6 +183,8 @@ class Replay:
     output_deviation: dict[str, float] = field(default_factory=dict)  # max |replayed PyTorch - onnxruntime|
     # quantizers PyTorch called where the graph has no pair
     not_replayed: list[str] = field(default_factory=list)
+    # quantizers whose segment holds a recurrent layer (:func:`_after_recurrent`): replayed, not judged
+    recurrent_segments: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -224,9 +248,14 @@ def replay(
             d = np.abs(g.astype(np.float64) - r)
             rep.output_deviation[n] = float(np.nan_to_num(d, nan=np.inf).max(initial=0.0))
     rep.not_replayed = sorted(forcing.not_replayed)
+    recurrent = {
+        name for name, ps in pairs.items() if any(_after_recurrent(model, sources[p.output]) for p in ps)
+    }
+    rep.recurrent_segments = sorted(recurrent & set(qs))
     for name, ps in pairs.items():
         if name in qs:
-            rep.rows.append(_pair_row(name, ps, qs[name], sources, named, seen, forcing.deviation.get(name)))
+            steps = None if name in recurrent else forcing.deviation.get(name)
+            rep.rows.append(_pair_row(name, ps, qs[name], sources, named, seen, steps))
     for name, d in dyn.items():
         if name in qs:
             rep.rows.append(_dynamic_row(name, d, named, dyn_deq[name], seen, forcing.deviation.get(name)))
