@@ -191,6 +191,27 @@ def _calibrate(tmp_path, *args, model="digits_cnn"):
     return out, json.loads(r.stdout)
 
 
+def test_attention_and_lstm_layers_are_weighed_by_what_they_are():
+    """nn.MultiheadAttention returns a tuple and has no .weight, and its out_proj is never called as a module:
+    neither got a shape ("no kernel-cost table row for it"). An LSTM's layers were called weight-only."""
+
+    class Att(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+            self.lstm = nn.LSTM(16, 8)
+
+        def forward(self, x):
+            return self.attn(x, x, x, need_weights=False)[0]
+
+    m = Att().eval()
+    shapes = latency_placement.layer_shapes(m, {"x": torch.randn(3, 10, 16)}, ["attn", "attn.out_proj"])
+    assert shapes == {"attn": LayerShape(GEMM, 16, 48, 10), "attn.out_proj": LayerShape(GEMM, 16, 16, 10)}
+    modules = dict(m.named_modules())
+    for layer in ("lstm", "lstm.l0"):
+        assert latency_placement._not_applicable(modules, layer) == latency_placement.RECURRENT
+
+
 def test_digits_cnn_conv2_shape_is_what_the_stand_in_table_slows():
     from sample_models import digits_cnn as dc
 

@@ -345,10 +345,19 @@ def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[Layer
 # ------------------------------------------------------------------------------------------- measuring
 
 
+RECURRENT = (
+    "a dynamic int8 LSTM (DynamicQuantizeLSTM: its activations quantized at run time, at every step); "
+    "left as configured"
+)
+
+
 def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
     """Why a layer is left as configured: placement weighs 8-bit integer layers (input and weight
     quantized)."""
     m = modules.get(layer)
+    # an LSTM's layers are lstm.l0, lstm.l1 (one DynamicQuantizeLSTM each, holding its weight quantizers)
+    if isinstance(m, nn.RNNBase) or isinstance(modules.get(layer.rsplit(".", 1)[0]), nn.RNNBase):
+        return RECURRENT
     if m is None:
         return "not mapped to a module of the model: left quantized"
     qi, qw = getattr(m, "input_quantizer", None), getattr(m, "weight_quantizer", None)
@@ -406,13 +415,25 @@ def layer_shapes(model: nn.Module, example: Batch, layers: list[str]) -> dict[st
     shapes: dict[str, LayerShape] = {}
 
     def hook(name):
-        def record(module, _args, output):
-            if name not in shapes and isinstance(output, torch.Tensor):
+        def record(module, args, kwargs, output):
+            if name in shapes:
+                return
+            if isinstance(module, nn.MultiheadAttention):  # its in-projection: (tuple output, no .weight)
+                query = args[0] if args else kwargs.get("query")
+                if isinstance(query, torch.Tensor) and query.dim() == 3:
+                    positions = query.shape[1 if module.batch_first else 0]
+                    e = module.embed_dim
+                    shapes[name] = LayerShape(GEMM, e, 3 * e, positions)
+                    # its out_proj's weight is read by the functional attention, never called as a module
+                    shapes.setdefault(
+                        f"{name}.out_proj" if name else "out_proj", LayerShape(GEMM, e, e, positions)
+                    )
+            elif isinstance(output, torch.Tensor) and hasattr(module, "weight"):
                 shapes[name] = layer_shape(module, output)
 
         return record
 
-    handles = [modules[n].register_forward_hook(hook(n)) for n in layers if n in modules]
+    handles = [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in layers if n in modules]
     try:
         with torch.inference_mode():
             run_model(model, example, "the example batch")
