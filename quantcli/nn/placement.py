@@ -570,15 +570,13 @@ def analyse(
     return placement, graph
 
 
-def _relu_not_into_a_q(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
-    """True for a Linear on a 2-D input (a Gemm) whose output goes through a ReLU (and ops that commute with
-    quantization, one reader each) to one reader that is not a quantized layer's input: a residual Add
-    (``h + relu(fc(h))``), a mean, a graph output, or a concatenation (:func:`_relu_into_signed_concat`).
-    Without a Q after the ReLU onnxruntime runs the Gemm and ReLU as one float ``FusedGemm`` between the
-    layer's Q/DQ, which latency placement then keeps float; with an output quantizer the Gemm runs as
-    ``QGemm``, as in onnxruntime's own ``quantize_static`` graphs (which quantize the Add too)."""
+def _gemm_relu_end(node, modules) -> fx.Node | None:
+    """For a Linear on a 2-D input (a Gemm) followed by a ReLU (and ops that commute with quantization, one
+    reader each): the last of them, when it has one reader; else None (a 3-D Linear is a MatMul (+ Add), which
+    fuses without an output Q; a ReLU read twice stays a node of its own and the Gemm fuses alone: QGemm with
+    a float output)."""
     if node.meta.get("ndim") != 2:
-        return False  # a 3-D Linear is a MatMul (+ Add), which fuses without an output Q
+        return None
     end, relu = node, False
     while len(end.users) == 1:
         (user,) = end.users
@@ -586,8 +584,19 @@ def _relu_not_into_a_q(node, modules, quantized_inputs: set[str], skips, ends) -
             break
         relu = relu or _kind(user, modules) == "relu"
         end = user
-    if not relu or len(end.users) != 1:
-        return False  # a ReLU read twice stays a node of its own: the Gemm fuses alone (QGemm, float output)
+    return end if relu and len(end.users) == 1 else None
+
+
+def _relu_not_into_a_q(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
+    """True for a Gemm whose ReLU (:func:`_gemm_relu_end`) feeds one reader that is not a quantized layer's
+    input: a residual Add (``h + relu(fc(h))``), a mean, a graph output, or a concatenation
+    (:func:`_relu_into_signed_concat`). Without a Q after the ReLU onnxruntime runs the Gemm and ReLU as one
+    float ``FusedGemm`` between the layer's Q/DQ, which latency placement then keeps float; with an output
+    quantizer the Gemm runs as ``QGemm``, as in onnxruntime's own ``quantize_static`` graphs (which quantize
+    the Add too)."""
+    end = _gemm_relu_end(node, modules)
+    if end is None:
+        return False
     if not _reaches_quantized_layers_only(end, modules, quantized_inputs, skips, ends):
         return True
     return _relu_into_signed_concat(node, modules, quantized_inputs, skips, ends)
@@ -605,16 +614,8 @@ def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, e
     ``FusedGemm``. An output quantizer of its own (after a ReLU module: unsigned) gives the Gemm its
     ``QGemm``, as onnxruntime's ``quantize_static`` quantizes a Gemm -> Relu output; the Concat then reads
     its DequantizeLinear. A Concat that is >= 0 needs none: the copied Q is unsigned then."""
-    if node.meta.get("ndim") != 2:
-        return False  # a 3-D Linear is a MatMul (+ Add), which fuses without an output Q
-    end, relu = node, False
-    while len(end.users) == 1:
-        (user,) = end.users
-        if _kind(user, modules) not in ("relu", "commuting") or not user.args or user.args[0] is not end:
-            break
-        relu = relu or _kind(user, modules) == "relu"
-        end = user
-    if not relu or len(end.users) != 1:
+    end = _gemm_relu_end(node, modules)
+    if end is None:
         return False
     (cat,) = end.users
     return (
