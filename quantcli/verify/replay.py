@@ -153,14 +153,14 @@ def _steps(diff: np.ndarray, x: np.ndarray, p: QdqPair) -> float:
     return float((np.abs(diff) / step).max())
 
 
-def _after_recurrent(model: onnx.ModelProto, tensor: str) -> bool:
+def _after_recurrent(producers: dict[str, onnx.NodeProto], tensor: str) -> bool:
     """Whether the float segment that computes ``tensor`` (back to the DequantizeLinear outputs and graph
     inputs before it) holds a ``DynamicQuantizeLSTM``. Such a segment quantizes inside itself, at every time
     step, with scales computed from its own values: one code that float rounding flips at one step (PyTorch's
     thread count changes it) is carried through every later step, so the segment replayed on onnxruntime's
     input is not within float rounding of onnxruntime (an accurate 2-layer LSTM over 32 steps: 4 steps at
-    the next quantizer with 2 threads, 3e-4 with 1). The deployment checks judge what it computes."""
-    producers = producer_map(model.graph)
+    the next quantizer with 2 threads, 3e-4 with 1). The deployment checks judge what it computes.
+    ``producers``: tensor -> the node writing it (:func:`exporters.graph.producer_map`)."""
     stack, seen = [tensor], {tensor}
     while stack:
         node = producers.get(stack.pop())
@@ -248,9 +248,12 @@ def replay(
             d = np.abs(g.astype(np.float64) - r)
             rep.output_deviation[n] = float(np.nan_to_num(d, nan=np.inf).max(initial=0.0))
     rep.not_replayed = sorted(forcing.not_replayed)
-    recurrent = {
-        name for name, ps in pairs.items() if any(_after_recurrent(model, sources[p.output]) for p in ps)
-    }
+    recurrent: set[str] = set()
+    if any(n.op_type == DYNAMIC_LSTM for n in model.graph.node):
+        producers = producer_map(model.graph)
+        recurrent = {
+            n for n, ps in pairs.items() if any(_after_recurrent(producers, sources[p.output]) for p in ps)
+        }
     rep.recurrent_segments = sorted(recurrent & set(qs))
     for name, ps in pairs.items():
         if name in qs:
