@@ -47,7 +47,7 @@ from exporters.onnxruntime.placement import place_for_onnxruntime
 from exporters.onnxruntime.recurrent import RECURRENT_KEY, to_dynamic_quantize_lstm
 from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
 from quantcli import __version__
-from quantcli.errors import ExportError, whole_line
+from quantcli.errors import ExportError, few, whole_line
 from quantcli.files import no_space, staging_directory, writable_directory
 from quantcli.inputs.data import check_names, checked_batch
 from quantcli.nn.modules import input_quantized_before
@@ -139,10 +139,8 @@ def check_exportable(model: nn.Module) -> None:
     recurrent = recurrent_quantizers(model)  # dynamic by construction: exported as DynamicQuantizeLSTM
     missing = uncalibrated(model)
     if missing:
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ExportError(
-            f"uncalibrated quantizer(s), amax missing: {', '.join(missing[:5])}{more}; run "
-            f"`quantcli calibrate` first"
+            f"uncalibrated quantizer(s), amax missing: {few(missing)}; run `quantcli calibrate` first"
         )
     dynamic = [
         n

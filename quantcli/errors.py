@@ -14,6 +14,12 @@ def first_line(e: BaseException, limit: int | None = None) -> str:
     return line[:limit] if limit is not None else line
 
 
+def few(names: list[str], n: int = 5) -> str:
+    """The first ``n`` of ``names``, comma-separated, and how many more: how a one-line error lists them."""
+    more = f" (+{len(names) - n} more)" if len(names) > n else ""
+    return ", ".join(names[:n]) + more
+
+
 def whole_line(e: BaseException, limit: int = 1000) -> str:
     """All of ``str(e)`` on one line: its lines joined with spaces, terminal colour codes removed, runs of
     spaces collapsed; longer than ``limit`` characters, cut there with `` ...``. How a foreign message whose

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quantcli import __version__
-from quantcli.errors import CheckpointError, ConfigError, QuantCliError, first_line
+from quantcli.errors import CheckpointError, ConfigError, QuantCliError, few, first_line
 from quantcli.files import atomic_write
 from quantcli.inputs.batch_axes import batch_axes, take, unbatched
 from quantcli.inputs.data import Batch, checked_batch, has_signature
@@ -109,9 +109,8 @@ def save_calibrated(
     example_batch = checked_batch(example_batch, "save_calibrated's example_batch")
     missing = uncalibrated(model)
     if missing:  # export and verify would refuse the file; say so before writing it
-        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ConfigError(
-            f"save_calibrated: quantizer(s) without an amax: {', '.join(missing[:5])}{more}; calibrate the "
+            f"save_calibrated: quantizer(s) without an amax: {few(missing)}; calibrate the "
             "model first (quantcli.calibration.calibrate.calibrate(model, batches))"
         )
     cfg: QuantConfig = getattr(model, "quantcli_config", None) or QuantConfig()

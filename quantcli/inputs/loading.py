@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError, first_line
+from quantcli.errors import ModelLoadError, QuantCliError, UntrustedCodeError, few, first_line
 from quantcli.inputs.model_spec import ModelSpec
 from quantcli.inputs.precision import to_float32
 from quantcli.inputs.trust import module_provenance, require_installed, require_trust, sha256_hex
@@ -228,19 +228,14 @@ def load_weights(model: nn.Module, state: dict[str, torch.Tensor], source: str =
     ]
     problems = []
     if missing:
-        problems.append(f"missing {_few(missing)}")
+        problems.append(f"missing {few(missing)}")
     if unexpected:
-        problems.append(f"unexpected {_few(unexpected)}")
+        problems.append(f"unexpected {few(unexpected)}")
     if shapes:
-        problems.append(f"shape mismatch {_few(shapes)}")
+        problems.append(f"shape mismatch {few(shapes)}")
     if problems:
         raise ModelLoadError(f"{source} do not fit the model: " + "; ".join(problems))
     model.load_state_dict(state, strict=True)
-
-
-def _few(items: list[str], n: int = 5) -> str:
-    more = f" (+{len(items) - n} more)" if len(items) > n else ""
-    return ", ".join(items[:n]) + more
 
 
 def load_model(

@@ -32,7 +32,7 @@ from exporters.graph import (
     to_numpy,
 )
 from exporters.onnxruntime.recurrent import recurrent_layers
-from quantcli.errors import VerifyError, first_line
+from quantcli.errors import VerifyError, few, first_line
 from quantcli.inputs.batch_axes import head
 from quantcli.inputs.checkpoint import Calibrated
 from quantcli.nn.recurrent import onnx_layers
@@ -359,9 +359,8 @@ def check_structure(
     qs = {n: q for n, q in quantizers(ckpt.model).items() if q.enabled}
     missing = uncalibrated(ckpt.model)
     if missing:
-        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise VerifyError(
-            f"the reference checkpoint's quantizer(s) {', '.join(missing[:3])}{more} have no amax (a damaged "
+            f"the reference checkpoint's quantizer(s) {few(missing, 3)} have no amax (a damaged "
             "or edited checkpoint); calibrate the model again"
         )
     inits = initializer_map(model.graph)
