@@ -572,8 +572,9 @@ def runtime_quantized_layers(
     onnxruntime moved a DQ forward: a layer kept float between quantized neighbours. The pass names the weight
     scale it adds after the node (``<node>_weight_scale``), which is how it is found. Named after the node's
     module scope (else the node)."""
-    scales = {t.name for t in optimized.graph.initializer}
-    scales |= {o for n in optimized.graph.node if n.op_type == "Constant" for o in n.output}
+    names = [t.name for t in optimized.graph.initializer]
+    names += [o for n in optimized.graph.node if n.op_type == "Constant" for o in n.output]
+    scales = sorted(name for name in names if "_weight_scale" in name)  # what the pass adds, no other
     readers: dict[str, onnx.NodeProto] = {}
     for n in optimized.graph.node:
         for i in n.input:
@@ -587,7 +588,7 @@ def runtime_quantized_layers(
         if w is None or w.data_type != onnx.TensorProto.FLOAT:
             continue
         mark = n.name + "_weight_scale"
-        added = sorted(name for name in scales if name.startswith(mark))
+        added = [name for name in scales if name.startswith(mark)]
         if added:
             out.append((_scope_module(n), n, readers.get(added[0])))
     return out
@@ -666,11 +667,8 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
         kernel = got.op_type if got is not None else None
         fused = None if got is None else kernel in INTEGER_KERNELS
         if fused and kernel == "MatMulNBits" and _activation_quantized(g, node):
-            report.layers.append(
-                LayerFusion(layer, node.name, node.op_type, names, kernel, False, [CONSTANT_INPUT], got.name)
-            )
-            continue
-        if fused or provider != "cpu":
+            fused, reasons = False, [CONSTANT_INPUT]  # weight-only on float activations: not the int8 kernel
+        elif fused or provider != "cpu":
             reasons = (
                 []
                 if fused
