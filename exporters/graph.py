@@ -133,7 +133,7 @@ class QdqPair:
             "block_size": self.block_size,
             "scale": values_text(s),
             "zero_point": values_text(zp),
-            "scale_values": [float(v) for v in np.asarray(s, np.float64).reshape(-1)],
+            "scale_values": plain_values(s),
             "zero_point_values": plain_values(zp),
             "stored": self.stored,
         }

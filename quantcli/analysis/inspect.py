@@ -10,11 +10,9 @@ from quantcli.quant.descriptor import format_name
 
 
 def _amax_text(amax) -> str:
-    if amax is None:
-        return "-"
-    if amax.numel() == 1:
-        return f"{float(amax):.6g}"
-    return f"[{float(amax.min()):.4g} .. {float(amax.max()):.4g}] ({amax.numel()})"
+    from exporters.graph import values_text
+
+    return "-" if amax is None else values_text(amax.detach().float().cpu().numpy())
 
 
 def _format(desc: dict[str, Any]) -> str:

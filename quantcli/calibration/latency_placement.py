@@ -356,7 +356,7 @@ def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
     quantized)."""
     m = modules.get(layer)
     # an LSTM's layers are lstm.l0, lstm.l1 (one DynamicQuantizeLSTM each, holding its weight quantizers)
-    if isinstance(m, nn.RNNBase) or isinstance(modules.get(layer.rsplit(".", 1)[0]), nn.RNNBase):
+    if isinstance(m, nn.RNNBase) or isinstance(modules.get(owner(layer)), nn.RNNBase):
         return RECURRENT
     if m is None:
         return "not mapped to a module of the model: left quantized"

@@ -590,7 +590,7 @@ def _gemm_relu_end(node, modules) -> fx.Node | None:
 def _relu_not_into_a_q(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
     """True for a Gemm whose ReLU (:func:`_gemm_relu_end`) feeds one reader that is not a quantized layer's
     input: a residual Add (``h + relu(fc(h))``), a mean, a graph output, or a concatenation
-    (:func:`_relu_into_signed_concat`). Without a Q after the ReLU onnxruntime runs the Gemm and ReLU as one
+    (:func:`_into_signed_concat`). Without a Q after the ReLU onnxruntime runs the Gemm and ReLU as one
     float ``FusedGemm`` between the layer's Q/DQ, which latency placement then keeps float; with an output
     quantizer the Gemm runs as ``QGemm``, as in onnxruntime's own ``quantize_static`` graphs (which quantize
     the Add too)."""
@@ -599,13 +599,12 @@ def _relu_not_into_a_q(node, modules, quantized_inputs: set[str], skips, ends) -
         return False
     if not _reaches_quantized_layers_only(end, modules, quantized_inputs, skips, ends):
         return True
-    return _relu_into_signed_concat(node, modules, quantized_inputs, skips, ends)
+    return _into_signed_concat(end, modules, quantized_inputs, skips, ends)
 
 
-def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, ends) -> bool:
-    """True for a Linear on a 2-D input (a Gemm) whose output goes, through a ReLU (and ops that commute with
-    quantization, one reader each), into a concatenation that can be negative and whose output reaches
-    quantized layers only (DLRM's bottom MLP before the embedding bags).
+def _into_signed_concat(end, modules, quantized_inputs: set[str], skips, ends) -> bool:
+    """True where the ReLU after a Gemm (``end``, :func:`_gemm_relu_end`) feeds a concatenation that can be
+    negative and whose output reaches quantized layers only (DLRM's bottom MLP before the embedding bags).
 
     The export copies the next layer's input quantizer onto the Concat's inputs
     (:func:`exporters.onnxruntime.placement.propagate_quantize`), but that grid has a zero point above 0 when
@@ -614,9 +613,6 @@ def _relu_into_signed_concat(node, modules, quantized_inputs: set[str], skips, e
     ``FusedGemm``. An output quantizer of its own (after a ReLU module: unsigned) gives the Gemm its
     ``QGemm``, as onnxruntime's ``quantize_static`` quantizes a Gemm -> Relu output; the Concat then reads
     its DequantizeLinear. A Concat that is >= 0 needs none: the copied Q is unsigned then."""
-    end = _gemm_relu_end(node, modules)
-    if end is None:
-        return False
     (cat,) = end.users
     return (
         _is_concat(cat)
