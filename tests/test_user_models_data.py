@@ -40,24 +40,27 @@ def make_tokenizer(folder):
     return transformers.BertTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-def make_bert_folder(folder, head=True, tokenizer=True):
-    cfg = transformers.BertConfig(
-        vocab_size=len(WORDS),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=64,
-        num_labels=3,
-        initializer_range=0.2,
-    )
-    torch.manual_seed(0)
-    cls = transformers.BertForSequenceClassification if head else transformers.BertModel
-    model = cls(cfg).eval()
-    model.save_pretrained(str(folder))
+#: an encoder of the tiny vocabulary, one layer of 16 features
+TINY_ENCODER = dict(
+    vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+)
+
+
+def save_folder(model, folder, tokenizer=True):
+    """``model`` saved as a Hugging Face folder, with the tiny tokenizer unless ``tokenizer=False``."""
+    model.eval().save_pretrained(str(folder))
     if tokenizer:
         make_tokenizer(folder.parent / "vocab").save_pretrained(str(folder))
     return model
+
+
+def make_bert_folder(folder, head=True, tokenizer=True):
+    cfg = transformers.BertConfig(
+        **TINY_ENCODER, max_position_embeddings=64, num_labels=3, initializer_range=0.2
+    )
+    torch.manual_seed(0)
+    cls = transformers.BertForSequenceClassification if head else transformers.BertModel
+    return save_folder(cls(cfg), folder, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -357,8 +360,7 @@ def test_encoder_decoder_models_are_refused(bert, tmp_path, make):
     T5 failed with transformers' own 'You must specify exactly one of input_ids or inputs_embeds'."""
     _, d = bert
     torch.manual_seed(0)
-    make().eval().save_pretrained(str(tmp_path / "s2s"))
-    make_tokenizer(tmp_path / "vocab").save_pretrained(str(tmp_path / "s2s"))
+    save_folder(make(), tmp_path / "s2s")
     r = cli("calibrate", tmp_path / "s2s", "--data", d / "texts.txt")
     assert_clean_error(r, "ForConditionalGeneration is an encoder-decoder (seq2seq) model")
     _no_output(tmp_path)
@@ -369,19 +371,10 @@ def test_roberta_positions_start_after_the_padding_index(bert, tmp_path):
     tokens. --max-length 20 passed the check, then failed on the example batch with an index error."""
     _, d = bert
     cfg = transformers.RobertaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=20,
-        pad_token_id=0,
-        type_vocab_size=1,
-        num_labels=2,
+        **TINY_ENCODER, max_position_embeddings=20, pad_token_id=0, type_vocab_size=1, num_labels=2
     )
     torch.manual_seed(0)
-    transformers.RobertaForSequenceClassification(cfg).eval().save_pretrained(str(tmp_path / "rob"))
-    make_tokenizer(tmp_path / "vocab").save_pretrained(str(tmp_path / "rob"))
+    save_folder(transformers.RobertaForSequenceClassification(cfg), tmp_path / "rob")
     (tmp_path / "long.txt").write_text(" ".join(TEXTS) + "\n" + TEXTS[0] + "\n")  # 40 words in line 1
     assert_clean_error(
         cli("calibrate", tmp_path / "rob", "--data", tmp_path / "long.txt", "--max-length", "20"),
