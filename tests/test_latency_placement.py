@@ -9,6 +9,7 @@ rows, and the CLI with a stand-in table where a test needs a layer to be slower.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -432,40 +433,22 @@ def test_a_conv_transpose_onnxruntime_cannot_fuse_stays_float_under_auto(tmp_pat
     assert "2" in info["layers"]["quantized"]
 
 
-_LOOPED = """
-import torch
-from torch import nn
-
-
-class Looped(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.block, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 10)
-
-    def forward(self, x):
-        h = torch.relu(self.inp(x))
-        for _ in range(3):  # one module, three nodes; each Relu feeds the residual Add, not a Q
-            h = torch.relu(self.block(h)) + h
-        return self.out(h)
-
-
-def make():
-    torch.manual_seed(0)
-    return Looped()
-"""
-
-
 def test_a_module_called_several_times_is_decided_as_one(tmp_path):
     """Its nodes are named by node in the fusion report ("/block/Gemm", "/block_1/Gemm", ...): placement used
-    to leave them quantized as "not mapped to a module" although onnxruntime ran all three in float between
-    their Q/DQ (FusedGemm), a graph twice as slow as float at batch 1."""
-    (tmp_path / "looped.py").write_text(_LOOPED)
-    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32))
+    to leave them quantized as "not mapped to a module" although onnxruntime ran every call in float between
+    their Q/DQ (FusedGemm), a graph twice as slow as float at batch 1. The model: tests/test_export.py's
+    block applied four times, each Relu feeding the residual Add, not a Q."""
+    (tmp_path / "looped.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "import torch\nfrom tests.test_export import _SharedBlock\n"
+        "def make():\n    torch.manual_seed(0)\n    return _SharedBlock()\n"
+    )
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32))
     _, info = _calibrate(tmp_path, "--data", tmp_path / "x.npy", model=f"{tmp_path / 'looped.py'}:make")
     latency = info["placement"]["latency"]
     layers = {e["layer"]: e for e in latency["layers"]}
     assert sorted(layers) == ["block", "inp", "out"]
-    assert layers["block"]["decision"] == "float" and "(3 of 3 calls)" in layers["block"]["reason"]
+    assert layers["block"]["decision"] == "float" and "(4 of 4 calls)" in layers["block"]["reason"]
     assert latency["quantizers_disabled"] == ["block.input_quantizer", "block.weight_quantizer"]
     assert layers["inp"]["decision"] == layers["out"]["decision"] == "quantized"
 
