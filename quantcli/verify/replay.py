@@ -185,6 +185,8 @@ class Replay:
     not_replayed: list[str] = field(default_factory=list)
     # quantizers whose segment holds a recurrent layer (:func:`_after_recurrent`): replayed, not judged
     recurrent_segments: list[str] = field(default_factory=list)
+    # graph outputs whose segment holds a recurrent layer: replayed, not judged (the same reason)
+    recurrent_outputs: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -254,6 +256,7 @@ def replay(
         recurrent = {
             n for n, ps in pairs.items() if any(_after_recurrent(producers, sources[p.output]) for p in ps)
         }
+        rep.recurrent_outputs = [n for n in out_names if _after_recurrent(producers, n)]
     rep.recurrent_segments = sorted(recurrent & set(qs))
     for name, ps in pairs.items():
         if name in qs:

@@ -10,7 +10,8 @@ one default holds for a 4-layer CNN and a 6-layer transformer (README, ``verify`
   steps). A quarter leaves room for runtimes that round more coarsely (TF32 on GPUs) and still catches a
   change that would move a quarter of the codes.
 * ``fidelity.replay_outputs`` <= :data:`MAX_REPLAY_OUTPUT`: the same for the graph outputs, in RMS
-  quantization errors of that output (RMS(fake-quant - float)), since no quantization step exists there.
+  quantization errors of that output (RMS(fake-quant - float)), since no quantization step exists there. An
+  output after a ``DynamicQuantizeLSTM`` with no quantizer between is not judged (``recurrent_outputs``).
 * ``fidelity.rms_ratio`` <= :data:`MAX_RMS_RATIO`: RMS(onnxruntime - fake-quant) against RMS(fake-quant -
   float), a gross end-to-end bound (and the non-finite detector). Codes flipped by float rounding and carried
   through the network make it large on correct exports of attention models (0.74, 0.75 and 0.83 on
