@@ -183,6 +183,8 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
             src_producer = producers.get(src)
             if src_producer is not None and src_producer.op_type == "DequantizeLinear":
                 continue  # already fed by a DQ (an earlier copy)
+            if _float_source(src, producers, inits):
+                continue  # nothing before gains a kernel, and the op would run on codes where float is faster
             base = f"{op.name or op.output[0]}/{PROPAGATED_MARK}"
             q_new = helper.make_node("QuantizeLinear", [src, *q.input[1:]], [base + "_q"], name=base + "/Q")
             q_new.attribute.extend(q.attribute)
@@ -226,6 +228,27 @@ def _layer_before(name: str, producers, consumers) -> bool:
         return False
     src = producers.get(n.input[0])
     return src is not None and src.op_type == "DequantizeLinear"
+
+
+def _float_source(name: str, producers, inits) -> bool:
+    """True where ``name``, back through the ops that commute with quantization, is a graph input or the
+    output of a float layer (a Conv/Gemm/MatMul no DequantizeLinear feeds, through at most one Relu/Clip): a Q
+    copied there gives no layer an integer kernel, and the op between runs on codes in onnxruntime's
+    generic layout. A MaxPool after a stem kept float ran as a uint8 NCHW MaxPool: 383 us against 6 us in
+    float, 5.4x the float graph at batch 32 on an AVX-512 VNNI CPU."""
+    n = producers.get(name)
+    while n is not None and n.op_type in COMMUTING_OPS and n.input and n.input[0] not in inits:
+        n = producers.get(n.input[0])
+    if n is None:
+        return True  # a graph input
+    if n.op_type in ("Relu", "Clip") and n.input:
+        n = producers.get(n.input[0])
+        if n is None:
+            return True
+    if n.op_type not in _LAYER_OPS or not n.input:
+        return False
+    src = producers.get(n.input[0])
+    return src is None or src.op_type != "DequantizeLinear"
 
 
 def _quantize_concat_inputs(g, op: onnx.NodeProto, q: onnx.NodeProto, inits, producers, consumers) -> int:
