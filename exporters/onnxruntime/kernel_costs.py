@@ -5,9 +5,10 @@ ratio it predicts for a layer.
 ``python -m benchmarks.bench_kernel_costs --write`` on a named machine: the time of a chain of four identical
 quantized layers that onnxruntime fuses into integer kernels (``QLinearConv``, ``QLinearMatMul``; their Q/DQ
 included) over the same chain in float, for convolutions, depthwise convolutions and matrix products of a
-range of shapes. A layer's predicted ratio is that of the nearest row of its kind, in log2 of the row's
-features (:func:`predict`): a table, not a stopwatch, so the same model gets the same decisions on every
-call and on every machine, and a graph made for another CPU is decided by that CPU's row set.
+range of shapes; and single stems (a convolution of the graph input's few channels, its input Q included).
+A layer's predicted ratio is that of the nearest row of its kind, in log2 of the row's features
+(:func:`predict`): a table, not a stopwatch, so the same model gets the same decisions on every call and on
+every machine, and a graph made for another CPU is decided by that CPU's row set.
 """
 
 from __future__ import annotations
@@ -20,17 +21,25 @@ from pathlib import Path
 
 TABLE = Path(__file__).with_name("kernel_costs.json")
 
-CONV, DEPTHWISE, GEMM = "conv", "depthwise", "gemm"
+CONV, DEPTHWISE, GEMM, STEM = "conv", "depthwise", "gemm", "stem"
+#: a convolution that reads at most this many input channels (groups 1) is a :data:`STEM`: an image's RGB or
+#: a spectrogram's one channel. Its reduction is a few dozen products, which the integer kernels pad and
+#: reorder for (NCHW to NHWC) while the float one runs it directly: on an AVX-512 VNNI CPU a 3 -> 32 3x3 stem
+#: ran 1.3-2.6x slower quantized and a 1 -> 32 one 2.8x, where the nearest chain row (a 1x1 conv of 32
+#: channels) predicted 0.78x. Its own rows keep them apart; a table without stem rows predicts from its conv
+#: rows (:func:`nearest`).
+STEM_CHANNELS = 4
 
 
 @dataclass(frozen=True)
 class LayerShape:
     """What decides a quantized layer's kernel speed.
 
-    ``op``: :data:`CONV` (any convolution but a depthwise one), :data:`DEPTHWISE`, or :data:`GEMM` (Linear,
-    MatMul). ``reduction``: products summed per output (``cin/groups * prod(kernel)``; the input features of a
-    GEMM). ``outputs``: output channels (GEMM: output features). ``positions``: output positions per sample
-    (spatial positions; a GEMM's rows per sample, e.g. tokens)."""
+    ``op``: :data:`CONV` (any convolution but a depthwise one or a stem), :data:`DEPTHWISE`, :data:`STEM`
+    (:data:`STEM_CHANNELS`), or :data:`GEMM` (Linear, MatMul). ``reduction``: products summed per output
+    (``cin/groups * prod(kernel)``; the input features of a GEMM). ``outputs``: output channels (GEMM: output
+    features). ``positions``: output positions per sample (spatial positions; a GEMM's rows per sample, e.g.
+    tokens)."""
 
     op: str
     reduction: int
@@ -45,7 +54,7 @@ class LayerShape:
         )
 
     def describe(self) -> str:
-        what = {CONV: "conv", DEPTHWISE: "depthwise conv", GEMM: "matmul"}[self.op]
+        what = {CONV: "conv", DEPTHWISE: "depthwise conv", STEM: "stem conv", GEMM: "matmul"}[self.op]
         return f"{what} {self.reduction}x{self.outputs} at {self.positions} positions"
 
 
@@ -88,8 +97,11 @@ def rows(kind: str) -> list[Row]:
 
 
 def nearest(shape: LayerShape, measured: list[Row]) -> Row | None:
-    """The row of ``shape.op`` nearest ``shape`` in log2 of its features (ties: the first row)."""
+    """The row of ``shape.op`` nearest ``shape`` in log2 of its features (ties: the first row); a stem, in a
+    table without stem rows, the nearest conv row."""
     same = [r for r in measured if r.shape.op == shape.op]
+    if not same and shape.op == STEM:
+        same = [r for r in measured if r.shape.op == CONV]
     if not same:
         return None
     f = shape.features()
