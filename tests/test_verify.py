@@ -678,7 +678,8 @@ def test_cpu_any_names_the_saturating_layers_as_the_deployment_cause(tmp_path):
     if not can_saturate(detect()):
         pytest.skip("this CPU's uint8 x int8 kernels do not saturate (VNNI): nothing to explain")
     ck, onnx_path = tmp_path / "vnni.calib.pt", tmp_path / "vnni.onnx"
-    assert cli("calibrate", "digits_cnn", "--cpu", "x86-vnni", "--placement", "all", "--out", ck).exit_code == 0
+    r = cli("calibrate", "digits_cnn", "--cpu", "x86-vnni", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
     assert cli("export", ck, "--onnx", onnx_path).exit_code == 0
     for cpu in ("auto", "any"):
         r = cli("verify", onnx_path, "--reference", ck, "--cpu", cpu, "--json")
