@@ -112,16 +112,21 @@ def _chain(op: str, c: int, k: int, side: int, quantized: bool, rng: np.random.G
         else helper.make_node("Identity", [x], ["y"])
     )
     shape = [BATCH * side, c] if op == GEMM else [BATCH, c, side, side]
+    return _model("chain", nodes, inits, shape), shape
+
+
+def _model(name: str, nodes, inits, shape: list[int]):
+    """An opset-13 model of ``nodes`` from input ``x`` (``shape``) to output ``y``."""
     graph = helper.make_graph(
         nodes,
-        "chain",
+        name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         inits,
     )
     m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
     m.ir_version = 8
-    return m, shape
+    return m
 
 
 def _stem(cin: int, k: int, cout: int, side: int, stride: int, quantized: bool, rng: np.random.Generator):
@@ -158,16 +163,7 @@ def _stem(cin: int, k: int, cout: int, side: int, stride: int, quantized: bool, 
         helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
     ]
     shape = [BATCH, cin, side, side]
-    graph = helper.make_graph(
-        nodes,
-        "stem",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        inits,
-    )
-    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-    m.ir_version = 8
-    return m, shape
+    return _model("stem", nodes, inits, shape), shape
 
 
 def cpu_model() -> str:

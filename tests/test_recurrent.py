@@ -155,18 +155,25 @@ def test_the_segment_after_an_lstm_is_replayed_but_not_judged(lstm, tmp_path):
     assert fid["quantizers"]["fc.input_quantizer"]["replay_steps"] is None
 
 
+def _vnni_lstm(folder):
+    """The LSTM classifier calibrated for a CPU with VNNI (8-bit LSTM weights, fc kept float) and exported:
+    the checkpoint, the graph and the held-out data."""
+    calib, held = user_models.write_data("lstm_classifier", folder)
+    ck, graph = folder / "vnni.calib.pt", folder / "vnni.onnx"
+    spec = user_models.spec("lstm_classifier")
+    r = cli("calibrate", spec, "--data", calib, "--out", ck, "--cpu", "x86-vnni")
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    return ck, graph, held
+
+
 def test_an_output_after_an_lstm_is_replayed_but_not_judged(tmp_path):
     """With fc kept float (calibrated for a CPU with VNNI, where placement leaves the small head float), the
     graph output's own segment holds both DynamicQuantizeLSTMs: the replayed output differed from
     onnxruntime's by 1.4 output quantization errors natively on a VNNI CPU with 2 threads (0.16 with one;
     0.26 under qemu's Haswell), and verify failed fidelity.replay_outputs on a graph whose every other check
     passed. Such an output is named (``fidelity.recurrent_outputs``) and left to the deployment checks."""
-    calib, held = user_models.write_data("lstm_classifier", tmp_path)
-    ck, graph = tmp_path / "vnni.calib.pt", tmp_path / "vnni.onnx"
-    spec = user_models.spec("lstm_classifier")
-    r = cli("calibrate", spec, "--data", calib, "--out", ck, "--cpu", "x86-vnni")
-    assert r.exit_code == 0, r.output
-    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    ck, graph, held = _vnni_lstm(tmp_path)
     g = onnx.load(str(graph)).graph
     (head,) = [n for n in g.node if n.output[0] == "output_0"]
     assert head.op_type == "Gemm" and head.input[1] in {i.name for i in g.initializer}  # fc float
@@ -234,12 +241,7 @@ def test_an_lstm_made_for_vnni_fails_on_a_saturating_cpu_naming_its_kernel(tmp_p
 
     if not can_saturate(detect()):
         pytest.skip("this CPU's uint8 x int8 kernels do not saturate (VNNI): nothing to explain")
-    calib, held = user_models.write_data("lstm_classifier", tmp_path)
-    ck, graph = tmp_path / "vnni.calib.pt", tmp_path / "vnni.onnx"
-    spec = user_models.spec("lstm_classifier")
-    r = cli("calibrate", spec, "--data", calib, "--out", ck, "--cpu", "x86-vnni")
-    assert r.exit_code == 0, r.output
-    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    ck, graph, held = _vnni_lstm(tmp_path)
     r = cli("verify", graph, "--reference", ck, "--data", held, "--json")
     failed = {c["name"]: c["detail"] for c in json.loads(r.stdout)["checks"] if not c["passed"]}
     if r.exit_code == 0:
