@@ -371,6 +371,62 @@ def _stem_graph(shared_input: bool) -> onnx.ModelProto:
     return model
 
 
+def _pool_graph() -> onnx.ModelProto:
+    """conv -> Relu -> Q -> DQ -> MaxPool -> Q -> DQ (fc's input quantizer) -> Flatten -> Gemm (fc)."""
+    from onnx import TensorProto, helper
+
+    from exporters.graph import QUANTIZERS_KEY
+
+    s, z = (
+        helper.make_tensor("s", TensorProto.FLOAT, [], [0.1]),
+        helper.make_tensor("z", TensorProto.UINT8, [], [0]),
+    )
+    w = helper.make_tensor("w", TensorProto.FLOAT, [2, 1, 1, 1], [1.0, 2.0])
+    fw = helper.make_tensor("fw", TensorProto.FLOAT, [8, 2], [0.5] * 16)
+    nodes = [
+        helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+        helper.make_node("Relu", ["c"], ["r"], name="relu"),
+        helper.make_node("QuantizeLinear", ["r", "s", "z"], ["rq"], name="q_copy"),
+        helper.make_node("DequantizeLinear", ["rq", "s", "z"], ["rd"], name="dq_copy"),
+        helper.make_node("MaxPool", ["rd"], ["p"], kernel_shape=[2, 2], strides=[2, 2], name="pool"),
+        helper.make_node("QuantizeLinear", ["p", "s", "z"], ["pq"], name="q_fc"),
+        helper.make_node("DequantizeLinear", ["pq", "s", "z"], ["pd"], name="dq_fc"),
+        helper.make_node("Flatten", ["pd"], ["f"], name="flatten"),
+        helper.make_node("Gemm", ["f", "fw"], ["out"], name="fc"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)],
+        [s, z, w, fw],
+    )
+    model = helper.make_model(graph)
+    model.metadata_props.add(key=QUANTIZERS_KEY, value=json.dumps({"pd": "fc.input_quantizer"}))
+    return model
+
+
+def test_keep_pools_quantizes_again_a_fast_float_choice_before_a_quantized_pool_only(tmp_path):
+    """The MaxPool rule is for layers kept float for speed (fused): an unfused one runs in float whatever is
+    decided, and its pool on codes with it; with the pool's reader (fc) float too, no Q follows the pool."""
+    path = tmp_path / "g.onnx"
+    onnx.save(_pool_graph(), path)
+    report = FusionReport(str(path), "CPUExecutionProvider")
+    report.layers = [LayerFusion("conv", "conv", "Conv", [], "QLinearConv", True)]
+    assert latency_placement.maxpool_readers(onnx.load(path), "conv") == {"fc"}
+
+    def decided(fused: bool, fc: str):
+        decisions = [
+            latency_placement.LayerDecision("conv", "QLinearConv", 2.0, "float", "slower", [], fused),
+            latency_placement.LayerDecision("fc", "QGemm", 2.0, fc, "slower", [], True),
+        ]
+        return {d.layer: d.decision for d in latency_placement.keep_pools(decisions, report)}
+
+    assert decided(True, "quantized") == {"conv": "quantized", "fc": "quantized"}
+    assert decided(False, "quantized") == {"conv": "float", "fc": "quantized"}  # unfused: float anyway
+    assert decided(True, "float") == {"conv": "float", "fc": "float"}
+
+
 def test_a_stem_keeps_its_output_quantizer_and_a_shared_input_is_no_stem(tmp_path):
     qs = ["stem.input_quantizer", "stem.weight_quantizer", "stem.output_quantizer"]
     decisions = [latency_placement.LayerDecision("stem", "QLinearConv", 2.0, "float", "slower", qs, True)]

@@ -343,11 +343,12 @@ def keep_pools(decisions: list[LayerDecision], report: FusionReport) -> list[Lay
     VNNI CPU (the MaxPool 380 us against 14 us quantized and 6 us in float), against 2.2x with the stem
     quantized."""
     floats = {d.layer for d in decisions if d.decision == FLOAT}
-    if not floats:
+    fused = [d.layer for d in decisions if d.decision == FLOAT and d.fused]  # kept float for speed
+    if not fused:
         return decisions
     graph = onnx.load(report.path, load_external_data=False)
     nodes = {lf.layer: lf.node for lf in report.layers}
-    pooled = {layer for layer in floats if layer in nodes and maxpool_readers(graph, nodes[layer]) - floats}
+    pooled = {layer for layer in fused if layer in nodes and maxpool_readers(graph, nodes[layer]) - floats}
     why = "keeping it float would run the MaxPool after it on uint8 codes in NCHW layout"
     return [_requantized(d, why) if d.layer in pooled else d for d in decisions]
 
@@ -387,17 +388,20 @@ def is_stem(graph: onnx.ModelProto, node: str, quantizers: list[str]) -> bool:
     return reads_input
 
 
-def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[LayerDecision] | None:
-    """``decisions`` with every layer kept float a stem (:func:`is_stem` in the graph ``report`` inspected):
-    only its input and weight quantizers go, the others stay on (:data:`OUTPUT_KEPT`). None where some layer
-    kept float is not a stem, or none is kept float."""
+def stem_layers(decisions: list[LayerDecision], report: FusionReport) -> set[str]:
+    """The layers ``decisions`` keep float that are stems (:func:`is_stem` in the graph ``report``
+    inspected)."""
     floats = [d for d in decisions if d.decision == FLOAT]
     if not floats:
-        return None
+        return set()
     graph = onnx.load(report.path, load_external_data=False)
     nodes = {lf.layer: lf.node for lf in report.layers}
-    if not all(d.layer in nodes and is_stem(graph, nodes[d.layer], d.quantizers) for d in floats):
-        return None
+    return {d.layer for d in floats if d.layer in nodes and is_stem(graph, nodes[d.layer], d.quantizers)}
+
+
+def _outputs_kept(decisions: list[LayerDecision]) -> list[LayerDecision]:
+    """``decisions`` with each float layer's quantizers cut to its input and weight ones
+    (:data:`OUTPUT_KEPT`)."""
     out = []
     for d in decisions:
         if d.decision == FLOAT and any(role(q) not in _OWN for q in d.quantizers):
@@ -407,22 +411,30 @@ def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[Layer
     return out
 
 
+def as_stems(decisions: list[LayerDecision], report: FusionReport) -> list[LayerDecision] | None:
+    """``decisions`` with every layer kept float a stem (:func:`stem_layers`): only its input and weight
+    quantizers go, the others stay on (:data:`OUTPUT_KEPT`). None where some layer kept float is not a stem,
+    or none is kept float."""
+    floats = {d.layer for d in decisions if d.decision == FLOAT}
+    if not floats or stem_layers(decisions, report) != floats:
+        return None
+    return _outputs_kept(decisions)
+
+
 def stems_alone(
     after: list[LayerDecision], before: list[LayerDecision], report: FusionReport
 ) -> list[LayerDecision]:
     """Where the neighbours' check (:func:`keep_neighbours`, ``before`` -> ``after``) quantized every layer
-    again, the stems among ``before``'s float choices kept float on their own (:func:`as_stems`: they cost
-    no neighbour anything), the others as ``after`` has them. On MobileNetV2 a float depthwise conv beside
-    the float stem cost the 1x1 convs their kernels, and the stem went back with it."""
+    again, the stems among ``before``'s float choices kept float on their own (as :func:`as_stems` keeps
+    them: they cost no neighbour anything), the others as ``after`` has them. On MobileNetV2 a float
+    depthwise conv beside the float stem cost the 1x1 convs their kernels, and the stem went back with it."""
     if any(d.decision == FLOAT for d in after):
         return after
-    chosen = {d.layer: d for d in before if d.decision == FLOAT}
-    graph = onnx.load(report.path, load_external_data=False)
-    nodes = {lf.layer: lf.node for lf in report.layers}
-    stems = {n for n, d in chosen.items() if n in nodes and is_stem(graph, nodes[n], d.quantizers)}
+    stems = stem_layers(before, report)
     if not stems:
         return after
-    return as_stems([chosen[d.layer] if d.layer in stems else d for d in after], report) or after
+    chosen = {d.layer: d for d in before if d.layer in stems}
+    return _outputs_kept([chosen.get(d.layer, d) for d in after])
 
 
 # ------------------------------------------------------------------------------------------- measuring
