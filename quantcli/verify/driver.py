@@ -511,18 +511,13 @@ def _fidelity(
         )
     )
     judged = [n for n in out_names if n not in sample.recurrent_outputs]
-    if judged:
-        worst_out = max(judged, key=lambda n: outputs[n]["replay_ratio"])
-        check = at_most(
-            "fidelity.replay_outputs", MAX_REPLAY_OUTPUT, outputs[worst_out]["replay_ratio"], worst_out
-        )
-    else:
-        check = at_most(
-            "fidelity.replay_outputs",
-            MAX_REPLAY_OUTPUT,
-            0.0,
-            f"not judged: the segment before {few(out_names)} holds a DynamicQuantizeLSTM",
-        )
+    worst_out = max(judged, key=lambda n: outputs[n]["replay_ratio"], default=None)
+    check = at_most(
+        "fidelity.replay_outputs",
+        MAX_REPLAY_OUTPUT,
+        outputs[worst_out]["replay_ratio"] if worst_out else 0.0,
+        worst_out or f"not judged: the segment before {few(out_names)} holds a DynamicQuantizeLSTM",
+    )
     report.checks.append(check)
     worst_out = max(out_names, key=lambda n: outputs[n]["rms_ratio"])
     nonfinite = sum(s.nonfinite_mismatch for s in cmp.fid.values())
