@@ -170,12 +170,14 @@ def _dynamic_linear_constants(layer: nn.Module) -> tuple[torch.Tensor, torch.Ten
     return codes, spec.scale, spec.zero_point.to(torch.int8)
 
 
-def dynamic_linear(layer: nn.Module, x: torch.Tensor, constants: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """A QuantLinear with a dynamic input quantizer, while torch.export traces (its export hook);
-    ``constants``: :func:`_dynamic_linear_constants`."""
+def dynamic_linear(
+    layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, constants: tuple[torch.Tensor, ...]
+) -> torch.Tensor:
+    """A QuantLinear with a dynamic input quantizer, while torch.export traces (its export hook); ``bias``:
+    the one its ``F.linear`` adds; ``constants``: :func:`_dynamic_linear_constants`."""
     codes, scale, zp = constants
-    bias = layer.bias if layer.bias is not None else scale
-    return torch.ops.quantcli.dynamic_linear(x, codes, scale, zp, bias, layer.bias is not None)
+    added = bias if bias is not None else scale
+    return torch.ops.quantcli.dynamic_linear(x, codes, scale, zp, added, bias is not None)
 
 
 def _dynamic_linear_translation(opset: int):

@@ -441,6 +441,69 @@ def test_every_layer_computing_f_linear_is_dynamic_whatever_its_class(tmp_path, 
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
 
 
+class _NoBiasAttribute(torch.nn.Module):
+    """F.linear on its own weight in a module with no ``bias`` attribute at all, then a gain."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(o, i) / i**0.5)
+        self.gain = torch.nn.Parameter(torch.full((o,), 1.5))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight) * self.gain
+
+
+class _BiasAddedAfter(torch.nn.Module):
+    """F.linear without a bias, the module's ``bias`` added after a scale: the product adds no bias."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(o, i) / i**0.5)
+        self.bias = torch.nn.Parameter(torch.randn(o))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight) * 0.5 + self.bias
+
+
+class _BiasKinds(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.out = _NoBiasAttribute(16, 32), _BiasAddedAfter(32, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_dynamic_layer_exports_the_bias_its_f_linear_adds(tmp_path, exporter):
+    """The dynamic export wrote ``F.linear(x, W, module.bias)`` whatever the call added: a module without a
+    ``bias`` attribute failed to export (AttributeError), and one adding its bias after ``F.linear(x, W)``
+    exported it twice (torchscript refused it, dynamo's graph added it inside the MatMulInteger pattern as
+    well). The graph now adds the call's own bias: onnxruntime's output is the model's."""
+    from exporters import export_onnx
+    from exporters.graph import quantizer_map
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 16)}
+    model = quantize_model(_BiasKinds(), "int8-dynamic", example=batch)
+    summary = calibrate(model, [batch], device="cpu")
+    assert sorted(summary.dynamic) == ["a.input_quantizer", "b.input_quantizer", "out.input_quantizer"]
+    path = tmp_path / "bias.onnx"
+    export_onnx(model, batch, path, exporter=exporter)
+    graph = onnx.load(path)
+    qmap = quantizer_map(graph)
+    assert sorted(qmap[d.codes] for d in dynamic_layers(graph)) == sorted(summary.dynamic)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
+        None, {"x": batch["x"].numpy()}
+    )[0]
+    with torch.no_grad():
+        want = model(**batch).numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+
+
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_gpt2_conv1d_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_path, exporter):
     """GPT-2's projections are transformers' ``Conv1D`` (``x @ W + b``, ``W`` is ``(in, out)``): int8-dynamic

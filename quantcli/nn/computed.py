@@ -398,7 +398,7 @@ class ComputedLayer(QuantMixin):
     weight_derived = False
     weight_from_forward = True
     #: see :class:`quantcli.nn.modules.QuantLinear` (a Linear whose input quantizer is dynamic)
-    export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+    export_hook: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     @property
     def takes_int32_bias(self) -> bool:
@@ -419,8 +419,8 @@ class ComputedLayer(QuantMixin):
         x, w, b = operands(kind, args, kwargs)
 
         def run():
-            if self._plain_linear(kind, w, b):  # a dynamic input exports as a Linear's does
-                exported = dynamic_export(self, x)
+            if self._plain_linear(kind, w):  # a dynamic input exports as a Linear's does
+                exported = dynamic_export(self, x, b)
                 if exported is not None:
                     return exported
             bias = b
@@ -433,13 +433,10 @@ class ComputedLayer(QuantMixin):
 
         return layer_call(self, [x], run)
 
-    def _plain_linear(self, kind: str, w, b) -> bool:
-        """``F.linear(x, self.weight, self.bias)``: what the int8-dynamic export pattern computes."""
-        return (
-            kind == "linear"
-            and w is self._parameters.get("weight")
-            and (b is None or b is self._parameters.get("bias"))
-        )
+    def _plain_linear(self, kind: str, w) -> bool:
+        """``F.linear(x, self.weight, b)``: what the int8-dynamic export pattern computes (with the ``b`` the
+        call adds: the module's own bias, none, or another tensor)."""
+        return kind == "linear" and w is self._parameters.get("weight")
 
 
 _CLASSES: dict[tuple, type] = {}

@@ -112,9 +112,9 @@ def exportable(layer: nn.Module) -> str | None:
     return None
 
 
-def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def dynamic_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The TorchScript export path of a QuantLinear whose input quantizer is dynamic (eager mode gives the
-    same values)."""
+    same values); ``bias``: the one its ``F.linear`` adds."""
     why = exportable(layer)
     if why is not None:
         raise ExportError(
@@ -126,7 +126,7 @@ def dynamic_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     d = layer.weight_quantizer.desc
     weight, amax = linear_weight(layer)
     return DynamicLinearFunction.apply(
-        x, weight, export_amax(amax.detach()), layer.bias, d.num_bits, d.narrow_range
+        x, weight, export_amax(amax.detach()), bias, d.num_bits, d.narrow_range
     )
 
 

@@ -8,8 +8,9 @@ computation:
 * ``TensorQuantizer.export_hook(x) -> Tensor``: the quantizer's output (in place of fake quantization);
 * ``QuantMixin.bias_export_hook() -> Tensor``: the bias a layer with an int32 bias adds (in place of
   dequantizing its int32 codes);
-* ``QuantLinear.export_hook(x) -> Tensor``: the output of a Linear whose input quantizer is dynamic (in place
-  of ``linear(fake_quant_dynamic(x), ...)``; ``x`` is the input after SmoothQuant's ``Mul``, if any).
+* ``QuantLinear.export_hook(x, bias) -> Tensor``: the output of a Linear whose input quantizer is dynamic (in
+  place of ``linear(fake_quant_dynamic(x), ..., bias)``; ``x`` is the input after SmoothQuant's ``Mul``, if
+  any; ``bias`` the one the ``F.linear`` call adds, the layer's own for a Linear).
 
 Each is a class attribute that is ``None`` by default. :func:`export_hooks` sets them for the duration of a
 ``with`` block and removes them in a ``finally``, so after an export, failed or not, the model computes as it

@@ -124,7 +124,7 @@ def apply_input_quantizer_before(before: nn.Module, layer: nn.Module) -> None:
 class QuantLinear(nn.Linear, QuantMixin):
     #: while an exporter traces, the op it computes this layer's output with when the input quantizer is
     # dynamic : (:mod:`quantcli.nn.export_hooks`)
-    export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+    export_hook: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         smooth = self._modules.get("input_smooth")  # SmoothQuant's explicit Mul (quantcli.nn.smooth), if any
@@ -139,19 +139,26 @@ class QuantLinear(nn.Linear, QuantMixin):
         return self.quantize_output(F.linear(self.input_quantizer(input), self.quantized_weight(), bias))
 
 
-def dynamic_export(layer: nn.Module, input: torch.Tensor) -> torch.Tensor | None:
-    """A layer computing ``F.linear(x, self.weight, self.bias)`` with a dynamic (run-time uint8) input
-    quantizer, while exporting: its export hook's output, or DynamicQuantizeLinear -> MatMulInteger; ``None``
-    otherwise (the caller computes its forward)."""
+#: :func:`dynamic_export`'s default bias: the layer's own ``bias`` (None where it has none)
+OWN_BIAS = object()
+
+
+def dynamic_export(layer: nn.Module, input: torch.Tensor, bias=OWN_BIAS) -> torch.Tensor | None:
+    """A layer computing ``F.linear(x, self.weight, bias)`` with a dynamic (run-time uint8) input quantizer,
+    while exporting: its export hook's output, or DynamicQuantizeLinear -> MatMulInteger; ``None`` otherwise
+    (the caller computes its forward). ``bias``: the one the operation adds, where it is not the layer's own
+    (``F.linear(x, self.weight)`` in a module that adds its ``bias`` later: None)."""
     if not (layer.input_quantizer.dynamic_uint8 and layer.input_quantizer.mode == "quantize"):
         return None
+    if bias is OWN_BIAS:
+        bias = layer._parameters.get("bias")
     hook = getattr(layer, "export_hook", None)
     if hook is not None:
-        return hook(input)
+        return hook(input, bias)
     if torch.onnx.is_in_onnx_export():
         from quantcli.nn.dynamic import dynamic_linear
 
-        return dynamic_linear(layer, input)
+        return dynamic_linear(layer, input, bias)
     return None
 
 
