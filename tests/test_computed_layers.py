@@ -388,52 +388,248 @@ def test_transformer_encoder_layer_exports_and_verifies(tmp_path, exporter):
 # ------------------------------------------------------------------------ products quantcli leaves float
 
 
-class _Einsum(nn.Module):
+class _Einsum3(nn.Module):
+    """An einsum with a 3-D weight (heads split in the weight): not a product quantcli quantizes."""
+
     def __init__(self):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(6, 4))
+        self.weight = nn.Parameter(torch.randn(4, 2, 3))
 
     def forward(self, x):
-        return torch.einsum("bi,oi->bo", x, self.weight)
+        return torch.einsum("bi,ihk->bhk", x, self.weight).flatten(1)
 
 
-class _Addmm(nn.Module):
+class _Bmm(nn.Module):
     def __init__(self):
         super().__init__()
-        self.weight, self.bias = nn.Parameter(torch.randn(6, 6)), nn.Parameter(torch.zeros(6))
+        self.weight = nn.Parameter(torch.randn(6, 6))
 
     def forward(self, x):
-        return torch.addmm(self.bias, x, self.weight)
+        return torch.bmm(x.unsqueeze(1), self.weight.expand(x.shape[0], 6, 6)).squeeze(1)
 
 
-class _Method(nn.Module):
+class _Tensordot(nn.Module):
+    """(Its gain makes it more than a Linear in all but name, which a probe of its forward would find.)"""
+
     def __init__(self):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(6, 3))
+        self.weight, self.gain = nn.Parameter(torch.randn(6, 3)), nn.Parameter(torch.ones(3))
 
     def forward(self, x):
-        return x.mm(self.weight)
+        return torch.tensordot(x, self.weight, dims=1) * self.gain
 
 
 class _Products(nn.Module):
     def __init__(self):
         super().__init__()
-        self.e, self.a, self.m, self.fc = _Einsum(), _Addmm(), _Method(), nn.Linear(3, 2)
+        self.e, self.b, self.t, self.fc = _Einsum3(), _Bmm(), _Tensordot(), nn.Linear(3, 2)
 
     def forward(self, x):
-        return self.fc(self.m(torch.relu(self.a(torch.relu(self.e(x))))))
+        return self.fc(self.t(torch.relu(self.b(torch.relu(self.e(x))))))
 
 
 def test_a_weight_taken_by_a_product_quantcli_leaves_float_is_named():
-    """``torch.einsum``/``torch.addmm``/``Tensor.mm`` layers stayed float "because no convolution, linear or
-    matmul took its weight": the reason now names the operation that did, and what to write instead."""
+    """Layers whose weight went to a product quantcli does not quantize stayed float "because no convolution,
+    linear or matmul took its weight": the reason names the operation that did, and what to write instead."""
     torch.manual_seed(0)
     model = quantize_model(_Products().eval(), "int8", example={"x": torch.randn(4, 4)})
     reasons = {f["name"]: f["reason"] for f in model.quantcli_report.float_layers}
-    assert reasons.keys() == {"e", "a", "m"}
-    for name, op in (("e", "torch.einsum"), ("a", "torch.addmm"), ("m", "Tensor.mm")):
+    assert reasons.keys() == {"e", "b", "t"}
+    for name, op in (("e", "torch.einsum"), ("b", "torch.bmm"), ("t", "torch.tensordot")):
         assert reasons[name].startswith(f"its weight goes to {op}, which quantcli does not quantize"), reasons
     assert "fc" in model.quantcli_report.layers
+
+
+@pytest.mark.parametrize(
+    "equation, weight_first, form",
+    [
+        ("bnd,de->bne", False, ("matmul", 1)),
+        ("...d,ed->...e", False, ("linear", 0)),
+        ("bi,oi->bo", False, ("linear", 0)),
+        ("b i , i o -> b o", False, ("matmul", 1)),
+        ("de,bnd->bne", True, ("matmul", 1)),
+        ("ed,...d->...e", True, ("linear", 0)),
+        ("bnd,de->bne", True, None),  # the weight is not the first operand's subscripts
+        ("bnd,de->ben", False, None),  # a transposed output
+        ("bdn,de->bne", False, None),  # the contraction is not the input's last axis
+        ("bnd,de->bn", False, None),  # the weight's other axis is reduced
+        ("bnd,dhk->bnhk", False, None),  # a 3-D weight
+        ("bnd,dd->bnd", False, None),  # a diagonal
+        ("bnd,de", False, None),  # implicit output
+        ("bnd,ne->bde", False, None),
+        ("bnd,de,ef->bnf", False, None),  # three operands
+        ("bnn,ne->bne", False, None),  # a repeated input subscript
+    ],
+)
+def test_einsum_product_forms(equation, weight_first, form):
+    """Which einsums run as ``torch.matmul`` / ``F.linear`` with their quantizers: the forms are checked
+    against the einsum itself on random operands (an independent computation) where one is claimed."""
+    from quantcli.nn.computed import einsum_product
+
+    assert einsum_product(equation, weight_first) == form
+    if form is not None:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, 3, 5, generator=g) if "..." in equation or "n" in equation else torch.randn(3, 5)
+        w = torch.randn(*((5, 4) if form[0] == "matmul" else (4, 5)), generator=g)
+        want = torch.einsum(equation, w, x) if weight_first else torch.einsum(equation, x, w)
+        got = torch.matmul(x, w) if form[0] == "matmul" else F.linear(x, w)
+        torch.testing.assert_close(got, want)
+
+
+class _GraphConv(nn.Module):
+    """A graph convolution as pygcn writes it: ``torch.mm`` of the features and the weight, its forward taking
+    the adjacency too (so no probe of its forward alone can find it)."""
+
+    def __init__(self, i, o):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(i, o) / i**0.5)
+        self.bias = nn.Parameter(torch.randn(o) / 10)
+
+    def forward(self, x, adj):
+        return adj @ torch.mm(x, self.weight) + self.bias
+
+
+class _AddmmLayer(nn.Module):
+    def __init__(self, i, o, method=False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(i, o) / i**0.5)
+        self.bias = nn.Parameter(torch.randn(o) / 10)
+        self.method = method
+
+    def forward(self, x):
+        if self.method:
+            return self.bias.addmm(x, self.weight)
+        return torch.addmm(self.bias, x, self.weight)
+
+
+class _EinsumLayer(nn.Module):
+    """An einsum projection followed by a learned gain (two parameters: not a Linear in all but name)."""
+
+    def __init__(self, i, o, equation, weight_first=False):
+        super().__init__()
+        self.equation, self.weight_first = equation, weight_first
+        linear = equation.replace(" ", "").split("->")[0].split(",")[0 if weight_first else 1][0] != "d"
+        self.weight = nn.Parameter(torch.randn(*((o, i) if linear else (i, o))) / i**0.5)
+        self.gain = nn.Parameter(torch.full((o,), 1.5))
+
+    def forward(self, x):
+        ops = (self.weight, x) if self.weight_first else (x, self.weight)
+        return torch.einsum(self.equation, *ops) * self.gain
+
+
+class _ProductNet(nn.Module):
+    """Every product quantcli quantizes where it runs, beside what it cannot: 16 nodes, 12 features."""
+
+    def __init__(self):
+        super().__init__()
+        self.g1, self.g2 = _GraphConv(12, 32), _GraphConv(32, 32)
+        self.a1, self.a2 = _AddmmLayer(32, 32), _AddmmLayer(32, 24, method=True)
+        self.e1 = _EinsumLayer(24, 24, "nd,de->ne")
+        self.e2 = _EinsumLayer(24, 16, "ed,...d->...e", weight_first=True)
+        self.m = nn.Parameter(torch.randn(16, 4) / 4)  # the root's own x.mm(W)
+
+    def forward(self, x):
+        n = x.shape[0]
+        adj = torch.eye(n) * 0.5 + 0.5 / n
+        h = torch.relu(self.g2(torch.relu(self.g1(x, adj)), adj))
+        h = torch.relu(self.a2(torch.relu(self.a1(h))))
+        h = torch.relu(self.e2(torch.relu(self.e1(h))))
+        return h.mm(self.m)
+
+
+def test_mm_addmm_and_einsum_products_are_quantized_as_they_compute():
+    """``torch.mm``, ``torch.addmm``, their Tensor methods and product-form einsums stayed float ("its weight
+    goes to torch.mm, which quantcli does not quantize"): a pygcn graph convolution had no layer to quantize.
+    Each now computes its own operation on quantized operands (the einsums as the matmul or linear they
+    are), and each one's output is that operation written out on fake-quantized operands."""
+    torch.manual_seed(0)
+    model, loaded = _ProductNet().eval(), copy.deepcopy(_ProductNet().eval())
+    loaded.load_state_dict(model.state_dict())
+    x = torch.randn(16, 12, generator=torch.Generator().manual_seed(1))
+    quantize_model(model, QuantConfig(target="tensorrt"), example={"x": x})
+    report = model.quantcli_report
+    assert sorted(report.computed) == ["", "a1", "a2", "e1", "e2", "g1", "g2"], report.layers
+    assert report.float_layers == []
+    kinds = {n: (model.get_submodule(n).op_kind, model.get_submodule(n).weight_axis) for n in report.computed}
+    assert kinds == {
+        "": ("mm", 1),
+        "a1": ("addmm", 1),
+        "a2": ("addmm", 1),
+        "e1": ("matmul", 1),
+        "e2": ("linear", 0),
+        "g1": ("mm", 1),
+        "g2": ("mm", 1),
+    }
+    with torch.no_grad():
+        _disabled(model)
+        torch.testing.assert_close(model(x), loaded(x), rtol=0, atol=1e-6)  # quantizers off: the user's model
+    for q in quantizers(model).values():
+        q.set_mode("quantize")
+    calibrate(model, [{"x": x}], device="cpu")
+    adj = torch.eye(16) * 0.5 + 0.5 / 16
+
+    def q_in(m, t):
+        return _quant(t, m.input_quantizer.amax)
+
+    def q_w(m):  # per output channel: the weight's last axis for mm/addmm/matmul, its first for linear
+        amax = m.weight_quantizer.amax
+        assert amax.numel() == m.weight.shape[m.weight_axis]
+        return _quant(m.weight, amax)
+
+    with torch.no_grad():
+        g1, a1, e1, e2 = model.g1, model.a1, model.e1, model.e2
+        # the per-channel amax is the weight's own max per output channel (an independent reduction)
+        torch.testing.assert_close(g1.weight_quantizer.amax.flatten(), g1.weight.abs().amax(0))
+        torch.testing.assert_close(e2.weight_quantizer.amax.flatten(), e2.weight.abs().amax(1))
+        want = adj @ torch.mm(q_in(g1, x), q_w(g1)) + g1.bias
+        torch.testing.assert_close(g1(x, adj), want, rtol=0, atol=1e-5)
+        h = torch.randn(16, 32)
+        torch.testing.assert_close(a1(h), torch.addmm(a1.bias, q_in(a1, h), q_w(a1)), rtol=0, atol=1e-5)
+        h = torch.randn(16, 24)
+        torch.testing.assert_close(e1(h), (q_in(e1, h) @ q_w(e1)) * e1.gain, rtol=0, atol=1e-5)
+        h = torch.randn(16, 24)
+        torch.testing.assert_close(e2(h), (q_in(e2, h) @ q_w(e2).T) * e2.gain, rtol=0, atol=1e-5)
+        assert not torch.allclose(e2(h), loaded.e2(h), atol=1e-4)  # quantized, not float
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_mm_addmm_and_einsum_products_run_on_integer_kernels_and_verify(tmp_path, exporter):
+    """Exported, every product is an integer kernel in onnxruntime: the two graph convolutions' ``torch.mm``
+    and the int32-biased ``torch.addmm`` layers as ``QGemm`` or ``MatMulIntegerToFloat``, the einsums as
+    ``MatMulIntegerToFloat`` or ``QGemm`` (never an ``Einsum``), and verify passes the graph."""
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
+        "from tests.test_computed_layers import _ProductNet\n"
+        "def make():\n    torch.manual_seed(0)\n    return _ProductNet().eval()\n"
+    )
+    np.save(tmp_path / "d.npy", np.random.default_rng(0).standard_normal((16, 12)).astype(np.float32))
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli(
+        "calibrate",
+        f"{tmp_path / 'net.py'}:make",
+        "--data",
+        tmp_path / "d.npy",
+        "--placement",
+        "all",
+        "--out",
+        ck,
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert sorted(info["layers"]["quantized"]) == ["", "a1", "a2", "e1", "e2", "g1", "g2"], info["layers"]
+    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    assert not any(n.op_type == "Einsum" for n in onnx.load(graph).graph.node)
+    kernels = {layer.layer: layer.kernel for layer in inspect_fusion(graph).layers}
+    assert kernels.keys() == {"", "a1", "a2", "e1", "e2", "g1", "g2"}, kernels
+    assert kernels["a1"] == kernels["a2"] == "QGemm", kernels  # the int32 bias: fused with it
+    assert all(k in ("QGemm", "MatMulIntegerToFloat", "QLinearMatMul") for k in kernels.values()), kernels
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npy", "--json")
+    rep = json.loads(r.stdout)
+    assert r.exit_code == 0, [c for c in rep["checks"] if not c["passed"]]
+    assert rep["structure"]["problems"] == []
 
 
 class _LeftMatmul(nn.Module):

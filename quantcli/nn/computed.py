@@ -6,13 +6,16 @@ Found by class, a ``nn.Conv2d`` subclass whose ``forward`` pads before ``F.conv2
 layer is quantized where it computes, and its ``forward`` runs as written:
 
 * :func:`census` runs one forward on the example batch and lists every *weighted operation* it computes
-  (``F.conv1d/2d/3d``, ``F.conv_transpose1d/2d/3d``, ``F.linear``, ``torch.matmul``/``@``, and the
-  ``F.linear`` calls inside ``F.multi_head_attention_forward``): which module's parameters its weight operand
-  is (the parameter itself, or a tensor computed from that module's parameters alone, as weight
-  standardisation does), in which module's ``forward`` it runs, its bias, and whether that module returns the
-  operation's output as its own (BatchNorm folding needs that). Products it does not quantize
-  (:data:`OTHER_PRODUCTS`: ``torch.einsum``, ``torch.addmm``, ...) are noted against the modules whose weight
-  they take, so that a layer left float says which one did.
+  (``F.conv1d/2d/3d``, ``F.conv_transpose1d/2d/3d``, ``F.linear``, ``torch.matmul``/``@``, ``torch.mm``,
+  ``torch.addmm`` (and their ``Tensor`` methods), a ``torch.einsum`` that is one of these products
+  (:func:`einsum_product`: ``"bnd,de->bne"`` runs as ``torch.matmul``, ``"bnd,ed->bne"`` as ``F.linear``, so
+  the graph has a MatMul onnxruntime fuses rather than an Einsum it runs in float), and the ``F.linear`` calls
+  inside ``F.multi_head_attention_forward``): which module's parameters its weight operand is (the parameter
+  itself, or a tensor computed from that module's parameters alone, as weight standardisation does), in which
+  module's ``forward`` it runs, its bias, and whether that module returns the operation's output as its own
+  (BatchNorm folding needs that). Products it does not quantize (:data:`OTHER_PRODUCTS`: an einsum of any
+  other form, ``torch.bmm``, ``torch.tensordot``, ...) are noted against the modules whose weight they take,
+  so that a layer left float says which one did.
 * :func:`convert` makes such a module a *computed layer*: its class becomes ``Quant<Name>``
   (:class:`ComputedLayer` in front of the user's class, whose ``forward`` stays), with the same
   ``input_quantizer`` and ``weight_quantizer`` (and the placement's ``output_quantizer`` and int32 bias) as a
@@ -74,32 +77,35 @@ _FUNCTIONS: dict[Callable, tuple[str, int]] = {
     F.conv_transpose3d: ("conv_transpose", 1),
     F.linear: ("linear", 0),
     torch.matmul: ("matmul", -1),
+    torch.mm: ("mm", -1),
+    torch.Tensor.mm: ("mm", -1),
+    torch.addmm: ("addmm", -1),
+    torch.Tensor.addmm: ("addmm", -1),
 }
-KINDS = ("conv", "conv_transpose", "linear", "matmul")
+KINDS = ("conv", "conv_transpose", "linear", "matmul", "mm", "addmm")
 #: products of an activation and a weight that are not quantized (the census names them in a layer's float
-#: reason): what to write instead is F.linear or torch.matmul
+#: reason): what to write instead is F.linear or torch.matmul. ``torch.einsum`` is quantized where it is a
+#: product of the input's last axis with a 2-D weight (:func:`einsum_product`), named here otherwise.
 OTHER_PRODUCTS: dict[Callable, str] = {
     torch.einsum: "torch.einsum",
-    torch.addmm: "torch.addmm",
-    torch.mm: "torch.mm",
     torch.bmm: "torch.bmm",
     torch.baddbmm: "torch.baddbmm",
     torch.addmv: "torch.addmv",
     torch.mv: "torch.mv",
     torch.tensordot: "torch.tensordot",
     F.bilinear: "F.bilinear",
-    torch.Tensor.mm: "Tensor.mm",
     torch.Tensor.bmm: "Tensor.bmm",
-    torch.Tensor.addmm: "Tensor.addmm",
 }
 #: the name a matmul whose left operand is the weight (``W @ x``) is noted under, as the products above
 LEFT_MATMUL = "a matmul with the weight on the left (W @ x)"
-# the argument names of the operands, by kind: input, weight, bias
-_NAMES = {
-    "conv": ("input", "weight", "bias"),
-    "conv_transpose": ("input", "weight", "bias"),
-    "linear": ("input", "weight", "bias"),
-    "matmul": ("input", "other", None),
+# the operands' (position, keyword) by kind: input, weight, bias (torch.addmm(bias, x, W): the bias first)
+_OPERANDS: dict[str, tuple[tuple[int, str] | None, ...]] = {
+    "conv": ((0, "input"), (1, "weight"), (2, "bias")),
+    "conv_transpose": ((0, "input"), (1, "weight"), (2, "bias")),
+    "linear": ((0, "input"), (1, "weight"), (2, "bias")),
+    "matmul": ((0, "input"), (1, "other"), None),
+    "mm": ((0, "input"), (1, "mat2"), None),
+    "addmm": ((1, "mat1"), (2, "mat2"), (0, "input")),
 }
 #: torch modules with a fused fast path that skips the layers they own while no torch function mode is active
 FAST_PATH_MODULES: tuple[type, ...] = (
@@ -108,8 +114,6 @@ FAST_PATH_MODULES: tuple[type, ...] = (
     nn.TransformerDecoderLayer,
     nn.MultiheadAttention,
 )
-
-
 def weighted_kind(func: Callable) -> tuple[str, int] | None:
     """``(kind, weight axis)`` of a weighted operation, None for any other function."""
     hit = _FUNCTIONS.get(func)
@@ -119,27 +123,90 @@ def weighted_kind(func: Callable) -> tuple[str, int] | None:
     return ("matmul", -1) if op == "call_method" and target == "matmul" else None
 
 
-def _operand(args: tuple, kwargs: dict, i: int, name: str | None):
-    if name is None:
+def _operand(args: tuple, kwargs: dict, where: tuple[int, str] | None):
+    if where is None:
         return None
+    i, name = where
     return args[i] if len(args) > i else kwargs.get(name)
 
 
 def operands(kind: str, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
-    """``(input, weight, bias)`` of a weighted operation's call (bias None for matmul)."""
-    return tuple(_operand(args, kwargs, i, n) for i, n in enumerate(_NAMES[kind]))
+    """``(input, weight, bias)`` of a weighted operation's call (bias None for matmul and mm)."""
+    return tuple(_operand(args, kwargs, where) for where in _OPERANDS[kind])
 
 
 def _with_operands(kind: str, args: tuple, kwargs: dict, values: tuple) -> tuple[tuple, dict]:
     args, kwargs = list(args), dict(kwargs)
-    for i, (name, v) in enumerate(zip(_NAMES[kind], values)):
-        if name is None:
+    for where, v in zip(_OPERANDS[kind], values):
+        if where is None:
             continue
+        i, name = where
         if len(args) > i:
             args[i] = v
         elif name in kwargs or v is not None:
             kwargs[name] = v
     return tuple(args), kwargs
+
+
+def einsum_product(equation: str, weight_first: bool) -> tuple[str, int] | None:
+    """The form of a two-operand ``torch.einsum`` of an activation and a 2-D weight that contracts the
+    activation's last axis and puts the weight's other axis last in its place: ``("linear", 0)`` for a weight
+    ``[out, in]`` (``"bnd,ed->bne"``, what ``F.linear`` computes), ``("matmul", 1)`` for ``[in, out]``
+    (``"...d,de->...e"``, ``x @ W``); None for any other equation (an implicit output, a weight of other rank,
+    a contraction elsewhere, a transposed or reduced output). ``weight_first``: the weight is the first
+    operand (``"de,bnd->bne"``)."""
+    eq = equation.replace(" ", "")
+    if eq.count("->") != 1:
+        return None
+    ins, out = eq.split("->")
+    terms = ins.split(",")
+    if len(terms) != 2:
+        return None
+    w, x = terms if weight_first else terms[::-1]
+    if len(w) != 2 or not w.isalpha() or w[0] == w[1]:
+        return None
+    body = x[3:] if x.startswith("...") else x
+    if not body or not body.isalpha() or len(set(body)) != len(body):
+        return None
+    k = body[-1]
+    if k not in w:
+        return None
+    j = w[1] if w[0] == k else w[0]
+    if j in x or out != x[:-1] + j:
+        return None
+    return ("matmul", 1) if w[0] == k else ("linear", 0)
+
+
+def einsum_operands(args: tuple, kwargs: dict) -> tuple[str, Any, Any] | None:
+    """``(equation, a, b)`` of a call ``torch.einsum(equation, a, b)`` (or with ``[a, b]``), else None."""
+    if kwargs or not args or not isinstance(args[0], str):
+        return None
+    ops = args[1:]
+    if len(ops) == 1 and isinstance(ops[0], (list, tuple)):
+        ops = tuple(ops[0])
+    if len(ops) != 2 or not all(isinstance(t, torch.Tensor) for t in ops):
+        return None
+    return args[0], ops[0], ops[1]
+
+
+#: the functions an einsum's product form runs as (:func:`einsum_product`)
+_EINSUM_AS = {"linear": F.linear, "matmul": torch.matmul}
+
+
+def _einsum_as_product(args: tuple, kwargs: dict, is_weight: Callable[[Any], bool]):
+    """``(function, kind, axis, (x, W))`` that computes ``torch.einsum(*args)`` as ``F.linear`` or
+    ``torch.matmul`` where one operand is a weight (``is_weight``) and the other is not, and the equation is a
+    product form (:func:`einsum_product`); None otherwise."""
+    call = einsum_operands(args, kwargs)
+    if call is None:
+        return None
+    equation, a, b = call
+    for weight_first, x, w in ((False, a, b), (True, b, a)):
+        if is_weight(w) and not is_weight(x):
+            form = einsum_product(equation, weight_first)
+            if form is not None and w.dim() == 2:
+                return _EINSUM_AS[form[0]], form[0], form[1], (x, w)
+    return None
 
 
 @contextlib.contextmanager
@@ -272,12 +339,14 @@ class _CensusMode(TorchFunctionMode):
         self.result = Census()
         self.outputs: dict[int, OpUse] = {}  # id(operation output) -> its use
 
-    def weighted(self, func: Callable, kind: str, axis: int, args: tuple, kwargs: dict):
+    def weighted(self, func: Callable, kind: str, axis: int, args: tuple, kwargs: dict, run=None):
+        """Record ``func(*args, **kwargs)`` as a use of its weight's module; ``run()``, if given, computes the
+        output instead (an einsum recorded as the product it is)."""
         x, w, b = operands(kind, args, kwargs)
-        out = func(*args, **kwargs)
+        out = func(*args, **kwargs) if run is None else run()
         src = self.prov.source(w)
         if src is None or self.prov.source(x) is not None or not isinstance(w, torch.Tensor):
-            if kind == "matmul" and src is None and self.prov.source(x) is not None:
+            if kind in ("matmul", "mm", "addmm") and src is None and self.prov.source(x) is not None:
                 self._other_product(LEFT_MATMUL, args, kwargs)  # W @ x: the weight is the left operand
             elif src is None and isinstance(w, torch.Tensor) and id(w) in self.buffers:
                 module, buffer = self.buffers[id(w)]  # a fixed weight held as a buffer: named, not quantized
@@ -327,6 +396,11 @@ class _CensusMode(TorchFunctionMode):
         hit = weighted_kind(func)
         if hit is not None:
             return self.weighted(func, *hit, args, kwargs)
+        if func is torch.einsum:
+            product = _einsum_as_product(args, kwargs, lambda t: self.prov.source(t) is not None)
+            if product is not None:
+                fn, kind, axis, ops = product
+                return self.weighted(fn, kind, axis, ops, {}, run=lambda: func(*args, **kwargs))
         if func in OTHER_PRODUCTS:
             self._other_product(OTHER_PRODUCTS[func], args, kwargs)
         out = func(*args, **kwargs)
@@ -404,7 +478,9 @@ class ComputedLayer(QuantMixin):
     def takes_int32_bias(self) -> bool:
         """QLinearConv and QGemm add an int32 bias; a bias that is the layer's own ``bias`` parameter can be
         one (onnxruntime has no CPU QDQ rule for ConvTranspose)."""
-        return self.op_kind in ("conv", "linear") and isinstance(self._parameters.get("bias"), torch.Tensor)
+        return self.op_kind in ("conv", "linear", "addmm") and isinstance(
+            self._parameters.get("bias"), torch.Tensor
+        )
 
     def weight_source(self) -> torch.Tensor:
         return self._parameters[self.weight_name]
@@ -425,7 +501,7 @@ class ComputedLayer(QuantMixin):
                     return exported
             bias = b
             own_bias = b is not None and b is self._parameters.get("bias")
-            if own_bias and self.int32_bias and (kind == "conv" or (kind == "linear" and x.dim() == 2)):
+            if own_bias and self.int32_bias and _gemm_bias(kind, x, kwargs):
                 bias = self.quantized_bias()  # QLinearConv / QGemm: int32 codes
             values = (self.quantize_input(x), self.weight_quantizer(w), bias)
             a, k = _with_operands(kind, args, kwargs, values)
@@ -437,6 +513,15 @@ class ComputedLayer(QuantMixin):
         """``F.linear(x, self.weight, b)``: what the int8-dynamic export pattern computes (with the ``b`` the
         call adds: the module's own bias, none, or another tensor)."""
         return kind == "linear" and w is self._parameters.get("weight")
+
+
+def _gemm_bias(kind: str, x, kwargs: dict) -> bool:
+    """Whether the operation exports as a Conv or Gemm whose bias onnxruntime's integer kernel adds as int32
+    codes: a convolution, ``F.linear`` of a 2-D input, ``torch.addmm(b, x, W)`` without ``beta`` or ``alpha``
+    (onnxruntime fuses ``Gemm`` into ``QGemm`` only with an int32 bias; with a float one it stays float)."""
+    if kind == "addmm":
+        return kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+    return kind == "conv" or (kind == "linear" and x.dim() == 2)
 
 
 _CLASSES: dict[tuple, type] = {}
@@ -577,6 +662,12 @@ class Dispatch(TorchFunctionMode):
         hit = weighted_kind(func)
         if hit is not None:
             return self._weighted(func, hit[0], args, kwargs)
+        if func is torch.einsum:
+            product = _einsum_as_product(args, kwargs, lambda t: self._layer_of(t) is not None)
+            if product is not None and self.prov.source(product[3][0]) is None:
+                fn, kind, _, ops = product
+                if self._layer_of(ops[1]).op_kind == kind:
+                    return self._weighted(fn, kind, ops, {})
         frame = self.frames[-1] if self.frames else None
         if frame is not None and frame.adds is not None and is_add(*classify(func)):
             k = frame.count
