@@ -37,6 +37,7 @@ import contextlib
 import functools
 import io
 import logging
+import re
 import warnings
 from collections.abc import Callable
 
@@ -376,20 +377,44 @@ def _unwrap_scopes(model) -> None:
         node.metadata_props[_SCOPES] = repr(kept)
 
 
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e`` and the exceptions it was raised from (at most 20)."""
+    out = [e]
+    for _ in range(20):
+        nxt = out[-1].__cause__ or out[-1].__context__
+        if nxt is None:
+            break
+        out.append(nxt)
+    return out
+
+
 def _cause(e: BaseException) -> str:
     """torch.export's message for a failure, one line: its own first line (a step's banner, "Failed to
     decompose the FX graph for ONNX compatibility. This is step 2/3 ...", says where, not why) and the
     innermost cause's."""
-    inner = e
-    for _ in range(20):
-        nxt = inner.__cause__ or inner.__context__
-        if nxt is None:
-            break
-        inner = nxt
+    inner = _chain(e)[-1]
     outer = whole_line(e, 1000).split(" This is step", 1)[0]
     if inner is e:
         return outer[:400]
     return f"{outer[:200]}: {type(inner).__name__}: {whole_line(inner, 300)}"
+
+
+_STATIC = re.compile(r"inferred a static shape of (\d+) for dimension inputs\['(\w+)'\]\.shape\[(\d+)\]")
+
+
+def tied_axes(message: str, example: dict[str, torch.Tensor], axes: dict) -> list[str]:
+    """``NAME=AXIS`` for every input axis that is not exported dynamic but has the size of a dynamic axis that
+    torch.export found static (its message: "tracing inferred a static shape of 16 for dimension
+    inputs['x'].shape[0]"): the axes the model ties to it (a graph's ``(nodes, nodes)`` adjacency multiplied
+    by its ``(nodes, features)`` features), which ``--dynamic-dim`` makes dynamic too."""
+    sizes = {int(m.group(1)) for m in _STATIC.finditer(message) if m.group(2) in example}
+    out = []
+    for name, t in example.items():
+        dynamic = set(axes.get(name, {}) or ())
+        extra = [d for d, s in enumerate(t.shape) if s in sizes and d not in dynamic]
+        if extra:
+            out.append(f"{name}={','.join(map(str, extra))}")
+    return out
 
 
 def export_dynamo(
@@ -449,6 +474,13 @@ def export_dynamo(
         if no_space(e):  # the disk, not the model: the usual one-line full-disk error, not "try torchscript"
             raise
 
+        tied = tied_axes(" ".join(whole_line(c, 4000) for c in _chain(e)), example, axes or {})
+        if tied:
+            raise ExportError(
+                "torch.export found that the model ties the size of its dynamic axes to axes exported with a "
+                f"fixed size: export with {' '.join('--dynamic-dim ' + t for t in tied)} to make them dynamic "
+                "too (or with --exporter torchscript)"
+            ) from None
         raise unsupported_operator(e, "dynamo", opset) or ExportError(
             f"torch.onnx.export(dynamo=True) failed: {_cause(e)} (try --exporter torchscript)"
         ) from None

@@ -57,6 +57,54 @@ def test_a_batch_with_an_unbatched_input_is_not_cut():
         cap_samples([b], 10)
 
 
+GCN = user_models.module("graph_convolution")
+
+
+def test_a_graph_whose_nodes_are_on_both_axes_of_its_adjacency_is_not_cut():
+    """A pygcn-style model takes one graph: features ``(nodes, 24)`` and an adjacency ``(nodes, nodes)``. Cut
+    to 8 samples on axis 0 alone, the adjacency was ``(8, 16)`` and calibration failed on the example batch
+    ("mat1 and mat2 shapes cannot be multiplied"). Given the model, the example is the cut batch where the
+    model runs on it and the whole batch where it does not; a batch-first model whose batch size is also a
+    feature size is still cut."""
+    graph = {k: torch.from_numpy(v) for k, v in GCN.samples(16, 0).items()}
+    assert {k: tuple(v.shape) for k, v in example_of(graph).items()} == {"x": (8, 24), "adj": (8, 16)}
+    whole = example_of(graph, GCN.make())
+    assert {k: tuple(v.shape) for k, v in whole.items()} == {"x": (16, 24), "adj": (16, 16)}
+    assert torch.equal(whole["adj"], graph["adj"])
+
+    class Square(torch.nn.Module):  # 16 samples of 16 features: cut, as it runs on 8
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    cut = example_of({"x": torch.randn(16, 16)}, Square())
+    assert tuple(cut["x"].shape) == (8, 16)
+
+
+def test_a_graph_model_calibrates_exports_and_verifies_from_batch_files(tmp_path):
+    """Through the CLI: calibrated from batch files of one graph each, every layer quantized (two
+    ``torch.mm`` graph convolutions and an ``addmm`` classifier); the dynamo export names the adjacency
+    axis the model ties to the node count (exit 2, no file) and exports with it."""
+    calib, held = user_models.write_data("graph_convolution", tmp_path)
+    ck, graph = tmp_path / "gcn.calib.pt", tmp_path / "gcn.onnx"
+    r = cli("calibrate", user_models.spec("graph_convolution"), "--data", calib, "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    layers = set(info["layers"]["quantized"]) | {f["name"] for f in info["layers"]["float"]}
+    assert layers == {"gc1", "gc2", "classifier"}, info["layers"]
+    assert not [f for f in info["layers"]["float"] if not f["reason"].startswith("latency placement")]
+    r = cli("export", ck, "--onnx", graph, "--exporter", "dynamo")
+    assert_clean_error(r, "--dynamic-dim adj=1 to make them dynamic too")
+    assert not graph.exists()
+    r = cli("export", ck, "--onnx", graph, "--exporter", "dynamo", "--dynamic-dim", "adj=1")
+    assert r.exit_code == 0, r.output
+    r = cli("verify", graph, "--reference", ck, "--data", held)
+    assert r.exit_code == 0, r.output
+
+
 def test_whole_arrays_are_split_along_each_axis(tmp_path):
     """An .npz of 64 samples with offsets-like (tables, batch) integers: batches of 16 cut both on their
     axes."""

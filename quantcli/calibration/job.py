@@ -148,7 +148,7 @@ class CalibrationJob:
             _check_kv_cache(request, model)
             batches, prep = _calibration_batches(request, rank, model, spec)
             original = state_snapshot(model)
-            quantize_model(model, cfg, example=example_of(batches[0]) if batches else None)
+            quantize_model(model, cfg, example=example_of(batches[0], model) if batches else None)
             if not model.quantcli_report.layers:
                 raise QuantCliError(_nothing_to_quantize(request.model, model.quantcli_report.float_layers))
             batches, holdout = _holdout(request, rank, spec, model, batches)
@@ -181,7 +181,7 @@ class CalibrationJob:
             skip = expected_changes(folds, smoothed_modules(smoothed), reference)
             check_unchanged(
                 self.model,
-                example_of(self.batches[0]),
+                example_of(self.batches[0], self.model),
                 reference,
                 skip,
                 "SmoothQuant",
@@ -242,7 +242,7 @@ class CalibrationJob:
                     )
                 elif self.rank is None or self.rank.rank == 0:
                     placement = measure_and_decide(
-                        self.model, example_of(self.batches[0]), self.config.deploy_cpu
+                        self.model, example_of(self.batches[0], self.model), self.config.deploy_cpu
                     )
             if self.rank is not None:
                 placement = broadcast_from_rank0(placement)
@@ -299,7 +299,10 @@ class CalibrationJob:
         info["layers"] = layers_summary(self.report, self.model, self.latency, summary.not_called)
         info["quantized_layers"] = len(info["layers"]["quantized"])
         info["cpu"] = cpu_summary(
-            self.config, self.model, self.request.cpu, example_of(self.batches[0]) if self.batches else None
+            self.config,
+            self.model,
+            self.request.cpu,
+            example_of(self.batches[0], self.model) if self.batches else None,
         )
         info["float_check"] = dict(self.report.float_check)
         if smoothed is not None:

@@ -42,15 +42,45 @@ FORMAT_VERSION = 2  # 2: batchnorm_folds (a folded state dict does not fit the u
 EXAMPLE_SAMPLES = 8
 
 
-def example_of(batch: Batch) -> Batch:
+def example_of(batch: Batch, model: nn.Module | None = None) -> Batch:
     """The example batch a checkpoint stores: the first samples of ``batch`` (each input cut along its own
     batch axis; the whole batch where an input has none, :mod:`quantcli.inputs.batch_axes`), on the CPU.
     ``quantize_model`` reads the model's structure from a forward on it, at calibration and again when the
-    checkpoint is loaded."""
+    checkpoint is loaded.
+
+    Where the batch size is also the size of another axis of an input (a graph's ``(nodes, nodes)``
+    adjacency beside its ``(nodes, features)`` features: the samples are on both axes) and ``model`` is
+    given, the cut batch is run through it first, and the whole batch is the example where that forward
+    fails (cut on axis 0 alone, the adjacency no longer fits the features)."""
     axes = batch_axes(batch)
     if not unbatched(batch, axes):
-        batch = take(batch, 0, EXAMPLE_SAMPLES, axes)
+        cut = take(batch, 0, EXAMPLE_SAMPLES, axes)
+        if model is None or not _samples_on_two_axes(batch, axes) or _runs(model, cut):
+            batch = cut
     return {k: v.detach().cpu().clone() for k, v in batch.items()}
+
+
+def _samples_on_two_axes(batch: Batch, axes: dict) -> bool:
+    """Whether an input has the batch size on an axis besides its batch axis (and the batch is cut)."""
+    n = next((int(batch[k].shape[a]) for k, a in axes.items() if a is not None), 0)
+    return n > EXAMPLE_SAMPLES and any(
+        a is not None and sum(s == n for s in batch[k].shape) > 1 for k, a in axes.items()
+    )
+
+
+def _runs(model: nn.Module, batch: Batch) -> bool:
+    """Whether ``model``'s forward runs on ``batch`` (moved to the model's device; no gradients)."""
+    from quantcli.nn.module_outputs import same_randomness
+    from quantcli.nn.recorded_graph import FORWARD_ERRORS
+
+    p = next(model.parameters(), None)
+    feeds = {k: v.to(p.device) for k, v in batch.items()} if p is not None else batch
+    try:
+        with torch.no_grad(), same_randomness():
+            model(**feeds)
+    except FORWARD_ERRORS:
+        return False
+    return True
 
 
 def state_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -121,7 +151,7 @@ def save_calibrated(
             "enabled": q.enabled,
             "amax": None if q.amax is None else q.amax.detach().cpu().clone(),
         }
-    example = example_of(example_batch)
+    example = example_of(example_batch, model)
     data = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

@@ -37,6 +37,7 @@ MODELS: dict[str, str] = {
     "fully_convolutional": "cnn",
     "half_precision": "cnn",
     "dlrm": "recurrent",
+    "graph_convolution": "cnn",
 }
 
 #: models other work adds to this zoo: name -> (kind, who builds it). A slot is used once its file exists.

@@ -5,7 +5,9 @@ factory builds it. Marker ``zoo``.
 
 Special inputs: the half-precision model is calibrated from ``torch.save(model.half())`` with float16 data;
 the DLRM-style model from a directory of batch files (its ``offsets`` are ``(tables, batch)``); the fully
-convolutional net is exported with ``--dynamic-dim image=2,3`` and verified at two image sizes.
+convolutional net is exported with ``--dynamic-dim image=2,3`` and verified at two image sizes; the graph
+convolutional network from batch files of one graph each (its adjacency has the nodes on both axes), exported
+with ``--dynamic-dim adj=1`` (its ``EXPORT_DIMS``).
 ``KNOWN_FAILURES`` names what other work owns (``xfail(strict=False)``: deleting a line makes it a test).
 """
 
@@ -76,6 +78,8 @@ def test_user_model_through_the_cli(model, exporter, user_calibrated, tmp_path):
     ck, held, batches, trust = user_calibrated(model)
     graph = tmp_path / f"{model}.onnx"
     dims = ["--dynamic-dim", "image=2,3"] if hasattr(um.module(model), "OTHER_IMAGE") else []
+    for d in getattr(um.module(model), "EXPORT_DIMS", ()):  # axes the model ties to the batch's
+        dims += ["--dynamic-dim", d]
     r = cli("export", ck, "--onnx", graph, "--exporter", exporter, "--json", *dims, *trust)
     assert r.exit_code == 0, r.output
     r = cli("verify", graph, "--reference", ck, "--data", held, "--json", *trust)
@@ -86,7 +90,7 @@ def test_user_model_through_the_cli(model, exporter, user_calibrated, tmp_path):
             um.cosine(g, f) for g, f in zip(um.onnx_outputs(graph, batch), um.float_outputs(model, batch))
         )
         assert cos >= explained - COSINE_MARGIN and cos > 0.5, (cos, explained)
-    if dims:  # the other image size
+    if hasattr(um.module(model), "OTHER_IMAGE"):  # the other image size
         _, other = um.write_data(model, tmp_path, size=um.module(model).OTHER_IMAGE)
         r = cli("verify", graph, "--reference", ck, "--data", other, *trust)
         assert r.exit_code == 0, r.output
@@ -144,7 +148,8 @@ def _fused_cases():
 @pytest.mark.parametrize("model", list(_fused_cases()))
 def test_every_layer_onnxruntime_has_a_kernel_for_is_quantized_and_fused(model, user_calibrated, tmp_path):
     """Under --placement all, every Conv and Linear of the model as built (onnxruntime has integer kernels
-    for both), and every LSTM layer (DynamicQuantizeLSTM), runs as an integer kernel in the deployed graph;
+    for both), every layer a factory names as computed with products (``PRODUCT_LAYERS``: ``torch.mm``,
+    ``torch.addmm``), and every LSTM layer (DynamicQuantizeLSTM), runs as an integer kernel in the deployed graph;
     ConvTranspose, GRU and RNN have none on the CPU provider and are not counted."""
     from torch import nn
 
@@ -158,6 +163,7 @@ def test_every_layer_onnxruntime_has_a_kernel_for_is_quantized_and_fused(model, 
     want = [
         n for n, m in built.named_modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d))
     ] + [f"{n}.l{k}" for n, m in built.named_modules() if isinstance(m, nn.LSTM) for k in range(m.num_layers)]
+    want += getattr(um.module(model), "PRODUCT_LAYERS", ())  # computed with torch.mm / addmm / einsum
     missing = [n for n in want if n not in fused]
     why = {x["layer"]: x["reasons"] for x in report["layers"] if not x["fused"]}
     assert not missing, [(n, why.get(n, "not quantized")) for n in missing]
