@@ -476,10 +476,10 @@ def export_dynamo(
 
         tied = tied_axes(" ".join(whole_line(c, 4000) for c in _chain(e)), example, axes or {})
         if tied:
+            options = " ".join(f"--dynamic-dim {t}" for t in tied)
             raise ExportError(
                 "torch.export found that the model ties the size of its dynamic axes to axes exported with a "
-                f"fixed size: export with {' '.join('--dynamic-dim ' + t for t in tied)} to make them dynamic "
-                "too (or with --exporter torchscript)"
+                f"fixed size: export with {options} to make them dynamic too (or with --exporter torchscript)"
             ) from None
         raise unsupported_operator(e, "dynamo", opset) or ExportError(
             f"torch.onnx.export(dynamo=True) failed: {_cause(e)} (try --exporter torchscript)"

@@ -114,6 +114,8 @@ FAST_PATH_MODULES: tuple[type, ...] = (
     nn.TransformerDecoderLayer,
     nn.MultiheadAttention,
 )
+
+
 def weighted_kind(func: Callable) -> tuple[str, int] | None:
     """``(kind, weight axis)`` of a weighted operation, None for any other function."""
     hit = _FUNCTIONS.get(func)

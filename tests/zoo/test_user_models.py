@@ -149,8 +149,8 @@ def _fused_cases():
 def test_every_layer_onnxruntime_has_a_kernel_for_is_quantized_and_fused(model, user_calibrated, tmp_path):
     """Under --placement all, every Conv and Linear of the model as built (onnxruntime has integer kernels
     for both), every layer a factory names as computed with products (``PRODUCT_LAYERS``: ``torch.mm``,
-    ``torch.addmm``), and every LSTM layer (DynamicQuantizeLSTM), runs as an integer kernel in the deployed graph;
-    ConvTranspose, GRU and RNN have none on the CPU provider and are not counted."""
+    ``torch.addmm``), and every LSTM layer (DynamicQuantizeLSTM), runs as an integer kernel in the deployed
+    graph; ConvTranspose, GRU and RNN have none on the CPU provider and are not counted."""
     from torch import nn
 
     ck, _, _, trust = user_calibrated(model)
