@@ -84,17 +84,19 @@ def peer(name: str, fp32: Path, calib: Path, folder: Path) -> tuple[Path, str]:
 
     pre = folder / f"{name}.pre.onnx"
     quant_pre_process(str(fp32), str(pre), skip_symbolic_shape=True)
-    with np.load(calib) as z:
-        data = {k: z[k] for k in z.files}
+    batches = um.read_data(calib)  # a directory of batch files: its batches as they are
+    data = batches if calib.is_dir() else batches[0]
     ort_peer.quantize(str(pre), data, str(out), "MinMax", "uint8")
     return out, "quantize_static u8"
 
 
 def eligible(name: str) -> list[str]:
-    """The layers onnxruntime has an integer kernel for: Conv/Linear modules, LSTM layers (``lstm.l0``)."""
+    """The layers onnxruntime has an integer kernel for: Conv/Linear modules, the layers a factory computes
+    with products (``PRODUCT_LAYERS``), LSTM layers (``lstm.l0``)."""
     built = um.module(name).make()
     kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    return [n for n, m in built.named_modules() if isinstance(m, kinds)] + [
+    products = list(getattr(um.module(name), "PRODUCT_LAYERS", ()))
+    return [n for n, m in built.named_modules() if isinstance(m, kinds)] + products + [
         f"{n}.l{k}" for n, m in built.named_modules() if isinstance(m, nn.LSTM) for k in range(m.num_layers)
     ]
 

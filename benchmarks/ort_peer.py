@@ -32,9 +32,12 @@ OPTIONS = {"ActivationSymmetric": True, "WeightSymmetric": True}
 
 class Reader(CalibrationDataReader):
     """Batches of ``BATCH`` samples cut from whole arrays, as ``quantcli calibrate --batch-size 32`` cuts
-    them."""
+    them; or, given a list of batches (a directory of batch files, which cannot be re-batched), those."""
 
-    def __init__(self, data: dict[str, np.ndarray]):
+    def __init__(self, data: dict[str, np.ndarray] | list[dict[str, np.ndarray]]):
+        if isinstance(data, list):
+            self._it = iter(data)
+            return
         n = len(next(iter(data.values())))
         self._it = iter([{k: v[i : i + BATCH] for k, v in data.items()} for i in range(0, n, BATCH)])
 
@@ -64,7 +67,11 @@ def calibrate(fp32: str, data: dict[str, np.ndarray], method: str) -> tuple[obje
 
 
 def quantize(
-    fp32: str, data: dict[str, np.ndarray], out: str, method: str, activations: str = "int8"
+    fp32: str,
+    data: dict[str, np.ndarray] | list[dict[str, np.ndarray]],
+    out: str,
+    method: str,
+    activations: str = "int8",
 ) -> None:
     """Calibrate and write the Q/DQ graph: the peer's whole job.
 
