@@ -96,9 +96,16 @@ def eligible(name: str) -> list[str]:
     built = um.module(name).make()
     kinds = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
     products = list(getattr(um.module(name), "PRODUCT_LAYERS", ()))
-    return [n for n, m in built.named_modules() if isinstance(m, kinds)] + products + [
-        f"{n}.l{k}" for n, m in built.named_modules() if isinstance(m, nn.LSTM) for k in range(m.num_layers)
-    ]
+    return (
+        [n for n, m in built.named_modules() if isinstance(m, kinds)]
+        + products
+        + [
+            f"{n}.l{k}"
+            for n, m in built.named_modules()
+            if isinstance(m, nn.LSTM)
+            for k in range(m.num_layers)
+        ]
+    )
 
 
 def measure(name: str, folder: Path, rounds: int) -> dict:

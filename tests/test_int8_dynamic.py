@@ -505,6 +505,39 @@ def test_a_dynamic_layer_exports_the_bias_its_f_linear_adds(tmp_path, exporter):
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_mm_and_addmm_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_path, exporter):
+    """A pygcn graph convolution (``torch.mm(x, self.weight)``, the weight ``(in, out)``) and an ``addmm``
+    classifier: onnxruntime's ``quantize_dynamic`` quantizes their MatMul/Gemm, int8-dynamic left them float
+    ("its quantizers are disabled (preset ...)"). Each is now the MatMulInteger pattern, the addmm's bias
+    added once, and onnxruntime's output is the fake-quant model's."""
+    from exporters import export_onnx
+    from exporters.graph import quantizer_map
+    from quantcli import calibrate, quantize_model
+    from tests import user_models
+
+    gcn = user_models.module("graph_convolution")
+    batch = {k: torch.from_numpy(v) for k, v in gcn.samples(16, 0).items()}
+    model = quantize_model(gcn.make(), "int8-dynamic", example=batch)
+    summary = calibrate(model, [batch], device="cpu")
+    want = ["classifier.input_quantizer", "gc1.input_quantizer", "gc2.input_quantizer"]
+    assert sorted(summary.dynamic) == want
+    path = tmp_path / "gcn.onnx"
+    export_onnx(model, batch, path, exporter=exporter, dynamic_dims={"adj": [1]})  # the nodes: both axes
+    graph = onnx.load(path)
+    qmap = quantizer_map(graph)
+    assert sorted(qmap[d.codes] for d in dynamic_layers(graph)) == want
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    feeds = {k: v.numpy() for k, v in batch.items()}
+    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    with torch.no_grad():
+        want_out = model(**batch).numpy()
+        float_out = gcn.make()(**batch).numpy()
+    np.testing.assert_allclose(got, want_out, rtol=0, atol=1e-5 * float(np.abs(want_out).max()))
+    assert not np.allclose(got, float_out, atol=1e-6)  # quantized, not float
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_gpt2_conv1d_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_path, exporter):
     """GPT-2's projections are transformers' ``Conv1D`` (``x @ W + b``, ``W`` is ``(in, out)``): int8-dynamic
     left all of them float and quantized lm_head alone, where onnxruntime's ``quantize_dynamic`` of the same

@@ -497,7 +497,7 @@ class ComputedLayer(QuantMixin):
         x, w, b = operands(kind, args, kwargs)
 
         def run():
-            if self._plain_linear(kind, w):  # a dynamic input exports as a Linear's does
+            if self._plain_linear(kind, w, kwargs):  # a dynamic input exports as a Linear's does
                 exported = dynamic_export(self, x, b)
                 if exported is not None:
                     return exported
@@ -511,10 +511,16 @@ class ComputedLayer(QuantMixin):
 
         return layer_call(self, [x], run)
 
-    def _plain_linear(self, kind: str, w) -> bool:
-        """``F.linear(x, self.weight, b)``: what the int8-dynamic export pattern computes (with the ``b`` the
-        call adds: the module's own bias, none, or another tensor)."""
-        return kind == "linear" and w is self._parameters.get("weight")
+    def _plain_linear(self, kind: str, w, kwargs: dict) -> bool:
+        """``F.linear(x, self.weight, b)``, or ``x @ self.weight`` (``torch.mm``, ``torch.matmul``,
+        ``torch.addmm`` without ``beta``/``alpha``) of an ``(in, out)`` weight: what the int8-dynamic export
+        pattern computes (with the ``b`` the call adds: the module's own bias, none, or another tensor)."""
+        if w is not self._parameters.get("weight"):
+            return False
+        if kind == "linear":
+            return True
+        unit = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+        return kind in ("mm", "matmul", "addmm") and self.weight_axis == 1 and w.dim() == 2 and unit
 
 
 def _gemm_bias(kind: str, x, kwargs: dict) -> bool:

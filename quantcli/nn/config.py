@@ -309,7 +309,9 @@ def computes_plain_linear(layer) -> bool:
     """A layer the int8-dynamic presets quantize: one computing ``F.linear(x, self.weight, self.bias)`` with
     its own ``(out, in)`` weight, whatever its class (an ``nn.Linear``, a module found to compute it, or one
     whose forward calls it on its parameters), or ``x @ W + b`` with an ``(in, out)`` weight (transformers'
-    ``Conv1D``, GPT-2's every projection): what the DynamicQuantizeLinear -> MatMulInteger export writes."""
+    ``Conv1D``, GPT-2's every projection; ``torch.mm``, ``torch.matmul``, ``torch.addmm`` on the module's own
+    ``weight``, as a pygcn graph convolution computes): what the DynamicQuantizeLinear -> MatMulInteger
+    export writes."""
     from torch import nn
 
     from quantcli.nn.computed import is_computed
@@ -317,12 +319,14 @@ def computes_plain_linear(layer) -> bool:
 
     if isinstance(layer, (nn.Linear, QuantLinearLike)):
         return True
+    axis = {"linear": 0, "mm": 1, "matmul": 1, "addmm": 1}.get(getattr(layer, "op_kind", None))
     return (
         is_computed(layer)
-        and layer.op_kind == "linear"
+        and axis is not None
         and not layer.weight_derived
         and layer.weight_name == "weight"
-        and layer.weight_axis == 0
+        and layer.weight_axis == axis
+        and layer.weight.dim() == 2
     )
 
 
