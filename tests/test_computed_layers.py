@@ -47,6 +47,27 @@ def _quant(x: torch.Tensor, amax: torch.Tensor, bound: int = 127) -> torch.Tenso
     return torch.clamp(torch.round(x / scale), -bound - 1, bound) * scale
 
 
+def _factory(folder: Path, build: str) -> str:
+    """A factory file in ``folder`` whose ``make()`` returns ``build`` (an expression over this module's
+    names, evaluated after ``torch.manual_seed(0)``): the MODEL argument of ``quantcli calibrate``."""
+    root = str(Path(__file__).resolve().parents[1])
+    (folder / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
+        "from tests import test_computed_layers as t\n"
+        f"def make():\n    torch.manual_seed(0)\n    return t.{build}\n"
+    )
+    return str(folder / "net.py") + ":make"
+
+
+def _calibrated_all(folder: Path, build: str, data: Path) -> tuple[Path, Path, dict]:
+    """``calibrate --placement all --json`` of the factory ``build`` (:func:`_factory`) on ``data``: the
+    checkpoint, the path its graph is to be exported to, and the summary."""
+    ck, graph = folder / "m.calib.pt", folder / "m.onnx"
+    r = cli("calibrate", _factory(folder, build), "--data", data, "--placement", "all", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    return ck, graph, json.loads(r.stdout)
+
+
 def _disabled(model):
     for q in quantizers(model).values():
         q.set_mode("disabled")
@@ -284,26 +305,8 @@ def test_weight_standardisation_lora_and_a_plain_function_are_quantized_and_exac
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_computed_layers_export_and_verify(tmp_path, exporter):
-    root = str(Path(__file__).resolve().parents[1])
-    (tmp_path / "net.py").write_text(
-        f"import sys\nsys.path.insert(0, {root!r})\nfrom tests.test_computed_layers import _net\n"
-        "def make():\n    return _net()\n"
-    )
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 3, 8, 8)).astype(np.float32))
-    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli(
-        "calibrate",
-        f"{tmp_path / 'net.py'}:make",
-        "--data",
-        tmp_path / "d.npz",
-        "--placement",
-        "all",
-        "--out",
-        ck,
-        "--json",
-    )
-    assert r.exit_code == 0, r.output
-    info = json.loads(r.stdout)
+    ck, graph, info = _calibrated_all(tmp_path, "_net()", tmp_path / "d.npz")
     assert info["layers"]["float"] == [] and len(info["layers"]["quantized"]) == 5
     assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
@@ -364,14 +367,9 @@ def _encoder():
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_transformer_encoder_layer_exports_and_verifies(tmp_path, exporter):
-    root = str(Path(__file__).resolve().parents[1])
-    (tmp_path / "enc.py").write_text(
-        f"import sys\nsys.path.insert(0, {root!r})\nfrom tests.test_computed_layers import _encoder\n"
-        "def make():\n    return _encoder()\n"
-    )
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 5, 6)).astype(np.float32))
     ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    spec = f"{tmp_path / 'enc.py'}:make"
+    spec = _factory(tmp_path, "_encoder()")
     r = cli("calibrate", spec, "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck, "--json")
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
@@ -598,27 +596,8 @@ def test_mm_addmm_and_einsum_products_run_on_integer_kernels_and_verify(tmp_path
     """Exported, every product is an integer kernel in onnxruntime: the two graph convolutions' ``torch.mm``
     and the int32-biased ``torch.addmm`` layers as ``QGemm`` or ``MatMulIntegerToFloat``, the einsums as
     ``MatMulIntegerToFloat`` or ``QGemm`` (never an ``Einsum``), and verify passes the graph."""
-    root = str(Path(__file__).resolve().parents[1])
-    (tmp_path / "net.py").write_text(
-        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
-        "from tests.test_computed_layers import _ProductNet\n"
-        "def make():\n    torch.manual_seed(0)\n    return _ProductNet().eval()\n"
-    )
     np.save(tmp_path / "d.npy", np.random.default_rng(0).standard_normal((16, 12)).astype(np.float32))
-    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli(
-        "calibrate",
-        f"{tmp_path / 'net.py'}:make",
-        "--data",
-        tmp_path / "d.npy",
-        "--placement",
-        "all",
-        "--out",
-        ck,
-        "--json",
-    )
-    assert r.exit_code == 0, r.output
-    info = json.loads(r.stdout)
+    ck, graph, info = _calibrated_all(tmp_path, "_ProductNet().eval()", tmp_path / "d.npy")
     assert sorted(info["layers"]["quantized"]) == ["", "a1", "a2", "e1", "e2", "g1", "g2"], info["layers"]
     assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
     assert not any(n.op_type == "Einsum" for n in onnx.load(graph).graph.node)
@@ -750,15 +729,17 @@ def test_convolutions_that_pad_themselves_run_as_qlinearconv(tmp_path):
     ``DequantizeLinear -> Pad -> Conv`` (``Slice/Concat`` for circular), which onnxruntime runs in float, and
     placement kept all three float. Quantized where the convolution runs, the pair reads the padded tensor:
     every one is a QLinearConv, and the graph computes the model's padding (verify passes)."""
-    root = str(Path(__file__).resolve().parents[1])
-    (tmp_path / "net.py").write_text(
-        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
-        "from tests.test_computed_layers import _PaddingModes\n"
-        "def make():\n    torch.manual_seed(0)\n    return _PaddingModes().eval()\n"
-    )
     np.save(tmp_path / "d.npy", np.random.default_rng(0).standard_normal((16, 3, 10, 10)).astype(np.float32))
     ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli("calibrate", f"{tmp_path / 'net.py'}:make", "--data", tmp_path / "d.npy", "--out", ck, "--json")
+    r = cli(
+        "calibrate",
+        _factory(tmp_path, "_PaddingModes().eval()"),
+        "--data",
+        tmp_path / "d.npy",
+        "--out",
+        ck,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert {"c1", "c2", "c3"} <= set(info["layers"]["quantized"]), info["layers"]
@@ -790,15 +771,17 @@ def test_a_layer_of_the_root_module_is_placed_and_its_weight_codes_are_checked(t
     weight passed it."""
     from quantcli.calibration.latency_placement import _layer_quantizers
 
-    root = str(Path(__file__).resolve().parents[1])
-    (tmp_path / "net.py").write_text(
-        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
-        "from tests.test_computed_layers import _RootProjection\n"
-        "def make():\n    torch.manual_seed(0)\n    return _RootProjection().eval()\n"
-    )
     np.save(tmp_path / "d.npy", np.random.default_rng(0).standard_normal((64, 16)).astype(np.float32))
     ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli("calibrate", f"{tmp_path / 'net.py'}:make", "--data", tmp_path / "d.npy", "--out", ck, "--json")
+    r = cli(
+        "calibrate",
+        _factory(tmp_path, "_RootProjection().eval()"),
+        "--data",
+        tmp_path / "d.npy",
+        "--out",
+        ck,
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert sorted(info["layers"]["quantized"]) == ["", "fc"]

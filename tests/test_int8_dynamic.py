@@ -412,33 +412,41 @@ class _LinearKinds(torch.nn.Module):
         return self.out(torch.relu(self.h(torch.relu(self.f(x)))))
 
 
-@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_every_layer_computing_f_linear_is_dynamic_whatever_its_class(tmp_path, exporter):
-    """int8-dynamic quantizes a module computing F.linear on its own weight and a Linear subclass with its own
-    forward as it does nn.Linear (before, both stayed float), and both exporters write the MatMulInteger
-    pattern for each, equal to the fake-quant model's layers."""
+def _dynamic_graph_is_the_model(model, batch, path, exporter, dynamic_dims=None):
+    """Calibrate ``model`` (int8-dynamic, quantized), export it, and check that every dynamic quantizer is a
+    MatMulInteger pattern of the graph and that onnxruntime's output (optimizations off) is the fake-quant
+    model's. Returns the dynamic quantizers' names and the graph's output."""
     from exporters import export_onnx
     from exporters.graph import quantizer_map
-    from quantcli import calibrate, quantize_model
+    from quantcli import calibrate
 
-    torch.manual_seed(0)
-    batch = {"x": torch.randn(4, 5, 16)}
-    model = quantize_model(_LinearKinds(), "int8-dynamic", example=batch)
     summary = calibrate(model, [batch], device="cpu")
-    assert sorted(summary.dynamic) == ["f.input_quantizer", "h.input_quantizer", "out.input_quantizer"]
-    path = tmp_path / "kinds.onnx"
-    export_onnx(model, batch, path, exporter=exporter)
+    export_onnx(model, batch, path, exporter=exporter, dynamic_dims=dynamic_dims)
     graph = onnx.load(path)
     qmap = quantizer_map(graph)
     assert sorted(qmap[d.codes] for d in dynamic_layers(graph)) == sorted(summary.dynamic)
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
-        None, {"x": batch["x"].numpy()}
-    )[0]
+    feeds = {k: v.numpy() for k, v in batch.items()}
+    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     with torch.no_grad():
         want = model(**batch).numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    return sorted(summary.dynamic), got
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_every_layer_computing_f_linear_is_dynamic_whatever_its_class(tmp_path, exporter):
+    """int8-dynamic quantizes a module computing F.linear on its own weight and a Linear subclass with its own
+    forward as it does nn.Linear (before, both stayed float), and both exporters write the MatMulInteger
+    pattern for each, equal to the fake-quant model's layers."""
+    from quantcli import quantize_model
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(4, 5, 16)}
+    model = quantize_model(_LinearKinds(), "int8-dynamic", example=batch)
+    dynamic, _ = _dynamic_graph_is_the_model(model, batch, tmp_path / "kinds.onnx", exporter)
+    assert dynamic == ["f.input_quantizer", "h.input_quantizer", "out.input_quantizer"]
 
 
 class _NoBiasAttribute(torch.nn.Module):
@@ -480,28 +488,13 @@ def test_a_dynamic_layer_exports_the_bias_its_f_linear_adds(tmp_path, exporter):
     ``bias`` attribute failed to export (AttributeError), and one adding its bias after ``F.linear(x, W)``
     exported it twice (torchscript refused it, dynamo's graph added it inside the MatMulInteger pattern as
     well). The graph now adds the call's own bias: onnxruntime's output is the model's."""
-    from exporters import export_onnx
-    from exporters.graph import quantizer_map
-    from quantcli import calibrate, quantize_model
+    from quantcli import quantize_model
 
     torch.manual_seed(0)
     batch = {"x": torch.randn(4, 5, 16)}
     model = quantize_model(_BiasKinds(), "int8-dynamic", example=batch)
-    summary = calibrate(model, [batch], device="cpu")
-    assert sorted(summary.dynamic) == ["a.input_quantizer", "b.input_quantizer", "out.input_quantizer"]
-    path = tmp_path / "bias.onnx"
-    export_onnx(model, batch, path, exporter=exporter)
-    graph = onnx.load(path)
-    qmap = quantizer_map(graph)
-    assert sorted(qmap[d.codes] for d in dynamic_layers(graph)) == sorted(summary.dynamic)
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
-        None, {"x": batch["x"].numpy()}
-    )[0]
-    with torch.no_grad():
-        want = model(**batch).numpy()
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * float(np.abs(want).max()))
+    dynamic, _ = _dynamic_graph_is_the_model(model, batch, tmp_path / "bias.onnx", exporter)
+    assert dynamic == ["a.input_quantizer", "b.input_quantizer", "out.input_quantizer"]
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -510,30 +503,18 @@ def test_mm_and_addmm_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_
     classifier: onnxruntime's ``quantize_dynamic`` quantizes their MatMul/Gemm, int8-dynamic left them float
     ("its quantizers are disabled (preset ...)"). Each is now the MatMulInteger pattern, the addmm's bias
     added once, and onnxruntime's output is the fake-quant model's."""
-    from exporters import export_onnx
-    from exporters.graph import quantizer_map
-    from quantcli import calibrate, quantize_model
+    from quantcli import quantize_model
     from tests import user_models
 
     gcn = user_models.module("graph_convolution")
     batch = {k: torch.from_numpy(v) for k, v in gcn.samples(16, 0).items()}
     model = quantize_model(gcn.make(), "int8-dynamic", example=batch)
-    summary = calibrate(model, [batch], device="cpu")
-    want = ["classifier.input_quantizer", "gc1.input_quantizer", "gc2.input_quantizer"]
-    assert sorted(summary.dynamic) == want
     path = tmp_path / "gcn.onnx"
-    export_onnx(model, batch, path, exporter=exporter, dynamic_dims={"adj": [1]})  # the nodes: both axes
-    graph = onnx.load(path)
-    qmap = quantizer_map(graph)
-    assert sorted(qmap[d.codes] for d in dynamic_layers(graph)) == want
-    so = ort.SessionOptions()
-    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    feeds = {k: v.numpy() for k, v in batch.items()}
-    got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    # the nodes are on both axes of the adjacency
+    dynamic, got = _dynamic_graph_is_the_model(model, batch, path, exporter, dynamic_dims={"adj": [1]})
+    assert dynamic == ["classifier.input_quantizer", "gc1.input_quantizer", "gc2.input_quantizer"]
     with torch.no_grad():
-        want_out = model(**batch).numpy()
         float_out = gcn.make()(**batch).numpy()
-    np.testing.assert_allclose(got, want_out, rtol=0, atol=1e-5 * float(np.abs(want_out).max()))
     assert not np.allclose(got, float_out, atol=1e-6)  # quantized, not float
 
 
