@@ -9,6 +9,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+import torch
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
@@ -266,3 +267,39 @@ def test_layers_without_a_clear_quantizer_name_are_counted_and_named_by_node(tmp
     rep = inspect_fusion(_save(m, tmp_path))
     assert [r.layer for r in rep.layers] == ["layer0/Conv", "layer1/Conv", "layer2/Conv"]
     assert [r.fused for r in rep.layers] == [True, True, True]
+
+
+class _TwoHeads(torch.nn.Module):
+    """fc1's output is a graph output and fc2's input: onnxruntime keeps fc1 a float Gemm."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(32, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        return h, self.fc2(h)
+
+
+def test_a_dynamo_layer_is_not_reported_as_the_fused_kernel_of_the_next_one(tmp_path):
+    """The dynamo exporter names the two Gemms ``node_linear`` and ``node_linear_1``; a fusion named after a
+    layer (``X_...``) matched the second one's ``QGemm`` for the first, so inspect and export's unfused count
+    said fc1 ran as QGemm where onnxruntime ran it as a float Gemm. Each layer is now what onnxruntime's own
+    optimized graph runs (counted there, independently)."""
+    from exporters import export_onnx
+    from quantcli import calibrate, quantize_model
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(16, 32)}
+    model = quantize_model(_TwoHeads().eval(), "int8", example=batch)
+    calibrate(model, [batch], device="cpu")
+    path = tmp_path / "two.onnx"
+    export_onnx(model, batch, path, exporter="dynamo")
+    assert sorted(n.name for n in onnx.load(path).graph.node if n.op_type == "Gemm") == [
+        "node_linear",
+        "node_linear_1",
+    ]
+    kernels = {layer.layer: (layer.kernel, layer.fused) for layer in inspect_fusion(path).layers}
+    assert kernels == {"fc1": ("Gemm", False), "fc2": ("QGemm", True)}, kernels
+    kinds = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
+    assert kinds["QGemm"] == 1 and kinds["Gemm"] == 1  # onnxruntime's own graph

@@ -460,8 +460,14 @@ def _find_dynamic(
     return by_output.get(chain[0])
 
 
-def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | None:
-    """The node onnxruntime made of ``node``: same name, or a fusion named after it ("fused X", "X/...")."""
+def _find(
+    optimized: onnx.ModelProto, node: onnx.NodeProto, others: frozenset[str] = frozenset()
+) -> onnx.NodeProto | None:
+    """The node onnxruntime made of ``node``: same name, or a fusion named after it ("fused X", "X/...",
+    "X_...").
+    ``others``: the names of the original graph's other nodes, which are those nodes and never a fusion of
+    this one (the dynamo exporter names two Gemms ``node_linear`` and ``node_linear_1``: the second's
+    ``QGemm`` is not the first's)."""
     name, out = node.name, node.output[0]
     kernels = [
         n
@@ -483,6 +489,7 @@ def _find(optimized: onnx.ModelProto, node: onnx.NodeProto) -> onnx.NodeProto | 
             or n.name.startswith(name + "/")
             or n.name.startswith(name + "_")
         )
+        and (n.name == name or n.name not in others)
     ]
     if not cands:  # NCHWc and layout passes name nodes after the output tensor
         cands = [n for n in kernels if n.name in (out, out + "_nchwc") or out in n.output]
@@ -505,7 +512,8 @@ def find_float(model: onnx.ModelProto, optimized: onnx.ModelProto, name: str) ->
     node = next((n for n in model.graph.node if n.name == name), None)
     if node is None:
         return None
-    got = _find(optimized, node)
+    others = frozenset(n.name for n in model.graph.node if n.name != name)
+    got = _find(optimized, node, others)
     consumers = consumer_map(model)
     cur = node
     while got is None:
@@ -514,7 +522,7 @@ def find_float(model: onnx.ModelProto, optimized: onnx.ModelProto, name: str) ->
             return None
         cur = readers[0]
         got = _find(
-            optimized, onnx.helper.make_node(node.op_type, list(node.input), [cur.output[0]], name="")
+            optimized, onnx.helper.make_node(node.op_type, list(node.input), [cur.output[0]], name=""), others
         )
     return got
 
@@ -638,6 +646,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
     report = FusionReport(str(path), provider, needs=compat.session_needs(model))
     layers = quantized_layers(model)
     g, int8_allowed = _Graph(model), _int8_allowed()
+    node_names = frozenset(n.name for n in model.graph.node)
     try:
         optimized = optimized_graph(path, provider)
         optimized_producers = producer_map(optimized.graph)
@@ -662,7 +671,7 @@ def inspect_fusion(path: str | Path, provider: str = "cpu") -> FusionReport:
         got = (
             _find_dynamic(optimized_producers, g, node)
             if node.op_type in DYNAMIC_OPS
-            else _find(optimized, node)
+            else _find(optimized, node, node_names - {node.name})
         )
         kernel = got.op_type if got is not None else None
         fused = None if got is None else kernel in INTEGER_KERNELS
