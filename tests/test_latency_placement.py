@@ -629,6 +629,49 @@ def test_a_model_that_does_not_export_is_calibrated_and_not_measured(tmp_path, m
     _, info = _calibrate(tmp_path)
     latency = info["placement"]["latency"]
     assert not latency["measured"] and "aten::frobnicate" in latency["note"] and latency["kept_float"] == []
+    # in a terminal, a warning says so (it was one table row, cut off, with the run exiting 0 as if decided)
+    r = cli("calibrate", "digits_cnn", "--out", tmp_path / "m2.calib.pt")
+    assert r.exit_code == 0
+    (warning,) = [ln for ln in r.stderr.splitlines() if "latency placement" in ln]
+    assert "aten::frobnicate" in warning and "every layer stays quantized" in warning
+
+
+class _RMSNormMLP(nn.Module):
+    """nn.RMSNorm: torch has no TorchScript ONNX translation for aten::rms_norm (the dynamo exporter has)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.norm, self.down = nn.Linear(64, 256), nn.RMSNorm(256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.norm(self.up(x))))
+
+
+def test_a_model_only_dynamo_exports_is_placed_from_its_dynamo_graphs(tmp_path):
+    """Placement exported with TorchScript alone: for a model with nn.RMSNorm or nn.Bilinear it was "not
+    decided" (its note cut off, advising an option calibrate has not), every layer quantized and the run
+    silent about it. It now decides from graphs the dynamo exporter writes, and says so."""
+    from exporters import export_onnx
+    from quantcli.errors import ExportError
+
+    torch.manual_seed(0)
+    model = _RMSNormMLP().eval()
+    x = torch.randn(64, 64)
+    with pytest.raises(ExportError, match="rms_norm"):
+        export_onnx(model, {"x": x}, tmp_path / "ts.onnx")  # TorchScript, as placement exported before
+    root = str(Path(__file__).resolve().parents[1])
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {root!r})\nimport torch\n"
+        "from tests.test_latency_placement import _RMSNormMLP\n"
+        "def make():\n    torch.manual_seed(0)\n    return _RMSNormMLP().eval()\n"
+    )
+    np.save(tmp_path / "x.npy", x.numpy())
+    _, info = _calibrate(tmp_path, "--data", tmp_path / "x.npy", model=f"{tmp_path / 'net.py'}:make")
+    latency = info["placement"]["latency"]
+    assert latency["measured"], latency["note"]
+    assert "exported with dynamo: torchscript cannot export the model" in latency["note"]
+    assert {d["layer"] for d in latency["layers"]} == {"up", "down"}
+    assert all(d["kernel"] in ("QGemm", "MatMulIntegerToFloat") for d in latency["layers"]), latency["layers"]
 
 
 def test_tensorrt_target_is_not_placed_for_onnxruntime(tmp_path, monkeypatch):

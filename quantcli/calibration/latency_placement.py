@@ -58,7 +58,7 @@ from exporters.onnxruntime.kernel_costs import (
     Prediction,
 )
 from exporters.onnxruntime.placement import COMMUTING_OPS
-from quantcli.errors import ConfigError, first_line
+from quantcli.errors import ConfigError, ExportError, first_line
 from quantcli.inputs.data import Batch, run_model
 from quantcli.nn.modes import keep_float
 from quantcli.nn.tensor_quantizer import owner, quantizers, role
@@ -555,9 +555,28 @@ def _with_float(
     return plain
 
 
-def _fusion(model: nn.Module, example: Batch, workdir: Path, name: str) -> FusionReport:
+#: the exporters placement writes its graphs with, in order: TorchScript (``export``'s default), then dynamo
+#: for a model TorchScript cannot export (an operator torch has no TorchScript translation for: nn.RMSNorm,
+#: nn.Bilinear), which the user exports with ``--exporter dynamo`` and whose placement is decided all the same
+EXPORTERS = ("torchscript", "dynamo")
+
+
+def _fusion(model: nn.Module, example: Batch, workdir: Path, name: str, exporters: list[str]) -> FusionReport:
+    """What onnxruntime fuses in ``model``'s int8 export. ``exporters``: the ones to try, in order; the list
+    keeps the first that exports (later graphs of the same model are written with it); where none does, the
+    first one's error is raised."""
     path = workdir / f"{name}.onnx"
-    report = export_onnx(model, example, path).fusion  # the export inspected it (onnxruntime target)
+    first: ExportError | None = None
+    for i, exporter in enumerate(exporters):
+        try:
+            report = export_onnx(model, example, path, exporter=exporter).fusion  # inspected (onnxruntime)
+        except ExportError as e:
+            first = first or e
+            if i == len(exporters) - 1:
+                raise first from None
+            continue
+        del exporters[:i]
+        break
     if report is None:
         report = inspect_fusion(path)
     if report.load_error:
@@ -610,11 +629,12 @@ def module_calls(layers: list, modules: dict[str, nn.Module]) -> list[ModuleCall
 
 
 def measure(
-    model: nn.Module, example: Batch, cpu: str, workdir: Path
+    model: nn.Module, example: Batch, cpu: str, workdir: Path, exporters: list[str] | None = None
 ) -> tuple[list[LayerCost], FusionReport]:
     """Step 1 and 2: what onnxruntime fuses in ``model``'s export, and each layer's predicted kernel ratio on
-    ``cpu``. Raises what export or onnxruntime raise."""
-    report = _fusion(model, example, workdir, "int8")
+    ``cpu``. ``exporters``: see :func:`_fusion` (default: :data:`EXPORTERS`). Raises what export or
+    onnxruntime raise."""
+    report = _fusion(model, example, workdir, "int8", list(EXPORTERS) if exporters is None else exporters)
     modules = dict(model.named_modules())
     layers = module_calls(report.layers, modules)
     shapes = layer_shapes(model, example, [m.layer for m in layers])
@@ -661,15 +681,15 @@ def measure_and_decide(
     )
     try:
         with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
-            work = Path(d)
-            costs, report = measure(model, example, cpu, work)
+            work, exporters = Path(d), list(EXPORTERS)
+            costs, report = measure(model, example, cpu, work, exporters)
             modules = dict(model.named_modules())
             decisions = keep_pools(keep_chains(decide(costs, margin), _activation_groups(model)), report)
             tries = iter(range(1, 6))
 
             def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
                 plain = _with_float(model, floats, decisions, keep_inputs)
-                rep = _fusion(plain, example, work, f"float{next(tries)}")
+                rep = _fusion(plain, example, work, f"float{next(tries)}", exporters)
                 now = {m.layer: m.fused for m in module_calls(rep.layers, modules)}
                 # float layers onnxruntime quantizes itself: True (its integer kernel, not the float chosen)
                 now.update({m.layer: m.fused for m in module_calls(rep.runtime_quantized, modules)})
@@ -679,13 +699,15 @@ def measure_and_decide(
             if stems is None:
                 stems = stems_alone(keep_neighbours(decisions, fused_after), decisions, report)
             decisions = stems
+            if exporters[0] != EXPORTERS[0]:
+                source += f"; its graphs exported with {exporters[0]}: {EXPORTERS[0]} cannot export the model"
     except ConfigError:  # a config the model cannot be quantized with (export would refuse it too)
         raise
     except Exception as e:  # export or onnxruntime: calibration still succeeds, the report says why
         return LatencyPlacement(
             "auto",
             False,
-            f"not decided: {type(e).__name__}: {first_line(e, 200)}",
+            f"not decided: {type(e).__name__}: {first_line(e, 600)}",
             margin=margin,
             seconds=time.perf_counter() - t0,
             cpu=cpu,

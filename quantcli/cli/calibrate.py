@@ -314,6 +314,12 @@ def _calibrate_warnings(outcome) -> None:
             f"or name a CPU with VNNI (--cpu x86-vnni) if the graph never runs without it "
             f"({cpu_kinds.remedy_link()})"
         )
+    latency = outcome.job.latency
+    if latency is not None and not latency.measured and latency.note.startswith("not decided"):
+        err.print(
+            f"warning: latency placement {latency.note}; every layer stays quantized as configured "
+            "(as with --placement all)"
+        )
     for p in report.unmatched_patterns:
         err.print(f"warning: config pattern {p!r} matched no quantizer")
     if outcome.summary.not_called:
