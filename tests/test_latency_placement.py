@@ -311,9 +311,9 @@ def _slower(monkeypatch, slow: LayerShape) -> list[str]:
     monkeypatch.setattr(kernel_costs, "predict", predict)
     exported, real = [], latency_placement._fusion
 
-    def fusion(model, example, workdir, name):
+    def fusion(model, example, workdir, name, exporters):
         exported.append(name)
-        return real(model, example, workdir, name)
+        return real(model, example, workdir, name, exporters)
 
     monkeypatch.setattr(latency_placement, "_fusion", fusion)
     return exported
