@@ -10,7 +10,7 @@ import onnx
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
-from exporters.onnxruntime.fusion import optimized_graph
+from exporters.onnxruntime.fusion import CONV_TRANSPOSE, diagnose, optimized_graph
 from tests import user_models
 from tests.helpers import cli
 
@@ -56,6 +56,11 @@ def test_onnxruntime_runs_a_qdq_conv_transpose_in_float(tmp_path):
     assert kinds["ConvTranspose"] == 1 and not any(
         "ConvTranspose" in k and k != "ConvTranspose" for k in kinds
     )
+    # inspect gives that reason alone: the layer has its output Q, an int32 bias and per-channel weights on
+    # ConvTranspose's output axis (1), so "no QuantizeLinear takes its output" or "the weight is not quantized
+    # per output channel" would send a user after a remedy that does not exist
+    node = next(n for n in onnx.load(path).graph.node if n.op_type == "ConvTranspose")
+    assert diagnose(onnx.load(path), node) == [CONV_TRANSPOSE]
 
 
 def test_a_float_conv_transpose_leaves_the_conv_before_it_fused(tmp_path):

@@ -372,6 +372,13 @@ def _weight_only(g: _Graph, n: onnx.NodeProto, w_dq) -> list[str]:
     return []
 
 
+#: why a quantized ConvTranspose runs in float on onnxruntime's CPU provider, whatever its Q/DQ
+CONV_TRANSPOSE = (
+    "onnxruntime's CPU provider has no integer ConvTranspose kernel (its QDQ fusions have no rule for it; "
+    "QLinearConvTranspose exists only in the XNNPACK provider): it runs in float between Q/DQ"
+)
+
+
 def diagnose(model: onnx.ModelProto, node: onnx.NodeProto, int8_allowed: bool | None = None) -> list[str]:
     """Why onnxruntime's CPU QDQ fusions would not take ``node`` (empty: no condition found that blocks
     it)."""
@@ -399,6 +406,8 @@ def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
         return ["its weight is not quantized (no DequantizeLinear on it)"]
     if x_dq is None:
         return _weight_only(g, node, w_dq)
+    if node.op_type == "ConvTranspose":  # whatever the graph: the other conditions would suggest a remedy
+        return [CONV_TRANSPOSE]
     x_t = _activation_type(g, x_dq, reasons, int8_allowed)
     w_t = g.quant_type(w_dq)
     for what, t in (("activation", g.quant_type(x_dq)), ("weight", w_t)):
@@ -407,7 +416,7 @@ def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
     if x_t == _INT8 and w_t != _INT8:
         reasons.append("int8 activations with a uint8 weight: a signed activation needs a signed weight")
     out_q, path_ok = _output_q(g, node, reasons)
-    if node.op_type in ("Conv", "ConvTranspose") and out_q is None and path_ok:
+    if node.op_type == "Conv" and out_q is None and path_ok:
         if not any("BatchNormalization" in r for r in reasons):
             reasons.append(f"no QuantizeLinear takes its output: QLinear{node.op_type} needs one")
     if out_q is not None and path_ok and x_t in (_INT8, _UINT8):
@@ -418,7 +427,7 @@ def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
                 f"its output Q ({_type_name(g.quant_type(out_q))}) and input ({_type_name(x_t)}) "
                 "differ in type"
             )
-    if node.op_type in ("Conv", "ConvTranspose", "Gemm"):
+    if node.op_type in ("Conv", "Gemm"):
         _bias_ok(g, node, x_dq, w_dq, out_q, reasons)
         if (
             node.op_type == "Gemm"
@@ -427,8 +436,6 @@ def _diagnose(g: _Graph, node: onnx.NodeProto, int8_allowed: bool) -> list[str]:
             and g.attrs(node).get("beta", 1.0) != 1.0
         ):
             reasons.append("Gemm with beta != 1")
-    if node.op_type == "ConvTranspose":
-        reasons.append("onnxruntime's CPU QDQ fusions have no rule for ConvTranspose")
     return reasons
 
 
