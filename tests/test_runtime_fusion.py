@@ -265,7 +265,8 @@ def test_layers_without_a_clear_quantizer_name_are_counted_and_named_by_node(tmp
     del m.metadata_props[:]
     m.metadata_props.add(key=QUANTIZERS_KEY, value=json.dumps(qmap))
     rep = inspect_fusion(_save(m, tmp_path))
-    assert [r.layer for r in rep.layers] == ["layer0/Conv", "layer1/Conv", "layer2/Conv"]
+    # two nodes of one module's quantizers: its calls (a module called twice); none: the node
+    assert [r.layer for r in rep.layers] == ["a (call 1)", "a (call 2)", "layer2/Conv"]
     assert [r.fused for r in rep.layers] == [True, True, True]
 
 

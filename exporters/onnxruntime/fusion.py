@@ -178,7 +178,9 @@ def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, 
     weight, or a MatMul's right operand) is a DequantizeLinear output, every dynamic MatMulInteger layer and
     every DynamicQuantizeLSTM (named after its LSTM layer, ``lstm.l0``).
 
-    Named after the module of its quantizers in the quantizer map, else after the node.
+    Named after the module of its quantizers in the quantizer map, else after the node; the nodes of a module
+    its forward calls several times (a shared encoder, a block run in a loop: one set of quantizers) by the
+    module and the call, in graph order (``enc.c1 (call 2)``).
     """
     g = _Graph(model)
     recurrent = {r.node.name: r for r in recurrent_layers(model)}
@@ -206,10 +208,15 @@ def quantized_layers(model: onnx.ModelProto) -> list[tuple[str, onnx.NodeProto, 
         dqs = [dq for dq in found if dq is not None]
         names = [g.qmap[dq.output[0]] for dq in dqs if dq.output[0] in g.qmap]
         out.append((_layer_name(names, n), n, names))
-    # one module is one node: a name claimed by several nodes means the map is ambiguous there; name them by
-    # node
     claimed = collections.Counter(name for name, _, _ in out)
-    return [(name if claimed[name] == 1 else n.name or n.output[0], n, names) for name, n, names in out]
+    calls: collections.Counter = collections.Counter()
+    named = []
+    for name, n, names in out:
+        if claimed[name] > 1:
+            calls[name] += 1
+            name = f"{name} (call {calls[name]})"
+        named.append((name, n, names))
+    return named
 
 
 # ------------------------------------------------------------------------------------------- diagnosis
