@@ -84,6 +84,28 @@ def test_a_graph_whose_nodes_are_on_both_axes_of_its_adjacency_is_not_cut():
     assert tuple(cut["x"].shape) == (8, 16)
 
 
+def test_smoothquant_runs_where_the_batch_size_is_also_a_sequence_length(tmp_path):
+    """Batches of 16 sequences of 16 tokens: the batch size is the size of a second axis, so the example batch
+    is tried on the model before it is cut, and at SmoothQuant the model's quantizers were not calibrated yet:
+    the forward raised "amax is not set; calibrate the model first" and calibrate exited 2."""
+    tokens = user_models.module("transformer_encoder").samples(64, 0)["tokens"]
+    assert tokens.shape[1] == 16
+    np.savez(tmp_path / "x.npz", tokens=tokens)
+    r = cli(
+        "calibrate",
+        user_models.spec("transformer_encoder"),
+        "--data",
+        tmp_path / "x.npz",
+        "--batch-size",
+        "16",
+        "--smoothquant",
+        "0.5",
+        "--out",
+        tmp_path / "m.calib.pt",
+    )
+    assert r.exit_code == 0, r.output
+
+
 def test_a_graph_model_calibrates_exports_and_verifies_from_batch_files(tmp_path):
     """Through the CLI: calibrated from batch files of one graph each, every layer quantized (two
     ``torch.mm`` graph convolutions and an ``addmm`` classifier); the dynamo export names the adjacency
