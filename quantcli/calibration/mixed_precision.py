@@ -25,8 +25,10 @@ quantization, which gives the same integer codes as the exported graph in onnxru
    ``quantize_dynamic``. The layer's weight codes are the static layer's; its input quantizer's descriptor
    becomes dynamic (saved in the checkpoint, re-applied by ``load_calibrated``).
 
-``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one).
-If the target needs more, the result keeps the cap's worth of the worst layers in float, reports
+``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one),
+not those step 5 moves to dynamic int8: where the target needs more float layers than the cap but step 5
+leaves no more float than the cap, it is met that way. Otherwise the result keeps the cap's worth of the worst
+layers in float, reports
 ``met=False`` with the quality reached and how many layers the target would need (the command exits 1).
 """
 
@@ -172,6 +174,8 @@ def meet_target(
         res.kept_float = _fewest_float_layers(search, order, cap)
         if res.met and prefer_dynamic:
             _prefer_dynamic(search, res)
+        elif prefer_dynamic:
+            _dynamic_within_cap(search, order, res, cap)
         _keep_in_float(model, units, res)
     res.seconds = time.perf_counter() - t0
     return res
@@ -292,20 +296,42 @@ def make_dynamic(model: nn.Module, layer: str) -> None:
     q.amin = None
 
 
-def _prefer_dynamic(search: _Search, res: MixedPrecisionResult) -> None:
-    """Step 5: move kept layers, least sensitive first, from float to dynamic int8 where the target stays
-    met."""
-    kept, dynamic = list(res.kept_float), []
-    for u in reversed(res.kept_float):
+def _dynamic_choice(search: _Search, kept_float: list[str], after: Quality) -> tuple[list, list, Quality]:
+    """Step 5's choice: the kept layers moved, least sensitive first, from float to dynamic int8 where the
+    target stays met: ``(still float, dynamic, quality)``. Measures only; the model is not changed."""
+    kept, dynamic = list(kept_float), []
+    for u in reversed(kept_float):
         if not can_be_dynamic(search.model, u):
             continue
         trial_float = [k for k in kept if k != u]
         q = search.quality_without(trial_float, dynamic + [u])
         if search.meets(q):
-            kept, dynamic, res.after = trial_float, dynamic + [u], q
-    res.kept_float, res.dynamic = kept, dynamic
-    for u in dynamic:
+            kept, dynamic, after = trial_float, dynamic + [u], q
+    return kept, dynamic, after
+
+
+def _prefer_dynamic(search: _Search, res: MixedPrecisionResult) -> None:
+    """Step 5: move kept layers, least sensitive first, from float to dynamic int8 where the target stays
+    met."""
+    res.kept_float, res.dynamic, res.after = _dynamic_choice(search, res.kept_float, res.after)
+    for u in res.dynamic:
         make_dynamic(search.model, u)
+
+
+def _dynamic_within_cap(search: _Search, order: list[str], res: MixedPrecisionResult, cap: int) -> None:
+    """The cap hit: the layers the target needs (found and pruned as within a cap), with step 5 applied;
+    where the layers that then stay float fit the cap, the target is met that way (a cap of 0 with one
+    layer that meets it as dynamic int8: no layer in float). Otherwise ``res`` stays as the cap left it."""
+    capped = (res.kept_float, res.after, res.needed)
+    kept = _fewest_float_layers(search, order, len(order))  # meets: all float is the float model
+    still_float, dynamic, after = _dynamic_choice(search, kept, res.after)
+    if len(still_float) <= cap and search.meets(after):
+        res.kept_float, res.dynamic, res.after, res.met, res.needed = still_float, dynamic, after, True, None
+        for u in dynamic:
+            make_dynamic(search.model, u)
+    else:
+        res.kept_float, res.after, res.needed = capped
+        res.met = False
 
 
 def _keep_in_float(model: nn.Module, units: dict[str, list[str]], res: MixedPrecisionResult) -> None:
