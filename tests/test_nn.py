@@ -129,6 +129,19 @@ def test_rules_later_win_field_by_field(tmp_path):
     assert m.quantcli_report.unmatched_patterns == ["nothing.matches.*"]
 
 
+def test_a_rules_granularity_replaces_the_inherited_one():
+    """docs/calibration.md's config example (``num_bits: 4, block_sizes: {-1: 64}`` on the int8 preset)
+    failed: "axis must be None when block_sizes is given", the axis the preset's per-channel weights set. A
+    rule's blocks replace the inherited axis, and a rule's axis the inherited blocks."""
+    rule = {"pattern": "head.weight_quantizer", "block_sizes": {-1: 4}}
+    m = quantize_model(Net().eval(), {"preset": "int8", "rules": [rule]})
+    assert m.head.weight_quantizer.desc.block_sizes == {-1: 4} and m.head.weight_quantizer.desc.axis is None
+    assert m.conv.weight_quantizer.desc.axis == 0  # not matched: the preset's
+    rule = {"pattern": "conv.weight_quantizer", "axis": 0}
+    m = quantize_model(Net().eval(), {"preset": "int4-weight-only", "rules": [rule]})
+    assert m.conv.weight_quantizer.desc.axis == 0 and m.conv.weight_quantizer.desc.block_sizes is None
+
+
 def test_json_config_and_list_of_rules(tmp_path):
     p = tmp_path / "c.json"
     p.write_text('[{"pattern": "conv.*", "enable": false}]')

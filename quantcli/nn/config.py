@@ -249,7 +249,13 @@ class QuantConfig:
         fields = copy.deepcopy(base)
         matched = self.matching_rules(quantizer_name)
         for i in matched:
-            fields.update({k: v for k, v in self.rules[i].items() if k != "pattern"})
+            rule = {k: v for k, v in self.rules[i].items() if k != "pattern"}
+            # a rule's granularity replaces the one it inherits: blocks (block_sizes) or one axis, not both
+            if rule.get("block_sizes") is not None and "axis" not in rule:
+                fields.pop("axis", None)
+            if rule.get("axis") is not None and "block_sizes" not in rule:
+                fields.pop("block_sizes", None)
+            fields.update(rule)
         enabled = fields.pop("enable", True)
         if kind != "weight" and any(_sets_calib_method_of_activations(self.rules[i]) for i in matched):
             # activations are calibrated by calibrate's --method: a rule's calib_method there would do nothing
