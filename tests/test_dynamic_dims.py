@@ -100,3 +100,24 @@ def test_data_with_other_features_is_not_told_to_export_them_dynamic(tmp_path):
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "narrow.npy")
     assert_clean_error(r, "is its features, which the model's weights fix at 16")
     assert "--dynamic-dim" not in r.stderr
+
+
+def test_a_conv1d_graph_at_another_length_is_told_both_readings_of_its_last_axis(tmp_path):
+    """A keyword spotter's (N, MFCC, frames) at other frames was told "the last axis of a 3-D float input is
+    its features, which the model's weights fix": for a Conv1d it is the length, which --dynamic-dim frees.
+    The message now gives both readings, and the option it names runs the graph at that length."""
+    from tests import user_models
+
+    calib, _ = user_models.write_data("keyword_spotter", tmp_path)
+    ck, graph = tmp_path / "kws.calib.pt", tmp_path / "kws.onnx"
+    spec = user_models.spec("keyword_spotter")
+    assert cli("calibrate", spec, "--data", calib, "--out", ck, "--placement", "all").exit_code == 0
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    longer = user_models.module("keyword_spotter").samples(8, 3)["mfcc"]
+    longer = np.concatenate([longer, longer], axis=2)  # 98 frames
+    np.savez(tmp_path / "long.npz", mfcc=longer)
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "long.npz")
+    assert_clean_error(r, "either its features", "--dynamic-dim mfcc=2")
+    assert cli("export", ck, "--onnx", graph, "--dynamic-dim", "mfcc=2").exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "long.npz")
+    assert r.exit_code == 0, r.output
