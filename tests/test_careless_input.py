@@ -268,11 +268,15 @@ def test_a_model_whose_root_computes_with_several_weights_is_told_why_nothing_is
 
 
 def test_settings_that_would_do_nothing_are_refused(decode_graph, tmp_path):
-    """--percentile under another method, and --float-kv-cache for a checkpoint whose cache is float already,
-    were accepted and did nothing."""
+    """--percentile under another method, --num-bins under max, and --float-kv-cache for a checkpoint whose
+    cache is float already, were accepted and did nothing."""
     assert_clean_error(
         cli("calibrate", "digits_cnn", "--method", "max", "--percentile", "99", "--out", tmp_path / "m.pt"),
         "--percentile applies to --method percentile",
+    )
+    assert_clean_error(
+        cli("calibrate", "digits_cnn", "--method", "max", "--num-bins", "512", "--out", tmp_path / "m.pt"),
+        "--num-bins applies to the histogram methods",
     )
     assert not (tmp_path / "m.pt").exists()
     ck, _ = decode_graph  # calibrated without --kv-cache int8

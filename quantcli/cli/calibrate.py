@@ -72,7 +72,7 @@ def calibrate(
         float, typer.Option("--percentile", help="Percentile for --method percentile.")
     ] = defaults.PERCENTILE,
     num_bins: Annotated[
-        int, typer.Option("--num-bins", help="Histogram bins for entropy/mse/percentile.")
+        int, typer.Option("--num-bins", help="Histogram bins for entropy/mse/percentile/auto.")
     ] = defaults.NUM_BINS,
     batch_size: BatchSizeOpt = None,
     num_samples: NumSamplesOpt = None,
@@ -204,6 +204,12 @@ def calibrate(
 
         # a setting that does nothing under another method is refused, not dropped in silence
         raise ConfigError(f"--percentile applies to --method percentile (or auto), not {method.value}")
+    if num_bins != defaults.NUM_BINS and method.value == "max":
+        from quantcli.errors import ConfigError
+
+        raise ConfigError(
+            "--num-bins applies to the histogram methods (entropy, mse, percentile, auto), not max"
+        )
     request = CalibrationRequest(
         model=model,
         weights=weights,
