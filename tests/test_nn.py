@@ -157,6 +157,11 @@ def test_json_config_and_list_of_rules(tmp_path):
         ("colour: blue\n", "colour"),
         ("rules:\n  - {num_bits: 4}\n", "pattern"),
         ("rules: [\n", "cannot parse"),
+        # where: YAML's first line ("while scanning a quoted scalar") said neither where nor what
+        (
+            'preset: int8\nrules:\n  - pattern: "head.*\n    enable: false\n',
+            r"line 5, column 1: found unexpected end of stream \(scanning a quoted scalar from line 3, col",
+        ),
     ],
 )
 def test_bad_configs(tmp_path, content, match):

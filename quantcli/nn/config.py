@@ -336,6 +336,20 @@ def computes_plain_linear(layer) -> bool:
     )
 
 
+def _parse_error(e: Exception) -> str:
+    """A parser's error in one line, with where in the file: YAML's marks (its own first line, "while
+    scanning a quoted scalar", says what it was doing, not where or what went wrong); JSON's first line
+    already says both."""
+    mark = getattr(e, "problem_mark", None)
+    if mark is None:
+        return first_line(e)
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {getattr(e, 'problem', None) or first_line(e)}"
+    start, context = getattr(e, "context_mark", None), getattr(e, "context", None)
+    if start is not None and context:  # what was open, and where it began
+        text += f" ({context.removeprefix('while ')} from line {start.line + 1}, column {start.column + 1})"
+    return text
+
+
 def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantConfig:
     """A preset name, a ``.yaml``/``.yml``/``.json`` path, a dict, a list of rules, or a QuantConfig."""
     if config is None:
@@ -365,7 +379,7 @@ def load_config(config: str | Path | dict | list | QuantConfig | None) -> QuantC
 
             data = yaml.safe_load(raw)
     except Exception as e:  # yaml.YAMLError, json.JSONDecodeError, UnicodeDecodeError
-        raise ConfigError(f"cannot parse {text}: {first_line(e)}") from None
+        raise ConfigError(f"cannot parse {text}: {_parse_error(e)}") from None
     if isinstance(data, list):
         return QuantConfig(rules=data, source=str(path))
     if data is None:
