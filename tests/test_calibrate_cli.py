@@ -520,3 +520,22 @@ def test_activations_that_saw_only_zeros_are_named(tmp_path):
     np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((32, 16)).astype(np.float32))
     r = cli("calibrate", model, "--data", tmp_path / "x.npy", "--out", tmp_path / "x.calib.pt")
     assert r.exit_code == 0 and "saw only zeros" not in r.stderr
+
+
+def test_the_method_row_names_its_settings(tmp_path):
+    """``method: percentile (int8)`` did not say which percentile (the checkpoint stored it)."""
+    r = cli(
+        "calibrate",
+        "digits_cnn",
+        "--method",
+        "percentile",
+        "--percentile",
+        "99.9",
+        "--num-bins",
+        "1024",
+        "--out",
+        tmp_path / "p.calib.pt",
+    )
+    assert r.exit_code == 0, r.output
+    (row,) = [ln for ln in r.stdout.splitlines() if "│ method" in ln]
+    assert "percentile 99.9, 1024 bins (int8)" in row

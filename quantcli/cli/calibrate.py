@@ -359,9 +359,16 @@ def _calibrate_setup_rows(outcome):
 
     job, summary, cfg = outcome.job, outcome.summary, outcome.job.config
     ignored = summary.method_ignored_by()
+    request, settings = job.request, []
+    if summary.method == "percentile":
+        settings.append(f"{request.percentile:g}")
+    elif summary.method == "auto" and request.percentile != defaults.PERCENTILE:
+        settings.append(f"percentile candidate {request.percentile:g}")
+    if summary.method != "max" and request.num_bins != defaults.NUM_BINS:
+        settings.append(f"{request.num_bins} bins")
     yield (
         "method",
-        f"{summary.method} ({cfg.source})"
+        f"{summary.method}{' ' + ', '.join(settings) if settings else ''} ({cfg.source})"
         + (f"; {len(ignored)} asymmetric activation quantizer(s) from their min and max" if ignored else ""),
     )
     yield (
