@@ -267,6 +267,8 @@ def test_layers_without_a_clear_quantizer_name_are_counted_and_named_by_node(tmp
     rep = inspect_fusion(_save(m, tmp_path))
     # two nodes of one module's quantizers: its calls (a module called twice); none: the node
     assert [r.layer for r in rep.layers] == ["a (call 1)", "a (call 2)", "layer2/Conv"]
+    shown = " ".join(cli("inspect", tmp_path / "g.onnx", "--runtime", "onnxruntime").stdout.split())
+    assert "of 3 quantized layers in float (2 modules, some called more than once)" in shown
     assert [r.fused for r in rep.layers] == [True, True, True]
 
 

@@ -79,10 +79,13 @@ def render_inspect_runtime(rep: dict, path: Path) -> None:
         )
         for r in rep["layers"]
     )
+    modules = {r["layer"].rsplit(" (call ", 1)[0] for r in rep["layers"]}
+    several = len(modules) < len(rep["layers"])
+    calls = f" ({len(modules)} modules, some called more than once)" if several else ""
     out.print(
         table(
             f"{path} in onnxruntime ({rep['provider']}, default session options): "
-            f"{rep['unfused_layers']} of {rep['quantized_layers']} quantized layers in float",
+            f"{rep['unfused_layers']} of {rep['quantized_layers']} quantized layers in float{calls}",
             ("layer", "op", "runs as", "integer kernel", "why not"),
             rows,
         )
