@@ -110,7 +110,14 @@ def test_verify_passes_the_float_graph_and_fails_a_cache_off_by_one(float_graph,
     assert r.exit_code == 0, r.output
     rep = json.loads(r.stdout)
     checks = {c["name"]: c for c in rep["checks"]}
-    assert set(checks) == {"structure", "lm.perplexity_increase", "lm.token_agreement", "lm.decode_parity"}
+    assert set(checks) == {
+        "structure",
+        "lm.perplexity_increase",
+        "lm.token_agreement",
+        "lm.decode_parity",
+        "lm.rms_ratio",
+    }
+    assert checks["lm.rms_ratio"]["value"] < 1  # the float graph: float rounding alone
     assert (
         abs(checks["lm.perplexity_increase"]["value"]) < 1e-4 and checks["lm.token_agreement"]["value"] == 1.0
     )
@@ -290,7 +297,7 @@ def test_verify_refuses_gates_of_the_other_kind_of_graph(float_graph, calibrated
         ["--min-cosine", "0.99"],
         ["--max-abs-diff", "0.1"],
         ["--per-layer"],
-        ["--max-rms-ratio", "9"],
+        ["--max-deploy-ratio", "9"],
     ):
         r = cli("verify", path, "--reference", ck, "--num-samples", 2, *extra)
         assert_clean_error(r, extra[0], "decode graph", "--max-ppl-increase")

@@ -131,3 +131,27 @@ def test_verify_of_a_decode_graph_checks_its_structure(calibrated, tmp_path):
         assert r.exit_code == 1, r.output
         checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
         assert not checks["structure"]["passed"] and failing in checks["structure"]["detail"]
+
+
+def test_verify_of_a_decode_graph_fails_a_graph_that_computes_other_logits(tmp_path):
+    """A decode graph whose final RMSNorm weight was scaled by 0.7 (its logits scaled by 0.7) passed verify:
+    perplexity stayed within its 50%, the argmax (token agreement) and the cache (decode parity) did not
+    change, and nothing compared the graph's logits with the calibrated model's. lm.rms_ratio does, in the
+    unit of fidelity.rms_ratio: the graph as exported is within it, the scaled one far beyond while the other
+    three checks still pass."""
+    ck, path, _ = _export(tmp_path, "static", "int8", "--num-samples", "8")
+    args = ("--reference", ck, "--json", "--num-samples", 4, "--decode-steps", 4)
+    r = cli("verify", path, *args)
+    assert r.exit_code == 0, r.output
+    good = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert good["lm.rms_ratio"]["value"] < 0.5, good["lm.rms_ratio"]
+    m = onnx.load(str(path))
+    norm = next(t for t in m.graph.initializer if t.name == "model.norm.weight")
+    norm.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(norm) * np.float32(0.7), norm.name))
+    scaled = tmp_path / "scaled.onnx"
+    onnx.save(m, str(scaled))
+    r = cli("verify", scaled, *args)
+    assert r.exit_code == 1, r.output
+    bad = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert not bad["lm.rms_ratio"]["passed"] and bad["lm.rms_ratio"]["value"] > 5, bad["lm.rms_ratio"]
+    assert all(bad[n]["passed"] for n in ("structure", "lm.token_agreement", "lm.decode_parity")), bad

@@ -107,7 +107,11 @@ def verify(
         decode, thresholds, per_layer, max_ppl_increase, min_token_agreement, decode_steps
     )
     if decode:
-        lm = {"max_ppl_increase": max_ppl_increase, "min_token_agreement": min_token_agreement}
+        lm = {
+            "max_ppl_increase": max_ppl_increase,
+            "min_token_agreement": min_token_agreement,
+            "max_rms_ratio": thresholds.get("max_rms_ratio"),
+        }
         rep = verify_decode_graph(
             onnx_path,
             ckpt,
@@ -156,17 +160,15 @@ def _refuse_options_of_the_other_kind(
         ]
         given += [
             f"--{k.replace('_', '-')}"
-            for k, default in (
-                ("max_rms_ratio", defaults.MAX_RMS_RATIO),
-                ("max_deploy_ratio", defaults.MAX_DEPLOY_RATIO),
-            )
+            for k, default in (("max_deploy_ratio", defaults.MAX_DEPLOY_RATIO),)
             if thresholds.get(k, default) != default
         ]
         given += ["--per-layer"] if per_layer else []
         if given:
             raise QuantCliError(
                 f"{', '.join(given)}: for graphs other than decode graphs; a decode graph (a causal LM with "
-                "a KV cache) is judged by --max-ppl-increase, --min-token-agreement and --decode-steps"
+                "a KV cache) is judged by --max-ppl-increase, --min-token-agreement, --max-rms-ratio and "
+                "--decode-steps"
             )
         return
     given = [
