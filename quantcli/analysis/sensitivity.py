@@ -23,6 +23,7 @@ from torch import nn
 
 from quantcli.analysis.quality import Quality, QualityMeter
 from quantcli.inputs.data import Batch, flat_outputs, run_model
+from quantcli.inputs.padding import padding_mask, real_positions
 from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.tensor_quantizer import owner, quantizers
 
@@ -52,7 +53,9 @@ def measure(model: nn.Module, batches: list[Batch], refs: list[list[torch.Tensor
     meter = QualityMeter()
     with torch.inference_mode():
         for i, (b, r) in enumerate(zip(batches, refs)):
-            meter.add(flat_outputs(run_model(model, b, f"batch {i}")), r)
+            mask = padding_mask(b)  # per-token outputs at real tokens (quantcli.inputs.padding)
+            got = flat_outputs(run_model(model, b, f"batch {i}"))
+            meter.add(real_positions(mask, got), real_positions(mask, r))
     return meter.result()
 
 
