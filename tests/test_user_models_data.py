@@ -418,3 +418,43 @@ def test_one_channel_model_takes_mean_alone(tmp_path):
     x = torch.load(out, weights_only=True)["inputs"]["example"]["input"]
     want = (51 / 255 - 0.5) / IMAGENET_STD_L[0]
     assert x.shape == (1, 1, 4, 4) and torch.allclose(x, torch.full_like(x, want), atol=1e-6)
+
+
+def test_a_projection_head_exports_its_embeddings(tmp_path):
+    """CLIPTextModelWithProjection exists for its text_embeds: quantcli returned last_hidden_state (no
+    ``*logits``), the graph had that alone and its text_projection was pruned as unused. A task head without
+    logits now returns its ``*_embeds``, and the graph's output is them, as the model computes them."""
+    cfg = transformers.CLIPTextConfig(
+        vocab_size=len(WORDS),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        projection_dim=8,
+        eos_token_id=3,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path / "clip"
+    model = transformers.CLIPTextModelWithProjection(cfg).eval()
+    save_folder(model, folder)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, len(WORDS), (16, 6))
+    ids[:, -1] = 3  # the EOS token CLIP pools at
+    np.savez(tmp_path / "d.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    ck, graph = tmp_path / "clip.calib.pt", tmp_path / "clip.onnx"
+    r = cli("calibrate", folder, "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    assert "text_projection" in json.loads(r.stdout)["layers"]["quantized"]
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()] == ["text_embeds"]
+    got = sess.run(None, {"input_ids": ids, "attention_mask": np.ones_like(ids)})[0]
+    with torch.no_grad():
+        want = model(input_ids=torch.from_numpy(ids)).text_embeds.numpy()
+    cos = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert got.shape == want.shape and cos.min() > 0.99
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz")
+    assert r.exit_code == 0, r.output

@@ -10,7 +10,8 @@ checkpoint code.
 
 The module quantcli calibrates is the transformers model itself with a ``forward`` that takes the tensor
 inputs (``input_ids``, ``attention_mask``, ``token_type_ids`` where the model takes it; or ``pixel_values``)
-and returns what a user deploys: every ``*logits`` output of a task head, else ``last_hidden_state``, or with
+and returns what a user deploys: every ``*logits`` output of a task head, else its ``*_embeds`` (a projection
+head: ``CLIPTextModelWithProjection``'s ``text_embeds``), else ``last_hidden_state``, or with
 ``pooling="mean"`` its mean over the (unmasked) tokens as ``embeddings``. A causal LM (``GPT2LMHeadModel``,
 ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) gives its ``logits`` for every position of the sequence,
 computed with ``use_cache=False``: the graph is a prefill over the full sequence, with no KV cache inputs or
@@ -195,6 +196,10 @@ class _Outputs:
             logits = {k: v for k, v in out.items() if k.endswith("logits") and isinstance(v, torch.Tensor)}
             if logits:
                 return logits
+            # a projection head's embeddings (CLIPTextModelWithProjection's text_embeds): what it is for
+            embeds = {k: v for k, v in out.items() if k.endswith("_embeds") and isinstance(v, torch.Tensor)}
+            if embeds:
+                return embeds
         h = out["last_hidden_state"] if "last_hidden_state" in out else out[0]
         if self.quantcli_pooling == "mean":
             if h.dim() == 4:  # (batch, channels, height, width): pool over space
