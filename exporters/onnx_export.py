@@ -676,6 +676,33 @@ def _describe_saved(onnx_model: onnx.ModelProto, path: Path, res: ExportResult) 
         res.quantized_layers, res.unfused_layers = len(fusion.layers), len(fusion.unfused)
         res.runtime_quantized_layers = [r.layer for r in fusion.runtime_quantized]
         res.fusion_error = fusion.load_error
+        if fusion.load_error and not fusion.needs:
+            _refuse_unloadable(path, res, fusion.load_error)
+
+
+def _refuse_unloadable(path: Path, res: ExportResult, error: str) -> None:
+    """A graph for onnxruntime that it loads neither with default options nor with every optimization off
+    (and for which no session option is known to help: float8 graphs have theirs) is no export: it is removed
+    and :class:`ExportError` says why (Falcon's ALiBi through the dynamo exporter: a complex128 Cast the graph
+    cannot type). One that loads with optimizations off keeps its summary row (an onnxruntime optimizer's
+    failure, which verify reports)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.log_severity_level = 4
+    try:
+        ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+        return
+    except Exception:  # noqa: BLE001 - any load failure: the graph is not one onnxruntime can run
+        pass
+    path.unlink(missing_ok=True)
+    if res.external_data:
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
+    raise ExportError(
+        f"onnxruntime cannot load the exported graph, with or without its optimizations: {error} "
+        f"({other_exporter(res.exporter)})"
+    )
 
 
 def _pruned(

@@ -718,3 +718,32 @@ def test_a_module_called_several_times_stores_its_weight_once(exporter, tmp_path
     )
     save_calibrated(ckpt, model, parse_spec(f"{tmp_path / 'net.py'}:make"), batches[0])
     assert verify_onnx(tmp_path / "m.onnx", load_calibrated(ckpt, trust_code=True), batches).passed
+
+
+def test_a_graph_onnxruntime_cannot_load_at_all_is_no_export(tmp_path):
+    """A Falcon with ALiBi exported through dynamo (a complex128 Cast it cannot type) exited 0, the file
+    written and its only sign a summary row ("does not load with default options"); verify then exited 2.
+    A graph for onnxruntime that loads with no optimization level is removed and export fails, naming the
+    error and the other exporter. (Here the last node is an op onnxruntime has no kernel for.)"""
+    from onnx import helper
+
+    from quantcli.errors import ExportError
+
+    model = nn.Sequential(nn.Linear(8, 8)).eval()
+    batch = {"input": torch.randn(16, 8)}
+    model = quantize_model(model, "int8", example=batch)
+    calibrate(model, [batch], device="cpu")
+
+    def unknown_op_last(g):
+        out = g.graph.output[0].name
+        for n in g.graph.node:
+            n.output[:] = [o + "_pre" if o == out else o for o in n.output]
+        g.graph.node.append(helper.make_node("Frobnicate", [out + "_pre"], [out], domain="com.example"))
+        g.opset_import.append(helper.make_opsetid("com.example", 1))
+
+    path = tmp_path / "m.onnx"
+    path.write_bytes(b"an older file of the same name")
+    with pytest.raises(ExportError, match="cannot load the exported graph.*Frobnicate.*--exporter"):
+        export_onnx(model, batch, path, edit_graph=unknown_op_last)
+    assert not path.exists()
+    assert export_onnx(model, batch, path).fusion_error is None and path.exists()  # as exported
