@@ -64,6 +64,12 @@ def test_generate_gives_the_float_models_greedy_tokens(float_graph):
         cli("generate", path, "--prompt", prompt, "--seed", 3, "--temperature", 0, "--json").stdout
     )
     assert cold["mode"] == "greedy" and cold["tokens"][:24] == res["tokens"]
+    # beyond the context: what fits is said; a prompt filling it was told "lower --max-new-tokens to 0"
+    r = cli("generate", path, "--prompt", "x" * 500, "--max-new-tokens", 24)
+    assert_clean_error(r, "context of 512 positions", "lower --max-new-tokens to 12")
+    r = cli("generate", path, "--prompt", "x" * 600, "--max-new-tokens", 1)
+    assert_clean_error(r, "shorten the prompt to fewer than 512 tokens")
+    assert "max-new-tokens to" not in r.stderr
 
 
 def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path, exported):

@@ -130,7 +130,8 @@ def _llama(model: nn.Module, config) -> DecoderLayout:
     mt = config.model_type
     if mt not in LLAMA_TYPES:
         raise NotDecodable(
-            f"model_type {mt!r} has a Llama-like structure but is not one of {', '.join(LLAMA_TYPES)}"
+            f"model_type {mt!r} has a Llama-like structure, but decode graphs are written for Llama-like "
+            f"({', '.join(LLAMA_TYPES)}) and GPT-2 models"
         )
     window = _sliding_window(config, mt)
     if window is not None:

@@ -71,10 +71,15 @@ def generate(
         )
     context = layout.get("max_positions")
     if context and len(ids) + max_new_tokens > context:
-        room = max(context - len(ids), 0)
+        room = context - len(ids)
+        fix = (
+            f"shorten the prompt or lower --max-new-tokens to {room}"
+            if room > 0
+            else f"shorten the prompt to fewer than {context} tokens"
+        )
         raise DataError(
             f"the prompt ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} exceed the graph's "
-            f"context of {context} positions; shorten the prompt or lower --max-new-tokens to {room}"
+            f"context of {context} positions; {fix}"
         )
     session = DecodeSession(onnx_path)
     g = run_generation(session, ids, max_new_tokens, seed=seed, temperature=temperature, top_k=top_k)
