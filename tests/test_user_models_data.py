@@ -425,14 +425,7 @@ def test_a_projection_head_exports_its_embeddings(tmp_path):
     ``*logits``), the graph had that alone and its text_projection was pruned as unused. A task head without
     logits now returns its ``*_embeds``, and the graph's output is them, as the model computes them."""
     cfg = transformers.CLIPTextConfig(
-        vocab_size=len(WORDS),
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        max_position_embeddings=16,
-        projection_dim=8,
-        eos_token_id=3,
+        **TINY_ENCODER, max_position_embeddings=16, projection_dim=8, eos_token_id=3
     )
     torch.manual_seed(0)
     folder = tmp_path / "clip"
