@@ -268,8 +268,8 @@ def test_a_model_whose_root_computes_with_several_weights_is_told_why_nothing_is
 
 
 def test_settings_that_would_do_nothing_are_refused(decode_graph, tmp_path):
-    """--percentile under another method, --num-bins under max, and --float-kv-cache for a checkpoint whose
-    cache is float already, were accepted and did nothing."""
+    """--percentile under another method, --num-bins under max, --batch-size for a directory of batch files,
+    and --float-kv-cache for a checkpoint whose cache is float already, were accepted and did nothing."""
     assert_clean_error(
         cli("calibrate", "digits_cnn", "--method", "max", "--percentile", "99", "--out", tmp_path / "m.pt"),
         "--percentile applies to --method percentile",
@@ -278,6 +278,14 @@ def test_settings_that_would_do_nothing_are_refused(decode_graph, tmp_path):
         cli("calibrate", "digits_cnn", "--method", "max", "--num-bins", "512", "--out", tmp_path / "m.pt"),
         "--num-bins applies to the histogram methods",
     )
+    assert not (tmp_path / "m.pt").exists()
+    # --batch-size with a directory of batch files (used one per file): it said "64 samples in 2 batches"
+    from tests import user_models
+
+    calib, _ = user_models.write_data("dlrm", tmp_path)
+    spec = user_models.spec("dlrm")
+    r = cli("calibrate", spec, "--data", calib, "--batch-size", 8, "--out", tmp_path / "m.pt")
+    assert_clean_error(r, "--batch-size applies to whole arrays", "directory of batch files")
     assert not (tmp_path / "m.pt").exists()
     ck, _ = decode_graph  # calibrated without --kv-cache int8
     r = cli("export", ck, "--onnx", tmp_path / "f.onnx", "--float-kv-cache")

@@ -559,6 +559,7 @@ def _load_config(request: CalibrationRequest) -> QuantConfig:
 def _data_options(request: CalibrationRequest, spec: ModelSpec) -> DataOptions:
     opts = request.data_options
     opts.model_folder = spec.path if spec.kind == "hf" else None
+    opts.batch_size_given = request.batch_size is not None
     return opts
 
 

@@ -21,6 +21,7 @@ def checkpoint_inputs(
     opts = options or DataOptions()
     opts.model_folder = ckpt.spec.path if ckpt.spec.kind == "hf" else None
     opts.stored = ckpt.data.get("preprocessing")
+    opts.batch_size_given = batch_size is not None
     batches, _ = load_data(data, ckpt.model, batch_size or defaults.BATCH_SIZE, num_samples, opts)
     return batches
 

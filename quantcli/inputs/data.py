@@ -349,6 +349,7 @@ class DataOptions:
     std: str | None = None
     model_folder: str | Path | None = None
     stored: dict[str, Any] | None = None
+    batch_size_given: bool = False  # --batch-size was given (it re-batches whole arrays, not batch files)
 
 
 DEFAULT_MAX_LENGTH = defaults.MAX_LENGTH
@@ -436,6 +437,20 @@ def _refuse_unused_options(path: Path, kind: str, opts: DataOptions) -> None:
         }
         applies = "text" if unused[0] in ("--tokenizer", "--max-length") else "image"
         raise unused_options_error(unused, f"{applies} data", f"{path} is {what[kind]}")
+    refuse_rebatching(path, kind, opts)
+
+
+def refuse_rebatching(path: Path, kind: str, opts: DataOptions) -> None:
+    """``--batch-size`` for a directory of batch files, which are used one batch per file as they are:
+    refused, not dropped in silence (the summary said "64 samples in 4 batches" of 16 where 8 were asked
+    for)."""
+    if opts.batch_size_given and kind == "tensors" and path.is_dir():
+        raise unused_options_error(
+            ["--batch-size"],
+            "whole arrays (an .npz/.npy/.pt file, re-batched)",
+            f"{path} is a directory of batch files, used one batch per file",
+            " (or write the files with that many samples each)",
+        )
 
 
 def model_positions(model: nn.Module) -> int | None:

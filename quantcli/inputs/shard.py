@@ -25,7 +25,7 @@ from typing import Any
 from torch import nn
 
 from quantcli import defaults
-from quantcli.inputs.data import Batch, DataOptions, load_batches, load_data
+from quantcli.inputs.data import Batch, DataOptions, load_batches, load_data, refuse_rebatching
 
 BATCH_FILES = (".npz", ".npy", ".pt")
 
@@ -58,6 +58,8 @@ def load_shard(
     positions), reading as little of the others' data as the format allows (module docstring). A rank may get
     no batch."""
     path = Path(path)
+    if options is not None:
+        refuse_rebatching(path, "tensors" if batch_files(path) is not None else "other", options)
     files = batch_files(path) if num_samples is None else None
     if files is None:
         return load_data(path, model, batch_size, num_samples, options, shard=(rank, world_size))
