@@ -192,7 +192,8 @@ def _write_data(tmp_path, kind):
 def test_user_model_every_data_format(tiny, tmp_path, kind):
     data = _write_data(tmp_path, kind)
     out = tmp_path / "tiny.calib.pt"
-    r = cli("calibrate", f"{tiny}:make", "--data", data, "--out", out, "--json", "--batch-size", "16")
+    rebatch = [] if kind == "dir" else ["--batch-size", "16"]  # batch files are used as they are
+    r = cli("calibrate", f"{tiny}:make", "--data", data, "--out", out, "--json", *rebatch)
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
     assert info["num_samples"] == (25 if kind == "pt-list" else 40)
