@@ -23,8 +23,8 @@ to its unpadded length and to ``max_tokens``:
   float32 compute here (``accuracy_level`` 1), where onnxruntime's default int8 compute can move an
   activation code on a 1e-7 difference.
 * ``lm.rms_ratio`` <= ``max_rms_ratio``: the graph computes the fake-quant model: RMS(graph logits -
-  fake-quant logits) over the quantization error's RMS (fake-quant against float), the graph in the session
-  of ``lm.decode_parity``, one prefill of each sequence; the unit and limit of ``fidelity.rms_ratio``. The
+  fake-quant logits) over the quantization error's RMS (fake-quant against float), on the prefills
+  ``lm.decode_parity`` runs (its session, its sequences); the unit and limit of ``fidelity.rms_ratio``. The
   other three passed a graph whose final norm was scaled by 0.7 (perplexity within its 50%, the argmax
   unchanged).
 """
@@ -294,14 +294,6 @@ def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) ->
     }
     ppl = {k: perplexity(v, rows) for k, v in logits.items()}
     increase = ppl["graph"] / ppl["float"] - 1.0
-    # the graph computes the fake-quant model: its exact session's logits against the model's, in units of
-    # the quantization error (the fake-quant model against the float one), as fidelity.rms_ratio measures a
-    # graph without a KV cache; perplexity and agreement alone passed a graph whose logits were scaled by 0.7
-    fid, qerr = PairStats(), PairStats()
-    for row, fq, fl in zip(rows, logits["fake_quant"], logits["float"]):
-        fid.add(exact.logits(row[None])[0], fq)
-        qerr.add(fq, fl)
-    rms_ratio = ratio(fid.rms, qerr.error_scale)
 
     agree, total, divergence = 0, 0, []
     for row in rows:
@@ -317,10 +309,17 @@ def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) ->
     agreement = agree / total
 
     per_position, worst, where = [], 0.0, None
+    # lm.rms_ratio: the graph computes the fake-quant model: its exact session's logits (the prefills parity
+    # compares with) against the model's, in units of the quantization error (fake-quant against float), as
+    # fidelity.rms_ratio measures a graph without a KV cache; perplexity and agreement alone passed a graph
+    # whose logits were scaled by 0.7
+    fid, qerr = PairStats(), PairStats()
     for k, row in enumerate(rows[: max(1, min(4, len(rows)))]):
         half = max(1, len(row) // 2)
         a = exact.stepwise_logits(row[None], half)
         b = exact.logits(row[None])
+        fid.add(b[0], logits["fake_quant"][k])
+        qerr.add(logits["fake_quant"][k], logits["float"][k])
         r = np.abs(a - b).max(-1)[0] / max(float(np.abs(b).max()), 1e-30)  # per position
         r = np.where(np.isfinite(r), r, np.inf)
         per_position.extend(r[half:].tolist())
@@ -329,6 +328,7 @@ def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) ->
     # a KV-cache error moves every decode position; float noise that moves one activation code across a
     # rounding boundary moves one position (and a little of the cache after it): the median tells them apart
     parity = float(np.median(per_position)) if per_position else 0.0
+    rms_ratio = ratio(fid.rms, qerr.error_scale)
     moved = sum(v > max_parity_diff for v in per_position)
     where = f"{moved} of {len(per_position)} decode positions differ; the most at {where}" if moved else None
 
