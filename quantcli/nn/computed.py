@@ -262,7 +262,7 @@ def _linear_replaced(fn: Callable) -> Iterator[None]:
 class OpUse:
     """One weighted operation the forward computed with a module's parameters as its weight."""
 
-    kind: str  # conv, conv_transpose, linear, matmul
+    kind: str  # one of KINDS (an einsum is recorded as the linear or matmul it runs as)
     layer: str  # the module whose parameters the weight operand is, or is computed from
     params: tuple[str, ...]  # those parameters (one, and ``derived`` False: the parameter itself)
     derived: bool
@@ -463,7 +463,7 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
 class ComputedLayer(QuantMixin):
     """Mixed in front of a module whose weighted operation is quantized where it runs (module docstring).
 
-    ``op_kind``: conv, conv_transpose, linear or matmul; ``weight_name``: the parameter its weight operand is
+    ``op_kind``: one of :data:`KINDS`; ``weight_name``: the parameter its weight operand is
     (or is computed from); ``weight_derived``: the operand is computed from the parameters, not the parameter
     itself (weight standardisation); ``weight_axis``: the operand's output-channel axis. The weight quantizer
     quantizes the operand the operation takes, so it is calibrated on it as the forward runs
