@@ -129,6 +129,9 @@ class CalibrationJob:
     unrounded: dict | None = None
     latency: LatencyPlacement | None = None  # --placement auto for onnxruntime: what place_for_latency chose
     kv_cache: KVCacheQuant | None = None  # --kv-cache int8: the cache's scales
+    # the example batch quantize_model read the model's structure from (example_of: made once, a forward
+    # tried on it where the batch size is also another axis's size); the checkpoint stores it
+    example: Batch | None = None
 
     @classmethod
     def load(cls, request: CalibrationRequest, rank: Rank | None) -> CalibrationJob:
@@ -148,11 +151,12 @@ class CalibrationJob:
             _check_kv_cache(request, model)
             batches, prep = _calibration_batches(request, rank, model, spec)
             original = state_snapshot(model)
-            quantize_model(model, cfg, example=example_of(batches[0], model) if batches else None)
+            example = example_of(batches[0], model) if batches else None
+            quantize_model(model, cfg, example=example)
             if not model.quantcli_report.layers:
                 raise QuantCliError(_nothing_to_quantize(request.model, model.quantcli_report.float_layers))
             batches, holdout = _holdout(request, rank, spec, model, batches)
-        return cls(request, rank, cfg, model, spec, batches, holdout, prep, original)
+        return cls(request, rank, cfg, model, spec, batches, holdout, prep, original, example=example)
 
     @property
     def report(self):
@@ -181,7 +185,7 @@ class CalibrationJob:
             skip = expected_changes(folds, smoothed_modules(smoothed), reference)
             check_unchanged(
                 self.model,
-                example_of(self.batches[0], self.model),
+                self.example,
                 reference,
                 skip,
                 "SmoothQuant",
@@ -241,9 +245,7 @@ class CalibrationJob:
                         "auto", False, "not measured: no calibration batch on rank 0"
                     )
                 elif self.rank is None or self.rank.rank == 0:
-                    placement = measure_and_decide(
-                        self.model, example_of(self.batches[0], self.model), self.config.deploy_cpu
-                    )
+                    placement = measure_and_decide(self.model, self.example, self.config.deploy_cpu)
             if self.rank is not None:
                 placement = broadcast_from_rank0(placement)
             apply(self.model, placement)
@@ -302,7 +304,7 @@ class CalibrationJob:
             self.config,
             self.model,
             self.request.cpu,
-            example_of(self.batches[0], self.model) if self.batches else None,
+            self.example,
         )
         info["float_check"] = dict(self.report.float_check)
         if smoothed is not None:
@@ -330,7 +332,7 @@ class CalibrationJob:
                     self.out,
                     self.model,
                     self.spec,
-                    self.batches[0],
+                    self.example,
                     info,
                     self.preprocessing,
                     self.original,

@@ -72,14 +72,12 @@ def _runs(model: nn.Module, batch: Batch) -> bool:
     """Whether ``model``'s forward runs on ``batch`` (moved to the model's device; no gradients; its
     quantizers, calibrated or not, standing aside)."""
     from quantcli.nn.modes import quantizer_modes
-    from quantcli.nn.module_outputs import same_randomness
+    from quantcli.nn.module_outputs import on_device_of, same_randomness
     from quantcli.nn.recorded_graph import FORWARD_ERRORS
 
-    p = next(model.parameters(), None)
-    feeds = {k: v.to(p.device) for k, v in batch.items()} if p is not None else batch
     try:
         with torch.no_grad(), same_randomness(), quantizer_modes(model, "disabled"):
-            model(**feeds)
+            model(**on_device_of(model, batch))
     except FORWARD_ERRORS:
         return False
     return True

@@ -61,7 +61,7 @@ def full_float32() -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
 
 
-def _on_device_of(model: nn.Module, example: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
+def on_device_of(model: nn.Module, example: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
     """``example`` on the device of the model's parameters (a model calibrated or smoothed on the GPU stays
     there)."""
     p = next(model.parameters(), None)
@@ -158,7 +158,7 @@ def capture(
             m.register_forward_hook(lambda mod, a, out, name=name: observe(name, mod, out), always_call=True)
         )
     training = {m: m.training for m in model.modules()}
-    example = _on_device_of(model, example)
+    example = on_device_of(model, example)
     try:
         model.eval()
         with quantizer_modes(model, "disabled"), torch.no_grad(), same_randomness(), full_float32():
