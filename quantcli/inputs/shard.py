@@ -58,9 +58,10 @@ def load_shard(
     positions), reading as little of the others' data as the format allows (module docstring). A rank may get
     no batch."""
     path = Path(path)
-    if options is not None:
-        refuse_rebatching(path, "tensors" if batch_files(path) is not None else "other", options)
-    files = batch_files(path) if num_samples is None else None
+    found = batch_files(path)
+    if found is not None and options is not None:
+        refuse_rebatching(path, "tensors", options)
+    files = found if num_samples is None else None
     if files is None:
         return load_data(path, model, batch_size, num_samples, options, shard=(rank, world_size))
     return [b for f in strided(files, rank, world_size) for b in load_batches(f, model, None)], None
