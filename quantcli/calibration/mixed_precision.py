@@ -234,16 +234,20 @@ def _fewest_float_layers(search: _Search, order: list[str], cap: int) -> list[st
         res.after = known.get(limit) or search.quality_without(kept)
         res.met = False
         return kept
-    kept = order[:hi]
-    after = known.get(hi) or search.quality_without(kept)
-    # prune: re-quantize kept layers the target does not need, least sensitive first
+    kept, res.after = _pruned(search, order[:hi], known.get(hi) or search.quality_without(order[:hi]))
+    res.met = True
+    return kept
+
+
+def _pruned(search: _Search, kept: list[str], after: Quality) -> tuple[list[str], Quality]:
+    """Step 4: re-quantize kept layers the target does not need, least sensitive first (``kept`` meets it
+    with quality ``after``)."""
     for u in reversed(list(kept)):
         trial = [k for k in kept if k != u]
         q = search.quality_without(trial)
         if search.meets(q):
             kept, after = trial, q
-    res.after, res.met = after, True
-    return kept
+    return kept, after
 
 
 def _bisect(search: _Search, order: list[str]) -> tuple[int, dict[int, Quality]]:
@@ -319,19 +323,17 @@ def _prefer_dynamic(search: _Search, res: MixedPrecisionResult) -> None:
 
 
 def _dynamic_within_cap(search: _Search, order: list[str], res: MixedPrecisionResult, cap: int) -> None:
-    """The cap hit: the layers the target needs (found and pruned as within a cap), with step 5 applied;
-    where the layers that then stay float fit the cap, the target is met that way (a cap of 0 with one
-    layer that meets it as dynamic int8: no layer in float). Otherwise ``res`` stays as the cap left it."""
-    capped = (res.kept_float, res.after, res.needed)
-    kept = _fewest_float_layers(search, order, len(order))  # meets: all float is the float model
-    still_float, dynamic, after = _dynamic_choice(search, kept, res.after)
+    """The cap hit: the ``res.needed`` worst layers the bisection found the target needs, pruned as within a
+    cap, with step 5 applied; where the layers that then stay float fit the cap, the target is met that way
+    (a cap of 0 with one layer that meets it as dynamic int8: no layer in float). Otherwise ``res`` stays as
+    the cap left it."""
+    needed = order[: res.needed]
+    kept, after = _pruned(search, needed, search.quality_without(needed))
+    still_float, dynamic, after = _dynamic_choice(search, kept, after)
     if len(still_float) <= cap and search.meets(after):
         res.kept_float, res.dynamic, res.after, res.met, res.needed = still_float, dynamic, after, True, None
         for u in dynamic:
             make_dynamic(search.model, u)
-    else:
-        res.kept_float, res.after, res.needed = capped
-        res.met = False
 
 
 def _keep_in_float(model: nn.Module, units: dict[str, list[str]], res: MixedPrecisionResult) -> None:
