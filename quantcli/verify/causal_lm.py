@@ -111,15 +111,6 @@ def nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
     return float((log_norm - z[np.arange(len(z)), ids[1:]]).sum()), len(z)
 
 
-def perplexity(logits: list[np.ndarray], rows: list[np.ndarray]) -> float:
-    """Teacher-forced perplexity over ``rows`` from each row's ``[n, vocab]`` logits."""
-    total, count = 0.0, 0
-    for z, row in zip(logits, rows):
-        s, n = nll(z, row)
-        total, count = total + s, count + n
-    return math.exp(total / count)
-
-
 def greedy_continuation(model, prompt: np.ndarray, steps: int) -> list[int]:
     """The float model's ``steps`` greedy tokens after ``prompt`` (the whole sequence recomputed each
     step)."""
@@ -287,12 +278,22 @@ def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) ->
 
     max_ppl_increase, min_token_agreement, max_parity_diff, max_rms_ratio = thresholds
 
-    logits = {
-        "float": [torch_logits(float_model, r[None])[0] for r in rows],
-        "fake_quant": [torch_logits(fake, r[None])[0] for r in rows],
-        "graph": [deployed.logits(r[None])[0] for r in rows],
-    }
-    ppl = {k: perplexity(v, rows) for k, v in logits.items()}
+    # teacher-forced perplexities, row by row (a row's logits are [tokens, vocab]: an LLM's are large); the
+    # fake-quant and float logits of the rows decode parity reads are kept for lm.rms_ratio
+    parity_rows = max(1, min(4, len(rows)))
+    sums, kept = {k: [0.0, 0] for k in ("float", "fake_quant", "graph")}, []
+    for i, row in enumerate(rows):
+        z = {
+            "float": torch_logits(float_model, row[None])[0],
+            "fake_quant": torch_logits(fake, row[None])[0],
+            "graph": deployed.logits(row[None])[0],
+        }
+        for k, v in z.items():
+            s, n = nll(v, row)
+            sums[k][0], sums[k][1] = sums[k][0] + s, sums[k][1] + n
+        if i < parity_rows:
+            kept.append((z["fake_quant"], z["float"]))
+    ppl = {k: math.exp(s / n) for k, (s, n) in sums.items()}
     increase = ppl["graph"] / ppl["float"] - 1.0
 
     agree, total, divergence = 0, 0, []
@@ -314,12 +315,12 @@ def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) ->
     # fidelity.rms_ratio measures a graph without a KV cache; perplexity and agreement alone passed a graph
     # whose logits were scaled by 0.7
     fid, qerr = PairStats(), PairStats()
-    for k, row in enumerate(rows[: max(1, min(4, len(rows)))]):
+    for k, (row, (fq, fl)) in enumerate(zip(rows, kept)):
         half = max(1, len(row) // 2)
         a = exact.stepwise_logits(row[None], half)
         b = exact.logits(row[None])
-        fid.add(b[0], logits["fake_quant"][k])
-        qerr.add(logits["fake_quant"][k], logits["float"][k])
+        fid.add(b[0], fq)
+        qerr.add(fq, fl)
         r = np.abs(a - b).max(-1)[0] / max(float(np.abs(b).max()), 1e-30)  # per position
         r = np.where(np.isfinite(r), r, np.inf)
         per_position.extend(r[half:].tolist())
@@ -380,7 +381,7 @@ def _measure(deployed, exact, float_model, fake, rows, steps, t0, thresholds) ->
             "positions_beyond_threshold": int(moved),
             "positions": len(per_position),
             "where": where,
-            "sequences": min(4, len(rows)),
+            "sequences": parity_rows,
         },
         num_sequences=len(rows),
         seconds=time.perf_counter() - t0,
