@@ -25,11 +25,11 @@ def padding_mask(batch) -> np.ndarray | None:
     return m.astype(bool)
 
 
-def real_positions(mask: np.ndarray | None, outputs: list):
+def real_positions(mask: np.ndarray | None, outputs: list | None):
     """Each per-token output (``(batch, tokens, ...)``, 3-D or more, its first two axes the mask's) at the
     real tokens only, as ``(real tokens, ...)``; other outputs (pooled, per sample) and ``None`` as they are.
-    Tensors or arrays, returned as given."""
-    if mask is None:
+    Tensors or arrays, returned as given (``outputs`` None: None, a session that did not run)."""
+    if mask is None or outputs is None:
         return outputs
     keep = torch.from_numpy(mask)
     out = []

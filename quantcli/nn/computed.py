@@ -519,8 +519,8 @@ class ComputedLayer(QuantMixin):
             return False
         if kind == "linear":
             return True
-        unit = kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
-        return kind in ("mm", "matmul", "addmm") and self.weight_axis == 1 and w.dim() == 2 and unit
+        in_out = kind in ("mm", "matmul", "addmm") and self.weight_axis == 1 and w.dim() == 2
+        return in_out and _unscaled(kwargs)
 
 
 def _gemm_bias(kind: str, x, kwargs: dict) -> bool:
@@ -528,8 +528,13 @@ def _gemm_bias(kind: str, x, kwargs: dict) -> bool:
     codes: a convolution, ``F.linear`` of a 2-D input, ``torch.addmm(b, x, W)`` without ``beta`` or ``alpha``
     (onnxruntime fuses ``Gemm`` into ``QGemm`` only with an int32 bias; with a float one it stays float)."""
     if kind == "addmm":
-        return kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
+        return _unscaled(kwargs)
     return kind == "conv" or (kind == "linear" and x.dim() == 2)
+
+
+def _unscaled(kwargs: dict) -> bool:
+    """``torch.addmm``'s ``beta`` and ``alpha`` (keyword-only) left at 1: the product plus the bias."""
+    return kwargs.get("beta", 1) == 1 and kwargs.get("alpha", 1) == 1
 
 
 _CLASSES: dict[tuple, type] = {}

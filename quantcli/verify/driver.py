@@ -284,9 +284,7 @@ class _Comparison:
                     )
         # per-token outputs at real tokens only: padding's values are never read, and differ at random
         mask = padding_mask(batch)
-        ref, flt = real_positions(mask, ref), real_positions(mask, flt)
-        got = real_positions(mask, got) if got is not None else None
-        deployed = real_positions(mask, deployed) if deployed is not None else None
+        ref, flt, got, deployed = (real_positions(mask, o) for o in (ref, flt, got, deployed))
         for k, n in enumerate(self.out_names):
             self.qerr[n].add(ref[k], flt[k])
             if got is not None:
