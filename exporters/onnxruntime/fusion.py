@@ -90,10 +90,18 @@ class FusionReport:
     needs: compat.SessionNeeds = field(default_factory=compat.SessionNeeds)  # for exact results (compat)
     # float layers (no weight quantizer) onnxruntime quantizes itself: :func:`runtime_quantized_layers`
     runtime_quantized: list[LayerFusion] = field(default_factory=list)
+    _graph: onnx.ModelProto | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def unfused(self) -> list[LayerFusion]:
         return [r for r in self.layers if not r.fused]
+
+    def graph(self) -> onnx.ModelProto:
+        """The graph inspected, read once (its external data left on disk): what placement's rules that
+        look at a layer's neighbours read."""
+        if self._graph is None:
+            self._graph = onnx.load(self.path, load_external_data=False)
+        return self._graph
 
     def to_dict(self) -> dict:
         return {

@@ -44,7 +44,7 @@ import onnx
 import torch
 from torch import nn
 
-from exporters.graph import quantizer_map
+from exporters.graph import consumer_map, quantizer_map
 from exporters.onnx_export import export_onnx
 from exporters.onnxruntime import kernel_costs
 from exporters.onnxruntime.fusion import FusionReport, inspect_fusion
@@ -307,10 +307,7 @@ def maxpool_readers(graph: onnx.ModelProto, node: str) -> set[str]:
     the int8 ``graph`` reaches through Relu/Clip and Q/DQ read by one node each; empty where it reaches
     none."""
     by_name = {n.name: n for n in graph.graph.node}
-    consumers: dict[str, list[onnx.NodeProto]] = {}
-    for n in graph.graph.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
+    consumers = consumer_map(graph)
     named = quantizer_map(graph)
     n = by_name.get(node)
     while n is not None and n.output:
@@ -346,7 +343,7 @@ def keep_pools(decisions: list[LayerDecision], report: FusionReport) -> list[Lay
     fused = [d.layer for d in decisions if d.decision == FLOAT and d.fused]  # kept float for speed
     if not fused:
         return decisions
-    graph = onnx.load(report.path, load_external_data=False)
+    graph = report.graph()
     nodes = {lf.layer: lf.node for lf in report.layers}
     pooled = {layer for layer in fused if layer in nodes and maxpool_readers(graph, nodes[layer]) - floats}
     why = "keeping it float would run the MaxPool after it on uint8 codes in NCHW layout"
@@ -394,7 +391,7 @@ def stem_layers(decisions: list[LayerDecision], report: FusionReport) -> set[str
     floats = [d for d in decisions if d.decision == FLOAT]
     if not floats:
         return set()
-    graph = onnx.load(report.path, load_external_data=False)
+    graph = report.graph()
     nodes = {lf.layer: lf.node for lf in report.layers}
     return {d.layer for d in floats if d.layer in nodes and is_stem(graph, nodes[d.layer], d.quantizers)}
 
