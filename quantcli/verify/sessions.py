@@ -137,17 +137,18 @@ def _fixed_size_remedy(name: str, graph_shape: list, shape: tuple[int, ...], flo
         return ""
     fixed = [a for a, (d, s) in enumerate(zip(graph_shape, shape)) if isinstance(d, int) and d != s]
     last = len(shape) - 1
-    if floating and len(shape) == 2 and last in fixed:  # (N, F): a Linear's features
-        return (
-            f"; the last axis of a 2-D float input is its features, which the model's weights fix at "
-            f"{graph_shape[last]}, not a size to export as dynamic: check the data's feature count and layout"
-        )
     if floating and len(shape) == 3 and fixed == [last]:  # (N, L, F) features, or (N, C, L) a length
         return (
             f"; the last axis of a 3-D float input is either its features (N, L, F: a Linear's, which the "
             f"model's weights fix at {graph_shape[last]}: check the data's feature count and layout) or its "
             f"length (N, C, L: a Conv1d's, which the graph fixed: export it again with `quantcli export ... "
             f"--dynamic-dim {name}={last}` to run it at other lengths)"
+        )
+    if floating and len(shape) in (2, 3) and last in fixed:  # (N, F) or (N, L, F): a Linear's features
+        return (
+            f"; the last axis of a {len(shape)}-D float input is its features, which the model's weights fix "
+            f"at {graph_shape[last]}, not a size to export as dynamic: check the data's feature count and "
+            "layout"
         )
     if len(shape) in (4, 5) and 1 in fixed:  # an image's (or volume's) channels: the weights fix them
         return (
