@@ -247,10 +247,9 @@ from quantcli.calibration.calibrate import calibrate
 from quantcli.nn import quantize_model
 from sample_models.structured import resnet_batches, resnet_cnn
 pool = resnet_batches(256, 32)  # the same 8 batches in memory whatever the sample count: data cannot grow
-def batches(n):
-    for i in range(n // 32):
-        x = pool[i % len(pool)]["x"]
-        yield {{"x": x if (i // len(pool)) % 2 == 0 else x.flip(-1)}}
+flipped = [{{"x": b["x"].flip(-1)}} for b in pool]
+def batches(n):  # a list (calibrate takes one) of references to those 16 batches
+    return [(pool if (i // len(pool)) % 2 == 0 else flipped)[i % len(pool)] for i in range(n // 32)]
 kept = []
 if {leak}:  # the control: a calibrator that keeps every batch it sees, as a buggy one would
     from calibrators import HistogramCalibrator, MaxCalibrator
