@@ -36,10 +36,17 @@ def batch_min_max(seen: torch.Tensor, x: torch.Tensor, host: HostMinMax):
 
 def max_abs(x: torch.Tensor, axes: tuple[int, ...] = ()) -> torch.Tensor:
     """``max |x|`` over every axis but ``axes`` (sorted, non-negative), float32 with the rank kept (0-d when
-    ``axes`` is empty): what :class:`MaxCalibrator` gives for a single batch ``x``, in one reduction per
-    tensor (an ``aminmax``) or two per axis (an ``amin`` and an ``amax``: on the CPU ``aminmax`` along a
-    dimension is 5-10x slower than both), reading nothing on the host. A NaN or inf in ``x`` makes its
-    slice's value non-finite."""
+    ``axes`` is empty): what :class:`MaxCalibrator` gives for a single batch ``x``, reading nothing on the
+    host. A NaN or inf in ``x`` makes its slice's value non-finite. On a device one reduction (the infinity
+    norm: one kernel, where the CPU's path launches three to five); on the CPU, where that norm is 20-30x
+    slower, an ``aminmax`` per tensor or an ``amin`` and an ``amax`` per axis (``aminmax`` along a dimension
+    is 5-10x slower than both)."""
+    if x.device.type != "cpu" and x.numel():
+        reduce = tuple(d for d in range(x.dim()) if d not in axes)
+        if not reduce:
+            return x.abs().to(torch.float32)
+        top = torch.linalg.vector_norm(x, float("inf"), dim=reduce, keepdim=bool(axes))
+        return top.to(torch.float32)  # (exact: one of the values)
     if not axes:
         lo, hi = torch.aminmax(x)
     else:

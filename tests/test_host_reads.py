@@ -108,15 +108,18 @@ def test_weights_cost_a_reduction_each(device_path):
     [((5, 3, 3, 3), None), ((5, 3, 3, 3), 0), ((6, 4), 0), ((4, 6), 1), ((5, 3, 2), (0, 2)), ((7,), 0)],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_max_abs_is_numpys_max_of_abs(shape, axis, dtype):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_max_abs_is_numpys_max_of_abs(shape, axis, dtype, device):
+    """On the CPU amin and amax, on a GPU the infinity norm: numpy's max of abs either way."""
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(shape, generator=g) * 3).to(dtype)
     axes = () if axis is None else (axis,) if isinstance(axis, int) else axis
     reduce = tuple(d for d in range(len(shape)) if d not in axes)
     want = np.abs(x.to(torch.float32).numpy()).max(axis=reduce, keepdims=bool(axes))
+    x = x.to(device)
     got = max_abs(x, axes)
     assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
-    assert np.array_equal(got.numpy(), want)
+    assert np.array_equal(got.cpu().numpy(), want)
     x.view(-1)[4] = float("nan")
     assert not torch.isfinite(max_abs(x, axes)).all()
 

@@ -22,6 +22,7 @@ from calibrators.auto import InputSample, choose
 from calibrators.base import refuse_nonfinite
 from calibrators.batched import search_histograms, search_ranges
 from calibrators.distributed import merge_calibrators, world_size
+from calibrators.folding import fold_together
 from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
 from calibrators.scratch import release as release_scratch
 from calibrators.shared import shared_observations, shared_searches
@@ -286,6 +287,7 @@ def _activation_amax(
     # equal histograms (q/k/v of one input) search amax once; every calibrator's non-finite batches and every
     # amax are checked all at once (on a GPU, no synchronisation per quantizer)
     with one_outcome(group), shared_searches(), checked_together():
+        fold_together(part for c in cals for part in c.parts())  # a few operations for all, not a dozen each
         refuse_nonfinite(cals)
         _load_activation_amax(qs, acts, method, kwargs, summary, auto)
     for name, n_calls in calls.items():
