@@ -63,3 +63,21 @@ def calibration_ops(model, batches: list, method: str, device: str = "cpu") -> C
     return CalibrationOps(
         (calibrating - plain.count) / (len(observing) * n), len(observing), n, calibrating, plain.count
     )
+
+
+def searches_not_counted(monkeypatch, counter) -> None:
+    """While ``calibrate()``'s histogram searches run, ``counter.paused`` is True: their operations and reads
+    are per chunk of histogram rows, not per quantizer, and a test of what calibrating costs per quantizer
+    leaves them out."""
+    from quantcli.calibration import calibrate as calibrate_module
+
+    search_all = calibrate_module._search_all
+
+    def paused(*args, **kwargs):
+        counter.paused = True
+        try:
+            return search_all(*args, **kwargs)
+        finally:
+            counter.paused = False
+
+    monkeypatch.setattr(calibrate_module, "_search_all", paused)

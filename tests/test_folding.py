@@ -23,7 +23,7 @@ from quantcli.calibration import calibrate as calibrate_module
 from quantcli.calibration.calibrate import calibrate
 from quantcli.errors import CalibrationError
 from quantcli.nn import quantizers
-from tests.dispatch import OpCounter
+from tests.dispatch import OpCounter, searches_not_counted
 
 #: operations that make a view or read metadata: no kernel on a GPU
 VIEWS = {"view", "select", "slice", "detach", "unbind", "split", "expand", "alias", "_unsafe_view", "t"}
@@ -104,16 +104,7 @@ def _end_kernels(method: str, depth: int, monkeypatch) -> int:
     """Operations that launch a kernel after the last batch of ``depth`` convolutions' calibration (the
     searches not counted: theirs are per chunk of rows, not per quantizer)."""
     kernels = KernelOps()
-    search_all = calibrate_module._search_all
-
-    def searches_not_counted(*args, **kwargs):
-        kernels.paused = True
-        try:
-            return search_all(*args, **kwargs)
-        finally:
-            kernels.paused = False
-
-    monkeypatch.setattr(calibrate_module, "_search_all", searches_not_counted)
+    searches_not_counted(monkeypatch, kernels)
     batches = _batches()
 
     def progress(i):

@@ -31,7 +31,7 @@ from quantcli.nn import quantizers
 from quantcli.nn.amax_checks import amax_span, checked_together
 from quantcli.nn.tensor_quantizer import TensorQuantizer
 from quantcli.quant.descriptor import QuantDescriptor
-from tests.dispatch import OpCounter
+from tests.dispatch import OpCounter, searches_not_counted
 
 
 class HostReads(TorchDispatchMode):
@@ -74,16 +74,7 @@ def _batches(count=3):
 @pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
 def test_calibrate_reads_nothing_per_quantizer_outside_the_searches(method, device_path, monkeypatch):
     reads = HostReads()
-    search_all = calibrate_module._search_all
-
-    def searches_not_counted(*args, **kwargs):
-        reads.paused = True
-        try:
-            return search_all(*args, **kwargs)
-        finally:
-            reads.paused = False
-
-    monkeypatch.setattr(calibrate_module, "_search_all", searches_not_counted)
+    searches_not_counted(monkeypatch, reads)
     model = _model()
     with reads:
         summary = calibrate(model, _batches(), method, device="cpu")
