@@ -94,25 +94,39 @@ def _stacked(group: list, part: int) -> torch.Tensor:
 
 def _fold_max(group: list, batches: list[int]) -> None:
     lo, hi = _stacked(group, 0), _stacked(group, 1)
-    batch = torch.maximum(-lo, hi).to(torch.float32)  # (C, K, *amax shape)
-    _note_first_nonfinite(group, torch.isfinite(batch.view(*batch.shape[:2], -1)).all(2), batches)
-    amax = batch.amax(1)
-    for i, c in enumerate(group):
+    for c in group:
         c._pending.take()
-        m = amax[i].view(c._kept_shape)
-        if c._amax is None:
-            c._amax = m
-        else:
-            c._amax = torch.maximum(c._amax.to(m.device), m)
-            c._amax_np = None
+    fold_extremes(group, lo, hi, batches)
 
 
 def _fold_min_max(group: list, batches: list[int]) -> None:
-    lo, hi = _stacked(group, 0).to(torch.float32), _stacked(group, 1).to(torch.float32)  # (C, K)
+    lo, hi = _stacked(group, 0), _stacked(group, 1)
+    for c in group:
+        c._pending.take()
+    fold_extremes(group, lo, hi, batches)
+
+
+def fold_extremes(group: list, lo: torch.Tensor, hi: torch.Tensor, batches: list[int]) -> None:
+    """Fold ``(C, K, *shape)`` per-batch minima ``lo`` and maxima ``hi`` (any float dtype) of batches
+    ``batches`` into ``group``, calibrators of one kind (:class:`MaxCalibrator` or :class:`MinMaxCalibrator`),
+    row ``i`` into ``group[i]``, as each one's own fold of those batches would (its batch count is the
+    caller's)."""
+    if isinstance(group[0], MaxCalibrator):
+        batch = torch.maximum(-lo, hi).to(torch.float32)  # (C, K, *amax shape)
+        _note_first_nonfinite(group, torch.isfinite(batch.reshape(*batch.shape[:2], -1)).all(2), batches)
+        amax = batch.amax(1)
+        for i, c in enumerate(group):
+            m = amax[i].view(c._kept_shape)
+            if c._amax is None:
+                c._amax = m
+            else:
+                c._amax = torch.maximum(c._amax.to(m.device), m)
+                c._amax_np = None
+        return
+    lo, hi = lo.to(torch.float32), hi.to(torch.float32)  # (C, K)
     _note_first_nonfinite(group, torch.isfinite(lo) & torch.isfinite(hi), batches)
     lows, highs = lo.amin(1), hi.amax(1)
     for i, c in enumerate(group):
-        c._pending.take()
         if c._min is None:
             c._min, c._max = lows[i], highs[i]
         else:

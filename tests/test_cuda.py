@@ -7,6 +7,7 @@ import torch
 
 from quantcli import fake_tensor_quant, quantize_model
 from quantcli.calibration.calibrate import calibrate
+from quantcli.errors import CalibrationError
 from quantcli.nn import TensorQuantizer, quantizers
 from quantcli.quant import arithmetic, tensor_quant
 from quantcli.quant.tensor_quant import fake_affine_tensor_quant
@@ -360,3 +361,89 @@ def test_calibrate_synchronizes_a_few_times_per_call_not_per_quantizer(method):
     syncs = [w for w in seen if "synchroniz" in str(w.message)]
     assert len(summary.calibrated) >= 26
     assert len(syncs) <= 16, [str(w.message) for w in syncs[:5]]
+
+
+# ---------------------------------------------------------------------- the observing pass as a CUDA graph
+
+
+def _graph_workload(name: str):
+    """A quantized model on the GPU and batches of one shape: digits_cnn (its 8 calibration batches), or a
+    small BERT-shaped encoder (6 of 4 x 32 tokens; asymmetric activations: min and max under entropy too)."""
+    g = torch.Generator().manual_seed(0)
+    if name == "digits_cnn":
+        from quantcli.inputs.loading import load_model
+        from sample_models import digits_cnn
+
+        model = quantize_model(load_model("digits_cnn")[0])
+        batches = [{k: v.cuda() for k, v in b.items()} for b in digits_cnn.calibration_batches()]
+    else:
+        from benchmarks.sized_models import BertBaseLike
+
+        torch.manual_seed(0)
+        model = quantize_model(BertBaseLike(0.25).eval())
+        batches = [{"input_ids": torch.randint(0, 1000, (4, 32), generator=g).cuda()} for _ in range(6)]
+    return model.cuda(), batches
+
+
+@pytest.mark.parametrize("name, method", [("digits_cnn", "max"), ("bert", "max"), ("bert", "entropy")])
+def test_a_replayed_cuda_graph_calibrates_as_batch_by_batch(name, method):
+    import copy
+
+    from tests.dispatch import OpCounter
+
+    model, batches = _graph_workload(name)
+    alone = copy.deepcopy(model)
+    ops, marks = OpCounter(), []
+    with ops:
+        s1 = calibrate(model, batches, method, device="cuda", progress=lambda i: marks.append(ops.count))
+    s2 = calibrate(alone, batches, method, device="cuda", cuda_graph=False)
+    assert s1.graph_replays == len(batches) - 1 and s2.graph_replays == 0
+    # a replayed batch dispatches the copy of its inputs and nothing else from Python
+    assert (marks[-1] - marks[1]) / (len(batches) - 2) <= len(batches[0]), marks
+    got, want = quantizers(model), quantizers(alone)
+    for n, q in want.items():
+        for attr in ("amax", "amin"):
+            if getattr(q, attr, None) is not None:
+                # the replayed kernels are the captured ones: equal up to a GPU library's choice of algorithm
+                torch.testing.assert_close(getattr(got[n], attr), getattr(q, attr), rtol=1e-6, atol=0, msg=n)
+
+
+class _ReadsBack(torch.nn.Module):
+    """A forward pass that reads a value back to the host: it cannot be captured."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        if float(x.abs().max()) > 1e30:
+            x = x * 0
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def test_a_pass_that_cannot_be_captured_is_observed_batch_by_batch():
+    import copy
+
+    torch.manual_seed(0)
+    model = quantize_model(_ReadsBack().eval()).cuda()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(5, 8, generator=g).cuda()} for _ in range(6)]
+    alone = copy.deepcopy(model)
+    s1 = calibrate(model, batches, "max", device="cuda")
+    s2 = calibrate(alone, batches, "max", device="cuda", cuda_graph=False)
+    assert s1.graph_replays == 0 and s1.num_batches == s2.num_batches == 6
+    for n, q in quantizers(alone).items():
+        if q.amax is not None:
+            assert torch.equal(quantizers(model)[n].amax, q.amax), n
+    # the device is fine afterwards: a graph of another model captures and replays
+    again, batches = _graph_workload("digits_cnn")
+    assert calibrate(again, batches, "max", device="cuda").graph_replays == len(batches) - 1
+
+
+def test_a_non_finite_batch_in_a_replayed_graph_is_refused_by_its_number():
+    model, batches = _graph_workload("digits_cnn")
+    batches[3] = {k: v.clone() for k, v in batches[3].items()}
+    name = next(iter(batches[3]))
+    batches[3][name].view(-1)[7] = float("nan")
+    with pytest.raises(CalibrationError, match="calibration batch 3"):
+        calibrate(model, batches, "max", device="cuda")

@@ -28,6 +28,7 @@ from calibrators.scratch import release as release_scratch
 from calibrators.shared import shared_observations, shared_searches
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from quantcli import defaults
+from quantcli.calibration import cuda_graph
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.inputs.data import Batch, checked_batches, num_samples, run_model, to_device
@@ -62,6 +63,8 @@ class CalibrationSummary:
     min_max: list[str] = field(default_factory=list)
     # activation quantizers whose every amax is 0: they saw only zeros, so their inputs quantize to 0
     zero_amax: list[str] = field(default_factory=list)
+    # batches observed by replaying a CUDA graph of the observing pass (quantcli.calibration.cuda_graph)
+    graph_replays: int = 0
 
     def to_dict(self) -> dict:
         return {
@@ -83,6 +86,7 @@ class CalibrationSummary:
             **({"auto": self.auto} if self.auto else {}),
             "min_max": self.min_max,
             "zero_amax": self.zero_amax,
+            "graph_replays": self.graph_replays,
         }
 
     def method_ignored_by(self) -> list[str]:
@@ -122,6 +126,7 @@ def calibrate(
     progress: Callable[[int], None] | None = None,
     group=None,
     dtype: str | torch.dtype | None = None,
+    cuda_graph: bool = True,
 ) -> CalibrationSummary:
     """Calibrate every enabled, static quantizer of a quantized ``model`` in place.
 
@@ -148,6 +153,10 @@ def calibrate(
             model's own. The floating inputs are cast to it too. Statistics are float32 either way, and the
             weights (calibrated before, from the model's own), their amax and every tensor of the model are
             exactly as they were afterwards: only the activation amax reflect the half-precision run.
+        cuda_graph: on a GPU, where every observing quantizer keeps a per-tensor min and max (``max``) and the
+            batches have one shape, observe the batches after the first by replaying a CUDA graph of the pass
+            (:mod:`quantcli.calibration.cuda_graph`; the same amax bit for bit); ``False`` observes each batch
+            by running the model.
     """
     ranks = world_size(group)
     t0 = time.perf_counter()
@@ -167,8 +176,9 @@ def calibrate(
         # aside, so the pass costs a forward plus the observers and nothing else
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
             with running_in(model, compute):
+                graphed = _graphed_pass(model, batches, acts, counted, dev, ranks == 1 and cuda_graph)
                 total_batches, total_samples, calls = _observe_activations(
-                    model, batches, dev, counted, progress, group, compute
+                    model, batches, dev, counted, progress, group, compute, graphed
                 )
             summary = CalibrationSummary(
                 method,
@@ -177,6 +187,7 @@ def calibrate(
                 total_samples,
                 settings={"percentile": percentile, "num_bins": num_bins},
                 ranks=ranks,
+                graph_replays=graphed.replays if graphed is not None else 0,
             )
             _activation_amax(qs, acts, calls, method, {"percentile": percentile}, summary, auto, group)
     finally:
@@ -240,6 +251,16 @@ def _weight_only(qs: dict) -> dict:
     return out
 
 
+def _graphed_pass(model: nn.Module, batches, acts: dict, counted: dict, dev: torch.device, wanted: bool):
+    """The CUDA graph the batches after the first are observed by, where the calibration qualifies
+    (:func:`quantcli.calibration.cuda_graph.plan`); else ``None``."""
+    if not wanted or not cuda_graph.plan(batches, acts, counted, dev, alone=True):
+        return None
+    return cuda_graph.GraphedPass(
+        acts, lambda b: run_model(model, b, where="the captured calibration pass"), len(batches)
+    )
+
+
 def _observe_activations(
     model: nn.Module,
     batches: Sequence[Batch],
@@ -248,9 +269,11 @@ def _observe_activations(
     progress: Callable[[int], None] | None,
     group,
     compute: torch.dtype | None = None,
+    graphed: cuda_graph.GraphedPass | None = None,
 ) -> tuple[int, int, dict[str, int]]:
-    """The observing pass over this rank's batches (floating inputs cast to ``compute`` where given). Returns
-    (batches, samples, calls of each ``counted`` quantizer), summed over every rank."""
+    """The observing pass over this rank's batches (floating inputs cast to ``compute`` where given), the
+    batches after the first replayed as ``graphed`` where given and it can be captured. Returns (batches,
+    samples, calls of each ``counted`` quantizer), summed over every rank."""
     seen = [0, 0]  # batches, samples
     with one_outcome(group), torch.inference_mode(), count_calls(counted) as calls:
         for i, batch in enumerate(batches):
@@ -258,16 +281,33 @@ def _observe_activations(
                 batch = to_device(batch, dev)
             if compute is not None:
                 batch = {k: v.to(compute) if v.is_floating_point() else v for k, v in batch.items()}
-            with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
-                run_model(model, batch, where=f"calibration batch {i}")
+            if graphed is not None and i == 1 and not _captured(graphed, batch):
+                graphed = None  # observed batch by batch
+            if graphed is not None and i > 0:
+                graphed.replay(batch)
+            else:
+                with shared_observations():  # q/k/v-style quantizers of one tensor observe it once
+                    run_model(model, batch, where=f"calibration batch {i}")
             seen[0] += 1
             seen[1] += num_samples([batch])
             if progress is not None:
                 progress(i)
+    if graphed is not None:
+        graphed.finish(first_batch=1)
     total_batches, total_samples, *dynamic_calls = sum_over_ranks(seen + list(calls.values()), group)
     if total_batches == 0:
         raise CalibrationError("no calibration batches on any rank")
     return total_batches, total_samples, dict(zip(calls, dynamic_calls))
+
+
+def _captured(graphed: cuda_graph.GraphedPass, batch: Batch) -> bool:
+    """Capture the observing pass on ``batch``'s inputs; False where it cannot be (an operation that reads
+    back to the host, a quantizer called twice): nothing was observed then."""
+    try:
+        graphed.capture(batch)
+    except (RuntimeError, QuantCliError, cuda_graph.CaptureRefused):
+        return False
+    return True
 
 
 def _activation_amax(

@@ -77,6 +77,7 @@ class CalibrationRequest:
     num_samples: int | None = None
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE  # what the observing pass computes in (quantcli.calibration.calibrate)
+    cuda_graph: bool = True  # on a GPU, batches after the first replayed as a CUDA graph where they qualify
     out: Path | None = None
     trust_pickle: bool = False
     pooling: str = defaults.POOLING
@@ -210,6 +211,7 @@ class CalibrationJob:
             device=device,
             progress=progress,
             dtype=r.dtype,
+            cuda_graph=r.cuda_graph,
         )
         if r.weight_method == "gptq":  # rounds within the calibrated grid, on the device calibration used
             from quantcli.calibration.weight_rounding import gptq

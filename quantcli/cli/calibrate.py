@@ -87,6 +87,15 @@ def calibrate(
             "keeps the model's own weights.",
         ),
     ] = ComputeDtype(defaults.DTYPE),
+    cuda_graph: Annotated[
+        bool,
+        typer.Option(
+            "--cuda-graph/--no-cuda-graph",
+            help="On a GPU, observe the batches after the first by replaying a CUDA graph of the pass, where "
+            "every observing quantizer keeps a min and max (method max) and the batches have one shape; the "
+            "same amax. --no-cuda-graph runs the model for every batch.",
+        ),
+    ] = True,
     out_path: Annotated[
         Optional[Path],
         typer.Option("--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
@@ -223,6 +232,7 @@ def calibrate(
         num_samples=num_samples,
         device=device,
         dtype=dtype.value,
+        cuda_graph=cuda_graph,
         out=out_path,
         trust_pickle=trust_pickle,
         pooling=pooling,

@@ -1,0 +1,193 @@
+"""The observing pass replayed as a CUDA graph (:mod:`quantcli.calibration.cuda_graph`, issue 38): what it
+records, where it applies and where it steps aside, run on the CPU with the graph's capture replaced by
+running the captured step again at each replay (what the recorded kernels do); tests/test_cuda.py captures
+real graphs.
+
+Every calibration is compared with the same calibration observed batch by batch (``cuda_graph=False``): the
+amax and amin bit for bit, the refusals word for word."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+import calibrators.scratch as scratch
+from quantcli import quantize_model
+from quantcli.calibration import cuda_graph
+from quantcli.calibration.calibrate import calibrate
+from quantcli.errors import CalibrationError
+from quantcli.nn import quantizers
+
+
+class _Replayed:
+    """A capture's stand-in: each replay runs the captured step, with the slots in as when it was captured."""
+
+    def __init__(self, owner: cuda_graph.GraphedPass) -> None:
+        self.owner = owner
+
+    def replay(self) -> None:
+        with self.owner._slots_in():
+            self.owner._step()
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """The device path on the CPU (batches kept and folded, as on a GPU), the CPU taken for a CUDA device by
+    :func:`cuda_graph.plan`, and captures replaced by :class:`_Replayed`."""
+    monkeypatch.setattr(scratch, "HOST_READ", set())
+    plan = cuda_graph.plan
+    monkeypatch.setattr(
+        cuda_graph, "plan", lambda b, o, c, dev, alone: plan(b, o, c, torch.device("cuda"), alone)
+    )
+    monkeypatch.setattr(cuda_graph, "_side_stream", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(cuda_graph, "_capture", lambda step, dev: _Replayed(step.__self__))
+
+
+class _Net(torch.nn.Module):
+    """Two convolutions and a classifier; ``signed``: GELUs only (every input has negative values: each
+    asymmetric quantizer keeps its min and max under entropy too)."""
+
+    def __init__(self, reuse: bool = False, signed: bool = False):
+        super().__init__()
+        self.reuse, self.signed = reuse, signed
+        self.a = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.b = torch.nn.Conv2d(8, 8, 3, padding=1)
+        self.head = torch.nn.Linear(8 * 6 * 6, 4)
+
+    def forward(self, x):
+        y = torch.nn.functional.gelu(self.a(x))
+        act = torch.nn.functional.gelu if self.signed else torch.relu
+        y = act(self.b(y))
+        if self.reuse:  # one layer twice per pass: its quantizer observes two tensors a batch
+            y = act(self.b(y))
+        return self.head(y.flatten(1))
+
+
+def _model(reuse=False, asymmetric=False):
+    torch.manual_seed(0)
+    config = {"asymmetric_activations": True} if asymmetric else None
+    return quantize_model(_Net(reuse, signed=asymmetric).eval(), config)
+
+
+def _batches(count=6, nan_at=None, shapes=None):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for b in range(count):
+        n = shapes[b] if shapes else 2
+        out.append({"x": torch.randn(n, 3, 6, 6, generator=g) * (1 + b % 3)})
+    if nan_at is not None:
+        out[nan_at]["x"][1, 0, 2, 2] = float("nan")
+    return out
+
+
+def _state(model) -> dict:
+    return {
+        f"{n}.{a}": getattr(q, a)
+        for n, q in quantizers(model).items()
+        for a in ("amax", "amin")
+        if getattr(q, a, None) is not None
+    }
+
+
+def _both(model, batches, method="max"):
+    """(replayed, batch by batch): the summaries and the states."""
+    alone = copy.deepcopy(model)
+    s1 = calibrate(model, batches, method, device="cpu")
+    s2 = calibrate(alone, batches, method, device="cpu", cuda_graph=False)
+    return s1, s2, _state(model), _state(alone)
+
+
+@pytest.mark.parametrize(
+    "asymmetric, method",
+    [(False, "max"), (True, "max"), (True, "entropy")],
+    ids=["max", "min_max", "entropy"],
+)
+def test_replayed_batches_give_the_amax_of_batch_by_batch(asymmetric, method, replayed):
+    s1, s2, replayed_state, alone = _both(_model(asymmetric=asymmetric), _batches(), method)
+    assert s1.graph_replays == 5 and s2.graph_replays == 0  # every batch after the first
+    assert s1.num_batches == s2.num_batches == 6
+    assert replayed_state.keys() == alone.keys() and len(alone) >= 3 + 2 * asymmetric
+    for key, value in alone.items():
+        assert torch.equal(replayed_state[key], value), key
+
+
+def test_a_non_finite_replayed_batch_is_refused_by_its_number(replayed):
+    model = _model()
+    with pytest.raises(CalibrationError) as replayed_error:
+        calibrate(copy.deepcopy(model), _batches(nan_at=3), "max", device="cpu")
+    with pytest.raises(CalibrationError) as alone_error:
+        calibrate(model, _batches(nan_at=3), "max", device="cpu", cuda_graph=False)
+    assert "calibration batch 3" in str(replayed_error.value)
+    assert str(replayed_error.value) == str(alone_error.value)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["shapes", "histogram", "few_batches", "reused_layer", "capture_fails"],
+)
+def test_the_batches_are_observed_one_by_one_where_a_graph_does_not_apply(case, replayed, monkeypatch):
+    model, batches, method = _model(), _batches(), "max"
+    if case == "shapes":  # a graph replays one shape
+        batches = _batches(shapes=[2, 2, 3, 2, 2, 2])
+    elif case == "histogram":  # per-batch histograms are kept in Python lists a replay would not update
+        method = "entropy"
+    elif case == "few_batches":
+        batches = _batches(count=cuda_graph.MIN_BATCHES - 1)
+    elif case == "reused_layer":  # the capture sees a quantizer called twice: refused
+        model = _model(reuse=True)
+    else:  # an operation that may not be captured (a read back to the host, on a GPU)
+
+        def refuse(step, dev):
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        monkeypatch.setattr(cuda_graph, "_capture", refuse)
+    s1, s2, replayed_state, alone = _both(model, batches, method)
+    assert s1.graph_replays == 0
+    for key, value in alone.items():
+        assert torch.equal(replayed_state[key], value), key
+    assert s1.to_dict()["graph_replays"] == 0
+
+
+def test_a_graph_records_one_row_per_replay(replayed):
+    """The history: one row per replayed batch, the quantizers' min and max of that batch, in the order the
+    pass calls them."""
+    model = _model()
+    batches = _batches()
+    qs = quantizers(model)
+    acts = {n: q for n, q in qs.items() if n.endswith("input_quantizer")}
+    for q in acts.values():
+        q.start_calibration("max")
+    graphed = cuda_graph.GraphedPass(acts, lambda b: model(**b), len(batches))
+    with torch.inference_mode():
+        for q in qs.values():
+            if q.mode == "quantize":
+                q.set_mode("disabled")
+        graphed.capture(batches[1])
+        for b in batches[1:4]:
+            graphed.replay(b)
+    assert graphed.names == ["a.input_quantizer", "b.input_quantizer", "head.input_quantizer"]
+    assert int(graphed.row) == 3  # a capture records the step without running it; then three replays
+    lo, hi = torch.aminmax(batches[3]["x"])
+    assert graphed.history[2, 0, 0] == lo and graphed.history[2, 1, 0] == hi
+    assert not graphed.history[3:].any()
+
+
+@pytest.mark.parametrize("flag, asked", [(None, True), ("--no-cuda-graph", False)])
+def test_calibrate_cuda_graph_option_reaches_the_plan(flag, asked, tmp_path, monkeypatch):
+    """``quantcli calibrate`` asks whether a graph applies unless ``--no-cuda-graph`` (on this CPU it never
+    does: ``graph_replays`` 0)."""
+    import json
+
+    from tests.helpers import cli
+
+    seen = []
+    plan = cuda_graph.plan
+    monkeypatch.setattr(cuda_graph, "plan", lambda *a, **k: seen.append(a) or plan(*a, **k))
+    args = ["calibrate", "digits_cnn", "--out", tmp_path / "d.calib.pt", "--json", "--num-samples", "128"]
+    r = cli(*args, *([flag] if flag else []))
+    assert r.exit_code == 0, r.output
+    assert bool(seen) == asked
+    assert json.loads(r.stdout)["graph_replays"] == 0
