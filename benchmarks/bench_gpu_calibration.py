@@ -16,7 +16,7 @@ Targets (issue 38): max <= 1.15x and histogram methods <= 1.5x a plain forward p
 BERT-base-shaped models, <= 2x on the decoder and the samples; each entropy/mse search <= 10 ms per quantizer.
 
     python -m benchmarks.bench_gpu_calibration [--device cuda|cpu] [--quick] [--rounds N] [--models a,b]
-        [--methods m,n] [--json FILE]
+        [--methods m,n] [--json FILE] [--cuda-graph]
 
 ``--quick`` shrinks every model and batch (for a CPU: ``--device cpu --quick`` runs in a few minutes); the
 verdicts printed then are of those shapes, not of the issue's.
@@ -135,7 +135,9 @@ def _plain(model, batches) -> float:
     return time.perf_counter() - t
 
 
-def measure(w: Workload, method: str, device: torch.device, quick: bool, rounds: int, model=None) -> dict:
+def measure(
+    w: Workload, method: str, device: torch.device, quick: bool, rounds: int, model=None, cuda_graph=False
+) -> dict:
     """One row: the plain pass and calibrate() alternate ``rounds`` times after one untimed run of each."""
     from quantcli.calibration import calibrate as calibrate_module
     from quantcli.calibration.calibrate import calibrate
@@ -186,7 +188,9 @@ def measure(w: Workload, method: str, device: torch.device, quick: bool, rounds:
             start.record()
         calibrate_module._observe_activations = observing
         try:
-            summary = calibrate(model, batches, method, device=device, progress=progress)
+            summary = calibrate(
+                model, batches, method, device=device, progress=progress, cuda_graph=cuda_graph
+            )
         finally:
             calibrate_module._observe_activations = observe_activations
         sync()
@@ -268,7 +272,9 @@ def cpu_flags() -> str:
     return " ".join(f for f in wanted if f in flags) or "none of avx2/avx512"
 
 
-def run(device: str, quick: bool, rounds: int, models: list[str] | None, methods) -> list[dict]:
+def run(
+    device: str, quick: bool, rounds: int, models: list[str] | None, methods, cuda_graph: bool = False
+) -> list[dict]:
     dev = torch.device(device)
     rows = []
     for name, w in workloads().items():
@@ -278,7 +284,7 @@ def run(device: str, quick: bool, rounds: int, models: list[str] | None, methods
         model = _built(w, dev, quick)
         print(f"{name}: built in {time.perf_counter() - t:.1f} s", flush=True)
         for method in methods:
-            rows.append(measure(w, method, dev, quick, rounds, model))
+            rows.append(measure(w, method, dev, quick, rounds, model, cuda_graph))
             r = rows[-1]  # as it comes: a run cut short by a time limit keeps what it measured
             print(
                 f"  {method}: plain {r['plain ms']} ms, calibrate {r['calibrate ms']} ms, {r['ratio']} "
@@ -320,14 +326,20 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="calibrate with cuda_graph=True (later batches replay a CUDA graph where they qualify)",
+    )
     a = p.parse_args(argv)
     setup_threads(a.threads)
     rounds = a.rounds if a.rounds is not None else (1 if a.quick else 3)
     dev = torch.device(a.device)
-    print(f"calibration vs a plain forward pass on {a.device}{' (--quick shapes)' if a.quick else ''}")
+    graph = ", --cuda-graph" if a.cuda_graph else ""
+    print(f"calibration vs a plain forward pass on {a.device}{' (--quick shapes)' if a.quick else ''}{graph}")
     print(gpu_description(dev), flush=True)
     models = a.models.split(",") if a.models else None
-    rows = run(a.device, a.quick, rounds, models, a.methods.split(","))
+    rows = run(a.device, a.quick, rounds, models, a.methods.split(","), a.cuda_graph)
     print(f"(fastest of {rounds} timed round(s) after an untimed one; batches on the device; synchronised)")
     print(table(rows, COLUMNS))
     if a.json:

@@ -395,8 +395,10 @@ def test_a_replayed_cuda_graph_calibrates_as_batch_by_batch(name, method):
     alone = copy.deepcopy(model)
     ops, marks = OpCounter(), []
     with ops:
-        s1 = calibrate(model, batches, method, device="cuda", progress=lambda i: marks.append(ops.count))
-    s2 = calibrate(alone, batches, method, device="cuda", cuda_graph=False)
+        s1 = calibrate(
+            model, batches, method, device="cuda", progress=lambda i: marks.append(ops.count), cuda_graph=True
+        )
+    s2 = calibrate(alone, batches, method, device="cuda")
     assert s1.graph_replays == len(batches) - 1 and s2.graph_replays == 0
     # a replayed batch dispatches the copy of its inputs and nothing else from Python
     assert (marks[-1] - marks[1]) / (len(batches) - 2) <= len(batches[0]), marks
@@ -429,15 +431,15 @@ def test_a_pass_that_cannot_be_captured_is_observed_batch_by_batch():
     g = torch.Generator().manual_seed(1)
     batches = [{"x": torch.randn(5, 8, generator=g).cuda()} for _ in range(6)]
     alone = copy.deepcopy(model)
-    s1 = calibrate(model, batches, "max", device="cuda")
-    s2 = calibrate(alone, batches, "max", device="cuda", cuda_graph=False)
+    s1 = calibrate(model, batches, "max", device="cuda", cuda_graph=True)
+    s2 = calibrate(alone, batches, "max", device="cuda")
     assert s1.graph_replays == 0 and s1.num_batches == s2.num_batches == 6
     for n, q in quantizers(alone).items():
         if q.amax is not None:
             assert torch.equal(quantizers(model)[n].amax, q.amax), n
     # the device is fine afterwards: a graph of another model captures and replays
     again, batches = _graph_workload("digits_cnn")
-    assert calibrate(again, batches, "max", device="cuda").graph_replays == len(batches) - 1
+    assert calibrate(again, batches, "max", device="cuda", cuda_graph=True).graph_replays == len(batches) - 1
 
 
 def test_a_non_finite_batch_in_a_replayed_graph_is_refused_by_its_number():
@@ -446,4 +448,4 @@ def test_a_non_finite_batch_in_a_replayed_graph_is_refused_by_its_number():
     name = next(iter(batches[3]))
     batches[3][name].view(-1)[7] = float("nan")
     with pytest.raises(CalibrationError, match="calibration batch 3"):
-        calibrate(model, batches, "max", device="cuda")
+        calibrate(model, batches, "max", device="cuda", cuda_graph=True)

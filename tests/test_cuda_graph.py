@@ -3,8 +3,8 @@ records, where it applies and where it steps aside, run on the CPU with the grap
 running the captured step again at each replay (what the recorded kernels do); tests/test_cuda.py captures
 real graphs.
 
-Every calibration is compared with the same calibration observed batch by batch (``cuda_graph=False``): the
-amax and amin bit for bit, the refusals word for word."""
+Every calibration with ``cuda_graph=True`` is compared with the same calibration observed batch by batch (the
+default): the amax and amin bit for bit, the refusals word for word."""
 
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ def _state(model) -> dict:
 def _both(model, batches, method="max"):
     """(replayed, batch by batch): the summaries and the states."""
     alone = copy.deepcopy(model)
-    s1 = calibrate(model, batches, method, device="cpu")
-    s2 = calibrate(alone, batches, method, device="cpu", cuda_graph=False)
+    s1 = calibrate(model, batches, method, device="cpu", cuda_graph=True)
+    s2 = calibrate(alone, batches, method, device="cpu")
     return s1, s2, _state(model), _state(alone)
 
 
@@ -117,9 +117,9 @@ def test_replayed_batches_give_the_amax_of_batch_by_batch(asymmetric, method, re
 def test_a_non_finite_replayed_batch_is_refused_by_its_number(replayed):
     model = _model()
     with pytest.raises(CalibrationError) as replayed_error:
-        calibrate(copy.deepcopy(model), _batches(nan_at=3), "max", device="cpu")
+        calibrate(copy.deepcopy(model), _batches(nan_at=3), "max", device="cpu", cuda_graph=True)
     with pytest.raises(CalibrationError) as alone_error:
-        calibrate(model, _batches(nan_at=3), "max", device="cpu", cuda_graph=False)
+        calibrate(model, _batches(nan_at=3), "max", device="cpu")
     assert "calibration batch 3" in str(replayed_error.value)
     assert str(replayed_error.value) == str(alone_error.value)
 
@@ -175,10 +175,10 @@ def test_a_graph_records_one_row_per_replay(replayed):
     assert not graphed.history[3:].any()
 
 
-@pytest.mark.parametrize("flag, asked", [(None, True), ("--no-cuda-graph", False)])
+@pytest.mark.parametrize("flag, asked", [(None, False), ("--cuda-graph", True), ("--no-cuda-graph", False)])
 def test_calibrate_cuda_graph_option_reaches_the_plan(flag, asked, tmp_path, monkeypatch):
-    """``quantcli calibrate`` asks whether a graph applies unless ``--no-cuda-graph`` (on this CPU it never
-    does: ``graph_replays`` 0)."""
+    """``quantcli calibrate --cuda-graph`` asks whether a graph applies (on this CPU it never does:
+    ``graph_replays`` 0); without it, or with ``--no-cuda-graph``, nothing asks."""
     import json
 
     from tests.helpers import cli

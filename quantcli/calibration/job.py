@@ -77,7 +77,7 @@ class CalibrationRequest:
     num_samples: int | None = None
     device: str = defaults.DEVICE
     dtype: str = defaults.DTYPE  # what the observing pass computes in (quantcli.calibration.calibrate)
-    cuda_graph: bool = True  # on a GPU, batches after the first replayed as a CUDA graph where they qualify
+    cuda_graph: bool = False  # on a GPU, batches after the first replayed as a CUDA graph where they qualify
     out: Path | None = None
     trust_pickle: bool = False
     pooling: str = defaults.POOLING

@@ -93,9 +93,9 @@ def calibrate(
             "--cuda-graph/--no-cuda-graph",
             help="On a GPU, observe the batches after the first by replaying a CUDA graph of the pass, where "
             "every observing quantizer keeps a min and max (method max) and the batches have one shape; the "
-            "same amax. --no-cuda-graph runs the model for every batch.",
+            "same amax. Not yet run on a GPU: off unless given.",
         ),
-    ] = True,
+    ] = False,
     out_path: Annotated[
         Optional[Path],
         typer.Option("--out", help="Calibrated checkpoint to write (default <model>.calib.pt)."),
