@@ -116,7 +116,7 @@ def fold_extremes(group: list, lo: torch.Tensor, hi: torch.Tensor, batches: list
         _note_first_nonfinite(group, torch.isfinite(batch.reshape(*batch.shape[:2], -1)).all(2), batches)
         amax = batch.amax(1)
         for i, c in enumerate(group):
-            m = amax[i].view(c._kept_shape)
+            m = amax[i].view(c._kept_shape if c._kept_shape is not None else amax[i].shape)
             if c._amax is None:
                 c._amax = m
             else:
