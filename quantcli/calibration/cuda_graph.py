@@ -50,8 +50,8 @@ def plan(batches: Sequence[dict], observing: dict, counted: dict, dev: torch.dev
 
 
 class _Slot:
-    """Stands in for a quantizer's calibrator while the pass is captured: keeps the ``aminmax`` of what it is
-    given (the graph's own memory: each replay writes the batch's values there)."""
+    """What one quantizer observed in a pass: the ``aminmax`` of its input (during the capture, tensors in the
+    graph's own memory, which each replay writes the batch's values into) and how often it was called."""
 
     def __init__(self) -> None:
         self.lo: torch.Tensor | None = None
@@ -186,8 +186,8 @@ def _side_stream(dev: torch.device):
 
 
 class _SlotsIn:
-    """Within the block each observing quantizer's calibrator is a :class:`_Slot` (the same one across the
-    block), its own again afterwards."""
+    """Within the block each observing quantizer's calibrator is a :class:`_SlotProxy`, its own again
+    afterwards."""
 
     def __init__(self, owner: GraphedPass) -> None:
         self.owner = owner
