@@ -129,15 +129,7 @@ class Calibrator:
     def _note_finite_rows(self, finite: torch.Tensor, batches: list[int]) -> None:
         """Device: ``finite[i]`` says whether batch ``batches[i]`` was finite; keeps the first that was not on
         the device (no host read)."""
-        bad = ~finite
-        first = torch.argmax(bad.to(torch.uint8))  # the first maximum: the first bad row
-        if batches == list(range(batches[0], batches[0] + len(batches))):
-            index = first + batches[0]
-        else:
-            index = to_device(batches, torch.long, finite.device)[first]
-        if self._bad_batch is None:
-            self._bad_batch = torch.full((), -1, dtype=torch.long, device=finite.device)
-        self._bad_batch = torch.where(bad.any() & (self._bad_batch < 0), index, self._bad_batch)
+        note_first_nonfinite([self], finite.unsqueeze(0), batches)
 
     def _check_ready(self) -> None:
         if self._batches == 0:
@@ -157,6 +149,23 @@ class Calibrator:
         self._batches = 0
         self._bad_batch = None
         self._kept_shape = None
+
+
+def note_first_nonfinite(calibrators: list[Calibrator], finite: torch.Tensor, batches: list[int]) -> None:
+    """``finite[i, k]``: whether calibrator ``calibrators[i]``'s batch ``batches[k]`` was finite; each keeps
+    the first that was not, on the device (no host read), after any it kept from an earlier fold."""
+    bad = ~finite
+    first = torch.argmax(bad.to(torch.uint8), dim=1)  # the first maximum: the first bad row
+    if batches == list(range(batches[0], batches[0] + len(batches))):
+        index = first + batches[0]
+    else:
+        index = to_device(batches, torch.long, finite.device)[first]
+    found = torch.where(bad.any(1), index, -1)
+    for i, c in enumerate(calibrators):
+        if c._bad_batch is None:
+            c._bad_batch = found[i]
+        else:  # kept from an earlier fold: the earlier bad batch stays first
+            c._bad_batch = torch.where(c._bad_batch < 0, found[i], c._bad_batch)
 
 
 def refuse_nonfinite(calibrators: Iterable[Calibrator]) -> None:

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from calibrators import scratch as _scratch
-from calibrators.scratch import CHUNK, generation, persistent, scratch
+from calibrators.scratch import CHUNK, generation, persistent, scratch, to_device
 
 #: device batches kept before their counts are folded into the running histogram
 FOLD_EVERY = 128
@@ -615,49 +615,63 @@ def _exponent(v: torch.Tensor) -> torch.Tensor:
     return torch.frexp(v)[1].to(torch.long)
 
 
-def _scatter(counts: torch.Tensor, dst: torch.Tensor, width: int) -> torch.Tensor:
-    """``(1, width)`` int64: ``counts`` (rows, nb) summed into the bins ``dst`` (rows, nb) of one
-    histogram."""
-    out = torch.zeros(1, width, dtype=torch.long, device=counts.device)
-    return out.scatter_add_(1, dst.view(1, -1), counts.to(torch.long).view(1, -1))
+def _stacked(pendings: list[list], part: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """``(calibrators, pieces, *shape)``: element ``part`` of every pending piece of every calibrator."""
+    return torch.stack([p[part] for pending in pendings for p in pending]).view(
+        len(pendings), len(pendings[0]), *shape
+    )
 
 
-def fold_abs(pending: list, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(counts (1, nb) int64, e (1,) int64, finite (pieces,) bool)``: the pending ``|x|`` counts re-binned
-    onto ``[0, 2**e)``, ``e`` the widest of their ranges, and whether each piece's batch was finite."""
-    counts = torch.stack([p[0] for p in pending])  # (R, nb) float32, exact integers
-    q = torch.stack([p[1] for p in pending]).view(-1)  # (R,) powers of two (0: a zero batch; inf: non-finite)
+def _place(width: int, dst: torch.Tensor, counts: torch.Tensor, column: int, pendings: list[list], part: int):
+    """``(calibrators, width)`` int64: each calibrator's ``counts`` (its rows of ``(C, rows, nb)``) summed
+    into the bins ``dst`` of one histogram, and what histc did not place (zeros, zeros over a zero range,
+    magnitudes that underflowed: each calibrator's values, element ``part`` of its pieces, less those
+    placed) into ``column``."""
+    c = len(pendings)
+    out = torch.zeros(c, width, dtype=torch.long, device=counts.device)
+    out.scatter_add_(1, dst.reshape(c, -1), counts.to(torch.long).reshape(c, -1))
+    values = [sum(p[part] for p in pending) for pending in pendings]
+    placed = out.sum(1)
+    if len(set(values)) == 1:
+        out[:, column] += values[0] - placed
+    else:
+        out[:, column] += to_device(values, torch.long, out.device) - placed
+    return out
+
+
+def fold_abs(pendings: list[list], nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts (C, nb) int64, e (C,) int64, finite (C, pieces) bool)`` for the pending ``|x|`` counts of C
+    calibrators (as many pieces each): each one's counts re-binned onto ``[0, 2**e)``, ``e`` the widest of its
+    ranges, and whether each piece's batch was finite."""
+    counts = _stacked(pendings, 0, (nb,))  # float32, exact integers
+    q = _stacked(pendings, 1, ())  # powers of two (0: a zero batch; inf: non-finite)
     finite = torch.isfinite(q)
     # [0, 2 q) = [0, 2**e); a zero batch: e = 0, as frexp(0) gives; a non-finite one (refused later): 0
     exp = torch.where(finite, _exponent(q), 0)
-    top = exp.amax()
-    dst = torch.bitwise_right_shift(_bin_index(nb, counts.device), (top - exp).unsqueeze(1))
-    out = _scatter(counts, dst, nb)
-    # what histc did not place (zeros, zeros divided by a zero range) belongs to bin 0
-    out[:, 0] += sum(p[2] for p in pending) - out.sum()
-    return out, top.view(1), finite
+    top = exp.amax(1, keepdim=True)
+    dst = torch.bitwise_right_shift(_bin_index(nb, counts.device).unsqueeze(0), (top - exp).unsqueeze(2))
+    return _place(nb, dst, counts, 0, pendings, 2), top.view(-1), finite
 
 
-def fold_signed(pending: list, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(counts (1, 2 nb) int64, e (1,) int64, finite (pieces,) bool)``: the pending signed counts re-binned
-    onto ``(-2**e, 2**e)``, ``e`` the exponent of the widest batch extent ``max(-min, max)``."""
-    pos = torch.stack([p[0] for p in pending])  # (R, nb) float32, exact integers
-    neg = torch.stack([p[1] for p in pending])
+def fold_signed(pendings: list[list], nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(counts (C, 2 nb) int64, e (C,) int64, finite (C, pieces) bool)`` for the pending signed counts of C
+    calibrators (as many pieces each): each one's counts re-binned onto ``(-2**e, 2**e)``, ``e`` the exponent
+    of its widest batch extent ``max(-min, max)``."""
+    pos = _stacked(pendings, 0, (nb,))  # float32, exact integers
+    neg = _stacked(pendings, 1, (nb,))
     # float32 (exact): frexp is not defined for every half dtype on every device
-    lohi = torch.stack([p[2] for p in pending]).to(torch.float32)  # (R, 2): the batches' (min, max)
-    sides = torch.stack([p[3] for p in pending]).to(torch.float32)  # (R, 2): [-p, q]
-    finite = torch.isfinite(lohi).all(1)
-    lo, hi = lohi.unbind(1)
-    neg = neg * (lo < 0).unsqueeze(1)  # min >= 0: that count was of positive values over [0, 2 min)
+    lohi = _stacked(pendings, 2, (2,)).to(torch.float32)  # the batches' (min, max)
+    sides = _stacked(pendings, 3, (2,)).to(torch.float32)  # [-p, q]
+    finite = torch.isfinite(lohi).all(2)
+    lo, hi = lohi.unbind(2)
+    neg = neg * (lo < 0).unsqueeze(2)  # min >= 0: that count was of positive values over [0, 2 min)
     # the batch's own exponent, as the CPU takes it: of max(-min, max), 0 for an all-zero batch
     exp = torch.where(finite, _exponent(torch.maximum(-lo, hi)), 0)
-    top = exp.amax()
-    e_neg, e_pos = _exponent(sides).unbind(1)
-    index = _bin_index(nb, pos.device)
+    top = exp.amax(1, keepdim=True)
+    e_neg, e_pos = _exponent(sides).unbind(2)
+    index = _bin_index(nb, pos.device).unsqueeze(0)
     # positive bin k goes to f = k >> shift, negative bin k to f = -(k >> shift), stored at f + nb
-    dst_pos = torch.bitwise_right_shift(index, (top - e_pos).clamp_(min=0).unsqueeze(1)).add_(nb)
-    dst_neg = torch.bitwise_right_shift(index, (top - e_neg).clamp_(min=0).unsqueeze(1)).neg_().add_(nb)
-    out = _scatter(torch.cat([pos, neg]), torch.cat([dst_pos, dst_neg]), 2 * nb)
-    # what histc could not place (zeros over a zero range, magnitudes that underflowed) belongs to f = 0
-    out[:, nb] += sum(p[4] for p in pending) - out.sum()
-    return out, top.view(1), finite
+    dst_pos = torch.bitwise_right_shift(index, (top - e_pos).clamp_(min=0).unsqueeze(2)).add_(nb)
+    dst_neg = torch.bitwise_right_shift(index, (top - e_neg).clamp_(min=0).unsqueeze(2)).neg_().add_(nb)
+    dst = torch.cat([dst_pos, dst_neg], 1)
+    return _place(2 * nb, dst, torch.cat([pos, neg], 1), nb, pendings, 4), top.view(-1), finite

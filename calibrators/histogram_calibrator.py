@@ -187,8 +187,8 @@ class HistogramCalibrator(Calibrator):
             self._cpu.clear()
             self._cpu_new = False
         if self._device is not None and self._device.pending:
-            counts, exp, finite = fold_abs(self._device.pending, self.num_bins)
-            self._note_finite_rows(finite, self._device_batches)
+            counts, exp, finite = fold_abs([self._device.pending], self.num_bins)
+            self._note_finite_rows(finite[0], self._device_batches)
             self._device.pending, self._device_batches = [], []
             self._add_counts(counts, exp)
             self._exp_int = None

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from calibrators import counting, shared
-from calibrators.base import Calibrator
+from calibrators.base import Calibrator, note_first_nonfinite
 from calibrators.scratch import HostMinMax, persistent, reads_on_host
 
 #: the key of a tensor's (min, max) in :mod:`calibrators.shared`
@@ -159,17 +159,7 @@ class MaxCalibrator(Calibrator):
 
     def _fold(self) -> None:
         """The kept device batches into the running max: a few operations for all of them."""
-        items, batches = self._pending.take()
-        lo = torch.stack([i[0] for i in items])
-        hi = torch.stack([i[1] for i in items])
-        batch = torch.maximum(-lo, hi).to(torch.float32)  # (K, *amax shape)
-        self._note_finite_rows(torch.isfinite(batch.view(len(items), -1)).all(1), batches)
-        m = batch.amax(0).reshape(self._kept_shape)
-        if self._amax is None:
-            self._amax = m
-        else:
-            self._amax = torch.maximum(self._amax.to(m.device), m)
-            self._amax_np = None
+        fold_kept([self])
 
     def _flush(self) -> None:
         if self._pending.items:
@@ -254,16 +244,7 @@ class MinMaxCalibrator(Calibrator):
         self._batches += 1
 
     def _fold(self) -> None:
-        items, batches = self._pending.take()
-        lo = torch.stack([i[0] for i in items]).to(torch.float32)
-        hi = torch.stack([i[1] for i in items]).to(torch.float32)
-        self._note_finite_rows(torch.isfinite(lo) & torch.isfinite(hi), batches)
-        lo, hi = lo.amin(), hi.amax()
-        if self._min is None:
-            self._min, self._max = lo, hi
-        else:
-            self._min = torch.minimum(self._min.to(lo.device), lo)
-            self._max = torch.maximum(self._max.to(hi.device), hi)
+        fold_kept([self])
 
     def _flush(self) -> None:
         if self._pending.items:
@@ -314,3 +295,41 @@ class MinMaxCalibrator(Calibrator):
         self._min = self._max = None
         self._min_f = self._max_f = None
         self._pending = _Pending()
+
+
+def fold_kept(group: list) -> None:
+    """The kept device batches of ``group``, max or min/max calibrators of one kind that kept the same
+    batches with results of one shape, into their running states at once (:func:`fold_extremes`)."""
+    batches = group[0]._pending.batches
+    items = [i for c in group for i in c._pending.take()[0]]
+    shape = (len(group), len(batches), *items[0][0].shape)
+    lo, hi = (torch.stack([i[part] for i in items]).view(shape) for part in (0, 1))
+    fold_extremes(group, lo, hi, batches)
+
+
+def fold_extremes(group: list, lo: torch.Tensor, hi: torch.Tensor, batches: list[int]) -> None:
+    """Fold ``(C, K, *shape)`` per-batch minima ``lo`` and maxima ``hi`` (any float dtype) of batches
+    ``batches`` into ``group``, calibrators of one kind (:class:`MaxCalibrator` or :class:`MinMaxCalibrator`),
+    row ``i`` into ``group[i]``, as each one's own fold of those batches would (its batch count is the
+    caller's)."""
+    if isinstance(group[0], MaxCalibrator):
+        batch = torch.maximum(-lo, hi).to(torch.float32)  # (C, K, *amax shape)
+        note_first_nonfinite(group, torch.isfinite(batch.reshape(*batch.shape[:2], -1)).all(2), batches)
+        amax = batch.amax(1)
+        for i, c in enumerate(group):
+            m = amax[i].view(c._kept_shape if c._kept_shape is not None else amax[i].shape)
+            if c._amax is None:
+                c._amax = m
+            else:
+                c._amax = torch.maximum(c._amax.to(m.device), m)
+                c._amax_np = None
+        return
+    lo, hi = lo.to(torch.float32), hi.to(torch.float32)  # (C, K)
+    note_first_nonfinite(group, torch.isfinite(lo) & torch.isfinite(hi), batches)
+    lows, highs = lo.amin(1), hi.amax(1)
+    for i, c in enumerate(group):
+        if c._min is None:
+            c._min, c._max = lows[i], highs[i]
+        else:
+            c._min = torch.minimum(c._min.to(lows.device), lows[i])
+            c._max = torch.maximum(c._max.to(highs.device), highs[i])
