@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from calibrators import MaxCalibrator
-from calibrators.folding import fold_extremes, fold_together
-from calibrators.max import MinMaxCalibrator
+from calibrators.folding import fold_together
+from calibrators.max import MinMaxCalibrator, fold_extremes
 
 #: the fewest batches worth a capture: the first batch runs as usual, and a capture costs about two forward
 #: passes (a warm-up on a side stream, then the capture itself)
@@ -151,8 +151,18 @@ class GraphedPass:
         self.static = {}
         self.history = self.row = None
 
+    @contextlib.contextmanager
     def _slots_in(self):
-        return _SlotsIn(self)
+        """Within the block each observing quantizer's calibrator is a :class:`_SlotProxy`, its own again
+        afterwards."""
+        saved = {n: q.calibrator for n, q in self.observing.items()}
+        for n, q in self.observing.items():
+            q.calibrator = _SlotProxy(self, n)
+        try:
+            yield
+        finally:
+            for n, q in self.observing.items():
+                q.calibrator = saved[n]
 
 
 def _capture(step: Callable[[], None], dev: torch.device) -> torch.cuda.CUDAGraph:
@@ -183,26 +193,6 @@ def _side_stream(dev: torch.device):
     with torch.cuda.stream(side):
         yield
     current.wait_stream(side)
-
-
-class _SlotsIn:
-    """Within the block each observing quantizer's calibrator is a :class:`_SlotProxy`, its own again
-    afterwards."""
-
-    def __init__(self, owner: GraphedPass) -> None:
-        self.owner = owner
-        self.saved: dict[str, object] = {}
-
-    def __enter__(self):
-        for n, q in self.owner.observing.items():
-            self.saved[n] = q.calibrator
-            q.calibrator = _SlotProxy(self.owner, n)
-        return self
-
-    def __exit__(self, *exc):
-        for n, q in self.owner.observing.items():
-            q.calibrator = self.saved[n]
-        return False
 
 
 class _SlotProxy:
