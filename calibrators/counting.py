@@ -622,15 +622,20 @@ def _stacked(pendings: list[list], part: int, shape: tuple[int, ...]) -> torch.T
     )
 
 
-def _place(width: int, dst: torch.Tensor, counts: torch.Tensor, column: int, pendings: list[list], part: int):
+def _values(pendings: list[list], part: int) -> list[int]:
+    """Per calibrator, the values its pending pieces hold (element ``part`` of each piece)."""
+    return [sum(p[part] for p in pending) for pending in pendings]
+
+
+def _place(
+    width: int, dst: torch.Tensor, counts: torch.Tensor, column: int, values: list[int]
+) -> torch.Tensor:
     """``(calibrators, width)`` int64: each calibrator's ``counts`` (its rows of ``(C, rows, nb)``) summed
     into the bins ``dst`` of one histogram, and what histc did not place (zeros, zeros over a zero range,
-    magnitudes that underflowed: each calibrator's values, element ``part`` of its pieces, less those
-    placed) into ``column``."""
-    c = len(pendings)
+    magnitudes that underflowed: each calibrator's ``values`` less those placed) into ``column``."""
+    c = counts.shape[0]
     out = torch.zeros(c, width, dtype=torch.long, device=counts.device)
     out.scatter_add_(1, dst.reshape(c, -1), counts.to(torch.long).reshape(c, -1))
-    values = [sum(p[part] for p in pending) for pending in pendings]
     placed = out.sum(1)
     if len(set(values)) == 1:
         out[:, column] += values[0] - placed
@@ -643,25 +648,38 @@ def fold_abs(pendings: list[list], nb: int) -> tuple[torch.Tensor, torch.Tensor,
     """``(counts (C, nb) int64, e (C,) int64, finite (C, pieces) bool)`` for the pending ``|x|`` counts of C
     calibrators (as many pieces each): each one's counts re-binned onto ``[0, 2**e)``, ``e`` the widest of its
     ranges, and whether each piece's batch was finite."""
-    counts = _stacked(pendings, 0, (nb,))  # float32, exact integers
-    q = _stacked(pendings, 1, ())  # powers of two (0: a zero batch; inf: non-finite)
-    finite = torch.isfinite(q)
+    return fold_abs_stacked(_stacked(pendings, 0, (nb,)), _stacked(pendings, 1, ()), _values(pendings, 2), nb)
+
+
+def fold_abs_stacked(
+    counts: torch.Tensor, q: torch.Tensor, values: list[int], nb: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fold_abs` of pieces already stacked: ``counts`` ``(C, K, nb)`` float32 (exact integers), ``q``
+    ``(C, K)`` their powers of two, ``values`` per calibrator the values its K pieces hold."""
+    finite = torch.isfinite(q)  # q: 0 for a zero batch, inf for a non-finite one
     # [0, 2 q) = [0, 2**e); a zero batch: e = 0, as frexp(0) gives; a non-finite one (refused later): 0
     exp = torch.where(finite, _exponent(q), 0)
     top = exp.amax(1, keepdim=True)
     dst = torch.bitwise_right_shift(_bin_index(nb, counts.device).unsqueeze(0), (top - exp).unsqueeze(2))
-    return _place(nb, dst, counts, 0, pendings, 2), top.view(-1), finite
+    return _place(nb, dst, counts, 0, values), top.view(-1), finite
 
 
 def fold_signed(pendings: list[list], nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(counts (C, 2 nb) int64, e (C,) int64, finite (C, pieces) bool)`` for the pending signed counts of C
     calibrators (as many pieces each): each one's counts re-binned onto ``(-2**e, 2**e)``, ``e`` the exponent
     of its widest batch extent ``max(-min, max)``."""
-    pos = _stacked(pendings, 0, (nb,))  # float32, exact integers
-    neg = _stacked(pendings, 1, (nb,))
+    parts = (_stacked(pendings, i, shape) for i, shape in enumerate(((nb,), (nb,), (2,), (2,))))
+    return fold_signed_stacked(*parts, _values(pendings, 4), nb)
+
+
+def fold_signed_stacked(
+    pos: torch.Tensor, neg: torch.Tensor, lohi: torch.Tensor, sides: torch.Tensor, values: list[int], nb: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fold_signed` of pieces already stacked: ``pos``, ``neg`` ``(C, K, nb)`` float32 counts, ``lohi``
+    ``(C, K, 2)`` their batches' ``(min, max)`` and ``sides`` ``(C, K, 2)`` their ``[-p, q]`` (any float
+    dtype), ``values`` per calibrator the values its K pieces hold."""
     # float32 (exact): frexp is not defined for every half dtype on every device
-    lohi = _stacked(pendings, 2, (2,)).to(torch.float32)  # the batches' (min, max)
-    sides = _stacked(pendings, 3, (2,)).to(torch.float32)  # [-p, q]
+    lohi, sides = lohi.to(torch.float32), sides.to(torch.float32)
     finite = torch.isfinite(lohi).all(2)
     lo, hi = lohi.unbind(2)
     neg = neg * (lo < 0).unsqueeze(2)  # min >= 0: that count was of positive values over [0, 2 min)
@@ -674,4 +692,4 @@ def fold_signed(pendings: list[list], nb: int) -> tuple[torch.Tensor, torch.Tens
     dst_pos = torch.bitwise_right_shift(index, (top - e_pos).clamp_(min=0).unsqueeze(2)).add_(nb)
     dst_neg = torch.bitwise_right_shift(index, (top - e_neg).clamp_(min=0).unsqueeze(2)).neg_().add_(nb)
     dst = torch.cat([dst_pos, dst_neg], 1)
-    return _place(2 * nb, dst, torch.cat([pos, neg], 1), nb, pendings, 4), top.view(-1), finite
+    return _place(2 * nb, dst, torch.cat([pos, neg], 1), nb, values), top.view(-1), finite

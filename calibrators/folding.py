@@ -75,10 +75,10 @@ def _fold_counts(group: list, batches: list[int]) -> None:
     fold = fold_abs if isinstance(group[0], HistogramCalibrator) else fold_signed
     out, top, finite = fold([c._device.pending for c in group], group[0].num_bins)
     note_first_nonfinite(group, finite, batches)
-    _hand_out(group, out, top)
+    hand_out(group, out, top)
 
 
-def _hand_out(group: list, out: torch.Tensor, top: torch.Tensor) -> None:
+def hand_out(group: list, out: torch.Tensor, top: torch.Tensor) -> None:
     """Each calibrator's row of folded counts over ``[0, 2**top)`` added to its state."""
     for i, c in enumerate(group):
         c._device.pending, c._device_batches = [], []
