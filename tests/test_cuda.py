@@ -385,8 +385,21 @@ def _graph_workload(name: str):
     return model.cuda(), batches
 
 
-@pytest.mark.parametrize("name, method", [("digits_cnn", "max"), ("bert", "max"), ("bert", "entropy")])
-def test_a_replayed_cuda_graph_calibrates_as_batch_by_batch(name, method):
+@pytest.mark.parametrize(
+    "name, method, dtype",
+    [
+        ("digits_cnn", "max", None),
+        ("digits_cnn", "entropy", None),
+        ("bert", "max", None),
+        ("bert", "entropy", None),
+        ("bert", "mse", None),
+        ("bert", "percentile", None),
+        ("bert", "mse", "bfloat16"),
+    ],
+)
+def test_a_replayed_cuda_graph_calibrates_as_batch_by_batch(name, method, dtype):
+    """Per-tensor max, min/max, ``|x|`` and two-sided histograms (BERT's activations are asymmetric: min/max
+    under entropy, two-sided histograms under mse and percentile)."""
     import copy
 
     from tests.dispatch import OpCounter
@@ -396,9 +409,15 @@ def test_a_replayed_cuda_graph_calibrates_as_batch_by_batch(name, method):
     ops, marks = OpCounter(), []
     with ops:
         s1 = calibrate(
-            model, batches, method, device="cuda", progress=lambda i: marks.append(ops.count), cuda_graph=True
+            model,
+            batches,
+            method,
+            device="cuda",
+            progress=lambda i: marks.append(ops.count),
+            cuda_graph=True,
+            dtype=dtype,
         )
-    s2 = calibrate(alone, batches, method, device="cuda")
+    s2 = calibrate(alone, batches, method, device="cuda", dtype=dtype)
     assert s1.graph_replays == len(batches) - 1 and s2.graph_replays == 0
     # a replayed batch dispatches the copy of its inputs and nothing else from Python
     assert (marks[-1] - marks[1]) / (len(batches) - 2) <= len(batches[0]), marks

@@ -92,26 +92,86 @@ def _state(model) -> dict:
     }
 
 
-def _both(model, batches, method="max"):
+def _both(model, batches, method="max", dtype=None):
     """(replayed, batch by batch): the summaries and the states."""
     alone = copy.deepcopy(model)
-    s1 = calibrate(model, batches, method, device="cpu", cuda_graph=True)
-    s2 = calibrate(alone, batches, method, device="cpu")
+    s1 = calibrate(model, batches, method, device="cpu", cuda_graph=True, dtype=dtype)
+    s2 = calibrate(alone, batches, method, device="cpu", dtype=dtype)
     return s1, s2, _state(model), _state(alone)
 
 
-@pytest.mark.parametrize(
-    "asymmetric, method",
-    [(False, "max"), (True, "max"), (True, "entropy")],
-    ids=["max", "min_max", "entropy"],
-)
-def test_replayed_batches_give_the_amax_of_batch_by_batch(asymmetric, method, replayed):
-    s1, s2, replayed_state, alone = _both(_model(asymmetric=asymmetric), _batches(), method)
+METHODS = ("max", "entropy", "mse", "percentile")
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("method", METHODS)
+def test_replayed_batches_give_the_amax_of_batch_by_batch(method, asymmetric, dtype, replayed):
+    """Every method, symmetric (max, or an ``|x|`` histogram) and asymmetric (min/max, or a two-sided
+    histogram) quantizers, the model run in float32 or bfloat16: amax and amin bit for bit."""
+    s1, s2, replayed_state, alone = _both(_model(asymmetric=asymmetric), _batches(), method, dtype)
     assert s1.graph_replays == 5 and s2.graph_replays == 0  # every batch after the first
     assert s1.num_batches == s2.num_batches == 6
     assert replayed_state.keys() == alone.keys() and len(alone) >= 3 + 2 * asymmetric
     for key, value in alone.items():
         assert torch.equal(replayed_state[key], value), key
+
+
+def _observed(model, batches, method: str, graph: bool) -> dict:
+    """The activation quantizers' calibrators after observing ``batches`` under ``method``: the first batch
+    observed as ``calibrate()`` does, the others replayed (``graph``) or observed one by one."""
+    qs = quantizers(model)
+    acts = {n: q for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled}
+    for q in qs.values():
+        if q.mode == "quantize":
+            q.set_mode("disabled")
+    for q in acts.values():
+        q.start_calibration(method)
+    graphed = cuda_graph.GraphedPass(acts, lambda b: model(**b), len(batches)) if graph else None
+    with torch.inference_mode():
+        model(**batches[0])
+        if graphed is not None:
+            graphed.capture(batches[1])
+        for b in batches[1:]:
+            graphed.replay(b) if graphed is not None else model(**b)
+    if graphed is not None:
+        graphed.finish()
+    return {n: q.calibrator for n, q in acts.items()}
+
+
+def _counts(c) -> tuple:
+    """What a calibrator folded: its histograms' counts and ranges and its extremes, and its batch count."""
+    from calibrators import HistogramCalibrator
+
+    if isinstance(c, HistogramCalibrator):
+        return (c.hist, c.range_exponent(), c.num_batches)
+    if hasattr(c, "histogram"):  # two-sided
+        return (c.histogram.hist, c.histogram.range_exponent(), *c.extremes.compute_range(), c.num_batches)
+    return (*c._state(), c.num_batches) if hasattr(c, "_min") else (c.compute_amax(), c.num_batches)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["abs", "two_sided"])
+@pytest.mark.parametrize("rows", [1, 2, 8], ids=["fold_each_replay", "fold_every_two", "fold_at_the_end"])
+def test_replayed_histograms_equal_batch_by_batch_count_for_count(asymmetric, rows, replayed, monkeypatch):
+    """The histograms themselves, not only the amax searched from them: counted in pieces (each batch of the
+    first layer, 216 values, in three of at most ``CHUNK``), over a history of ``rows`` rows (folded into the
+    calibrators whenever it is full), with the quantizers of one input observed once."""
+    import calibrators.counting as counting
+
+    monkeypatch.setattr(counting, "CHUNK", 100)
+    monkeypatch.setattr(scratch, "CHUNK", 100)
+    monkeypatch.setattr(cuda_graph, "_history_rows", lambda replays, width: rows)
+    model = _model(asymmetric=asymmetric)
+    batches = _batches(count=7)
+    batches[4]["x"] *= 40  # a batch that widens the range: earlier counts are re-binned
+    want = _observed(copy.deepcopy(model), batches, "mse", graph=False)
+    got = _observed(model, batches, "mse", graph=True)
+    assert got.keys() == want.keys() and len(want) >= 3
+    for name, c in want.items():
+        expected, found = _counts(c), _counts(got[name])
+        assert len(expected) == len(found) and expected[-1] == found[-1] == 7, name
+        for e, f in zip(expected[:-1], found[:-1]):
+            assert torch.equal(f, e), name
 
 
 def test_a_non_finite_replayed_batch_is_refused_by_its_number(replayed):
@@ -124,16 +184,33 @@ def test_a_non_finite_replayed_batch_is_refused_by_its_number(replayed):
     assert str(replayed_error.value) == str(alone_error.value)
 
 
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("method", METHODS)
+def test_every_replayed_calibrator_keeps_its_first_non_finite_batch(method, asymmetric, replayed):
+    """A NaN in batch 4 (after a first history fold at two rows) reaches every layer: each calibrator, and
+    each part of a two-sided one, reports batch 4, as observed batch by batch."""
+    batches = _batches(count=7, nan_at=4)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(cuda_graph, "_history_rows", lambda replays, width: 2)
+        got = _observed(_model(asymmetric=asymmetric), batches, method, graph=True)
+    want = _observed(_model(asymmetric=asymmetric), batches, method, graph=False)
+    for name, c in want.items():
+        for part, got_part in zip(c.parts(), got[name].parts()):
+            got_part._flush()
+            part._flush()
+            assert got_part.first_nonfinite_batch() == part.first_nonfinite_batch() == 4, (name, part)
+
+
 @pytest.mark.parametrize(
     "case",
-    ["shapes", "histogram", "few_batches", "reused_layer", "capture_fails"],
+    ["shapes", "auto", "few_batches", "reused_layer", "capture_fails"],
 )
 def test_the_batches_are_observed_one_by_one_where_a_graph_does_not_apply(case, replayed, monkeypatch):
     model, batches, method = _model(), _batches(), "max"
     if case == "shapes":  # a graph replays one shape
         batches = _batches(shapes=[2, 2, 3, 2, 2, 2])
-    elif case == "histogram":  # per-batch histograms are kept in Python lists a replay would not update
-        method = "entropy"
+    elif case == "auto":  # --method auto's hooks run per batch in Python: a replay would skip them
+        method = "auto"
     elif case == "few_batches":
         batches = _batches(count=cuda_graph.MIN_BATCHES - 1)
     elif case == "reused_layer":  # the capture sees a quantizer called twice: refused
@@ -151,15 +228,33 @@ def test_the_batches_are_observed_one_by_one_where_a_graph_does_not_apply(case, 
     assert s1.to_dict()["graph_replays"] == 0
 
 
-def test_a_graph_records_one_row_per_replay(replayed):
-    """The history: one row per replayed batch, the quantizers' min and max of that batch, in the order the
-    pass calls them."""
+def test_only_calibrators_a_replay_can_record_qualify():
+    """Per-tensor max, min/max, ``|x|`` and two-sided histograms; not per channel, not with skipped zeros
+    (a count per batch kept in Python)."""
+    from calibrators import HistogramCalibrator, MaxCalibrator
+    from calibrators.max import MinMaxCalibrator
+    from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
+
+    assert cuda_graph.kind(MaxCalibrator()) == cuda_graph.kind(MinMaxCalibrator()) == "extremes"
+    assert cuda_graph.kind(HistogramCalibrator()) == "abs"
+    assert cuda_graph.kind(TwoSidedHistogramCalibrator()) == "signed"
+    assert cuda_graph.kind(MaxCalibrator(axis=0)) is None
+    assert cuda_graph.kind(HistogramCalibrator(axis=0)) is None
+    assert cuda_graph.kind(HistogramCalibrator(skip_zeros=True)) is None
+
+
+@pytest.mark.parametrize("method", ["max", "entropy"])
+def test_a_graph_records_one_row_per_replay(method, replayed):
+    """The history: one row per replayed batch, what each quantizer observed of that batch, in the order the
+    pass calls them: its min and max, or its ``|x|`` counts over the batch's own range and that range."""
+    import numpy as np
+
     model = _model()
     batches = _batches()
     qs = quantizers(model)
     acts = {n: q for n, q in qs.items() if n.endswith("input_quantizer")}
     for q in acts.values():
-        q.start_calibration("max")
+        q.start_calibration(method)
     graphed = cuda_graph.GraphedPass(acts, lambda b: model(**b), len(batches))
     with torch.inference_mode():
         for q in qs.values():
@@ -170,8 +265,26 @@ def test_a_graph_records_one_row_per_replay(replayed):
             graphed.replay(b)
     assert graphed.names == ["a.input_quantizer", "b.input_quantizer", "head.input_quantizer"]
     assert int(graphed.row) == 3  # a capture records the step without running it; then three replays
-    lo, hi = torch.aminmax(batches[3]["x"])
-    assert graphed.history[2, 0, 0] == lo and graphed.history[2, 1, 0] == hi
+    x = batches[3]["x"]
+    row = graphed.history[2]
+    if method == "max":
+        assert graphed.width == 6  # (min, max) of each
+        assert row[0] == x.min() and row[1] == x.max()
+    else:
+        # the image and the GELU's output: asymmetric (min and max); after the ReLU: |x| counts
+        nb = acts["head.input_quantizer"].calibrator.num_bins
+        assert graphed.width == 2 * 2 + nb + 1
+        assert row[0] == x.min() and row[1] == x.max()
+        with torch.no_grad():
+            y = torch.nn.functional.gelu(
+                torch.nn.functional.conv2d(x, model.a.weight, model.a.bias, padding=1)
+            )
+            h = torch.relu(torch.nn.functional.conv2d(y, model.b.weight, model.b.bias, padding=1)).numpy()
+        q = 2.0 ** np.floor(np.log2(h.max()))  # the power of two with max |x| in [q, 2 q)
+        # zeros are not counted (the fold puts them in bin 0 from the batch's size)
+        expected, _ = np.histogram(h[h > 0] / q, bins=nb, range=(0.0, 2.0))
+        assert float(row[4 + nb]) == q
+        assert np.array_equal(row[4 : 4 + nb].numpy(), expected.astype(np.float32))
     assert not graphed.history[3:].any()
 
 

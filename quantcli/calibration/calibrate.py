@@ -153,8 +153,9 @@ def calibrate(
             model's own. The floating inputs are cast to it too. Statistics are float32 either way, and the
             weights (calibrated before, from the model's own), their amax and every tensor of the model are
             exactly as they were afterwards: only the activation amax reflect the half-precision run.
-        cuda_graph: on a GPU, where every observing quantizer keeps a per-tensor min and max (``max``) and the
-            batches have one shape, observe the batches after the first by replaying a CUDA graph of the pass
+        cuda_graph: on a GPU, where every observing quantizer's calibrator is per tensor (a max or min/max, an
+            ``|x|`` or two-sided histogram: any method but ``auto``, per-tensor activations) and the batches
+            have one shape, observe the batches after the first by replaying a CUDA graph of the pass
             (:mod:`quantcli.calibration.cuda_graph`; the same amax). Off by default: its logic is tested on
             the CPU, but it has not yet run on a GPU (issue 38).
     """
@@ -176,7 +177,9 @@ def calibrate(
         # aside, so the pass costs a forward plus the observers and nothing else
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
             with running_in(model, compute):
-                graphed = _graphed_pass(model, batches, acts, counted, dev, ranks == 1 and cuda_graph)
+                # --method auto's hooks run per batch in Python: a replay would not run them
+                wanted = cuda_graph and ranks == 1 and not auto
+                graphed = _graphed_pass(model, batches, acts, counted, dev, wanted)
                 total_batches, total_samples, calls = _observe_activations(
                     model, batches, dev, counted, progress, group, compute, graphed
                 )
@@ -293,7 +296,7 @@ def _observe_activations(
             if progress is not None:
                 progress(i)
     if graphed is not None:
-        graphed.finish(first_batch=1)
+        graphed.finish()
     total_batches, total_samples, *dynamic_calls = sum_over_ranks(seen + list(calls.values()), group)
     if total_batches == 0:
         raise CalibrationError("no calibration batches on any rank")

@@ -92,8 +92,8 @@ def calibrate(
         typer.Option(
             "--cuda-graph/--no-cuda-graph",
             help="On a GPU, observe the batches after the first by replaying a CUDA graph of the pass, where "
-            "every observing quantizer keeps a min and max (method max) and the batches have one shape; the "
-            "same amax. Not yet run on a GPU: off unless given.",
+            "every activation quantizer is per tensor (any method but auto) and the batches have one shape; "
+            "the same amax. Not yet run on a GPU: off unless given.",
         ),
     ] = False,
     out_path: Annotated[
