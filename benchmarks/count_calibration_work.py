@@ -2,7 +2,7 @@
 shows what a GPU would launch and wait for.
 
 On the device path (run on the CPU: nothing read per batch, batches folded, asymmetric mse ranges searched
-together, as on a GPU), for each model and method: the torch operations and the host reads (``item``,
+together, the searches in chunks as large as on a GPU with memory to spare), for each model and method: the torch operations and the host reads (``item``,
 ``float``, ``bool`` of a tensor: on a GPU, each a synchronisation) before the first batch (the weights' amax,
 with the first batch's forward), per batch, and after the last batch (checks, searches, summary), per weight
 and per activation quantizer. Reads made by stacking many values into one copy (``tolist``) are not
@@ -20,6 +20,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import setup_threads, table
+
+
+#: candidate-bin elements a histogram search takes at once on a GPU with memory to spare
+#: (:func:`calibrators.histogram._chunk_elements`): every quantizer's search in one chunk, as there
+GPU_CHUNK = 1 << 27
 
 
 class _Phases(TorchDispatchMode):
@@ -51,6 +56,7 @@ def _workloads() -> dict:
 
 def count(name: str, method: str, batches: int = 3) -> dict:
     import calibrators.batched as batched
+    import calibrators.histogram as histogram
     import calibrators.scratch as scratch
     from quantcli.calibration.calibrate import calibrate
     from quantcli.nn import quantize_model, quantizers
@@ -59,8 +65,9 @@ def count(name: str, method: str, batches: int = 3) -> dict:
     torch.manual_seed(0)
     model = quantize_model(build().eval())
     data = [batch() for _ in range(batches)]
-    saved = scratch.HOST_READ, batched.mse_together
+    saved = scratch.HOST_READ, batched.mse_together, histogram._chunk_elements
     scratch.HOST_READ, batched.mse_together = set(), lambda device: True
+    histogram._chunk_elements = lambda device: GPU_CHUNK
     phases = _Phases()
 
     def progress(i):
@@ -70,7 +77,7 @@ def count(name: str, method: str, batches: int = 3) -> dict:
         with phases:
             calibrate(model, data, method, device="cpu", progress=progress)
     finally:
-        scratch.HOST_READ, batched.mse_together = saved
+        scratch.HOST_READ, batched.mse_together, histogram._chunk_elements = saved
     qs = quantizers(model)
     weights = sum(1 for n, q in qs.items() if n.endswith("weight_quantizer") and q.enabled)
     acts = sum(1 for n, q in qs.items() if not n.endswith("weight_quantizer") and q.enabled)

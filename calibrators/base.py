@@ -161,11 +161,11 @@ def note_first_nonfinite(calibrators: list[Calibrator], finite: torch.Tensor, ba
     else:
         index = to_device(batches, torch.long, finite.device)[first]
     found = torch.where(bad.any(1), index, -1)
-    for i, c in enumerate(calibrators):
+    for c, f in zip(calibrators, found.unbind(0)):  # (one operation for every row)
         if c._bad_batch is None:
-            c._bad_batch = found[i]
+            c._bad_batch = f
         else:  # kept from an earlier fold: the earlier bad batch stays first
-            c._bad_batch = torch.where(c._bad_batch < 0, found[i], c._bad_batch)
+            c._bad_batch = torch.where(c._bad_batch < 0, f, c._bad_batch)
 
 
 def refuse_nonfinite(calibrators: Iterable[Calibrator]) -> None:
@@ -183,7 +183,7 @@ def refuse_nonfinite(calibrators: Iterable[Calibrator]) -> None:
         by_device.setdefault(p._bad_batch.device, []).append(p)
     first: dict[int, int] = {}
     for group in by_device.values():
-        values = torch.stack([p._bad_batch.reshape(()) for p in group]).tolist()
+        values = torch.stack([b if (b := p._bad_batch).dim() == 0 else b.reshape(()) for p in group]).tolist()
         first.update((id(p), v) for p, v in zip(group, values))
     for p in kept:
         if first[id(p)] >= 0:

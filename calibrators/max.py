@@ -40,8 +40,9 @@ def max_abs(x: torch.Tensor, axes: tuple[int, ...] = ()) -> torch.Tensor:
     host. A NaN or inf in ``x`` makes its slice's value non-finite. On a device one reduction (the infinity
     norm: one kernel, where the CPU's path launches three to five); on the CPU, where that norm is 20-30x
     slower, an ``aminmax`` per tensor or an ``amin`` and an ``amax`` per axis (``aminmax`` along a dimension
-    is 5-10x slower than both)."""
-    if x.device.type != "cpu" and x.numel():
+    is 5-10x slower than both). (Device or CPU as :func:`calibrators.scratch.reads_on_host` tells them: a test
+    takes the device path on the CPU by emptying ``HOST_READ``.)"""
+    if not reads_on_host(x) and x.numel():
         reduce = tuple(d for d in range(x.dim()) if d not in axes)
         if not reduce:
             return x.abs().to(torch.float32)
@@ -269,7 +270,7 @@ class MinMaxCalibrator(Calibrator):
         self._flush()
         self._check_ready()
         lo, hi = self._state()
-        return lo.clamp(max=0.0).clone(), hi.clamp(min=0.0).clone()
+        return lo.clamp(max=0.0), hi.clamp(min=0.0)  # (new tensors: the state stays the calibrator's)
 
     def compute_amax(self, *_, **__) -> torch.Tensor:
         lo, hi = self.compute_range()
@@ -315,9 +316,9 @@ def fold_extremes(group: list, lo: torch.Tensor, hi: torch.Tensor, batches: list
     if isinstance(group[0], MaxCalibrator):
         batch = torch.maximum(-lo, hi).to(torch.float32)  # (C, K, *amax shape)
         note_first_nonfinite(group, torch.isfinite(batch.reshape(*batch.shape[:2], -1)).all(2), batches)
-        amax = batch.amax(1)
-        for i, c in enumerate(group):
-            m = amax[i].view(c._kept_shape if c._kept_shape is not None else amax[i].shape)
+        for c, m in zip(group, batch.amax(1).unbind(0)):  # (one operation for every row)
+            if c._kept_shape is not None and tuple(c._kept_shape) != tuple(m.shape):
+                m = m.view(c._kept_shape)
             if c._amax is None:
                 c._amax = m
             else:
@@ -326,10 +327,9 @@ def fold_extremes(group: list, lo: torch.Tensor, hi: torch.Tensor, batches: list
         return
     lo, hi = lo.to(torch.float32), hi.to(torch.float32)  # (C, K)
     note_first_nonfinite(group, torch.isfinite(lo) & torch.isfinite(hi), batches)
-    lows, highs = lo.amin(1), hi.amax(1)
-    for i, c in enumerate(group):
+    for c, low, high in zip(group, lo.amin(1).unbind(0), hi.amax(1).unbind(0)):
         if c._min is None:
-            c._min, c._max = lows[i], highs[i]
+            c._min, c._max = low, high
         else:
-            c._min = torch.minimum(c._min.to(lows.device), lows[i])
-            c._max = torch.maximum(c._max.to(highs.device), highs[i])
+            c._min = torch.minimum(c._min.to(low.device), low)
+            c._max = torch.maximum(c._max.to(high.device), high)

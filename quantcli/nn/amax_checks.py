@@ -23,13 +23,21 @@ _kept: dict[str, list | None] = {"amax": None}
 def amax_span(amaxes: Sequence[torch.Tensor]) -> tuple[float, float]:
     """The smallest and largest value over every element of ``amaxes`` (NaN where one is NaN), read to the
     host once per device they are on. ``(nan, nan)`` for no elements."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    by_device: dict[torch.device, tuple[list, list]] = {}
     for a in amaxes:
         if a.numel():
-            by_device.setdefault(a.device, []).append(a.reshape(-1))
+            scalars, others = by_device.setdefault(a.device, ([], []))
+            if a.dim() == 0:
+                scalars.append(a)  # stacked together: one operation for all, not a reshape each
+            else:
+                others.append(a.reshape(-1))
     lo = hi = math.nan
-    for group in by_device.values():
-        g_lo, g_hi = torch.stack(torch.aminmax(torch.cat(group).to(torch.float32))).tolist()
+    for scalars, others in by_device.values():
+        if scalars and others:
+            flat = torch.cat([torch.stack(scalars).to(others[0].dtype), *others])
+        else:
+            flat = torch.stack(scalars) if scalars else torch.cat(others)
+        g_lo, g_hi = torch.stack(torch.aminmax(flat.to(torch.float32))).tolist()
         if math.isnan(g_lo) or math.isnan(g_hi):
             return math.nan, math.nan
         lo = g_lo if math.isnan(lo) else min(lo, g_lo)

@@ -212,7 +212,9 @@ class TensorQuantizer(nn.Module):
         return d + 1
 
     def set_amax(self, amax: torch.Tensor) -> None:
-        amax = amax.detach().to(torch.float32)
+        if amax.requires_grad:  # (an operation per quantizer otherwise)
+            amax = amax.detach()
+        amax = amax.to(torch.float32)
         check_now(self.name, amax)
         if isinstance(self._parameters.get("amax"), nn.Parameter):
             self._parameters["amax"] = nn.Parameter(amax)
