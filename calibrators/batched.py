@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 
 from calibrators.histogram import METHODS, compute_amax_percentile
-from calibrators.histogram_calibrator import HistogramCalibrator
+from calibrators.histogram_calibrator import HistogramCalibrator, edges_of
 from calibrators.two_sided import ranges_mse
 from calibrators.two_sided_calibrator import TwoSidedHistogramCalibrator
 from quantcli import defaults
@@ -47,17 +47,20 @@ def search_histograms(calibrators: Iterable, method: str, kwargs: dict | None = 
         if c.kept_result(c.result_key(method, kwargs)) is not None:
             continue
         try:
-            hist, edges = c.search_input()
+            hist, exp = c.search_counts()
         except (CalibrationError, ValueError):
             continue
         key = (tuple(sorted(kw.items())), c.num_bins, hist.device)
-        groups.setdefault(key, []).append((c, hist, edges))
+        groups.setdefault(key, []).append((c, hist, exp))
     searched = 0
-    for (kw, _, _), items in groups.items():
-        hist = torch.cat([h for _, h, _ in items])
-        edges = torch.cat([e for _, _, e in items])
+    for (kw, nb, _), items in groups.items():
+        # the rows of every calibrator at once: one concatenation, one set of edges
+        hist = torch.cat([h for _, h, _ in items]).to(torch.float64)
+        edges = edges_of(torch.cat([e for _, _, e in items]), nb)
         amax = METHODS[method](hist, edges, **dict(kw))
-        for (c, _, _), part in zip(items, amax.split([h.shape[0] for _, h, _ in items])):
+        rows = [h.shape[0] for _, h, _ in items]
+        parts = amax.unbind(0) if set(rows) == {1} else amax.split(rows)  # (one operation for all)
+        for (c, _, _), part in zip(items, parts):
             c.keep_result(c.result_key(method, kwargs), c.shaped(part))
             searched += 1
     return searched

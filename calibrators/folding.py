@@ -80,9 +80,9 @@ def _fold_counts(group: list, batches: list[int]) -> None:
 
 def hand_out(group: list, out: torch.Tensor, top: torch.Tensor) -> None:
     """Each calibrator's row of folded counts over ``[0, 2**top)`` added to its state."""
-    for i, c in enumerate(group):
+    for c, counts, exp in zip(group, out.split(1), top.split(1)):  # (one operation each for every row)
         c._device.pending, c._device_batches = [], []
-        c._add_counts(out[i : i + 1], top[i : i + 1])
+        c._add_counts(counts, exp)
         c._exp_int = None
 
 

@@ -12,6 +12,7 @@ the bins hold data.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -28,12 +29,26 @@ from calibrators.counting import (
 )
 from calibrators.histogram import METHODS
 from calibrators.max import _observed, batch_min_max
-from calibrators.scratch import HostMinMax, reads_on_host, scratch
+from calibrators.scratch import HostMinMax, persistent, reads_on_host, scratch
 from quantcli import defaults
 
 #: keys of a tensor's counts in :mod:`calibrators.shared`: signed counts on the CPU (both histogram
 #: calibrators make them alike), ``|x|`` counts of one batch over its own range on a device
 SIGNED_COUNTS, ABS_COUNTS, MAGNITUDE_COUNTS = "signed_counts", "abs_counts", "magnitude_counts"
+
+
+def edges_of(exp: torch.Tensor, num_bins: int) -> torch.Tensor:
+    """``(rows, num_bins + 1)`` float64 bin edges of histograms over ``[0, 2**exp)`` (``exp`` ``(rows,)``
+    int64): ``2**exp * k / num_bins``, exact."""
+    top = torch.ldexp(torch.ones(exp.shape, dtype=torch.float64, device=exp.device), exp.to(torch.int32))
+    return top.unsqueeze(1) * _steps(num_bins, exp.device)
+
+
+@functools.lru_cache(maxsize=16)
+def _steps(num_bins: int, device: torch.device) -> torch.Tensor:
+    """``(1, num_bins + 1)`` float64 ``k / num_bins``."""
+    with persistent():
+        return (torch.arange(num_bins + 1, device=device, dtype=torch.float64) / num_bins).unsqueeze(0)
 
 
 class HistogramCalibrator(Calibrator):
@@ -266,9 +281,7 @@ class HistogramCalibrator(Calibrator):
         """``(channels, num_bins + 1)`` edges in the input's units."""
         self._flush()
         self._check_ready()
-        top = torch.ldexp(torch.ones(self._exp.shape, device=self._exp.device), self._exp.to(torch.int32))
-        steps = torch.arange(self.num_bins + 1, device=top.device, dtype=torch.float64) / self.num_bins
-        return top.to(torch.float64).unsqueeze(1) * steps.unsqueeze(0)
+        return edges_of(self._exp, self.num_bins)
 
     def range_exponent(self) -> torch.Tensor | None:
         """``(channels,)`` int64 ``e``: channel ``c``'s histogram covers ``[0, 2**e[c])``; ``None`` before
@@ -302,15 +315,21 @@ class HistogramCalibrator(Calibrator):
         self._amax_shape = tuple(amax_shape)
         self._merged_from_ranks(num_batches, amax_shape)
 
-    def search_input(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hist float64 (channels, num_bins), bin_edges)``: what an amax search reads (checked: data was
-        collected, and with ``skip_zeros`` some value was not zero)."""
+    def search_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hist int64 (channels, num_bins), e int64 (channels,))``, the counts over ``[0, 2**e)`` an amax
+        search reads (checked: data was collected, and with ``skip_zeros`` some value was not zero; not
+        copied: not to be changed)."""
         self._flush()
         self._check_ready()
-        hist = self._hist.to(torch.float64)
-        if self.skip_zeros and (hist.sum(dim=1) == 0).any():
+        if self.skip_zeros and (self._hist.sum(dim=1) == 0).any():
             raise ValueError(f"{self.label}: every collected value was zero and skip_zeros is set")
-        return hist, self.bin_edges
+        return self._hist, self._exp
+
+    def search_input(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hist float64 (channels, num_bins), bin_edges)``: what an amax search reads (checked as
+        :meth:`search_counts`)."""
+        hist, exp = self.search_counts()
+        return hist.to(torch.float64), edges_of(exp, self.num_bins)
 
     def search_kwargs(self, method: str, kwargs: dict) -> dict:
         """``kwargs`` completed with this calibrator's grid where ``method`` searches one (entropy, mse)."""
@@ -324,7 +343,8 @@ class HistogramCalibrator(Calibrator):
 
     def shaped(self, amax: torch.Tensor) -> torch.Tensor:
         """A search's ``(channels,)`` result in :attr:`amax_shape` (``()`` per tensor)."""
-        return amax.reshape(self._amax_shape) if self._amax_shape else amax.reshape(())
+        shape = tuple(self._amax_shape) if self._amax_shape else ()
+        return amax if tuple(amax.shape) == shape else amax.reshape(shape)
 
     def compute_amax(self, method: str = "entropy", **kwargs) -> torch.Tensor:
         """amax from the histogram: ``"entropy"``, ``"mse"`` or ``"percentile"`` (kwargs go to the method).
