@@ -96,7 +96,7 @@ def search_ranges(calibrators: Iterable, method: str, kwargs: dict | None = None
             continue
         try:
             lo, hi = c.extremes.compute_range()
-            hist, exp = c.histogram.hist, c.histogram.range_exponent()
+            hist, exp = c.histogram.search_counts()
         except (CalibrationError, ValueError):
             continue
         if method == "mse" and not mse_together(hist.device):
@@ -106,23 +106,19 @@ def search_ranges(calibrators: Iterable, method: str, kwargs: dict | None = None
     for (nb, device, num_bits), items in groups.items():
         hist = torch.cat([h for _, h, _, _, _ in items]).to(torch.float64)
         exp = torch.cat([e.to(device) for _, _, e, _, _ in items])
-        top = torch.ldexp(torch.ones_like(exp, dtype=torch.float64), exp.to(torch.int32))
-        edges = top.unsqueeze(1) * (torch.arange(nb + 1, dtype=torch.float64, device=device) / nb)
+        edges = edges_of(exp, nb)
         pos, neg = _sides(hist, nb)
+        # the data's (min, max) of every row, already widened to include 0 (0-d each)
+        lo_all = torch.stack([lo.to(device) for _, _, _, lo, _ in items])
+        hi_all = torch.stack([hi.to(device) for _, _, _, _, hi in items])
         if method == "mse":
-            lo_all = torch.stack([lo.to(device).reshape(()) for _, _, _, lo, _ in items])
-            hi_all = torch.stack([hi.to(device).reshape(()) for _, _, _, _, hi in items])
             kw = {k: v for k, v in kwargs.items() if k != "num_bits"}
             lows, highs = ranges_mse(pos, neg, edges, lo_all, hi_all, num_bits=num_bits, **kw)
-            for i, (c, *_) in enumerate(items):
-                c.keep_result(c.result_key(method, kwargs), (lows[i], highs[i]))
-                searched += 1
-            continue
-        highs = compute_amax_percentile(pos, edges, percentile).to(torch.float32)
-        lows = compute_amax_percentile(neg, edges, percentile).to(torch.float32)
-        for i, (c, _, _, lo, hi) in enumerate(items):
-            lo, hi = lo.to(device), hi.to(device)  # already widened to include 0
-            found = (torch.maximum(-lows[i], lo), torch.minimum(highs[i], hi))
+        else:  # within the data's range
+            highs = compute_amax_percentile(pos, edges, percentile).to(torch.float32)
+            lows = compute_amax_percentile(neg, edges, percentile).to(torch.float32)
+            lows, highs = torch.maximum(lows.neg_(), lo_all), torch.minimum(highs, hi_all)
+        for (c, *_), found in zip(items, zip(lows.unbind(0), highs.unbind(0))):  # (one operation for all)
             c.keep_result(c.result_key(method, kwargs), found)
             searched += 1
     return searched

@@ -193,6 +193,13 @@ class SignedHistogramCalibrator(Calibrator):
         self._check_ready()
         return self._hist.clone()
 
+    def search_counts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hist int64 (1, 2 num_bins), e int64 (1,))``, the counts over ``(-2**e, 2**e)`` a range search
+        reads (checked: data was collected; not copied: not to be changed)."""
+        self._flush()
+        self._check_ready()
+        return self._hist, self._own_exponent()
+
     def sides(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(histogram of max(x, 0), histogram of max(-x, 0), their edges)``: ``num_bins`` counts each over
         the edges ``[0, 2**e]`` (float64, ``num_bins + 1``), each the histogram ``HistogramCalibrator`` would

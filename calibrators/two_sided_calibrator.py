@@ -66,13 +66,15 @@ class TwoSidedHistogramCalibrator(Calibrator):
         <= max``."""
         if method not in METHODS:
             raise ValueError(f"no asymmetric range search {method!r}; choose from {sorted(METHODS)}")
-        lo, hi = self.extremes.compute_range()
         if method == "mse":
             kwargs.setdefault("num_bits", self.num_bits)
         key = self.result_key(method, kwargs)
-        found = self.kept_result(key)  # searched with all quantizers of a model at once (calibrators.batched)
+        # searched with all quantizers of a model at once (calibrators.batched: after the checks below passed,
+        # on statistics that have not changed since)
+        found = self.kept_result(key)
         if found is not None:
-            return found[0].to(lo.device), found[1].to(hi.device)
+            return found
+        lo, hi = self.extremes.compute_range()
         # q/k/v calibrators of one input hold equal statistics: one search serves them (calibrators.shared)
         stats = (self.histogram.range_exponent(), self.histogram.hist, lo, hi)
         found = shared.find_equal(key, stats)

@@ -125,6 +125,41 @@ def test_the_end_of_calibration_costs_a_kernel_or_two_per_quantizer(method, devi
     assert (many - few) / 16 <= 2, (few, many)
 
 
+def _end_ops(method: str, depth: int, asymmetric: bool, monkeypatch) -> tuple[int, int]:
+    """Every operation dispatched after the last batch of ``depth`` convolutions' calibration (views and
+    searches included), the searches chunked as on a GPU with memory to spare (one chunk for every row), and
+    the activation quantizers calibrated."""
+    import calibrators.histogram as histogram
+
+    monkeypatch.setattr(histogram, "_chunk_elements", lambda device: 1 << 27)
+    ops = OpCounter()
+    batches = _batches()
+
+    def progress(i):
+        if i == len(batches) - 1:
+            ops.count = 0
+
+    with ops:
+        summary = calibrate(_model(asymmetric, depth=depth), batches, method, device="cpu", progress=progress)
+    return ops.count, sum(1 for n in summary.calibrated if not n.endswith("weight_quantizer"))
+
+
+@pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
+@pytest.mark.parametrize("method", ["max", "entropy", "mse", "percentile"])
+def test_each_quantizer_more_costs_a_few_operations_after_the_last_batch(
+    method, asymmetric, device_path, monkeypatch
+):
+    """Everything after the last batch, views included (on a GPU's host each dispatch costs about 14 us):
+    each activation quantizer more adds at most 3 operations (its amax's clone or clamps, its weight's amax
+    in the range check), 6 for asymmetric mse (whose descent evaluates its candidates in chunks of rows, more
+    chunks for more rows). Handed out by a select and a view per calibrator, with bin edges made per
+    histogram and a range's bounds applied per quantizer, it was 3-13."""
+    (few, n_few), (many, n_many) = (_end_ops(method, d, asymmetric, monkeypatch) for d in (4, 20))
+    assert n_many > n_few
+    limit = 6 if (method, asymmetric) == ("mse", True) else 3
+    assert (many - few) / (n_many - n_few) <= limit, (few, many, n_few, n_many)
+
+
 def _awkward_batches(i: int, g: torch.Generator) -> list[torch.Tensor]:
     """Batches each fold must treat alike: signed, all >= 0 (zeros and none), all zeros (a zero range),
     with subnormals, and (calibrator 2 only) a NaN."""
