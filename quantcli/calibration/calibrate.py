@@ -392,8 +392,14 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
     if not qs:
         raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
     dev = resolve_device(device)
-    model.eval()
-    if any(t.device != dev for t in itertools.chain(model.parameters(), model.buffers())):
+    # one walk over the modules' own dictionaries (parameters() and buffers() each walk them again with names,
+    # and eval() sets every module's flag through Module.__setattr__): a few milliseconds of a GPU host's time
+    # on a model of a few hundred modules
+    modules = list(model.modules())
+    if any(m.training for m in modules):
+        model.eval()
+    tensors = (t for m in modules for d in (m._parameters, m._buffers) for t in d.values() if t is not None)
+    if any(t.device != dev for t in tensors):
         model.to(dev)  # (moving walks every module even when nothing moves)
     _calibrate_weights(model, qs, method, num_bins, {"percentile": percentile})
     return qs, dev, _start_observers(model, qs, method, num_bins)

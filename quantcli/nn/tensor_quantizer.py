@@ -67,6 +67,16 @@ class TensorQuantizer(nn.Module):
         if self.desc.learn_amax and amax is not None:
             self.set_amax(amax)  # becomes a Parameter
 
+    #: attributes that never hold a parameter, buffer or module: set without ``Module.__setattr__``'s checks
+    #: (a calibration sets each a few times per quantizer: on a GPU's host a millisecond in a few hundred)
+    _PLAIN = frozenset({"mode", "calibrator", "histogram"})
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in TensorQuantizer._PLAIN and name in self.__dict__:
+            self.__dict__[name] = value
+        else:
+            super().__setattr__(name, value)
+
     @property
     def dynamic_uint8(self) -> bool:
         """Quantized at run time as ONNX ``DynamicQuantizeLinear`` does (``dynamic`` + ``asymmetric``): no
