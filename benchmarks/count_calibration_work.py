@@ -2,7 +2,8 @@
 shows what a GPU would launch and wait for.
 
 On the device path (run on the CPU: nothing read per batch, batches folded, asymmetric mse ranges searched
-together, the searches in chunks as large as on a GPU with memory to spare), for each model and method: the torch operations and the host reads (``item``,
+together, the searches in chunks as large as on a GPU with memory to spare), for each model and method: the
+torch operations and the host reads (``item``,
 ``float``, ``bool`` of a tensor: on a GPU, each a synchronisation) before the first batch (the weights' amax,
 with the first batch's forward), per batch, and after the last batch (checks, searches, summary), per weight
 and per activation quantizer. Reads made by stacking many values into one copy (``tolist``) are not
@@ -20,7 +21,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.common import setup_threads, table
-
 
 #: candidate-bin elements a histogram search takes at once on a GPU with memory to spare
 #: (:func:`calibrators.histogram._chunk_elements`): every quantizer's search in one chunk, as there

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 38's checks on a machine with a CUDA GPU, in one go, with the machine's own torch (nothing installed over
 # it): `pytest -m cuda`, then the GPU benchmark of five models x four methods (observed by a replayed CUDA graph,
-# then batch by batch), then the amax searches on the GPU, then the CPU suite.
+# then batch by batch), then the amax searches and the max path's reductions on the GPU, then the CPU suite.
 # Run from the repository root:
 #
 #     bash benchmarks/gpu_check.sh            # logs under $OUT (./gpu_check_out where OUT is not set)
@@ -76,8 +76,12 @@ step bench_gpu 120 "$PY" -m benchmarks.bench_gpu_calibration --device cuda --rou
 # 7. the amax searches on the GPU (one histogram, 768 per-channel ones), and collection against a matmul
 step bench_calibrators 40 "$PY" -m benchmarks.bench_calibrators --device cuda --quick
 
+# 7b. one batch's observed activations reduced five ways (aminmax, the infinity norm, _foreach_norm at the batch's
+#     end, two stages, amin + amax): which reads them fastest, exactly and keeping a NaN (the max path's cost)
+step bench_gpu_reductions 40 "$PY" -m benchmarks.bench_gpu_reductions --device cuda
+
 # 8. the default test suite on this machine's CPU (a VNNI CPU on the lent machines: what CI meets on one), the
 #    test files shared over 13 processes; the failing processes' logs in $OUT/suite/failures.txt
-step suite 240 "$PY" .ci/parallel_pytest.py 13 "$OUT/suite" -m "not zoo and not cuda"
+step suite 200 "$PY" .ci/parallel_pytest.py 13 "$OUT/suite" -m "not zoo and not cuda"
 
 log "done in ${SECONDS}s; outputs: $(ls "$OUT" | tr '\n' ' ')"
