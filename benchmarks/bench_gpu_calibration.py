@@ -207,7 +207,9 @@ def measure(
         host["observe"] = min(host["observe"], marks["last"] - marks["first"])
     observing = [n for n in summary.calibrated if not n.endswith("weight_quantizer")]
     searched = sum(1 for q in qs if q.histogram is not None) if method != "max" else 0
-    return _row(w, method, best, host, len(observing), searched, last)
+    row = _row(w, method, best, host, len(observing), searched, last)
+    row["graph replays"] = summary.graph_replays  # batches replayed as a CUDA graph (0: observed one by one)
+    return row
 
 
 def _row(
@@ -290,7 +292,8 @@ def run(
                 f"  {method}: plain {r['plain ms']} ms, calibrate {r['calibrate ms']} ms, {r['ratio']} "
                 f"{r['result']} ({r['target']}); weights {r['weights ms']} ms, observe {r['observe ratio']}, "
                 f"search {r['search ms']} ms "
-                f"({r['ms / search']} ms each), host {r['host us / q / batch']} us/q/batch",
+                f"({r['ms / search']} ms each), host {r['host us / q / batch']} us/q/batch, "
+                f"{r['graph replays']} graph replays",
                 flush=True,
             )
         del model
@@ -314,6 +317,7 @@ COLUMNS = [
     "search target",
     "host us / q / batch",
     "quantizers",
+    "graph replays",
 ]
 
 
