@@ -73,6 +73,11 @@ step bench_gpu_graph 120 "$PY" -m benchmarks.bench_gpu_calibration --device cuda
 # 6. the same rows observed batch by batch (the default), as JSON too
 step bench_gpu 120 "$PY" -m benchmarks.bench_gpu_calibration --device cuda --rounds 2 --json "$OUT/bench_gpu.json"
 
+# 6b. the two runs side by side, and this session's batch-by-batch run against the last recorded one
+step compare_graph 10 "$PY" -m benchmarks.compare_gpu_runs "$OUT/bench_gpu.json" "$OUT/bench_gpu_graph.json"
+step compare_previous 10 "$PY" -m benchmarks.compare_gpu_runs benchmarks/results/bench_gpu_h200_efbc3f9.json \
+    "$OUT/bench_gpu.json"
+
 # 7. the amax searches on the GPU (one histogram, 768 per-channel ones), and collection against a matmul
 step bench_calibrators 40 "$PY" -m benchmarks.bench_calibrators --device cuda --quick
 
@@ -82,6 +87,6 @@ step bench_gpu_reductions 40 "$PY" -m benchmarks.bench_gpu_reductions --device c
 
 # 8. the default test suite on this machine's CPU (a VNNI CPU on the lent machines: what CI meets on one), the
 #    test files shared over 13 processes; the failing processes' logs in $OUT/suite/failures.txt
-step suite 200 "$PY" .ci/parallel_pytest.py 13 "$OUT/suite" -m "not zoo and not cuda"
+step suite 180 "$PY" .ci/parallel_pytest.py 13 "$OUT/suite" -m "not zoo and not cuda"
 
 log "done in ${SECONDS}s; outputs: $(ls "$OUT" | tr '\n' ' ')"
