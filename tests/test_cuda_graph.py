@@ -228,6 +228,27 @@ def test_the_batches_are_observed_one_by_one_where_a_graph_does_not_apply(case, 
     assert s1.to_dict()["graph_replays"] == 0
 
 
+@pytest.mark.parametrize("rows, folds", [(None, [5]), (2, [2, 4, 5])], ids=["every_row", "two_rows"])
+def test_the_history_is_folded_only_when_a_replay_needs_a_row(rows, folds, replayed, monkeypatch):
+    """A history with a row for every replayed batch is folded once, after the last batch (nothing is
+    dispatched between replays but their inputs' copies); a smaller one before the replay that finds it
+    full, and at the end."""
+    if rows is not None:
+        monkeypatch.setattr(cuda_graph, "_history_rows", lambda replays, width: rows)
+    seen = []
+    fold = cuda_graph.GraphedPass._fold
+
+    def counted(self):
+        seen.append(self.replays)  # batches replayed when the fold ran
+        fold(self)
+
+    monkeypatch.setattr(cuda_graph.GraphedPass, "_fold", counted)
+    s1, s2, replayed_state, alone = _both(_model(), _batches(), "entropy")
+    assert s1.graph_replays == 5 and seen == folds
+    for key, value in alone.items():
+        assert torch.equal(replayed_state[key], value), key
+
+
 def test_only_calibrators_a_replay_can_record_qualify():
     """Per-tensor max, min/max, ``|x|`` and two-sided histograms; not per channel, not with skipped zeros
     (a count per batch kept in Python)."""

@@ -216,14 +216,14 @@ class GraphedPass:
             raise CaptureRefused("the pass called other quantizers when captured than before")
 
     def replay(self, batch: dict) -> None:
+        if self._pending == self.history.shape[0]:  # every row written: fold them before this batch's
+            self._fold()
+            self.row.zero_()
         for k, v in batch.items():
             self.static[k].copy_(v)
         self.graph.replay()
         self.replays += 1
         self._pending += 1
-        if self._pending == self.history.shape[0]:
-            self._fold()
-            self.row.zero_()
 
     def finish(self) -> None:
         """Fold the replayed batches into the observing calibrators."""
