@@ -183,7 +183,7 @@ def refuse_nonfinite(calibrators: Iterable[Calibrator]) -> None:
         by_device.setdefault(p._bad_batch.device, []).append(p)
     first: dict[int, int] = {}
     for group in by_device.values():
-        values = torch.stack([b if (b := p._bad_batch).dim() == 0 else b.reshape(()) for p in group]).tolist()
+        values = torch.stack([p._bad_batch for p in group]).tolist()  # (0-d each, as every fold keeps it)
         first.update((id(p), v) for p, v in zip(group, values))
     for p in kept:
         if first[id(p)] >= 0:
