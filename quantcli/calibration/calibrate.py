@@ -178,8 +178,8 @@ def calibrate(
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
             with running_in(model, compute):
                 # --method auto's hooks run per batch in Python: a replay would not run them
-                wanted = cuda_graph and ranks == 1 and not auto
-                graphed = _graphed_pass(model, batches, acts, counted, dev, wanted)
+                wanted = cuda_graph and not auto
+                graphed = _graphed_pass(model, batches, acts, counted, dev, wanted, alone=ranks == 1)
                 total_batches, total_samples, calls = _observe_activations(
                     model, batches, dev, counted, progress, group, compute, graphed
                 )
@@ -254,10 +254,12 @@ def _weight_only(qs: dict) -> dict:
     return out
 
 
-def _graphed_pass(model: nn.Module, batches, acts: dict, counted: dict, dev: torch.device, wanted: bool):
-    """The CUDA graph the batches after the first are observed by, where the calibration qualifies
-    (:func:`quantcli.calibration.cuda_graph.plan`); else ``None``."""
-    if not wanted or not cuda_graph.plan(batches, acts, counted, dev, alone=True):
+def _graphed_pass(
+    model: nn.Module, batches, acts: dict, counted: dict, dev: torch.device, wanted: bool, alone: bool
+):
+    """The CUDA graph the batches after the first are observed by, where it is ``wanted`` and the calibration
+    qualifies (:func:`quantcli.calibration.cuda_graph.plan`; ``alone``: in one process); else ``None``."""
+    if not wanted or not cuda_graph.plan(batches, acts, counted, dev, alone):
         return None
     return cuda_graph.GraphedPass(
         acts, lambda b: run_model(model, b, where="the captured calibration pass"), len(batches)
