@@ -34,15 +34,12 @@ class CalibrationOps:
     plain_ops: int  # operations of the plain forward pass over the same batches
 
 
-def calibration_ops(
-    model, batches: list, method: str, device: str = "cpu", cuda_graph: bool = False
-) -> CalibrationOps:
+def calibration_ops(model, batches: list, method: str, device: str = "cpu") -> CalibrationOps:
     """Calibrate ``model`` (quantized, on ``device``) on ``batches`` and count the operations dispatched from
     the end of the first batch to the end of the last (the first allocates state; the searches after the last
     are not per batch), less those of a plain forward pass of the same batches with every quantizer disabled,
     per observing quantizer per batch. Batches kept on a device are folded every
-    :data:`calibrators.counting.FOLD_EVERY` batches: pass more than that many for the fold's share. The
-    batches are observed one by one unless ``cuda_graph`` (a replayed graph dispatches none of the pass)."""
+    :data:`calibrators.counting.FOLD_EVERY` batches: pass more than that many for the fold's share."""
     from quantcli.calibration.calibrate import calibrate
     from quantcli.inputs.data import run_model
     from quantcli.nn import quantizers
@@ -52,12 +49,7 @@ def calibration_ops(
     marks: list[int] = []
     with counter:
         summary = calibrate(
-            model,
-            batches,
-            method,
-            device=device,
-            progress=lambda i: marks.append(counter.count),
-            cuda_graph=cuda_graph,
+            model, batches, method, device=device, progress=lambda i: marks.append(counter.count)
         )
     observing = [n for n in summary.calibrated if not n.endswith("weight_quantizer")]
     calibrating = marks[-1] - marks[0]
