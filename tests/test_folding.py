@@ -100,20 +100,30 @@ def test_a_group_folds_in_a_few_operations_and_keeps_every_row(device_path):
         assert c.compute_amax().item() == max(float(x.abs().max()) for x in data[i])
 
 
+def _after_last_batch(
+    counter: OpCounter, method: str, depth: int, asymmetric: bool = False
+) -> tuple[int, int]:
+    """What ``counter`` counts after the last batch of ``depth`` convolutions' calibration (from zero at that
+    batch's end), and the activation quantizers calibrated."""
+    batches = _batches()
+
+    def progress(i):
+        if i == len(batches) - 1:
+            counter.count = 0
+
+    with counter:
+        summary = calibrate(_model(asymmetric, depth=depth), batches, method, device="cpu", progress=progress)
+    return counter.count, sum(1 for n in summary.calibrated if not n.endswith("weight_quantizer"))
+
+
 def _end_kernels(method: str, depth: int, monkeypatch) -> int:
     """Operations that launch a kernel after the last batch of ``depth`` convolutions' calibration (the
     searches not counted: theirs are per chunk of rows, not per quantizer)."""
     kernels = KernelOps()
     searches_not_counted(monkeypatch, kernels)
-    batches = _batches()
-
-    def progress(i):
-        kernels.counting = i == len(batches) - 1
-
-    with kernels:
-        summary = calibrate(_model(depth=depth), batches, method, device="cpu", progress=progress)
-    assert sum(1 for n in summary.calibrated if not n.endswith("weight_quantizer")) == depth + 1
-    return kernels.count
+    count, activations = _after_last_batch(kernels, method, depth)
+    assert activations == depth + 1
+    return count
 
 
 @pytest.mark.parametrize("method", ["max", "entropy"])
@@ -132,16 +142,7 @@ def _end_ops(method: str, depth: int, asymmetric: bool, monkeypatch) -> tuple[in
     import calibrators.histogram as histogram
 
     monkeypatch.setattr(histogram, "_chunk_elements", lambda device: 1 << 27)
-    ops = OpCounter()
-    batches = _batches()
-
-    def progress(i):
-        if i == len(batches) - 1:
-            ops.count = 0
-
-    with ops:
-        summary = calibrate(_model(asymmetric, depth=depth), batches, method, device="cpu", progress=progress)
-    return ops.count, sum(1 for n in summary.calibrated if not n.endswith("weight_quantizer"))
+    return _after_last_batch(OpCounter(), method, depth, asymmetric)
 
 
 @pytest.mark.parametrize("asymmetric", [False, True], ids=["symmetric", "asymmetric"])
@@ -259,17 +260,13 @@ def test_folds_during_the_batches_then_together(device_path):
 
 
 class KernelOps(OpCounter):
-    """Counts, while :attr:`counting`, the operations that are not views (on a GPU, a kernel each)."""
+    """Counts, unless :attr:`paused`, the operations that are not views (on a GPU, a kernel each)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.counting = False
         self.paused = False
-        self.names: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if self.counting and not self.paused and name not in VIEWS:
+        if not self.paused and func.overloadpacket.__name__ not in VIEWS:
             self.count += 1
-            self.names.append(name)
         return func(*args, **(kwargs or {}))
