@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import torch
 
+from calibrators.counting import sides_of_signed
 from calibrators.histogram import METHODS, compute_amax_percentile
 from calibrators.histogram_calibrator import HistogramCalibrator, edges_of
 from calibrators.two_sided import ranges_mse
@@ -66,15 +67,6 @@ def search_histograms(calibrators: Iterable, method: str, kwargs: dict | None = 
     return searched
 
 
-def _sides(hist: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of :meth:`calibrators.signed_histogram.SignedHistogramCalibrator.sides`: ``(pos, neg)`` ``(rows,
-    nb)`` from ``(rows, 2 nb)`` signed counts (a value of the other sign is a zero of each side)."""
-    pos, neg = hist[:, nb:].clone(), hist[:, 1 : nb + 1].flip(1)
-    pos[:, 0] += hist[:, :nb].sum(1)
-    neg[:, 0] += hist[:, nb + 1 :].sum(1)
-    return pos, neg
-
-
 def mse_together(device: torch.device) -> bool:
     """Whether the asymmetric ``mse`` searches on ``device`` run together (see the module)."""
     return device.type != "cpu"
@@ -107,7 +99,7 @@ def search_ranges(calibrators: Iterable, method: str, kwargs: dict | None = None
         hist = torch.cat([h for _, h, _, _, _ in items]).to(torch.float64)
         exp = torch.cat([e.to(device) for _, _, e, _, _ in items])
         edges = edges_of(exp, nb)
-        pos, neg = _sides(hist, nb)
+        pos, neg = sides_of_signed(hist, nb)
         # the data's (min, max) of every row, already widened to include 0 (0-d each)
         lo_all = torch.stack([lo.to(device) for _, _, _, lo, _ in items])
         hi_all = torch.stack([hi.to(device) for _, _, _, _, hi in items])

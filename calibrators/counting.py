@@ -107,6 +107,15 @@ def abs_of_signed(signed: torch.Tensor, nb: int) -> torch.Tensor:
     return out
 
 
+def sides_of_signed(signed: torch.Tensor, nb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pos, neg)`` ``(rows, nb)``: the counts of ``max(x, 0)`` and of ``max(-x, 0)`` from ``(rows, 2 nb)``
+    counts of ``trunc(x / w)`` (same range; a value of the other sign is a zero of each side)."""
+    pos, neg = signed[:, nb:].clone(), signed[:, 1 : nb + 1].flip(1)
+    pos[:, 0] += signed[:, :nb].sum(1)
+    neg[:, 0] += signed[:, nb + 1 :].sum(1)
+    return pos, neg
+
+
 def signed_of_sides(pos: torch.Tensor, neg: torch.Tensor, nb: int) -> torch.Tensor:
     """``(rows, 2 nb)`` counts of ``trunc(x / w)`` from ``(rows, nb)`` counts of the positive values and zeros
     (``pos``) and of the negative values by magnitude (``neg``), both over the same range."""

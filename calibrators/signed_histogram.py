@@ -31,10 +31,11 @@ from calibrators.counting import (
     DeviceSignedCounter,
     HostSignedCounter,
     fold_signed,
+    sides_of_signed,
     signed_merged,
     small_values,
 )
-from calibrators.histogram_calibrator import SIGNED_COUNTS
+from calibrators.histogram_calibrator import SIGNED_COUNTS, edges_of
 from calibrators.max import MINMAX, _observed, batch_min_max
 from calibrators.scratch import HostMinMax, reads_on_host
 from quantcli import defaults
@@ -205,13 +206,9 @@ class SignedHistogramCalibrator(Calibrator):
         the edges ``[0, 2**e]`` (float64, ``num_bins + 1``), each the histogram ``HistogramCalibrator`` would
         make of it over that range, on the CPU (where the range searches run). A value of the other sign is a
         zero of each: counted in its bin 0."""
-        h = self.hist[0].cpu()
-        nb = self.num_bins
-        pos, neg = h[nb:].clone(), h[1 : nb + 1].flip(0)
-        pos[0] += h[:nb].sum()
-        neg[0] += h[nb + 1 :].sum()
-        top = torch.ldexp(torch.ones((), dtype=torch.float64), self.range_exponent().cpu()[0].to(torch.int32))
-        return pos, neg, top * torch.arange(nb + 1, dtype=torch.float64) / nb
+        hist, exp = self.search_counts()
+        pos, neg = sides_of_signed(hist.cpu(), self.num_bins)
+        return pos[0], neg[0], edges_of(exp.cpu(), self.num_bins)[0]
 
     def range_exponent(self) -> torch.Tensor | None:
         """``(1,)`` int64 ``e``: the histogram covers ``(-2**e, 2**e)``; ``None`` before data."""
