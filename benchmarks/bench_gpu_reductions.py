@@ -24,11 +24,10 @@ in one tensor makes that tensor's result NaN (a calibrator must refuse such a ba
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
-from benchmarks.common import machine, setup_threads, table
+from benchmarks.common import machine, median_time, setup_threads, table
 
 WAYS = ("aminmax", "norm", "foreach_norm", "two_stage", "amin_amax")
 ROWS = 1 << 16
@@ -81,17 +80,8 @@ def _observed(model, batch) -> list[torch.Tensor]:
 
 def _timed(fn, device: torch.device, reps: int) -> float:
     """Median milliseconds of ``fn`` over ``reps`` runs after two untimed ones, the device synchronised."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(2):
-        fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append((time.perf_counter() - t) * 1e3)
-    return sorted(times)[len(times) // 2]
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    return median_time(fn, repeat=reps, warmup=2, sync=sync) * 1e3
 
 
 def measure(name: str, device: torch.device, quick: bool, reps: int) -> list[dict]:
