@@ -125,8 +125,8 @@ class _Slot:
         self.calls += 1
         key = (self.how, self.num_bins, id(x))
         found = seen.get(key)
-        if found is None:
-            found = seen[key] = (x, _observe(self.how, self.num_bins, x.detach()))  # x kept: its id stays its
+        if found is None:  # (x kept with it: its id names no other tensor during the pass)
+            found = seen[key] = (x, _observe(self.how, self.num_bins, x.detach()))
         self.observed = found[1]
 
 
