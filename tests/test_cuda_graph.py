@@ -325,3 +325,39 @@ def test_calibrate_cuda_graph_option_reaches_the_plan(flag, asked, tmp_path, mon
     assert r.exit_code == 0, r.output
     assert bool(seen) == asked
     assert json.loads(r.stdout)["graph_replays"] == 0
+
+
+class _Graph:
+    """A stand-in for ``torch.cuda.CUDAGraph`` that records how it was begun and ended."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def capture_begin(self, **kwargs) -> None:
+        self.calls.append(("begin", kwargs))
+
+    def capture_end(self) -> None:
+        self.calls.append(("end", {}))
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["captured", "step_fails"])
+def test_the_capture_is_relaxed_and_always_ended(fails, monkeypatch):
+    """Captured in relaxed mode (``histc`` queries the free memory on each call, which the default mode may
+    refuse), and ended even where the step fails, whose error is the one raised."""
+    made: list[_Graph] = []
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: made.append(_Graph()) or made[-1])
+    monkeypatch.setattr(cuda_graph, "_side_stream", lambda dev: contextlib.nullcontext())
+    ran = []
+
+    def step():
+        ran.append(made[-1].calls[:])
+        if fails:
+            raise ValueError("a read back to the host")
+
+    if fails:
+        with pytest.raises(ValueError, match="a read back"):
+            cuda_graph._capture(step, torch.device("cpu"))
+    else:
+        assert cuda_graph._capture(step, torch.device("cpu")) is made[0]
+    assert ran == [[("begin", {"capture_error_mode": "relaxed"})]]
+    assert made[0].calls == [("begin", {"capture_error_mode": "relaxed"}), ("end", {})]

@@ -49,6 +49,8 @@ MIN_BATCHES = 4
 #: the most device memory the history of replayed batches takes (float32 rows); when its rows are full they
 #: are folded into the calibrators and written again
 HISTORY_BYTES = 256 << 20
+#: ``torch.cuda.CUDAGraph.capture_begin``'s ``capture_error_mode`` (see :func:`_capture`)
+CAPTURE_MODE = "relaxed"
 
 EXTREMES, ABS, SIGNED = "extremes", "abs", "signed"
 
@@ -315,10 +317,15 @@ def _capture(step: Callable[[], None], dev: torch.device) -> torch.cuda.CUDAGrap
     """``step`` captured as a CUDA graph (its operations recorded, not run), on a side stream that follows
     the current one. Not ``torch.cuda.graph``, which synchronises with the device, collects Python's garbage
     and empties the allocator's cache before each capture: milliseconds, and every cached block allocated
-    again."""
+    again.
+
+    Captured in CUDA's relaxed mode: the default (global) mode refuses every "potentially unsafe" runtime call
+    made while capturing, and ``histc`` asks the driver for the free memory (``cudaMemGetInfo``) on each call
+    to choose its kernel. Relaxed mode still refuses what cannot be captured (a read back to the host, a
+    synchronisation), which :class:`GraphedPass`'s callers catch and fall back from."""
     graph = torch.cuda.CUDAGraph()
     with _side_stream(dev):
-        graph.capture_begin()
+        graph.capture_begin(capture_error_mode=CAPTURE_MODE)
         try:
             step()
         except BaseException:
