@@ -523,6 +523,40 @@ def test_activations_that_saw_only_zeros_are_named(tmp_path):
     assert r.exit_code == 0 and "saw only zeros" not in r.stderr
 
 
+NEGATIVE = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class NegIn(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(-F.softplus(self.fc1(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    return NegIn()
+"""
+
+
+def test_an_asymmetric_range_below_zero_did_not_see_only_zeros(tmp_path):
+    """fc2's inputs are all negative: its asymmetric range is [min, 0], amax 0 and amin below it. It was named
+    as having seen only zeros (amax alone was read)."""
+    (tmp_path / "neg.py").write_text(NEGATIVE)
+    np.save(tmp_path / "x.npy", np.random.default_rng(2).standard_normal((64, 6)).astype(np.float32))
+    model, out = f"{tmp_path / 'neg.py'}:make", tmp_path / "n.calib.pt"
+    r = cli("calibrate", model, "--data", tmp_path / "x.npy", "--placement", "all", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert "saw only zeros" not in r.stderr and json.loads(r.stdout)["zero_amax"] == []
+    sd = torch.load(out, weights_only=True)["state_dict"]
+    assert float(sd["fc2.input_quantizer.amax"]) == 0 and float(sd["fc2.input_quantizer.amin"]) < -1
+
+
 def test_the_method_row_names_its_settings(tmp_path):
     """``method: percentile (int8)`` did not say which percentile (the checkpoint stored it)."""
     r = cli(

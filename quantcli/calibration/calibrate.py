@@ -29,6 +29,7 @@ from calibrators.shared import shared_observations, shared_searches
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from quantcli import defaults
 from quantcli.calibration import cuda_graph
+from quantcli.calibration.int32_bias import WidenedWeights, fit_int32_biases
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
 from quantcli.inputs.data import Batch, checked_batches, num_samples, run_model, to_device
@@ -65,6 +66,8 @@ class CalibrationSummary:
     zero_amax: list[str] = field(default_factory=list)
     # batches observed by replaying a CUDA graph of the observing pass (quantcli.calibration.cuda_graph)
     graph_replays: int = 0
+    # layers whose weight range was widened so their int32 bias fits (quantcli.calibration.int32_bias)
+    widened: list[WidenedWeights] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -87,6 +90,7 @@ class CalibrationSummary:
             "min_max": self.min_max,
             "zero_amax": self.zero_amax,
             "graph_replays": self.graph_replays,
+            "widened_for_int32_bias": [w.to_dict() for w in self.widened],
         }
 
     def method_ignored_by(self) -> list[str]:
@@ -196,6 +200,7 @@ def calibrate(
     finally:
         _stop_observers(acts, auto)
         release_scratch()  # the largest activation's temporaries
+    summary.widened = fit_int32_biases(model)
     _summarise(qs, summary)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -354,6 +359,12 @@ def _stop_observers(acts: dict, auto: dict) -> None:
             q.set_mode("quantize")
 
 
+def _widest(q) -> torch.Tensor:
+    """The largest magnitude a quantizer's range reaches: its amax's, or its amin's where it has one."""
+    top = q.amax.abs().max()
+    return top if q.amin is None else torch.maximum(top, q.amin.abs().max())
+
+
 def _summarise(qs: dict, summary: CalibrationSummary) -> None:
     """Which quantizers were calibrated (and the range of their amax, read in one go) and which skipped."""
     amaxes = []
@@ -369,12 +380,13 @@ def _summarise(qs: dict, summary: CalibrationSummary) -> None:
         summary.amax_min, summary.amax_max = amax_span(amaxes)
     if summary.amax_min == 0:  # some amax is 0 somewhere: which activation quantizers saw only zeros
         acts = [
-            (n, q.amax)
+            (n, q)
             for n, q in qs.items()
             if n in summary.calibrated and not n.endswith("weight_quantizer") and q.amax.numel()
         ]
-        if acts:  # one read for all (on a GPU, one synchronisation)
-            tops = torch.stack([a.max().to(acts[0][1].device) for _, a in acts]).tolist()
+        if acts:  # one read for all (on a GPU, one synchronisation); an asymmetric range's amin counts too
+            dev = acts[0][1].amax.device
+            tops = torch.stack([_widest(q).to(dev) for _, q in acts]).tolist()
             summary.zero_amax = [n for (n, _), top in zip(acts, tops) if top == 0]
 
 

@@ -350,6 +350,13 @@ def _calibrate_warnings(outcome) -> None:
             f"warning: {len(zero)} activation quantizer(s) saw only zeros in the calibration data (amax 0), "
             f"so their layers' inputs quantize to 0: {shown}; check that the data is the model's real input"
         )
+    for w in outcome.summary.widened:
+        err.print(
+            f"warning: {w.layer}: the int32 bias of {w.channels} output channel(s) did not fit their scale "
+            f"(input scale x weight scale; their weights are near zero beside their bias), so their weight "
+            f"range was widened up to {w.ratio:.3g}x, as onnxruntime's quantize_static does, instead of "
+            "clamping the bias"
+        )
     for bn, reason in report.batchnorm.skipped:
         err.print(f"warning: BatchNorm {bn} not folded: {reason}")
     for r in report.float_check.get("reverted", []):

@@ -313,20 +313,26 @@ class TensorQuantizer(nn.Module):
                 raise
             raise ConfigError(_negative_to_unsigned(self.name, float(x.min()))) from None
 
-    def integer_scale(self) -> torch.Tensor | None:
-        """The float32 ONNX scale of an enabled, calibrated integer quantizer of at most 8 bits that is per
-        tensor or per axis (flattened to 1-D); None for other formats (fp8, blocked, dynamic, wider) or before
-        calibration."""
+    def has_integer_scale(self) -> bool:
+        """Whether :meth:`integer_scale` is a scale (no tensor operation: what the quantizer is, not its
+        values)."""
         d = self.desc
-        if (
+        return not (
             self.mode != "quantize"
             or d.is_fp8
             or d.dynamic
             or self._block is not None
             or self.amax is None
             or d.num_bits > 8
-        ):
+        )
+
+    def integer_scale(self) -> torch.Tensor | None:
+        """The float32 ONNX scale of an enabled, calibrated integer quantizer of at most 8 bits that is per
+        tensor or per axis (flattened to 1-D); None for other formats (fp8, blocked, dynamic, wider) or before
+        calibration."""
+        if not self.has_integer_scale():
             return None
+        d = self.desc
         if d.asymmetric:
             amin = self.amin if self.amin is not None else torch.zeros_like(self.amax)
             scale = arithmetic.affine_qparams(amin, self.amax, d.num_bits)[0]
