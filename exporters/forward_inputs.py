@@ -27,9 +27,11 @@ from torch import nn
 def forward_by_name(model: nn.Module, keys: list[str]) -> contextlib.AbstractContextManager:
     """While in the context, ``model.forward`` takes exactly the inputs ``keys`` (the example's, in forward's
     order), by position or by name, and calls the real forward with each by its name. A forward that
-    already takes exactly these is left as it is."""
+    already takes exactly these, each by position, is left as it is (an exporter passes them by position: a
+    keyword-only one, ``forward(self, x, *, gate)``, needs the wrapper)."""
     params = inspect.signature(model.forward).parameters
-    if keys == list(params) and not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if keys == list(params) and all(p.kind in positional for p in params.values()):
         return contextlib.nullcontext()
     return _replaced_forward(model, keys)
 

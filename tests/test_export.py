@@ -578,6 +578,33 @@ def test_graph_inputs_are_named_in_forward_order_whatever_the_batch_key_order(tm
     np.testing.assert_allclose(got, model(a, b).detach().numpy(), rtol=1e-5, atol=1e-5)
 
 
+class _KeywordOnly(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.g = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x, *, gate=None):
+        y = self.fc(x)
+        return y if gate is None else y * torch.sigmoid(self.g(gate))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_keyword_only_inputs_export(exporter, tmp_path):
+    """``forward(self, x, *, gate=None)`` calibrated, but torchscript's export passed ``gate`` by position
+    ("takes 2 positional arguments but 3 were given")."""
+    torch.manual_seed(0)
+    module = _KeywordOnly().eval()
+    batch = {"x": torch.randn(16, 6), "gate": torch.randn(16, 6)}
+    model = quantize_model(module)
+    calibrate(model, [batch], "max", device="cpu")
+    path = tmp_path / "m.onnx"
+    export_onnx(model, batch, path, exporter=exporter)
+    graph = onnx.load(str(path))
+    assert [i.name for i in graph.graph.input] == ["x", "gate"]
+    got, want = onnx_and_torch(path, model, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_torchscript_scopes_of_nested_containers_name_the_module():
     from exporters.graph import scope_module_path
 
