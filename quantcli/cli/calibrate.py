@@ -353,7 +353,7 @@ def _calibrate_warnings(outcome) -> None:
     for w in outcome.summary.widened:
         err.print(
             f"warning: {w.layer}: the bias of {w.channels} output channel(s) is too large for int32 codes of "
-            f"input scale x weight scale (their weights, or the layer's inputs, are tiny beside it), so their "
+            f"input scale x weight scale (its weights, or the layer's inputs, are tiny beside it), so their "
             f"weight range was widened up to {w.ratio:.3g}x, as onnxruntime's quantize_static does, instead "
             "of clamping the bias"
         )
