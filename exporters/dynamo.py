@@ -51,6 +51,7 @@ from quantcli.errors import ExportError, whole_line
 from quantcli.nn.config import computes_plain_linear
 from quantcli.nn.dynamic import linear_weight, weight_spec
 from quantcli.nn.export_hooks import export_hooks
+from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import QuantMixin
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import arithmetic, formats
@@ -235,7 +236,7 @@ def _input_shapes(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[st
     ]
     try:
         with torch.no_grad():
-            model(**example)
+            model(**fresh(example))
     finally:
         for h in hooks:
             h.remove()
@@ -443,7 +444,7 @@ def export_dynamo(
             prog = torch.onnx.export(
                 traced,
                 (),
-                kwargs=dict(example),
+                kwargs=fresh(example),
                 dynamo=True,
                 opset_version=opset,
                 custom_translation_table={

@@ -50,6 +50,7 @@ from quantcli import __version__
 from quantcli.errors import ExportError, few, whole_line
 from quantcli.files import no_space, staging_directory, writable_directory
 from quantcli.inputs.data import check_names, checked_batch
+from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
 from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers, uncalibrated
@@ -396,7 +397,7 @@ def export_onnx(
     dynamic_dims = check_dynamic_dims(dynamic_dims, example, dynamic_axes)
     probe = OpProbe()
     with torch.no_grad(), probe:
-        outputs = model(**example)
+        outputs = model(**fresh(example))
     opset, reason, note = _resolve_opset(model, probe, opset, need, what)
     output_names = _output_names(outputs)
     renamed = graph_input_names or {}
@@ -751,7 +752,7 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
 
     aten_symbolics.register()
     decode_ops.register_torchscript()
-    args = tuple(example.values())  # in forward's order (_in_forward_order)
+    args = tuple(fresh(example).values())  # in forward's order (_in_forward_order)
     with (
         warnings.catch_warnings(),
         contextlib.redirect_stderr(io.StringIO()),

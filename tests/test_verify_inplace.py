@@ -119,3 +119,42 @@ def test_a_node_failing_at_run_time_is_the_graphs_fault_not_bad_input():
     with pytest.raises(VerifyError) as refused:  # the wrong rank: refused before any node runs
         sessions.run(sess, {"x": np.zeros((2, 4, 1), np.float32)}, "b")
     assert not isinstance(refused.value, GraphRunError)
+
+
+INPUT_CHANGED = """
+import torch
+from torch import nn
+
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        x /= 4.0  # changes its input in place
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Scaled()
+"""
+
+
+def test_a_forward_that_changes_its_input_in_place_sees_the_data_each_time(tmp_path):
+    """Each forward quantcli ran on a batch divided it by 4 again: the example stored in the checkpoint was
+    the data / 4**7, the float check left fc1 float for a change quantizing never made, and verify failed a
+    correct graph. Now every forward takes its own copy of the batch."""
+    (tmp_path / "scaled.py").write_text(INPUT_CHANGED)
+    x = np.random.default_rng(2).standard_normal((64, 6)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    model, ck, graph = f"{tmp_path / 'scaled.py'}:make", tmp_path / "s.calib.pt", tmp_path / "s.onnx"
+    r = cli("calibrate", model, "--data", tmp_path / "x.npy", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert "float check" not in r.stderr
+    example = torch.load(ck, weights_only=True)["inputs"]["example"]["x"]
+    np.testing.assert_array_equal(example.numpy(), x[: example.shape[0]])
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "x.npy")
+    assert r.exit_code == 0, r.output

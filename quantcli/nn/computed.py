@@ -56,6 +56,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.module_outputs import same_randomness
 from quantcli.nn.modules import QuantMixin, dynamic_export
 from quantcli.nn.recorded_graph import (
@@ -446,7 +447,7 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
     try:
         model.eval()
         with torch.no_grad(), same_randomness(), mode:
-            model(**example)
+            model(**fresh(example))
     except FORWARD_ERRORS as e:
         raise forward_failed(example, e, "finding the operations it computes") from None
     finally:
@@ -830,7 +831,7 @@ def weight_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> di
         return seen
     try:
         with torch.no_grad():
-            model(**example)
+            model(**fresh(example))
     finally:
         for h in hooks:
             h.remove()

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from quantcli.nn.fresh_inputs import fresh
+
 #: values kept per output tensor
 SAMPLE = 4096
 #: relative RMS change of a module's output beyond float rounding (verify's reference.transformations bound)
@@ -162,7 +164,7 @@ def capture(
     try:
         model.eval()
         with quantizer_modes(model, "disabled"), torch.no_grad(), same_randomness(), full_float32():
-            model(**example)
+            model(**fresh(example))
     finally:
         for h in handles:
             h.remove()

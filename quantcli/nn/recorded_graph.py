@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from quantcli.errors import DataError, first_line
+from quantcli.nn.fresh_inputs import fresh
 
 
 @dataclass(eq=False)
@@ -325,7 +326,7 @@ def record(
         model.eval()
         _RECORDING.append(rec)
         with torch.no_grad(), rec:
-            model(**example)
+            model(**fresh(example))
     except FORWARD_ERRORS as e:
         raise forward_failed(example, e, "reading the model's graph") from None
     finally:
