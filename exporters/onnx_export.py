@@ -48,7 +48,7 @@ from exporters.onnxruntime.recurrent import RECURRENT_KEY, to_dynamic_quantize_l
 from exporters.opset import LAYER_NORM_OPSET, NO_QUANTIZER, OpProbe, format_opset, ops_opset
 from quantcli import __version__
 from quantcli.errors import ExportError, few, whole_line
-from quantcli.files import no_space, staging_directory, writable_directory
+from quantcli.files import commit, no_space, staging_directory, writable_directory
 from quantcli.inputs.data import check_names, checked_batch
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import input_quantized_before
@@ -650,10 +650,11 @@ def _save(onnx_model: onnx.ModelProto, path: Path, parent: Path, workdir: Path) 
             all_tensors_to_one_file=True,
             location=path.name + ".data",
         )
-        os.replace(workdir / (path.name + ".data"), parent / (path.name + ".data"))
+        commit(workdir / (path.name + ".data"), parent / (path.name + ".data"))
+        os.replace(final, path)  # (the pair is committed: no stop between the two renames)
     else:
         onnx.save_model(onnx_model, str(final))
-    os.replace(final, path)
+        commit(final, path)
     return external
 
 

@@ -30,6 +30,26 @@ from quantcli.errors import QuantCliError
 
 _OWNER = re.compile(r"\.(\w+)-(\d+)-[^.]*\.tmp$|^\.quantcli-(?:[a-z]+-)?(\w+)-(\d+)-")
 
+#: whether a signal asked the process to stop (the CLI's SIGINT/SIGTERM handler, :func:`request_stop`)
+_stopping = False
+
+
+def request_stop() -> None:
+    """From now on no output is renamed into place: :func:`commit` raises ``KeyboardInterrupt`` instead. The
+    CLI's signal handler raises one itself, but Python ignores an exception raised while it runs a callback
+    (a weakref's, an import lock's): the command would then finish and write its output, as if never
+    interrupted."""
+    global _stopping
+    _stopping = True
+
+
+def commit(src: str | Path, dst: str | Path) -> None:
+    """:func:`os.replace` of a finished temporary output over its destination, unless the process was asked
+    to stop (:func:`request_stop`)."""
+    if _stopping:
+        raise KeyboardInterrupt
+    os.replace(src, dst)
+
 
 def _writer() -> str:
     """``<host>-<pid>``: who writes a temporary name (the host: a shared file system sees other hosts'
@@ -165,7 +185,7 @@ def atomic_write(
     try:
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600
         write(tmp)
-        os.replace(tmp, path)
+        commit(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if no_space(e):
@@ -234,7 +254,7 @@ def write_together(
             raise
         if not folder.exists():
             os.chmod(work, 0o777 & ~_umask())  # mkdtemp makes 0700
-            os.replace(work, folder)
+            commit(work, folder)
             return
         for name in files:
-            os.replace(work / name, folder / name)
+            commit(work / name, folder / name)

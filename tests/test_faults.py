@@ -483,6 +483,45 @@ def test_signal_during_checkpoint_write_cleans_up(tmp_path, sig, code):
     assert _leftovers(tmp_path) == [] and out.read_bytes() == b"previous"
 
 
+SWALLOWED = textwrap.dedent("""
+    import signal, sys
+    import torch
+    from quantcli.cli import entry
+    real = torch.save
+
+    def save(obj, f, *a, **k):
+        try:  # SIGTERM's handler runs inside a callback that ignores its exception (a weakref's)
+            entry._on_signal(signal.SIGTERM, None)
+        except KeyboardInterrupt:
+            pass
+        real(obj, f, *a, **k)
+
+    torch.save = save
+    sys.argv = ["quantcli", *sys.argv[1:]]
+    entry.main()
+""")
+
+
+def test_a_swallowed_sigterm_still_writes_nothing_and_exits_143(tmp_path):
+    """The handler's KeyboardInterrupt, raised inside a callback (an import lock's weakref), was ignored by
+    Python: calibrate went on, wrote its checkpoint and exited 0."""
+    out = tmp_path / "x.calib.pt"
+    out.write_bytes(b"previous")
+    script = tmp_path / "swallowed.py"
+    script.write_text(SWALLOWED)
+    r = subprocess.run(
+        [sys.executable, str(script), "calibrate", "digits_cnn", "--out", str(out), "--num-samples", "16"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip() == "error: terminated"
+    assert _leftovers(tmp_path) == [] and out.read_bytes() == b"previous"
+
+
 def test_sigterm_during_export_removes_the_staging_folder(calibrated, tmp_path):
     out = tmp_path / "m.onnx"
     proc, mark = _start_paused(

@@ -12,6 +12,7 @@ import typer
 from quantcli.cli.application import app
 from quantcli.cli.guard import STATE, unexpected
 from quantcli.cli.output import exit_broken_pipe, print_json
+from quantcli.files import request_stop
 
 #: options whose value may be left out, and the value they then take (typer has no optional-value options)
 OPTIONAL_VALUES = {"--smoothquant": "0.5"}
@@ -44,6 +45,7 @@ def _on_signal(signum, _frame) -> None:
     if STATE.signalled is not None:
         return  # already unwinding: let the clean-up finish
     STATE.signalled = 128 + signum
+    request_stop()  # should the KeyboardInterrupt be swallowed (raised in a callback), no output is written
     raise KeyboardInterrupt
 
 

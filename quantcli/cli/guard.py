@@ -104,6 +104,9 @@ def guarded(command):
             if not isinstance(e, Exception) or os.environ.get("QUANTCLI_DEBUG"):
                 raise
             fail(*unexpected(e), as_json, type(e).__name__)
+        if STATE.signalled is not None:  # the interrupt was swallowed (raised in a callback) and the command
+            # went on: it wrote nothing (quantcli.files.request_stop), and exits as interrupted
+            fail(interrupted_text(STATE.signalled), STATE.signalled, as_json, "Interrupted")
         if code is not None:
             raise typer.Exit(code)
 
