@@ -427,8 +427,9 @@ def export_dynamo(
     dynamic_shapes = None
     if axes:
         dynamic_shapes = {k: {d: torch.export.Dim.DYNAMIC for d in axes.get(k, {})} or None for k in example}
-    torch_onnx_log = logging.getLogger("torch.onnx")
-    level = torch_onnx_log.level
+    # torch's own log lines (torch.onnx's progress, torch.fx's "W1128 ... symbolic_shapes" warnings before an
+    # error) go to handlers bound to the real stderr, past the redirection below: quantcli reports for it
+    disabled = logging.root.manager.disable
     try:
         with (
             forward_by_name(model, list(example)),  # before wrapping: the wrapper takes its signature
@@ -440,7 +441,7 @@ def export_dynamo(
         ):
             traced = _wrapped(model) if wrap else model
             warnings.simplefilter("ignore")
-            torch_onnx_log.setLevel(logging.ERROR)  # its progress chatter; restored below
+            logging.disable(logging.WARNING)  # restored below
             prog = torch.onnx.export(
                 traced,
                 (),
@@ -486,4 +487,4 @@ def export_dynamo(
             f"torch.onnx.export(dynamo=True) failed: {_cause(e)} (try --exporter torchscript)"
         ) from None
     finally:
-        torch_onnx_log.setLevel(level)
+        logging.disable(disabled)

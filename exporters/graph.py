@@ -24,6 +24,9 @@ PRUNED_KEY = "quantcli.pruned_quantizers"
 KN_WEIGHTS_KEY = "quantcli.kn_weights"
 #: the CPU kind the graph's grids were chosen for (quantcli.quant.cpu), onnxruntime target
 CPU_KEY = "quantcli.cpu"
+#: JSON list: where the model's forward branched on a tensor's value while torchscript traced it
+# (``file:line``): the graph holds the path the example batch took
+BRANCHES_KEY = "quantcli.traced_branches"
 
 
 def read_onnx(path: str | Path) -> onnx.ModelProto:
@@ -179,6 +182,25 @@ def kn_weights(model: onnx.ModelProto) -> set[str]:
         if p.key == KN_WEIGHTS_KEY:
             return set(json.loads(p.value))
     return set()
+
+
+def traced_branches(model: onnx.ModelProto) -> list[str]:
+    """Where the model's forward branched on a tensor's value when it was traced (:data:`BRANCHES_KEY`;
+    empty: none, or an older file)."""
+    for p in model.metadata_props:
+        if p.key == BRANCHES_KEY:
+            return list(json.loads(p.value))
+    return []
+
+
+def branch_note(branches: list[str]) -> str:
+    """What a graph traced through data-dependent branches (:func:`traced_branches`) holds, and what to do."""
+    where = ", ".join(branches[:3]) + (" ..." if len(branches) > 3 else "")
+    return (
+        f"the model's forward branches on a tensor's value ({where}): torchscript traced the path the "
+        "example batch took, and the graph computes that path for every input. Make the branch independent "
+        "of the data, or export with --exporter dynamo, which refuses such a branch"
+    )
 
 
 def pruned_quantizers(model: onnx.ModelProto) -> list[str]:

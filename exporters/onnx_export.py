@@ -31,6 +31,7 @@ from exporters.dynamic_linear import dynamic_layers, dynamic_quantizer_map
 from exporters.fold import drop_unused_initializers, narrow_types, prepare, share_identical_initializers
 from exporters.forward_inputs import forward_by_name
 from exporters.graph import (
+    BRANCHES_KEY,
     CPU_KEY,
     PRUNED_KEY,
     QUANTIZERS_KEY,
@@ -106,6 +107,9 @@ class ExportResult:
     # enabled quantizers the exporter removed as dead code: they run in forward, but no output uses their
     # result
     pruned_quantizers: list[str] = field(default_factory=list)
+    # torchscript: where the model's own code branched on a tensor's value while traced (file:line), so the
+    # graph holds only the path the example batch took
+    traced_branches: list[str] = field(default_factory=list)
     opset_reason: str = ""  # why this opset: the format's minimum, the model's ops, or --opset
     # an explicit opset below what the model's ops are best expressed in: what that costs
     opset_note: str = ""
@@ -522,7 +526,9 @@ def _export_graph(
     """Run the chosen torch exporter into ``raw`` and load what it wrote (inputs named after ``example``'s
     keys)."""
     if res.exporter == "torchscript":
-        _export_torchscript(model, example, raw, res.opset, list(example), res.output_names, axes)
+        res.traced_branches = _export_torchscript(
+            model, example, raw, res.opset, list(example), res.output_names, axes
+        )
     else:
         from exporters.dynamo import export_dynamo
 
@@ -608,6 +614,7 @@ def _stamp_metadata(
         **({"quantcli.provider": res.provider} if res.provider else {}),
         **({CPU_KEY: res.cpu} if res.cpu else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
+        **({BRANCHES_KEY: json.dumps(res.traced_branches)} if res.traced_branches else {}),
         **({KN_WEIGHTS_KEY: json.dumps(res.kn_weights)} if res.kn_weights else {}),
         **({RECURRENT_KEY: json.dumps(res.recurrent)} if res.recurrent else {}),
         **(metadata or {}),
@@ -748,19 +755,22 @@ def _in_forward_order(model: nn.Module, example: dict[str, torch.Tensor]) -> dic
     }
 
 
-def _export_torchscript(model, example, path, opset, input_names, output_names, axes) -> None:
+def _export_torchscript(model, example, path, opset, input_names, output_names, axes) -> list[str]:
+    """Export with torchscript; returns where the model's own code branched on a tensor's value while traced
+    (:func:`_branches`)."""
     from torch.onnx import symbolic_helper  # noqa: F401  (registers helpers used by symbolic functions)
 
     aten_symbolics.register()
     decode_ops.register_torchscript()
     args = tuple(fresh(example).values())  # in forward's order (_in_forward_order)
     with (
-        warnings.catch_warnings(),
+        warnings.catch_warnings(record=True) as caught,
         contextlib.redirect_stderr(io.StringIO()),
         native_output_silenced(),
         forward_by_name(model, list(example)),
     ):
         warnings.simplefilter("ignore")
+        warnings.simplefilter("always", torch.jit.TracerWarning)
         try:
             torch.onnx.export(
                 model,
@@ -787,6 +797,32 @@ def _export_torchscript(model, example, path, opset, input_names, output_names, 
             raise aten_symbolics.unsupported_operator(e, "torchscript", opset) or ExportError(
                 f"torch.onnx.export failed: {whole_line(e, 400)} ({other_exporter('torchscript')})"
             ) from None
+    return _branches(caught)
+
+
+#: code whose tensor-to-bool conversions are not the model's own branches: quantcli's, and every installed
+# library's (torch's, transformers' shape checks while tracing: ``if attention_mask.shape[-1] ...``)
+_NOT_THE_MODELS = (
+    *(str(Path(sys.modules[m].__file__).resolve().parent) + os.sep for m in ("quantcli", "exporters")),
+    f"{os.sep}site-packages{os.sep}",
+    f"{os.sep}dist-packages{os.sep}",
+)
+
+
+def _branches(caught: list) -> list[str]:
+    """``file:line`` of each place the model's own code (not an installed library's) turned a traced tensor
+    into a Python bool (an ``if`` on a value: torchscript records the path the example batch took, the graph
+    cannot hold the other), as torch's tracer warns of them."""
+    seen: dict[str, None] = {}
+    for w in caught:
+        where = str(Path(w.filename).resolve())
+        if (
+            issubclass(w.category, torch.jit.TracerWarning)
+            and "Python boolean" in str(w.message)
+            and not any(part in where for part in _NOT_THE_MODELS)
+        ):
+            seen[f"{Path(w.filename).name}:{w.lineno}"] = None
+    return list(seen)
 
 
 @contextlib.contextmanager

@@ -248,6 +248,10 @@ def render_export(res, calibrated: Path) -> None:
             "warning: the graph holds no quantizer: every layer is float (calibrate kept every layer float, "
             "or the config quantizes nothing; `quantcli inspect` on the checkpoint says which)"
         )
+    if res.traced_branches:
+        from exporters.graph import branch_note
+
+        err.print(f"warning: {branch_note(res.traced_branches)}")
     if res.matmul_nbits_8bit:
         shown = ", ".join(res.matmul_nbits_8bit[:3]) + (" ..." if len(res.matmul_nbits_8bit) > 3 else "")
         err.print(

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 import torch
 
-from exporters.graph import read_onnx
+from exporters.graph import branch_note, read_onnx
 from exporters.onnxruntime.placement import strip_propagated
 from quantcli.analysis.saturation import saturating_layers
 from quantcli.errors import GraphOutputError, GraphRunError, VerifyError, few
@@ -685,14 +685,18 @@ def _lstm_cause(lstms: list[str]) -> str:
 
 
 def _graph_differs(report: VerifyReport, lstms: list[str]) -> str:
-    """Why the graph computes something else: the structure check's first problem where it found one; LSTM
-    layers whose integer kernel saturates on this CPU; else what to try."""
+    """Why the graph computes something else: the structure check's first problem where it found one; a
+    branch on a tensor's value the export traced through (the graph holds one path); LSTM layers whose
+    integer kernel saturates on this CPU; else what to try."""
     problem = _structure_problem(report)
+    branches = report.structure.get("traced_branches_at_export") or []
+    found = ""
     if problem is not None:
-        return (
-            f"the structure check found the graph differs from the checkpoint ({problem}): export the "
-            "checkpoint again"
-        )
+        found = f"the structure check found the graph differs from the checkpoint ({problem}): "
+    if branches:
+        return found + branch_note(branches)
+    if found:
+        return found + "export the checkpoint again"
     return _lstm_cause(lstms) if lstms else _GRAPH_DIFFERS
 
 

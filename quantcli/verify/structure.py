@@ -30,6 +30,7 @@ from exporters.graph import (
     qdq_pairs,
     quantizer_map,
     to_numpy,
+    traced_branches,
 )
 from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, few, first_line
@@ -428,6 +429,7 @@ def check_structure(
         "pruned": pruned,
         "notes": [f"{n}: pruned by the exporter, its output reaches no model output" for n in pruned],
         "pruned_recorded_at_export": recorded,
+        "traced_branches_at_export": traced_branches(model),
         "unmapped_pairs": sum(1 for p in all_pairs if not p.quantizer),
         "unexpected_quantizers": sorted((set(pairs) | dynamic) - set(qs)),
         "int32_biases_compared": biases,
