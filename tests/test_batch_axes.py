@@ -228,3 +228,26 @@ def test_num_samples_that_would_cut_a_dlrm_batch_is_refused(tmp_path):
         tmp_path / "c.pt",
     )
     assert_clean_error(r, "--num-samples 40", "'indices'", "no axis of 32 samples")
+
+
+class _TwoInputs(torch.nn.Module):
+    def forward(self, image, table, scale=None):
+        return image.mean((1, 2, 3)) + table.sum(1)
+
+
+def test_a_pt_tuple_is_one_batch_of_forwards_arguments_in_order(tmp_path):
+    """``torch.save((image, table))``, as ``forward(*args)`` takes them, was read as two batches of ``image``
+    ("forward needs argument(s) table"); a list stays a list of batches, and its error says how to give every
+    input."""
+    g = torch.Generator().manual_seed(0)
+    image, table = torch.randn(32, 3, 4, 4, generator=g), torch.randn(32, 5, generator=g)
+    torch.save((image, table), tmp_path / "t.pt")
+    batches = load_batches(tmp_path / "t.pt", _TwoInputs(), batch_size=16)
+    assert [sorted(b) for b in batches] == [["image", "table"]] * 2
+    assert torch.equal(batches[1]["table"], table[16:]) and torch.equal(batches[0]["image"], image[:16])
+    torch.save((image, table, torch.ones(32), torch.ones(32)), tmp_path / "four.pt")
+    with pytest.raises(DataError, match="a tuple of 4 tensors is one batch of forward's arguments in order"):
+        load_batches(tmp_path / "four.pt", _TwoInputs())
+    torch.save([image, table], tmp_path / "l.pt")
+    with pytest.raises(DataError, match="needs argument.* table .*a tuple in forward's order"):
+        load_batches(tmp_path / "l.pt", _TwoInputs())

@@ -1,8 +1,9 @@
 """Calibration / verification data: files -> a list of keyword batches for ``model(**batch)``.
 
 Formats: ``.npz`` (one array per forward argument, by name; ``arr_0, arr_1, ...`` positional), ``.npy`` (the
-single input), ``.pt`` (a tensor, a dict of tensors, or a list of such batches; read with
-``weights_only=True``), or a directory of such files (one batch per file, sequence lengths may differ).
+single input), ``.pt`` (a tensor, a dict of tensors, a tuple of tensors in forward's order, or a list of such
+batches; read with ``weights_only=True``), or a directory of such files (one batch per file, sequence lengths
+may differ).
 Whole arrays are split into batches of ``batch_size``; lists and directories are used batch by batch.
 float64, float16 and bfloat16 become float32 (a half-precision model is calibrated in float32:
 :mod:`quantcli.inputs.precision`); integer and bool arrays (token ids, masks) pass through unchanged.
@@ -120,6 +121,15 @@ def _read(path: Path, names: list[str], mmap: bool = False) -> tuple[list[Batch]
         return [{names[0]: _tensor(obj, where)}] if names else [], True
     if isinstance(obj, dict):
         return [_named(obj, names, where)], True
+    if isinstance(obj, tuple) and len(names) > 1 and all(isinstance(t, torch.Tensor) for t in obj):
+        # forward's arguments in order, as forward(*obj) takes them (an .npz's arr_0, arr_1, ...)
+        if len(obj) > len(names):
+            raise DataError(
+                f"{where}: a tuple of {len(obj)} tensors is one batch of forward's arguments in order, but "
+                f"forward takes {len(names)} ({', '.join(names)}); save a dict of name -> tensor, or a list "
+                "of such batches"
+            )
+        return [{n: _tensor(t, f"{where}[{i}]") for i, (n, t) in enumerate(zip(names, obj))}], True
     if isinstance(obj, (list, tuple)):
         batches = []
         for i, b in enumerate(obj):
@@ -223,7 +233,8 @@ def check_names(batch: Batch, model: nn.Module, where: str) -> None:
     if missing:
         raise DataError(
             f"{where}: forward needs argument(s) {', '.join(missing)} that the data does not provide (it "
-            f"has {', '.join(batch) or 'nothing'})"
+            f"has {', '.join(batch) or 'nothing'}): give each batch every input, as a dict of name -> tensor "
+            "(an .npz of them) or, in a .pt, a tuple in forward's order; a list in a .pt is a list of batches"
         )
 
 
