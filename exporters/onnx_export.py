@@ -400,8 +400,9 @@ def export_onnx(
     example = _in_forward_order(model, {k: v.cpu() for k, v in example_inputs.items()})
     dynamic_dims = check_dynamic_dims(dynamic_dims, example, dynamic_axes)
     probe = OpProbe()
+    inputs = fresh(example)  # (not an op of the model's)
     with torch.no_grad(), probe:
-        outputs = model(**fresh(example))
+        outputs = model(**inputs)
     opset, reason, note = _resolve_opset(model, probe, opset, need, what)
     output_names = _output_names(outputs)
     renamed = graph_input_names or {}

@@ -251,3 +251,13 @@ def test_a_pt_tuple_is_one_batch_of_forwards_arguments_in_order(tmp_path):
     torch.save([image, table], tmp_path / "l.pt")
     with pytest.raises(DataError, match="needs argument.* table .*a tuple in forward's order"):
         load_batches(tmp_path / "l.pt", _TwoInputs())
+
+
+def test_a_sequence_first_rnn_and_its_initial_state_are_cut_on_their_batch_axis():
+    """``x`` ``(time, batch, features)`` and ``h0`` ``(layers, batch, hidden)``: their first axes differ, so
+    the batch was taken as x's time axis and h0 had none. The one size both have is the batch."""
+    batch = {"x": torch.randn(7, 16, 10), "h0": torch.randn(1, 16, 12)}
+    assert ba.batch_axes(batch) == {"x": 1, "h0": 1}
+    assert ba.batch_size(batch) == 16
+    # two shared sizes decide nothing: the first input's first axis, as before
+    assert ba.batch_axes({"x": torch.randn(7, 16, 10), "h0": torch.randn(1, 16, 7)})["x"] == 0

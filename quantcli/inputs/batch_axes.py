@@ -7,9 +7,10 @@ checkpoint stores, for ``--batch-size`` or ``--num-samples``) cuts the tables in
 
 :func:`batch_axes` finds each input's batch axis from the batch itself: when every input's first axis has
 one size, that is the batch (axis 0 everywhere, as before). Otherwise the batch size is the first-axis size
-of the floating-point inputs (the features: index and offset tensors are integers) and each input's batch
-axis is its first axis of that size; an input with no axis of that size has none (it is passed whole, and a
-batch that holds one cannot be cut). A batch without floating-point inputs to decide keeps axis 0.
+of the floating-point inputs (the features: index and offset tensors are integers), or where those differ
+the one size all of them have on some axis (a sequence-first RNN's input and initial state), and each input's
+batch axis is its first axis of that size; an input with no axis of that size has none (it is passed whole,
+and a batch that holds one cannot be cut). A batch without floating-point inputs to decide keeps axis 0.
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ def batch_axes(batch: Batch) -> Axes:
 
 
 def _size_of_features(batch: Batch, first: dict[str, int]) -> int:
-    """The batch size: the floating-point inputs' common first-axis size, else the first input's."""
-    floats = {first[k] for k, v in batch.items() if k in first and v.is_floating_point()}
-    return floats.pop() if len(floats) == 1 else next(iter(first.values()))
+    """The batch size: the floating-point inputs' common first-axis size; else the one size (not 1) that
+    every floating-point input has on some axis (a sequence-first RNN's ``x`` ``(time, batch, features)`` and
+    ``h0`` ``(layers, batch, hidden)``); else the first input's first-axis size."""
+    floats = [v for k, v in batch.items() if k in first and v.is_floating_point()]
+    firsts = {int(v.shape[0]) for v in floats}
+    if len(firsts) == 1:
+        return firsts.pop()
+    shared = set.intersection(*(set(v.shape) for v in floats)) - {1} if floats else set()
+    return shared.pop() if len(shared) == 1 else next(iter(first.values()))
 
 
 def _axis_of(t: torch.Tensor, n: int) -> int | None:

@@ -446,8 +446,9 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
         handles.append(m.register_forward_hook(post, always_call=True))
     try:
         model.eval()
+        inputs = fresh(example)  # (not an operation the model computes)
         with torch.no_grad(), same_randomness(), mode:
-            model(**fresh(example))
+            model(**inputs)
     except FORWARD_ERRORS as e:
         raise forward_failed(example, e, "finding the operations it computes") from None
     finally:

@@ -312,6 +312,7 @@ def record(
     from quantcli.nn.tensor_quantizer import TensorQuantizer
 
     rec = _Recorder({id(m): n for n, m in model.named_modules()})
+    example = fresh(example)  # the placeholders are these copies, which the forward may change in place
     for k, v in example.items():
         if isinstance(v, torch.Tensor):
             rec.alive.append(v)
@@ -326,7 +327,7 @@ def record(
         model.eval()
         _RECORDING.append(rec)
         with torch.no_grad(), rec:
-            model(**fresh(example))
+            model(**example)
     except FORWARD_ERRORS as e:
         raise forward_failed(example, e, "reading the model's graph") from None
     finally:
