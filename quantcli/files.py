@@ -43,11 +43,17 @@ def request_stop() -> None:
     _stopping = True
 
 
+def check_stop() -> None:
+    """Raise ``KeyboardInterrupt`` if the process was asked to stop (:func:`request_stop`): called before
+    the renames that put outputs into place."""
+    if _stopping:
+        raise KeyboardInterrupt
+
+
 def commit(src: str | Path, dst: str | Path) -> None:
     """:func:`os.replace` of a finished temporary output over its destination, unless the process was asked
     to stop (:func:`request_stop`)."""
-    if _stopping:
-        raise KeyboardInterrupt
+    check_stop()
     os.replace(src, dst)
 
 
@@ -256,5 +262,6 @@ def write_together(
             os.chmod(work, 0o777 & ~_umask())  # mkdtemp makes 0700
             commit(work, folder)
             return
+        check_stop()  # all of them or none
         for name in files:
-            commit(work / name, folder / name)
+            os.replace(work / name, folder / name)

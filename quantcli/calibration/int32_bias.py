@@ -61,6 +61,8 @@ def fit_int32_biases(model: nn.Module) -> list[WidenedWeights]:
     widened = []
     for name, m in _not_cleared(layers):
         constants = m.int32_bias_constants()
+        if constants is None:  # (none of the layers screened: each has both integer scales)
+            continue
         ratio = widening_ratios(m.bias, constants[1])
         over = ratio > 1
         if not bool(over.any()):
