@@ -119,3 +119,49 @@ def test_scale_amax_scales_both_ends_of_an_asymmetric_range(method):
     (lo, hi), (lo_half, hi_half) = ranges[None], ranges[0.5]
     assert lo < 0 < hi
     assert lo_half == pytest.approx(lo / 2, rel=1e-6) and hi_half == pytest.approx(hi / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["uint8-asymmetric", "int8-dynamic"])
+def test_tensorrt_refuses_presets_and_rules_with_asymmetric_activations(preset, tmp_path):
+    """``--target tensorrt --config uint8-asymmetric`` (or int8-dynamic, DynamicQuantizeLinear's uint8) gave
+    activations with zero points (126) that TensorRT does not run: the preset slipped past the rule that
+    refuses ``asymmetric_activations: true``."""
+    from quantcli.nn.config import QuantConfig
+
+    with pytest.raises(ConfigError, match=f"preset {preset} quantizes activations on an asymmetric uint8"):
+        QuantConfig(preset=preset, target="tensorrt")
+    with pytest.raises(ConfigError, match=r"rule 0 \('fc.\*'\) makes quantizers asymmetric"):
+        QuantConfig(target="tensorrt", rules=[{"pattern": "fc.*", "asymmetric": True}])
+    QuantConfig(preset=preset)  # onnxruntime runs both
+    r = cli("calibrate", "digits_cnn", "--config", preset, "--target", "tensorrt", "--out", tmp_path / "t.pt")
+    assert r.exit_code == 2 and "TensorRT does not run" in r.output and not (tmp_path / "t.pt").exists()
+
+
+def test_a_dynamic_rule_is_dynamicquantizelinears_uint8(tmp_path):
+    """A rule ``dynamic: true`` on an int8 config calibrated, and export refused the checkpoint ("dynamic
+    quantizers cannot be exported as static Q/DQ"): dynamic quantization exports only as
+    DynamicQuantizeLinear, uint8 with a zero point, which the rule now sets (a rule saying otherwise is
+    refused)."""
+    from quantcli.nn.config import QuantConfig
+
+    cfg = QuantConfig(rules=[{"pattern": "fc1.input_quantizer", "dynamic": True}])
+    assert cfg.rules[0] == {
+        "pattern": "fc1.input_quantizer",
+        "dynamic": True,
+        "asymmetric": True,
+        "num_bits": 8,
+    }
+    for bad in ({"asymmetric": False}, {"num_bits": 4}):
+        with pytest.raises(ConfigError, match="DynamicQuantizeLinear, which is asymmetric uint8"):
+            QuantConfig(rules=[{"pattern": "fc1.input_quantizer", "dynamic": True, **bad}])
+    config = tmp_path / "dyn.yaml"
+    config.write_text("preset: int8\nrules:\n  - pattern: fc1.input_quantizer\n    dynamic: true\n")
+    ck, graph = tmp_path / "d.calib.pt", tmp_path / "d.onnx"
+    r = cli("calibrate", "digits_cnn", "--config", config, "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", graph)
+    assert r.exit_code == 0, r.output
+    import onnx
+
+    ops = [n.op_type for n in onnx.load(str(graph)).graph.node]
+    assert "DynamicQuantizeLinear" in ops and "MatMulInteger" in ops

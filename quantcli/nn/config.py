@@ -109,6 +109,20 @@ REDUCE_RANGE_AUTO = "auto"
 _RULE_KEYS = {"pattern", "enable", *FIELDS}
 
 
+def _dynamic_rule(i: int, r: dict[str, Any]) -> None:
+    """A rule's ``dynamic: true`` is ONNX DynamicQuantizeLinear's quantization, the only dynamic one that
+    exports: uint8 with a zero point (asymmetric, 8 bits), set here where the rule leaves them out (as the
+    int8-dynamic preset sets them); a rule that says otherwise is refused."""
+    if r.get("asymmetric") is False or r.get("num_bits", 8) != 8:
+        raise ConfigError(
+            f"rule {i} ({r['pattern']!r}): dynamic quantization exports as ONNX DynamicQuantizeLinear, "
+            "which is asymmetric uint8: drop asymmetric: false and num_bits from the rule (or set "
+            "asymmetric: true, num_bits: 8)"
+        )
+    r.setdefault("asymmetric", True)
+    r.setdefault("num_bits", 8)
+
+
 @dataclass
 class QuantConfig:
     preset: str = "int8"
@@ -159,6 +173,27 @@ class QuantConfig:
                 )
             if "enable" in r and not isinstance(r["enable"], bool):
                 raise ConfigError(f"rule {i} ({r['pattern']!r}): enable must be true or false")
+            if r.get("dynamic") is True:
+                _dynamic_rule(i, r)
+        if self.target == "tensorrt":
+            self._refuse_asymmetric_for_tensorrt()
+
+    def _refuse_asymmetric_for_tensorrt(self) -> None:
+        """TensorRT runs symmetric int8 only: a preset or rule with asymmetric (uint8 with a zero point, or
+        dynamic, which is asymmetric) activations does not fit it."""
+        if PRESETS[self.preset]["input"].get("asymmetric"):
+            raise ConfigError(
+                f"preset {self.preset} quantizes activations on an asymmetric uint8 grid, which TensorRT "
+                "does not run (symmetric int8 only); use preset int8 with target tensorrt, or target "
+                "onnxruntime"
+            )
+        for i, r in enumerate(self.rules):
+            if r.get("asymmetric") is True:
+                raise ConfigError(
+                    f"rule {i} ({r['pattern']!r}) makes quantizers asymmetric"
+                    f"{' (dynamic)' if r.get('dynamic') else ''}, which TensorRT does not run (symmetric "
+                    "int8 only); drop it or use target onnxruntime"
+                )
 
     def to_plain(self) -> dict[str, Any]:
         """JSON/pickle-safe data (for checkpoints and ONNX metadata)."""
