@@ -390,3 +390,17 @@ def test_a_causal_lm_written_as_a_prefill_graph_says_why_in_export_and_generate(
     r = cli("generate", path, "--prompt", "x", "--tokenizer", "bytes")
     assert_clean_error(r, "not a decode graph: export wrote a prefill graph, no KV cache: model_type 'gemma'")
     assert "--no-kv-cache" not in r.stderr
+
+
+def test_a_tensorrt_decode_graph_holds_standard_ops_only(tmp_path):
+    """``calibrate --target tensorrt`` then ``export``: the decode graph had onnxruntime's com.microsoft
+    GroupQueryAttention and SkipSimplifiedLayerNormalization, which TensorRT does not run."""
+    ck, path = tmp_path / "t.calib.pt", tmp_path / "t.onnx"
+    r = cli("calibrate", "tiny_llama", "--target", "tensorrt", "--num-samples", "8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", path, "--json")
+    assert r.exit_code == 0, r.output
+    graph = onnx.load(str(path))
+    assert json.loads(r.stdout)["decode"] is not None  # still a decode graph with a KV cache
+    assert [n.op_type for n in graph.graph.node if n.domain not in ("", "ai.onnx")] == []
+    assert any(i.name.startswith("past_key_values") for i in graph.graph.input)

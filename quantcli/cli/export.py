@@ -154,7 +154,8 @@ def export(
         opset,
         exporter.value,
         kv_cache=kv_cache,
-        contrib_ops=contrib_ops,
+        # TensorRT runs standard ONNX ops only (no com.microsoft GroupQueryAttention)
+        contrib_ops=contrib_ops and ckpt.config.target != "tensorrt",
         cache_quant=None if float_kv_cache else _cache_quant(ckpt, calibrated),
         embedding_bits=embedding_bits,
         dynamic_axes=dynamic_axes,
