@@ -404,3 +404,33 @@ def test_a_tensorrt_decode_graph_holds_standard_ops_only(tmp_path):
     assert json.loads(r.stdout)["decode"] is not None  # still a decode graph with a KV cache
     assert [n.op_type for n in graph.graph.node if n.domain not in ("", "ai.onnx")] == []
     assert any(i.name.startswith("past_key_values") for i in graph.graph.input)
+
+
+def test_the_structure_check_reads_packed_weights_as_their_members(tmp_path):
+    """q/k/v and gate/up packed into one weight had no pair of their own, so the structure check skipped them
+    ("structure >= 15, measured 5, pass") and verify passed a graph whose v_proj scales were 1.5x: now the
+    packed codes and scales are cut back into each member's columns and compared with the checkpoint."""
+    from exporters.causal_lm.packing import PACKED_KEY
+    from exporters.fold import make_initializer
+    from exporters.graph import initializer_map, to_numpy
+    from quantcli import load_calibrated
+    from quantcli.verify.causal_lm import structure_check
+
+    ck, path = tmp_path / "t.calib.pt", tmp_path / "t.onnx"
+    r = cli("calibrate", "tiny_llama", "--config", "int4-weight-only", "--num-samples", "8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    graph, ckpt = onnx.load(str(path)), load_calibrated(ck)
+    check = structure_check(graph, ckpt)
+    n_weights = sum(1 for n in ckpt.quantizer_info if n.endswith("weight_quantizer"))
+    assert check.passed and check.value == n_weights >= 10, check
+    group = json.loads(next(p.value for p in graph.metadata_props if p.key == PACKED_KEY))[0]
+    v = group["quantizers"].index(next(q for q in group["quantizers"] if ".v_proj." in q))
+    start, width = sum(group["columns"][:v]), group["columns"][v]
+    dq = next(n for n in graph.graph.node if n.output[0] == group["output"])
+    scale = initializer_map(graph.graph)[dq.input[1]]
+    values = to_numpy(scale).copy()
+    values[..., start : start + width] *= 1.5
+    scale.CopyFrom(make_initializer(scale.name, values, scale.data_type))
+    check = structure_check(graph, ckpt)
+    assert not check.passed and group["quantizers"][v] in check.detail, check

@@ -246,20 +246,66 @@ def verify_decode_graph(
 def structure_check(graph, ckpt) -> Check:
     """The structure check of :mod:`quantcli.verify.structure` on a decode graph: every quantizer of the
     checkpoint has its Q/DQ pair with exactly the scale and zero point its amax implies, weight codes
-    included. A graph of another model or another calibration fails it."""
-    from exporters.causal_lm.packing import PACKED_KEY
+    included. Weights packed into one (q/k/v, gate/up: :mod:`exporters.causal_lm.packing`) are checked as
+    their members, the packed codes, scales and zero points cut back into each member's columns
+    (:func:`unpacked`). A graph of another model or another calibration fails it."""
     from quantcli.verify.structure import check_structure
 
-    found, _ = check_structure(graph, ckpt, decode=True)
+    found, _ = check_structure(unpacked(graph), ckpt, decode=True)
     problems = found.get("problems") or []
-    packed = next((p.value for p in graph.metadata_props if p.key == PACKED_KEY), "")
-    # weights packed into one (q/k/v, gate/up) have no pair of their own: the packed pair's members are named
-    # in the metadata, and perplexity and agreement judge them; every other quantizer is checked
-    problems = [p for p in problems if not (p.endswith(_NO_PAIR) and f'"{p.split(":")[0]}"' in packed)]
     return structure_check_of(found, problems, not problems)
 
 
-_NO_PAIR = "Q/DQ pair missing from the graph (its output is used)"
+def unpacked(graph):
+    """A copy of the decode ``graph`` in which each packed weight's members have their own DequantizeLinear
+    again (its codes, scales and zero points cut along the columns, in the order and widths the metadata
+    names), mapped to their quantizers, beside the packed one that the graph computes with. The members'
+    pairs are read, not run: the structure check compares them with the checkpoint, value for value."""
+    import json
+
+    import onnx
+    from onnx import helper
+
+    from exporters.causal_lm.packing import PACKED_KEY
+    from exporters.fold import make_initializer
+    from exporters.graph import QUANTIZERS_KEY, initializer_map, to_numpy
+    from exporters.matmul_nbits import KN_WEIGHTS_KEY
+
+    meta = {p.key: p.value for p in graph.metadata_props}
+    if PACKED_KEY not in meta:
+        return graph
+    out = onnx.ModelProto()
+    out.CopyFrom(graph)
+    g, inits = out.graph, initializer_map(out.graph)
+    producers = {o: n for n in g.node for o in n.output}
+    names, kn = json.loads(meta.get(QUANTIZERS_KEY, "{}")), json.loads(meta.get(KN_WEIGHTS_KEY, "[]"))
+    for group in json.loads(meta[PACKED_KEY]):
+        dq = producers[group["output"]]
+        edges = np.cumsum([0, *group["columns"]])
+        for k, (member, quantizer) in enumerate(zip(group["replaced"], group["quantizers"])):
+            parts = []
+            for j, src in enumerate(dq.input):
+                if not src:
+                    parts.append("")
+                    continue
+                t = inits[src]
+                piece = to_numpy(t)[..., edges[k] : edges[k + 1]]
+                name = f"{member}__member_{j}"
+                g.initializer.append(make_initializer(name, np.ascontiguousarray(piece), t.data_type))
+                parts.append(name)
+            g.node.append(
+                helper.make_node(
+                    "DequantizeLinear", parts, [member], name=f"{member}__member", domain=dq.domain
+                )
+            )
+            g.node[-1].attribute.extend(dq.attribute)
+            if quantizer:
+                names[member] = quantizer
+                kn.append(member)
+    for key, value in ((QUANTIZERS_KEY, names), (KN_WEIGHTS_KEY, kn)):
+        entry = next((p for p in out.metadata_props if p.key == key), None) or out.metadata_props.add(key=key)
+        entry.value = json.dumps(value)
+    return out
 
 
 def _graph_errors() -> tuple[type[BaseException], ...]:
