@@ -361,3 +361,14 @@ def test_the_capture_is_relaxed_and_always_ended(fails, monkeypatch):
         assert cuda_graph._capture(step, torch.device("cpu")) is made[0]
     assert ran == [[("begin", {"capture_error_mode": "relaxed"})]]
     assert made[0].calls == [("begin", {"capture_error_mode": "relaxed"}), ("end", {})]
+
+
+def test_the_summary_says_when_cuda_graph_did_not_apply(tmp_path):
+    """``calibrate --cuda-graph`` on the CPU calibrated batch by batch without a word."""
+    from tests.helpers import cli
+
+    r = cli("calibrate", "digits_cnn", "--cuda-graph", "--num-samples", "64", "--out", tmp_path / "c.pt")
+    assert r.exit_code == 0, r.output
+    assert "--cuda-graph did not apply" in r.output
+    r = cli("calibrate", "digits_cnn", "--num-samples", "64", "--out", tmp_path / "c.pt")
+    assert "cuda-graph" not in r.output

@@ -370,6 +370,12 @@ def _calibrate_warnings(outcome) -> None:
         )
 
 
+def _min_graph_batches() -> int:
+    from quantcli.calibration.cuda_graph import MIN_BATCHES
+
+    return MIN_BATCHES
+
+
 def _calibrate_setup_rows(outcome):
     """Rows saying what was calibrated how: method, device, data, target, BatchNorm folding."""
     from quantcli.inputs.data import describe_preprocessing
@@ -388,9 +394,18 @@ def _calibrate_setup_rows(outcome):
         f"{summary.method}{' ' + ', '.join(settings) if settings else ''} ({cfg.source})"
         + (f"; {len(ignored)} asymmetric activation quantizer(s) from their min and max" if ignored else ""),
     )
+    graph = ""
+    if request.cuda_graph:
+        graph = (
+            f"; {summary.graph_replays} batches replayed from a CUDA graph"
+            if summary.graph_replays
+            else "; --cuda-graph did not apply (it needs a GPU, one process, batches of one shape, at least "
+            f"{_min_graph_batches()}, per-tensor activation quantizers and a method other than auto)"
+        )
     yield (
         "device",
-        summary.device if job.rank is None else f"{summary.device} ({job.rank.backend}, one per rank)",
+        (summary.device if job.rank is None else f"{summary.device} ({job.rank.backend}, one per rank)")
+        + graph,
     )
     yield (
         "data",
