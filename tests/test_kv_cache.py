@@ -221,3 +221,28 @@ def test_bad_kv_cache_requests_are_one_line_errors(tmp_path):
     r = cli("calibrate", "digits_cnn", "--kv-cache", "int8", "--out", tmp_path / "d.calib.pt")
     assert_clean_error(r, "--kv-cache", "causal LM")
     assert not (tmp_path / "d.calib.pt").exists()
+
+
+def test_the_structure_check_compares_the_kv_cache_scales(tmp_path):
+    """verify passed a decode graph whose layer-1 value-cache scales were halved (and one whose key scales
+    were doubled): the int8 KV cache's scales, stored in the checkpoint, were never compared with the
+    graph's."""
+    import onnx
+    from onnx import numpy_helper
+
+    from exporters.causal_lm.attention import KV_SCALE_INPUT
+    from quantcli import load_calibrated
+    from quantcli.verify.causal_lm import structure_check
+    from tests.helpers import cli
+
+    ck, path = tmp_path / "kv.calib.pt", tmp_path / "kv.onnx"
+    r = cli("calibrate", "tiny_llama", "--kv-cache", "int8", "--num-samples", "8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    graph, ckpt = onnx.load(str(path)), load_calibrated(ck)
+    assert structure_check(graph, ckpt).passed
+    gqa = next(n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and "layers.1" in n.name)
+    scale = next(i for i in graph.graph.initializer if i.name == gqa.input[KV_SCALE_INPUT + 1])
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 0.5, scale.name))
+    check = structure_check(graph, ckpt)
+    assert not check.passed and "layer 1: the int8 KV cache's value scales differ" in check.detail, check

@@ -252,8 +252,45 @@ def structure_check(graph, ckpt) -> Check:
     from quantcli.verify.structure import check_structure
 
     found, _ = check_structure(unpacked(graph), ckpt, decode=True)
-    problems = found.get("problems") or []
+    problems = (found.get("problems") or []) + kv_scale_problems(graph, ckpt)
     return structure_check_of(found, problems, not problems)
+
+
+def kv_scale_problems(graph, ckpt) -> list[str]:
+    """Where an int8 KV cache's scales in the graph (each layer's ``GroupQueryAttention`` ``k_scale`` and
+    ``v_scale``) are not the checkpoint's (``calibrate --kv-cache``), exactly. A graph that runs a float cache
+    (``export --float-kv-cache``) has none to compare; a standard-ops graph's are not read here."""
+    import re
+
+    from onnx import numpy_helper
+
+    from exporters.causal_lm.attention import KV_SCALE_INPUT
+    from exporters.causal_lm.kv_cache import KVCacheQuant
+
+    if ckpt.kv_cache is None:
+        return []
+    want = KVCacheQuant.from_plain(ckpt.kv_cache)
+    values = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
+    for n in graph.graph.node:
+        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
+            values[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
+    problems = []
+    for n in graph.graph.node:
+        if n.op_type != "GroupQueryAttention" or len(n.input) <= KV_SCALE_INPUT + 1:
+            continue
+        layer = re.search(r"layers[._](\d+)[./_]", n.name)
+        scales = [values.get(n.input[KV_SCALE_INPUT + j]) for j in (0, 1)]
+        if layer is None or any(v is None for v in scales):
+            continue
+        i = int(layer.group(1))
+        for kind, got, ref in zip(("key", "value"), scales, want.layer_scales(i)):
+            ref = ref.detach().cpu().numpy()
+            if got.shape != ref.shape or not np.array_equal(got.astype(np.float32), ref.astype(np.float32)):
+                problems.append(
+                    f"layer {i}: the int8 KV cache's {kind} scales differ from the checkpoint's (calibrate "
+                    "--kv-cache); export the checkpoint again"
+                )
+    return problems
 
 
 def unpacked(graph):
