@@ -262,26 +262,23 @@ def kv_scale_problems(graph, ckpt) -> list[str]:
     (``export --float-kv-cache``) has none to compare; a standard-ops graph's are not read here."""
     import re
 
-    from onnx import numpy_helper
-
     from exporters.causal_lm.attention import KV_SCALE_INPUT
     from exporters.causal_lm.kv_cache import KVCacheQuant
+    from exporters.fold import constant_value
 
     if ckpt.kv_cache is None:
         return []
     want = KVCacheQuant.from_plain(ckpt.kv_cache)
-    values = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
-    for n in graph.graph.node:
-        if n.op_type == "Constant" and n.attribute and n.attribute[0].name == "value":
-            values[n.output[0]] = numpy_helper.to_array(n.attribute[0].t)
     problems = []
     for n in graph.graph.node:
         if n.op_type != "GroupQueryAttention" or len(n.input) <= KV_SCALE_INPUT + 1:
             continue
         layer = re.search(r"layers[._](\d+)[./_]", n.name)
-        scales = [values.get(n.input[KV_SCALE_INPUT + j]) for j in (0, 1)]
-        if layer is None or any(v is None for v in scales):
+        inputs = n.input[KV_SCALE_INPUT : KV_SCALE_INPUT + 2]
+        found = [constant_value(graph, x) if x else None for x in inputs]
+        if layer is None or any(f is None for f in found):
             continue
+        scales = [value for value, _ in found]
         i = int(layer.group(1))
         for kind, got, ref in zip(("key", "value"), scales, want.layer_scales(i)):
             ref = ref.detach().cpu().numpy()
