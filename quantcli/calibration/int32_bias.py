@@ -60,10 +60,8 @@ def fit_int32_biases(model: nn.Module) -> list[WidenedWeights]:
     ]
     widened = []
     for name, m in _not_cleared(layers):
-        constants = m.int32_bias_constants()
-        if constants is None:  # (none of the layers screened: each has both integer scales)
-            continue
-        ratio = widening_ratios(m.bias, constants[1])
+        _, scale = m.int32_bias_constants()  # (a pair: both quantizers have one integer scale)
+        ratio = widening_ratios(m.bias, scale)
         over = ratio > 1
         if not bool(over.any()):
             continue
