@@ -363,3 +363,24 @@ def test_genai_config_of_gpt2_runs_in_onnxruntime_genai_as_generate_does(tmp_pat
     theirs = gen.get_sequence(0).tolist()[len(prompt) :]
     ours = generate(DecodeSession(folder / "model.onnx"), prompt, 12, stop_at_eos=False).tokens
     assert theirs == ours
+
+
+def test_verify_reads_a_decode_graphs_texts_at_its_own_length_not_calibrations(tmp_path, monkeypatch):
+    """Calibrated with --max-length 2, verify read --data at calibration's 2 tokens per text and asked for
+    --data although it was given. A decode graph is judged on sequences up to verify's own window; an
+    explicit --max-length too short to judge is refused naming it."""
+    _llama_folder(tmp_path / "lm")
+    monkeypatch.chdir(tmp_path)
+    from tests.test_decoder_lm import _texts
+
+    (tmp_path / "texts.txt").write_text("\n".join(_texts()[:24]) + "\n")
+    (tmp_path / "float.json").write_text(json.dumps(FLOAT))
+    r = cli("calibrate", "lm", "--data", "texts.txt", "--config", "float.json", "--placement", "all", "--max-length", 2)
+    assert r.exit_code == 0, r.output
+    r = cli("export", "lm.calib.pt", "--onnx", "lm.onnx")
+    assert r.exit_code == 0, r.output
+    r = cli("verify", "lm.onnx", "--reference", "lm.calib.pt", "--data", "texts.txt", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["num_sequences"] == 16
+    r = cli("verify", "lm.onnx", "--reference", "lm.calib.pt", "--data", "texts.txt", "--max-length", 3)
+    assert_clean_error(r, "4 tokens or more", "--max-length")

@@ -170,7 +170,7 @@ PREPROCESSING = OptionGroup(
                 typer.Option(
                     "--max-length",
                     help=f"Text --data: at most N tokens per example (default {defaults.MAX_LENGTH}; verify: "
-                    "calibration's).",
+                    "calibration's, and for a decode graph at least 128).",
                 ),
             ],
             None,

@@ -80,9 +80,9 @@ def verify(
     input."""
     from quantcli.files import atomic_write, writable_directory
     from quantcli.inputs.checkpoint import load_calibrated
-    from quantcli.inputs.data import cap_samples
+    from quantcli.inputs.data import DataOptions, cap_samples
     from quantcli.verify import verify_onnx
-    from quantcli.verify.causal_lm import is_decode_graph, verify_decode_graph
+    from quantcli.verify.causal_lm import MAX_TOKENS, is_decode_graph, verify_decode_graph
 
     if report_path is not None:
         writable_directory(report_path)  # before the work, not after it
@@ -99,10 +99,14 @@ def verify(
     ckpt = load_calibrated(reference, trust_code=trust_code)
     if report_path is not None:
         refuse_inputs(report_path, [("the model's file", ckpt.spec.path)], "--report")
+    decode = is_decode_graph(onnx_path)
+    if decode and (preprocessing is None or preprocessing.max_length is None):
+        # calibration's length may be shorter than the sequences a language model is judged on
+        preprocessing = preprocessing or DataOptions()
+        preprocessing.min_length = MAX_TOKENS
     batches = checkpoint_inputs(ckpt, data, batch_size, num_samples, preprocessing)
     if batches is None and num_samples is not None:
         batches = cap_samples(ckpt.evaluation_batches() or [ckpt.example], num_samples)
-    decode = is_decode_graph(onnx_path)
     _refuse_options_of_the_other_kind(
         decode, thresholds, per_layer, max_ppl_increase, min_token_agreement, decode_steps
     )

@@ -362,6 +362,7 @@ class DataOptions:
     model_folder: str | Path | None = None
     stored: dict[str, Any] | None = None
     batch_size_given: bool = False  # --batch-size was given (it re-batches whole arrays, not batch files)
+    min_length: int | None = None  # the fewest tokens per example the reader needs (verify of a decode graph)
 
 
 DEFAULT_MAX_LENGTH = defaults.MAX_LENGTH
@@ -517,6 +518,8 @@ def _text_data(
     if max_length is None:
         kept_length = stored.get("max_length") if stored.get("kind") == "text" else None
         max_length = kept_length or min(DEFAULT_MAX_LENGTH, positions or DEFAULT_MAX_LENGTH)
+        if opts.min_length is not None and max_length < opts.min_length:
+            max_length = min(opts.min_length, positions or opts.min_length)
     elif positions is not None and max_length > positions:
         raise DataError(
             f"--max-length {max_length} is beyond the model's {positions} positions (its config); pass "

@@ -47,6 +47,8 @@ MAX_PARITY_DIFF = 1e-4
 DECODE_STEPS = 16
 MAX_SEQUENCES = 16
 MAX_TOKENS = 128
+#: the shortest held-out row worth judging: a prompt, and tokens after it to predict
+MIN_ROW_TOKENS = 4
 
 
 @dataclass
@@ -84,7 +86,7 @@ def sequences(batches, max_sequences: int = MAX_SEQUENCES, max_tokens: int = MAX
         mask = np.asarray(b["attention_mask"]) if "attention_mask" in b else np.ones_like(ids)
         for r, m in zip(ids, mask):
             row = r[m.astype(bool)][:max_tokens].astype(np.int64)
-            if row.size >= 4:
+            if row.size >= MIN_ROW_TOKENS:
                 rows.append(row)
             if len(rows) == max_sequences:
                 return rows
@@ -215,7 +217,10 @@ def verify_decode_graph(
         steps = max(1, min(steps, int(context) - max_tokens // 2))
     rows = sequences(batches, max_sequences, max_tokens)
     if not rows:
-        raise DataError("no held-out sequence of 4 tokens or more to verify a language model on; pass --data")
+        raise DataError(
+            f"no held-out sequence of {MIN_ROW_TOKENS} tokens or more to verify a language model on; pass --data "
+            f"with longer texts (and, where --max-length is given, {MIN_ROW_TOKENS} or more)"
+        )
     deployed = DecodeSession(onnx_path)
     vocab = deployed.session.get_outputs()[0].shape[-1]
     top = max(int(r.max()) for r in rows)
