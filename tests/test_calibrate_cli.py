@@ -574,3 +574,43 @@ def test_the_method_row_names_its_settings(tmp_path):
     assert r.exit_code == 0, r.output
     (row,) = [ln for ln in r.stdout.splitlines() if "│ method" in ln]
     assert "percentile 99.9, 1024 bins (int8)" in row
+    assert "unused" not in row and "changed nothing" not in r.stderr
+
+
+@pytest.mark.parametrize("config", ["int4-weight-only", "int8-dynamic"])
+def test_a_method_that_chooses_no_range_says_so(tmp_path, config):
+    """``--method percentile --percentile 99.9`` under a config that calibrates no activation (weights only,
+    or every activation quantized at run time) changed nothing, and the method row named the percentile as if
+    it had been used."""
+    r = cli(
+        "calibrate",
+        "tiny_llama",
+        "--config",
+        config,
+        "--method",
+        "percentile",
+        "--percentile",
+        "99.9",
+        "--out",
+        tmp_path / "p.calib.pt",
+    )
+    assert r.exit_code == 0, r.output
+    assert "--method percentile chooses activation ranges" in r.stderr and "changed nothing" in r.stderr
+    (row,) = [ln for ln in r.stdout.splitlines() if "│ method" in ln]
+    assert "unused: no activation range to choose" in row
+    r = cli(
+        "calibrate",
+        "tiny_llama",
+        "--config",
+        config,
+        "--method",
+        "mse",
+        "--out",
+        tmp_path / "m.calib.pt",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["calibrated_by_method"] == 0
+    r = cli("calibrate", "tiny_llama", "--method", "percentile", "--out", tmp_path / "a.calib.pt", "--json")
+    assert r.exit_code == 0, r.output
+    assert "changed nothing" not in r.stderr and json.loads(r.stdout)["calibrated_by_method"] > 0

@@ -68,6 +68,9 @@ class CalibrationSummary:
     graph_replays: int = 0
     # layers whose weight range was widened so their int32 bias fits (quantcli.calibration.int32_bias)
     widened: list[WidenedWeights] = field(default_factory=list)
+    # the calibrated quantizers whose amax the method chose (activations; weights of a histogram descriptor):
+    # none, and the method, its percentile and bins changed nothing
+    by_method: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -91,6 +94,7 @@ class CalibrationSummary:
             "zero_amax": self.zero_amax,
             "graph_replays": self.graph_replays,
             "widened_for_int32_bias": [w.to_dict() for w in self.widened],
+            "calibrated_by_method": len(self.by_method),
         }
 
     def method_ignored_by(self) -> list[str]:
@@ -374,6 +378,8 @@ def _summarise(qs: dict, summary: CalibrationSummary) -> None:
         if q.enabled and not q.desc.dynamic and q.amax is not None:
             summary.calibrated.append(name)
             amaxes.append(q.amax)
+            if not name.endswith("weight_quantizer") or q.desc.calib_method == "histogram":
+                summary.by_method.append(name)
         else:
             summary.skipped.append(name)
     if any(a.numel() for a in amaxes):

@@ -361,6 +361,13 @@ def _calibrate_warnings(outcome) -> None:
         err.print(f"warning: BatchNorm {bn} not folded: {reason}")
     for r in report.float_check.get("reverted", []):
         err.print(f"warning: float check: {r['cause']}")
+    summary = outcome.summary
+    if summary.method != defaults.METHOD and not summary.by_method:
+        err.print(
+            f"warning: --method {summary.method} chooses activation ranges, and "
+            f"{outcome.job.config.source} calibrates none (every amax is its tensor's max), so it and "
+            "--percentile/--num-bins changed nothing"
+        )
     ignored = outcome.summary.method_ignored_by()
     if ignored:
         err.print(
@@ -392,7 +399,12 @@ def _calibrate_setup_rows(outcome):
     yield (
         "method",
         f"{summary.method}{' ' + ', '.join(settings) if settings else ''} ({cfg.source})"
-        + (f"; {len(ignored)} asymmetric activation quantizer(s) from their min and max" if ignored else ""),
+        + (f"; {len(ignored)} asymmetric activation quantizer(s) from their min and max" if ignored else "")
+        + (
+            "; unused: no activation range to choose"
+            if summary.method != defaults.METHOD and not summary.by_method
+            else ""
+        ),
     )
     graph = ""
     if request.cuda_graph:
