@@ -131,6 +131,16 @@ def test_inspect_for_cuda_without_a_gpu(exported):
     assert_clean_error(r, "--provider cuda")
 
 
+def test_inspect_refuses_options_that_would_do_nothing(exported):
+    """``--provider`` without ``--runtime``, and ``--trust-code`` on an ONNX file, were accepted, ignored."""
+    r = cli("inspect", exported(), "--provider", "cpu")
+    assert_clean_error(r, "--provider", "give --runtime too")
+    r = cli("inspect", exported(), "--trust-code")
+    assert_clean_error(r, "--trust-code", "is an ONNX file")
+    r = cli("inspect", exported(), "--runtime", "onnxruntime", "--provider", "cpu", "--json")
+    assert r.exit_code == 0, r.output
+
+
 def test_sparse_data_is_refused(tmp_path):
     import torch
 

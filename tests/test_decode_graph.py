@@ -265,6 +265,11 @@ def test_no_kv_cache_keeps_the_prefill_graph_and_static_shapes_are_refused(folde
     r = cli("export", ck, "--onnx", tmp_path / "s.onnx", "--dynamic-dim", "input_ids=1")
     assert_clean_error(r, "--dynamic-dim", "--no-kv-cache")  # was: an internal error, exit 3
     assert not (tmp_path / "s.onnx").exists()
+    # options of decode graphs were accepted beside --no-kv-cache and did nothing
+    for flag in ("--standard-ops", "--float-kv-cache"):
+        r = cli("export", ck, "--onnx", tmp_path / "s.onnx", "--no-kv-cache", flag)
+        assert_clean_error(r, flag, "--no-kv-cache writes a prefill graph")
+        assert not (tmp_path / "s.onnx").exists()
 
 
 def test_the_tiny_llama_sample_exports_a_decode_graph_that_equals_its_logits(tmp_path):

@@ -375,7 +375,18 @@ def test_verify_reads_a_decode_graphs_texts_at_its_own_length_not_calibrations(t
 
     (tmp_path / "texts.txt").write_text("\n".join(_texts()[:24]) + "\n")
     (tmp_path / "float.json").write_text(json.dumps(FLOAT))
-    r = cli("calibrate", "lm", "--data", "texts.txt", "--config", "float.json", "--placement", "all", "--max-length", 2)
+    r = cli(
+        "calibrate",
+        "lm",
+        "--data",
+        "texts.txt",
+        "--config",
+        "float.json",
+        "--placement",
+        "all",
+        "--max-length",
+        2,
+    )
     assert r.exit_code == 0, r.output
     r = cli("export", "lm.calib.pt", "--onnx", "lm.onnx")
     assert r.exit_code == 0, r.output

@@ -111,6 +111,7 @@ def export(
     from quantcli.inputs.checkpoint import load_calibrated
 
     embedding_bits = _embedding_bits(embeddings, kv_cache)
+    _refuse_decode_options_without_cache(kv_cache, contrib_ops, float_kv_cache)
     if not onnx_path.name or onnx_path.name in (".", ".."):
         from quantcli.errors import DataError
 
@@ -215,6 +216,20 @@ def parse_dynamic_dims(values: list[str] | None) -> dict[str, list[int]]:
 
 
 EMBEDDINGS = {"float": None, "int4": 4, "int8": 8}
+
+
+def _refuse_decode_options_without_cache(kv_cache: bool, contrib_ops: bool, float_kv_cache: bool) -> None:
+    """Options of decode graphs given with --no-kv-cache (a prefill graph) would do nothing: refused."""
+    from quantcli.errors import QuantCliError
+
+    unused = [
+        f for f, on in (("--standard-ops", not contrib_ops), ("--float-kv-cache", float_kv_cache)) if on
+    ]
+    if unused and not kv_cache:
+        raise QuantCliError(
+            f"{' and '.join(unused)} apply to decode graphs; --no-kv-cache writes a prefill graph, which has "
+            "no attention cache: leave one or the other out"
+        )
 
 
 def _embedding_bits(choice: str, kv_cache: bool) -> int | None:

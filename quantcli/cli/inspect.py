@@ -25,8 +25,11 @@ def inspect(
         ),
     ] = None,
     provider: Annotated[
-        Provider, typer.Option("--provider", help="With --runtime: the execution provider (cpu or cuda).")
-    ] = Provider.cpu,
+        Optional[Provider],
+        typer.Option(
+            "--provider", help="With --runtime: the execution provider (default cpu; or cuda, auto)."
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     trust_code: Annotated[
         bool,
@@ -42,14 +45,22 @@ def inspect(
     from quantcli.analysis.inspect import inspect_checkpoint, inspect_onnx, inspect_runtime
     from quantcli.errors import QuantCliError
 
+    onnx_file = path.suffix.lower() == ".onnx"
+    if provider is not None and runtime is None:  # options that would do nothing are refused, not dropped
+        raise QuantCliError("--provider chooses the execution provider of --runtime; give --runtime too")
+    if trust_code and onnx_file:
+        raise QuantCliError(
+            f"--trust-code rebuilds a checkpoint's model; {path} is an ONNX file, which inspect reads "
+            "without running code: leave it out"
+        )
     if runtime is not None:
-        if path.suffix.lower() != ".onnx":
+        if not onnx_file:
             raise QuantCliError(f"--runtime inspects an exported ONNX file; {path} is not one")
         rep, render = (
-            inspect_runtime(path, runtime.value, _runtime_provider(provider)),
+            inspect_runtime(path, runtime.value, _runtime_provider(provider or Provider.cpu)),
             render_inspect_runtime,
         )
-    elif path.suffix.lower() == ".onnx":
+    elif onnx_file:
         rep, render = inspect_onnx(path), render_inspect_onnx
     else:
         rep, render = inspect_checkpoint(path, trust_code=trust_code), render_inspect_checkpoint

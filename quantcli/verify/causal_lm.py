@@ -218,8 +218,8 @@ def verify_decode_graph(
     rows = sequences(batches, max_sequences, max_tokens)
     if not rows:
         raise DataError(
-            f"no held-out sequence of {MIN_ROW_TOKENS} tokens or more to verify a language model on; pass --data "
-            f"with longer texts (and, where --max-length is given, {MIN_ROW_TOKENS} or more)"
+            f"no held-out sequence of {MIN_ROW_TOKENS} tokens or more to verify a language model on; pass "
+            f"--data with longer texts (and, where --max-length is given, {MIN_ROW_TOKENS} or more)"
         )
     deployed = DecodeSession(onnx_path)
     vocab = deployed.session.get_outputs()[0].shape[-1]
