@@ -235,19 +235,25 @@ def test_int4_decode_graph_runs_every_linear_as_matmul_nbits_in_the_builders_fus
     path = tmp_path / "llama.onnx"
     r = cli("export", ck, "--onnx", path, "--json")
     assert r.exit_code == 0, r.output
-    fusions = json.loads(r.stdout)["decode"]["fusions"]
+    res = json.loads(r.stdout)
+    fusions = res["decode"]["fusions"]
     assert "q/k/v packed into GroupQueryAttention (2 layers)" in fusions
     assert "gate/up packed (2 layers)" in fusions
     nodes = _optimized_ops(path, tmp_path)
     ops = [n.op_type for n in nodes]
     # per layer: q/k/v, o, gate/up, down; and lm_head
     assert ops.count("MatMulNBits") == 2 * 4 + 1 and ops.count("GroupQueryAttention") == 2
+    # the summary counts the graph's layers and stored weights, after packing (it said 15 beside 9 layers)
+    assert res["matmul_nbits_layers"] == res["quantized_layers"] == 2 * 4 + 1
+    assert res["weights_stored_quantized"] == 2 * 4 + 1
     assert all(n.input[1] == "" and n.input[2] == "" for n in nodes if n.op_type == "GroupQueryAttention")
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * 2 and ops.count("Split") == 2
     assert "Add" not in ops and "DequantizeLinear" not in ops and "MatMul" not in ops
 
     std = tmp_path / "standard.onnx"
-    assert cli("export", ck, "--onnx", std, "--standard-ops").exit_code == 0
+    r = cli("export", ck, "--onnx", std, "--standard-ops", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["matmul_nbits_layers"] == 2 * 7 + 1
     ops = [n.op_type for n in _optimized_ops(std, tmp_path)]
     assert ops.count("MatMulNBits") == 2 * 7 + 1
     assert not {"GroupQueryAttention", "SkipSimplifiedLayerNormalization", "Split"} & set(ops)

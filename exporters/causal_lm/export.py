@@ -253,6 +253,9 @@ def export_decoder(
                 drop_unused_initializers(g)
                 gone = {o for grp in groups for o in grp.replaced}
                 res.kn_weights = [o for o in res.kn_weights if o not in gone] + [grp.output for grp in groups]
+                # counted before packing: each group's members are now one stored weight, one layer
+                res.matmul_nbits_layers = len(res.kn_weights)
+                res.weights_stored_quantized -= len(gone) - len(groups)
                 meta[PACKED_KEY] = json.dumps([grp.to_dict() for grp in groups])
                 info.fusions += packed_fusions(groups)
         meta[LAYOUT_KEY] = json.dumps(info.to_dict())
