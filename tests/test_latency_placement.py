@@ -683,3 +683,18 @@ def test_tensorrt_target_is_not_placed_for_onnxruntime(tmp_path, monkeypatch):
 def test_bad_placement_is_a_one_line_error(tmp_path):
     r = cli("calibrate", "digits_cnn", "--out", tmp_path / "m.calib.pt", "--placement", "fastest")
     assert_clean_error(r, "--placement", "auto or all")
+
+
+def test_dynamic_activations_kept_float_are_not_counted_as_quantized_at_run_time(tmp_path, monkeypatch):
+    """int8-dynamic: the summary said "13 quantized at run time" while placement had kept layers float, so
+    the graph quantized fewer. The count is the layers' that stay dynamic."""
+    monkeypatch.setattr(kernel_costs, "predict", lambda kind, shape: Prediction(3.0, Row(shape, 3.0)))
+    args = ("calibrate", "text_encoder", "--config", "int8-dynamic", "--out", tmp_path / "t.calib.pt")
+    r = cli(*args, "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.stdout)
+    assert info["quantized_layers"] == 0 and info["dynamic"] == []
+    r = cli(*args)
+    assert r.exit_code == 0 and "quantized at run time" not in r.stdout
+    r = cli(*args, "--placement", "all", "--json")
+    assert len(json.loads(r.stdout)["dynamic"]) == json.loads(r.stdout)["quantized_layers"] == 13
