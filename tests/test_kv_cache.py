@@ -246,3 +246,58 @@ def test_the_structure_check_compares_the_kv_cache_scales(tmp_path):
     scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 0.5, scale.name))
     check = structure_check(graph, ckpt)
     assert not check.passed and "layer 1: the int8 KV cache's value scales differ" in check.detail, check
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_the_structure_check_compares_a_standard_ops_caches_scales(tmp_path, exporter):
+    """A --standard-ops decode graph quantizes its cache with plain ops (the new keys and values divided by
+    their scale, rounded, clipped, cast to int8; the codes multiplied by it where attention reads them):
+    verify compared none of those scales, so a graph whose layer-1 value scale was halved passed."""
+    import onnx
+    from onnx import numpy_helper
+
+    from quantcli import load_calibrated
+    from quantcli.verify.causal_lm import structure_check
+    from tests.helpers import cli
+
+    ck, path = tmp_path / "kv.calib.pt", tmp_path / "kv.onnx"
+    r = cli("calibrate", "tiny_llama", "--kv-cache", "int8", "--num-samples", "8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", path, "--standard-ops", "--exporter", exporter)
+    assert r.exit_code == 0, r.output
+    graph, ckpt = onnx.load(str(path)), load_calibrated(ck)
+    assert structure_check(graph, ckpt).passed
+    producer = {o: n for n in graph.graph.node for o in n.output}
+    inits = {i.name: i for i in graph.graph.initializer}
+
+    def scale_of(output, op):
+        """The initializer the codes of ``output`` are divided by (``Div``) or multiplied by (``Mul``)."""
+        if op == "Div":
+            stack, seen = [output], set()
+            while stack:
+                n = producer.get(stack.pop())
+                if n is None or n.name in seen:
+                    continue
+                seen.add(n.name)
+                if n.op_type == "Div" and n.input[1] in inits:
+                    return inits[n.input[1]]
+                stack += list(n.input)
+        readers = [n for n in graph.graph.node if n.op_type == "Mul" and any(x in inits for x in n.input)]
+        for n in readers:
+            src = producer.get(n.input[0])
+            while src is not None and src.op_type == "Cast":
+                if src.input[0] == output or producer.get(src.input[0]) is producer.get(output):
+                    return inits[n.input[1]]
+                src = producer.get(src.input[0])
+        raise AssertionError(f"no {op} scale for {output}")
+
+    for output, op, factor, said in [
+        ("present.1.value", "Div", 0.5, "layer 1: the int8 KV cache's value scales differ"),
+        ("present.0.key", "Mul", 2.0, "layer 0: the int8 KV cache's key scales differ"),
+    ]:
+        mutated = onnx.ModelProto()
+        mutated.CopyFrom(graph)
+        scale = next(i for i in mutated.graph.initializer if i.name == scale_of(output, op).name)
+        scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * factor, scale.name))
+        check = structure_check(mutated, ckpt)
+        assert not check.passed and said in check.detail, check

@@ -262,9 +262,11 @@ def structure_check(graph, ckpt) -> Check:
 
 
 def kv_scale_problems(graph, ckpt) -> list[str]:
-    """Where an int8 KV cache's scales in the graph (each layer's ``GroupQueryAttention`` ``k_scale`` and
-    ``v_scale``) are not the checkpoint's (``calibrate --kv-cache``), exactly. A graph that runs a float cache
-    (``export --float-kv-cache``) has none to compare; a standard-ops graph's are not read here."""
+    """Where an int8 KV cache's scales in the graph are not the checkpoint's (``calibrate --kv-cache``),
+    exactly: each layer's ``GroupQueryAttention`` ``k_scale`` and ``v_scale``, or, in a standard-ops graph,
+    the scale each layer's new keys and values are divided by before their codes join the cache and the
+    scales the cache's codes are multiplied by when attention reads them (:func:`plain_cache_scales`). A
+    graph that runs a float cache (``export --float-kv-cache``) has none to compare."""
     import re
 
     from exporters.causal_lm.attention import KV_SCALE_INPUT
@@ -274,25 +276,97 @@ def kv_scale_problems(graph, ckpt) -> list[str]:
     if ckpt.kv_cache is None:
         return []
     want = KVCacheQuant.from_plain(ckpt.kv_cache)
-    problems = []
+    found: dict[tuple[int, int], list] = {}  # (layer, 0 key / 1 value) -> the scales the graph holds
     for n in graph.graph.node:
         if n.op_type != "GroupQueryAttention" or len(n.input) <= KV_SCALE_INPUT + 1:
             continue
         layer = re.search(r"layers[._](\d+)[./_]", n.name)
-        inputs = n.input[KV_SCALE_INPUT : KV_SCALE_INPUT + 2]
-        found = [constant_value(graph, x) if x else None for x in inputs]
-        if layer is None or any(f is None for f in found):
+        values = [
+            constant_value(graph, x) if x else None for x in n.input[KV_SCALE_INPUT : KV_SCALE_INPUT + 2]
+        ]
+        if layer is not None and all(v is not None for v in values):
+            for kind, (value, _) in enumerate(values):
+                found[(int(layer.group(1)), kind)] = [value]
+    if not found:
+        found = plain_cache_scales(graph)
+    problems = []
+    for (i, kind), scales in sorted(found.items()):
+        name = ("key", "value")[kind]
+        if scales is None:
+            problems.append(f"layer {i}: the int8 KV cache's {name} scales are not found in the graph")
             continue
-        scales = [value for value, _ in found]
-        i = int(layer.group(1))
-        for kind, got, ref in zip(("key", "value"), scales, want.layer_scales(i)):
-            ref = ref.detach().cpu().numpy()
-            if got.shape != ref.shape or not np.array_equal(got.astype(np.float32), ref.astype(np.float32)):
-                problems.append(
-                    f"layer {i}: the int8 KV cache's {kind} scales differ from the checkpoint's (calibrate "
-                    "--kv-cache); export the checkpoint again"
-                )
+        ref = want.layer_scales(i)[kind].detach().cpu().numpy().astype(np.float32)
+        if any(not _broadcasts_equal(got, ref) for got in scales):
+            problems.append(
+                f"layer {i}: the int8 KV cache's {name} scales differ from the checkpoint's (calibrate "
+                "--kv-cache); export the checkpoint again"
+            )
     return problems
+
+
+def _broadcasts_equal(got: np.ndarray, ref: np.ndarray) -> bool:
+    """``got`` holds exactly ``ref``'s values, in ``ref``'s shape or one that broadcasts to the same tensor
+    (a per-tensor scale ``[1]`` or a scalar)."""
+    got = np.asarray(got, np.float32)
+    try:
+        return bool(np.array_equal(np.broadcast_to(got, ref.shape), ref)) and got.size in (1, ref.size)
+    except ValueError:
+        return False
+
+
+def plain_cache_scales(graph) -> dict[tuple[int, int], list | None]:
+    """The scales of a standard-ops graph's int8 KV cache, by ``(layer, 0 key / 1 value)``: for each int8
+    ``present.{i}.key``/``value`` output, the constant its new entries are divided by (``Div`` -> ``Round``
+    -> ``Clip`` -> ``Cast`` into the ``Concat`` that appends them) and the constants the cached codes are
+    multiplied by where they are read (``Cast`` -> ``Mul``); ``None`` where that pattern is not found."""
+    import re
+
+    import onnx
+
+    from exporters.fold import constant_value
+
+    producer = {o: n for n in graph.graph.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in graph.graph.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+
+    def constant(name):
+        value = constant_value(graph, name)
+        return None if value is None else value[0]
+
+    def up_to(name, op, through):
+        n = producer.get(name)
+        while n is not None and n.op_type in through:
+            n = producer.get(n.input[0])
+        return n if n is not None and n.op_type == op else None
+
+    def read_scales(name, seen=0):
+        """The constants the codes ``name`` are multiplied by, through Casts, wherever they are read."""
+        out = []
+        for c in consumers.get(name, []):
+            if c.op_type == "Cast" and seen < 4:
+                out += read_scales(c.output[0], seen + 1)
+            elif c.op_type == "Mul":
+                other = c.input[1] if c.input[0] == name else c.input[0]
+                out.append(constant(other))
+        return out
+
+    found: dict[tuple[int, int], list | None] = {}
+    for out in graph.graph.output:
+        m = re.fullmatch(r"present\.(\d+)\.(key|value)", out.name)
+        if m is None or out.type.tensor_type.elem_type != onnx.TensorProto.INT8:
+            continue
+        key = (int(m.group(1)), 0 if m.group(2) == "key" else 1)
+        concat = up_to(out.name, "Concat", ("Cast", "Identity"))
+        divs = [up_to(x, "Div", ("Cast", "Clip", "Round")) for x in (concat.input if concat else [])]
+        divs = [d for d in divs if d is not None]
+        if concat is None or len(divs) != 1:
+            found[key] = None
+            continue
+        scales = [constant(divs[0].input[1]), *read_scales(concat.output[0])]
+        found[key] = None if any(v is None for v in scales) or len(scales) < 2 else scales
+    return found
 
 
 def unpacked(graph):
