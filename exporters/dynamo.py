@@ -51,6 +51,7 @@ from quantcli.errors import ExportError, whole_line
 from quantcli.nn.config import computes_plain_linear
 from quantcli.nn.dynamic import linear_weight, weight_spec
 from quantcli.nn.export_hooks import export_hooks
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import QuantMixin
 from quantcli.nn.tensor_quantizer import quantizers
@@ -236,7 +237,7 @@ def _input_shapes(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[st
     ]
     try:
         with torch.no_grad():
-            model(**fresh(example))
+            call_forward(model, fresh(example))
     finally:
         for h in hooks:
             h.remove()

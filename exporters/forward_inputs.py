@@ -23,15 +23,18 @@ import inspect
 
 from torch import nn
 
+from quantcli.nn.forward_call import call_by_name
+
 
 def forward_by_name(model: nn.Module, keys: list[str]) -> contextlib.AbstractContextManager:
     """While in the context, ``model.forward`` takes exactly the inputs ``keys`` (the example's, in forward's
     order), by position or by name, and calls the real forward with each by its name. A forward that
-    already takes exactly these, each by position, is left as it is (an exporter passes them by position: a
-    keyword-only one, ``forward(self, x, *, gate)``, needs the wrapper)."""
+    already takes exactly these, each by position or by name, is left as it is (the TorchScript exporter
+    passes them by position, torch.export by name: a keyword-only one, ``forward(self, x, *, gate)``, and a
+    positional-only one, ``forward(self, x, /)``, need the wrapper)."""
     params = inspect.signature(model.forward).parameters
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if keys == list(params) and all(p.kind in positional for p in params.values()):
+    either = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    if keys == list(params) and all(p.kind is either for p in params.values()):
         return contextlib.nullcontext()
     return _replaced_forward(model, keys)
 
@@ -41,7 +44,7 @@ def _replaced_forward(model: nn.Module, keys: list[str]):
     bound, own = model.forward, model.__dict__.get("forward")
 
     def forward(*args, **kwargs):
-        return bound(**dict(zip(keys, args)), **kwargs)
+        return call_by_name(bound, {**dict(zip(keys, args)), **kwargs})
 
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     forward.__signature__ = inspect.Signature([inspect.Parameter(k, kind) for k in keys])

@@ -51,6 +51,7 @@ from quantcli import __version__
 from quantcli.errors import ExportError, few, whole_line
 from quantcli.files import commit, no_space, staging_directory, writable_directory
 from quantcli.inputs.data import check_names, checked_batch
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.recurrent import exported_weights, onnx_layers, recurrent_quantizers
@@ -402,7 +403,7 @@ def export_onnx(
     probe = OpProbe()
     inputs = fresh(example)  # (not an op of the model's)
     with torch.no_grad(), probe:
-        outputs = model(**inputs)
+        outputs = call_forward(model, inputs)
     opset, reason, note = _resolve_opset(model, probe, opset, need, what)
     output_names = _output_names(outputs)
     renamed = graph_input_names or {}

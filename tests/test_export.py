@@ -605,6 +605,51 @@ def test_keyword_only_inputs_export(exporter, tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+POSITIONAL_ONLY = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, /, mask=None):
+        y = self.fc2(torch.relu(self.fc1(x)))
+        return y if mask is None else y * mask
+
+
+def make():
+    torch.manual_seed(0)
+    return M()
+"""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_positional_only_inputs_calibrate_export_and_verify(exporter, tmp_path):
+    """``forward(self, x, /, mask=None)``: quantcli called every forward with its inputs by name, so calibrate
+    failed ("got some positional-only arguments passed as keyword arguments: 'x'")."""
+    (tmp_path / "m.py").write_text(POSITIONAL_ONLY)
+    rng = np.random.default_rng(0)
+    x, mask = rng.standard_normal((64, 8)).astype(np.float32), (rng.random((64, 4)) > 0.2).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x, mask=mask)
+    ck, path = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli("calibrate", f"{tmp_path / 'm.py'}:make", "--data", tmp_path / "d.npz", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", path, "--exporter", exporter)
+    assert r.exit_code == 0, r.output
+    assert [i.name for i in onnx.load(str(path)).graph.input] == ["x", "mask"]
+    r = cli("verify", path, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
+    assert r.exit_code == 0, r.output
+    import onnxruntime as ort
+
+    got = ort.InferenceSession(str(path)).run(None, {"x": x[:8], "mask": mask[:8]})[0]
+    with torch.no_grad():  # called as its author calls it
+        want = load_calibrated(ck).model(torch.from_numpy(x[:8]), mask=torch.from_numpy(mask[:8])).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_torchscript_scopes_of_nested_containers_name_the_module():
     from exporters.graph import scope_module_path
 

@@ -31,6 +31,7 @@ from quantcli.inputs.loading import build_model
 from quantcli.inputs.model_spec import ModelSpec
 from quantcli.nn.config import QuantConfig
 from quantcli.nn.fold_bn import restore_folds
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.modes import keep_float
 from quantcli.nn.replace import quantize_model
 from quantcli.nn.smooth import restore as restore_smoothing
@@ -77,7 +78,7 @@ def _runs(model: nn.Module, batch: Batch) -> bool:
 
     try:
         with torch.no_grad(), same_randomness(), quantizer_modes(model, "disabled"):
-            model(**on_device_of(model, batch))
+            call_forward(model, on_device_of(model, batch))
     except FORWARD_ERRORS:
         return False
     return True

@@ -25,6 +25,7 @@ from torch import nn
 from quantcli import defaults
 from quantcli.errors import DataError, first_line
 from quantcli.inputs import batch_axes
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 
 Batch = dict[str, torch.Tensor]
@@ -340,7 +341,7 @@ def output_arrays(out) -> list[np.ndarray]:
 def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     """``model(**batch)`` with errors turned into a DataError that names the inputs and their shapes."""
     try:
-        return model(**fresh(batch))
+        return call_forward(model, fresh(batch))
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         msg = first_line(e)
         raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None

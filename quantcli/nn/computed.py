@@ -56,6 +56,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.module_outputs import same_randomness
 from quantcli.nn.modules import QuantMixin, dynamic_export
@@ -448,7 +449,7 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
         model.eval()
         inputs = fresh(example)  # (not an operation the model computes)
         with torch.no_grad(), same_randomness(), mode:
-            model(**inputs)
+            call_forward(model, inputs)
     except FORWARD_ERRORS as e:
         raise forward_failed(example, e, "finding the operations it computes") from None
     finally:
@@ -832,7 +833,7 @@ def weight_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> di
         return seen
     try:
         with torch.no_grad():
-            model(**fresh(example))
+            call_forward(model, fresh(example))
     finally:
         for h in hooks:
             h.remove()

@@ -40,6 +40,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from quantcli.errors import DataError, QuantCliError, first_line
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modes import quantizer_modes
 from quantcli.nn.modules import QUANT_CLASSES
@@ -198,7 +199,7 @@ def _bn_input_ranks(
     hooks = [model.get_submodule(n).register_forward_pre_hook(record(n)) for n in names]
     try:
         with torch.no_grad():
-            model(**fresh(example))
+            call_forward(model, fresh(example))
     except (RuntimeError, ValueError, TypeError, IndexError) as e:
         msg = first_line(e)
         raise DataError(

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 
 #: values kept per output tensor
@@ -164,7 +165,7 @@ def capture(
     try:
         model.eval()
         with quantizer_modes(model, "disabled"), torch.no_grad(), same_randomness(), full_float32():
-            model(**fresh(example))
+            call_forward(model, fresh(example))
     finally:
         for h in handles:
             h.remove()

@@ -46,6 +46,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from quantcli.errors import DataError, first_line
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 
 
@@ -327,7 +328,7 @@ def record(
         model.eval()
         _RECORDING.append(rec)
         with torch.no_grad(), rec:
-            model(**example)
+            call_forward(model, example)
     except FORWARD_ERRORS as e:
         raise forward_failed(example, e, "reading the model's graph") from None
     finally:

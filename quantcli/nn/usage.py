@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.tensor_quantizer import quantizers
 
@@ -56,7 +57,7 @@ def unused_quantizers(model: nn.Module, batch: dict[str, torch.Tensor]) -> set[s
     handles = [q.register_forward_hook(hook_for(n)) for n, q in qs.items()]
     try:
         with torch.enable_grad():
-            outs = [t for t in _flat_tensors(model(**fresh(batch))) if t.requires_grad]
+            outs = [t for t in _flat_tensors(call_forward(model, fresh(batch))) if t.requires_grad]
             flat = [leaf for name in leaves for leaf in leaves[name]]
             if not outs or not flat:
                 return None
