@@ -447,3 +447,70 @@ def test_layers_whose_weight_operand_is_derived_are_judged_on_it(transpose, tmp_
     got = saturating_layers(model, batches[0])
     assert [n for n in got if n == "head"] == want
     assert "head" not in saturating_layers(model) and "head" in saturating_layers(model, unknown=True)
+
+
+class _Attention(nn.Module):
+    """``nn.MultiheadAttention`` (self-attention): its packed ``in_proj`` and its ``out_proj`` run inside
+    ``F.multi_head_attention_forward``, where no torch function mode sees them."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        with torch.no_grad():  # weights whose 8-bit codes fill the grid, so that pairs of products saturate
+            self.attn.in_proj_weight.uniform_(-1, 1)
+            self.attn.out_proj.weight.uniform_(-1, 1)
+
+    def forward(self, x):
+        a, _ = self.attn(x, x, x, need_weights=False)
+        return a.mean(1)
+
+
+def _attention(cpu: str):
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.rand(16, 12, 32, generator=g) * 4 - 2} for _ in range(3)]
+    model = quantize_model(_Attention().eval(), load_config({"cpu": cpu}), example=batches[0])
+    calibrate(model, batches[:2], device="cpu")
+    return model.eval(), batches[2]
+
+
+def test_multihead_attentions_projections_are_emulated():
+    """verify --cpu x86-avx2 passed a graph whose nn.MultiheadAttention saturated on AVX2 (the deployed
+    session off by 10x the quantization error under qemu -cpu Haswell): the emulation never saw the
+    attention's projections, so it recorded no layer."""
+    model, batch = _attention("x86-vnni")
+    assert {"attn", "attn.out_proj"} <= set(saturating_layers(model))
+    with torch.inference_mode(), Emulation(model) as emu:
+        model(**batch)
+    assert emu.layers["attn"].saturated > 0 and emu.layers["attn.out_proj"].saturated > 0
+    # every product pair of both projections was looked at: rows x outputs x K/2 (16 rows of 12 tokens)
+    assert emu.layers["attn"].pairs == emu.layers["attn.out_proj"].pairs * 3
+    model, batch = _attention("x86-avx2")  # 7-bit weights: nothing saturates
+    with torch.inference_mode(), Emulation(model) as emu:
+        model(**batch)
+    assert set(emu.layers) == {"attn", "attn.out_proj"} and not any(s.saturated for s in emu.layers.values())
+
+
+@kernels
+@needs_avx2
+def test_the_emulated_attention_is_the_deployed_session(tmp_path):
+    """The same model exported: onnxruntime runs in_proj as MatMulIntegerToFloat and out_proj as QGemm, and on
+    a CPU without VNNI both saturate as the emulation says."""
+    import onnxruntime as ort
+
+    from exporters import export_onnx
+
+    model, batch = _attention("x86-vnni")
+    export_onnx(model, batch, tmp_path / "m.onnx")
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    sess = ort.InferenceSession(str(tmp_path / "m.onnx"), so, providers=["CPUExecutionProvider"])
+    deployed = sess.run(None, {"x": batch["x"].numpy()})[0]
+    with torch.inference_mode():
+        fake = model(**batch).numpy()
+        with Emulation(model) as emu:
+            emulated = model(**batch).numpy()
+    scale = np.abs(deployed).max()
+    assert np.abs(deployed - fake).max() > 0.05 * scale  # it saturates
+    assert np.abs(emulated - deployed).max() < 1e-4 * scale
+    assert emu.layers["attn"].saturated > 0

@@ -11,7 +11,8 @@ onnxruntime's uint8 x int8 kernels on x86 without VNNI add pairs of products in 
   CPU computes: each quantized convolution and linear op that onnxruntime runs with a u8s8 kernel gets the
   kernel's error added to its output (its int32 sums minus the exact ones, times the scales), and per layer
   the saturated pairs and the size of the change are recorded. It intercepts the op the layer's forward calls
-  (``F.conv1d/2d/3d``, ``F.linear``, ``torch.matmul``), so padding done in Python before the op is seen as the
+  (``F.conv1d/2d/3d``, ``F.linear``, ``torch.matmul``; a computed layer's where it runs, through
+  :data:`quantcli.nn.computed.OP_OBSERVERS`), so padding done in Python before the op is seen as the
   kernel sees it. Checked against onnxruntime's AVX2 kernels: the same int32 sums (tests/test_saturation.py).
 """
 
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from quantcli.nn.computed import OP_OBSERVERS, ComputedLayer
 from quantcli.nn.config import kernel_can_saturate
 from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizer_name
 from quantcli.quant import arithmetic, u8s8
@@ -199,8 +201,11 @@ class Emulation(TorchFunctionMode):
         self._stack: list[tuple[str, nn.Module]] = []
         self._qparams: dict[str, tuple[torch.Tensor, int]] = {}
         self._handles = []
+        self._names: dict[int, str] = {}  # the emulated layers' names, by id
+        self._busy = False
         for name, m in model.named_modules():
             if _u8s8_layer(m) and (layers is None or name in layers):
+                self._names[id(m)] = name
                 self._handles += [
                     m.register_forward_pre_hook(self._enter(name, m)),
                     m.register_forward_hook(self._leave),
@@ -223,18 +228,39 @@ class Emulation(TorchFunctionMode):
 
         return hook
 
+    def __enter__(self):
+        OP_OBSERVERS.append(self._observe)
+        return super().__enter__()
+
     def __exit__(self, *exc):
         for h in self._handles:
             h.remove()
+        if self._observe in OP_OBSERVERS:
+            OP_OBSERVERS.remove(self._observe)
         return super().__exit__(*exc)
 
     # -- the op
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not self._stack or (func not in _CONVS and func not in _MATMULS):
+        if self._busy or not self._stack or (func not in _CONVS and func not in _MATMULS):
             return out
         name, module = self._stack[-1]
+        if isinstance(module, ComputedLayer):  # its operations are seen where they run (_observe)
+            return out
+        return self._emulated(name, module, func, args, kwargs, out)
+
+    def _observe(self, layer: nn.Module, func, args: tuple, kwargs: dict, out):
+        """A computed layer's operation, its operands quantized (:data:`quantcli.nn.computed.OP_OBSERVERS`):
+        ``nn.MultiheadAttention``'s projections run inside ``F.multi_head_attention_forward``, where no mode
+        sees them, and its ``out_proj`` without its module being called."""
+        name = self._names.get(id(layer))
+        if name is None or (func not in _CONVS and func not in _MATMULS):
+            return out
+        return self._emulated(name, layer, func, args, kwargs, out)
+
+    def _emulated(self, name: str, module: nn.Module, func, args: tuple, kwargs: dict, out):
+        """``out`` plus the kernel's error, for layer ``name``'s operation ``func(*args, **kwargs)``."""
         if name not in self._qparams:  # the input quantizer ran elsewhere (before a padding module)
             qi = module.input_quantizer
             if qi.dynamic_uint8:
@@ -243,8 +269,12 @@ class Emulation(TorchFunctionMode):
         x, w = args[0], args[1] if len(args) > 1 else kwargs.get("weight", kwargs.get("other"))
         if w is None or not _amax_fits(module, w):
             return out
-        with torch.no_grad():
-            delta = self._delta(name, module, func, x, w, args, kwargs)
+        self._busy = True  # the emulation's own products are not a layer's
+        try:
+            with torch.no_grad():
+                delta = self._delta(name, module, func, x, w, args, kwargs)
+        finally:
+            self._busy = False
         stats = self.layers.setdefault(name, LayerSaturation(name))
         stats.delta_sq += float((delta.double() ** 2).sum())
         stats.out_sq += float((out.detach().double() ** 2).sum())

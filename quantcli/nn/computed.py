@@ -463,6 +463,13 @@ def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Calla
 # ------------------------------------------------------------------------------------------ computed layers
 
 
+#: callables ``(layer, func, args, kwargs, out) -> out`` run on each computed layer's operation as it ran (its
+#: operands quantized), before its output quantizer: verify's emulation of a CPU's integer kernels
+#: (:class:`quantcli.analysis.saturation.Emulation`) sees every operation here, those
+#: ``F.multi_head_attention_forward`` runs inside one torch function, where no mode sees them, included
+OP_OBSERVERS: list[Callable] = []
+
+
 class ComputedLayer(QuantMixin):
     """Mixed in front of a module whose weighted operation is quantized where it runs (module docstring).
 
@@ -510,7 +517,10 @@ class ComputedLayer(QuantMixin):
                 bias = self.quantized_bias()  # QLinearConv / QGemm: int32 codes
             values = (self.quantize_input(x), self.weight_quantizer(w), bias)
             a, k = _with_operands(kind, args, kwargs, values)
-            return self.quantize_output(func(*a, **k))
+            out = func(*a, **k)
+            for observe in OP_OBSERVERS:
+                out = observe(self, func, a, k, out)
+            return self.quantize_output(out)
 
         return layer_call(self, [x], run)
 
