@@ -251,3 +251,29 @@ def test_an_lstm_made_for_vnni_fails_on_a_saturating_cpu_naming_its_kernel(tmp_p
     for name in explained:
         assert "the LSTM layer(s) lstm run onnxruntime's DynamicQuantizeLSTM" in failed[name], failed
         assert "--exporter" not in failed[name] and "not onnxruntime's kernels" not in failed[name]
+
+
+def test_an_lstm_alone_quantized_is_not_called_a_float_graph(tmp_path):
+    """With the classifier's fc kept float the LSTM is the one quantized layer: export said "the graph holds
+    no quantizer: every layer is float" and "Q/DQ pairs: none" of a graph with two DynamicQuantizeLSTM."""
+    calib, _ = user_models.write_data("lstm_classifier", tmp_path)
+    (tmp_path / "c.json").write_text(
+        json.dumps({"preset": "int8", "rules": [{"pattern": "fc.*", "enable": False}]})
+    )
+    ck, graph = tmp_path / "l.calib.pt", tmp_path / "l.onnx"
+    r = cli(
+        "calibrate",
+        user_models.spec("lstm_classifier"),
+        "--data",
+        calib,
+        "--config",
+        tmp_path / "c.json",
+        "--out",
+        ck,
+    )
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", graph)
+    assert r.exit_code == 0, r.output
+    assert [n.op_type for n in onnx.load(str(graph)).graph.node].count("DynamicQuantizeLSTM") == 2
+    assert "holds no quantizer" not in r.stderr
+    assert "2 as DynamicQuantizeLSTM (int8 weights): lstm.l0, lstm.l1" in " ".join(r.stdout.split())

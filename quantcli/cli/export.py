@@ -259,7 +259,7 @@ def _cache_quant(ckpt, calibrated: Path):
 
 
 def render_export(res, calibrated: Path) -> None:
-    if not res.pairs_by_format and not res.dynamic_layers:
+    if not res.pairs_by_format and not res.dynamic_layers and not res.recurrent:
         err.print(
             "warning: the graph holds no quantizer: every layer is float (calibrate kept every layer float, "
             "or the config quantizes nothing; `quantcli inspect` on the checkpoint says which)"
@@ -291,6 +291,9 @@ def _export_rows(res):
     yield "Q/DQ pairs", ", ".join(f"{v} {k}" for k, v in sorted(res.pairs_by_format.items())) or "none"
     if res.dynamic_layers:
         yield "dynamic layers", f"{res.dynamic_layers} (DynamicQuantizeLinear -> MatMulInteger, int8 weights)"
+    if res.recurrent:
+        layers = ", ".join(entry["layer"] for entry in res.recurrent.values())
+        yield "recurrent layers", f"{len(res.recurrent)} as DynamicQuantizeLSTM (int8 weights): {layers}"
     yield "weights stored quantized", str(res.weights_stored_quantized)
     yield "opset", f"{res.opset} ({res.opset_reason})"
     if res.opset_note:
