@@ -38,8 +38,8 @@ def make():
 BRANCH_LINE = next(i for i, line in enumerate(BRANCHY.splitlines(), 1) if "if x.mean()" in line)
 
 
-def _calibrated(tmp_path):
-    (tmp_path / "branchy.py").write_text(BRANCHY)
+def _calibrated(tmp_path, source: str = BRANCHY):
+    (tmp_path / "branchy.py").write_text(source)
     rng = np.random.default_rng(0)
     np.save(tmp_path / "pos.npy", (rng.standard_normal((32, 6)) + 1).astype(np.float32))
     np.save(tmp_path / "neg.npy", (rng.standard_normal((32, 6)) - 1).astype(np.float32))
@@ -81,3 +81,22 @@ def test_dynamo_refuses_the_branch_in_one_line(tmp_path):
     r = cli_subprocess("export", ck, "--onnx", tmp_path / "d.onnx", "--exporter", "dynamo", cwd=tmp_path)
     assert_clean_error(r, "data-dependent")
     assert not (tmp_path / "d.onnx").exists()
+
+
+NEARBY = BRANCHY.replace("h = -3 * self.b(x)", "h = self.a(x) * 1.02")
+
+
+def test_verify_names_the_branch_where_only_the_replay_fails(tmp_path):
+    """The other path differs from the traced one by less than the output check's bound: only
+    fidelity.replay_steps failed, and it named the quantizer alone, not the branch."""
+    ck = _calibrated(tmp_path, NEARBY)
+    graph = tmp_path / "b.onnx"
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "neg.npy", "--json")
+    assert r.exit_code == 1
+    checks = {c["name"]: c for c in json.loads(r.stdout)["checks"]}
+    assert not checks["fidelity.replay_steps"]["passed"]
+    assert (
+        f"branches on a tensor's value (branchy.py:{BRANCH_LINE})"
+        in checks["fidelity.replay_steps"]["detail"]
+    )

@@ -506,14 +506,11 @@ def _fidelity(
         )
     )
     steps = max((r["replay_steps"] for r in replayed), default=0.0)
-    report.checks.append(
-        at_most(
-            "fidelity.replay_steps",
-            MAX_REPLAY_STEPS,
-            steps,
-            ", ".join(f"{r['quantizer']} ({r['replay_steps']:.3g} steps)" for r in failing[:5]) or None,
-        )
-    )
+    detail = ", ".join(f"{r['quantizer']} ({r['replay_steps']:.3g} steps)" for r in failing[:5]) or None
+    branches = report.structure.get("traced_branches_at_export") or []
+    if detail and branches:  # the graph holds one path of a branch on a value: the likely cause
+        detail += f": {branch_note(branches)}"
+    report.checks.append(at_most("fidelity.replay_steps", MAX_REPLAY_STEPS, steps, detail))
     judged = [n for n in out_names if n not in sample.recurrent_outputs]
     worst_out = max(judged, key=lambda n: outputs[n]["replay_ratio"], default=None)
     check = at_most(
