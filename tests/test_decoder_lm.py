@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from exporters import aten_symbolics
+from quantcli import load_calibrated
 from tests.helpers import assert_clean_error, cli
 
 transformers = pytest.importorskip("transformers")
@@ -304,3 +305,30 @@ def test_texts_longer_than_a_models_positions_are_cut_to_them(tmp_path):
     assert load_calibrated(ck).example["input_ids"].shape[1] == 16
     r = cli("calibrate", folder, "--data", data, "--out", tmp_path / "h.calib.pt", "--max-length", 64)
     assert_clean_error(r, "--max-length 64", "16 positions")
+
+
+def test_a_causal_lm_ignores_the_token_types_its_tokenizer_emits(tmp_path):
+    """GPT-2 beside a tokenizer that emits token_type_ids (a BERT-style one): calibrate fed them (GPT-2 adds
+    their embeddings), the decode graph takes none, and verify refused the pair calibrate and export had made
+    ("the ONNX inputs ... do not match the checkpoint's inputs"). A causal LM generates without token types:
+    they are not an input."""
+    texts = _texts()
+    tok = _tokenizer(texts)
+    tok.model_input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    assert "token_type_ids" in tok(texts[:2])
+    torch.manual_seed(0)
+    model = _causal_lm("gpt2", len(tok.get_vocab())).eval()
+    folder = tmp_path / "gpt2"
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    data = tmp_path / "texts.txt"
+    data.write_text("\n".join(texts[:20]) + "\n")
+    ck, graph = tmp_path / "g.calib.pt", tmp_path / "g.onnx"
+    r = cli("calibrate", folder, "--data", data, "--out", ck, "--json", "--batch-size", "8")
+    assert r.exit_code == 0, r.output
+    assert load_calibrated(ck).input_names == ["input_ids", "attention_mask"]
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    held = tmp_path / "held.txt"
+    held.write_text("\n".join(texts[20:40]) + "\n")
+    r = cli("verify", graph, "--reference", ck, "--data", held)
+    assert r.exit_code == 0, r.output

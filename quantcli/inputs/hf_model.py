@@ -9,7 +9,8 @@ verify rebuild the same class from the installed ``transformers`` after the fold
 checkpoint code.
 
 The module quantcli calibrates is the transformers model itself with a ``forward`` that takes the tensor
-inputs (``input_ids``, ``attention_mask``, ``token_type_ids`` where the model takes it; or ``pixel_values``)
+inputs (``input_ids``, ``attention_mask``, ``token_type_ids`` where the model takes it and is not a causal
+LM, which generates without them; or ``pixel_values``)
 and returns what a user deploys: every ``*logits`` output of a task head, else its ``*_embeds`` (a projection
 head: ``CLIPTextModelWithProjection``'s ``text_embeds``), else ``last_hidden_state``, or with
 ``pooling="mean"`` its mean over the (unmasked) tokens as ``embeddings``. A causal LM (``GPT2LMHeadModel``,
@@ -117,6 +118,11 @@ def _is_base(cls, config) -> bool:
         return False
 
 
+def is_causal_lm_class(cls) -> bool:
+    """A transformers causal LM class (``LlamaForCausalLM``, ``GPT2LMHeadModel``, ...), by its name."""
+    return cls.__name__.endswith(("ForCausalLM", "LMHeadModel"))
+
+
 def _inputs(cls) -> list[str]:
     params = inspect.signature(cls.forward).parameters
     if "decoder_input_ids" in params:
@@ -127,7 +133,10 @@ def _inputs(cls) -> list[str]:
             "handles encoder-only and decoder-only (causal LM) text models and image models"
         )
     if "input_ids" in params:
-        return ["input_ids", "attention_mask"] + (["token_type_ids"] if "token_type_ids" in params else [])
+        # a causal LM generates without token types (its decode graph takes none): a tokenizer that emits
+        # them (a BERT tokenizer beside GPT-2) must not calibrate on an input the graph never gets
+        types = "token_type_ids" in params and not is_causal_lm_class(cls)
+        return ["input_ids", "attention_mask"] + (["token_type_ids"] if types else [])
     if "pixel_values" in params:
         return ["pixel_values"]
     raise ModelLoadError(
