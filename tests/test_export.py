@@ -819,3 +819,51 @@ def test_a_graph_onnxruntime_cannot_load_at_all_is_no_export(tmp_path):
         export_onnx(model, batch, path, edit_graph=unknown_op_last)
     assert not path.exists()
     assert export_onnx(model, batch, path).fusion_error is None and path.exists()  # as exported
+
+
+TOKEN_ATTENTION = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = nn.Embedding(17, 32), nn.Parameter(torch.randn(64, 32) * 0.02)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids) + self.pos[: input_ids.shape[1]]
+        a, _ = self.attn(x, x, x, need_weights=False)
+        return self.head(a.mean(1))
+
+
+def make():
+    torch.manual_seed(0)
+    return M()
+"""
+
+
+def test_export_says_when_a_dynamic_size_is_fixed_inside_the_graph(tmp_path):
+    """TorchScript writes nn.MultiheadAttention's head split as a Reshape to the traced length: the graph's
+    input said ``['batch', 'sequence']``, export said nothing, and the graph failed at any other length the
+    model runs at. Export now runs the graph at another size of each named dynamic size and says which it
+    cannot vary; the dynamo export varies both."""
+    (tmp_path / "m.py").write_text(TOKEN_ATTENTION)
+    np.save(tmp_path / "ids.npy", np.random.default_rng(0).integers(0, 17, (32, 64)))
+    ck = tmp_path / "m.calib.pt"
+    r = cli("calibrate", f"{tmp_path / 'm.py'}:make", "--data", tmp_path / "ids.npy", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", tmp_path / "t.onnx", "--json")
+    assert r.exit_code == 0, r.output
+    (fixed,) = json.loads(r.stdout)["graph_agreement"]["fixed_sizes"]
+    assert fixed["dim"] == "sequence" and fixed["axes"] == ["input_ids[1]"] and fixed["traced"] == 64
+    assert "Reshape node" in fixed["error"]
+    r = cli("export", ck, "--onnx", tmp_path / "t.onnx")
+    assert (
+        "warning: sequence (input_ids[1]) is dynamic in the graph's inputs, but the graph runs at" in r.stderr
+    )
+    r = cli("export", ck, "--onnx", tmp_path / "d.onnx", "--exporter", "dynamo", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["graph_agreement"]["fixed_sizes"] == []

@@ -181,6 +181,11 @@ def export(
             f"warning: {res.decode_note}; generate and onnxruntime-genai need a decode graph "
             "(docs/llm.md lists the supported families)"
         )
+    for fixed in agreement.fixed if agreement is not None else ():
+        err.print(
+            f"warning: {fixed.text()}. Feed the graph that size, or export with the other --exporter "
+            "(or --static-shapes to say it is fixed)"
+        )
     if agreement is not None and not agreement.passed:
         worst = agreement.worst
         err.print(

@@ -12,13 +12,14 @@ that is wrong, not the judgment of one that is right, which stays verify's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from quantcli.errors import VerifyError
+from quantcli.errors import QuantCliError, VerifyError, first_line
 from quantcli.inputs.data import Batch, output_arrays, run_model
 from quantcli.nn.modes import quantizer_modes
 from quantcli.verify import sessions
@@ -32,6 +33,7 @@ class GraphAgreement:
 
     outputs: dict[str, float]
     limit: float = MAX_RMS_RATIO
+    fixed: list = field(default_factory=list)  # FixedSize: named dynamic sizes the graph cannot vary
 
     @property
     def passed(self) -> bool:
@@ -42,23 +44,37 @@ class GraphAgreement:
         return max(self.outputs, key=self.outputs.get)
 
     def to_dict(self) -> dict:
-        return {"outputs": self.outputs, "limit": self.limit, "passed": self.passed}
+        return {
+            "outputs": self.outputs,
+            "limit": self.limit,
+            "passed": self.passed,
+            "fixed_sizes": [f.to_dict() for f in self.fixed],
+        }
 
 
 def graph_agreement(path: str | Path, model: nn.Module, example: Batch) -> GraphAgreement | None:
     """The exact session of the graph at ``path`` against ``model`` (calibrated, fake-quant) on ``example``;
     None where the two cannot be paired (the session does not load or run on the example, a different number
-    of outputs, an output of another shape: verify reports those)."""
+    of outputs, an output of another shape: verify reports those). Its ``fixed`` lists the sizes the graph
+    names as dynamic but cannot vary (:func:`fixed_sizes`)."""
     try:
         session = sessions.open_session(Path(path).read_bytes(), "CPUExecutionProvider", optimize=False)
-        feeds = sessions.feeds(session, example, "the example batch")
-        got = sessions.run(session, feeds, "the example batch")
+        outputs = _agreement(session, model, example, "the example batch")
     except VerifyError:
         return None
+    if outputs is None:
+        return None
+    return GraphAgreement(outputs, fixed=fixed_sizes(session, model, example))
+
+
+def _agreement(session, model: nn.Module, batch: Batch, where: str) -> dict[str, float] | None:
+    """Per float output, RMS(graph - fake-quant) over the quantization error on ``batch``; None where the
+    outputs cannot be paired. A graph that does not take or run the batch raises :class:`VerifyError`."""
+    got = sessions.run(session, sessions.feeds(session, batch, where), where)
     with torch.inference_mode():
-        ref = output_arrays(run_model(model, example))
+        ref = output_arrays(run_model(model, batch))
         with quantizer_modes(model, "disabled"):
-            flt = output_arrays(run_model(model, example))
+            flt = output_arrays(run_model(model, batch))
     names = [o.name for o in session.get_outputs()]
     if len(got) != len(ref) or any(g.shape != r.shape for g, r in zip(got, ref)):
         return None
@@ -70,4 +86,83 @@ def graph_agreement(path: str | Path, model: nn.Module, example: Batch) -> Graph
         fid.add(g, r)
         qerr.add(r, f)
         outputs[name] = ratio(fid.rms, qerr.error_scale)
-    return GraphAgreement(outputs) if outputs else None
+    return outputs or None
+
+
+@dataclass
+class FixedSize:
+    """A size the graph's inputs name as dynamic (``batch``, ``sequence``) that the graph cannot vary: the
+    trace fixed it inside (a ``Reshape`` to the traced length, as TorchScript writes
+    ``nn.MultiheadAttention``), so the graph fails, or computes something else, at another size the model
+    runs at."""
+
+    dim: str
+    axes: list[str]  # ``input_ids[1]``
+    traced: int
+    tried: int
+    error: str
+
+    def to_dict(self) -> dict:
+        return {
+            "dim": self.dim,
+            "axes": self.axes,
+            "traced": self.traced,
+            "tried": self.tried,
+            "error": self.error,
+        }
+
+    def text(self) -> str:
+        return (
+            f"{self.dim} ({', '.join(self.axes)}) is dynamic in the graph's inputs, but the graph runs at "
+            f"the traced size {self.traced} only: at {self.tried}, where the model runs, {self.error}"
+        )
+
+
+def fixed_sizes(session, model: nn.Module, example: Batch, limit: float = MAX_RMS_RATIO) -> list[FixedSize]:
+    """The graph's named dynamic sizes it cannot vary: for each, the example cut (or grown by one) along every
+    input axis of that name, at most 2 rows along the others' batch, run in the graph and in the model; a
+    size the model itself cannot run at is not judged."""
+    dims: dict[str, list[tuple[str, int]]] = {}
+    for i in session.get_inputs():
+        for axis, d in enumerate(i.shape):
+            if isinstance(d, str) and i.name in example and example[i.name].dim() > axis:
+                dims.setdefault(d, []).append((i.name, axis))
+    out = []
+    for dim, where in dims.items():
+        name, axis = where[0]
+        n = int(example[name].shape[axis])
+        size = n - 1 if n > 1 else 2
+        batch = {k: v for k, v in example.items()}
+        for k, a in where:
+            t = batch[k]
+            batch[k] = t.narrow(a, 0, size) if size < n else torch.cat([t, t.narrow(a, 0, size - n)], a)
+        batch = _few_rows(batch, dims, dim)
+        try:
+            with torch.inference_mode():
+                run_model(model, batch)
+        except QuantCliError:
+            continue  # the model itself does not run at that size
+        try:
+            outputs = _agreement(session, model, batch, f"{dim} {size}")
+        except VerifyError as e:
+            node = re.search(r"running (\w+) node\. Name:'([^']*)'", str(e))
+            error = f"its {node[1]} node {node[2]!r} fails" if node else f"it fails: {first_line(e, 200)}"
+        else:
+            worst = max(outputs.values()) if outputs else 0.0
+            if worst <= limit:
+                continue
+            error = f"it is {worst:.3g}x the quantization error off the model (verify fails over {limit:g})"
+        out.append(FixedSize(dim, [f"{k}[{a}]" for k, a in where], n, size, error))
+    return out
+
+
+def _few_rows(batch: Batch, dims: dict, probed: str) -> Batch:
+    """``batch`` cut to 2 rows along every other named size of the inputs' first axis (the batch), so that the
+    probe costs a few rows' forward whatever the example's size."""
+    for dim, where in dims.items():
+        if dim == probed:
+            continue
+        for k, a in where:
+            if a == 0 and batch[k].shape[0] > 2:
+                batch[k] = batch[k].narrow(0, 0, 2)
+    return batch
