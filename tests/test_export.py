@@ -867,3 +867,17 @@ def test_export_says_when_a_dynamic_size_is_fixed_inside_the_graph(tmp_path):
     r = cli("export", ck, "--onnx", tmp_path / "d.onnx", "--exporter", "dynamo", "--json")
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["graph_agreement"]["fixed_sizes"] == []
+
+
+def test_export_names_a_dynamic_dim_the_model_itself_cannot_vary(calibrated, tmp_path):
+    """``--dynamic-dim x=1`` (digits_cnn's channels) was accepted without a word; verify then called such an
+    axis one the weights fix. Export names it; a fully convolutional net's image axes are not named."""
+    ck = calibrated("digits_cnn")
+    r = cli("export", ck, "--onnx", tmp_path / "c.onnx", "--dynamic-dim", "x=1", "--json")
+    assert r.exit_code == 0, r.output
+    (fixed,) = json.loads(r.stdout)["graph_agreement"]["fixed_sizes"]
+    assert fixed["axes"] == ["x[1]"] and not fixed["model_runs"] and "channels" in fixed["error"]
+    r = cli("export", ck, "--onnx", tmp_path / "c.onnx", "--dynamic-dim", "x=1")
+    assert (
+        "the model itself does not run at 2 there" in r.stderr and "Leave it out of --dynamic-dim" in r.stderr
+    )

@@ -171,9 +171,11 @@ def export(
         res.genai_config = str(write_genai_config(onnx_path, res.decode))
     agreement = None
     if res.decode is None and not res.external_data:  # a decode graph: verify runs it step by step
+        from exporters.onnx_export import check_dynamic_dims
         from quantcli.verify.export_check import graph_agreement
 
-        agreement = graph_agreement(onnx_path, ckpt.model, ckpt.example)
+        asked = check_dynamic_dims(parse_dynamic_dims(dynamic_dim), ckpt.example, True)  # names resolved
+        agreement = graph_agreement(onnx_path, ckpt.model, ckpt.example, asked)
         res.graph_agreement = agreement.to_dict() if agreement is not None else None
     if res.decode is None and res.decode_note and kv_cache:
         # a causal LM quantcli writes no decode graph for: said on stderr too, so that a script sees it
@@ -182,10 +184,12 @@ def export(
             "(docs/llm.md lists the supported families)"
         )
     for fixed in agreement.fixed if agreement is not None else ():
-        err.print(
-            f"warning: {fixed.text()}. Feed the graph that size, or export with the other --exporter "
-            "(or --static-shapes to say it is fixed)"
+        remedy = (
+            "Feed the graph that size, or export with the other --exporter (or --static-shapes: fixed sizes)"
+            if fixed.model_runs
+            else "Leave it out of --dynamic-dim"
         )
+        err.print(f"warning: {fixed.text()}. {remedy}")
     if agreement is not None and not agreement.passed:
         worst = agreement.worst
         err.print(

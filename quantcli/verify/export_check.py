@@ -52,7 +52,9 @@ class GraphAgreement:
         }
 
 
-def graph_agreement(path: str | Path, model: nn.Module, example: Batch) -> GraphAgreement | None:
+def graph_agreement(
+    path: str | Path, model: nn.Module, example: Batch, requested: dict | None = None
+) -> GraphAgreement | None:
     """The exact session of the graph at ``path`` against ``model`` (calibrated, fake-quant) on ``example``;
     None where the two cannot be paired (the session does not load or run on the example, a different number
     of outputs, an output of another shape: verify reports those). Its ``fixed`` lists the sizes the graph
@@ -64,7 +66,7 @@ def graph_agreement(path: str | Path, model: nn.Module, example: Batch) -> Graph
         return None
     if outputs is None:
         return None
-    return GraphAgreement(outputs, fixed=fixed_sizes(session, model, example))
+    return GraphAgreement(outputs, fixed=fixed_sizes(session, model, example, requested))
 
 
 def _agreement(session, model: nn.Module, batch: Batch, where: str) -> dict[str, float] | None:
@@ -101,6 +103,7 @@ class FixedSize:
     traced: int
     tried: int
     error: str
+    model_runs: bool = True  # False: an axis --dynamic-dim asked for, at which the model itself fails
 
     def to_dict(self) -> dict:
         return {
@@ -109,19 +112,29 @@ class FixedSize:
             "traced": self.traced,
             "tried": self.tried,
             "error": self.error,
+            "model_runs": self.model_runs,
         }
 
     def text(self) -> str:
+        where = f"{self.dim} ({', '.join(self.axes)}) is dynamic in the graph's inputs, but"
+        if not self.model_runs:
+            return (
+                f"{where} the model itself does not run at {self.tried} there ({self.error}); the weights "
+                "fix sizes such as channels and features"
+            )
         return (
-            f"{self.dim} ({', '.join(self.axes)}) is dynamic in the graph's inputs, but the graph runs at "
-            f"the traced size {self.traced} only: at {self.tried}, where the model runs, {self.error}"
+            f"{where} the graph runs at the traced size {self.traced} only: at {self.tried}, where the model "
+            f"runs, {self.error}"
         )
 
 
-def fixed_sizes(session, model: nn.Module, example: Batch, limit: float = MAX_RMS_RATIO) -> list[FixedSize]:
+def fixed_sizes(
+    session, model: nn.Module, example: Batch, requested: dict | None = None, limit: float = MAX_RMS_RATIO
+) -> list[FixedSize]:
     """The graph's named dynamic sizes it cannot vary: for each, the example cut (or grown by one) along every
-    input axis of that name, at most 2 rows along the others' batch, run in the graph and in the model; a
-    size the model itself cannot run at is not judged."""
+    input axis of that name, at most 2 rows along the others' batch, run in the graph and in the model. A
+    size the model itself cannot run at is not judged, except on an axis ``requested`` (``--dynamic-dim``:
+    input name -> axes), which is then named (``model_runs`` False): the user asked for it to vary."""
     dims: dict[str, list[tuple[str, int]]] = {}
     for i in session.get_inputs():
         for axis, d in enumerate(i.shape):
@@ -140,8 +153,11 @@ def fixed_sizes(session, model: nn.Module, example: Batch, limit: float = MAX_RM
         try:
             with torch.inference_mode():
                 run_model(model, batch)
-        except QuantCliError:
-            continue  # the model itself does not run at that size
+        except QuantCliError as e:  # the model itself does not run at that size
+            if any(a in (requested or {}).get(k, ()) for k, a in where):
+                error = first_line(e, 200).rsplit(": ", 1)[-1]
+                out.append(FixedSize(dim, [f"{k}[{a}]" for k, a in where], n, size, error, model_runs=False))
+            continue
         try:
             outputs = _agreement(session, model, batch, f"{dim} {size}")
         except VerifyError as e:
