@@ -881,3 +881,44 @@ def test_export_names_a_dynamic_dim_the_model_itself_cannot_vary(calibrated, tmp
     assert (
         "the model itself does not run at 2 there" in r.stderr and "Leave it out of --dynamic-dim" in r.stderr
     )
+
+
+MASKED = """
+import torch
+from torch import nn
+
+
+class M(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x, mask):
+        assert mask.shape[1] == x.shape[1], "mask and x differ in length"
+        h = torch.relu(self.proj(x)) * mask.unsqueeze(-1)
+        return self.head(h.sum(1))
+
+
+def make():
+    torch.manual_seed(0)
+    return M()
+"""
+
+
+def test_a_model_that_asserts_on_its_inputs_exports_and_refuses_bad_data(tmp_path):
+    """A float input of fixed length beside an integer mask of dynamic ``sequence``: export's size probe cut
+    the mask alone, the model's own ``assert`` (torch's ``_assert`` in nn.TransformerEncoder) raised
+    AssertionError, and export stopped with an internal error (exit 3). A forward's AssertionError is the
+    input's problem, as its RuntimeError is."""
+    (tmp_path / "m.py").write_text(MASKED)
+    rng = np.random.default_rng(0)
+    x, mask = rng.standard_normal((32, 10, 8)).astype(np.float32), rng.integers(0, 2, (32, 10))
+    np.savez(tmp_path / "d.npz", x=x, mask=mask)
+    ck = tmp_path / "m.calib.pt"
+    r = cli("calibrate", f"{tmp_path / 'm.py'}:make", "--data", tmp_path / "d.npz", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", tmp_path / "m.onnx", "--json")
+    assert r.exit_code == 0, r.output
+    np.savez(tmp_path / "bad.npz", x=x, mask=mask[:, :9])
+    r = cli("verify", tmp_path / "m.onnx", "--reference", ck, "--data", tmp_path / "bad.npz")
+    assert r.exit_code == 2 and "mask and x differ in length" in r.stderr, r.output

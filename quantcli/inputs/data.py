@@ -342,7 +342,7 @@ def run_model(model: nn.Module, batch: Batch, where: str = "batch"):
     """``model(**batch)`` with errors turned into a DataError that names the inputs and their shapes."""
     try:
         return call_forward(model, fresh(batch))
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
         msg = first_line(e)
         raise DataError(f"forward({describe(batch)}) failed on {where}: {msg}") from None
 

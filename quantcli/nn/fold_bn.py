@@ -200,7 +200,7 @@ def _bn_input_ranks(
     try:
         with torch.no_grad():
             call_forward(model, fresh(example))
-    except (RuntimeError, ValueError, TypeError, IndexError) as e:
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as e:
         msg = first_line(e)
         raise DataError(
             f"forward() failed on the example batch while checking BatchNorm folding: {msg}"

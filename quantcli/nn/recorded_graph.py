@@ -290,7 +290,7 @@ def _hooks(model: nn.Module, rec: _Recorder, is_leaf: Callable[[str, nn.Module],
 
 
 #: what a forward that does not fit the example batch raises
-FORWARD_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError)
+FORWARD_ERRORS = (RuntimeError, ValueError, TypeError, IndexError, KeyError, AttributeError, AssertionError)
 
 
 def forward_failed(example: Mapping[str, torch.Tensor], e: BaseException, doing: str) -> DataError:

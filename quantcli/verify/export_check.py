@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantcli.errors import QuantCliError, VerifyError, first_line
+from quantcli.errors import VerifyError, first_line
 from quantcli.inputs.data import Batch, output_arrays, run_model
 from quantcli.nn.modes import quantizer_modes
 from quantcli.verify import sessions
@@ -153,9 +153,9 @@ def fixed_sizes(
         try:
             with torch.inference_mode():
                 run_model(model, batch)
-        except QuantCliError as e:  # the model itself does not run at that size
+        except Exception as e:  # the model itself does not run at that size (a size made up here)
             if any(a in (requested or {}).get(k, ()) for k, a in where):
-                error = first_line(e, 200).rsplit(": ", 1)[-1]
+                error = first_line(e, 300).partition(" failed on batch: ")[2] or first_line(e, 200)
                 out.append(FixedSize(dim, [f"{k}[{a}]" for k, a in where], n, size, error, model_runs=False))
             continue
         try:
