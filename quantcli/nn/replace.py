@@ -287,9 +287,10 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
         # channel axis and one shape
         return (
             "float",
-            f"its weight is used in {len(layouts)} layouts ({' and '.join(str(tuple(s)) for s in layouts)}, "
-            "e.g. tied and transposed); one weight quantizer serves one: give the other use a weight of its "
-            "own to quantize both",
+            f"its weight is used in {len(layouts)} layouts ({' and '.join(str(tuple(s)) for s in layouts)}: "
+            "slices of it, as cross-attention splits nn.MultiheadAttention's in_proj into q and k/v, or "
+            "tied and transposed); one weight quantizer serves one: give each use a weight of its own to "
+            "quantize them",
         )
     (params,) = sources
     ((kind, axis),) = kinds
