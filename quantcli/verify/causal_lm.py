@@ -324,12 +324,9 @@ def plain_cache_scales(graph) -> dict[tuple[int, int], list | None]:
     import onnx
 
     from exporters.fold import constant_value
+    from exporters.graph import consumer_map, producer_map
 
-    producer = {o: n for n in graph.graph.node for o in n.output}
-    consumers: dict[str, list] = {}
-    for n in graph.graph.node:
-        for x in n.input:
-            consumers.setdefault(x, []).append(n)
+    producer, consumers = producer_map(graph.graph), consumer_map(graph)
 
     def constant(name):
         value = constant_value(graph, name)
@@ -381,7 +378,7 @@ def unpacked(graph):
 
     from exporters.causal_lm.packing import PACKED_KEY
     from exporters.fold import make_initializer
-    from exporters.graph import QUANTIZERS_KEY, initializer_map, to_numpy
+    from exporters.graph import QUANTIZERS_KEY, initializer_map, producer_map, to_numpy
     from exporters.matmul_nbits import KN_WEIGHTS_KEY
 
     meta = {p.key: p.value for p in graph.metadata_props}
@@ -390,7 +387,7 @@ def unpacked(graph):
     out = onnx.ModelProto()
     out.CopyFrom(graph)
     g, inits = out.graph, initializer_map(out.graph)
-    producers = {o: n for n in g.node for o in n.output}
+    producers = producer_map(g)
     names, kn = json.loads(meta.get(QUANTIZERS_KEY, "{}")), json.loads(meta.get(KN_WEIGHTS_KEY, "[]"))
     for group in json.loads(meta[PACKED_KEY]):
         dq = producers[group["output"]]
