@@ -97,6 +97,11 @@ class CalibrationSummary:
             "calibrated_by_method": len(self.by_method),
         }
 
+    def method_unused(self) -> bool:
+        """Whether the requested method (not ``max``), its percentile and bins chose no amax: the config
+        calibrates no activation (weight-only, dynamic)."""
+        return self.method != defaults.METHOD and not self.by_method
+
     def method_ignored_by(self) -> list[str]:
         """The asymmetric activation quantizers the requested method did not apply to (entropy, which searches
         a symmetric threshold: they took their min and max)."""

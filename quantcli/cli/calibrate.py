@@ -362,7 +362,7 @@ def _calibrate_warnings(outcome) -> None:
     for r in report.float_check.get("reverted", []):
         err.print(f"warning: float check: {r['cause']}")
     summary = outcome.summary
-    if summary.method != defaults.METHOD and not summary.by_method:
+    if summary.method_unused():
         err.print(
             f"warning: --method {summary.method} chooses activation ranges, and "
             f"{outcome.job.config.source} calibrates none (every amax is its tensor's max), so it and "
@@ -400,11 +400,7 @@ def _calibrate_setup_rows(outcome):
         "method",
         f"{summary.method}{' ' + ', '.join(settings) if settings else ''} ({cfg.source})"
         + (f"; {len(ignored)} asymmetric activation quantizer(s) from their min and max" if ignored else "")
-        + (
-            "; unused: no activation range to choose"
-            if summary.method != defaults.METHOD and not summary.by_method
-            else ""
-        ),
+        + ("; unused: no activation range to choose" if summary.method_unused() else ""),
     )
     graph = ""
     if request.cuda_graph:
