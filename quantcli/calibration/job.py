@@ -255,9 +255,8 @@ class CalibrationJob:
         off = set(self.latency.quantizers_disabled)
         summary.calibrated = [n for n in summary.calibrated if n not in off]
         summary.by_method = [n for n in summary.by_method if n not in off]
-        summary.dynamic = [
-            n for n in summary.dynamic if n not in off
-        ]  # kept float: not quantized at run time
+        # kept float: not quantized at run time
+        summary.dynamic = [n for n in summary.dynamic if n not in off]
         summary.skipped += [n for n in self.latency.quantizers_disabled if n not in summary.skipped]
         return self.latency
 

@@ -148,6 +148,7 @@ def export(
         why = decodable(ckpt.model)[1] if kv_cache else "--no-kv-cache writes a prefill graph"
         if why:
             raise ExportError(f"--genai-config needs a decode graph with a KV cache: {why}")
+    dims = parse_dynamic_dims(dynamic_dim)
     res = export_model(
         ckpt.model,
         ckpt.example,
@@ -163,7 +164,7 @@ def export(
         weights_qdq=weights_qdq,
         metadata=meta,
         provider=provider.value if provider else None,
-        dynamic_dims=parse_dynamic_dims(dynamic_dim),
+        dynamic_dims=dims,
     )
     if genai_config:
         from exporters.causal_lm.export import write_genai_config
@@ -174,7 +175,7 @@ def export(
         from exporters.onnx_export import check_dynamic_dims
         from quantcli.verify.export_check import graph_agreement
 
-        asked = check_dynamic_dims(parse_dynamic_dims(dynamic_dim), ckpt.example, True)  # names resolved
+        asked = check_dynamic_dims(dims, ckpt.example, True)  # names resolved, as export_model did
         agreement = graph_agreement(onnx_path, ckpt.model, ckpt.example, asked)
         res.graph_agreement = agreement.to_dict() if agreement is not None else None
     if res.decode is None and res.decode_note and kv_cache:
