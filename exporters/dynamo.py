@@ -419,6 +419,27 @@ def tied_axes(message: str, example: dict[str, torch.Tensor], axes: dict) -> lis
     return out
 
 
+_SYMBOL = re.compile(r"\bs\d+\b")
+
+
+def name_dims(onnx_model, axes: dict[str, dict[int, str]] | None) -> None:
+    """Give the dynamic axes torch.export names ``s43``, ``s53`` the names they were exported under
+    (``batch``, ``sequence``, ``x_2``), in place: every graph input's and output's shape and every value's
+    that uses the symbol, expressions (``2*s53``) included. A symbol asked two names keeps the first."""
+    names: dict[str, str] = {}
+    for v in onnx_model.graph.input:
+        dims = v.type.tensor_type.shape.dim
+        for axis, want in (axes or {}).get(v.name, {}).items():
+            if axis < len(dims) and _SYMBOL.fullmatch(dims[axis].dim_param):
+                names.setdefault(dims[axis].dim_param, want)
+    if not names:
+        return
+    for v in [*onnx_model.graph.input, *onnx_model.graph.output, *onnx_model.graph.value_info]:
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_param:
+                d.dim_param = _SYMBOL.sub(lambda m: names.get(m.group(0), m.group(0)), d.dim_param)
+
+
 def export_dynamo(
     model: nn.Module, example: dict[str, torch.Tensor], path, opset: int, input_names, output_names, axes
 ) -> None:

@@ -535,6 +535,11 @@ def _export_graph(
         from exporters.dynamo import export_dynamo
 
         export_dynamo(model, example, raw, res.opset, list(example), res.output_names, axes)
+        from exporters.dynamo import name_dims
+
+        onnx_model = onnx.load(str(raw))
+        name_dims(onnx_model, axes)
+        return onnx_model
     return onnx.load(str(raw))
 
 
