@@ -433,9 +433,51 @@ def test_a_weight_taken_by_a_product_quantcli_leaves_float_is_named():
     model = quantize_model(_Products().eval(), "int8", example={"x": torch.randn(4, 4)})
     reasons = {f["name"]: f["reason"] for f in model.quantcli_report.float_layers}
     assert reasons.keys() == {"e", "b", "t"}
-    for name, op in (("e", "torch.einsum"), ("b", "torch.bmm"), ("t", "torch.tensordot")):
+    # the einsum's reason was "torch.einsum" alone, beside einsums quantcli does quantize: now its equation
+    # and what keeps it from a product form
+    einsum = 'torch.einsum "bi,ihk->bhk" (a 3-D weight)'
+    for name, op in (("e", einsum), ("b", "torch.bmm"), ("t", "torch.tensordot")):
         assert reasons[name].startswith(f"its weight goes to {op}, which quantcli does not quantize"), reasons
+    assert "reshape a weight of more axes" in reasons["e"]
     assert "fc" in model.quantcli_report.layers
+    assert model.quantcli_report.float_weights == []
+
+
+class _BmmBesideLinear(nn.Module):
+    """One weight to ``torch.bmm`` (float), another to ``F.linear`` (quantized): the layer is quantized."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.lw = nn.Parameter(torch.randn(4, 6, 6) / 3), nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, x):
+        return F.linear(torch.bmm(x.transpose(0, 1), self.w).transpose(0, 1), self.lw)
+
+
+class _BmmBesideLinearNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blk, self.head = _BmmBesideLinear(), nn.Linear(24, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.blk(x)).flatten(1))
+
+
+def test_a_quantized_layers_weight_taken_by_another_product_is_named(tmp_path):
+    """A layer whose ``F.linear`` weight is quantized and whose other weight goes to ``torch.bmm``: the bmm
+    weight was named nowhere (not in the summary, --json or inspect), though alone it would be."""
+    torch.manual_seed(0)
+    model = quantize_model(_BmmBesideLinearNet().eval(), "int8", example={"x": torch.randn(5, 4, 6)})
+    report = model.quantcli_report
+    assert "blk" in report.layers and report.float_layers == []
+    assert [(w["name"], w["layer"]) for w in report.float_weights] == [("blk.w", "blk")]
+    reason = report.float_weights[0]["reason"]
+    assert reason.startswith("it goes to torch.bmm, which quantcli does not quantize"), reason
+    from quantcli.calibration.job import layers_summary
+
+    summary = layers_summary(report, model)
+    assert summary["float_weights"] == report.float_weights
+    assert "1 weight(s) of quantized layers left float: blk.w (it goes to torch.bmm" in summary["text"]
 
 
 @pytest.mark.parametrize(
@@ -447,25 +489,29 @@ def test_a_weight_taken_by_a_product_quantcli_leaves_float_is_named():
         ("b i , i o -> b o", False, ("matmul", 1)),
         ("de,bnd->bne", True, ("matmul", 1)),
         ("ed,...d->...e", True, ("linear", 0)),
-        ("bnd,de->bne", True, None),  # the weight is not the first operand's subscripts
-        ("bnd,de->ben", False, None),  # a transposed output
-        ("bdn,de->bne", False, None),  # the contraction is not the input's last axis
-        ("bnd,de->bn", False, None),  # the weight's other axis is reduced
-        ("bnd,dhk->bnhk", False, None),  # a 3-D weight
-        ("bnd,dd->bnd", False, None),  # a diagonal
-        ("bnd,de", False, None),  # implicit output
-        ("bnd,ne->bde", False, None),
-        ("bnd,de,ef->bnf", False, None),  # three operands
-        ("bnn,ne->bne", False, None),  # a repeated input subscript
+        # the weight is not the first operand's subscripts
+        ("bnd,de->bne", True, "a 3-D weight"),
+        ("bnd,de->ben", False, "a transposed output"),
+        ("bdn,de->bne", False, "a contraction of an axis other than the activation's last"),
+        ("bnd,nm->bmd", False, "a contraction of an axis other than the activation's last"),
+        ("bnd,de->bn", False, "an output of other axes"),  # the weight's other axis is reduced
+        ("bnd,dhk->bnhk", False, "a 3-D weight"),
+        ("bnd,dd->bnd", False, "the weight's diagonal"),
+        ("bnd,de", False, "no explicit output"),
+        ("bnd,ne->bde", False, "a contraction of an axis other than the activation's last"),
+        ("bnd,dn->bnn", False, "a weight axis shared with the activation"),
+        ("bnd,de,ef->bnf", False, "3 operands"),
+        ("bnn,ne->bne", False, "a repeated or broadcast axis"),
     ],
 )
 def test_einsum_product_forms(equation, weight_first, form):
     """Which einsums run as ``torch.matmul`` / ``F.linear`` with their quantizers: the forms are checked
     against the einsum itself on random operands (an independent computation) where one is claimed."""
-    from quantcli.nn.computed import einsum_product
+    from quantcli.nn.computed import einsum_mismatch, einsum_product
 
-    assert einsum_product(equation, weight_first) == form
-    if form is not None:
+    assert einsum_product(equation, weight_first) == (form if isinstance(form, tuple) else None)
+    assert einsum_mismatch(equation, weight_first) == (form if isinstance(form, str) else None)
+    if isinstance(form, tuple):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, 3, 5, generator=g) if "..." in equation or "n" in equation else torch.randn(3, 5)
         w = torch.randn(*((5, 4) if form[0] == "matmul" else (4, 5)), generator=g)

@@ -466,9 +466,16 @@ def layers_summary(
         text += f"; {len(others)} weighted module(s) left float: {shown}" + (
             " ..." if len(others) > 3 else ""
         )
+    weights = [w for w in report.float_weights if w["layer"] in quantized]
+    if weights:
+        shown = "; ".join(f"{w['name']} ({w['reason']})" for w in weights[:3])
+        text += f"; {len(weights)} weight(s) of quantized layers left float: {shown}" + (
+            " ..." if len(weights) > 3 else ""
+        )
     return {
         "quantized": quantized,
         "float": floats,
+        "float_weights": weights,
         "resolved_parametrizations": list(report.resolved_parametrizations),
         "recurrent": recurrent,
         "text": text,

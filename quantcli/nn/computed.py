@@ -156,28 +156,43 @@ def einsum_product(equation: str, weight_first: bool) -> tuple[str, int] | None:
     """The form of a two-operand ``torch.einsum`` of an activation and a 2-D weight that contracts the
     activation's last axis and puts the weight's other axis last in its place: ``("linear", 0)`` for a weight
     ``[out, in]`` (``"bnd,ed->bne"``, what ``F.linear`` computes), ``("matmul", 1)`` for ``[in, out]``
-    (``"...d,de->...e"``, ``x @ W``); None for any other equation (an implicit output, a weight of other rank,
-    a contraction elsewhere, a transposed or reduced output). ``weight_first``: the weight is the first
-    operand (``"de,bnd->bne"``)."""
+    (``"...d,de->...e"``, ``x @ W``); None for any other equation (:func:`einsum_mismatch` says why).
+    ``weight_first``: the weight is the first operand (``"de,bnd->bne"``)."""
+    form = _einsum_form(equation, weight_first)
+    return form if isinstance(form, tuple) else None
+
+
+def einsum_mismatch(equation: str, weight_first: bool) -> str | None:
+    """Why ``equation`` is not a product form :func:`einsum_product` quantizes (``"a 3-D weight"``), None when
+    it is one."""
+    form = _einsum_form(equation, weight_first)
+    return form if isinstance(form, str) else None
+
+
+def _einsum_form(equation: str, weight_first: bool) -> tuple[str, int] | str:
     eq = equation.replace(" ", "")
     if eq.count("->") != 1:
-        return None
+        return "no explicit output"
     ins, out = eq.split("->")
     terms = ins.split(",")
     if len(terms) != 2:
-        return None
+        return f"{len(terms)} operands"
     w, x = terms if weight_first else terms[::-1]
-    if len(w) != 2 or not w.isalpha() or w[0] == w[1]:
-        return None
+    if len(w) != 2 or not w.isalpha():
+        return "a scalar weight" if not w else f"a {len(w.replace('...', '*'))}-D weight"
+    if w[0] == w[1]:
+        return "the weight's diagonal"
     body = x[3:] if x.startswith("...") else x
     if not body or not body.isalpha() or len(set(body)) != len(body):
-        return None
+        return "a repeated or broadcast axis"
     k = body[-1]
     if k not in w:
-        return None
+        return "a contraction of an axis other than the activation's last"
     j = w[1] if w[0] == k else w[0]
-    if j in x or out != x[:-1] + j:
-        return None
+    if j in x:
+        return "a weight axis shared with the activation"
+    if out != x[:-1] + j:
+        return "a transposed output" if sorted(out) == sorted(x[:-1] + j) else "an output of other axes"
     return ("matmul", 1) if w[0] == k else ("linear", 0)
 
 
@@ -282,8 +297,9 @@ class Census:
 
     uses: list[OpUse] = field(default_factory=list)
     combined: dict[str, set[str]] = field(default_factory=dict)
-    # module -> the products quantcli does not quantize that took its weight (``torch.einsum``, ...)
-    other_products: dict[str, set[str]] = field(default_factory=dict)
+    # module -> its parameters that products quantcli does not quantize took as a weight -> those products
+    # (``torch.bmm``, ``torch.einsum "bnd,dhk->bnhk" (a 3-D weight)``, ...)
+    other_products: dict[str, dict[str, set[str]]] = field(default_factory=dict)
     # module -> the other modules its weight parameter is registered in too (``self.w = self.enc.weight``),
     # where this module's forward computed with it
     aliased: dict[str, set[str]] = field(default_factory=dict)
@@ -406,7 +422,7 @@ class _CensusMode(TorchFunctionMode):
                 fn, kind, axis, ops = product
                 return self.weighted(fn, kind, axis, ops, {}, run=lambda: func(*args, **kwargs))
         if func in OTHER_PRODUCTS:
-            self._other_product(OTHER_PRODUCTS[func], args, kwargs)
+            self._other_product(self._product_name(func, args, kwargs), args, kwargs)
         out = func(*args, **kwargs)
         self.prov.track(args, kwargs, out)
         return out
@@ -418,8 +434,20 @@ class _CensusMode(TorchFunctionMode):
         if all(s is not None for s in srcs):
             return  # parameters only: part of computing a weight
         for s in srcs:
-            for module, _ in s or ():
-                self.result.other_products.setdefault(module, set()).add(name)
+            for module, param in s or ():
+                self.result.other_products.setdefault(module, {}).setdefault(param, set()).add(name)
+
+    def _product_name(self, func: Callable, args: tuple, kwargs: dict) -> str:
+        """``OTHER_PRODUCTS``' name of ``func``; for an einsum of an activation and a weight, with its
+        equation and what keeps it from a product form (``torch.einsum "bnd,dhk->bnhk" (a 3-D weight)``)."""
+        name = OTHER_PRODUCTS[func]
+        call = einsum_operands(args, kwargs) if func is torch.einsum else None
+        if call is None:
+            return name
+        equation, a, b = call
+        weight_first = self.prov.source(a) is not None and self.prov.source(b) is None
+        why = einsum_mismatch(equation, weight_first)
+        return f'{name} "{equation}" ({why})' if why else name
 
 
 def census(model: nn.Module, example: Mapping[str, torch.Tensor], observe: Callable | None = None) -> Census:

@@ -49,6 +49,12 @@ from quantcli.nn.tensor_quantizer import TensorQuantizer, owner
 from quantcli.quant.descriptor import QuantDescriptor
 
 # rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
+#: what to write instead of a product quantcli does not quantize (:data:`quantcli.nn.computed.OTHER_PRODUCTS`)
+OTHER_PRODUCT_REMEDY = (
+    "compute the product with F.linear or torch.matmul (or @), a 2-D weight as the second operand "
+    "contracting the activation's last axis (reshape a weight of more axes, move the contracted axis last), "
+    "to quantize it"
+)
 _GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dynamic")
 
 
@@ -66,6 +72,9 @@ class QuantizeReport:
     # modules that own a 2+-D floating weight and stay float: {"name", "type", "reason"}
     # (quantcli.nn.linear_like)
     float_layers: list[dict[str, str]] = field(default_factory=list)
+    # parameters of quantized layers that a product quantcli does not quantize took as a weight (the layer's
+    # quantized operation computes with another): {"name" (module.param), "layer", "reason"}
+    float_weights: list[dict[str, str]] = field(default_factory=list)
     # torch layers whose parametrized weight (weight_norm, ...) was stored as the value it computes
     resolved_parametrizations: list[str] = field(default_factory=list)
     # layers quantized where their operations run (quantcli.nn.computed), and the torch modules whose fused
@@ -170,6 +179,8 @@ def quantize_model(
                 report.float_layers.append({"name": name, "type": type(module).__name__, "reason": plan[1]})
             continue
         originals[name] = type(module)
+        if found is not None:
+            report.float_weights += _weights_left_float(name, uses.get(name, []), found)
         if plan[0] == "class":
             module.__class__ = plan[1]
         else:
@@ -235,7 +246,7 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
             )
         reason = float_reason(module)
         # a product that took the module's parameter and an activation says it is a weight, whatever its name
-        others = found.other_products.get(name)
+        others = {op for ops in found.other_products.get(name, {}).values() for op in ops}
         if reason is None and not static and not others:
             return ("float", None)
         if shared:
@@ -245,9 +256,8 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
         if others:
             return (
                 "float",
-                f"its weight goes to {', '.join(sorted(others))}, which quantcli does not quantize: compute "
-                "the product with F.linear or torch.matmul (or @), the weight as the second operand, to "
-                "quantize it",
+                f"its weight goes to {', '.join(sorted(others))}, which quantcli does not quantize: "
+                f"{OTHER_PRODUCT_REMEDY}",
             )
         return (
             "float",
@@ -297,6 +307,24 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
     weight = "weight" if "weight" in params else max(params, key=lambda p: module._parameters[p].numel())
     derived = any(u.derived for u in uses)
     return ("computed", kind, weight, derived, axis, callers)
+
+
+def _weights_left_float(name: str, uses: list, found: Census) -> list[dict[str, str]]:
+    """The parameters of the quantized layer ``name`` that products quantcli does not quantize took as a
+    weight, each with its reason (the layer's quantized operation is another)."""
+    quantized = {p for u in uses for p in u.params}
+    out = []
+    for param, ops in sorted(found.other_products.get(name, {}).items()):
+        also = "; its use in the layer's quantized operation is quantized" if param in quantized else ""
+        out.append(
+            {
+                "name": f"{name}.{param}" if name else param,
+                "layer": name,
+                "reason": f"it goes to {', '.join(sorted(ops))}, which quantcli does not quantize{also}: "
+                f"{OTHER_PRODUCT_REMEDY}",
+            }
+        )
+    return out
 
 
 def _static_plan(module: nn.Module, base: type | None) -> tuple:
