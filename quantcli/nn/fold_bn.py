@@ -495,6 +495,17 @@ def fold_batchnorm(
                 )
             )
             continue
+        out = getattr(layer, "output_quantizer", None)
+        if isinstance(out, TensorQuantizer) and out.enabled and out.amax is not None:
+            # its range is of the layer's output before the BatchNorm: the folded layer computes another
+            report.skipped.append(
+                (
+                    fold.batchnorm,
+                    f"{out.name} was calibrated on {fold.layer}'s output before the BatchNorm; calibrate "
+                    "again with BatchNorm folding on",
+                )
+            )
+            continue
         s, t = batchnorm_affine(bn)
         axis, groups = _weight_axis_and_groups(layer)
         w, b = fold_parameters(layer.weight, layer.bias, s, t, axis, groups)
