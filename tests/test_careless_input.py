@@ -339,6 +339,30 @@ def test_preprocessing_options_without_data_and_a_distributed_timeout_in_one_pro
         assert not out.exists()
 
 
+def test_data_options_without_data_are_refused_by_verify_and_analyze(calibrated, exported, tmp_path):
+    """Without --data, verify and analyze use the checkpoint's stored batches: --tokenizer (even a missing
+    folder), --image-size, --mean and --batch-size were accepted there and did nothing, exit 0; calibrate's
+    --batch-size on a sample model too."""
+    ck = calibrated()
+    for command, args in (
+        ("verify", [exported(), "--reference", ck]),
+        ("analyze", [ck, "--out", tmp_path / "a"]),
+    ):
+        for extra, words in (
+            (
+                ["--tokenizer", str(tmp_path / "missing")],
+                ["--tokenizer applies to a text file", "without --data"],
+            ),
+            (["--image-size", "8", "--mean", "0.5"], ["--image-size, --mean apply to", "without --data"]),
+            (["--batch-size", "4"], ["--batch-size applies to whole arrays", "without --data"]),
+        ):
+            assert_clean_error(cli(command, *args, *extra), *words)
+    assert not (tmp_path / "a").exists()
+    r = cli("calibrate", "digits_cnn", "--batch-size", "4", "--out", tmp_path / "c.pt")
+    assert_clean_error(r, "--batch-size applies to whole arrays", "bundled data")
+    assert not (tmp_path / "c.pt").exists()
+
+
 def test_causal_lm_options_on_another_model_are_refused(calibrated, tmp_path):
     """--no-kv-cache and --standard-ops on a CNN's checkpoint were accepted and did nothing."""
     for flag in ("--no-kv-cache", "--standard-ops"):

@@ -38,10 +38,9 @@ from quantcli.inputs.data import (
     DataOptions,
     cap_samples,
     describe_preprocessing,
-    given_options,
     load_data,
     num_samples,
-    unused_options_error,
+    refuse_without_data,
 )
 from quantcli.inputs.loading import load_model
 from quantcli.inputs.model_spec import ModelSpec
@@ -592,14 +591,11 @@ def _calibration_batches(
     if spec.kind == "sample":
         from sample_models import SAMPLES
 
-        unused = [flag for flags in given_options(request.data_options).values() for flag in flags]
-        if unused:  # the bundled batches are tensors already: a setting that would do nothing is refused
-            raise unused_options_error(
-                unused,
-                "a text file or image folder given with --data",
-                f"{request.model} calibrates on its bundled data without --data",
-                ", or pass --data",
-            )
+        refuse_without_data(  # the bundled batches are tensors already
+            request.data_options,
+            request.batch_size is not None,
+            f"{request.model} calibrates on its bundled data without --data",
+        )
         batches = cap_samples(SAMPLES[spec.spec].calibration_batches(), request.num_samples)
         return (batches if rank is None else strided(batches, rank.rank, rank.world_size)), None
     raise DataError(f"{request.model} is not a sample model, so it needs calibration data: pass --data FILE")

@@ -13,10 +13,16 @@ def checkpoint_inputs(
     ckpt, data: Optional[Path], batch_size: Optional[int], num_samples: Optional[int], options=None
 ):
     """``--data`` read as calibration read it (the preprocessing the checkpoint stored, the model folder's
-    tokenizer); ``None`` without ``--data``."""
+    tokenizer); ``None`` without ``--data``, where a preprocessing flag would do nothing and is refused."""
+    from quantcli.inputs.data import DataOptions, load_data, refuse_without_data
+
     if data is None:
+        refuse_without_data(
+            options or DataOptions(),
+            batch_size is not None,
+            "without --data the checkpoint's own batches, tensors already, are used",
+        )
         return None
-    from quantcli.inputs.data import DataOptions, load_data
 
     opts = options or DataOptions()
     opts.model_folder = ckpt.spec.path if ckpt.spec.kind == "hf" else None

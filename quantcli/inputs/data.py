@@ -439,6 +439,20 @@ def unused_options_error(unused: list[str], applies_to: str, why: str, instead: 
     return DataError(f"{', '.join(unused)} {verb} to {applies_to}; {why}: leave {them} out{instead}")
 
 
+def refuse_without_data(opts: DataOptions, batch_size_given: bool, why: str) -> None:
+    """Preprocessing flags and ``--batch-size`` where no ``--data`` is given (``why``: what is used instead,
+    batches that are tensors already): a setting that would do nothing is refused, not dropped in silence."""
+    unused = [flag for flags in given_options(opts).values() for flag in flags]
+    if unused:
+        raise unused_options_error(
+            unused, "a text file or image folder given with --data", why, ", or pass --data"
+        )
+    if batch_size_given:
+        raise unused_options_error(
+            ["--batch-size"], "whole arrays given with --data (re-batched)", why, ", or pass --data"
+        )
+
+
 def _refuse_unused_options(path: Path, kind: str, opts: DataOptions) -> None:
     """Text options for image or tensor data, image options for text or tensor data (``kind``, of
     :func:`_data_kind`): a setting that would do nothing is refused, not dropped in silence."""
