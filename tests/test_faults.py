@@ -502,6 +502,59 @@ SWALLOWED = textwrap.dedent("""
 """)
 
 
+SIGNAL_AFTER_JSON = textwrap.dedent("""
+    import signal, sys
+    from quantcli.cli import entry
+
+    class Stdout:  # Ctrl-C as soon as the JSON document is on stdout (a CI job cancelled as it finished)
+        def __init__(self, real):
+            self.real = real
+
+        def write(self, text):
+            n = self.real.write(text)
+            if text.endswith("}\\n"):
+                entry._on_signal(signal.SIGINT, None)
+            return n
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    sys.stdout = Stdout(sys.stdout)
+    sys.argv = ["quantcli", *sys.argv[1:]]
+    entry.main()
+""")
+
+
+def test_a_signal_after_the_json_document_leaves_one_document_and_the_commands_exit(tmp_path):
+    """Ctrl-C landing just after ``calibrate --json`` printed its summary: stdout held the summary and then
+    ``{"error": "interrupted", ...}`` (json.loads: "Extra data"), and the exit was 130 with the checkpoint
+    written."""
+    out = tmp_path / "x.calib.pt"
+    script = tmp_path / "late.py"
+    script.write_text(SIGNAL_AFTER_JSON)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "calibrate",
+            "digits_cnn",
+            "--out",
+            str(out),
+            "--num-samples",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["out"] == str(out) and out.exists()
+    assert r.stderr == ""
+
+
 def test_a_swallowed_sigterm_still_writes_nothing_and_exits_143(tmp_path):
     """The handler's KeyboardInterrupt, raised inside a callback (an import lock's weakref), was ignored by
     Python: calibrate went on, wrote its checkpoint and exited 0."""

@@ -11,7 +11,7 @@ import typer
 
 from quantcli.cli.application import app
 from quantcli.cli.guard import STATE, unexpected
-from quantcli.cli.output import exit_broken_pipe, print_json
+from quantcli.cli.output import exit_broken_pipe, json_written, print_json
 from quantcli.files import request_stop
 
 #: options whose value may be left out, and the value they then take (typer has no optional-value options)
@@ -42,8 +42,8 @@ def _is_number(s: str) -> bool:
 def _on_signal(signum, _frame) -> None:
     """SIGINT/SIGTERM: remember which (exit 128 + signal) and unwind like Ctrl-C, so that every ``finally``
     removes its temporary files and the destination keeps its previous content."""
-    if STATE.signalled is not None:
-        return  # already unwinding: let the clean-up finish
+    if STATE.signalled is not None or json_written():
+        return  # already unwinding: let the clean-up finish; or the result is written: exit as it says
     STATE.signalled = 128 + signum
     request_stop()  # should the KeyboardInterrupt be swallowed (raised in a callback), no output is written
     raise KeyboardInterrupt
@@ -58,7 +58,7 @@ def _click_errors() -> tuple[type, type, type]:
 
 def _error_exit(message: str, code: int, argv: list[str], kind: str) -> None:
     """An error outside any command (usage, aborts, output failures): one line, JSON too with ``--json``."""
-    if "--json" in argv:
+    if "--json" in argv and not json_written():
         with contextlib.suppress(OSError):
             print_json({"error": message, "exit_code": code, "kind": kind})
             sys.stdout.flush()

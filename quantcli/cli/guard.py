@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import typer
 
-from quantcli.cli.output import err, print_json
+from quantcli.cli.output import err, json_written, print_json
 
 
 @dataclass
@@ -38,7 +38,7 @@ def fail(message: str, code: int = 2, as_json: bool = False, kind: str = "QuantC
     """One line on stderr (with ``--json`` also ``{"error", "exit_code", "kind"}`` on stdout), then exit."""
     if STATE.quiet:
         raise typer.Exit(code)
-    if as_json:
+    if as_json and not json_written():
         with contextlib.suppress(OSError):
             print_json({"error": message, "exit_code": code, "kind": kind})
     if err.is_terminal:

@@ -48,8 +48,23 @@ def json_text(data, indent: int = 2) -> str:
     return json.dumps(strict(data), indent=indent, default=str, allow_nan=False)
 
 
+#: whether this run's one JSON document (its result, or its error) has gone to stdout
+_json_written = False
+
+
 def print_json(data) -> None:
-    sys.stdout.write(json_text(data) + "\n")
+    """``data`` as this run's JSON document on stdout. A command writes one, last: a signal after it is not an
+    interrupt (:func:`json_written`), so stdout never holds a second document."""
+    global _json_written
+    text = json_text(data) + "\n"
+    _json_written = True
+    sys.stdout.write(text)
+
+
+def json_written() -> bool:
+    """Whether :func:`print_json` wrote this run's document: a Ctrl-C or SIGTERM that lands after it (a CI job
+    cancelled as the command finished) is ignored, and the run exits as the document says."""
+    return _json_written
 
 
 @contextlib.contextmanager
