@@ -11,6 +11,7 @@ import onnx
 from onnx import numpy_helper
 
 from quantcli.errors import VerifyError, first_line
+from quantcli.files import readable_file
 from quantcli.quant import formats
 
 QUANTIZERS_KEY = "quantcli.quantizers"
@@ -32,8 +33,7 @@ BRANCHES_KEY = "quantcli.traced_branches"
 def read_onnx(path: str | Path) -> onnx.ModelProto:
     """Load and check an ONNX file; a missing or corrupt file is a one-line error."""
     path = Path(path)
-    if not path.is_file():
-        raise VerifyError(f"ONNX file {path} does not exist")
+    readable_file(path, "ONNX file", ".onnx", "the .onnx file that `quantcli export` wrote", VerifyError)
     try:
         model = onnx.load(str(path))
         onnx.checker.check_model(model)

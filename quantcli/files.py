@@ -151,6 +151,21 @@ def refuse_overwriting_inputs(
             )
 
 
+def readable_file(path: Path, what: str, suffix: str, wanted: str, error: type[QuantCliError]) -> None:
+    """Raise ``error`` unless ``path`` is a file: ``{what} {path} does not exist``, or, for a directory, that
+    it is one, with ``wanted`` and the ``*{suffix}`` files it holds (``pass the .calib.pt file that `quantcli
+    calibrate` wrote (m.calib.pt is there)``)."""
+    if path.is_dir():
+        held = sorted(p.name for p in path.glob(f"*{suffix}"))
+        there = ""
+        if held:
+            shown = ", ".join(held[:3]) + (" ..." if len(held) > 3 else "")
+            there = f" ({shown} is there)" if len(held) == 1 else f" (there: {shown})"
+        raise error(f"{what} {path} is a directory; pass {wanted}{there}")
+    if not path.is_file():
+        raise error(f"{what} {path} does not exist")
+
+
 def writable_directory(path: str | Path, error: type[QuantCliError] = QuantCliError) -> Path:
     """The directory ``path`` is written in (``.`` for a bare file name), after checking it can be.
 

@@ -3,6 +3,8 @@ exit 3, before): found by trying every command with bad input."""
 
 from __future__ import annotations
 
+import shutil
+
 import numpy as np
 import pytest
 
@@ -361,6 +363,19 @@ def test_data_options_without_data_are_refused_by_verify_and_analyze(calibrated,
     r = cli("calibrate", "digits_cnn", "--batch-size", "4", "--out", tmp_path / "c.pt")
     assert_clean_error(r, "--batch-size applies to whole arrays", "bundled data")
     assert not (tmp_path / "c.pt").exists()
+
+
+def test_a_directory_given_for_a_checkpoint_or_a_graph_is_named_as_one(calibrated, exported, tmp_path):
+    """A directory was "calibrated checkpoint DIR does not exist" (inspect, export, verify's --reference) and
+    "ONNX file DIR does not exist": it exists; it is a directory, and the file wanted may be in it."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copy(calibrated(), folder / "m.calib.pt")
+    for r in (cli("inspect", folder), cli("export", folder, "--onnx", tmp_path / "m.onnx")):
+        assert_clean_error(r, f"calibrated checkpoint {folder} is a directory", "(m.calib.pt is there)")
+    r = cli("verify", folder, "--reference", calibrated())
+    assert_clean_error(r, f"ONNX file {folder} is a directory", "the .onnx file that `quantcli export` wrote")
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_causal_lm_options_on_another_model_are_refused(calibrated, tmp_path):

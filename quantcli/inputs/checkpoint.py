@@ -24,7 +24,7 @@ from torch import nn
 
 from quantcli import __version__
 from quantcli.errors import CheckpointError, ConfigError, QuantCliError, few, first_line
-from quantcli.files import atomic_write
+from quantcli.files import atomic_write, readable_file
 from quantcli.inputs.batch_axes import batch_axes, take, unbatched
 from quantcli.inputs.data import Batch, checked_batch, has_signature
 from quantcli.inputs.loading import build_model
@@ -261,8 +261,13 @@ class Calibrated:
 
 def read_checkpoint(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"calibrated checkpoint {path} does not exist")
+    readable_file(
+        path,
+        "calibrated checkpoint",
+        ".calib.pt",
+        "the .calib.pt file that `quantcli calibrate` wrote",
+        CheckpointError,
+    )
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
