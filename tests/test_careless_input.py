@@ -221,6 +221,8 @@ def keywords():
     "factory,data,says",
     [
         ("varargs", "x.npz", "forward(self, *args) takes its inputs by position"),
+        # was "arr_0 is positional argument 0, but forward takes 0 ()"
+        ("varargs", "arr.npz", "forward(self, *args) takes its inputs by position"),
         ("keywords", "x.npy", "for forward(**kw), save an .npz of the names it reads"),
     ],
 )
@@ -230,6 +232,7 @@ def test_a_forward_without_named_parameters_is_explained(tmp_path, factory, data
     x = np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     np.savez(tmp_path / "x.npz", x=x)
+    np.savez(tmp_path / "arr.npz", x)
     r = cli(
         "calibrate", f"{tmp_path / 'm.py'}:{factory}", "--data", tmp_path / data, "--out", tmp_path / "c.pt"
     )

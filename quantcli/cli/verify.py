@@ -185,7 +185,8 @@ def _refuse_options_of_the_other_kind(
     ]
     given += ["--decode-steps"] if decode_steps != DECODE_STEPS else []
     if given:
-        raise QuantCliError(f"{', '.join(given)} apply to decode graphs (causal LMs with a KV cache) only")
+        verb = "applies" if len(given) == 1 else "apply"
+        raise QuantCliError(f"{', '.join(given)} {verb} to decode graphs (causal LMs with a KV cache) only")
 
 
 def render_verify(rep, onnx_path: Path, reference: Path) -> None:

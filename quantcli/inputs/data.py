@@ -68,7 +68,8 @@ def _tensor(x, where: str) -> torch.Tensor:
 
 
 def _named(raw: dict, names: list[str], where: str) -> Batch:
-    positional = all(re.fullmatch(r"arr_\d+", k) for k in raw)
+    # (forward(self, *args) has no names: the batch keeps its keys, and check_names says what to change)
+    positional = bool(names) and all(re.fullmatch(r"arr_\d+", k) for k in raw)
     out = {}
     for k, v in raw.items():
         if positional:
