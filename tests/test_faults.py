@@ -525,31 +525,27 @@ SIGNAL_AFTER_JSON = textwrap.dedent("""
 """)
 
 
-def test_a_signal_after_the_json_document_leaves_one_document_and_the_commands_exit(tmp_path):
-    """Ctrl-C landing just after ``calibrate --json`` printed its summary: stdout held the summary and then
-    ``{"error": "interrupted", ...}`` (json.loads: "Extra data"), and the exit was 130 with the checkpoint
-    written."""
-    out = tmp_path / "x.calib.pt"
-    script = tmp_path / "late.py"
-    script.write_text(SIGNAL_AFTER_JSON)
-    r = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "calibrate",
-            "digits_cnn",
-            "--out",
-            str(out),
-            "--num-samples",
-            "16",
-            "--json",
-        ],
+def _run_script(tmp_path, name: str, text: str, *args: str) -> subprocess.CompletedProcess:
+    """``text`` written to ``tmp_path/name`` and run with ``args`` (quantcli's arguments), in ``tmp_path``."""
+    script = tmp_path / name
+    script.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
         capture_output=True,
         text=True,
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=300,
     )
+
+
+def test_a_signal_after_the_json_document_leaves_one_document_and_the_commands_exit(tmp_path):
+    """Ctrl-C landing just after ``calibrate --json`` printed its summary: stdout held the summary and then
+    ``{"error": "interrupted", ...}`` (json.loads: "Extra data"), and the exit was 130 with the checkpoint
+    written."""
+    out = tmp_path / "x.calib.pt"
+    args = ("calibrate", "digits_cnn", "--out", str(out), "--num-samples", "16", "--json")
+    r = _run_script(tmp_path, "late.py", SIGNAL_AFTER_JSON, *args)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["out"] == str(out) and out.exists()
     assert r.stderr == ""
@@ -560,16 +556,8 @@ def test_a_swallowed_sigterm_still_writes_nothing_and_exits_143(tmp_path):
     Python: calibrate went on, wrote its checkpoint and exited 0."""
     out = tmp_path / "x.calib.pt"
     out.write_bytes(b"previous")
-    script = tmp_path / "swallowed.py"
-    script.write_text(SWALLOWED)
-    r = subprocess.run(
-        [sys.executable, str(script), "calibrate", "digits_cnn", "--out", str(out), "--num-samples", "16"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        timeout=300,
-    )
+    args = ("calibrate", "digits_cnn", "--out", str(out), "--num-samples", "16")
+    r = _run_script(tmp_path, "swallowed.py", SWALLOWED, *args)
     assert r.returncode == 143, r.stderr
     assert r.stderr.strip() == "error: terminated"
     assert _leftovers(tmp_path) == [] and out.read_bytes() == b"previous"
