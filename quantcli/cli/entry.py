@@ -11,7 +11,7 @@ import typer
 
 from quantcli.cli.application import app
 from quantcli.cli.guard import STATE, unexpected
-from quantcli.cli.output import exit_broken_pipe, json_written, print_json
+from quantcli.cli.output import exit_broken_pipe, json_written, new_document, print_json
 from quantcli.files import request_stop
 
 #: options whose value may be left out, and the value they then take (typer has no optional-value options)
@@ -69,6 +69,7 @@ def _error_exit(message: str, code: int, argv: list[str], kind: str) -> None:
 
 def _run(argv: list[str]) -> int:
     usage_error, click_error, abort = _click_errors()
+    new_document()
     try:
         code = app(args=optional_values(argv), prog_name="quantcli", standalone_mode=False)
         sys.stdout.flush()

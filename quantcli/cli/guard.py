@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import typer
 
-from quantcli.cli.output import err, json_written, print_json
+from quantcli.cli.output import err, json_written, new_document, print_json
 
 
 @dataclass
@@ -88,6 +88,7 @@ def guarded(command):
         from quantcli.errors import QuantCliError, first_line
 
         as_json = bool(kwargs.get("as_json"))
+        new_document()
         try:
             with warnings.catch_warnings():  # a library's warnings are not the tool's: stderr stays one line
                 if not os.environ.get("QUANTCLI_DEBUG"):

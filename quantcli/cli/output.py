@@ -61,6 +61,12 @@ def print_json(data) -> None:
     sys.stdout.write(text)
 
 
+def new_document() -> None:
+    """A command starts: no JSON document written yet (the tests run many commands in one process)."""
+    global _json_written
+    _json_written = False
+
+
 def json_written() -> bool:
     """Whether :func:`print_json` wrote this run's document: a Ctrl-C or SIGTERM that lands after it (a CI job
     cancelled as the command finished) is ignored, and the run exits as the document says."""
