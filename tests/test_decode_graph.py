@@ -445,3 +445,29 @@ def test_the_structure_check_reads_packed_weights_as_their_members(tmp_path):
     scale.CopyFrom(make_initializer(scale.name, values, scale.data_type))
     check = structure_check(graph, ckpt)
     assert not check.passed and group["quantizers"][v] in check.detail, check
+
+
+def test_a_gpt2_graphs_int8_kv_cache_scales_are_found_and_compared(folders, tmp_path):
+    """GPT-2 names its blocks ``h.0``, not ``layers.0``: verify looked for each GroupQueryAttention's layer in
+    its node name, found none, and failed every correct GPT-2 graph with an int8 KV cache ("layer 0: the int8
+    KV cache's key scales are not found in the graph"). The layer is the cache it writes (present.{i}.key);
+    a halved scale is still caught."""
+    from onnx import numpy_helper
+
+    from exporters.causal_lm.attention import KV_SCALE_INPUT
+    from quantcli import load_calibrated
+    from quantcli.verify.causal_lm import structure_check
+
+    ck, path = tmp_path / "g.calib.pt", tmp_path / "g.onnx"
+    r = cli("calibrate", folders / "gpt2", "--data", folders / "ids.npz", "--kv-cache", "int8", "--out", ck)
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    graph, ckpt = onnx.load(str(path)), load_calibrated(ck)
+    gqa = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(gqa) == 2 and "h.1" in gqa[1].name
+    check = structure_check(graph, ckpt)
+    assert check.passed, check.detail
+    scale = next(i for i in graph.graph.initializer if i.name == gqa[1].input[KV_SCALE_INPUT])
+    scale.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(scale) * 0.5, scale.name))
+    check = structure_check(graph, ckpt)
+    assert not check.passed and "layer 1: the int8 KV cache's key scales differ" in check.detail, check

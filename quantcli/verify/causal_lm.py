@@ -280,7 +280,8 @@ def kv_scale_problems(graph, ckpt) -> list[str]:
     for n in graph.graph.node:
         if n.op_type != "GroupQueryAttention" or len(n.input) <= KV_SCALE_INPUT + 1:
             continue
-        layer = re.search(r"layers[._](\d+)[./_]", n.name)
+        # its layer: the cache it writes (present.{i}.key), whatever the family names its blocks (GPT-2: h.0)
+        layer = next(filter(None, (re.fullmatch(r"present\.(\d+)\.key", o) for o in n.output)), None)
         values = [
             constant_value(graph, x) if x else None for x in n.input[KV_SCALE_INPUT : KV_SCALE_INPUT + 2]
         ]
