@@ -401,6 +401,28 @@ def test_a_causal_lm_written_as_a_prefill_graph_says_why_in_export_and_generate(
     r = cli("generate", path, "--prompt", "x", "--tokenizer", "bytes")
     assert_clean_error(r, "not a decode graph: export wrote a prefill graph, no KV cache: model_type 'gemma'")
     assert "--no-kv-cache" not in r.stderr
+    # --standard-ops was dropped in silence there (exit 0, the same prefill graph), where --genai-config and
+    # --embeddings were refused
+    r = cli("export", ck, "--onnx", tmp_path / "s.onnx", "--standard-ops")
+    assert_clean_error(r, "--standard-ops applies to decode graphs, and this model gets none", "'gemma'")
+    assert not (tmp_path / "s.onnx").exists()
+
+
+def test_a_byte_tokenizer_for_a_graph_of_more_than_256_tokens_is_refused(tmp_path):
+    """``generate --tokenizer bytes`` on a graph of 512 tokens ended in an internal error (exit 3, "bytes must
+    be in range(0, 256)") as soon as the graph generated an id past 255."""
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=300, n_layer=1, n_embd=32, n_head=2, n_positions=64)
+    transformers.GPT2LMHeadModel(cfg).eval().save_pretrained(str(tmp_path / "g"))
+    rng = np.random.default_rng(0)
+    np.savez(
+        tmp_path / "ids.npz", input_ids=rng.integers(0, 300, (4, 12)), attention_mask=np.ones((4, 12), int)
+    )
+    ck, path = tmp_path / "g.calib.pt", tmp_path / "g.onnx"
+    assert cli("calibrate", tmp_path / "g", "--data", tmp_path / "ids.npz", "--out", ck).exit_code == 0
+    assert cli("export", ck, "--onnx", path).exit_code == 0
+    r = cli("generate", path, "--prompt", "hello", "--tokenizer", "bytes", "--max-new-tokens", "8")
+    assert_clean_error(r, "has one token per byte, but the graph's vocabulary has 300 tokens", "--tokenizer")
 
 
 def test_a_tensorrt_decode_graph_holds_standard_ops_only(tmp_path):

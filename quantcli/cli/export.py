@@ -148,6 +148,15 @@ def export(
         why = decodable(ckpt.model)[1] if kv_cache else "--no-kv-cache writes a prefill graph"
         if why:
             raise ExportError(f"--genai-config needs a decode graph with a KV cache: {why}")
+    if kv_cache and not contrib_ops and hasattr(ckpt.model, "lm_head"):
+        from exporters.causal_lm.export import decodable
+        from quantcli.errors import ExportError
+
+        why = decodable(ckpt.model)[1]
+        if why:  # a prefill graph holds no attention to write with standard ops: the flag would do nothing
+            raise ExportError(
+                f"--standard-ops applies to decode graphs, and this model gets none ({why}): leave it out"
+            )
     dims = parse_dynamic_dims(dynamic_dim)
     res = export_model(
         ckpt.model,
@@ -237,8 +246,8 @@ def _refuse_decode_options_without_cache(kv_cache: bool, contrib_ops: bool, floa
     ]
     if unused and not kv_cache:
         raise QuantCliError(
-            f"{' and '.join(unused)} apply to decode graphs; --no-kv-cache writes a prefill graph, which has "
-            "no attention cache: leave one or the other out"
+            f"{' and '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to decode graphs; "
+            "--no-kv-cache writes a prefill graph, which has no attention cache: leave one or the other out"
         )
 
 

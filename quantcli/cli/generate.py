@@ -54,8 +54,9 @@ def generate(
     if seed is None and (temperature != 1.0 or top_k):
         # greedy decoding ignores them: a setting that does nothing is refused, not dropped
         given = " and ".join(f for f, on in (("--temperature", temperature != 1.0), ("--top-k", top_k)) if on)
+        verb = "apply" if " and " in given else "applies"
         raise DataError(
-            f"{given} apply to sampling: pass --seed N to sample (without it, decoding is greedy)"
+            f"{given} {verb} to sampling: pass --seed N to sample (without it, decoding is greedy)"
         )
     read_onnx(onnx_path)  # a missing, corrupt or truncated file (or external data) is a one-line error
     layout = read_info(onnx_path).layout  # not a decode graph: said before looking for its tokenizer
@@ -64,6 +65,12 @@ def generate(
     if not ids:
         raise DataError("--prompt is empty: give at least one token of text")
     vocab = layout.get("vocab_size")
+    if vocab and vocab > 256 and codec.is_bytes:
+        # the graph may generate any id of its vocabulary, and an id past 255 is no byte
+        raise DataError(
+            f"the tokenizer ({codec.name}) has one token per byte, but the graph's vocabulary has {vocab} "
+            "tokens: pass the model's own tokenizer with --tokenizer FOLDER"
+        )
     if vocab and max(ids) >= vocab:
         raise DataError(
             f"the tokenizer ({codec.name}) gave token id {max(ids)}, beyond the graph's vocabulary of "

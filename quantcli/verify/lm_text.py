@@ -22,6 +22,7 @@ class TextCodec:
     name: str
     _encode: object
     _decode: object
+    is_bytes: bool = False  # one token per byte of UTF-8 (ids 0..255)
 
     def encode(self, text: str) -> list[int]:
         return list(self._encode(text))
@@ -32,7 +33,10 @@ class TextCodec:
 
 def byte_codec(name: str = "bytes (UTF-8)") -> TextCodec:
     return TextCodec(
-        name, lambda t: t.encode("utf-8"), lambda ids: bytes(ids).decode("utf-8", errors="replace")
+        name,
+        lambda t: t.encode("utf-8"),
+        lambda ids: bytes(ids).decode("utf-8", errors="replace"),
+        is_bytes=True,
     )
 
 
