@@ -423,3 +423,40 @@ def test_a_rule_setting_calib_method_for_activations_is_refused(tmp_path):
     assert not out.exists()
     config.write_text('preset: int8\nrules:\n  - pattern: "*"\n    calib_method: histogram\n')
     assert cli("calibrate", "digits_cnn", "--config", config, "--out", out).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "rule, says",
+    [
+        # export: internal error (exit 3), "The expanded size of the tensor (64) must match ... (128)"
+        (
+            '  - pattern: "fc2.weight_quantizer"\n    axis: 1\n',
+            "axis 1 is not the weight's output channel axis (0)",
+        ),
+        # export: "amax holds 256 values ... the checkpoint was edited or is damaged"
+        (
+            '  - pattern: "fc2.input_quantizer"\n    num_bits: 4\n    block_sizes: {-1: 16}\n',
+            "fc2.input_quantizer: block_sizes applies to weight quantizers",
+        ),
+        # export: "a dynamic activation quantizer exports as DynamicQuantizeLinear -> MatMulInteger in a ..."
+        (
+            '  - pattern: "conv2.input_quantizer"\n    dynamic: true\n',
+            "conv2.input_quantizer: dynamic quantization applies to the inputs of Linear layers",
+        ),
+    ],
+)
+def test_a_rule_that_export_could_not_write_is_refused_by_calibrate(tmp_path, rule, says):
+    """Each rule calibrated (exit 0) into a checkpoint that export then failed on."""
+    config, out = tmp_path / "c.yaml", tmp_path / "m.calib.pt"
+    config.write_text(f"preset: int8\nrules:\n{rule}")
+    r = cli("calibrate", "digits_cnn", "--config", config, "--placement", "all", "--out", out)
+    assert_clean_error(r, says)
+    assert not out.exists()
+    # the same fields where they do export: per output channel, blocks of a weight, a Linear's dynamic input
+    config.write_text(
+        'preset: int8\nrules:\n  - pattern: "fc2.weight_quantizer"\n    axis: -2\n'
+        '  - pattern: "fc1.weight_quantizer"\n    num_bits: 4\n    block_sizes: {-1: 16}\n'
+        '  - pattern: "fc1.input_quantizer"\n    dynamic: true\n'
+    )
+    r = cli("calibrate", "digits_cnn", "--config", config, "--placement", "all", "--out", out)
+    assert r.exit_code == 0, r.output

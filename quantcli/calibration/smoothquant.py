@@ -146,7 +146,11 @@ def smooth_quant(
             f"no Linear layer to smooth: {', '.join(tied)} share their weight with another module"
         )
     if not layers:
-        raise CalibrationError("no Linear layer with an enabled input quantizer: nothing to smooth")
+        raise CalibrationError(
+            "no Linear layer with an enabled input quantizer: nothing to smooth (SmoothQuant eases "
+            "quantizing activations; a weight-only config such as int4-weight-only quantizes none): leave "
+            "out --smoothquant"
+        )
     check = head(to_device(batches[0], dev), CHECK_SAMPLES)
     with quantizer_modes(model, "disabled"), torch.inference_mode():  # observe the float model
         obs = _observe(model, layers, batches, dev)

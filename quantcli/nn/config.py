@@ -311,6 +311,8 @@ class QuantConfig:
                 fields["block_sizes"] = {
                     (-1 if layer.weight.dim() == 2 and in_axis == 1 else in_axis): self.block_size
                 }
+        if enabled:
+            _check_granularity(quantizer_name, kind, layer, fields)
         if not enabled and kind == "input" and "num_bits" not in fields:
             fields["num_bits"] = 8
         if (
@@ -326,6 +328,34 @@ class QuantConfig:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"{quantizer_name}: {e}") from None
         return enabled, desc, matched
+
+
+def _check_granularity(name: str, kind: str, layer, fields: dict) -> None:
+    """A quantizer's fields that calibrate would accept and export could not write, refused here: blocks of an
+    activation (their amax would follow the calibration batch's shape), a weight's axis other than its output
+    channels (the int32 bias and the integer kernels take per output channel scales), a dynamic input of a
+    layer other than a Linear (DynamicQuantizeLinear -> MatMulInteger is the only dynamic export)."""
+    if kind != "weight" and fields.get("block_sizes"):
+        raise ConfigError(
+            f"{name}: block_sizes applies to weight quantizers; an activation's scale is per tensor: drop "
+            "block_sizes from the rule that matches it"
+        )
+    weight = getattr(layer, "weight", None)
+    axis = fields.get("axis")
+    if kind == "weight" and isinstance(axis, int) and not fields.get("block_sizes") and weight is not None:
+        out = getattr(layer, "weight_axis", 0)
+        if weight.dim() > 1 and axis % weight.dim() != out:
+            raise ConfigError(
+                f"{name}: axis {axis} is not the weight's output channel axis ({out}); a weight's scales are "
+                f"per output channel (axis: {out}), per tensor (axis: null) or per block (block_sizes)"
+            )
+    if kind == "input" and fields.get("dynamic") and not computes_plain_linear(layer):
+        kind_of = type(layer).__name__.removeprefix("Quant")
+        raise ConfigError(
+            f"{name}: dynamic quantization applies to the inputs of Linear layers (exported as "
+            f"DynamicQuantizeLinear -> MatMulInteger); this one is a {kind_of}'s: drop dynamic from the rule "
+            "that matches it, or narrow its pattern"
+        )
 
 
 def _sets_calib_method_of_activations(rule: dict) -> bool:
