@@ -113,19 +113,46 @@ def _only(consumers, tensor: str, op_type: str) -> onnx.NodeProto | None:
     return c[0] if len(c) == 1 and c[0].op_type == op_type else None
 
 
-def dynamic_quantizer_map(model: onnx.ModelProto, quantizer_names) -> dict[str, str]:
+def dynamic_quantizer_map(
+    model: onnx.ModelProto, quantizer_names, weight_codes_shapes=None
+) -> dict[str, str]:
     """Quantizer map entries for the dynamic layers: codes output -> input quantizer, weight codes -> weight
     quantizer. The layer's module is found from the MatMulInteger's node scope
-    (``/layers.0/attention/query/...``) or, for the dynamo exporter, its name-scope metadata."""
+    (``/layers.0/attention/query/...``) or, for the dynamo exporter, its name-scope metadata.
+
+    ``weight_codes_shapes`` (module -> the ``(K, N)`` shape its weight codes are stored in) tells apart the
+    layers one scope holds: ``nn.MultiheadAttention`` computes its ``out_proj`` inside its own forward, so the
+    dynamo exporter scopes both of its products to the attention module; the product whose codes are not that
+    module's shape is the one of its submodules whose shape they are."""
     known = set(quantizer_names)
     nodes = {n.name: n for n in model.graph.node}
+    inits = initializer_map(model.graph)
+    shapes = weight_codes_shapes or {}
     out = {}
-    for layer in dynamic_layers(model):
-        module = _module_of(nodes[layer.node], known)
-        if module is None:
-            continue
-        out[layer.codes] = quantizer_name(module, "input_quantizer")
-        out[layer.weight] = quantizer_name(module, "weight_quantizer")
+    taken: set[str] = set()
+    found = [(layer, _module_of(nodes[layer.node], known)) for layer in dynamic_layers(model)]
+    unplaced = []
+    for layer, module in found:
+        codes = tuple(inits[layer.weight].dims) if layer.weight in inits else None
+        if module is not None and (codes is None or shapes.get(module, codes) == codes):
+            taken.add(module)
+            out[layer.codes] = quantizer_name(module, "input_quantizer")
+            out[layer.weight] = quantizer_name(module, "weight_quantizer")
+        elif module is not None:
+            unplaced.append((layer, module, codes))
+    for layer, scope, codes in unplaced:
+        inside = [
+            m
+            for m, shape in shapes.items()
+            if m.startswith(f"{scope}.")
+            and shape == codes
+            and m not in taken
+            and quantizer_name(m, "input_quantizer") in known
+        ]
+        if len(inside) == 1:
+            taken.add(inside[0])
+            out[layer.codes] = quantizer_name(inside[0], "input_quantizer")
+            out[layer.weight] = quantizer_name(inside[0], "weight_quantizer")
     return out
 
 

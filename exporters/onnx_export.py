@@ -543,6 +543,23 @@ def _export_graph(
     return onnx.load(str(raw))
 
 
+def _weight_codes_shapes(model: nn.Module, qs: dict) -> dict[str, tuple[int, ...]]:
+    """Module -> the ``(K, N)`` shape of its weight codes in a MatMulInteger, for every module with a dynamic
+    input quantizer (:func:`exporters.dynamic_linear.dynamic_quantizer_map`)."""
+    from quantcli.nn.tensor_quantizer import owner
+
+    shapes = {}
+    for name, q in qs.items():
+        if q.enabled and q.dynamic_uint8 and name.rsplit(".", 1)[-1] == "input_quantizer":
+            module = model.get_submodule(owner(name))
+            w = getattr(module, "weight", None)
+            if isinstance(w, torch.Tensor) and w.dim() == 2:
+                shapes[owner(name)] = (
+                    tuple(w.shape) if getattr(module, "weight_axis", 0) == 1 else tuple(w.shape[::-1])
+                )
+    return shapes
+
+
 def _inputs_kept_apart_from_outputs(onnx_model: onnx.ModelProto, inputs: list[str]) -> None:
     """An input the model also returns: the dynamo exporter names the graph input after the output. It gets
     its own name back, and the output reads it through an ``Identity``, in place."""
@@ -580,7 +597,7 @@ def _post_process(
     _set_opset(onnx_model, res.opset)
     qs = quantizers(model)
     mapping = _namequantizers(onnx_model, model)
-    mapping.update(dynamic_quantizer_map(onnx_model, qs))
+    mapping.update(dynamic_quantizer_map(onnx_model, qs, _weight_codes_shapes(model, qs)))
     narrow = {}
     for out_name, qname in mapping.items():
         d = qs[qname].desc

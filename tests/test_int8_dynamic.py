@@ -583,3 +583,39 @@ def test_gpt2_conv1d_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_p
 
     ours, theirs = cosine(path), cosine(tmp_path / "ort.onnx")
     assert ours > 0.999 and ours >= theirs - 1e-4, (ours, theirs)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = torch.nn.Linear(32, 10)
+
+    def forward(self, x):
+        a, _ = self.attn(x, x, x, need_weights=False)
+        return self.head(a.mean(1))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_multihead_attentions_projections_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_path, exporter):
+    """int8-dynamic left nn.MultiheadAttention's packed input projection float ("its quantizers are
+    disabled (preset ...)") where onnxruntime's quantize_dynamic quantizes its MatMul; and the dynamo graph,
+    which scopes out_proj's product to the attention module (out_proj is never called), failed verify's
+    structure check ("attn.out_proj.input_quantizer: Q/DQ pair missing"). Both projections are MatMulInteger
+    patterns now,
+    mapped to their own quantizers, and the graph computes what the fake-quant model does."""
+    from exporters.graph import quantizer_map
+    from quantcli import quantize_model
+
+    torch.manual_seed(0)
+    batch = {"x": torch.randn(6, 8, 32)}
+    model = quantize_model(_Attention().eval(), "int8-dynamic", example=batch)
+    dynamic, _ = _dynamic_graph_is_the_model(model, batch, tmp_path / "attn.onnx", exporter)
+    assert dynamic == ["attn.input_quantizer", "attn.out_proj.input_quantizer", "head.input_quantizer"]
+    graph = onnx.load(tmp_path / "attn.onnx")
+    qmap = quantizer_map(graph)
+    shapes = {qmap[i.name]: tuple(i.dims) for i in graph.graph.initializer if i.name in qmap}
+    assert shapes["attn.weight_quantizer"] == (32, 96) and shapes["attn.out_proj.weight_quantizer"] == (
+        32,
+        32,
+    )

@@ -556,7 +556,7 @@ class ComputedLayer(QuantMixin):
         """``F.linear(x, self.weight, b)``, or ``x @ self.weight`` (``torch.mm``, ``torch.matmul``,
         ``torch.addmm`` without ``beta``/``alpha``) of an ``(in, out)`` weight: what the int8-dynamic export
         pattern computes (with the ``b`` the call adds: the module's own bias, none, or another tensor)."""
-        if w is not self._parameters.get("weight"):
+        if w is not self._parameters.get(self.weight_name):  # (nn.MultiheadAttention's: in_proj_weight)
             return False
         if kind == "linear":
             return True

@@ -395,7 +395,6 @@ def computes_plain_linear(layer) -> bool:
         is_computed(layer)
         and axis is not None
         and not layer.weight_derived
-        and layer.weight_name == "weight"
         and layer.weight_axis == axis
         and layer.weight.dim() == 2
     )
