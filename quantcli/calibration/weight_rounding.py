@@ -63,7 +63,16 @@ def weight_only_layers(model: nn.Module) -> tuple[dict[str, QuantLinear], dict[s
     layers with a weight quantizer left out and why)."""
     layers, skipped = {}, {}
     for name, m in model.named_modules():
-        if not isinstance(m, QuantLinear) or not m.weight_quantizer.enabled:
+        wq = m._modules.get("weight_quantizer")
+        if wq is None or not getattr(wq, "enabled", False):
+            continue
+        if not isinstance(m, QuantLinear):
+            # (a layer quantized where its operation runs, nn.MultiheadAttention's projections, a convolution)
+            kind = type(m).__name__.removeprefix("Quant")
+            skipped[name] = (
+                f"a {kind} quantized where its operation runs, not an nn.Linear called as a module (weight "
+                "rounding reads a Linear's input at its call): its weights are rounded to nearest"
+            )
             continue
         d = m.weight_quantizer.desc
         if m.input_quantizer.enabled:

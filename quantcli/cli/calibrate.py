@@ -483,6 +483,19 @@ def _calibrate_result_rows(outcome):
                 + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else "")
             ),
         )
+    rounding = outcome.info.get("weight_rounding")
+    if rounding:
+        skipped = rounding.get("skipped") or {}
+        yield (
+            "weight rounding",
+            f"{rounding['method']}: {rounding['layers']} layer(s)"
+            + (
+                f"; rounded to nearest: {'; '.join(f'{n} ({why})' for n, why in list(skipped.items())[:3])}"
+                + (" ..." if len(skipped) > 3 else "")
+                if skipped
+                else ""
+            ),
+        )
     if summary.amax_min is not None:
         yield "amax range", f"{summary.amax_min:.4g} .. {summary.amax_max:.4g}"
     if summary.auto:
