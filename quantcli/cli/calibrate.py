@@ -483,8 +483,8 @@ def _calibrate_result_rows(outcome):
                 + (f"; not smoothed: {', '.join(smoothed.skipped)}" if smoothed.skipped else "")
             ),
         )
-    rounding = outcome.info.get("weight_rounding")
-    if rounding:
+    rounding = outcome.info.get("weight_rounding") or {}
+    if "layers" in rounding:  # --weight-method gptq or awq ran
         skipped = rounding.get("skipped") or {}
         yield (
             "weight rounding",
