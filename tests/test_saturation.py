@@ -247,6 +247,19 @@ def _qdq_conv(w_codes, w_scale, x_scale, x_zp, y_scale, y_zp, groups, strides, d
     return m
 
 
+def test_the_tensorrt_target_keeps_8_bit_weights_and_says_why(tmp_path):
+    """``--target tensorrt --cpu x86-avx2`` said "8-bit weights (its integer kernels cannot saturate)" of a
+    CPU whose kernels can: TensorRT runs none of them."""
+    import json
+
+    ck = tmp_path / "t.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--target", "tensorrt", "--cpu", "x86-avx2", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    cpu = json.loads(r.stdout)["cpu"]
+    assert cpu["reduced_weights"] == []
+    assert cpu["text"].endswith("8-bit weights (the tensorrt target runs no uint8 x int8 CPU kernel)"), cpu
+
+
 @kernels
 @needs_avx2
 @pytest.mark.parametrize(

@@ -385,6 +385,8 @@ def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None, exampl
         )
     elif reduced:
         text = f"{where}: {len(reduced)} weight quantizer(s) on the 7-bit grid (reduce_range: true)"
+    elif config.target != "onnxruntime":
+        text = f"{where}: 8-bit weights (the {config.target} target runs no uint8 x int8 CPU kernel)"
     else:
         text = f"{where}: " + (
             "8-bit weights (its integer kernels cannot saturate)"
