@@ -460,3 +460,15 @@ def test_a_rule_that_export_could_not_write_is_refused_by_calibrate(tmp_path, ru
     )
     r = cli("calibrate", "digits_cnn", "--config", config, "--placement", "all", "--out", out)
     assert r.exit_code == 0, r.output
+
+
+def test_a_holdout_the_model_cannot_take_is_named(tmp_path):
+    """A --holdout of the wrong shape failed in the search with "forward(x: float32[10, 3]) failed on batch 0",
+    which named no file."""
+    np.save(tmp_path / "bad.npy", np.zeros((10, 3), np.float32))
+    out = tmp_path / "m.calib.pt"
+    r = cli(
+        "calibrate", "digits_cnn", "--min-cosine", "0.99", "--holdout", tmp_path / "bad.npy", "--out", out
+    )
+    assert_clean_error(r, f"failed on --holdout {tmp_path / 'bad.npy'}'s first batch", "float32[10, 3]")
+    assert not out.exists()

@@ -41,6 +41,7 @@ from quantcli.inputs.data import (
     load_data,
     num_samples,
     refuse_without_data,
+    run_model,
 )
 from quantcli.inputs.loading import load_model
 from quantcli.inputs.model_spec import ModelSpec
@@ -620,6 +621,13 @@ def _holdout(
         held, _ = load_data(
             r.holdout, model, r.batch_size or defaults.BATCH_SIZE, None, _data_options(r, spec)
         )
+        if held:  # the model takes them (else the search's first pass failed naming a "batch 0")
+            import torch
+
+            from quantcli.analysis.sensitivity import quantizing
+
+            with quantizing(model, active=()), torch.inference_mode():
+                run_model(model, held[0], where=f"--holdout {r.holdout}'s first batch")
         return batches, (held, str(r.holdout))
     if spec.kind == "sample":
         from sample_models import SAMPLES
