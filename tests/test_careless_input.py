@@ -463,8 +463,8 @@ def test_a_rule_that_export_could_not_write_is_refused_by_calibrate(tmp_path, ru
 
 
 def test_a_holdout_the_model_cannot_take_is_named(tmp_path):
-    """A --holdout of the wrong shape failed in the search with "forward(x: float32[10, 3]) failed on batch 0",
-    which named no file."""
+    """A --holdout of the wrong shape failed in the search with "forward(x: float32[10, 3]) failed on batch
+    0", which named no file."""
     np.save(tmp_path / "bad.npy", np.zeros((10, 3), np.float32))
     out = tmp_path / "m.calib.pt"
     r = cli(
