@@ -18,6 +18,7 @@ _LAZY = {
     "quantize_model": "quantcli.nn.replace",
     "calibrate": "quantcli.calibration.calibrate",
     "load_calibrated": "quantcli.inputs.checkpoint",
+    "Calibrated": "quantcli.inputs.checkpoint",
     "save_calibrated": "quantcli.inputs.checkpoint",
     "verify_onnx": "quantcli.verify",
 }
