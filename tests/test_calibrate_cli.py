@@ -523,6 +523,46 @@ def test_activations_that_saw_only_zeros_are_named(tmp_path):
     assert r.exit_code == 0 and "saw only zeros" not in r.stderr
 
 
+DENORMAL = """
+import torch
+from torch import nn
+
+
+class Denormal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+        with torch.no_grad():  # fc2's input: 2.5e-39, a float32 denormal (a random-init MobileViT's conv)
+            self.fc1.weight.zero_()
+            self.fc1.bias.fill_(2.5e-39)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Denormal()
+"""
+
+
+def test_a_denormal_activation_range_is_taken_as_zero(tmp_path):
+    """An input range of 2.5e-39 gave a scale whose product with the weight's underflowed to 0: calibrate
+    ended in an internal error ("fc2: its int32 bias still saturates after widening its weight range"), and
+    where the bias was 0, verify did ("cannot convert float NaN to integer"). It is named as a quantizer that
+    saw only zeros, and the graph exports and verifies."""
+    (tmp_path / "den.py").write_text(DENORMAL)
+    np.save(tmp_path / "x.npy", np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32))
+    model, ck, graph = f"{tmp_path / 'den.py'}:make", tmp_path / "d.calib.pt", tmp_path / "d.onnx"
+    r = cli("calibrate", model, "--data", tmp_path / "x.npy", "--placement", "all", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["zero_amax"] == ["fc2.input_quantizer"]
+    assert float(torch.load(ck, weights_only=True)["state_dict"]["fc2.input_quantizer.amax"]) == 0
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "x.npy")
+    assert r.exit_code == 0, r.output
+
+
 NEGATIVE = """
 import torch
 import torch.nn.functional as F

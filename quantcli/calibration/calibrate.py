@@ -209,8 +209,7 @@ def calibrate(
     finally:
         _stop_observers(acts, auto)
         release_scratch()  # the largest activation's temporaries
-    summary.widened = fit_int32_biases(model)
-    _summarise(qs, summary)
+    _summarise(qs, summary, lambda: fit_int32_biases(model))
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     summary.seconds = time.perf_counter() - t0
@@ -374,22 +373,33 @@ def _widest(q) -> torch.Tensor:
     return top if q.amin is None else torch.maximum(top, q.amin.abs().max())
 
 
-def _summarise(qs: dict, summary: CalibrationSummary) -> None:
-    """Which quantizers were calibrated (and the range of their amax, read in one go) and which skipped."""
-    amaxes = []
+#: an activation range below this is taken as zero (the quantizer saw only zeros): float32 rounding noise or
+#: denormals (a random-init model's 2.5e-39), whose scale, and its product with a weight's scale (an int32
+#: bias's), would be subnormal or 0, and the bias codes infinite
+NEGLIGIBLE_AMAX = 2.0**-64
+
+
+def _summarise(qs: dict, summary: CalibrationSummary, fit_biases: Callable[[], list]) -> None:
+    """Which quantizers were calibrated (and the range of their amax, read in one go) and which skipped;
+    activation ranges below :data:`NEGLIGIBLE_AMAX` flushed to zero (``zero_amax``), then ``fit_biases()``
+    (the int32 biases' weight widening, which needs every input scale final)."""
+
+    def amaxes() -> list[torch.Tensor]:
+        return [qs[n].amax for n in summary.calibrated]
+
     for name, q in qs.items():
         if name in summary.not_called:
             continue
         if q.enabled and not q.desc.dynamic and q.amax is not None:
             summary.calibrated.append(name)
-            amaxes.append(q.amax)
             if not name.endswith("weight_quantizer") or q.desc.calib_method == "histogram":
                 summary.by_method.append(name)
         else:
             summary.skipped.append(name)
-    if any(a.numel() for a in amaxes):
-        summary.amax_min, summary.amax_max = amax_span(amaxes)
-    if summary.amax_min == 0:  # some amax is 0 somewhere: which activation quantizers saw only zeros
+    if any(a.numel() for a in amaxes()):
+        summary.amax_min, summary.amax_max = amax_span(amaxes())
+    if summary.amax_min is not None and summary.amax_min < NEGLIGIBLE_AMAX:
+        # some amax is (about) 0 somewhere: which activation quantizers saw only zeros
         acts = [
             (n, q)
             for n, q in qs.items()
@@ -398,7 +408,16 @@ def _summarise(qs: dict, summary: CalibrationSummary) -> None:
         if acts:  # one read for all (on a GPU, one synchronisation); an asymmetric range's amin counts too
             dev = acts[0][1].amax.device
             tops = torch.stack([_widest(q).to(dev) for _, q in acts]).tolist()
-            summary.zero_amax = [n for (n, _), top in zip(acts, tops) if top == 0]
+            summary.zero_amax = [n for (n, _), top in zip(acts, tops) if top < NEGLIGIBLE_AMAX]
+            for (_, q), top in zip(acts, tops):
+                if 0 < top < NEGLIGIBLE_AMAX:
+                    q.set_amax(torch.zeros_like(q.amax))
+                    if q.amin is not None:
+                        q.amin = torch.zeros_like(q.amin)
+                    summary.amax_min = 0.0
+    summary.widened = fit_biases()
+    if summary.widened:  # weight ranges grew
+        summary.amax_min, summary.amax_max = amax_span(amaxes())
 
 
 def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):

@@ -347,7 +347,8 @@ def _calibrate_warnings(outcome) -> None:
     if zero:
         shown = ", ".join(zero[:5]) + (" ..." if len(zero) > 5 else "")
         err.print(
-            f"warning: {len(zero)} activation quantizer(s) saw only zeros in the calibration data (amax 0), "
+            f"warning: {len(zero)} activation quantizer(s) saw only zeros in the calibration data (amax 0; "
+            "a range below 2^-64, denormals, is taken as 0), "
             f"so their layers' inputs quantize to 0: {shown}; check that the data is the model's real input"
         )
     for w in outcome.summary.widened:
