@@ -20,6 +20,9 @@ QUANTIZERS_KEY = "quantcli.quantizers"
 PROPAGATED_MARK = "quantcli_propagated"
 # JSON list: quantizers removed as dead code (their output is unused)
 PRUNED_KEY = "quantcli.pruned_quantizers"
+#: JSON list: the model's inputs its forward never reads (DeBERTa-v3's token_type_ids), which the torch
+# exporter leaves out of the graph
+UNREAD_INPUTS_KEY = "quantcli.unread_inputs"
 #: JSON list: DequantizeLinear outputs whose weight codes are stored ``[in, out]`` (``axis=0``), the form
 # onnxruntime : runs as MatMulNBits (:mod:`exporters.matmul_nbits`); their quantizer's tensor is ``[out, in]``
 KN_WEIGHTS_KEY = "quantcli.kn_weights"
@@ -208,6 +211,15 @@ def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
     files)."""
     for p in model.metadata_props:
         if p.key == PRUNED_KEY:
+            return list(json.loads(p.value))
+    return []
+
+
+def unread_inputs(model: onnx.ModelProto) -> list[str]:
+    """The checkpoint's inputs export recorded as left out of the graph, never read (empty for older
+    files)."""
+    for p in model.metadata_props:
+        if p.key == UNREAD_INPUTS_KEY:
             return list(json.loads(p.value))
     return []
 

@@ -35,6 +35,7 @@ from exporters.graph import (
     CPU_KEY,
     PRUNED_KEY,
     QUANTIZERS_KEY,
+    UNREAD_INPUTS_KEY,
     consumer_map,
     name_scopes,
     qdq_pairs,
@@ -74,7 +75,9 @@ class ExportResult:
     weights_stored_quantized: int = 0
     file_bytes: int = 0
     seconds: float = 0.0
-    input_names: list[str] = field(default_factory=list)
+    input_names: list[str] = field(default_factory=list)  # the graph's (the example's, less unread_inputs)
+    # the example's inputs that forward never reads: the exporter leaves them out of the graph
+    unread_inputs: list[str] = field(default_factory=list)
     output_names: list[str] = field(default_factory=list)
     external_data: bool = False
     dynamic_layers: int = 0  # DynamicQuantizeLinear -> MatMulInteger layers (exporters.dynamic_linear)
@@ -429,6 +432,9 @@ def export_onnx(
             onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
         _inputs_kept_apart_from_outputs(onnx_model, list(example))
         rename_inputs(onnx_model, renamed)
+        present = {i.name for i in onnx_model.graph.input}
+        res.unread_inputs = [n for n in res.input_names if n not in present]
+        res.input_names = [n for n in res.input_names if n in present]
         if edit_graph is not None:
             edit_graph(onnx_model)
         mapping = _post_process(onnx_model, model, example, res, weights_qdq)
@@ -638,6 +644,7 @@ def _stamp_metadata(
         **({"quantcli.provider": res.provider} if res.provider else {}),
         **({CPU_KEY: res.cpu} if res.cpu else {}),
         PRUNED_KEY: json.dumps(res.pruned_quantizers),
+        **({UNREAD_INPUTS_KEY: json.dumps(res.unread_inputs)} if res.unread_inputs else {}),
         **({BRANCHES_KEY: json.dumps(res.traced_branches)} if res.traced_branches else {}),
         **({KN_WEIGHTS_KEY: json.dumps(res.kn_weights)} if res.kn_weights else {}),
         **({RECURRENT_KEY: json.dumps(res.recurrent)} if res.recurrent else {}),

@@ -922,3 +922,51 @@ def test_a_model_that_asserts_on_its_inputs_exports_and_refuses_bad_data(tmp_pat
     np.savez(tmp_path / "bad.npz", x=x, mask=mask[:, :9])
     r = cli("verify", tmp_path / "m.onnx", "--reference", ck, "--data", tmp_path / "bad.npz")
     assert r.exit_code == 2 and "mask and x differ in length" in r.stderr, r.output
+
+
+UNREAD = """
+import torch
+from torch import nn
+
+
+class Unread(nn.Module):
+    # DeBERTa-v3 (type_vocab_size 0) takes token_type_ids and never reads them
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x, token_type_ids=None):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Unread()
+"""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_an_input_forward_never_reads_is_said_and_verify_takes_the_graph(tmp_path, exporter):
+    """The exporter leaves out of the graph an input forward never reads; export's summary listed it as an
+    input all the same, and verify refused the graph export had just written ("the ONNX inputs ['x'] do not
+    match the checkpoint's inputs ['x', 'token_type_ids']"): no DeBERTa-v3 could be verified."""
+    (tmp_path / "m.py").write_text(UNREAD)
+    rng = np.random.default_rng(0)
+    np.savez(
+        tmp_path / "d.npz",
+        x=rng.standard_normal((32, 8)).astype(np.float32),
+        token_type_ids=np.zeros((32, 8), np.int64),
+    )
+    ck, graph = tmp_path / "u.calib.pt", tmp_path / "u.onnx"
+    r = cli("calibrate", f"{tmp_path / 'm.py'}:make", "--data", tmp_path / "d.npz", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", graph, "--exporter", exporter, "--json")
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    # (the dynamo exporter keeps the input, unread, in the graph)
+    both = ["x", "token_type_ids"]
+    names, unread = (["x"], ["token_type_ids"]) if exporter == "torchscript" else (both, [])
+    assert res["input_names"] == names and res["unread_inputs"] == unread
+    assert [i.name for i in onnx.load(graph).graph.input] == names
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz")
+    assert r.exit_code == 0, r.output

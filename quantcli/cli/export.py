@@ -335,7 +335,15 @@ def _export_rows(res):
         yield "decode graph", _decode_row(res.decode)
     elif res.decode_note:
         yield "decode graph", res.decode_note
-    yield "inputs", _names([_input_text(res, n) for n in res.input_names])
+    yield (
+        "inputs",
+        _names([_input_text(res, n) for n in res.input_names])
+        + (
+            f"; not read by the model, so not in the graph: {', '.join(res.unread_inputs)}"
+            if res.unread_inputs
+            else ""
+        ),
+    )
     yield "outputs", _names(res.output_names)
     if res.fp8_guards:
         yield "fp8 guards", f"{res.fp8_guards} (so that onnxruntime loads it with default options)"

@@ -31,6 +31,7 @@ from exporters.graph import (
     quantizer_map,
     to_numpy,
     traced_branches,
+    unread_inputs,
 )
 from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, few, first_line
@@ -346,7 +347,8 @@ def check_structure(
     graph_inputs = [
         i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}
     ]
-    if (not set(ckpt.input_names) <= set(graph_inputs)) if decode else graph_inputs != ckpt.input_names:
+    read = [n for n in ckpt.input_names if n not in unread_inputs(model)]  # export left the others out
+    if (not set(read) <= set(graph_inputs)) if decode else graph_inputs != read:
         raise VerifyError(
             f"the ONNX inputs {graph_inputs} do not match the checkpoint's inputs "
             f"{ckpt.input_names}; "
