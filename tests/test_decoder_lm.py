@@ -332,3 +332,23 @@ def test_a_causal_lm_ignores_the_token_types_its_tokenizer_emits(tmp_path):
     held.write_text("\n".join(texts[20:40]) + "\n")
     r = cli("verify", graph, "--reference", ck, "--data", held)
     assert r.exit_code == 0, r.output
+
+
+def test_a_tokenizer_without_padding_or_end_token_takes_batch_size_1():
+    """Such a tokenizer is refused for batches ("pass --batch-size 1, or set pad_token"); --batch-size 1
+    then failed too ("Asking to pad but the tokenizer does not have a padding token"): one text needs no
+    padding."""
+    from quantcli.errors import DataError
+    from quantcli.inputs.text_data import text_batches
+
+    texts = _texts()[:6]
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.train_from_iterator(texts, tokenizers.trainers.WordLevelTrainer(special_tokens=["[UNK]"]))
+    bare = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+    accepted = ["input_ids", "attention_mask"]
+    batches = text_batches(texts, bare, 32, 1, accepted, False)
+    assert len(batches) == 6 and all(b["input_ids"].shape[0] == 1 for b in batches)
+    assert batches[0]["input_ids"].shape[1] == len(bare(texts[0])["input_ids"])
+    with pytest.raises(DataError, match="pass --batch-size 1"):
+        text_batches(texts, bare, 32, 2, accepted, False)

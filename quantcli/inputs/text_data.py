@@ -135,11 +135,13 @@ def text_batches(
     if batch_size > 1 and len(texts) > 1:
         _pad_with_eos(tokenizer)
     batches = []
+    # one text a batch needs no padding, and a tokenizer without a padding token refuses to be asked for it
+    pad = getattr(tokenizer, "pad_token", None) is not None
     for i in range(0, len(texts), batch_size):
         try:
             enc = tokenizer(
                 texts[i : i + batch_size],
-                padding=True,
+                padding=pad,
                 truncation=True,
                 max_length=max_length,
                 return_tensors="pt",
