@@ -232,12 +232,15 @@ def test_preprocessor_config_gives_the_defaults(tmp_path):
     )
 
 
-@pytest.mark.parametrize("kind", ["resize_then_crop", "shortest_edge_then_crop", "crop_only"])
+@pytest.mark.parametrize("kind", ["resize_then_crop", "shortest_edge_then_crop", "crop_only", "crop_pct"])
 def test_image_preprocessing_equals_the_hugging_face_processor(tmp_path, kind):
     """The pixels quantcli calibrates and verifies on are the ones the model's own image processor makes
     (transformers' PIL processors, independent of quantcli's code): a DeiT config (resize to 40x40, center
-    crop to 32x32, bicubic) was applied as one bilinear resize to 32x32, off by up to 2.0 normalised."""
+    crop to 32x32, bicubic) was applied as one bilinear resize to 32x32, off by up to 2.0 normalised.
+    ConvNext's ``crop_pct`` (the shorter side to shortest_edge / crop_pct, then a center crop) was ignored:
+    no crop."""
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.convnext.image_processing_pil_convnext import ConvNextImageProcessorPil
     from transformers.models.deit.image_processing_pil_deit import DeiTImageProcessorPil
 
     from quantcli.inputs.image_data import image_batches, image_settings
@@ -249,6 +252,7 @@ def test_image_preprocessing_equals_the_hugging_face_processor(tmp_path, kind):
         ),
         "shortest_edge_then_crop": lambda: CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size=crop),
         "crop_only": lambda: DeiTImageProcessorPil(do_resize=False, crop_size=crop),
+        "crop_pct": lambda: ConvNextImageProcessorPil(size={"shortest_edge": 32}, crop_pct=0.875),
     }[kind]()
     proc.save_pretrained(str(tmp_path / "model"))
     rng = np.random.default_rng(0)

@@ -148,6 +148,10 @@ def _hw(v: Any) -> tuple[int, int] | None:
     return None
 
 
+#: ConvNextImageProcessor's ``crop_pct`` applies to a ``shortest_edge`` below this
+CROP_PCT_BELOW = 384
+
+
 def _from_preprocessor(cfg: dict[str, Any], where: str = "preprocessor_config.json") -> ImageSettings:
     """The settings a Hugging Face image processor's config describes: ``size`` as ``{height, width}`` (a
     resize to it) or ``{shortest_edge}`` (the shorter side to it, the aspect kept), then with
@@ -162,6 +166,13 @@ def _from_preprocessor(cfg: dict[str, Any], where: str = "preprocessor_config.js
     if cfg.get("do_center_crop") and _hw(cfg.get("crop_size")) is not None:
         resize_to = size if shorter is None else None  # None and None: a crop of the image as it is
         size, crop = _hw(cfg["crop_size"]), True
+    elif shorter is not None and isinstance(cfg.get("crop_pct"), (int, float)) and cfg["crop_pct"] > 0:
+        # ConvNextImageProcessor: below 384, the shorter side to shortest_edge / crop_pct, then a center crop
+        # to shortest_edge; from 384, a resize to shortest_edge square (no crop)
+        if shorter < CROP_PCT_BELOW:
+            shorter, crop = int(shorter / cfg["crop_pct"]), True
+        else:
+            shorter, resize_to = None, size
     resample = cfg.get("resample", BILINEAR)
     if not isinstance(resample, int) or resample not in RESAMPLE_NAMES:
         raise DataError(f"{where}: resample {resample!r} is not one of PIL's filters (0-5)")
