@@ -468,6 +468,11 @@ def test_every_layer_kept_float_is_said_and_the_graph_passes_verify(tmp_path, mo
     assert info["quantized_layers"] == 0
     r = cli("calibrate", "digits_cnn", "--out", tmp_path / "n.calib.pt")
     assert "warning: no layer is quantized" in r.stderr
+    # with --json too, as targets.md says (the warning was dropped; stdout holds the document alone)
+    r = cli("calibrate", "digits_cnn", "--out", tmp_path / "j.calib.pt", "--json")
+    assert "warning: no layer is quantized" in r.stderr and json.loads(r.stdout)["quantized_layers"] == 0
+    # its target row said "weight-only: activations stay float ..." of a model with no weight quantized
+    assert json.loads(r.stdout)["placement"]["text"].startswith("nothing quantized: every layer stays float")
     onnx_path = tmp_path / "m.onnx"
     r = cli("export", ck, "--onnx", onnx_path)
     assert r.exit_code == 0 and "warning: the graph holds no quantizer" in r.stderr

@@ -296,10 +296,11 @@ class CalibrationJob:
             info["mixed_precision"] = mixed.to_dict()
         info["config"] = self.config.source
         info["target"] = self.config.target
-        activations = any(
-            q.enabled and role(n) != "weight_quantizer" for n, q in quantizers(self.model).items()
+        enabled = [n for n, q in quantizers(self.model).items() if q.enabled]
+        activations = any(role(n) != "weight_quantizer" for n in enabled)
+        info["placement"] = placement_summary(
+            self.report.placement, self.config.target, activations, weights=bool(enabled)
         )
-        info["placement"] = placement_summary(self.report.placement, self.config.target, activations)
         if self.latency is not None:
             info["placement"]["latency"] = self.latency.to_dict()
         info["batchnorm"] = {"fold_batchnorm": self.config.fold_batchnorm, **self.report.batchnorm.to_dict()}
@@ -642,13 +643,18 @@ def _count(items, noun: str) -> str:
     return f"{len(items)} {noun}{'' if len(items) == 1 else 's'}"
 
 
-def placement_summary(placement, target: str, activations: bool = True) -> dict:
+def placement_summary(placement, target: str, activations: bool = True, weights: bool = True) -> dict:
     """What the target's placement did (:mod:`quantcli.nn.placement`), as JSON data and one line of text.
     ``activations``: whether any activation quantizer is enabled; without one (weight-only) the placement of
-    activation grids, output quantizers and int32 biases applies to nothing."""
+    activation grids, output quantizers and int32 biases applies to nothing. ``weights``: whether any
+    quantizer is (none: every layer float)."""
     if placement is None:
         return {"analysed": False, "text": "no placement analysis"}
     d = placement.to_dict()
+    if not weights:
+        d["weight_only"] = False
+        d["text"] = "nothing quantized: every layer stays float (see the layers row)"
+        return d
     if not activations:
         d["weight_only"] = True
         d["text"] = "weight-only: activations stay float (no activation quantizer enabled), biases stay float"

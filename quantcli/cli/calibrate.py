@@ -300,10 +300,10 @@ def torchrun_rank(device: str, timeout: float):
 
 def render_calibrate(outcome, as_json: bool) -> int:
     """The summary (a table, or ``--json``) and its warnings; exit 1 when a quality target was missed."""
+    _calibrate_warnings(outcome)  # on stderr, --json or not (as export's): stdout keeps one document
     if as_json:
         print_json(outcome.to_dict())
     else:
-        _calibrate_warnings(outcome)
         rows = [*_calibrate_setup_rows(outcome), *_calibrate_result_rows(outcome)]
         out.print(key_value_table(f"quantcli calibrate {outcome.job.request.model}", rows))
     _target_missed(outcome.mixed)
