@@ -251,11 +251,11 @@ def keep_neighbours(
         first_requantized = first_requantized or requantized
     if not first_lost and not first_requantized:
         return decisions
-    why = (
-        f"keeping it float would cost {_shown(first_lost)} their integer kernel(s)"
-        if first_lost
-        else RUNTIME_QUANTIZES
-    )
+    # (each choice was tried as a group: what the group costs is not what each layer alone would)
+    group = f"keeping {_shown(sorted(every))} float together" if len(every) > 1 else "keeping it float"
+    why = RUNTIME_QUANTIZES
+    if first_lost:
+        why = f"{group} would cost {_shown(first_lost)} their integer kernel(s)"
     return [_requantized(d, why) if d.decision == FLOAT else d for d in decisions]
 
 
