@@ -455,3 +455,16 @@ def test_a_projection_head_exports_its_embeddings(tmp_path):
     assert got.shape == want.shape and cos.min() > 0.99
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz")
     assert r.exit_code == 0, r.output
+
+
+def test_a_multiple_choice_model_with_text_data_says_what_it_takes(bert, tmp_path):
+    """BertForMultipleChoice reads (batch, choices, sequence) token ids; a text file failed inside the model
+    with "shape '[-1, 40]' is invalid for input of size 8", which said nothing of what to give."""
+    _, d = bert
+    cfg = transformers.BertConfig(**TINY_ENCODER, max_position_embeddings=64)
+    torch.manual_seed(0)
+    save_folder(transformers.BertForMultipleChoice(cfg), tmp_path / "mc", True)
+    out = tmp_path / "mc.calib.pt"
+    r = cli("calibrate", tmp_path / "mc", "--data", d / "texts.txt", "--out", out)
+    assert_clean_error(r, "BertForMultipleChoice takes (batch, choices, sequence) token ids", ".npz")
+    assert not out.exists()

@@ -394,6 +394,14 @@ def load_data(
     batch_size = batch_size or defaults.BATCH_SIZE
     names, _, var_kw = forward_parameters(model)
     if kind == "text":
+        if any(c.__name__.endswith("ForMultipleChoice") for c in type(model).__mro__):
+            # its forward reads (batch, choices, sequence); a text file gives one sequence per line
+            name = type(model).__name__.removesuffix("Deployed")
+            raise DataError(
+                f"{name} takes (batch, choices, sequence) token ids, and {path} gives one "
+                "sequence per line: tokenize each example's choices yourself and save input_ids and "
+                "attention_mask (and token_type_ids) as (batch, choices, sequence) arrays in an .npz"
+            )
         batches, prep = _text_data(
             path, names, var_kw, batch_size, num_samples, opts, shard, model_positions(model)
         )
