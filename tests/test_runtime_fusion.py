@@ -306,3 +306,28 @@ def test_a_dynamo_layer_is_not_reported_as_the_fused_kernel_of_the_next_one(tmp_
     assert kernels == {"fc1": ("Gemm", False), "fc2": ("QGemm", True)}, kernels
     kinds = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
     assert kinds["QGemm"] == 1 and kinds["Gemm"] == 1  # onnxruntime's own graph
+
+
+def test_a_fusion_named_after_a_longer_layer_name_is_that_layers():
+    """The same across a fusion's own name: onnxruntime names a QLinearConv ``node_conv2d_6_token_18``
+    after the dynamo graph's ``node_conv2d_6``; it was taken for ``node_conv2d``'s (which ran as a float
+    FusedConv), so inspect and export said every layer ran on an integer kernel."""
+    from onnx import helper
+
+    from exporters.onnxruntime.fusion import _find
+
+    def graph(*nodes):
+        return helper.make_model(helper.make_graph(list(nodes), "g", [], []))
+
+    stem = helper.make_node("Conv", ["x", "w"], ["y"], name="node_conv2d")
+    optimized = graph(
+        helper.make_node(
+            "QLinearConv", ["a"] * 8, ["q"], name="node_conv2d_6_token_18", domain="com.microsoft"
+        ),
+        helper.make_node("FusedConv", ["x", "w"], ["y"], name="node_conv2d", domain="com.microsoft"),
+    )
+    others = frozenset({"node_conv2d_6"})
+    assert _find(optimized, stem, others).op_type == "FusedConv"
+    # and a fusion named after the layer itself is still found
+    fused = graph(helper.make_node("QLinearConv", ["a"] * 8, ["q"], name="node_conv2d_token_3"))
+    assert _find(fused, stem, others).name == "node_conv2d_token_3"

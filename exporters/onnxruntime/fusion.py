@@ -501,17 +501,23 @@ def _find(
             for k in ("Conv", "Gemm", "MatMul", "LSTM")
         )
     ]
+    def named_after(fused: str, original: str) -> bool:
+        return (
+            fused == original
+            or fused.endswith(" " + original)
+            or fused.startswith(original + "/")
+            or fused.startswith(original + "_")
+        )
+
+    # another node whose name extends this one's (node_conv2d_6 beside node_conv2d): a fusion named after it
+    # (node_conv2d_6_token_18) is its, not this node's
+    longer = [o for o in others if name and o.startswith(name) and o != name]
     cands = [
         n
         for n in kernels
         if name
-        and (
-            n.name == name
-            or n.name.endswith(" " + name)
-            or n.name.startswith(name + "/")
-            or n.name.startswith(name + "_")
-        )
-        and (n.name == name or n.name not in others)
+        and named_after(n.name, name)
+        and (n.name == name or not any(named_after(n.name, o) for o in longer))
     ]
     if not cands:  # NCHWc and layout passes name nodes after the output tensor
         cands = [n for n in kernels if n.name in (out, out + "_nchwc") or out in n.output]
