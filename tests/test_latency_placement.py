@@ -705,3 +705,22 @@ def test_dynamic_activations_kept_float_are_not_counted_as_quantized_at_run_time
     assert r.exit_code == 0 and "quantized at run time" not in r.stdout
     r = cli(*args, "--placement", "all", "--json")
     assert len(json.loads(r.stdout)["dynamic"]) == json.loads(r.stdout)["quantized_layers"] == 13
+
+
+def test_a_float_stem_gives_back_its_input_quantizer_beside_a_float_layer_that_keeps_its_own(monkeypatch):
+    """The neighbours' check kept every float layer's input quantizer when one of them needed it (a float
+    Linear after a quantized one), the stem's too, "the layer before it needs that Q", where the stem reads
+    the graph input and its DQ feeds it alone: a Q/DQ on the image for nothing (a helper's NormCNN)."""
+    qs = {n: [f"{n}.input_quantizer", f"{n}.weight_quantizer", f"{n}.output_quantizer"] for n in ("c1", "fc")}
+    before = [
+        latency_placement.LayerDecision(n, "QLinearConv", 2.0, "float", "slower", qs[n], True) for n in qs
+    ]
+    kept = [
+        latency_placement._chosen(d, frozenset(qs), True, "") for d in before
+    ]  # as keep_neighbours returns them with inputs kept
+    assert all(d.reason.endswith(latency_placement.INPUT_KEPT) for d in kept)
+    monkeypatch.setattr(latency_placement, "stem_layers", lambda decisions, report: {"c1"})
+    got = {d.layer: d for d in latency_placement.stems_alone(kept, before, report=None)}
+    assert got["c1"].quantizers[0] == "c1.input_quantizer" and got["c1"].reason == "slower"
+    assert "fc.input_quantizer" not in got["fc"].quantizers
+    assert got["fc"].reason.endswith(latency_placement.INPUT_KEPT)

@@ -426,12 +426,33 @@ def stems_alone(
     them: they cost no neighbour anything), the others as ``after`` has them. On MobileNetV2 a float
     depthwise conv beside the float stem cost the 1x1 convs their kernels, and the stem went back with it."""
     if any(d.decision == FLOAT for d in after):
-        return after
+        return _stem_inputs_off(after, before, report)
     stems = stem_layers(before, report)
     if not stems:
         return after
     chosen = {d.layer: d for d in before if d.layer in stems}
     return _outputs_kept([chosen.get(d.layer, d) for d in after])
+
+
+def _stem_inputs_off(
+    after: list[LayerDecision], before: list[LayerDecision], report: FusionReport
+) -> list[LayerDecision]:
+    """``after`` with the stems whose input quantizer the neighbours' check kept (:data:`INPUT_KEPT`, for the
+    layers before the others it keeps float) given it back: a stem's input is a graph input, no layer before
+    it needs that Q, and its DQ feeds the stem alone (:func:`is_stem`)."""
+    kept = [d for d in after if d.decision == FLOAT and d.reason.endswith(INPUT_KEPT)]
+    stems = stem_layers(before, report) & {d.layer for d in kept} if kept else set()
+    if not stems:
+        return after
+    inputs = {d.layer: [q for q in d.quantizers if role(q) == "input_quantizer"] for d in before}
+    return [
+        replace(
+            d, reason=d.reason.removesuffix(f"; {INPUT_KEPT}"), quantizers=[*inputs[d.layer], *d.quantizers]
+        )
+        if d.layer in stems
+        else d
+        for d in after
+    ]
 
 
 # ------------------------------------------------------------------------------------------- measuring
