@@ -323,6 +323,24 @@ def find_foldable(
     return report
 
 
+def _user(node, prefix: str) -> str:
+    """A graph node that reads a layer's output, as the user knows it: its module, the function or method it
+    calls (``torch.cat``, ``Tensor.view``), or the model's output; not the trace's own node name (``n5``)."""
+    if node.op == "call_module":
+        return str(prefix + node.target)
+    if node.op == "call_function":
+        fn = node.target
+        module = getattr(fn, "__module__", None) or ""
+        name = getattr(fn, "__name__", str(fn))
+        lead = "torch" if module.startswith("torch") and not module.startswith("torch.nn") else module
+        return f"{lead}.{name}" if lead else name
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if node.op == "output":
+        return "the model's output"
+    return str(node.name)
+
+
 def _traced_candidates(graph: torch.fx.Graph, root: nn.Module, prefix: str = ""):
     """(layer, BatchNorm) pairs and reasons from the fx graph of ``root`` (a submodule named ``prefix``)."""
     modules = dict(root.named_modules())
@@ -351,7 +369,7 @@ def _traced_candidates(graph: torch.fx.Graph, root: nn.Module, prefix: str = "")
                 f"{where} calls {prefix + src.target} more than once, and only one call is followed by it"
             )
         elif len(src.users) > 1:
-            others = [u.name for u in src.users if u is not node]
+            others = sorted({_user(u, prefix) for u in src.users if u is not node})
             reasons[bn] = f"the output of {prefix + src.target} is also used by {', '.join(others)}"
         else:
             candidates.append((prefix + src.target, bn))
