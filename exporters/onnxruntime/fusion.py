@@ -501,6 +501,7 @@ def _find(
             for k in ("Conv", "Gemm", "MatMul", "LSTM")
         )
     ]
+
     def named_after(fused: str, original: str) -> bool:
         return (
             fused == original
