@@ -859,3 +859,27 @@ def test_a_layer_of_the_root_module_is_placed_and_its_weight_codes_are_checked(t
     rep = json.loads(r.stdout)
     assert r.exit_code == 1 and not rep["structure"]["passed"], rep["structure"]
     assert any(p.startswith("weight_quantizer") for p in rep["structure"]["problems"]), rep["structure"]
+
+
+class _LatentQuery(nn.Module):
+    """A Perceiver's cross-attention: learned latent queries through a Linear, against keys of the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(4, 6))
+        self.q, self.k, self.head = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(4, 3)
+
+    def forward(self, x):
+        scores = self.q(self.latents) @ self.k(x).transpose(1, 2)  # (batch, latents, tokens)
+        return self.head(scores.mean(-1))
+
+
+def test_a_quantized_layers_output_reaching_another_product_is_not_its_weight_left_float():
+    """q's weight is quantized (its Linear runs on the latents); its output, computed from parameters
+    alone, goes to a matmul with the keys. float_weights said q.weight and q.bias were "left float: it goes to
+    a matmul with the weight on the left (W @ x)" while the graph stored q.weight as int8."""
+    torch.manual_seed(0)
+    model = quantize_model(_LatentQuery().eval(), "int8", example={"x": torch.randn(2, 5, 6)})
+    report = model.quantcli_report
+    assert {"q", "k", "head"} <= set(report.layers)
+    assert report.float_weights == []

@@ -180,7 +180,9 @@ def quantize_model(
             continue
         originals[name] = type(module)
         if found is not None:
-            report.float_weights += _weights_left_float(name, uses.get(name, []), found)
+            own = {p for u in uses.get(name, []) for p in u.params}
+            own.add("weight" if plan[0] == "class" else plan[2])  # the weight its quantizer quantizes
+            report.float_weights += _weights_left_float(name, module, own, found)
         if plan[0] == "class":
             module.__class__ = plan[1]
         else:
@@ -309,18 +311,23 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
     return ("computed", kind, weight, derived, axis, callers)
 
 
-def _weights_left_float(name: str, uses: list, found: Census) -> list[dict[str, str]]:
+def _weights_left_float(
+    name: str, module: nn.Module, quantized: set[str], found: Census
+) -> list[dict[str, str]]:
     """The parameters of the quantized layer ``name`` that products quantcli does not quantize took as a
     weight, each with its reason (the layer's quantized operation is another)."""
-    quantized = {p for u in uses for p in u.params}
     out = []
     for param, ops in sorted(found.other_products.get(name, {}).items()):
-        also = "; its use in the layer's quantized operation is quantized" if param in quantized else ""
+        # the quantized operation's own weight (its output, computed from parameters alone, may reach such a
+        # product: a Perceiver's latent queries), and biases and gains (1-D), are not weights left float
+        p = module._parameters.get(param)
+        if param in quantized or (isinstance(p, torch.Tensor) and p.dim() < 2):
+            continue
         out.append(
             {
                 "name": f"{name}.{param}" if name else param,
                 "layer": name,
-                "reason": f"it goes to {', '.join(sorted(ops))}, which quantcli does not quantize{also}: "
+                "reason": f"it goes to {', '.join(sorted(ops))}, which quantcli does not quantize: "
                 f"{OTHER_PRODUCT_REMEDY}",
             }
         )
