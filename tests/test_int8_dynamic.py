@@ -585,17 +585,6 @@ def test_gpt2_conv1d_layers_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_p
     assert ours > 0.999 and ours >= theirs - 1e-4, (ours, theirs)
 
 
-class _Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
-        self.head = torch.nn.Linear(32, 10)
-
-    def forward(self, x):
-        a, _ = self.attn(x, x, x, need_weights=False)
-        return self.head(a.mean(1))
-
-
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 def test_multihead_attentions_projections_are_dynamic_like_onnxruntimes_quantize_dynamic(tmp_path, exporter):
     """int8-dynamic left nn.MultiheadAttention's packed input projection float ("its quantizers are
@@ -606,12 +595,18 @@ def test_multihead_attentions_projections_are_dynamic_like_onnxruntimes_quantize
     mapped to their own quantizers, and the graph computes what the fake-quant model does."""
     from exporters.graph import quantizer_map
     from quantcli import quantize_model
+    from tests import user_models
 
-    torch.manual_seed(0)
-    batch = {"x": torch.randn(6, 8, 32)}
-    model = quantize_model(_Attention().eval(), "int8-dynamic", example=batch)
+    mha = user_models.module("multihead_attention")
+    batch = {k: torch.from_numpy(v) for k, v in mha.samples(6, 0).items()}
+    model = quantize_model(mha.make(), "int8-dynamic", example=batch)
     dynamic, _ = _dynamic_graph_is_the_model(model, batch, tmp_path / "attn.onnx", exporter)
-    assert dynamic == ["attn.input_quantizer", "attn.out_proj.input_quantizer", "head.input_quantizer"]
+    assert dynamic == [
+        "attn.input_quantizer",
+        "attn.out_proj.input_quantizer",
+        "embed.input_quantizer",
+        "head.input_quantizer",
+    ]
     graph = onnx.load(tmp_path / "attn.onnx")
     qmap = quantizer_map(graph)
     shapes = {qmap[i.name]: tuple(i.dims) for i in graph.graph.initializer if i.name in qmap}

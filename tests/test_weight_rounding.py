@@ -214,34 +214,20 @@ def test_sequential_gptq_takes_each_hessian_on_the_rounded_layers_outputs():
         assert torch.allclose(model[1].weight.detach(), w2, atol=1e-6), sequential
 
 
-class _Attention(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn = torch.nn.MultiheadAttention(32, 4, batch_first=True)
-        self.head = torch.nn.Linear(32, 10)
-
-    def forward(self, x):
-        a, _ = self.attn(x, x, x, need_weights=False)
-        return self.head(a.mean(1))
-
-
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_layers_weight_rounding_leaves_to_nearest_are_named(tmp_path, method):
     """nn.MultiheadAttention's projections, quantized where they run (out_proj is never called as a module),
     were left to round-to-nearest under --weight-method gptq with ``skipped: {}`` and no summary row."""
-    (tmp_path / "m.py").write_text(
-        "import torch\n"
-        "from tests.test_weight_rounding import _Attention\n"
-        "def make():\n    torch.manual_seed(0)\n    return _Attention()\n"
-    )
-    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((32, 8, 32)).astype(np.float32))
-    ck = tmp_path / "m.calib.pt"
-    args = ("--data", tmp_path / "d.npz", "--config", "int4-weight-only", "--weight-method", method)
-    r = cli("calibrate", f"{tmp_path / 'm.py'}:make", *args, "--out", ck, "--json")
+    from tests import user_models
+
+    calib, _ = user_models.write_data("multihead_attention", tmp_path)
+    ck, model = tmp_path / "m.calib.pt", user_models.spec("multihead_attention")
+    args = ("--data", calib, "--config", "int4-weight-only", "--weight-method", method)
+    r = cli("calibrate", model, *args, "--out", ck, "--json")
     assert r.exit_code == 0, r.output
     rounding = json.loads(r.stdout)["weight_rounding"]
-    assert rounding["layers"] == 1  # head
+    assert rounding["layers"] == 2  # embed, head
     assert sorted(rounding["skipped"]) == ["attn", "attn.out_proj"]
     assert all("rounded to nearest" in why for why in rounding["skipped"].values())
-    r = cli("calibrate", f"{tmp_path / 'm.py'}:make", *args, "--out", ck)
+    r = cli("calibrate", model, *args, "--out", ck)
     assert r.exit_code == 0 and "weight rounding" in r.stdout and "attn.out_proj" in r.stdout, r.output
