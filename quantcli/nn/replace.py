@@ -48,13 +48,13 @@ from quantcli.nn.recurrent import weight_format_reason as lstm_weight_format_rea
 from quantcli.nn.tensor_quantizer import TensorQuantizer, owner
 from quantcli.quant.descriptor import QuantDescriptor
 
-# rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
 #: what to write instead of a product quantcli does not quantize (:data:`quantcli.nn.computed.OTHER_PRODUCTS`)
 OTHER_PRODUCT_REMEDY = (
     "compute the product with F.linear or torch.matmul (or @), a 2-D weight as the second operand "
     "contracting the activation's last axis (reshape a weight of more axes, move the contracted axis last), "
     "to quantize it"
 )
+# rule fields that choose an activation grid themselves: placement leaves such quantizers as the rules say
 _GRID_FIELDS = ("unsigned", "asymmetric", "num_bits", "axis", "block_sizes", "dynamic")
 
 
