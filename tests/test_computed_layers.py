@@ -883,3 +883,29 @@ def test_a_quantized_layers_output_reaching_another_product_is_not_its_weight_le
     report = model.quantcli_report
     assert {"q", "k", "head"} <= set(report.layers)
     assert report.float_weights == []
+
+
+class _NormsOverFeatureMaps(nn.Module):
+    """LayerNorm over [C, H, W] (a 3-D gain), GroupNorm, InstanceNorm with affine gains."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        self.ln, self.gn, self.inorm = (
+            nn.LayerNorm([4, 6, 6]),
+            nn.GroupNorm(2, 4),
+            nn.InstanceNorm2d(4, affine=True),
+        )
+        self.fc = nn.Linear(4 * 36, 3)
+
+    def forward(self, x):
+        return self.fc(self.inorm(self.gn(self.ln(self.conv(x)))).flatten(1))
+
+
+def test_a_normalizations_gain_is_not_a_weighted_layer_left_float():
+    """LayerNorm([32, 4, 4])'s 3-D gain made it "a weighted module left float: no convolution, linear or
+    matmul took its weight"; a normalization's gain is no weight of a product."""
+    torch.manual_seed(0)
+    model = quantize_model(_NormsOverFeatureMaps().eval(), "int8", example={"x": torch.randn(2, 1, 6, 6)})
+    assert model.quantcli_report.float_layers == []
+    assert set(model.quantcli_report.layers) == {"conv", "fc"}

@@ -202,6 +202,10 @@ def torch_base(cls: type) -> type | None:
     return _torch_base(cls)
 
 
+#: normalizations whose gain may have 2+ dimensions (LayerNorm over [C, H, W]): no product to quantize
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm)
+
+
 def float_reason(module: nn.Module) -> str | None:
     """Why a module that owns a floating weight of 2+ dimensions stays float (None for other modules)."""
     ws = [
@@ -210,6 +214,8 @@ def float_reason(module: nn.Module) -> str | None:
         if n.endswith("weight") and p.is_floating_point() and p.dim() >= 2
     ]
     if not ws or isinstance(module, QuantMixin) or type(module).__name__.startswith("TensorQuantizer"):
+        return None
+    if isinstance(module, NORMS):  # an elementwise gain over normalized_shape ([32, 4, 4]): not a weight
         return None
     cls = type(module)
     if isinstance(module, nn.Embedding):

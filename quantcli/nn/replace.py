@@ -14,6 +14,7 @@ from quantcli.nn.computed import Census, census
 from quantcli.nn.config import QuantConfig, load_config
 from quantcli.nn.fold_bn import FoldReport, fold_batchnorm, unfold
 from quantcli.nn.linear_like import (
+    NORMS,
     float_reason,
     overrides_forward,
     pads_itself,
@@ -220,6 +221,8 @@ def _plan(name: str, module: nn.Module, uses: list, found: Census | None) -> tup
     cls = type(module)
     if cls.__module__.startswith("quantcli."):
         return ("float", None)  # already converted, or a quantcli module
+    if isinstance(module, NORMS):
+        return ("float", None)  # a normalization's gain, whatever its shape or where its output goes
     qcls = quant_class(module)
     callers = sorted({u.caller for u in uses if u.caller != name})
     shared = found.combined.get(name) if found is not None else None
