@@ -538,11 +538,9 @@ def _export_graph(
             model, example, raw, res.opset, list(example), res.output_names, axes
         )
     else:
-        from exporters.dynamo import export_dynamo
+        from exporters.dynamo import export_dynamo, name_dims
 
         export_dynamo(model, example, raw, res.opset, list(example), res.output_names, axes)
-        from exporters.dynamo import name_dims
-
         onnx_model = onnx.load(str(raw))
         name_dims(onnx_model, axes)
         return onnx_model
@@ -552,17 +550,15 @@ def _export_graph(
 def _weight_codes_shapes(model: nn.Module, qs: dict) -> dict[str, tuple[int, ...]]:
     """Module -> the ``(K, N)`` shape of its weight codes in a MatMulInteger, for every module with a dynamic
     input quantizer (:func:`exporters.dynamic_linear.dynamic_quantizer_map`)."""
+    from quantcli.nn.dynamic import linear_weight
     from quantcli.nn.tensor_quantizer import owner
 
     shapes = {}
     for name, q in qs.items():
         if q.enabled and q.dynamic_uint8 and name.rsplit(".", 1)[-1] == "input_quantizer":
             module = model.get_submodule(owner(name))
-            w = getattr(module, "weight", None)
-            if isinstance(w, torch.Tensor) and w.dim() == 2:
-                shapes[owner(name)] = (
-                    tuple(w.shape) if getattr(module, "weight_axis", 0) == 1 else tuple(w.shape[::-1])
-                )
+            if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() == 2:
+                shapes[owner(name)] = tuple(linear_weight(module)[0].shape[::-1])  # (out, in) transposed
     return shapes
 
 

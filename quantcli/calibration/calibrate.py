@@ -396,8 +396,9 @@ def _summarise(qs: dict, summary: CalibrationSummary, fit_biases: Callable[[], l
                 summary.by_method.append(name)
         else:
             summary.skipped.append(name)
-    if any(a.numel() for a in amaxes()):
-        summary.amax_min, summary.amax_max = amax_span(amaxes())
+    calibrated = amaxes()
+    if any(a.numel() for a in calibrated):
+        summary.amax_min, summary.amax_max = amax_span(calibrated)
     if summary.amax_min is not None and summary.amax_min < NEGLIGIBLE_AMAX:
         # some amax is (about) 0 somewhere: which activation quantizers saw only zeros
         acts = [

@@ -215,8 +215,6 @@ def float_reason(module: nn.Module) -> str | None:
     ]
     if not ws or isinstance(module, QuantMixin) or type(module).__name__.startswith("TensorQuantizer"):
         return None
-    if isinstance(module, NORMS):  # an elementwise gain over normalized_shape ([32, 4, 4]): not a weight
-        return None
     cls = type(module)
     if isinstance(module, nn.Embedding):
         return "a lookup table: no matmul to quantize"

@@ -13,7 +13,7 @@ that is wrong, not the judgment of one that is right, which stays verify's.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -110,14 +110,7 @@ class FixedSize:
     model_runs: bool = True  # False: an axis --dynamic-dim asked for, at which the model itself fails
 
     def to_dict(self) -> dict:
-        return {
-            "dim": self.dim,
-            "axes": self.axes,
-            "traced": self.traced,
-            "tried": self.tried,
-            "error": self.error,
-            "model_runs": self.model_runs,
-        }
+        return asdict(self)
 
     def text(self) -> str:
         where = f"{self.dim} ({', '.join(self.axes)}) is dynamic in the graph's inputs, but"
