@@ -141,18 +141,14 @@ def export(
         "quantcli.tokenizer": _tokenizer_folder(ckpt),
         "quantcli.inputs": json.dumps({"names": ckpt.input_names, "dtypes": ckpt.data["inputs"]["dtypes"]}),
     }
-    if genai_config:  # before anything is written
+    standard_ops = kv_cache and not contrib_ops and hasattr(ckpt.model, "lm_head")
+    if genai_config or standard_ops:  # options of decode graphs, checked before anything is written
         from exporters.causal_lm.export import decodable
         from quantcli.errors import ExportError
 
         why = decodable(ckpt.model)[1] if kv_cache else "--no-kv-cache writes a prefill graph"
-        if why:
+        if why and genai_config:
             raise ExportError(f"--genai-config needs a decode graph with a KV cache: {why}")
-    if kv_cache and not contrib_ops and hasattr(ckpt.model, "lm_head"):
-        from exporters.causal_lm.export import decodable
-        from quantcli.errors import ExportError
-
-        why = decodable(ckpt.model)[1]
         if why:  # a prefill graph holds no attention to write with standard ops: the flag would do nothing
             raise ExportError(
                 f"--standard-ops applies to decode graphs, and this model gets none ({why}): leave it out"
@@ -239,14 +235,14 @@ EMBEDDINGS = {"float": None, "int4": 4, "int8": 8}
 
 def _refuse_decode_options_without_cache(kv_cache: bool, contrib_ops: bool, float_kv_cache: bool) -> None:
     """Options of decode graphs given with --no-kv-cache (a prefill graph) would do nothing: refused."""
-    from quantcli.errors import QuantCliError
+    from quantcli.errors import QuantCliError, flags_apply
 
     unused = [
         f for f, on in (("--standard-ops", not contrib_ops), ("--float-kv-cache", float_kv_cache)) if on
     ]
     if unused and not kv_cache:
         raise QuantCliError(
-            f"{' and '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} to decode graphs; "
+            f"{flags_apply(unused, ' and ')} to decode graphs; "
             "--no-kv-cache writes a prefill graph, which has no attention cache: leave one or the other out"
         )
 
