@@ -20,6 +20,12 @@ def few(names: list[str], n: int = 5) -> str:
     return ", ".join(names[:n]) + more
 
 
+def flags_apply(flags: list[str], sep: str = ", ") -> str:
+    """``--x applies`` or ``--x, --y apply``: the subject and verb of a refusal of options that would do
+    nothing."""
+    return f"{sep.join(flags)} {'applies' if len(flags) == 1 else 'apply'}"
+
+
 def whole_line(e: BaseException, limit: int = 1000) -> str:
     """All of ``str(e)`` on one line: its lines joined with spaces, terminal colour codes removed, runs of
     spaces collapsed; longer than ``limit`` characters, cut there with `` ...``. How a foreign message whose

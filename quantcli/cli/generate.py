@@ -48,16 +48,14 @@ def generate(
     from exporters.causal_lm.runner import DecodeSession, read_info
     from exporters.causal_lm.runner import generate as run_generation
     from exporters.graph import read_onnx
-    from quantcli.errors import DataError
+    from quantcli.errors import DataError, flags_apply
     from quantcli.verify.lm_text import codec_for
 
     if seed is None and (temperature != 1.0 or top_k):
         # greedy decoding ignores them: a setting that does nothing is refused, not dropped
-        given = " and ".join(f for f, on in (("--temperature", temperature != 1.0), ("--top-k", top_k)) if on)
-        verb = "apply" if " and " in given else "applies"
-        raise DataError(
-            f"{given} {verb} to sampling: pass --seed N to sample (without it, decoding is greedy)"
-        )
+        given = [f for f, on in (("--temperature", temperature != 1.0), ("--top-k", top_k)) if on]
+        why = "pass --seed N to sample (without it, decoding is greedy)"
+        raise DataError(f"{flags_apply(given, ' and ')} to sampling: {why}")
     read_onnx(onnx_path)  # a missing, corrupt or truncated file (or external data) is a one-line error
     layout = read_info(onnx_path).layout  # not a decode graph: said before looking for its tokenizer
     codec = codec_for(onnx_path, tokenizer)

@@ -156,7 +156,7 @@ def _refuse_options_of_the_other_kind(
     """A gate a CI script sets must not be dropped in silence: a decode graph is judged by perplexity, token
     agreement and decode parity, any other graph by fidelity, deployment and quality checks."""
     from quantcli import defaults
-    from quantcli.errors import QuantCliError
+    from quantcli.errors import QuantCliError, flags_apply
 
     if decode:
         given = [
@@ -185,8 +185,7 @@ def _refuse_options_of_the_other_kind(
     ]
     given += ["--decode-steps"] if decode_steps != DECODE_STEPS else []
     if given:
-        verb = "applies" if len(given) == 1 else "apply"
-        raise QuantCliError(f"{', '.join(given)} {verb} to decode graphs (causal LMs with a KV cache) only")
+        raise QuantCliError(f"{flags_apply(given)} to decode graphs (causal LMs with a KV cache) only")
 
 
 def render_verify(rep, onnx_path: Path, reference: Path) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from quantcli import defaults
-from quantcli.errors import DataError, first_line
+from quantcli.errors import DataError, first_line, flags_apply
 from quantcli.inputs import batch_axes
 from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
@@ -444,8 +444,8 @@ def _data_kind(path: Path) -> str:
 def unused_options_error(unused: list[str], applies_to: str, why: str, instead: str = "") -> DataError:
     """The refusal of preprocessing flags that would do nothing: ``--mean applies to image data; {why}: leave
     it out{instead}``."""
-    verb, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
-    return DataError(f"{', '.join(unused)} {verb} to {applies_to}; {why}: leave {them} out{instead}")
+    them = "it" if len(unused) == 1 else "them"
+    return DataError(f"{flags_apply(unused)} to {applies_to}; {why}: leave {them} out{instead}")
 
 
 def refuse_without_data(opts: DataOptions, batch_size_given: bool, why: str) -> None:
