@@ -11,6 +11,7 @@ tensorrt: the placement NVIDIA recommends, checked on the graph's structure (no 
 
 import collections
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -953,3 +954,55 @@ def test_a_float_layer_reading_a_quantized_tensor_is_not_a_quantized_layer(tmp_p
     assert [lf.layer for lf in report.layers] == ["conv_a"] and report.unfused == []
     k = _kernels(path)  # conv_b: a float convolution reading conv_a's DQ
     assert k["QLinearConv"] == 1 and k["QLinearGlobalAveragePool"] == 0, k
+
+
+class StemTwoReaders(nn.Module):
+    """An Inception block's input: the stem's ReLU output read by a 1x1 Conv and by a MaxPool before
+    another."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.b1 = nn.Conv2d(8, 4, 1)
+        self.pool = nn.MaxPool2d(3, 1, 1)
+        self.bp = nn.Conv2d(8, 4, 1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        h = torch.cat([torch.relu(self.b1(x)), torch.relu(self.bp(self.pool(x)))], 1)
+        return self.fc(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_stem_read_by_a_conv_and_a_maxpool_keeps_one_quantizelinear_and_fuses(tmp_path, exporter):
+    """The MaxPool's copy of bp's input quantizer (the same amax as b1's: a MaxPool keeps the max) was a
+    second QuantizeLinear of one scale and zero point on the stem's output, and onnxruntime then ran the stem
+    as a float FusedConv (an Inception stem). The copy now reads b1's Q; verify's replay still takes the
+    MaxPool's DQ for a copy (it failed bp's quantizer by half a step when the Qs were merged after the
+    fact)."""
+    from quantcli.inputs.checkpoint import save_calibrated
+    from quantcli.inputs.loading import parse_spec
+    from quantcli.verify import verify_onnx
+
+    shape = (4, 3, 8, 8)
+    m = _quantized(StemTwoReaders(), shape)
+    assert m.b1.input_quantizer.amax == m.bp.input_quantizer.amax
+    path = tmp_path / "m.onnx"
+    export_onnx(m, _batches(shape, 1, seed=9)[0], path, exporter=exporter)
+    g = onnx.load(str(path)).graph
+    relu = next(n for n in g.node if n.op_type == "Relu").output[0]
+    assert [n.op_type for n in g.node if relu in n.input] == ["QuantizeLinear"]
+    assert inspect_fusion(path).unfused == []
+    assert _kernels(path)["QLinearConv"] == 3
+    assert_exact(m, path, shape)
+    (tmp_path / "net.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})\n"
+        "from tests.test_placement import StemTwoReaders\n"
+        "def make():\n    return StemTwoReaders()\n"
+    )
+    ckpt = tmp_path / "m.calib.pt"
+    batches = _batches(shape, 2, seed=13)
+    save_calibrated(ckpt, m, parse_spec(f"{tmp_path / 'net.py'}:make"), batches[0])
+    report = verify_onnx(path, load_calibrated(ckpt, trust_code=True), batches, provider="cpu")
+    assert report.passed, [c for c in report.to_dict()["checks"] if not c["passed"]]

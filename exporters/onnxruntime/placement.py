@@ -185,22 +185,56 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
                 continue  # already fed by a DQ (an earlier copy)
             if _float_source(src, producers, inits):
                 continue  # nothing before gains a kernel, and the op would run on codes where float is faster
-            base = f"{op.name or op.output[0]}/{PROPAGATED_MARK}"
-            q_new = helper.make_node("QuantizeLinear", [src, *q.input[1:]], [base + "_q"], name=base + "/Q")
-            q_new.attribute.extend(q.attribute)
-            dq_new = helper.make_node(
-                "DequantizeLinear", [base + "_q", *q.input[1:]], [base + "_dq"], name=base + "/DQ"
+            new, op.input[0] = _copy_quantize(
+                q, src, f"{op.name or op.output[0]}/{PROPAGATED_MARK}", inits, consumers
             )
-            dq_new.attribute.extend(a for a in q.attribute if a.name in ("axis", "block_size"))
-            op.input[0] = base + "_dq"
-            nodes = list(g.node)
-            at = nodes.index(op)
-            del g.node[:]
-            g.node.extend(nodes[:at] + [q_new, dq_new] + nodes[at:])
+            _insert_before(g, op, new)
             added += 1
             changed = True
             break
     return added
+
+
+def _copy_quantize(
+    q: onnx.NodeProto, src: str, base: str, inits, consumers
+) -> tuple[list[onnx.NodeProto], str]:
+    """The nodes that put ``q``'s grid on ``src`` (a QuantizeLinear and its DequantizeLinear, named ``base``)
+    and the DQ's output. Where a QuantizeLinear of that grid already reads ``src`` (the input quantizer of
+    another reader: a stem's output read by a Conv and by a MaxPool), only the DQ is added, reading it: the
+    tensor keeps one Q, as onnxruntime's fusion of its producer needs."""
+    same = next(
+        (
+            c
+            for c in consumers.get(src, [])
+            if c.op_type == "QuantizeLinear"
+            and _key(c, inits) is not None
+            and _key(c, inits)[1:] == _key(q, inits)[1:]
+        ),
+        None,
+    )
+    if same is None:
+        same = helper.make_node("QuantizeLinear", [src, *q.input[1:]], [base + "_q"], name=base + "/Q")
+        same.attribute.extend(q.attribute)
+    dq = helper.make_node(
+        "DequantizeLinear", [*same.output, *same.input[1:]], [base + "_dq"], name=base + "/DQ"
+    )
+    dq.attribute.extend(a for a in q.attribute if a.name in ("axis", "block_size"))
+    return [same, dq], dq.output[0]
+
+
+def _insert_before(g: onnx.GraphProto, op: onnx.NodeProto, new: list[onnx.NodeProto]) -> None:
+    """Put ``new`` in front of ``op`` in ``g``'s node order; a node of ``new`` already in ``g`` (a reused Q)
+    stays where it is if it comes before ``op``, and moves in front of it otherwise (it reads what ``op``
+    reads)."""
+    nodes = list(g.node)
+    placed = [n for n in nodes if any(n is m for m in new)]
+    at = nodes.index(op)
+    early = {id(n) for n in placed if nodes.index(n) < at}
+    nodes = [n for n in nodes if not any(n is m for m in placed) or id(n) in early]
+    new = [n for n in new if id(n) not in early]
+    at = nodes.index(op)
+    del g.node[:]
+    g.node.extend(nodes[:at] + new + nodes[at:])
 
 
 def _same_grid_readers(op: onnx.NodeProto, q: onnx.NodeProto, inits, consumers) -> bool:
@@ -267,22 +301,16 @@ def _quantize_concat_inputs(g, op: onnx.NodeProto, q: onnx.NodeProto, inits, pro
             todo.append(name)
     if not any(_layer_before(name, producers, consumers) for name in todo):
         return 0  # no layer gains its integer kernel: the graph stays as the quantizers wrote it
-    nodes = list(g.node)
-    at = nodes.index(op)
     new = []
     for k, name in enumerate(todo):
-        base = f"{op.name or op.output[0]}/{PROPAGATED_MARK}_{k}"
-        q_new = helper.make_node("QuantizeLinear", [name, *q.input[1:]], [base + "_q"], name=base + "/Q")
-        q_new.attribute.extend(q.attribute)
-        dq_new = helper.make_node(
-            "DequantizeLinear", [base + "_q", *q.input[1:]], [base + "_dq"], name=base + "/DQ"
+        added, dq_out = _copy_quantize(
+            q, name, f"{op.name or op.output[0]}/{PROPAGATED_MARK}_{k}", inits, consumers
         )
-        new += [q_new, dq_new]
+        new += added
         for i, x in enumerate(op.input):
             if x == name:
-                op.input[i] = base + "_dq"
-    del g.node[:]
-    g.node.extend(nodes[:at] + new + nodes[at:])
+                op.input[i] = dq_out
+    _insert_before(g, op, new)
     return len(todo)
 
 
@@ -298,7 +326,7 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     source, stripped = {}, set()
     for out, dq in dqs.items():
         q = producers.get(dq.input[0])
-        if q is None or q.op_type != "QuantizeLinear" or PROPAGATED_MARK not in q.name:
+        if q is None or q.op_type != "QuantizeLinear" or list(q.input[1:]) != list(dq.input[1:]):
             # not a copy as propagate_quantize makes them (an edited graph): left as it is, to be judged
             continue
         source[out] = q.input[0]
