@@ -242,6 +242,64 @@ def test_residual_add_before_global_pooling_runs_as_qlinearadd(tmp_path, project
     assert_exact(m, path, shape)
 
 
+_FUNCTIONAL_POOLS = {
+    "x.mean((2, 3))": lambda h: h.mean((2, 3)),
+    "torch.mean(x, dim=[-2, -1])": lambda h: torch.mean(h, dim=[-2, -1]),
+    "x.mean((2, 3), keepdim=True)": lambda h: h.mean((2, 3), keepdim=True).flatten(1),
+    "F.adaptive_avg_pool2d(x, 1)": lambda h: torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1),
+}
+
+
+class FunctionalPoolResidual(ResidualPool):
+    """ResidualPool with its global pooling computed in ``forward`` rather than by a pooling module."""
+
+    def __init__(self, form: str):
+        super().__init__()
+        self.form = form
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        h = self.relu(self.conv2(torch.relu(self.conv1(x))) + self.shortcut(x))
+        return self.fc(_FUNCTIONAL_POOLS[self.form](h))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("form", list(_FUNCTIONAL_POOLS))
+def test_a_global_pooling_the_forward_computes_lets_the_residual_add_run_as_qlinearadd(
+    tmp_path, form, exporter
+):
+    """A residual block's output pooled by ``x.mean((2, 3))`` (a hand-written ResNet head) or
+    ``F.adaptive_avg_pool2d`` kept the Add, ReLU and pooling float between a DQ and a Q where
+    ``nn.AdaptiveAvgPool2d`` ran them as QLinearAdd and QLinearGlobalAveragePool: the operation, not the
+    module class, is what decides."""
+    shape = (2, 3, 8, 8)
+    m = _quantized(FunctionalPoolResidual(form), shape, example=True)
+    placement = m.quantcli_report.placement
+    assert placement.pool_inputs == {} and placement.activation_quantized == ["activation_quantizer"]
+    assert m.activation_quantizer.desc.unsigned  # after the ReLU
+    path = tmp_path / "m.onnx"
+    export_onnx(m, _batches(shape, 1, seed=9)[0], path, exporter=exporter)
+    k = _kernels(path)
+    assert k["QLinearAdd"] == 1 and k["QLinearGlobalAveragePool"] == 1, k
+    assert k["Add"] == 0 and k["GlobalAveragePool"] == 0 and k["ReduceMean"] == 0 and k["Relu"] == 0, k
+    assert inspect_fusion(path).unfused == []
+    if exporter == "torchscript":
+        assert_exact(m, path, shape)
+
+
+def test_a_mean_over_other_axes_is_no_pooling(tmp_path):
+    """A mean over the channels, or over a 3-D tensor's tokens, is left as it was: no quantizer."""
+
+    class Means(ResidualPool):
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            h = self.relu(self.conv2(torch.relu(self.conv1(x))) + x)
+            return self.fc(h.mean(1).flatten(1)[:, :8] + h.flatten(2).mean(2))
+
+    m = _quantized(Means(), (2, 3, 8, 8), example=True)
+    assert m.quantcli_report.placement.activation_quantized == []
+
+
 class Swish(nn.Module):
     """Swish as EfficientNet-PyTorch exports it: ``x * sigmoid(x)``, a module of the user's own."""
 
@@ -922,6 +980,57 @@ def test_a_checkpoint_from_before_activation_quantizers_keeps_its_placement(tmp_
         out = path.with_suffix(".onnx")
         assert cli("export", path, "--onnx", out).exit_code == 0
         assert _kernels(out)["QLinearSigmoid"] == sigmoids
+        assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
+
+
+_MEAN_HEAD_FILE = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv1, self.conv2 = nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, 5)
+
+    def forward(self, x):
+        x = torch.relu(self.stem(x))
+        return self.fc(torch.relu(self.conv2(torch.relu(self.conv1(x))) + x).mean((2, 3)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+def test_a_checkpoint_from_before_functional_poolings_keeps_its_placement(tmp_path):
+    """A checkpoint calibrated before ``x.mean((2, 3))`` was read as a global pooling (no quantizer on the
+    residual Add's skip nor on the mean's operand, no ``functional_pools`` key) loads, exports and verifies
+    with the placement it was calibrated with; the new one runs the Add as QLinearAdd."""
+    spec = tmp_path / "mean_head.py"
+    spec.write_text(_MEAN_HEAD_FILE)
+    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
+    ck = tmp_path / "new.calib.pt"
+    r = cli("calibrate", f"{spec}:make", "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    raw = torch.load(ck, weights_only=True)
+    placement = raw["calibration"]["placement"]
+    added = set(placement["activation_quantized"]) | set(placement["residual_quantized"])
+    assert added == {"activation_quantizer", "residual_quantizer"} and placement["functional_pools"] is True
+    raw["state_dict"] = {k: v for k, v in raw["state_dict"].items() if k.rsplit(".", 1)[0] not in added}
+    raw["quantizers"] = {k: v for k, v in raw["quantizers"].items() if k not in added}
+    del placement["functional_pools"]
+    placement["activation_quantized"], placement["residual_quantized"] = [], []
+    old = tmp_path / "old.calib.pt"
+    torch.save(raw, old)
+    assert not set(quantizers(load_calibrated(old).model)) & added
+    for path, qlinear_adds in ((ck, 1), (old, 0)):
+        out = path.with_suffix(".onnx")
+        assert cli("export", path, "--onnx", out).exit_code == 0
+        assert _kernels(out)["QLinearAdd"] == qlinear_adds
         assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
 
 

@@ -362,6 +362,10 @@ def load_calibrated(path: str | Path, trust_code: bool = False) -> Calibrated:
         # written before sigmoids, multiplications and global poolings were quantized (issue 35): rebuild
         # the placement without those quantizers, which its state dict does not have
         cfg.legacy_activations = True
+    if isinstance(stored_placement, dict) and "functional_pools" not in stored_placement:
+        # written before a global pooling a forward computes (x.mean((2, 3))) was read as one: rebuild the
+        # placement without the quantizers that reading adds
+        cfg.legacy_functional_pools = True
     if "cpu" not in data["quant_config"] and cfg.reduce_range == "auto":
         # written before the deployment CPU was recorded: its weights kept every bit unless it said otherwise
         cfg.reduce_range = False

@@ -31,8 +31,10 @@ onnxruntime's QDQ fusions need
 * **the input of an average pooling quantized** when that lets a residual Add run as ``QLinearAdd``: the Add's
   output reaches (through ReLU) an average pooling module whose output reaches quantized layers only, e.g.
   the last block of a ResNet before its global pooling and classifier. The pooling module gets an
-  ``input_quantizer`` (uint8 after a ReLU); onnxruntime then runs ``QLinearAdd`` (the ReLU absorbed) and
-  ``QLinearGlobalAveragePool`` where the Add, ReLU and pooling ran in float between a DQ and a Q.
+  ``input_quantizer`` (uint8 after a ReLU), a global pooling the ``forward`` computes (``x.mean((2, 3))``,
+  ``F.adaptive_avg_pool2d(x, 1)``) an ``activation_quantizer`` on its operand; onnxruntime then runs
+  ``QLinearAdd`` (the ReLU absorbed) and ``QLinearGlobalAveragePool`` where the Add, ReLU and pooling ran in
+  float between a DQ and a Q.
 * **sigmoids, SiLU/Swish multiplications and global average poolings on codes** (:func:`qlinear_activations`):
   where such an operation reads quantized Convs' outputs or other such operations' and what it produces
   reaches only quantized layers or other such operations, each operand that is not a quantized Conv's output
@@ -90,6 +92,7 @@ from quantcli.nn.modules import QUANT_POOL_CLASSES
 from quantcli.nn.recorded_graph import (
     ADD_FUNCTIONS,
     ADD_METHODS,
+    MEAN_OPS,
     RecordedGraph,
     RecordedNode,
     activation_kind,
@@ -193,6 +196,10 @@ class Placement:
     qlinear_activations: dict = field(default_factory=dict, repr=False)
     # onnxruntime: the quantizers that rewrite added (by name)
     activation_quantized: list[str] = field(default_factory=list)
+    # onnxruntime: a global average pooling a forward computes (F.adaptive_avg_pool2d(x, 1), x.mean((2, 3)))
+    # was read as one a residual Add's output may reach, and a spatial mean as a global pooling (a checkpoint
+    # without this key was calibrated before: its placement is rebuilt without)
+    functional_pools: bool = False
     # onnxruntime: per chain of such operations between quantized layers, its quantizers (those above and
     # pooling modules' input quantizers) and the layers around it: a layer kept float breaks the chain, and
     # its quantizers then go too (quantcli.calibration.latency_placement.apply)
@@ -413,18 +420,35 @@ def _user_reaches_quantized_layers_only(
     )
 
 
-def _avg_pools(graph, modules, quantized_inputs: set[str], calls: Counter, ends=()) -> set:
-    """Average pooling nodes (modules called once) whose output reaches quantized layers' inputs (or the
-    inputs of ``ends``) only: with a quantizer on their input they run on codes
-    (``QLinearAveragePool``/``QLinearGlobalAveragePool``)."""
+def _avg_pools(graph, modules, quantized_inputs: set[str], calls: Counter, ends=(), functional=True) -> set:
+    """Average pooling nodes (modules called once; ``functional``: also a global average pooling a
+    ``forward`` computes, ``F.adaptive_avg_pool2d(x, 1)`` or ``x.mean((2, 3))``) whose output reaches
+    quantized layers' inputs (or the inputs of ``ends``) only: with a quantizer on their input they run on
+    codes (``QLinearAveragePool``/``QLinearGlobalAveragePool``)."""
     return {
         n
         for n in graph.nodes
-        if n.op == "call_module"
-        and isinstance(modules.get(n.target), _SIGN_KEEPING_MODULES)
-        and calls[n.target] == 1
+        if (
+            (
+                n.op == "call_module"
+                and isinstance(modules.get(n.target), _SIGN_KEEPING_MODULES)
+                and calls[n.target] == 1
+            )
+            or (functional and _functional_global_pool(n))
+        )
         and _reaches_quantized_layers_only(n, modules, quantized_inputs, None, ends)
     }
+
+
+def _functional_global_pool(n) -> bool:
+    """Whether ``n`` is a global average pooling of one tensor computed by a function or method."""
+    return (
+        n.op != "call_module"
+        and activation_kind(n.op, n.target) == "global_pool"
+        and bool(n.meta.get("global_pool"))
+        and len(n.args) == 1
+        and _is_node(n.args[0])
+    )
 
 
 def _pools_reached(node, modules, pools) -> set:
@@ -468,6 +492,7 @@ def analyse(
     weight_integer: dict[str, bool],
     example: Mapping[str, torch.Tensor] | None = None,
     activations: bool = True,
+    functional_pools: bool = True,
 ) -> tuple[Placement, fx.Graph | RecordedGraph | None]:
     """The structural placement for ``target`` of the quantized ``layers`` (name -> module) of ``model``, and
     the graph it was read from (None when fx could not trace a model without an example batch).
@@ -476,7 +501,10 @@ def analyse(
     quantizer of at most 8 bits (the ones onnxruntime can run as integer kernels); ``example``: one keyword
     batch, on which the model's graph is recorded (:func:`read_graph`); ``activations``: quantize around
     sigmoids, multiplications and global poolings (:func:`qlinear_activations`; off for a checkpoint
-    calibrated before that existed, whose placement is rebuilt as it was).
+    calibrated before that existed, whose placement is rebuilt as it was); ``functional_pools``: a global
+    average pooling computed by a function (``F.adaptive_avg_pool2d``, a mean over the spatial axes) is a
+    pooling a residual Add's output may reach, and a spatial mean a global pooling (off for a checkpoint
+    calibrated before, as ``activations``).
     """
     placement = Placement(target, graph="recorded" if example is not None else "fx")
     try:
@@ -495,6 +523,12 @@ def analyse(
     modules = dict(model.named_modules())
     if target == "tensorrt":
         return placement, graph
+    functional_pools = functional_pools and activations and isinstance(graph, RecordedGraph)
+    placement.functional_pools = functional_pools
+    if not functional_pools and isinstance(graph, RecordedGraph):
+        for n in graph.nodes:
+            if (n.op, n.target) in MEAN_OPS:
+                n.meta["global_pool"] = False  # read as before: a mean was no pooling
     quantized_inputs = {n for n, on in input_enabled.items() if on}
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     # a layer called more than once (a module reused) gets one decision that holds for every call
@@ -510,7 +544,11 @@ def analyse(
             if hooked is not None:
                 placement.input_before[name] = hooked
                 pads.add(nodes[0].args[0])
-    pools = _avg_pools(graph, modules, quantized_inputs, calls, pads) if RESIDUAL_QLINEAR_ADD else set()
+    pools = (
+        _avg_pools(graph, modules, quantized_inputs, calls, pads, functional_pools)
+        if RESIDUAL_QLINEAR_ADD
+        else set()
+    )
     ends = pads | pools  # nodes whose input gets a quantizer, besides the quantized layers
     residuals = residual_skips(graph, modules, layers) if RESIDUAL_QLINEAR_ADD else []
     skips = onnxruntime_residual_skips(residuals, modules, layers, quantized_inputs, ends)
@@ -526,7 +564,15 @@ def analyse(
     ]
     used_pools = set().union(*(_pools_reached(add, modules, pools) for add in adds)) if adds else set()
     placement.pool_inputs = {
-        p.target: nonnegative(p.args[0], modules) for p in graph.nodes if p in used_pools
+        p.target: nonnegative(p.args[0], modules)
+        for p in graph.nodes
+        if p in used_pools and p.op == "call_module"
+    }
+    # a pooling the forward computes: its operand quantized as the forward runs, as a chain's are
+    placement.qlinear_activations = {
+        p: ActivationOp("global_pool", (0,), (nonnegative(p.args[0], modules),))
+        for p in graph.nodes
+        if p in used_pools and p.op != "call_module"
     }
     if QLINEAR_ACTIVATIONS and activations:
         acts = qlinear_activations(

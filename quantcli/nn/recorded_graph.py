@@ -102,6 +102,23 @@ def _global_pool(args: tuple, kwargs: dict) -> bool:
     return to_one_position(kwargs.get("output_size", args[1] if len(args) > 1 else None))
 
 
+def _spatial_mean(args: tuple, kwargs: dict) -> bool:
+    """Whether a ``torch.mean`` / ``Tensor.mean`` call averages a 4-D or 5-D tensor over exactly its spatial
+    axes (``x.mean((2, 3))``, ``dim=[-2, -1]``, with or without ``keepdim``): a global average pooling, as
+    the export writes it (``ReduceMean``, rewritten to ``GlobalAveragePool``)."""
+    x = args[0] if args else kwargs.get("input")
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    if not isinstance(x, torch.Tensor) or x.dim() not in (4, 5) or dim is None:
+        return False
+    if kwargs.get("dtype") is not None:
+        return False
+    try:
+        axes = sorted(int(d) % x.dim() for d in (dim if isinstance(dim, (tuple, list)) else (dim,)))
+    except (TypeError, ValueError):  # named dimensions
+        return False
+    return axes == list(range(2, x.dim()))
+
+
 def _func_name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
@@ -158,12 +175,18 @@ _ACTIVATION_OPS: dict[tuple[str, Any], str] = {
     ("call_function", operator.mul): "mul",
     ("call_method", "mul"): "mul",
     **{("call_function", f): "global_pool" for f in _ADAPTIVE_AVG_POOLS},
+    ("call_function", torch.mean): "global_pool",
+    ("call_method", "mean"): "global_pool",
 }
+
+#: the means among them: a global pooling only over the spatial axes (:func:`_spatial_mean`)
+MEAN_OPS = {("call_function", torch.mean), ("call_method", "mean")}
 
 
 def activation_kind(op: str, target: Any) -> str | None:
-    """``sigmoid``, ``silu``, ``mul`` or ``global_pool`` (an adaptive average pooling, of any output size) for
-    a node's ``(op, target)`` (or :func:`classify`'s), else None."""
+    """``sigmoid``, ``silu``, ``mul`` or ``global_pool`` (an adaptive average pooling, of any output size, or
+    a mean, over any axes: a node's ``meta["global_pool"]`` says whether it pools to one position) for a
+    node's ``(op, target)`` (or :func:`classify`'s), else None."""
     try:
         return _ACTIVATION_OPS.get((op, target))
     except TypeError:  # an unhashable target
@@ -250,6 +273,8 @@ class _Recorder(TorchFunctionMode):
                     node.meta["zero_pad"] = _zero_pad(args, kwargs)
                 if func in _ADAPTIVE_AVG_POOLS:
                     node.meta["global_pool"] = _global_pool(args, kwargs)
+                elif (op, target) in MEAN_OPS:
+                    node.meta["global_pool"] = _spatial_mean(args, kwargs)
                 self.produced(node, out)
         return out
 

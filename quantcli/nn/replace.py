@@ -515,6 +515,7 @@ def _place_for_onnxruntime(
         {n: _integer8(m.weight_quantizer) for n, m in layers.items()},
         example,
         activations=not getattr(cfg, "legacy_activations", False),
+        functional_pools=not getattr(cfg, "legacy_functional_pools", False),
     )
     for name in list(placement.unsigned_inputs):
         q = layers[name].input_quantizer
