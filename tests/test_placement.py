@@ -952,35 +952,51 @@ def make():
 """
 
 
-def test_a_checkpoint_from_before_activation_quantizers_keeps_its_placement(tmp_path):
-    """A checkpoint calibrated before sigmoids, multiplications and poolings were quantized (its state dict
-    has none of those quantizers) loads, exports and verifies with the placement it was calibrated with."""
-    spec = tmp_path / "swish_net.py"
-    spec.write_text(_SWISH_FILE)
+def _calibrated_file(tmp_path, source: str) -> tuple[Path, dict]:
+    """``source`` (a file with a factory ``make``) calibrated through the CLI on random 8x8 images
+    (``d.npz``), ``--placement all``: the checkpoint's path and its contents."""
+    spec = tmp_path / "net.py"
+    spec.write_text(source)
     np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
     ck = tmp_path / "new.calib.pt"
     r = cli("calibrate", f"{spec}:make", "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck)
     assert r.exit_code == 0, r.output
-    raw = torch.load(ck, weights_only=True)
-    added = set(raw["calibration"]["placement"]["activation_quantized"]) | {"pool.input_quantizer"}
-    assert {"swish.activation_quantizer", "swish.activation_quantizer_1"} <= added
-    # as the same calibration wrote it before: none of the added quantizers, no such report keys
+    return ck, torch.load(ck, weights_only=True)
+
+
+def _written_before(raw: dict, added: set[str], path: Path) -> Path:
+    """``raw`` as the same calibration wrote it before the ``added`` quantizers existed, saved at ``path``."""
     raw["state_dict"] = {k: v for k, v in raw["state_dict"].items() if k.rsplit(".", 1)[0] not in added}
     raw["quantizers"] = {k: v for k, v in raw["quantizers"].items() if k not in added}
+    torch.save(raw, path)
+    return path
+
+
+def _exported_kernels(path: Path, tmp_path) -> collections.Counter:
+    """The kernels onnxruntime runs for checkpoint ``path`` exported by the CLI; verify passed on it."""
+    out = path.with_suffix(".onnx")
+    assert cli("export", path, "--onnx", out).exit_code == 0
+    assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
+    return _kernels(out)
+
+
+def test_a_checkpoint_from_before_activation_quantizers_keeps_its_placement(tmp_path):
+    """A checkpoint calibrated before sigmoids, multiplications and poolings were quantized (its state dict
+    has none of those quantizers) loads, exports and verifies with the placement it was calibrated with."""
+    ck, raw = _calibrated_file(tmp_path, _SWISH_FILE)
+    added = set(raw["calibration"]["placement"]["activation_quantized"]) | {"pool.input_quantizer"}
+    assert {"swish.activation_quantizer", "swish.activation_quantizer_1"} <= added
+    # no such report keys either
     for key in ("activation_quantized", "activation_groups"):
         del raw["calibration"]["placement"][key]
     raw["calibration"]["placement"]["pool_inputs"] = {}
-    old = tmp_path / "old.calib.pt"
-    torch.save(raw, old)
+    old = _written_before(raw, added, tmp_path / "old.calib.pt")
     b = load_calibrated(old)
     assert (
         not any("activation" in n for n in quantizers(b.model)) and type(b.model.pool) is nn.AdaptiveAvgPool2d
     )
-    for path, sigmoids in ((ck, 2), (old, 0)):
-        out = path.with_suffix(".onnx")
-        assert cli("export", path, "--onnx", out).exit_code == 0
-        assert _kernels(out)["QLinearSigmoid"] == sigmoids
-        assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
+    assert _exported_kernels(ck, tmp_path)["QLinearSigmoid"] == 2
+    assert _exported_kernels(old, tmp_path)["QLinearSigmoid"] == 0
 
 
 _MEAN_HEAD_FILE = """
@@ -1010,28 +1026,16 @@ def test_a_checkpoint_from_before_functional_poolings_keeps_its_placement(tmp_pa
     """A checkpoint calibrated before ``x.mean((2, 3))`` was read as a global pooling (no quantizer on the
     residual Add's skip nor on the mean's operand, no ``functional_pools`` key) loads, exports and verifies
     with the placement it was calibrated with; the new one runs the Add as QLinearAdd."""
-    spec = tmp_path / "mean_head.py"
-    spec.write_text(_MEAN_HEAD_FILE)
-    np.savez(tmp_path / "d.npz", x=np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32))
-    ck = tmp_path / "new.calib.pt"
-    r = cli("calibrate", f"{spec}:make", "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck)
-    assert r.exit_code == 0, r.output
-    raw = torch.load(ck, weights_only=True)
+    ck, raw = _calibrated_file(tmp_path, _MEAN_HEAD_FILE)
     placement = raw["calibration"]["placement"]
     added = set(placement["activation_quantized"]) | set(placement["residual_quantized"])
     assert added == {"activation_quantizer", "residual_quantizer"} and placement["functional_pools"] is True
-    raw["state_dict"] = {k: v for k, v in raw["state_dict"].items() if k.rsplit(".", 1)[0] not in added}
-    raw["quantizers"] = {k: v for k, v in raw["quantizers"].items() if k not in added}
     del placement["functional_pools"]
     placement["activation_quantized"], placement["residual_quantized"] = [], []
-    old = tmp_path / "old.calib.pt"
-    torch.save(raw, old)
+    old = _written_before(raw, added, tmp_path / "old.calib.pt")
     assert not set(quantizers(load_calibrated(old).model)) & added
-    for path, qlinear_adds in ((ck, 1), (old, 0)):
-        out = path.with_suffix(".onnx")
-        assert cli("export", path, "--onnx", out).exit_code == 0
-        assert _kernels(out)["QLinearAdd"] == qlinear_adds
-        assert cli("verify", out, "--reference", path, "--data", tmp_path / "d.npz").exit_code == 0
+    assert _exported_kernels(ck, tmp_path)["QLinearAdd"] == 1
+    assert _exported_kernels(old, tmp_path)["QLinearAdd"] == 0
 
 
 class TwoReaders(nn.Module):
