@@ -260,6 +260,18 @@ def test_the_tensorrt_target_keeps_8_bit_weights_and_says_why(tmp_path):
     assert cpu["text"].endswith("8-bit weights (the tensorrt target runs no uint8 x int8 CPU kernel)"), cpu
 
 
+@pytest.mark.parametrize("preset", ["int4-weight-only", "fp8"])
+def test_a_calibration_without_8_bit_integer_weights_says_so_in_the_cpu_row(tmp_path, preset):
+    """An int4 or fp8 calibration's cpu row said "8-bit weights (its integer kernels cannot saturate)"."""
+    import json
+
+    ck = tmp_path / "t.calib.pt"
+    r = cli("calibrate", "digits_cnn", "--config", preset, "--cpu", "x86-vnni", "--out", ck, "--json")
+    assert r.exit_code == 0, r.output
+    text = json.loads(r.stdout)["cpu"]["text"]
+    assert text.endswith("no 8-bit integer weight (nothing for uint8 x int8 kernels to saturate)"), text
+
+
 @kernels
 @needs_avx2
 @pytest.mark.parametrize(

@@ -100,3 +100,30 @@ def test_class_defined_in_a_script_is_named(tmp_path, monkeypatch):
     np.savez(tmp_path / "x.npz", x=np.ones((2, 2), np.float32))
     r = cli("calibrate", tmp_path / "net.pt", "--trust-pickle", "--data", tmp_path / "x.npz")
     assert_clean_error(r, "__main__.NetGone", "cannot be imported")
+
+
+def test_a_pickle_whose_module_is_not_importable_here_says_what_to_do(tmp_path, monkeypatch):
+    """A torch.save(model) of a class from the user's own module, read where that module is not importable:
+    export said only "cannot unpickle the model in cnn.calib.pt: No module named 'usercnn_7f3a'"."""
+    import sys
+
+    (tmp_path / "usercnn_7f3a.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Sequential):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(144, 3))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import usercnn_7f3a
+
+    torch.save(usercnn_7f3a.Net().eval(), tmp_path / "cnn.pt")
+    np.savez(
+        tmp_path / "x.npz", input=np.random.default_rng(0).standard_normal((4, 3, 8, 8)).astype(np.float32)
+    )
+    out = tmp_path / "cnn.calib.pt"
+    r = cli("calibrate", tmp_path / "cnn.pt", "--trust-pickle", "--data", tmp_path / "x.npz", "--out", out)
+    assert r.exit_code == 0, r.output
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    monkeypatch.delitem(sys.modules, "usercnn_7f3a")
+    r = cli("export", out, "--onnx", tmp_path / "cnn.onnx", "--trust-code")
+    assert_clean_error(r, "module 'usercnn_7f3a'", "cannot be imported here", "PYTHONPATH", "--weights")
+    assert not (tmp_path / "cnn.onnx").exists()

@@ -372,6 +372,10 @@ def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None, exampl
         for n, q in quantizers(model).items()
         if n.endswith("weight_quantizer") and q.enabled and q.desc.num_bits == REDUCED_WEIGHT_BITS
     ]
+    eight_bit = any(
+        n.endswith("weight_quantizer") and q.enabled and q.desc.num_bits == 8
+        for n, q in quantizers(model).items()
+    )
     saturates = cpu_kinds.can_saturate(kind) and config.target == "onnxruntime"
     saturating = saturating_layers(model, example) if saturates else []
     where = f"{kind} ({'this machine' if auto else 'named with --cpu or the config'})"
@@ -387,6 +391,8 @@ def cpu_summary(config: QuantConfig, model: nn.Module, asked: str | None, exampl
         )
     elif reduced:
         text = f"{where}: {len(reduced)} weight quantizer(s) on the 7-bit grid (reduce_range: true)"
+    elif not eight_bit:
+        text = f"{where}: no 8-bit integer weight (nothing for uint8 x int8 kernels to saturate)"
     elif config.target != "onnxruntime":
         text = f"{where}: 8-bit weights (the {config.target} target runs no uint8 x int8 CPU kernel)"
     else:

@@ -101,6 +101,12 @@ def unpickle_module(data: bytes, where: str) -> nn.Module:
                 "that saved it cannot be found again); make it importable, or save model.state_dict() and "
                 "use a factory with --weights"
             )
+        elif isinstance(e, ModuleNotFoundError) and e.name:
+            msg = (
+                f"its class comes from the module '{e.name}', which cannot be imported here; run from the "
+                f"folder that holds {e.name.split('.')[0]} (or put it on PYTHONPATH), or save "
+                "model.state_dict() and use a factory with --weights"
+            )
         raise ModelLoadError(f"cannot unpickle the model in {where}: {msg}") from None
     except Exception as e:
         raise ModelLoadError(
