@@ -246,3 +246,23 @@ def test_a_cap_dynamic_int8_cannot_meet_keeps_the_capped_result():
     model, hold = _shifted_mlp()
     res = meet_target(model, hold, min_cosine=0.999, max_float_layers=0, prefer_dynamic=False)
     assert not res.met and res.kept_float == [] and res.dynamic == [] and res.needed >= 1
+
+
+def test_a_target_on_a_model_latency_placement_left_all_float_is_met(tmp_path):
+    """A tiny MLP whose layers latency placement all keeps float (its integer kernels are slower at this
+    size; here a rule, which does not depend on the CPU) with --min-cosine: calibrate exited 2, "the model has
+    no enabled quantizers to keep in float", for a target the float model meets as it is."""
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom torch import nn\n\n\ndef make():\n    torch.manual_seed(0)\n"
+        "    return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).eval()\n"
+    )
+    np.savez(tmp_path / "d.npz", input=np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32))
+    rules = tmp_path / "off.yaml"
+    rules.write_text('preset: int8\nrules:\n  - pattern: "*"\n    enable: false\n')
+    r = cli(
+        "calibrate", f"{tmp_path / 'm.py'}:make", "--data", tmp_path / "d.npz", "--min-cosine", "0.999",
+        "--config", rules, "--json", "--out", tmp_path / "m.calib.pt",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    mixed = json.loads(r.stdout)["mixed_precision"]
+    assert mixed["met"] and mixed["kept_float"] == [] and mixed["after"]["cosine"] == 1.0, mixed
