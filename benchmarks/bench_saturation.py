@@ -176,6 +176,9 @@ def speed(op: str, c: int, k: int, side: int, seconds: float = 0.6) -> dict:
 
 
 def main(argv=None) -> None:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     setup_threads(1)
     torch.manual_seed(0)
     print(f"u8s8 saturation: {machine()}; CPU {cpu_kinds.flags()}; onnxruntime {ort.__version__}")

@@ -31,6 +31,7 @@ def analyze(
         int,
         typer.Option(
             "--num-samples",
+            min=1,
             help="Samples the sensitivity passes use (two passes per quantizer); statistics use all the "
             "data.",
         ),
