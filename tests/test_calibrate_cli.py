@@ -654,3 +654,20 @@ def test_a_method_that_chooses_no_range_says_so(tmp_path, config):
     r = cli("calibrate", "tiny_llama", "--method", "percentile", "--out", tmp_path / "a.calib.pt", "--json")
     assert r.exit_code == 0, r.output
     assert "changed nothing" not in r.stderr and json.loads(r.stdout)["calibrated_by_method"] > 0
+
+
+@pytest.mark.parametrize("method", ["percentile", "mse", "auto"])
+def test_a_num_bins_the_asymmetric_search_cannot_take_is_refused_up_front(tmp_path, method):
+    """``--num-bins 1000`` with mse/percentile/auto on the default int8 config (signed activations on uint8
+    with a zero point) ended in an internal error, exit 3: "num_bins must be a power of two >= 2". It is
+    refused before calibrating, exit 2, with the powers of two around it."""
+    out = tmp_path / "t.calib.pt"
+    r = cli("calibrate", "text_encoder", "--method", method, "--num-bins", "1000", "--out", out)
+    assert_clean_error(r, "--num-bins 1000", "power of two", "512 or 1024", "asymmetric_activations: false")
+    assert not out.exists()
+    cfg = tmp_path / "sym.yaml"
+    cfg.write_text("preset: int8\nasymmetric_activations: false\n")
+    r = cli(
+        "calibrate", "text_encoder", "--method", method, "--num-bins", "1000", "--config", cfg, "--out", out
+    )
+    assert r.exit_code == 0, r.output

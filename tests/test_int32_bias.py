@@ -13,7 +13,7 @@ from torch import nn
 
 from quantcli import quantize_model
 from quantcli.calibration.calibrate import calibrate
-from quantcli.calibration.int32_bias import LIMIT, _not_cleared, fit_int32_biases, widening_ratios
+from quantcli.calibration.int32_bias import LIMIT, TINY, _not_cleared, fit_int32_biases, widening_ratios
 from quantcli.quant import arithmetic
 
 DEAD = 5  # the output channel whose weights are near zero
@@ -33,9 +33,9 @@ class Net(nn.Module):
         return self.conv2(torch.relu(self.conv1(x)))
 
 
-def _batches():
+def _batches(size: float = 1.0):
     g = torch.Generator().manual_seed(1)
-    return [{"x": torch.randn(8, 3, 12, 12, generator=g)} for _ in range(3)]
+    return [{"x": size * torch.randn(8, 3, 12, 12, generator=g)} for _ in range(3)]
 
 
 def _calibrated(tiny: float = 1e-6):
@@ -93,6 +93,36 @@ def test_the_widened_scale_is_onnxruntimes():
     got = conv2.weight_quantizer.integer_scale().numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert got[DEAD] > 2 * w_before[DEAD].item()
+
+
+@pytest.mark.parametrize(
+    "tiny, bias, size",
+    [(0.0, 0.5, 1e-10), (1e-36, 0.5, 1.0), (1e-41, 0.5, 1.0), (1e-41, 0.0, 1.0)],
+    ids=["dead-channel-tiny-inputs", "weights-1e-36", "subnormal-weights", "subnormal-weights-zero-bias"],
+)
+def test_dead_and_subnormal_channels_get_a_normal_bias_scale(tiny, bias, size):
+    """A pruned channel (weights 0, placeholder scale 1.0) on tiny inputs, or weights so small that the bias
+    scale input_scale x weight_scale underflows float32: calibrate raised an internal error ("still saturates
+    after widening", or "amax must be finite": an infinite ratio), or wrote a bias scale of 0 with codes 0 / 0
+    (the fake-quant model all NaN, the graph's codes INT32_MIN). The channel's amax is now set from the bias
+    scale it needs, at least float32's smallest normal number."""
+    torch.manual_seed(0)
+    net = Net(tiny).eval()
+    with torch.no_grad():
+        if size != 1.0:  # only the dead channel's bias: every other one would leave the range on such inputs
+            net.conv1.bias.zero_()
+            net.conv2.bias.zero_()
+        net.conv2.bias[DEAD] = bias
+    model = quantize_model(net)
+    summary = calibrate(model, _batches(size), "max", device="cpu")
+    codes, scale = model.conv2.int32_bias_constants()
+    assert bool((scale >= TINY).all()) and bool(torch.isfinite(codes).all()) and codes.abs().max() <= LIMIT
+    b = model.conv2.bias.detach().double()
+    assert ((codes.double() * scale.double() - b).abs() <= scale / 2 * 1.001 + b.abs() * 2**-23).all()
+    with torch.inference_mode():
+        assert bool(torch.isfinite(model(**_batches(size)[0])).all())
+    assert [(w.layer, w.channels) for w in summary.widened] == [("conv2", 1)]
+    assert summary.widened[0].underflowed == (1 if bias == 0.0 else 0)
 
 
 def test_models_whose_biases_fit_are_left_alone():

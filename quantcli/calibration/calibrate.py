@@ -421,6 +421,21 @@ def _summarise(qs: dict, summary: CalibrationSummary, fit_biases: Callable[[], l
         summary.amax_min, summary.amax_max = amax_span(amaxes())
 
 
+def _check_two_sided_bins(qs: dict, method: str, num_bins: int) -> None:
+    """The search of an asymmetric range (:mod:`calibrators.two_sided`) halves its histogram's range exactly:
+    ``num_bins`` a power of two. Refused before any batch runs, naming the quantizer and what to pass."""
+    if num_bins & (num_bins - 1) == 0 or (method not in TWO_SIDED_METHODS and method != "auto"):
+        return
+    asym = [n for n, q in qs.items() if q.enabled and q.desc.asymmetric and not q.desc.dynamic]
+    if asym:
+        low = 1 << (num_bins.bit_length() - 1)
+        raise CalibrationError(
+            f"--num-bins {num_bins}: the {method} search of an asymmetric range ({asym[0]}, uint8 with a "
+            f"zero point: the onnxruntime target's grid for signed activations) needs a power of two; pass "
+            f"{low} or {low * 2}, or set asymmetric_activations: false in a config file"
+        )
+
+
 def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins: int, device, alone: bool):
     """Check the arguments, move the model, calibrate the weights and start the activation calibrators.
     Returns ``(quantizers, device, activation quantizers)``."""
@@ -436,6 +451,7 @@ def _prepare(model: nn.Module, batches, method: str, percentile: float, num_bins
     qs = quantizers(model)
     if not qs:
         raise CalibrationError("the model has no quantizers; run quantize_model(model, config) first")
+    _check_two_sided_bins(qs, method, num_bins)
     dev = resolve_device(device)
     # one walk over the modules' own dictionaries (parameters() and buffers() each walk them again with names,
     # and eval() sets every module's flag through Module.__setattr__): a few milliseconds of a GPU host's time

@@ -352,10 +352,18 @@ def _calibrate_warnings(outcome) -> None:
             f"so their layers' inputs quantize to 0: {shown}; check that the data is the model's real input"
         )
     for w in outcome.summary.widened:
+        by = f"up to {w.ratio:.3g}x" if w.ratio is not None else "from 0"
+        if w.underflowed == w.channels:
+            err.print(
+                f"warning: {w.layer}: the weights of {w.channels} output channel(s) are so small (subnormal) "
+                "that input scale x weight scale, their int32 bias's scale, underflows float32, so their "
+                f"weight range was widened {by} to a normal scale; those weights quantize to 0"
+            )
+            continue
         err.print(
             f"warning: {w.layer}: the bias of {w.channels} output channel(s) is too large for int32 codes of "
             f"input scale x weight scale (its weights, or the layer's inputs, are tiny beside it), so their "
-            f"weight range was widened up to {w.ratio:.3g}x, as onnxruntime's quantize_static does, instead "
+            f"weight range was widened {by}, as onnxruntime's quantize_static does, instead "
             "of clamping the bias"
         )
     for bn, reason in report.batchnorm.skipped:
