@@ -686,3 +686,52 @@ def test_cpu_any_names_the_saturating_layers_as_the_deployment_cause(tmp_path):
         assert r.exit_code == 1, r.output
         check = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "deployment.rms_ratio")
         assert not check["passed"] and "kernels saturate in" in check["detail"], (cpu, check["detail"])
+
+
+_TWO_INPUTS = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 4), nn.Linear(6, 4)
+
+    def forward(self, x, y):
+        return self.a(x) * self.b(y)
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+def test_verify_takes_its_own_export_when_the_data_names_the_inputs_in_another_order(tmp_path):
+    """``np.savez(f, y=..., x=...)`` for ``forward(x, y)``: the checkpoint kept the data's order, the graph
+    forward's, and verify refused the graph export had just written ("the ONNX inputs ['x', 'y'] do not match
+    the checkpoint's inputs ['y', 'x']"). Inputs are matched by name."""
+    (tmp_path / "net.py").write_text(_TWO_INPUTS)
+    rng = np.random.default_rng(0)
+    f32 = np.float32
+    np.savez(
+        tmp_path / "d.npz",
+        y=rng.standard_normal((32, 6)).astype(f32),
+        x=rng.standard_normal((32, 8)).astype(f32),
+    )
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli(
+        "calibrate",
+        f"{tmp_path / 'net.py'}:make",
+        "--data",
+        tmp_path / "d.npz",
+        "--placement",
+        "all",
+        "--out",
+        ck,
+    )
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz")
+    assert r.exit_code == 0, r.output
