@@ -174,6 +174,22 @@ def check_exportable(model: nn.Module) -> None:
         raise ExportError(f"dynamic quantizers cannot be exported as static Q/DQ: {', '.join(dynamic[:5])}")
 
 
+@contextlib.contextmanager
+def _plain_outputs(model: nn.Module, outputs):
+    """While exporting, a model whose output holds a dataclass (its own output class) returns the dict of its
+    fields instead (:func:`quantcli.inputs.data.plain_outputs`): neither exporter traces a dataclass."""
+    from quantcli.inputs.data import _has_dataclass, plain_outputs
+
+    if not _has_dataclass(outputs):
+        yield
+        return
+    handle = model.register_forward_hook(lambda _m, _args, out: plain_outputs(out))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _output_names(outputs) -> list[str]:
     """The graph's output names (:func:`quantcli.inputs.data.named_outputs`); refuses a model that returns
     one tensor twice (the graph would have one value under two names) or no tensor at all."""
@@ -428,7 +444,8 @@ def export_onnx(
         axes = _dynamic_axes(example, output_names, outputs, dynamic_dims) if dynamic_axes else None
     res.dynamic_dims = {k: sorted(v) for k, v in (axes or {}).items() if k in example}
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
-        with exported_weights(model):  # quantized LSTM layers: their dequantized weights, for the LSTM node
+        with exported_weights(model), _plain_outputs(model, outputs):
+            # quantized LSTM layers: their dequantized weights, for the LSTM node; dataclass outputs as dicts
             onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
         _inputs_kept_apart_from_outputs(onnx_model, list(example))
         rename_inputs(onnx_model, renamed)

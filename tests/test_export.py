@@ -970,3 +970,63 @@ def test_an_input_forward_never_reads_is_said_and_verify_takes_the_graph(tmp_pat
     assert [i.name for i in onnx.load(graph).graph.input] == names
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz")
     assert r.exit_code == 0, r.output
+
+
+_DATACLASS_OUTPUT = """
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Out:
+    logits: torch.Tensor
+    features: torch.Tensor
+    loss: torch.Tensor | None = None
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return Out(self.fc2(h), h)
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_model_returning_a_dataclass_exports_its_fields(tmp_path, exporter):
+    """A model whose forward returns its own dataclass: calibrate and analyze saw no output (cosines null,
+    --min-cosine "NOT met" keeping a layer float for nothing) and both exporters said "the model's forward
+    returns no tensor". Its fields are its outputs, by name, None fields left out, as a ModelOutput's."""
+    import onnxruntime as ort
+
+    (tmp_path / "net.py").write_text(_DATACLASS_OUTPUT)
+    x = np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    spec = f"{tmp_path / 'net.py'}:make"
+    r = cli(
+        "calibrate", spec, "--data", tmp_path / "d.npz", "--batch-size", "8", "--placement", "all",
+        "--min-cosine", "0.99", "--out", ck,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()] == ["logits", "features"]
+    logits, features = sess.run(None, {"x": x})
+    model = load_calibrated(ck).model
+    with torch.inference_mode():
+        want = model(torch.from_numpy(x))
+    np.testing.assert_allclose(logits, want.logits.numpy(), atol=1e-5)
+    np.testing.assert_allclose(features, want.features.numpy(), atol=1e-5)
+    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
+    assert r.exit_code == 0, r.output

@@ -11,6 +11,7 @@ float64, float16 and bfloat16 become float32 (a half-precision model is calibrat
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
 from collections.abc import Mapping, Sequence
@@ -323,9 +324,39 @@ def named_outputs(out) -> list[tuple[str, torch.Tensor]]:
         elif isinstance(value, (tuple, list)):
             for i, v in enumerate(value):
                 walk(v, f"{name}.{i}" if name else f"output_{i}")
+        elif _is_dataclass_value(value):  # as the dict of its fields (plain_outputs, for the exporters)
+            walk(plain_outputs(value), name)
 
     walk(out, "")
     return found
+
+
+def _is_dataclass_value(value) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def plain_outputs(out):
+    """``out`` with every dataclass instance (a model's own output class) replaced by the dict of its fields
+    that are not None, recursively: what the exporters can trace (they take tensors, tuples, lists and
+    dicts). Anything else is returned as it is."""
+    if isinstance(out, dict):
+        return (
+            {k: plain_outputs(v) for k, v in out.items()} if any(map(_has_dataclass, out.values())) else out
+        )
+    if isinstance(out, (tuple, list)) and any(map(_has_dataclass, out)):
+        return type(out)(plain_outputs(v) for v in out) if type(out) in (tuple, list) else out
+    if _is_dataclass_value(out):
+        fields = ((f.name, getattr(out, f.name)) for f in dataclasses.fields(out))
+        return {k: plain_outputs(v) for k, v in fields if v is not None}
+    return out
+
+
+def _has_dataclass(value) -> bool:
+    if _is_dataclass_value(value):
+        return True
+    if isinstance(value, dict):
+        return any(map(_has_dataclass, value.values()))
+    return isinstance(value, (tuple, list)) and any(map(_has_dataclass, value))
 
 
 def flat_outputs(out) -> list[torch.Tensor]:
