@@ -33,13 +33,19 @@ CPU_KEY = "quantcli.cpu"
 BRANCHES_KEY = "quantcli.traced_branches"
 
 
-def read_onnx(path: str | Path) -> onnx.ModelProto:
-    """Load and check an ONNX file; a missing or corrupt file is a one-line error."""
+def read_onnx(path: str | Path, weights: bool = True) -> onnx.ModelProto:
+    """Load and check an ONNX file; a missing or corrupt file is a one-line error. A graph whose weights are
+    external data (export writes them so past 1.8 GB) is checked from its path, as the checker can check a
+    model past protobuf's 2 GB only there; ``weights=False`` leaves them on disk (the graph and metadata
+    only)."""
     path = Path(path)
     readable_file(path, "ONNX file", ".onnx", "the .onnx file that `quantcli export` wrote", VerifyError)
     try:
-        model = onnx.load(str(path))
-        onnx.checker.check_model(model)
+        model = onnx.load(str(path), load_external_data=False)
+        external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+        onnx.checker.check_model(str(path) if external else model)
+        if external and weights:
+            onnx.load_external_data_for_model(model, str(path.parent))
     except Exception as e:
         first = first_line(e, 160)
         raise VerifyError(

@@ -72,6 +72,52 @@ def test_generate_gives_the_float_models_greedy_tokens(float_graph):
     assert "max-new-tokens to" not in r.stderr
 
 
+def test_generate_refuses_a_prompt_that_is_no_utf8_and_an_infinite_temperature(float_graph):
+    """Both ended in an internal error, exit 3 (UnicodeEncodeError; "Probabilities contain NaN")."""
+    _, path = float_graph
+    assert_clean_error(cli("generate", path, "--prompt", "abc\udcff"), "--prompt", "UTF-8")
+    r = cli("generate", path, "--prompt", "abc", "--seed", 1, "--temperature", "inf", "--top-k", 5)
+    assert_clean_error(r, "--temperature", "finite")
+
+
+def test_generate_runs_a_graph_with_external_data_and_names_what_onnxruntime_cannot_load(
+    float_graph, tmp_path
+):
+    """A graph with external data (export writes one past 1.8 GB) was loaded whole and checked in memory,
+    which protobuf refuses past 2 GB ("not a valid ONNX model (Failed to serialize proto)"): generate leaves
+    the weights on disk and the checker reads the path. A file onnxruntime itself cannot load (small
+    constants saved as external data) was an internal error, exit 3."""
+    import onnx
+
+    _, path = float_graph
+    want = json.loads(cli("generate", path, "--prompt", "import os", "--max-new-tokens", 4, "--json").stdout)
+    model = onnx.load(str(path))
+    ext = tmp_path / "ext.onnx"
+    onnx.save(model, str(ext), save_as_external_data=True, location="ext.data", size_threshold=1024)
+    r = cli("generate", ext, "--prompt", "import os", "--max-new-tokens", 4, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tokens"] == want["tokens"]
+    every = tmp_path / "every.onnx"
+    onnx.save(model, str(every), save_as_external_data=True, location="every.data", size_threshold=0)
+    assert_clean_error(cli("generate", every, "--prompt", "x"), "onnxruntime cannot load", "every.onnx")
+
+
+def test_the_generated_text_is_the_decoded_whole_less_the_prompt():
+    """A SentencePiece tokenizer drops the leading space of the first token it decodes: "France is" +
+    decode(["▁Paris"]) printed "France isParis"."""
+    from quantcli.cli.generate import continuation
+    from quantcli.verify.lm_text import TextCodec
+
+    pieces = {1: "<s>", 2: "</s>", 10: "▁France", 11: "▁is", 12: "▁Paris"}
+
+    def decode(ids):  # as SentencePiece's Strip decoder: the leading space of the text removed
+        return "".join(pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+    codec = TextCodec("sp", None, decode)
+    assert continuation(codec, [10, 11], [12]) == " Paris"
+    assert continuation(codec, [1, 10, 11], [12]) == " Paris"  # after a BOS
+
+
 def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path, exported):
     ck, _ = float_graph
     prefill = tmp_path / "prefill.onnx"

@@ -61,7 +61,12 @@ class DecodeSession:
             f"past_key_values.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")
         ]
         self.present_names = [f"present.{i}.{kv}" for i in range(self.num_layers) for kv in ("key", "value")]
-        self.session = ort.InferenceSession(str(path), session_options, providers=list(providers))
+        try:
+            self.session = ort.InferenceSession(str(path), session_options, providers=list(providers))
+        except Exception as e:  # onnxruntime's own refusal (a graph it cannot load as saved): bad input
+            from quantcli.errors import VerifyError, first_line
+
+            raise VerifyError(f"onnxruntime cannot load {path}: {first_line(e, 240)}") from None
         self.input_names = {i.name for i in self.session.get_inputs()}
         types = {i.name: i.type for i in self.session.get_inputs()}
         # an int8 KV cache (exporters.causal_lm.kv_cache) takes int8 codes

@@ -3,6 +3,7 @@ token per step with the KV cache)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,6 +12,15 @@ import typer
 from quantcli.cli.guard import guarded
 from quantcli.cli.options import JsonOpt
 from quantcli.cli.output import key_value_table, out, print_json
+
+
+def continuation(codec, prompt_ids: list[int], new_ids: list[int]) -> str:
+    """The text ``new_ids`` add after the prompt: the decoded whole less the decoded prompt, as a tokenizer
+    decodes a token differently at the start of a text (SentencePiece drops the first token's leading
+    space: "France is" + "▁Paris" is "France is Paris", not "France isParis")."""
+    head = codec.decode(prompt_ids)
+    whole = codec.decode(list(prompt_ids) + list(new_ids))
+    return whole[len(head) :] if whole.startswith(head) else codec.decode(new_ids)
 
 
 @guarded
@@ -51,12 +61,19 @@ def generate(
     from quantcli.errors import DataError, flags_apply
     from quantcli.verify.lm_text import codec_for
 
+    if not math.isfinite(temperature):
+        raise DataError(f"--temperature must be a finite number, got {temperature}")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are no UTF-8 arrive as lone surrogates
+        raise DataError("--prompt is not valid UTF-8 text; pass the prompt as UTF-8") from None
     if seed is None and (temperature != 1.0 or top_k):
         # greedy decoding ignores them: a setting that does nothing is refused, not dropped
         given = [f for f, on in (("--temperature", temperature != 1.0), ("--top-k", top_k)) if on]
         why = "pass --seed N to sample (without it, decoding is greedy)"
         raise DataError(f"{flags_apply(given, ' and ')} to sampling: {why}")
-    read_onnx(onnx_path)  # a missing, corrupt or truncated file (or external data) is a one-line error
+    # a missing, corrupt or truncated file (or external data) is a one-line error; the weights stay on disk
+    read_onnx(onnx_path, weights=False)
     layout = read_info(onnx_path).layout  # not a decode graph: said before looking for its tokenizer
     codec = codec_for(onnx_path, tokenizer)
     ids = codec.encode(prompt)
@@ -88,7 +105,7 @@ def generate(
         )
     session = DecodeSession(onnx_path)
     g = run_generation(session, ids, max_new_tokens, seed=seed, temperature=temperature, top_k=top_k)
-    text = codec.decode(g.tokens)
+    text = continuation(codec, ids, g.tokens[:-1] if g.stopped == "eos" else g.tokens)
     result = {
         "prompt": prompt,
         "text": text,
