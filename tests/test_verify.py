@@ -406,6 +406,29 @@ def test_layer_norm_weight_change_fails_through_fidelity_on_text_encoder(text_in
     assert rep.fidelity["failing_quantizers"][0] == "layers.0.intermediate.input_quantizer"
 
 
+def test_the_deployed_session_is_the_file_a_user_loads(calibrated, exported, tmp_path):
+    """The deployed session was built from the graph serialized in memory, so a file that
+    ``InferenceSession(path)`` cannot load (every tensor saved as external data, the small constants
+    included: onnxruntime's shape inference cannot read them) passed ``deployment.loads``. It is the file
+    now; external data that onnxruntime reads passes."""
+    import onnxruntime as ort
+
+    every, some = tmp_path / "every.onnx", tmp_path / "some.onnx"
+    for path, threshold in ((every, 0), (some, 1024)):  # (saving moves the loaded tensors out: one load each)
+        m = onnx.load(str(exported("text_encoder", "int8")))
+        onnx.save(
+            m, str(path), save_as_external_data=True, location=path.stem + ".data", size_threshold=threshold
+        )
+    with pytest.raises(Exception, match="external"):
+        ort.InferenceSession(str(every), providers=["CPUExecutionProvider"])  # what a user would get
+    ck = calibrated("text_encoder", "int8")
+    r = cli("verify", every, "--reference", ck, "--json")
+    assert r.exit_code == 1, r.output
+    loads = next(c for c in json.loads(r.stdout)["checks"] if c["name"] == "deployment.loads")
+    assert not loads["passed"]
+    assert cli("verify", some, "--reference", ck).exit_code == 0
+
+
 def test_graph_that_does_not_load_with_default_options_fails(calibrated, exported, tmp_path):
     from exporters.onnxruntime.compat import unguard_fp8
 

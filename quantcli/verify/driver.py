@@ -110,7 +110,7 @@ def verify_onnx(
     floats = _FloatModels(ckpt)  # before constant_weights: a copy made within would share its cached weights
     with constant_weights(ckpt.model):  # each weight quantized once, for every check below
         structure, weight_rows = check_structure(model, ckpt)
-        ss = _open_sessions(model, prov, provider, deployment)
+        ss = _open_sessions(model, prov, provider, deployment, Path(onnx_path))
         report = VerifyReport(
             str(onnx_path),
             ckpt.path,
@@ -204,7 +204,9 @@ class _Sessions:
     deploy_options: tuple[str, ...] = ()
 
 
-def _open_sessions(model: onnx.ModelProto, prov: str, provider: str, deployment: bool) -> _Sessions:
+def _open_sessions(
+    model: onnx.ModelProto, prov: str, provider: str, deployment: bool, path: Path | None = None
+) -> _Sessions:
     # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the
     # same values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not
     # already-quantized values
@@ -219,8 +221,11 @@ def _open_sessions(model: onnx.ModelProto, prov: str, provider: str, deployment:
     ss.deploy_options = _deploy_options(model)
     if deployment:
         try:
-            ss.deployed = sessions.open_session(
-                model, prov, optimize=True, disabled_optimizers=ss.deploy_options
+            ss.deployed = sessions.open_session(  # the file itself: what a user's session loads
+                path if path is not None else model,
+                prov,
+                optimize=True,
+                disabled_optimizers=ss.deploy_options,
             )
         except VerifyError as e:
             ss.deploy_error = str(e)

@@ -5,6 +5,8 @@ session does not load.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import torch
@@ -48,7 +50,10 @@ def choose_provider(provider: str = "auto") -> str:
 
 
 def open_session(
-    model: onnx.ModelProto | bytes, provider: str, optimize: bool, disabled_optimizers: tuple[str, ...] = ()
+    model: onnx.ModelProto | bytes | Path,
+    provider: str,
+    optimize: bool,
+    disabled_optimizers: tuple[str, ...] = (),
 ):
     """An ``InferenceSession`` on ``provider``.
 
@@ -66,7 +71,14 @@ def open_session(
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     so.log_severity_level = RUNTIME_LOG_SEVERITY
     so.intra_op_num_threads = max(1, torch.get_num_threads())
-    data = model if isinstance(model, bytes) else model.SerializeToString()
+    # a path: the file as it ships (its external data read by onnxruntime itself, as a user's session does)
+    data = (
+        str(model)
+        if isinstance(model, Path)
+        else model
+        if isinstance(model, bytes)
+        else model.SerializeToString()
+    )
     try:
         if disabled_optimizers:
             return ort.InferenceSession(
