@@ -127,3 +127,14 @@ def test_a_pickle_whose_module_is_not_importable_here_says_what_to_do(tmp_path, 
     r = cli("export", out, "--onnx", tmp_path / "cnn.onnx", "--trust-code")
     assert_clean_error(r, "module 'usercnn_7f3a'", "cannot be imported here", "PYTHONPATH", "--weights")
     assert not (tmp_path / "cnn.onnx").exists()
+
+
+def test_a_scripted_submodule_is_refused_with_what_to_do():
+    """A model holding a torch.jit.script submodule ended in an internal error, exit 3
+    ("register_forward_pre_hook is not supported on ScriptModules")."""
+    from quantcli import quantize_model
+    from quantcli.errors import ConfigError
+
+    model = nn.Sequential(nn.Linear(4, 4), torch.jit.script(nn.Sequential(nn.Linear(4, 2), nn.ReLU())))
+    with pytest.raises(ConfigError, match="1 is a TorchScript module.*without torch.jit.script"):
+        quantize_model(model, example={"input": torch.randn(2, 4)})

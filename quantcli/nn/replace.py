@@ -140,6 +140,14 @@ def quantize_model(
             f"example is one keyword batch, a dict of input name -> tensor for model(**example), got "
             f"{type(example).__name__}"
         )
+    scripted = [n or "the model" for n, m in model.named_modules() if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:
+        # quantizers go in with Python forward hooks and wrappers, which a ScriptModule does not take
+        raise ConfigError(
+            f"{scripted[0]} is a TorchScript module (torch.jit.script / torch.jit.trace): quantcli inserts "
+            "quantizers into Python modules; build the model without torch.jit.script (a scripted function "
+            "it calls is fine)"
+        )
     already = [n for n, m in model.named_modules() if isinstance(m, TensorQuantizer)]
     if already:
         # a second call would keep the first config's quantizers under the second's model.quantcli_config
