@@ -319,6 +319,35 @@ def test_generate_encodes_as_calibration_did_from_anywhere_and_refuses_foreign_i
     assert_clean_error(r, f"token id {vocab + 10}", f"vocabulary of {vocab}", "--tokenizer")
 
 
+def test_generate_stops_at_the_end_of_sequence_ids_of_generation_config(tmp_path, monkeypatch):
+    """Llama-3-Instruct's end of turn is an eos id of generation_config.json only (config.json names end of
+    text): transformers' generate stops there, quantcli generated on past it. The folder's
+    generation_config.json ids are stored at calibration and the decode graph stops at them too."""
+    model, fast, texts = _llama_folder(tmp_path / "lm")
+    (tmp_path / "texts.txt").write_text("\n".join(texts[:24]) + "\n")
+    (tmp_path / "float.json").write_text(json.dumps(FLOAT))
+    monkeypatch.chdir(tmp_path)
+
+    def tokens() -> dict:
+        for cmd in (
+            ("calibrate", "lm", "--data", "texts.txt", "--config", "float.json", "--placement", "all"),
+            ("export", "lm.calib.pt", "--onnx", "lm.onnx"),
+        ):
+            r = cli(*cmd)
+            assert r.exit_code == 0, r.output
+        r = cli("generate", "lm.onnx", "--prompt", texts[0], "--max-new-tokens", 8, "--json")
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    free = tokens()
+    assert free["stopped"] == "max_new_tokens" and len(free["tokens"]) == 8
+    turn = free["tokens"][2]  # the third token generated: an end of turn from now on
+    (tmp_path / "lm" / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, turn]}))
+    stopped = tokens()
+    first = free["tokens"].index(turn)
+    assert stopped["stopped"] == "eos" and stopped["tokens"] == free["tokens"][: first + 1]
+
+
 def test_verify_keeps_a_decode_graph_within_its_context(tmp_path, monkeypatch):
     """A Llama of 32 positions verified on texts of up to 75 tokens: verify fed the GroupQueryAttention graph
     sequences beyond its rotary tables and reported a failed check (``lm.graph_runs``). It now cuts the

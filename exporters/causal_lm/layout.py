@@ -88,15 +88,16 @@ def _all_ints(v) -> tuple[int, ...]:
     return () if v is None else (int(v),)
 
 
-def _special_ids(config) -> dict:
-    """The layout's special token ids from the config: the first and every end-of-sequence id, BOS and PAD;
-    ids beyond the vocabulary (GPT2Config's default 50256 in a small model) are no tokens and are left out."""
+def _special_ids(config, generation_eos: tuple[int, ...] = ()) -> dict:
+    """The layout's special token ids from the config: the first and every end-of-sequence id (config.json's,
+    then ``generation_eos``, generation_config.json's), BOS and PAD; ids beyond the vocabulary (GPT2Config's
+    default 50256 in a small model) are no tokens and are left out."""
     vocab = int(config.vocab_size)
 
     def valid(ids: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(i for i in ids if 0 <= i < vocab)
 
-    eos = valid(_all_ints(_get(config, "eos_token_id")))
+    eos = valid(tuple(dict.fromkeys(_all_ints(_get(config, "eos_token_id")) + tuple(generation_eos))))
     return {
         "eos_token_id": eos[0] if eos else None,
         "eos_token_ids": eos,
@@ -164,7 +165,7 @@ def _llama(model: nn.Module, config) -> DecoderLayout:
         vocab_size=int(config.vocab_size),
         max_positions=int(config.max_position_embeddings),
         rotary=True,
-        **_special_ids(config),
+        **_special_ids(config, getattr(model, "quantcli_generation_eos", ())),
     )
 
 
@@ -186,7 +187,7 @@ def _gpt2(model: nn.Module, config) -> DecoderLayout:
         vocab_size=int(config.vocab_size),
         max_positions=int(config.n_positions),
         rotary=False,
-        **_special_ids(config),
+        **_special_ids(config, getattr(model, "quantcli_generation_eos", ())),
     )
 
 

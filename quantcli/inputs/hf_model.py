@@ -169,7 +169,22 @@ def hf_spec(folder: Path, pooling: str = "none"):
         "inputs": _inputs(cls),
         "task_head": not _is_base(cls, config),
     }
+    eos = _generation_eos(folder)
+    if eos:
+        extra["generation_eos"] = eos
     return ModelSpec("hf", str(folder), str(folder.resolve()), None, extra)
+
+
+def _generation_eos(folder: Path) -> list[int]:
+    """The end-of-sequence ids of the folder's ``generation_config.json`` (Llama-3-Instruct's end of turn
+    beside config.json's end of text), which transformers' ``generate`` stops at; [] without one."""
+    path = folder / "generation_config.json"
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return []  # unreadable: generation stops at config.json's ids, as before
+    ids = ids if isinstance(ids, list) else [ids]
+    return [int(i) for i in ids if isinstance(i, int) and not isinstance(i, bool)]
 
 
 def _check_bin_weights(folder: Path) -> None:
@@ -259,6 +274,7 @@ def _deployable(model: nn.Module, extra: dict[str, Any]) -> nn.Module:
     model.__class__ = _WRAPPED[key]  # same parameters and names; only forward's signature and outputs change
     model.quantcli_pooling = extra.get("pooling", "none")
     model.quantcli_task_head = bool(extra.get("task_head", True))
+    model.quantcli_generation_eos = tuple(extra.get("generation_eos") or ())
     if "use_cache" in inspect.signature(cls.forward).parameters:
         model.quantcli_no_cache = {"use_cache": False}
     return model
