@@ -102,6 +102,15 @@ def test_generate_runs_a_graph_with_external_data_and_names_what_onnxruntime_can
     assert_clean_error(cli("generate", every, "--prompt", "x"), "onnxruntime cannot load", "every.onnx")
 
 
+def test_generate_prints_the_text_byte_for_byte(float_graph):
+    """The plain output went through rich: ":smile:" became an emoji and tabs became spaces."""
+    _, path = float_graph
+    prompt = "a :smile: [bold]x[/bold]\tTAB"
+    r = cli("generate", path, "--prompt", prompt, "--max-new-tokens", 2)
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith(prompt)
+
+
 def test_the_generated_text_is_the_decoded_whole_less_the_prompt():
     """A SentencePiece tokenizer drops the leading space of the first token it decodes: "France is" +
     decode(["▁Paris"]) printed "France isParis"."""

@@ -4,6 +4,7 @@ token per step with the KV cache)."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -122,7 +123,10 @@ def generate(
     if as_json:
         print_json(result)
         return
-    out.print(prompt + text, markup=False, highlight=False)
+    # the text as generated, byte for byte: not through rich, which reads ":smile:" as an emoji, expands tabs
+    # and drops control characters
+    sys.stdout.write(prompt + text + "\n")
+    sys.stdout.flush()
     rows = [
         (k, str(result[k]))
         for k in ("mode", "tokenizer", "stopped", "prefill_ms", "decode_tokens_per_second")
