@@ -40,7 +40,9 @@ class Net(nn.Module):
 
     def forward(self, x):
         y = self.block(self.act(self.stem(x)))
-        return self.head(y.mean((2, 3)))
+        # a sum, not a global pooling: the Add's output then reaches a float op, so stem keeps its output
+        # quantizer (a mean would let the Add run as QLinearAdd, its skip quantized instead)
+        return self.head(y.sum((2, 3)))
 
 
 def make():

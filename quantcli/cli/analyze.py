@@ -31,9 +31,8 @@ def analyze(
         int,
         typer.Option(
             "--num-samples",
-            min=1,
-            help="Samples the sensitivity passes use (two passes per quantizer); statistics use all the "
-            "data.",
+            help="Samples the sensitivity passes use (two passes per quantizer; at least 1); statistics "
+            "use all the data.",
         ),
     ] = defaults.SENSITIVITY_SAMPLES,
     batch_size: BatchSizeOpt = None,
