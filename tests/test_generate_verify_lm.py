@@ -64,12 +64,20 @@ def test_generate_gives_the_float_models_greedy_tokens(float_graph):
         cli("generate", path, "--prompt", prompt, "--seed", 3, "--temperature", 0, "--json").stdout
     )
     assert cold["mode"] == "greedy" and cold["tokens"][:24] == res["tokens"]
-    # beyond the context: what fits is said; a prompt filling it was told "lower --max-new-tokens to 0"
+    # beyond the context: what fits is said (the last token is never fed back: 512 + 1 - 500); a prompt
+    # filling it was told "lower --max-new-tokens to 0"
     r = cli("generate", path, "--prompt", "x" * 500, "--max-new-tokens", 24)
-    assert_clean_error(r, "context of 512 positions", "lower --max-new-tokens to 12")
+    assert_clean_error(r, "context of 512 positions", "lower --max-new-tokens to 13")
     r = cli("generate", path, "--prompt", "x" * 600, "--max-new-tokens", 1)
-    assert_clean_error(r, "shorten the prompt to fewer than 512 tokens")
+    assert_clean_error(r, "shorten the prompt to at most 512 tokens")
     assert "max-new-tokens to" not in r.stderr
+    # a prompt that fills the context takes one token; without --max-new-tokens, the default (64) is cut to
+    # what the context leaves, not refused
+    full = json.loads(cli("generate", path, "--prompt", "x" * 512, "--max-new-tokens", 1, "--json").stdout)
+    assert len(full["tokens"]) == 1
+    r = cli("generate", path, "--prompt", "x" * 500, "--json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)["tokens"]) <= 13
 
 
 def test_generate_refuses_a_prompt_that_is_no_utf8_and_an_infinite_temperature(float_graph):

@@ -14,6 +14,9 @@ from quantcli.cli.guard import guarded
 from quantcli.cli.options import JsonOpt
 from quantcli.cli.output import key_value_table, out, print_json
 
+#: tokens generated when --max-new-tokens is not given (fewer where the graph's context ends first)
+DEFAULT_NEW_TOKENS = 64
+
 
 def continuation(codec, prompt_ids: list[int], new_ids: list[int]) -> str:
     """The text ``new_ids`` add after the prompt: the decoded whole less the decoded prompt, as a tokenizer
@@ -29,11 +32,14 @@ def generate(
     onnx_path: Annotated[Path, typer.Argument(help="A decode graph (quantcli export of a causal LM).")],
     prompt: Annotated[str, typer.Option("--prompt", help="The text to continue.")],
     max_new_tokens: Annotated[
-        int,
+        Optional[int],
         typer.Option(
-            "--max-new-tokens", min=1, help="Tokens to generate at most (fewer at end of sequence)."
+            "--max-new-tokens",
+            min=1,
+            help="Tokens to generate at most (fewer at end of sequence). Default: 64, or what the graph's "
+            "context leaves after the prompt.",
         ),
-    ] = 64,
+    ] = None,
     seed: Annotated[
         Optional[int],
         typer.Option(
@@ -93,12 +99,15 @@ def generate(
             f"{vocab}: pass the model's own tokenizer with --tokenizer FOLDER"
         )
     context = layout.get("max_positions")
-    if context and len(ids) + max_new_tokens > context:
-        room = context - len(ids)
+    # the last token generated is never fed back: a prompt and N new tokens take len + N - 1 positions
+    room = context + 1 - len(ids) if context else None
+    if max_new_tokens is None:  # the default: 64, within what the context leaves
+        max_new_tokens = DEFAULT_NEW_TOKENS if room is None or room < 1 else min(DEFAULT_NEW_TOKENS, room)
+    if room is not None and max_new_tokens > room:
         fix = (
             f"shorten the prompt or lower --max-new-tokens to {room}"
             if room > 0
-            else f"shorten the prompt to fewer than {context} tokens"
+            else f"shorten the prompt to at most {context} tokens"
         )
         raise DataError(
             f"the prompt ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} exceed the graph's "
