@@ -230,6 +230,12 @@ def unread_inputs(model: onnx.ModelProto) -> list[str]:
     return []
 
 
+def is_propagated(node: onnx.NodeProto) -> bool:
+    """Whether ``node`` is a Q or DQ copy that only moves a quantizer's Q across commuting ops
+    (:data:`PROPAGATED_MARK` in its name or, for a graph whose nodes were renamed, its output's)."""
+    return PROPAGATED_MARK in node.name or any(PROPAGATED_MARK in o for o in node.output)
+
+
 def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
     """Every quantizer's Q/DQ pair; int32 bias DequantizeLinears and the copies that only move a quantizer's Q
     across commuting ops (:data:`PROPAGATED_MARK`) are not quantizers of their own and are left out."""
@@ -240,7 +246,7 @@ def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
     kn = kn_weights(model)
     pairs = []
     for n in g.node:
-        if n.op_type != "DequantizeLinear" or PROPAGATED_MARK in n.name or is_int32_bias(n, inits):
+        if n.op_type != "DequantizeLinear" or is_propagated(n) or is_int32_bias(n, inits):
             continue
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         src = producers.get(n.input[0])

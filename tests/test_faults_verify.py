@@ -141,3 +141,40 @@ def test_graph_onnxruntime_cannot_load_is_named_not_an_internal_error(calibrated
     assert_clean_error(
         cli("verify", path, "--reference", calibrated("digits_cnn")), "onnxruntime cannot load"
     )
+
+
+def _propagated_copies(m):
+    from exporters.graph import is_propagated
+
+    return [n for n in m.graph.node if n.op_type == "DequantizeLinear" and is_propagated(n)]
+
+
+def test_renamed_nodes_keep_the_qdq_copies_across_commuting_ops_copies(calibrated, exported, tmp_path):
+    """verify found the copies the export puts in front of MaxPool/Flatten by node name: a graph whose nodes
+    were renamed (outputs bit-identical) failed fidelity.replay_steps by half a step at fc1's input."""
+    m = onnx.load(exported("digits_cnn"))
+    assert _propagated_copies(m)
+    for i, n in enumerate(m.graph.node):
+        n.name = f"node_{i}"
+    code, rep = _verify(m, calibrated("digits_cnn"), tmp_path)
+    assert code == 0, _failed(rep)
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.25])
+def test_a_copy_across_commuting_ops_with_another_scale_fails_the_structure_check(
+    calibrated, exported, tmp_path, factor
+):
+    """The exact session runs without those copies, so a copy whose scale was changed (x2: outputs off by
+    about the quantization error, so the deployed session's ratio stayed under its bound) passed."""
+    from onnx import numpy_helper
+
+    m = onnx.load(exported("digits_cnn"))
+    dq = _propagated_copies(m)[-1]
+    inits = initializer_map(m.graph)
+    scale = numpy_helper.to_array(inits[dq.input[1]]) * factor
+    m.graph.initializer.append(numpy_helper.from_array(scale.astype("float32"), "changed_scale"))
+    q = next(n for n in m.graph.node if n.output[0] == dq.input[0])
+    q.input[1] = dq.input[1] = "changed_scale"
+    code, rep = _verify(m, calibrated("digits_cnn"), tmp_path)
+    assert code == 1
+    assert dq.name in _failed(rep)["structure"] and "another scale or zero point" in _failed(rep)["structure"]

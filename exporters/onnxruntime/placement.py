@@ -38,7 +38,14 @@ import onnx
 from onnx import helper
 
 from exporters.fold import make_initializer
-from exporters.graph import PROPAGATED_MARK, consumer_map, initializer_map, producer_map, to_numpy
+from exporters.graph import (
+    PROPAGATED_MARK,
+    consumer_map,
+    initializer_map,
+    is_propagated,
+    producer_map,
+    to_numpy,
+)
 
 COMMUTING_OPS = ("MaxPool", "Flatten", "Reshape", "Transpose", "Squeeze", "Unsqueeze")
 UINT8_ZERO_POINT = "quantcli_uint8_zero_point_128"
@@ -321,7 +328,7 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and PROPAGATED_MARK in n.name}
+    dqs = {n.output[0]: n for n in g.node if n.op_type == "DequantizeLinear" and is_propagated(n)}
     producers = producer_map(g)
     source, stripped = {}, set()
     for out, dq in dqs.items():
@@ -341,6 +348,44 @@ def strip_propagated(model: onnx.ModelProto) -> onnx.ModelProto:
     del g.node[:]
     g.node.extend(keep)
     return m
+
+
+def propagated_copy_problems(model: onnx.ModelProto) -> list[str]:
+    """Each copy :func:`propagate_quantize` made must carry the grid of the quantizer it copies: the scale
+    and zero point of every QuantizeLinear its DQ reaches across commuting ops (and Concats). A copy of
+    another grid changes the values those ops pass on, and nothing else in a graph's check sees it (the
+    exact session runs without the copies, :func:`strip_propagated`)."""
+    g = model.graph
+    inits = initializer_map(g)
+    consumers = consumer_map(model)
+
+    def grid(n: onnx.NodeProto):
+        vals = [to_numpy(inits[x]) if x in inits else None for x in n.input[1:3]]
+        return None if any(v is None for v in vals) else vals
+
+    problems = []
+    for dq in g.node:
+        if dq.op_type != "DequantizeLinear" or not is_propagated(dq) or grid(dq) is None:
+            continue
+        mine, todo, seen = grid(dq), [dq.output[0]], set()
+        while todo:
+            name = todo.pop()
+            for c in consumers.get(name, []):
+                if id(c) in seen:
+                    continue
+                seen.add(id(c))
+                if c.op_type in (*COMMUTING_OPS, "Concat"):
+                    todo.extend(c.output)
+                elif c.op_type == "QuantizeLinear" and grid(c) is not None:
+                    theirs = grid(c)
+                    if len(mine) != len(theirs) or not all(
+                        a.shape == b.shape and np.array_equal(a, b) for a, b in zip(mine, theirs)
+                    ):
+                        problems.append(
+                            f"{dq.name}: the copy of {c.name}'s grid (moved across commuting ops) has "
+                            "another scale or zero point"
+                        )
+    return problems
 
 
 def place_for_onnxruntime(model: onnx.ModelProto) -> dict[str, int]:

@@ -33,6 +33,7 @@ from exporters.graph import (
     traced_branches,
     unread_inputs,
 )
+from exporters.onnxruntime.placement import propagated_copy_problems
 from exporters.onnxruntime.recurrent import recurrent_layers
 from quantcli.errors import VerifyError, few, first_line
 from quantcli.inputs.batch_axes import head
@@ -421,6 +422,9 @@ def check_structure(
             if problem:
                 problems.setdefault(name, []).append(problem)
     biases = _check_biases(model, ckpt, all_pairs, problems)
+    copies = propagated_copy_problems(model)  # (the exact session runs without them: checked only here)
+    if copies:
+        problems["Q/DQ copies across commuting ops"] = copies
     flat = [f"{name}: {x}" for name, probs in problems.items() for x in probs]
     recorded = pruned_quantizers(model)
     return {
