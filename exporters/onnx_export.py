@@ -38,6 +38,7 @@ from exporters.graph import (
     UNREAD_INPUTS_KEY,
     consumer_map,
     name_scopes,
+    producer_map,
     qdq_pairs,
     scope_module_path,
 )
@@ -583,11 +584,24 @@ def _inputs_kept_apart_from_outputs(onnx_model: onnx.ModelProto, inputs: list[st
     """An input the model also returns: the dynamo exporter names the graph input after the output. It gets
     its own name back, and the output reads it through an ``Identity``, in place."""
     outputs = {o.name for o in onnx_model.graph.output}
+    producers = producer_map(onnx_model.graph)
     for graph_input, want in zip(onnx_model.graph.input, inputs):
-        if graph_input.name != want and graph_input.name in outputs:
+        if graph_input.name == want:
+            continue
+        if graph_input.name in outputs:
             returned = graph_input.name
             rename_inputs(onnx_model, {returned: want})
             onnx_model.graph.node.insert(0, onnx.helper.make_node("Identity", [want], [returned]))
+        elif want in outputs:
+            # TorchScript: an output took the input's name (a dict key), the input became "mask.1"
+            p = producers.get(want)
+            if p is None or p.op_type != "Identity" or p.input[0] != graph_input.name:
+                raise ExportError(
+                    f"the model returns an output named {want!r}, the name of one of its inputs, holding "
+                    "another value; one graph cannot name two values alike: rename that output (its dict key)"
+                )
+            onnx_model.graph.node.remove(p)  # the output is the input itself, returned under its own name
+            rename_inputs(onnx_model, {graph_input.name: want})
 
 
 def rename_inputs(onnx_model: onnx.ModelProto, names: dict[str, str]) -> None:

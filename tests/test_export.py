@@ -1030,3 +1030,62 @@ def test_a_model_returning_a_dataclass_exports_its_fields(tmp_path, exporter):
     np.testing.assert_allclose(features, want.features.numpy(), atol=1e-5)
     r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
     assert r.exit_code == 0, r.output
+
+
+_RETURNS_ITS_INPUT = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, other: bool = False):
+        super().__init__()
+        self.fc, self.other = nn.Linear(8, 4), other
+
+    def forward(self, x, mask):
+        out = self.fc(x) * mask
+        return {"logits": out, "mask": mask * 2 if self.other else mask}
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+
+
+def make_other():
+    torch.manual_seed(0)
+    return Net(other=True).eval()
+"""
+
+
+def test_an_input_returned_under_its_own_name_keeps_its_name(tmp_path):
+    """A model returning an input under that input's name (``{"attention_mask": attention_mask}``, as Hugging
+    Face outputs do): TorchScript renamed the graph input ``mask.1``, export said "exported" and listed mask
+    as an input the model never reads, and a deployment feeding ``mask`` failed. The input keeps its name and
+    the output is the input itself; another value under an input's name is refused, naming the key."""
+    import onnxruntime as ort
+
+    (tmp_path / "net.py").write_text(_RETURNS_ITS_INPUT)
+    rng = np.random.default_rng(0)
+    x, mask = rng.standard_normal((32, 8)).astype(np.float32), np.ones((32, 4), np.float32)
+    np.savez(tmp_path / "d.npz", x=x, mask=mask)
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    spec = f"{tmp_path / 'net.py'}"
+    r = cli("calibrate", f"{spec}:make", "--data", tmp_path / "d.npz", "--placement", "all", "--out", ck)
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", graph, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["unread_inputs"] == []
+    sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    assert [i.name for i in sess.get_inputs()] == ["x", "mask"]
+    assert [o.name for o in sess.get_outputs()] == ["logits", "mask"]
+    np.testing.assert_array_equal(sess.run(["mask"], {"x": x, "mask": mask})[0], mask)
+    assert cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz").exit_code == 0
+    other = tmp_path / "o.calib.pt"
+    r = cli(
+        "calibrate", f"{spec}:make_other", "--data", tmp_path / "d.npz", "--placement", "all", "--out", other
+    )
+    assert r.exit_code == 0, r.output
+    r = cli("export", other, "--onnx", tmp_path / "o.onnx")
+    assert_clean_error(r, "output named 'mask'", "rename that output")
+    assert not (tmp_path / "o.onnx").exists()
