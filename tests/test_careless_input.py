@@ -443,6 +443,11 @@ def test_a_rule_setting_calib_method_for_activations_is_refused(tmp_path):
             '  - pattern: "conv2.input_quantizer"\n    dynamic: true\n',
             "conv2.input_quantizer: dynamic quantization applies to the inputs of Linear layers",
         ),
+        # export: "amax of shape (10, 32) ... is neither per-tensor, per-axis nor blocked along one axis"
+        (
+            '  - pattern: "fc2.weight_quantizer"\n    num_bits: 4\n    block_sizes: {-1: 1}\n',
+            "fc2.weight_quantizer: a block size of 1 gives every weight its own scale",
+        ),
     ],
 )
 def test_a_rule_that_export_could_not_write_is_refused_by_calibrate(tmp_path, rule, says):

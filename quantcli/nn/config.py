@@ -152,6 +152,11 @@ class QuantConfig:
             raise ConfigError(f"unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.block_size == 1:  # one scale per weight: no QuantizeLinear or MatMulNBits layout takes it
+            raise ConfigError(
+                "block_size 1 gives every weight its own scale, which no ONNX format holds: pass 2 or more "
+                "(32, 64 or 128 are usual)"
+            )
         if self.reduce_range is None:
             self.reduce_range = REDUCE_RANGE_AUTO
         if not isinstance(self.reduce_range, bool) and self.reduce_range != REDUCE_RANGE_AUTO:
@@ -335,6 +340,12 @@ def _check_granularity(name: str, kind: str, layer, fields: dict) -> None:
     activation (their amax would follow the calibration batch's shape), a weight's axis other than its output
     channels (the int32 bias and the integer kernels take per output channel scales), a dynamic input of a
     layer other than a Linear (DynamicQuantizeLinear -> MatMulInteger is the only dynamic export)."""
+    sizes = fields.get("block_sizes") or {}
+    if kind == "weight" and isinstance(sizes, dict) and any(v == 1 for k, v in sizes.items() if k != "type"):
+        raise ConfigError(
+            f"{name}: a block size of 1 gives every weight its own scale, which no ONNX format holds: pass 2 "
+            "or more (32, 64 or 128 are usual)"
+        )
     if kind != "weight" and fields.get("block_sizes"):
         raise ConfigError(
             f"{name}: block_sizes applies to weight quantizers; an activation's scale is per tensor: drop "
