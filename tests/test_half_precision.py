@@ -82,3 +82,18 @@ def test_cli_dtype_writes_the_float32_checkpoint(tmp_path):
         "calibrate", "digits_cnn", "--dtype", "int8", "--out", tmp_path / "x.pt", cwd=tmp_path
     )
     assert_clean_error(bad, "--dtype", "'int8' is not one of")
+
+
+def test_a_float16_overflow_is_named_as_one():
+    """Activations past float16's 65504 under --dtype float16 were reported as "non-finite values ... check
+    the input data and the model's numerics", though the data and the float32 model are finite."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).eval()
+    with torch.no_grad():
+        model[0].weight.fill_(1e4)
+    m = quantize_model(model, "int8")
+    batches = [{"input": torch.full((8, 4), 10.0)}]
+    overflow = "1.input_quantizer.*in float16 here, whose largest value is 65504"
+    with pytest.raises(CalibrationError, match=overflow):
+        calibrate(m, batches, "max", device="cpu", dtype="float16")
+    calibrate(m, batches, "max", device="cpu", dtype="float32")  # finite: 4e5 fits float32

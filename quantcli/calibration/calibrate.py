@@ -206,6 +206,13 @@ def calibrate(
                 graph_replays=graphed.replays if graphed is not None else 0,
             )
             _activation_amax(qs, acts, calls, method, {"percentile": percentile}, summary, auto, group)
+    except CalibrationError as e:
+        if "non-finite" in str(e) and _in_float16(model, compute):
+            raise CalibrationError(
+                f"{e}; the model computes in float16 here, whose largest value is 65504: an activation "
+                "beyond it overflows to inf (calibrate with --dtype float32 or bfloat16)"
+            ) from None
+        raise
     finally:
         _stop_observers(acts, auto)
         release_scratch()  # the largest activation's temporaries
@@ -214,6 +221,13 @@ def calibrate(
         torch.cuda.synchronize(dev)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _in_float16(model: nn.Module, compute: torch.dtype | None) -> bool:
+    """Whether the observing pass ran in float16 (``--dtype float16``, or a float16 model's own dtype)."""
+    if compute is not None:
+        return compute == torch.float16
+    return any(p.dtype == torch.float16 for p in model.parameters())
 
 
 #: calibrate's ``dtype`` choices (``--dtype``): ``model`` keeps the model's own
