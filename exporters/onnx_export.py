@@ -218,8 +218,9 @@ def _dynamic_axes(
 ) -> dict[str, dict[int, str]]:
     """The graph's symbolic dimensions: each input's batch axis (:mod:`quantcli.inputs.batch_axes`: axis 0
     unless the example says otherwise), axis 1 of batch-first integer inputs of rank 2 and more (token ids'
-    sequence), every axis of an input that has no batch axis (its size follows what the batch holds, as
-    EmbeddingBag indices do), ``dims``' axes (``--dynamic-dim``), and axis 0 of the outputs."""
+    sequence; not uint8, an image's pixels), every axis of an input that has no batch axis (its size follows
+    what the batch holds, as EmbeddingBag indices do), ``dims``' axes (``--dynamic-dim``), and axis 0 of the
+    outputs."""
     from quantcli.inputs.batch_axes import batch_axes
 
     batch = batch_axes(example)
@@ -230,8 +231,8 @@ def _dynamic_axes(
         a = {} if batch[name] is None else {batch[name]: "batch"}
         if batch[name] is None:
             a.update({i: f"{name}_{i}" for i in range(t.dim())})
-        elif batch[name] == 0 and not t.dtype.is_floating_point and t.dim() >= 2:
-            a[1] = "sequence"
+        elif batch[name] == 0 and not t.dtype.is_floating_point and t.dim() >= 2 and t.dtype != torch.uint8:
+            a[1] = "sequence"  # (not a uint8 image's channels)
         for i in (dims or {}).get(name, ()):
             a.setdefault(i, f"{name}_{i}")
         axes[name] = a

@@ -173,3 +173,52 @@ def test_dynamo_exports_children_named_like_graph_module_attributes(tmp_path):
     assert {q for q in _pairs(out) if q} >= {"meta.weight_quantizer", "graph.weight_quantizer"}
     r = cli("verify", out, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
     assert r.exit_code == 0, r.output
+
+
+_UINT8_IMAGES = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(4, 2)
+
+    def forward(self, img):
+        x = img.float() / 255.0
+        return self.fc(self.conv(x).mean((2, 3)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_uint8_image_input_has_no_sequence_axis(tmp_path, exporter):
+    """A uint8 image (batch, 3, H, W) got its channel axis marked dynamic as 'sequence' (the rule for token
+    ids), and the dynamo exporter refused the model ("Received user-specified dim hint Dim.DYNAMIC ... static
+    shape of 3")."""
+    import onnx
+
+    (tmp_path / "net.py").write_text(_UINT8_IMAGES)
+    imgs = np.random.default_rng(0).integers(0, 256, (16, 3, 8, 8), dtype=np.uint8)
+    np.savez(tmp_path / "d.npz", img=imgs)
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli(
+        "calibrate",
+        f"{tmp_path / 'net.py'}:make",
+        "--data",
+        tmp_path / "d.npz",
+        "--placement",
+        "all",
+        "--out",
+        ck,
+    )
+    assert r.exit_code == 0, r.output
+    r = cli("export", ck, "--onnx", graph, "--exporter", exporter)
+    assert r.exit_code == 0, r.output
+    dims = onnx.load(str(graph)).graph.input[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in dims] == ["batch", 3, 8, 8]
