@@ -110,6 +110,26 @@ def test_generate_runs_a_graph_with_external_data_and_names_what_onnxruntime_can
     assert_clean_error(cli("generate", every, "--prompt", "x"), "onnxruntime cannot load", "every.onnx")
 
 
+def test_generate_takes_a_thread_count(float_graph, monkeypatch):
+    """generate built its session with onnxruntime's default threads and no way to set them (2x slower than
+    one thread on a loaded 2-vCPU machine): --threads N sets intra_op_num_threads; the tokens are the same."""
+    import onnxruntime as ort
+
+    _, path = float_graph
+    seen = []
+    real = ort.InferenceSession
+
+    def spy(model, options=None, *args, **kwargs):
+        seen.append(None if options is None else options.intra_op_num_threads)
+        return real(model, options, *args, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", spy)
+    want = json.loads(cli("generate", path, "--prompt", "import os", "--max-new-tokens", 6, "--json").stdout)
+    r = cli("generate", path, "--prompt", "import os", "--max-new-tokens", 6, "--threads", 1, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tokens"] == want["tokens"] and seen[-1] == 1
+
+
 def test_generate_prints_the_text_byte_for_byte(float_graph):
     """The plain output went through rich: ":smile:" became an emoji and tabs became spaces."""
     _, path = float_graph

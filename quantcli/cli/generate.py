@@ -53,6 +53,15 @@ def generate(
     top_k: Annotated[
         int, typer.Option("--top-k", min=0, help="Sample among the k most likely tokens (0: all).")
     ] = 0,
+    threads: Annotated[
+        Optional[int],
+        typer.Option(
+            "--threads",
+            min=1,
+            help="onnxruntime intra-op threads (default: onnxruntime's, one per physical core); 1 is often "
+            "fastest for one sequence on a shared machine.",
+        ),
+    ] = None,
     tokenizer: Annotated[
         Optional[Path],
         typer.Option(
@@ -113,7 +122,13 @@ def generate(
             f"the prompt ({len(ids)} tokens) and --max-new-tokens {max_new_tokens} exceed the graph's "
             f"context of {context} positions; {fix}"
         )
-    session = DecodeSession(onnx_path)
+    options = None
+    if threads is not None:
+        import onnxruntime as ort
+
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+    session = DecodeSession(onnx_path, options)
     g = run_generation(session, ids, max_new_tokens, seed=seed, temperature=temperature, top_k=top_k)
     text = continuation(codec, ids, g.tokens[:-1] if g.stopped == "eos" else g.tokens)
     result = {
