@@ -177,11 +177,12 @@ def check_exportable(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _plain_outputs(model: nn.Module, outputs):
-    """While exporting, a model whose output holds a dataclass (its own output class) returns the dict of its
-    fields instead (:func:`quantcli.inputs.data.plain_outputs`): neither exporter traces a dataclass."""
-    from quantcli.inputs.data import _has_dataclass, plain_outputs
+    """While exporting, a model whose output holds a dataclass (its own output class), a value that is no
+    tensor (an int, a string) or a dict key that is no string returns what the exporters can trace instead
+    (:func:`quantcli.inputs.data.plain_outputs`: the dataclass's fields, None, the key's str)."""
+    from quantcli.inputs.data import needs_plain, plain_outputs
 
-    if not _has_dataclass(outputs):
+    if not needs_plain(outputs):
         yield
         return
     handle = model.register_forward_hook(lambda _m, _args, out: plain_outputs(out))

@@ -1089,3 +1089,52 @@ def test_an_input_returned_under_its_own_name_keeps_its_name(tmp_path):
     r = cli("export", other, "--onnx", tmp_path / "o.onnx")
     assert_clean_error(r, "output named 'mask'", "rename that output")
     assert not (tmp_path / "o.onnx").exists()
+
+
+_NON_TENSOR_OUTPUTS = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        return h, 3, "hello", self.fc2(h)
+
+
+def make():
+    torch.manual_seed(0)
+    return Net().eval()
+"""
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_values_that_are_no_tensor_are_left_out_of_the_graph(tmp_path, exporter):
+    """``return a, 3, "hello", b``: TorchScript failed ("did not have observable data dependence ... try
+    --exporter dynamo") and dynamo too ("'int' object has no attribute 'name' ... try --exporter
+    torchscript"), each pointing to the other, where named_outputs says non-tensor values are left out."""
+    import onnxruntime as ort
+
+    (tmp_path / "net.py").write_text(_NON_TENSOR_OUTPUTS)
+    x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
+    np.savez(tmp_path / "d.npz", x=x)
+    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
+    r = cli(
+        "calibrate",
+        f"{tmp_path / 'net.py'}:make",
+        "--data",
+        tmp_path / "d.npz",
+        "--placement",
+        "all",
+        "--out",
+        ck,
+    )
+    assert r.exit_code == 0, r.output
+    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+    assert [o.name for o in sess.get_outputs()] == ["output_0", "output_3"]
+    assert cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz").exit_code == 0

@@ -336,27 +336,34 @@ def _is_dataclass_value(value) -> bool:
 
 
 def plain_outputs(out):
-    """``out`` with every dataclass instance (a model's own output class) replaced by the dict of its fields
-    that are not None, recursively: what the exporters can trace (they take tensors, tuples, lists and
-    dicts). Anything else is returned as it is."""
+    """``out`` as the exporters can trace it (tensors, None, tuples, lists and dicts of str keys): a dataclass
+    instance (a model's own output class) replaced by the dict of its fields that are not None, a value that
+    is no tensor (an int, a string: no graph output, as :func:`named_outputs` leaves it out) by None in a
+    tuple or list and left out of a dict, a dict key by its ``str``, recursively. ``out`` itself where nothing
+    needs replacing."""
+    if not needs_plain(out):
+        return out
     if isinstance(out, dict):
-        return (
-            {k: plain_outputs(v) for k, v in out.items()} if any(map(_has_dataclass, out.values())) else out
-        )
-    if isinstance(out, (tuple, list)) and any(map(_has_dataclass, out)):
-        return type(out)(plain_outputs(v) for v in out) if type(out) in (tuple, list) else out
+        kept = {str(k): plain_outputs(v) for k, v in out.items()}
+        return {k: v for k, v in kept.items() if v is not None}
+    if isinstance(out, (tuple, list)):
+        values = [plain_outputs(v) for v in out]
+        return type(out)(values) if type(out) in (tuple, list) else type(out)(*values)  # a namedtuple
     if _is_dataclass_value(out):
         fields = ((f.name, getattr(out, f.name)) for f in dataclasses.fields(out))
         return {k: plain_outputs(v) for k, v in fields if v is not None}
-    return out
+    return None  # a value that is no tensor
 
 
-def _has_dataclass(value) -> bool:
-    if _is_dataclass_value(value):
-        return True
+def needs_plain(value) -> bool:
+    """Whether :func:`plain_outputs` changes ``value``."""
+    if value is None or isinstance(value, torch.Tensor):
+        return False
     if isinstance(value, dict):
-        return any(map(_has_dataclass, value.values()))
-    return isinstance(value, (tuple, list)) and any(map(_has_dataclass, value))
+        return any(not isinstance(k, str) for k in value) or any(map(needs_plain, value.values()))
+    if isinstance(value, (tuple, list)):
+        return any(map(needs_plain, value))
+    return True  # a dataclass, or a value that is no tensor
 
 
 def flat_outputs(out) -> list[torch.Tensor]:
