@@ -69,3 +69,27 @@ def load_module(path, name: str = "user_model"):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def calibrated_file(tmp_path, source: str, arrays: dict, *calibrate_args, name: str = "m"):
+    """``source`` (a user's model file with ``make()``) written to ``tmp_path / "net.py"``, ``arrays`` saved
+    as ``d.npz``, and calibrated through the CLI with ``--placement all`` (every layer quantized, whatever
+    the CPU) and ``calibrate_args``: ``(checkpoint, data)``."""
+    import numpy as np
+
+    (tmp_path / "net.py").write_text(source)
+    np.savez(tmp_path / "d.npz", **arrays)
+    ck = tmp_path / f"{name}.calib.pt"
+    args = ("--data", tmp_path / "d.npz", "--placement", "all", "--out", ck, *calibrate_args)
+    r = cli("calibrate", f"{tmp_path / 'net.py'}:make", *args)
+    assert r.exit_code == 0, r.output
+    return ck, tmp_path / "d.npz"
+
+
+def exported_and_verified(ck, data, graph, *export_args):
+    """``ck`` exported to ``graph`` through the CLI (``export_args``), and verify's exit 0 on ``data``."""
+    r = cli("export", ck, "--onnx", graph, *export_args)
+    assert r.exit_code == 0, r.output
+    r = cli("verify", graph, "--reference", ck, "--data", data)
+    assert r.exit_code == 0, r.output
+    return graph

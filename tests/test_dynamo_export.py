@@ -7,7 +7,7 @@ import pytest
 from exporters.graph import qdq_pairs
 from quantcli import load_calibrated
 from quantcli.verify import verify_onnx
-from tests.helpers import assert_clean_error, cli
+from tests.helpers import assert_clean_error, calibrated_file, cli, exported_and_verified
 from tests.ort_util import onnx_and_torch, run_model
 
 
@@ -203,22 +203,8 @@ def test_a_uint8_image_input_has_no_sequence_axis(tmp_path, exporter):
     shape of 3")."""
     import onnx
 
-    (tmp_path / "net.py").write_text(_UINT8_IMAGES)
     imgs = np.random.default_rng(0).integers(0, 256, (16, 3, 8, 8), dtype=np.uint8)
-    np.savez(tmp_path / "d.npz", img=imgs)
-    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli(
-        "calibrate",
-        f"{tmp_path / 'net.py'}:make",
-        "--data",
-        tmp_path / "d.npz",
-        "--placement",
-        "all",
-        "--out",
-        ck,
-    )
-    assert r.exit_code == 0, r.output
-    r = cli("export", ck, "--onnx", graph, "--exporter", exporter)
-    assert r.exit_code == 0, r.output
+    ck, data = calibrated_file(tmp_path, _UINT8_IMAGES, {"img": imgs})
+    graph = exported_and_verified(ck, data, tmp_path / "m.onnx", "--exporter", exporter)
     dims = onnx.load(str(graph)).graph.input[0].type.tensor_type.shape.dim
     assert [d.dim_param or d.dim_value for d in dims] == ["batch", 3, 8, 8]

@@ -15,7 +15,7 @@ from quantcli import load_calibrated, quantize_model
 from quantcli.calibration.calibrate import calibrate
 from quantcli.nn import quantizers
 from quantcli.verify import verify_onnx
-from tests.helpers import assert_clean_error, cli
+from tests.helpers import assert_clean_error, calibrated_file, cli, exported_and_verified
 from tests.ort_util import onnx_and_torch
 
 T = onnx.TensorProto
@@ -972,34 +972,23 @@ def test_an_input_forward_never_reads_is_said_and_verify_takes_the_graph(tmp_pat
     assert r.exit_code == 0, r.output
 
 
-_DATACLASS_OUTPUT = """
-from dataclasses import dataclass
-
-import torch
-from torch import nn
-
-
-@dataclass
-class Out:
-    logits: torch.Tensor
-    features: torch.Tensor
-    loss: torch.Tensor | None = None
+def _mlp_returning(value: str, header: str = "") -> str:
+    """A model file: two Linear layers whose ``forward`` returns ``value`` (of ``h``, the hidden ReLU output,
+    and ``self.fc2(h)``), after ``header`` (imports, classes)."""
+    return (
+        "import torch\nfrom torch import nn\n" + header + "\n\nclass Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n"
+        "        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)\n\n"
+        "    def forward(self, x):\n        h = torch.relu(self.fc1(x))\n"
+        f"        return {value}\n\n\ndef make():\n    torch.manual_seed(0)\n    return Net().eval()\n"
+    )
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = torch.relu(self.fc1(x))
-        return Out(self.fc2(h), h)
-
-
-def make():
-    torch.manual_seed(0)
-    return Net().eval()
-"""
+_DATACLASS_OUTPUT = _mlp_returning(
+    "Out(self.fc2(h), h)",
+    "from dataclasses import dataclass\n\n\n@dataclass\nclass Out:\n    logits: torch.Tensor\n"
+    "    features: torch.Tensor\n    loss: torch.Tensor | None = None\n",
+)
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -1009,17 +998,10 @@ def test_a_model_returning_a_dataclass_exports_its_fields(tmp_path, exporter):
     returns no tensor". Its fields are its outputs, by name, None fields left out, as a ModelOutput's."""
     import onnxruntime as ort
 
-    (tmp_path / "net.py").write_text(_DATACLASS_OUTPUT)
     x = np.random.default_rng(0).standard_normal((32, 8)).astype(np.float32)
-    np.savez(tmp_path / "d.npz", x=x)
-    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    spec = f"{tmp_path / 'net.py'}:make"
-    r = cli(
-        "calibrate", spec, "--data", tmp_path / "d.npz", "--batch-size", "8", "--placement", "all",
-        "--min-cosine", "0.99", "--out", ck,
-    )  # fmt: skip
-    assert r.exit_code == 0, r.output
-    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    args = ("--batch-size", "8", "--min-cosine", "0.99")
+    ck, data = calibrated_file(tmp_path, _DATACLASS_OUTPUT, {"x": x}, *args)
+    graph = exported_and_verified(ck, data, tmp_path / "m.onnx", "--exporter", exporter)
     sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()] == ["logits", "features"]
     logits, features = sess.run(None, {"x": x})
@@ -1028,8 +1010,6 @@ def test_a_model_returning_a_dataclass_exports_its_fields(tmp_path, exporter):
         want = model(torch.from_numpy(x))
     np.testing.assert_allclose(logits, want.logits.numpy(), atol=1e-5)
     np.testing.assert_allclose(features, want.features.numpy(), atol=1e-5)
-    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz", "--json")
-    assert r.exit_code == 0, r.output
 
 
 _RETURNS_ITS_INPUT = """
@@ -1091,25 +1071,7 @@ def test_an_input_returned_under_its_own_name_keeps_its_name(tmp_path):
     assert not (tmp_path / "o.onnx").exists()
 
 
-_NON_TENSOR_OUTPUTS = """
-import torch
-from torch import nn
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x):
-        h = torch.relu(self.fc1(x))
-        return h, 3, "hello", self.fc2(h)
-
-
-def make():
-    torch.manual_seed(0)
-    return Net().eval()
-"""
+_NON_TENSOR_OUTPUTS = _mlp_returning('h, 3, "hello", self.fc2(h)')
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -1119,22 +1081,8 @@ def test_values_that_are_no_tensor_are_left_out_of_the_graph(tmp_path, exporter)
     torchscript"), each pointing to the other, where named_outputs says non-tensor values are left out."""
     import onnxruntime as ort
 
-    (tmp_path / "net.py").write_text(_NON_TENSOR_OUTPUTS)
     x = np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32)
-    np.savez(tmp_path / "d.npz", x=x)
-    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli(
-        "calibrate",
-        f"{tmp_path / 'net.py'}:make",
-        "--data",
-        tmp_path / "d.npz",
-        "--placement",
-        "all",
-        "--out",
-        ck,
-    )
-    assert r.exit_code == 0, r.output
-    assert cli("export", ck, "--onnx", graph, "--exporter", exporter).exit_code == 0
+    ck, data = calibrated_file(tmp_path, _NON_TENSOR_OUTPUTS, {"x": x})
+    graph = exported_and_verified(ck, data, tmp_path / "m.onnx", "--exporter", exporter)
     sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()] == ["output_0", "output_3"]
-    assert cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz").exit_code == 0

@@ -12,7 +12,7 @@ import torch
 from exporters.graph import qdq_pairs
 from quantcli.quant.cpu import can_saturate, detect, resolve
 from quantcli.verify import REPLAY_SAMPLES
-from tests.helpers import assert_clean_error, cli
+from tests.helpers import assert_clean_error, calibrated_file, cli, exported_and_verified
 from tests.mutations import (
     add_to_initializer,
     initializer_values,
@@ -735,26 +735,8 @@ def test_verify_takes_its_own_export_when_the_data_names_the_inputs_in_another_o
     """``np.savez(f, y=..., x=...)`` for ``forward(x, y)``: the checkpoint kept the data's order, the graph
     forward's, and verify refused the graph export had just written ("the ONNX inputs ['x', 'y'] do not match
     the checkpoint's inputs ['y', 'x']"). Inputs are matched by name."""
-    (tmp_path / "net.py").write_text(_TWO_INPUTS)
     rng = np.random.default_rng(0)
     f32 = np.float32
-    np.savez(
-        tmp_path / "d.npz",
-        y=rng.standard_normal((32, 6)).astype(f32),
-        x=rng.standard_normal((32, 8)).astype(f32),
-    )
-    ck, graph = tmp_path / "m.calib.pt", tmp_path / "m.onnx"
-    r = cli(
-        "calibrate",
-        f"{tmp_path / 'net.py'}:make",
-        "--data",
-        tmp_path / "d.npz",
-        "--placement",
-        "all",
-        "--out",
-        ck,
-    )
-    assert r.exit_code == 0, r.output
-    assert cli("export", ck, "--onnx", graph).exit_code == 0
-    r = cli("verify", graph, "--reference", ck, "--data", tmp_path / "d.npz")
-    assert r.exit_code == 0, r.output
+    arrays = {"y": rng.standard_normal((32, 6)).astype(f32), "x": rng.standard_normal((32, 8)).astype(f32)}
+    ck, data = calibrated_file(tmp_path, _TWO_INPUTS, arrays)
+    exported_and_verified(ck, data, tmp_path / "m.onnx")
