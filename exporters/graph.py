@@ -168,12 +168,18 @@ def plain_values(v: np.ndarray) -> list:
     return [int(x) for x in v] if np.issubdtype(v.dtype, np.integer) else [float(x) for x in v]
 
 
+def metadata_json(model: onnx.ModelProto, key: str, default):
+    """The JSON value the exporter wrote under ``key`` in the graph's ``metadata_props``; ``default`` where
+    it wrote none (older files)."""
+    for p in model.metadata_props:
+        if p.key == key:
+            return json.loads(p.value)
+    return default
+
+
 def quantizer_map(model: onnx.ModelProto) -> dict[str, str]:
     """DequantizeLinear output name -> quantizer name, as written by the exporter into metadata_props."""
-    for p in model.metadata_props:
-        if p.key == QUANTIZERS_KEY:
-            return json.loads(p.value)
-    return {}
+    return metadata_json(model, QUANTIZERS_KEY, {})
 
 
 def is_int32_bias(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool:
@@ -187,19 +193,13 @@ def is_int32_bias(n: onnx.NodeProto, inits: dict[str, onnx.TensorProto]) -> bool
 
 def kn_weights(model: onnx.ModelProto) -> set[str]:
     """The DequantizeLinear outputs whose weight codes the exporter stored as ``[in, out]`` (empty: none)."""
-    for p in model.metadata_props:
-        if p.key == KN_WEIGHTS_KEY:
-            return set(json.loads(p.value))
-    return set()
+    return set(metadata_json(model, KN_WEIGHTS_KEY, []))
 
 
 def traced_branches(model: onnx.ModelProto) -> list[str]:
     """Where the model's forward branched on a tensor's value when it was traced (:data:`BRANCHES_KEY`;
     empty: none, or an older file)."""
-    for p in model.metadata_props:
-        if p.key == BRANCHES_KEY:
-            return list(json.loads(p.value))
-    return []
+    return list(metadata_json(model, BRANCHES_KEY, []))
 
 
 def branch_note(branches: list[str]) -> str:
@@ -215,19 +215,13 @@ def branch_note(branches: list[str]) -> str:
 def pruned_quantizers(model: onnx.ModelProto) -> list[str]:
     """Quantizers the exporter recorded as removed because nothing uses their output (empty for older
     files)."""
-    for p in model.metadata_props:
-        if p.key == PRUNED_KEY:
-            return list(json.loads(p.value))
-    return []
+    return list(metadata_json(model, PRUNED_KEY, []))
 
 
 def unread_inputs(model: onnx.ModelProto) -> list[str]:
     """The checkpoint's inputs export recorded as left out of the graph, never read (empty for older
     files)."""
-    for p in model.metadata_props:
-        if p.key == UNREAD_INPUTS_KEY:
-            return list(json.loads(p.value))
-    return []
+    return list(metadata_json(model, UNREAD_INPUTS_KEY, []))
 
 
 def is_propagated(node: onnx.NodeProto) -> bool:
