@@ -179,12 +179,7 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
                 continue
             if op is None or op.op_type not in COMMUTING_OPS or op.output[0] in outputs:
                 continue
-            if op.input[0] in inits or any(
-                c.op_type != "QuantizeLinear"
-                or _key(c, inits) is None
-                or _key(c, inits)[1:] != _key(q, inits)[1:]
-                for c in consumers.get(op.output[0], [])
-            ):
+            if op.input[0] in inits or not _same_grid_readers(op, q, inits, consumers):
                 continue  # a float reader of the op's output would see quantized values: not exact any more
             src = op.input[0]
             src_producer = producers.get(src)
@@ -209,16 +204,7 @@ def _copy_quantize(
     and the DQ's output. Where a QuantizeLinear of that grid already reads ``src`` (the input quantizer of
     another reader: a stem's output read by a Conv and by a MaxPool), only the DQ is added, reading it: the
     tensor keeps one Q, as onnxruntime's fusion of its producer needs."""
-    same = next(
-        (
-            c
-            for c in consumers.get(src, [])
-            if c.op_type == "QuantizeLinear"
-            and _key(c, inits) is not None
-            and _key(c, inits)[1:] == _key(q, inits)[1:]
-        ),
-        None,
-    )
+    same = next((c for c in consumers.get(src, []) if _same_grid(c, q, inits)), None)
     if same is None:
         same = helper.make_node("QuantizeLinear", [src, *q.input[1:]], [base + "_q"], name=base + "/Q")
         same.attribute.extend(q.attribute)
@@ -234,11 +220,9 @@ def _insert_before(g: onnx.GraphProto, op: onnx.NodeProto, new: list[onnx.NodePr
     stays where it is if it comes before ``op``, and moves in front of it otherwise (it reads what ``op``
     reads)."""
     nodes = list(g.node)
-    placed = [n for n in nodes if any(n is m for m in new)]
-    at = nodes.index(op)
-    early = {id(n) for n in placed if nodes.index(n) < at}
-    nodes = [n for n in nodes if not any(n is m for m in placed) or id(n) in early]
-    new = [n for n in new if id(n) not in early]
+    before = {id(n) for n in nodes[: nodes.index(op)]}
+    new = [n for n in new if id(n) not in before]
+    nodes = [n for n in nodes if not any(n is m for m in new)]
     at = nodes.index(op)
     del g.node[:]
     g.node.extend(nodes[:at] + new + nodes[at:])
@@ -247,12 +231,15 @@ def _insert_before(g: onnx.GraphProto, op: onnx.NodeProto, new: list[onnx.NodePr
 def _same_grid_readers(op: onnx.NodeProto, q: onnx.NodeProto, inits, consumers) -> bool:
     """True if every reader of ``op``'s output is a QuantizeLinear of ``q``'s scale, zero point and
     attributes (a float reader would see quantized values once ``op`` reads codes)."""
-    return all(
-        c.op_type == "QuantizeLinear"
-        and _key(c, inits) is not None
-        and _key(c, inits)[1:] == _key(q, inits)[1:]
-        for c in consumers.get(op.output[0], [])
-    )
+    return all(_same_grid(c, q, inits) for c in consumers.get(op.output[0], []))
+
+
+def _same_grid(c: onnx.NodeProto, q: onnx.NodeProto, inits) -> bool:
+    """True if ``c`` is a QuantizeLinear of ``q``'s scale, zero point and attributes."""
+    if c.op_type != "QuantizeLinear":
+        return False
+    mine, theirs = _key(c, inits), _key(q, inits)
+    return mine is not None and theirs is not None and mine[1:] == theirs[1:]
 
 
 #: the layers onnxruntime fuses with a Q on their output (a Relu/Clip between them absorbed)
@@ -359,9 +346,9 @@ def propagated_copy_problems(model: onnx.ModelProto) -> list[str]:
     inits = initializer_map(g)
     consumers = consumer_map(model)
 
-    def grid(n: onnx.NodeProto):
-        vals = [to_numpy(inits[x]) if x in inits else None for x in n.input[1:3]]
-        return None if any(v is None for v in vals) else vals
+    def grid(n: onnx.NodeProto):  # the scale and zero point, as values (a DQ's attributes are a Q's subset)
+        key = _key(n, inits)
+        return None if key is None else key[1]
 
     problems = []
     for dq in g.node:
@@ -377,10 +364,7 @@ def propagated_copy_problems(model: onnx.ModelProto) -> list[str]:
                 if c.op_type in (*COMMUTING_OPS, "Concat"):
                     todo.extend(c.output)
                 elif c.op_type == "QuantizeLinear" and grid(c) is not None:
-                    theirs = grid(c)
-                    if len(mine) != len(theirs) or not all(
-                        a.shape == b.shape and np.array_equal(a, b) for a, b in zip(mine, theirs)
-                    ):
+                    if grid(c) != mine:
                         problems.append(
                             f"{dq.name}: the copy of {c.name}'s grid (moved across commuting ops) has "
                             "another scale or zero point"
