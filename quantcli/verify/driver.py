@@ -205,7 +205,7 @@ class _Sessions:
 
 
 def _open_sessions(
-    model: onnx.ModelProto, prov: str, provider: str, deployment: bool, path: Path | None = None
+    model: onnx.ModelProto, prov: str, provider: str, deployment: bool, path: Path
 ) -> _Sessions:
     # the exact session without the Q/DQ copies the onnxruntime target puts in front of MaxPool/Flatten (the
     # same values): a quantizer's QuantizeLinear then reads the float tensor it quantizes, not
@@ -222,7 +222,7 @@ def _open_sessions(
     if deployment:
         try:
             ss.deployed = sessions.open_session(  # the file itself: what a user's session loads
-                path if path is not None else model,
+                path,
                 prov,
                 optimize=True,
                 disabled_optimizers=ss.deploy_options,
