@@ -153,10 +153,7 @@ class QuantConfig:
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ConfigError(f"block_size must be a positive int, got {self.block_size!r}")
         if self.block_size == 1:  # one scale per weight: no QuantizeLinear or MatMulNBits layout takes it
-            raise ConfigError(
-                "block_size 1 gives every weight its own scale, which no ONNX format holds: pass 2 or more "
-                "(32, 64 or 128 are usual)"
-            )
+            raise ConfigError(f"block_size 1 {BLOCK_OF_ONE}")
         if self.reduce_range is None:
             self.reduce_range = REDUCE_RANGE_AUTO
         if not isinstance(self.reduce_range, bool) and self.reduce_range != REDUCE_RANGE_AUTO:
@@ -335,6 +332,12 @@ class QuantConfig:
         return enabled, desc, matched
 
 
+#: why a block size of 1 (the config's block_size, or a rule's block_sizes) is refused
+BLOCK_OF_ONE = (
+    "gives every weight its own scale, which no ONNX format holds: pass 2 or more (32, 64 or 128 are usual)"
+)
+
+
 def _check_granularity(name: str, kind: str, layer, fields: dict) -> None:
     """A quantizer's fields that calibrate would accept and export could not write, refused here: blocks of an
     activation (their amax would follow the calibration batch's shape), a weight's axis other than its output
@@ -342,10 +345,7 @@ def _check_granularity(name: str, kind: str, layer, fields: dict) -> None:
     layer other than a Linear (DynamicQuantizeLinear -> MatMulInteger is the only dynamic export)."""
     sizes = fields.get("block_sizes") or {}
     if kind == "weight" and isinstance(sizes, dict) and any(v == 1 for k, v in sizes.items() if k != "type"):
-        raise ConfigError(
-            f"{name}: a block size of 1 gives every weight its own scale, which no ONNX format holds: pass 2 "
-            "or more (32, 64 or 128 are usual)"
-        )
+        raise ConfigError(f"{name}: a block size of 1 {BLOCK_OF_ONE}")
     if kind != "weight" and fields.get("block_sizes"):
         raise ConfigError(
             f"{name}: block_sizes applies to weight quantizers; an activation's scale is per tensor: drop "
