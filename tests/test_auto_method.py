@@ -33,6 +33,9 @@ def _int32_bias(bias, x_amax, w_amax):
 #: (the onnxruntime target's default) choose among ranges: test_asymmetric_quantizers_choose_among_ranges
 #: on 8-bit weights (a CPU with VNNI): the criterion is recomputed with int8 weights; the deployment CPU's
 #: grid is tests/test_saturation.py's
+#: the projections of one attention layer that read one tensor
+QKV = ("query", "key", "value")
+
 SYMMETRIC = {"preset": "int8", "asymmetric_activations": False, "cpu": "x86-vnni"}
 
 
@@ -86,7 +89,7 @@ def test_choice_minimises_the_independent_layer_output_error(auto_run):
             flt(**b)
     for h in hooks:
         h.remove()
-    picked_not_max = 0
+    errs, power = {}, {}
     for name, a in summary.auto.items():
         layer = name.rsplit(".", 1)[0]
         lin = layers[layer]
@@ -95,7 +98,8 @@ def test_choice_minimises_the_independent_layer_output_error(auto_run):
         w_amax = w.abs().amax(dim=1, keepdim=True)
         wq = _fq(w, w_amax)
         y = F.linear(x, w, bias).double()
-        err = {
+        power[name] = float((y**2).mean())
+        errs[name] = err = {
             m: float(
                 (
                     (F.linear(_fq(x, torch.tensor(v)), wq, _int32_bias(bias, v, w_amax)).double() - y) ** 2
@@ -105,10 +109,21 @@ def test_choice_minimises_the_independent_layer_output_error(auto_run):
         }
         for m in CANDIDATES:  # the reported errors are these errors (to float rounding of the two passes)
             assert a["errors"][m] == pytest.approx(err[m], rel=1e-4, abs=1e-12), (name, m)
-        assert err[a["method"]] <= err["max"] * (1 + 1e-6), name  # never worse than max
-        assert a["method"] == choose(err), name
+    picked_not_max = alone_differs = 0
+    for name, a in summary.auto.items():
+        group = [name, *a.get("shared_with", [])]
+        if len(group) == 1:  # a layer reading a tensor no other quantizer reads: its own smallest error
+            expected = choose(errs[name])
+        else:  # q, k and v read one tensor: the smallest sum of relative errors, one pick for the three
+            assert sorted(group) == sorted(f"{name.rsplit('.', 2)[0]}.{p}.input_quantizer" for p in QKV)
+            rel = {m: sum(errs[n][m] / power[n] for n in group) for m in CANDIDATES}
+            expected = choose(rel)
+            assert rel[expected] <= rel["max"] * (1 + 1e-6), name  # never worse than max, over the group
+            alone_differs += choose(errs[name]) != expected
+        assert a["method"] == expected, name
         picked_not_max += a["method"] != "max"
     assert picked_not_max >= 1  # the choice is made per quantizer, not a fixed one
+    assert alone_differs >= 1  # the test tells a joint choice from choices one by one
 
 
 def test_cli_reports_auto_choices(tmp_path):
@@ -234,3 +249,49 @@ def test_asymmetric_quantizers_choose_among_ranges():
     assert a["method"] == pick != "max"
     q = model.fc.input_quantizer
     assert float(q.amax) == a["candidates"][pick] and float(q.amin) == a["candidate_amin"][pick]
+
+
+def test_quantizers_of_one_tensor_take_one_choice_and_the_producer_fuses(tmp_path):
+    """A residual block's first Conv and the residual Add's quantizer read one tensor (the stem's output). The
+    Conv's own choice here is percentile (its weights read the channel with rare large values), the Add's
+    quantizer has no layer to choose by: chosen one by one, the tensor got two ranges, so the export quantized
+    it twice and onnxruntime ran the stem as a float FusedConv. One tensor now takes one choice: one range,
+    one shared Q, the stem a QLinearConv (in onnxruntime's own optimized graph)."""
+    import collections
+
+    from exporters import export_onnx
+    from exporters.onnxruntime.fusion import optimized_graph
+    from quantcli.calibration.calibrate import calibrate
+    from quantcli.nn import quantize_model
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.conv1 = torch.nn.Conv2d(8, 8, 3, padding=1)
+            self.conv2 = torch.nn.Conv2d(8, 8, 3, padding=1)
+            self.head = torch.nn.Linear(8, 5)
+
+        def forward(self, x):
+            x = torch.relu(self.stem(x))
+            x = torch.relu(self.conv2(torch.relu(self.conv1(x))) + x)
+            return self.head(x.mean((2, 3)))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    with torch.no_grad():
+        net.conv1.weight[:, 1:] *= 0.05
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, 8, 8, generator=g) + (torch.rand(64, 1, 8, 8, generator=g) < 0.01) * 30.0
+    batches = [{"x": x[i : i + 16]} for i in range(0, 64, 16)]
+    model = quantize_model(net, {"cpu": "x86-vnni"}, example=batches[0])
+    summary = calibrate(model, batches, "auto", device="cpu")
+    a = summary.auto["conv1.input_quantizer"]
+    assert a["shared_with"] == ["residual_quantizer"]
+    assert a["method"] != "mse"  # not what the Add's quantizer would take alone: the test tells them apart
+    assert float(model.residual_quantizer.amax) == float(model.conv1.input_quantizer.amax) == a["amax"]
+    assert "shared_with" not in summary.auto["conv2.input_quantizer"]
+    path = tmp_path / "res.onnx"
+    export_onnx(model, batches[0], path)
+    ops = collections.Counter(n.op_type for n in optimized_graph(path).graph.node)
+    assert ops["QLinearConv"] == 3 and ops["QLinearAdd"] == 1 and ops["FusedConv"] + ops["Conv"] == 0, ops

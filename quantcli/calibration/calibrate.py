@@ -17,18 +17,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from calibrators import MaxCalibrator
-from calibrators.auto import InputSample, choose
 from calibrators.base import refuse_nonfinite
 from calibrators.batched import search_histograms, search_ranges
 from calibrators.distributed import merge_calibrators, world_size
 from calibrators.folding import fold_together
-from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS, defined_for
+from calibrators.methods import CALIBRATION_METHODS, HISTOGRAM_METHODS
 from calibrators.scratch import release as release_scratch
 from calibrators.shared import shared_observations, shared_searches
 from calibrators.two_sided import METHODS as TWO_SIDED_METHODS
 from quantcli import defaults
-from quantcli.calibration import cuda_graph
+from quantcli.calibration import auto_method, cuda_graph
 from quantcli.calibration.int32_bias import WidenedWeights, fit_int32_biases
 from quantcli.calibration.process_group import one_outcome, sum_over_ranks
 from quantcli.errors import CalibrationError, QuantCliError
@@ -36,7 +34,6 @@ from quantcli.inputs.data import Batch, checked_batches, num_samples, run_model,
 from quantcli.nn.amax_checks import amax_span, checked_together
 from quantcli.nn.dynamic import count_calls
 from quantcli.nn.modes import keep_float, quantizer_modes
-from quantcli.nn.modules import input_quantized_before
 from quantcli.nn.tensor_quantizer import owner, quantizer_name, quantizers, role
 
 METHODS = CALIBRATION_METHODS  # kept importable under its old name
@@ -181,7 +178,7 @@ def calibrate(
     with one_outcome(group):
         compute = compute_dtype(dtype)
         qs, dev, acts = _prepare(model, batches, method, percentile, num_bins, device, alone=ranks == 1)
-    auto = _start_auto(model, acts, len(batches)) if method == "auto" else {}
+    auto = auto_method.start(model, acts, len(batches)) if method == "auto" else None
     # quantizers that observe nothing, whose calls are counted: a layer that never runs is left out as for
     # the observing ones
     counted = {n: q for n, q in qs.items() if q.enabled and q.dynamic_uint8} | _weight_only(qs)
@@ -191,7 +188,7 @@ def calibrate(
         with quantizer_modes([q for q in qs.values() if q.mode == "quantize"], "disabled"):
             with running_in(model, compute):
                 # --method auto's hooks run per batch in Python: a replay would not run them
-                wanted = cuda_graph and not auto
+                wanted = cuda_graph and auto is None
                 graphed = _graphed_pass(model, batches, acts, counted, dev, wanted, alone=ranks == 1)
                 total_batches, total_samples, calls = _observe_activations(
                     model, batches, dev, counted, progress, group, compute, graphed
@@ -349,7 +346,7 @@ def _activation_amax(
     method: str,
     kwargs: dict,
     summary: CalibrationSummary,
-    auto: dict,
+    auto: auto_method.AutoRun | None,
     group,
 ) -> None:
     """Every activation amax from the statistics merged over the ranks; quantizers whose layer never ran (a
@@ -369,12 +366,11 @@ def _activation_amax(
             summary.dynamic.append(name)
 
 
-def _stop_observers(acts: dict, auto: dict) -> None:
+def _stop_observers(acts: dict, auto: auto_method.AutoRun | None) -> None:
     """Remove ``--method auto``'s hooks and the calibrators of quantizers still observing (after an error):
     every activation quantizer quantizes again."""
-    for st in auto.values():
-        for h in st.hooks:
-            h.remove()
+    if auto is not None:
+        auto.stop()
     for q in acts.values():
         if q.mode == "calibrate":
             q.calibrator = None
@@ -540,117 +536,6 @@ def _start_observers(model: nn.Module, qs: dict, method: str, num_bins: int) -> 
     return {**weights, **acts}
 
 
-@dataclass
-class _AutoState:
-    """What ``--method auto`` observes of one activation quantizer besides its histogram."""
-
-    layer: nn.Module
-    max_calibrator: MaxCalibrator | None  # None for an asymmetric quantizer: its calibrator has the extremes
-    sample: InputSample
-    hooks: list = field(default_factory=list)
-
-    def observe(self, _quantizer, args) -> None:
-        self.max_calibrator.collect(args[0])
-
-    def keep(self, _layer, args) -> None:
-        # the layer's own input: what layer(x) takes again when candidates are compared (SmoothQuant's Mul
-        # and a padding the quantizer runs before sit between it and the quantizer's input)
-        self.sample.collect(args[0])
-
-    def output(self, q, x: torch.Tensor) -> torch.Tensor:
-        """The layer's output on its input ``x`` with ``q`` as it is set: where ``q`` runs before a zero
-        padding (:func:`quantcli.nn.modules.apply_input_quantizer_before`), the layer skips it, and ``q`` of
-        the padded ``x`` is the padding of ``q(x)``."""
-        if input_quantized_before(self.layer) is not None:
-            x = q(x)
-        return self.layer(x)
-
-
-def _start_auto(model: nn.Module, acts: dict, num_batches: int) -> dict[str, _AutoState]:
-    """Observers for the input quantizers of quantized layers. Others (blocked; a quantizer outside a layer)
-    have no auto choice and get the histogram's mse amax (an asymmetric one: the asymmetric mse range)."""
-    states = {}
-    for name, q in acts.items():
-        layer = model.get_submodule(owner(name))
-        if (
-            not name.endswith("input_quantizer")
-            or q._block is not None
-            or getattr(layer, "input_quantizer", None) is not q
-            or not hasattr(layer, "weight_quantizer")
-            or not _runs_alone(layer)
-        ):
-            continue
-        nb = q.desc.num_bits
-        sample = InputSample(num_batches, rows_last=isinstance(layer, nn.Linear))
-        if q.desc.asymmetric:
-            st = _AutoState(layer, None, sample)
-            st.hooks = [layer.register_forward_pre_hook(st.keep)]
-        else:
-            bits = nb if isinstance(nb, int) else tuple(nb)
-            st = _AutoState(layer, MaxCalibrator(bits, q.desc.axis, q.desc.unsigned, name=name), sample)
-            st.hooks = [q.register_forward_pre_hook(st.observe), layer.register_forward_pre_hook(st.keep)]
-        states[name] = st
-    return states
-
-
-def _runs_alone(layer: nn.Module) -> bool:
-    """Whether ``layer(x)`` computes the layer's operation on ``x`` (``--method auto`` compares candidates
-    so): every class-path layer; a computed layer only when it is a torch convolution or linear layer (its own
-    ``forward`` takes one input: "same" padding, weight standardisation), not ``nn.MultiheadAttention``."""
-    if not getattr(layer, "weight_from_forward", False):
-        return True
-    return isinstance(layer, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)) and not isinstance(
-        layer, nn.modules.linear.NonDynamicallyQuantizableLinear
-    )
-
-
-def _choose_auto(q, st: _AutoState, kwargs: dict) -> dict:
-    """Set ``q``'s amax to the candidate whose layer output is closest (MSE) to the float layer's output on
-    the input sample, the layer's weights quantized as deployed. Returns the choice and every error."""
-    hist = q.calibrator
-    cands, amins = {}, {}
-    if st.max_calibrator is None:  # asymmetric: the data's (min, max), then the two-sided ranges
-        for m in ("max", *TWO_SIDED_METHODS):
-            q.calibrator = hist
-            cands[m] = q.load_calib_amax(m, **kwargs).clone()
-            amins[m] = q.amin.clone()
-    else:
-        q.calibrator = st.max_calibrator
-        cands["max"] = q.load_calib_amax("max").clone()
-        for m in HISTOGRAM_METHODS:
-            if not defined_for(m, q.desc.is_fp8):
-                continue
-            q.calibrator = hist
-            cands[m] = q.load_calib_amax(m, **kwargs).clone()
-    x = st.sample.tensor()
-    errors: dict[str, float] = {}
-    if x is not None:
-        layer, wq = st.layer, st.layer.weight_quantizer
-        x = x.to(device=layer.weight.device, dtype=layer.weight.dtype)
-        with quantizer_modes([q, wq], "disabled"), torch.inference_mode():
-            ref = st.output(q, x).to(torch.float64)
-            q.set_mode("quantize")
-            wq.set_mode("quantize")
-            for m, a in cands.items():
-                q.set_amax(a)
-                if m in amins:
-                    q.amin = amins[m]
-                errors[m] = float(((st.output(q, x).to(torch.float64) - ref) ** 2).mean())
-    pick = choose(errors) if errors else "max"
-    q.set_amax(cands[pick])
-    q.histogram = hist
-    out = {
-        "method": pick,
-        "amax": float(cands[pick].max()),
-        "errors": {m: errors.get(m) for m in cands},
-        "candidates": {m: float(a.max()) for m, a in cands.items()},
-    }
-    if amins:
-        q.amin = amins[pick]
-        out.update(amin=float(amins[pick]), candidate_amin={m: float(a) for m, a in amins.items()})
-    return out
-
-
 def _search_together(acts: dict, method: str, kwargs: dict) -> None:
     """Every activation quantizer's histogram search at once, per kind of search (:mod:`calibrators.batched`):
     each quantizer's ``load_calib_amax`` below then takes its kept result. ``--method auto`` compares every
@@ -669,11 +554,17 @@ def _search_all(cals: list, methods, kwargs: dict) -> None:
 
 
 def _load_activation_amax(
-    qs: dict, acts: dict, method: str, kwargs: dict, summary: CalibrationSummary, auto: dict | None = None
+    qs: dict,
+    acts: dict,
+    method: str,
+    kwargs: dict,
+    summary: CalibrationSummary,
+    auto: auto_method.AutoRun | None = None,
 ) -> None:
     """Each observing quantizer's amax from its calibrator; layers that never ran are disabled and
     reported."""
     _search_together(acts, method, kwargs)
+    activations = {}
     for name, q in acts.items():
         if q.calibrator is not None and q.calibrator.num_batches == 0:
             # the layer never ran (an unused head, a branch the data did not take): nothing to calibrate,
@@ -686,10 +577,12 @@ def _load_activation_amax(
             continue
         if q.desc.asymmetric and method in ("max", "entropy"):
             summary.min_max.append(name)
-        if auto and name in auto:
-            summary.auto[name] = _choose_auto(q, auto[name], kwargs)
-        else:
-            q.load_calib_amax("mse" if method == "auto" else method, **kwargs)
+        activations[name] = q
+    if auto is not None:
+        summary.auto.update(auto.choose_all(activations, kwargs))
+        return
+    for q in activations.values():
+        q.load_calib_amax(auto_method.FALLBACK if method == "auto" else method, **kwargs)
 
 
 def _leave_out(qs: dict, name: str, summary: CalibrationSummary) -> None:
