@@ -12,6 +12,7 @@ end the same way.
 from __future__ import annotations
 
 import dataclasses
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from quantcli.calibration.mixed_precision import (
     split_holdout,
 )
 from quantcli.calibration.process_group import Rank, broadcast_from_rank0, one_outcome
-from quantcli.errors import DataError, QuantCliError
+from quantcli.errors import ConfigError, DataError, QuantCliError
 from quantcli.files import refuse_overwriting_inputs
 from quantcli.inputs import batch_axes
 from quantcli.inputs.checkpoint import example_of, save_calibrated, state_snapshot
@@ -265,17 +266,39 @@ class CalibrationJob:
         if self.holdout is None:
             return None
         r = self.request
-        mixed = meet_target(
-            self.model,
-            self.holdout[0],
-            min_cosine=r.min_cosine,
-            min_snr=r.min_snr,
-            max_float_layers=r.max_float_layers,
-            holdout_name=self.holdout[1],
-        )
+        with tempfile.TemporaryDirectory(prefix="quantcli-target-") as work:
+            mixed = meet_target(
+                self.model,
+                self.holdout[0],
+                min_cosine=r.min_cosine,
+                min_snr=r.min_snr,
+                max_float_layers=r.max_float_layers,
+                holdout_name=self.holdout[1],
+                fusion=self._fusion_probe(Path(work)),
+            )
         summary.calibrated = [n for n in summary.calibrated if n not in mixed.quantizers_disabled]
         summary.skipped += mixed.quantizers_disabled
         return mixed
+
+    def _fusion_probe(self, workdir: Path) -> Callable[[set[str]], dict[str, bool | None]] | None:
+        """What onnxruntime fuses with some quantizers off, for the target search's step 6 (the onnxruntime
+        target's 8-bit integer layers only; ``None`` otherwise). A graph that does not export or load probes
+        as nothing fused: the search then keeps its layers as it chose them."""
+        from quantcli.calibration.latency_placement import fusion_probe, placed_layers
+
+        if self.config.target != "onnxruntime" or self.example is None or not placed_layers(self.model):
+            return None
+        probe = fusion_probe(self.model, self.example, workdir)
+
+        def fused(off: set[str]) -> dict[str, bool | None]:
+            try:
+                return probe(off)
+            except ConfigError:
+                raise
+            except Exception:  # export or onnxruntime: no fusion to keep
+                return {}
+
+        return fused
 
     def calibrate_kv_cache(self) -> KVCacheQuant | None:
         """``--kv-cache int8``: the cache's scales from the calibration batches, on the final quantized model

@@ -484,6 +484,11 @@ def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
     return None
 
 
+def placed_layers(model: nn.Module) -> list[str]:
+    """The 8-bit integer layers placement (and the target search's fusion check) decides for."""
+    return _weighed(model)
+
+
 def _weighed(model: nn.Module) -> list[str]:
     """The layers placement decides for: quantized modules it finds applicable."""
     modules = dict(model.named_modules())
@@ -558,19 +563,30 @@ def layer_shapes(model: nn.Module, example: Batch, layers: list[str]) -> dict[st
     return shapes
 
 
-def _with_float(
-    model: nn.Module, layers: set[str], decisions: list[LayerDecision], keep_inputs: bool
-) -> nn.Module:
-    """A copy of ``model`` with the quantizers of ``layers`` (among ``decisions``) off (``keep_inputs``: but
-    their input quantizers)."""
-    plain = copy.deepcopy(model)
-    qs = quantizers(plain)
-    for d in decisions:
-        if d.layer in layers:
-            for name in d.quantizers:
-                if name in qs and not (keep_inputs and role(name) == "input_quantizer"):
-                    keep_float(qs[name])
-    return plain
+def fusion_probe(
+    model: nn.Module, example: Batch, workdir: Path, exporters: list[str] | None = None
+) -> Callable[[set[str]], dict[str, bool | None]]:
+    """``probe(off) -> {layer: fused}``: what onnxruntime fuses, per module, in the int8 export of a copy of
+    ``model`` with the quantizers ``off`` switched off (the model itself is not changed); a float layer
+    onnxruntime quantizes itself (between a DQ and a Q: its own per-tensor int8 weights,
+    :func:`exporters.onnxruntime.fusion.runtime_quantized_layers`) maps to True. The graphs go to
+    ``workdir``; ``exporters``: see :func:`_fusion`."""
+    modules = dict(model.named_modules())
+    exporters = list(EXPORTERS) if exporters is None else exporters
+    count = iter(range(1, 1 << 30))
+
+    def probe(off: set[str]) -> dict[str, bool | None]:
+        plain = copy.deepcopy(model)
+        qs = quantizers(plain)
+        for name in off:
+            if name in qs:
+                keep_float(qs[name])
+        rep = _fusion(plain, example, workdir, f"float{next(count)}", exporters)
+        now = {m.layer: m.fused for m in module_calls(rep.layers, modules)}
+        now.update({m.layer: m.fused for m in module_calls(rep.runtime_quantized, modules)})
+        return now
+
+    return probe
 
 
 #: the exporters placement writes its graphs with, in order: TorchScript (``export``'s default), then dynamo
@@ -701,17 +717,19 @@ def measure_and_decide(
         with tempfile.TemporaryDirectory(prefix="quantcli-placement-") as d:
             work, exporters = Path(d), list(EXPORTERS)
             costs, report = measure(model, example, cpu, work, exporters)
-            modules = dict(model.named_modules())
             decisions = keep_pools(keep_chains(decide(costs, margin), _activation_groups(model)), report)
-            tries = iter(range(1, 6))
+            probe = fusion_probe(model, example, work, exporters)
 
             def fused_after(floats: set[str], keep_inputs: bool) -> dict[str, bool | None]:
-                plain = _with_float(model, floats, decisions, keep_inputs)
-                rep = _fusion(plain, example, work, f"float{next(tries)}", exporters)
-                now = {m.layer: m.fused for m in module_calls(rep.layers, modules)}
-                # float layers onnxruntime quantizes itself: True (its integer kernel, not the float chosen)
-                now.update({m.layer: m.fused for m in module_calls(rep.runtime_quantized, modules)})
-                return now
+                return probe(
+                    {
+                        name
+                        for d in decisions
+                        if d.layer in floats
+                        for name in d.quantizers
+                        if not (keep_inputs and role(name) == "input_quantizer")
+                    }
+                )
 
             stems = as_stems(decisions, report)  # stems kept float cost no neighbour anything
             if stems is None:

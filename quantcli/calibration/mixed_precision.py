@@ -25,6 +25,15 @@ quantization, which gives the same integer codes as the exported graph in onnxru
    ``quantize_dynamic``. The layer's weight codes are the static layer's; its input quantizer's descriptor
    becomes dynamic (saved in the checkpoint, re-applied by ``load_calibrated``).
 
+6. inputs kept for the layer before (onnxruntime): a float layer whose input quantizer is the Q on a quantized
+   layer's output takes, when switched off, that layer's integer kernel with it (onnxruntime fuses a Conv or
+   Gemm only up to a QuantizeLinear on its output): a kept MLP layer made the layer before it run float
+   between its Q/DQ, 1.9x slower than onnxruntime's own ``quantize_static`` graph. With a ``fusion`` probe
+   (what onnxruntime fuses with given quantizers off, :func:`quantcli.calibration.latency_placement.
+   fusion_probe`), each kept layer, least sensitive first, keeps its input quantizer (its weights float) where
+   that restores a lost integer kernel and the target stays met; a layer that still costs another its
+   integer kernel is reported (``unfused``), as is the target it would have missed.
+
 ``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one),
 not those step 5 moves to dynamic int8: where the target needs more float layers than the cap but step 5
 leaves no more float than the cap, it is met that way. Otherwise the result keeps the cap's worth of the worst
@@ -49,7 +58,7 @@ from quantcli.inputs.data import Batch, cap_samples, num_samples
 from quantcli.nn.dynamic import exportable
 from quantcli.nn.modes import keep_float
 from quantcli.nn.modules import QuantLinear
-from quantcli.nn.tensor_quantizer import quantizers
+from quantcli.nn.tensor_quantizer import quantizers, role
 from quantcli.quant.descriptor import QuantDescriptor
 
 SENSITIVITY_SAMPLES = 64  # held-out samples the ranking passes use (one pass per layer)
@@ -73,6 +82,12 @@ class MixedPrecisionResult:
     # layers moved to dynamic int8 activations instead of float
     dynamic: list[str] = field(default_factory=list)
     quantizers_disabled: list[str] = field(default_factory=list)
+    # float layers whose input quantizer stays on: the layer before needs that Q for its integer kernel
+    inputs_kept: list[str] = field(default_factory=list)
+    # layers kept float with them: a layer kept float took the Q their integer kernel needs (step 6)
+    float_too: list[str] = field(default_factory=list)
+    # quantized layers that run float in onnxruntime because a layer kept float took their output's Q
+    unfused: list[str] = field(default_factory=list)
     layers_total: int = 0
     cap: int = 0
     needed: int | None = None  # layers the target needs along the ranking, when the cap was hit
@@ -94,6 +109,9 @@ class MixedPrecisionResult:
             "layers_kept_float": len(self.kept_float),
             "dynamic": self.dynamic,
             "quantizers_disabled": self.quantizers_disabled,
+            "inputs_kept": self.inputs_kept,
+            "float_too": self.float_too,
+            "unfused": self.unfused,
             "layers_total": self.layers_total,
             "cap": self.cap,
             "needed": self.needed,
@@ -137,10 +155,12 @@ def meet_target(
     holdout_name: str = "",
     progress: Callable[[str], None] | None = None,
     prefer_dynamic: bool = True,
+    fusion: Callable[[set[str]], dict[str, bool | None]] | None = None,
 ) -> MixedPrecisionResult:
     """Disable (keep in float) the fewest layers of a calibrated ``model`` needed to meet the target on
     ``holdout``; the model is changed in place (``enabled = False`` on those layers' quantizers).
-    ``prefer_dynamic``: step 5, kept layers that meet the target with dynamic int8 activations run so."""
+    ``prefer_dynamic``: step 5, kept layers that meet the target with dynamic int8 activations run so.
+    ``fusion``: step 6's probe, ``fusion(quantizers off) -> {layer: fused}`` (onnxruntime target only)."""
     check_target(min_cosine, min_snr)
     if not holdout:
         raise CalibrationError("no held-out batches to measure the target on")
@@ -174,6 +194,8 @@ def meet_target(
             _prefer_dynamic(search, res)
         elif prefer_dynamic:
             _dynamic_within_cap(search, order, res, cap)
+        if fusion is not None:
+            _keep_fusion(search, res, fusion)
         _keep_in_float(model, units, res)
     res.seconds = time.perf_counter() - t0
     return res
@@ -190,12 +212,20 @@ class _Search:
     units: dict[str, list[str]]
     res: MixedPrecisionResult
 
-    def quality_without(self, layers: list[str], dynamic: list[str] = ()) -> Quality:
-        """Quality with ``layers`` in float and the ``dynamic`` layers' inputs quantized at run time."""
+    def quality_without(
+        self, layers: list[str], dynamic: list[str] = (), inputs_kept: Iterable[str] = ()
+    ) -> Quality:
+        """Quality with ``layers`` in float (but the input quantizers of those in ``inputs_kept``) and the
+        ``dynamic`` layers' inputs quantized at run time."""
         self.res.evaluations += 1
-        off = [q for u in layers for q in self.units[u]]
+        off = self.off(layers, inputs_kept)
         with quantizing(self.model, inactive=off), dynamic_inputs(self.model, dynamic):
             return measure(self.model, self.holdout, self.refs)
+
+    def off(self, layers: Iterable[str], inputs_kept: Iterable[str] = ()) -> set[str]:
+        """The quantizers switched off to keep ``layers`` in float, the inputs of ``inputs_kept`` staying."""
+        kept = set(inputs_kept)
+        return {q for u in layers for q in self.units[u] if not (u in kept and role(q) == "input_quantizer")}
 
     def meets(self, q: Quality) -> bool:
         return q.meets(self.res.min_cosine, self.res.min_snr)
@@ -334,10 +364,80 @@ def _dynamic_within_cap(search: _Search, order: list[str], res: MixedPrecisionRe
             make_dynamic(search.model, u)
 
 
+def _keep_fusion(
+    search: _Search, res: MixedPrecisionResult, fusion: Callable[[set[str]], dict[str, bool | None]]
+) -> None:
+    """Step 6: where the layers kept float cost quantized layers their integer kernels (``fusion`` says what
+    onnxruntime fuses with the given quantizers off), kept layers, least sensitive first, keep their input
+    quantizer if the target stays met. A layer that loses its kernel all the same runs float (``float_too``):
+    quantized it would run float between its Q/DQ, its weights dequantized on every run, slower than float
+    and less accurate; its input quantizer stays where another layer's kernel needs it. Layers that would
+    still lose theirs go to ``res.unfused``."""
+    kept = list(res.kept_float)
+    if not any(role(q) == "input_quantizer" for u in kept for q in search.units[u]):
+        return
+    fused_before = {layer for layer, f in fusion(set()).items() if f and layer not in kept}
+
+    def lost(floats: list[str], inputs_kept: list[str]) -> list[str] | None:
+        """The quantized layers no longer fused with those layers float; ``None`` where onnxruntime would
+        quantize one of the float layers itself (a float layer between a DQ and a Q: not float at all)."""
+        now = fusion(search.off(floats, inputs_kept))
+        if any(now.get(u) is True for u in floats):
+            return None
+        return sorted(layer for layer in fused_before - set(floats) if now.get(layer) is False)
+
+    gone = lost(kept, [])
+    if not gone:
+        return
+    inputs: list[str] = []
+    if res.met:
+        after = res.after
+        for u in reversed(kept):
+            if not any(role(q) == "input_quantizer" for q in search.units[u]):
+                continue
+            q = search.quality_without(kept, res.dynamic, inputs + [u])
+            if search.meets(q):
+                inputs, after = inputs + [u], q
+        now = lost(kept, inputs) if inputs else None
+        if now is not None and len(now) < len(gone):
+            res.inputs_kept, res.after, gone = inputs, after, now
+        else:
+            inputs = []
+    if gone:
+        _float_too(search, res, lost, kept, inputs, gone)
+
+
+def _float_too(search: _Search, res: MixedPrecisionResult, lost, kept, inputs, gone) -> None:
+    """Step 6, continued: the layers ``gone`` (they lose their integer kernel to the layers kept float) run
+    float, their input quantizers kept where dropping them would cost another layer its kernel, if the
+    quality stays as good (the target met, or no worse where it was missed)."""
+    floats = kept + gone
+    best = None
+    for keep in (inputs, inputs + gone):  # their inputs off first: a Q/DQ that serves no kernel costs time
+        q = search.quality_without(floats, res.dynamic, keep)
+        if (search.meets(q) or not res.met and _no_worse(q, res.after)) and lost(floats, keep) == []:
+            best = keep, q
+            break
+    if best is None:
+        res.unfused = gone
+        return
+    res.float_too, (res.inputs_kept, res.after) = gone, best
+
+
+def _no_worse(q: Quality, than: Quality) -> bool:
+    return all(
+        b is None or (a is not None and a >= b) for a, b in ((q.cosine, than.cosine), (q.snr_db, than.snr_db))
+    )
+
+
 def _keep_in_float(model: nn.Module, units: dict[str, list[str]], res: MixedPrecisionResult) -> None:
-    """Switch off, for good, the quantizers of the layers the search keeps in float."""
+    """Switch off, for good, the quantizers of the layers the search keeps in float (but the inputs of
+    ``res.inputs_kept``)."""
     qs = quantizers(model)
-    for u in res.kept_float:
+    kept = set(res.inputs_kept)
+    for u in res.kept_float + res.float_too:
         for name in units[u]:
+            if u in kept and role(name) == "input_quantizer":
+                continue
             keep_float(qs[name])
             res.quantizers_disabled.append(name)

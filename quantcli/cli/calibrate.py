@@ -330,6 +330,14 @@ def _calibrate_warnings(outcome) -> None:
             f"or name a CPU with VNNI (--cpu x86-vnni) if the graph never runs without it "
             f"({cpu_kinds.remedy_link()})"
         )
+    mixed = outcome.mixed
+    if mixed is not None and mixed.unfused:
+        err.print(
+            f"warning: {', '.join(mixed.unfused)} run(s) in float in onnxruntime, between Q/DQ: the layers "
+            f"kept float for the quality target ({', '.join(mixed.kept_float)}) took the Q on their output "
+            "that their integer kernel needs, and neither keeping that Q nor keeping them float too met the "
+            "target"
+        )
     latency = outcome.job.latency
     if latency is not None and not latency.measured and latency.note.startswith("not decided"):
         err.print(
@@ -521,6 +529,18 @@ def _calibrate_result_rows(outcome):
     if mixed is not None:
         yield "quality target", _target_text(mixed)
         yield "kept in float", ", ".join(mixed.kept_float) or "none"
+        if mixed.inputs_kept:
+            yield (
+                "inputs kept quantized",
+                f"{', '.join(mixed.inputs_kept)} (float weights; the Q of their input is the layer before's "
+                "output Q, which its integer kernel needs)",
+            )
+        if mixed.float_too:
+            yield (
+                "float with them",
+                f"{', '.join(mixed.float_too)} (a layer kept float took the Q on their output that their "
+                "integer kernel needs: quantized, they would run float between Q/DQ)",
+            )
         if mixed.dynamic:
             yield "dynamic int8 (not float)", ", ".join(mixed.dynamic)
     kv = outcome.info.get("kv_cache")
@@ -567,4 +587,5 @@ def _target_text(mixed) -> str:
         f"{'met' if mixed.met else 'NOT met'}; cosine {fmt(mixed.before.cosine)} -> "
         f"{fmt(mixed.after.cosine)}, SNR {fmt(mixed.before.snr_db)} -> {fmt(mixed.after.snr_db)} dB with "
         f"{len(mixed.kept_float)} of {mixed.layers_total} layers in float"
+        + (f" (and {len(mixed.float_too)} with them)" if mixed.float_too else "")
     )
