@@ -139,6 +139,70 @@ def test_generate_prints_the_text_byte_for_byte(float_graph):
     assert r.stdout.startswith(prompt)
 
 
+def test_generate_streams_the_text_as_it_generates_and_keeps_stdout_for_it(float_graph, monkeypatch):
+    """The text came out only when generation had ended (Ctrl-C lost it all), followed on stdout by the
+    summary table: each token's text is written as the token comes, the table goes to stderr."""
+    import sys
+
+    from exporters.causal_lm.runner import DecodeSession
+
+    _, path = float_graph
+    events = []
+    real_step = DecodeSession.step
+
+    def step(self, token, cache):
+        events.append(("step", None))
+        return real_step(self, token, cache)
+
+    monkeypatch.setattr(DecodeSession, "step", step)
+    r0 = cli("generate", path, "--prompt", "import os", "--max-new-tokens", 12, "--json")
+    want = json.loads(r0.stdout)
+    events.clear()
+
+    import quantcli.cli.generate as gen
+
+    class Out:  # the module's sys.stdout, recording each write between the graph's steps
+        def write(self, text):
+            events.append(("write", text))
+            return sys.stdout.write(text)
+
+        def flush(self):
+            sys.stdout.flush()
+
+    class Sys:
+        stdout = Out()
+
+    monkeypatch.setattr(gen, "sys", Sys())
+    r = cli("generate", path, "--prompt", "import os", "--max-new-tokens", 12)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == "import os" + want["text"] + "\n"  # the text alone: the table is on stderr
+    assert "decode_tokens_per_second" in r.stderr
+    steps = [i for i, (kind, _) in enumerate(events) if kind == "step"]
+    before_last = "".join(t for kind, t in events[: steps[-1]] if kind == "write")
+    # by the last step, every token but the last two has been written (the prompt first)
+    assert before_last.startswith("import os") and len(before_last) >= len("import os") + 12 - 2
+
+
+def test_a_streamed_text_never_writes_part_of_a_character():
+    """A byte-level tokenizer's token may be one byte of a character: the chunk is held back until the
+    character is complete, and the chunks add up to the text."""
+    from quantcli.cli.generate import TextStream, continuation
+    from quantcli.verify.lm_text import byte_codec
+
+    codec = byte_codec()
+    prompt = list("é: ".encode())
+    new = list("naïve → ok 😀".encode())
+    stream = TextStream(codec, prompt)
+    chunks = [stream.chunk(new[: i + 1]) for i in range(len(new) - 1)]
+    chunks.append(stream.chunk(new, final=True))
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == continuation(codec, prompt, new) == "naïve → ok 😀"
+    assert chunks[2] == "" and chunks[3] == "ï"  # "ï" is two bytes: nothing after the first
+    # a text that ends in an incomplete character is written whole at the end, as decoded
+    cut = TextStream(codec, prompt)
+    assert cut.chunk(new[:3]) == "na" and cut.chunk(new[:3], final=True) == "\ufffd"
+
+
 def test_the_generated_text_is_the_decoded_whole_less_the_prompt():
     """A SentencePiece tokenizer drops the leading space of the first token it decodes: "France is" +
     decode(["▁Paris"]) printed "France isParis"."""

@@ -10,6 +10,7 @@ Rows without padding: the positions of a row are ``0..n-1``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -160,10 +161,12 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     stop_at_eos: bool = True,
+    on_token: Callable[[Generation], None] | None = None,
 ) -> Generation:
     """Generate up to ``max_new_tokens`` after ``prompt`` (token ids): greedy when ``seed`` is None, else
     sampled with a ``numpy`` generator seeded by it. Stops after the end-of-sequence token when
-    ``stop_at_eos``."""
+    ``stop_at_eos``. ``on_token(generation)`` is called after each token is appended (and ``stopped`` set
+    where it ends generation): a caller streams the text so."""
     import time
 
     if not prompt:
@@ -174,15 +177,20 @@ def generate(
     logits, cache = session.prefill(np.asarray([prompt], np.int64))
     last = logits[0, -1]
     out.prefill_seconds = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, streaming = time.perf_counter(), 0.0
     for i in range(max_new_tokens):
         token = sample_token(last, rng, temperature, top_k)
         out.tokens.append(token)
         if stop_at_eos and token in session.eos_token_ids:
             out.stopped = "eos"
+        if on_token is not None:
+            t1 = time.perf_counter()
+            on_token(out)
+            streaming += time.perf_counter() - t1  # the caller's time is not the graph's
+        if out.stopped == "eos":
             break
         if i + 1 < max_new_tokens:
             step, cache = session.step(np.asarray([token]), cache)
             last = step[0]
-    out.decode_seconds = time.perf_counter() - t0
+    out.decode_seconds = time.perf_counter() - t0 - streaming
     return out

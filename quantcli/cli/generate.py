@@ -1,5 +1,5 @@
 """``quantcli generate``: text from a decode graph, driven by a plain onnxruntime loop (prefill, then one
-token per step with the KV cache)."""
+token per step with the KV cache). The text goes to stdout as it is generated; the summary to stderr."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typer
 
 from quantcli.cli.guard import guarded
 from quantcli.cli.options import JsonOpt
-from quantcli.cli.output import key_value_table, out, print_json
+from quantcli.cli.output import err, key_value_table, print_json
 
 #: tokens generated when --max-new-tokens is not given (fewer where the graph's context ends first)
 DEFAULT_NEW_TOKENS = 64
@@ -25,6 +25,26 @@ def continuation(codec, prompt_ids: list[int], new_ids: list[int]) -> str:
     head = codec.decode(prompt_ids)
     whole = codec.decode(list(prompt_ids) + list(new_ids))
     return whole[len(head) :] if whole.startswith(head) else codec.decode(new_ids)
+
+
+class TextStream:
+    """The text of a generation as it grows, in chunks that can be written as they come: each chunk is what
+    the decoded continuation adds to what was written, held back while it ends in U+FFFD (a byte-level
+    tokenizer's token that is part of a character: the character is complete only with a later token)."""
+
+    def __init__(self, codec, prompt_ids: list[int]):
+        self.codec, self.prompt_ids, self.written = codec, list(prompt_ids), ""
+
+    def chunk(self, new_ids: list[int], final: bool = False) -> str:
+        """What to write now for the continuation ``new_ids``: nothing where the text does not extend what
+        was written (a tokenizer that decodes an earlier token differently once a later one follows)."""
+        text = continuation(self.codec, self.prompt_ids, new_ids)
+        if not final:
+            text = text.rstrip("\ufffd")
+        if not text.startswith(self.written):
+            return ""
+        out, self.written = text[len(self.written) :], text
+        return out
 
 
 @guarded
@@ -129,7 +149,24 @@ def generate(
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
     session = DecodeSession(onnx_path, options)
-    g = run_generation(session, ids, max_new_tokens, seed=seed, temperature=temperature, top_k=top_k)
+    stream = None if as_json else TextStream(codec, ids)
+
+    def write(g) -> None:  # the text as it is generated, byte for byte (not through rich, below)
+        sys.stdout.write(stream.chunk(g.tokens[:-1] if g.stopped == "eos" else g.tokens))
+        sys.stdout.flush()
+
+    if stream is not None:
+        sys.stdout.write(prompt)
+        sys.stdout.flush()
+    g = run_generation(
+        session,
+        ids,
+        max_new_tokens,
+        seed=seed,
+        temperature=temperature,
+        top_k=top_k,
+        on_token=write if stream is not None else None,
+    )
     text = continuation(codec, ids, g.tokens[:-1] if g.stopped == "eos" else g.tokens)
     result = {
         "prompt": prompt,
@@ -147,13 +184,14 @@ def generate(
     if as_json:
         print_json(result)
         return
-    # the text as generated, byte for byte: not through rich, which reads ":smile:" as an emoji, expands tabs
+    # the rest of the text, byte for byte: not through rich, which reads ":smile:" as an emoji, expands tabs
     # and drops control characters
-    sys.stdout.write(prompt + text + "\n")
+    sys.stdout.write(stream.chunk(g.tokens[:-1] if g.stopped == "eos" else g.tokens, final=True) + "\n")
     sys.stdout.flush()
     rows = [
         (k, str(result[k]))
         for k in ("mode", "tokenizer", "stopped", "prefill_ms", "decode_tokens_per_second")
     ]
     rows.insert(0, ("tokens", f"{len(g.prompt)} prompt + {len(g.tokens)} generated"))
-    out.print(key_value_table(f"quantcli generate {onnx_path}", rows))
+    # on stderr: stdout holds the text alone (quantcli generate ... > out.txt)
+    err.print(key_value_table(f"quantcli generate {onnx_path}", rows))
