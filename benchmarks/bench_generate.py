@@ -318,7 +318,7 @@ def measure_tiny(
 def _decode_meta(path: Path) -> str:
     import onnx
 
-    from exporters.causal_lm.export import LAYOUT_KEY
+    from exporters.causal_lm.decode_info import LAYOUT_KEY
 
     m = onnx.load(str(path), load_external_data=False)
     return next(p.value for p in m.metadata_props if p.key == LAYOUT_KEY)

@@ -12,7 +12,6 @@ from onnx import numpy_helper
 
 from quantcli.errors import VerifyError, first_line
 from quantcli.files import readable_file
-from quantcli.quant import formats
 
 QUANTIZERS_KEY = "quantcli.quantizers"
 #: in the names of the Q/DQ copies :mod:`exporters.onnxruntime.placement` puts in front of ops that commute
@@ -233,6 +232,8 @@ def is_propagated(node: onnx.NodeProto) -> bool:
 def qdq_pairs(model: onnx.ModelProto) -> list[QdqPair]:
     """Every quantizer's Q/DQ pair; int32 bias DequantizeLinears and the copies that only move a quantizer's Q
     across commuting ops (:data:`PROPAGATED_MARK`) are not quantizers of their own and are left out."""
+    from quantcli.quant import formats  # (torch, through the descriptor: not for graph-only readers)
+
     g = model.graph
     inits = initializer_map(g)
     producers = producer_map(g)

@@ -183,6 +183,25 @@ def test_generate_streams_the_text_as_it_generates_and_keeps_stdout_for_it(float
     assert before_last.startswith("import os") and len(before_last) >= len("import os") + 12 - 2
 
 
+def test_generate_runs_without_importing_torch(float_graph):
+    """generate is onnxruntime and a tokenizer: it imported torch first (about 2 s before the first token on
+    a loaded machine, through the decode graph's metadata reader and verify's package). Run here with torch
+    blocked (an import of it raises), it gives the tokens it gives in-process."""
+    import subprocess
+    import sys
+
+    _, path = float_graph
+    args = ["generate", str(path), "--prompt", "import os", "--max-new-tokens", "8", "--json"]
+    want = json.loads(cli(*args).stdout)
+    code = (
+        "import sys; sys.modules['torch'] = None; "
+        f"sys.argv = ['quantcli'] + {args!r}; from quantcli.cli import main; main()"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["tokens"] == want["tokens"]
+
+
 def test_a_streamed_text_never_writes_part_of_a_character():
     """A byte-level tokenizer's token may be one byte of a character: the chunk is held back until the
     character is complete, and the chunks add up to the text."""

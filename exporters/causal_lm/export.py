@@ -26,13 +26,13 @@ not used.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from exporters.causal_lm.attention import total_length_from_shape
+from exporters.causal_lm.decode_info import LAYOUT_KEY, NO_DECODE_KEY, DecodeExport
 from exporters.causal_lm.decoder import DecoderWithCache, python_name, with_named_forward
 from exporters.causal_lm.embeddings import EmbeddingQuant, embedding_quant, replace_gather
 from exporters.causal_lm.kv_cache import KVCacheQuant
@@ -42,28 +42,9 @@ from exporters.causal_lm.packing import PACKED_KEY, pack_projections
 from exporters.fold import drop_unused_initializers
 from quantcli.errors import ExportError
 
-LAYOUT_KEY = "quantcli.causal_lm"  # metadata: the decode graph's layout and inputs (generate, verify read it)
-NO_DECODE_KEY = "quantcli.no_decode_graph"  # metadata: why a causal LM was written as a prefill graph
 GQA_HEAD_MULTIPLE = 16  # onnxruntime's CPU GroupQueryAttention: "head_size shall be a multiple of 16"
 TRACE_BATCH, TRACE_PAST, TRACE_SEQ = 2, 3, 2
 FUSIONS = ("group_query_attention", "skip_norm", "pack_projections")  # contrib_ops=True: all of them
-
-
-@dataclass
-class DecodeExport:
-    """What the decode graph is (stored in the graph's metadata under :data:`LAYOUT_KEY`)."""
-
-    layout: dict
-    inputs: list[str]
-    outputs: list[str]
-    contrib_ops: list[str] = field(default_factory=list)  # onnxruntime contrib ops the graph uses
-    note: str = ""  # why a fused form was not used, if it was asked for
-    fusions: list[str] = field(default_factory=list)  # what was fused, in words
-    kv_cache: dict | None = None  # an int8 cache: KVCacheQuant.summary() (None: float32)
-    embeddings: dict | None = None  # a quantized table: EmbeddingQuant.summary() (None: float32)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def decodable(model: nn.Module) -> tuple[DecoderLayout | None, str]:
@@ -325,14 +306,6 @@ def declare_shapes(onnx_model, decoder: DecoderWithCache) -> None:
         shape = value.type.tensor_type.shape
         del shape.dim[:]
         shape.dim.extend(dims)
-
-
-def read_decode_info(onnx_model) -> DecodeExport | None:
-    """The :class:`DecodeExport` a decode graph's metadata holds, or None for any other graph."""
-    for p in onnx_model.metadata_props:
-        if p.key == LAYOUT_KEY:
-            return DecodeExport(**json.loads(p.value))
-    return None
 
 
 def export_model(

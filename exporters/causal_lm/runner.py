@@ -1,11 +1,12 @@
 """Driving a decode graph with onnxruntime: a plain loop over its inputs and outputs, as a user's would be.
 
 :class:`DecodeSession` reads the graph's layout from its metadata
-(:data:`exporters.causal_lm.export.LAYOUT_KEY`), feeds ``input_ids``, ``attention_mask``, ``position_ids``
-(where the graph takes them) and the cache, and keeps the ``present`` outputs as the next step's ``past``. It
-runs a prompt (:meth:`DecodeSession.prefill`), one token at a time (:meth:`DecodeSession.step`), a whole
-sequence teacher-forced (:meth:`DecodeSession.logits`) and generation, greedy or sampled (:func:`generate`).
-Rows without padding: the positions of a row are ``0..n-1``.
+(:data:`exporters.causal_lm.decode_info.LAYOUT_KEY`), feeds ``input_ids``, ``attention_mask``,
+``position_ids`` (where the graph takes them) and the cache, and keeps the ``present`` outputs as the next
+step's ``past``. It runs a prompt (:meth:`DecodeSession.prefill`), one token at a time
+(:meth:`DecodeSession.step`), a whole sequence teacher-forced (:meth:`DecodeSession.logits`) and generation,
+greedy or sampled (:func:`generate`). Rows without padding: the positions of a row are ``0..n-1``. Nothing
+here imports torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from exporters.causal_lm.export import NO_DECODE_KEY, DecodeExport, read_decode_info
+from exporters.causal_lm.decode_info import NO_DECODE_KEY, DecodeExport, read_decode_info
 from quantcli.errors import QuantCliError
 
 

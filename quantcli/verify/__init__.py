@@ -15,20 +15,23 @@ One concept per module:
 * :mod:`~quantcli.verify.driver` -- :func:`verify_onnx`, which runs them.
 """
 
-from quantcli.verify.driver import verify_onnx
-from quantcli.verify.replay import REPLAY_SAMPLES
-from quantcli.verify.sessions import choose_provider
-from quantcli.verify.structure import expected_scales
-from quantcli.verify.verdict import MAX_REPLAY_OUTPUT, MAX_REPLAY_STEPS, MAX_RMS_RATIO, Check, VerifyReport
+from __future__ import annotations
 
-__all__ = [
-    "verify_onnx",
-    "VerifyReport",
-    "Check",
-    "choose_provider",
-    "expected_scales",
-    "REPLAY_SAMPLES",
-    "MAX_REPLAY_STEPS",
-    "MAX_REPLAY_OUTPUT",
-    "MAX_RMS_RATIO",
-]
+from quantcli.lazy import lazy_getattr
+
+# the names load their modules on first use: ``quantcli.verify.lm_text`` (generate's tokenizer) needs no torch
+_LAZY = {
+    "verify_onnx": "quantcli.verify.driver",
+    "REPLAY_SAMPLES": "quantcli.verify.replay",
+    "choose_provider": "quantcli.verify.sessions",
+    "expected_scales": "quantcli.verify.structure",
+    "MAX_REPLAY_OUTPUT": "quantcli.verify.verdict",
+    "MAX_REPLAY_STEPS": "quantcli.verify.verdict",
+    "MAX_RMS_RATIO": "quantcli.verify.verdict",
+    "Check": "quantcli.verify.verdict",
+    "VerifyReport": "quantcli.verify.verdict",
+}
+
+__all__ = list(_LAZY)
+
+__getattr__ = lazy_getattr("quantcli.verify", _LAZY)

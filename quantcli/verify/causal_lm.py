@@ -167,7 +167,7 @@ def with_quantized_cache(model, kv_cache: dict):
 def is_decode_graph(onnx_path) -> bool:
     import onnx
 
-    from exporters.causal_lm.export import read_decode_info
+    from exporters.causal_lm.decode_info import read_decode_info
 
     try:
         return read_decode_info(onnx.load(str(onnx_path), load_external_data=False)) is not None
