@@ -63,7 +63,7 @@ def deep():
     # without VNNI needs, the smoothed weights' wider range costs more (docs/performance.md, u8s8 saturation)
     plain = quantize_model(copy.deepcopy(float_model), {"preset": "int8", "cpu": "x86-vnni"})
     smoothed = quantize_model(copy.deepcopy(float_model), {"preset": "int8", "cpu": "x86-vnni"})
-    report = smooth_quant(smoothed, calib, 0.5, device="cpu")
+    report = smooth_quant(smoothed, calib, 0.5, device="cpu", min_gain=0.0)
     return dict(
         calib=calib,
         evals=evals,
@@ -137,7 +137,7 @@ def test_smoothing_improves_per_tensor_int8(deep):
 
 def test_smoothing_twice_is_refused(deep):
     with pytest.raises(CalibrationError, match="already smoothed"):
-        smooth_quant(deep["smoothed"], deep["calib"][:1], device="cpu")
+        smooth_quant(deep["smoothed"], deep["calib"][:1], device="cpu", min_gain=0.0)
 
 
 # -- a pre-LN block: the LayerNorm's output is read by Linear layers only ------------------------------------
@@ -171,7 +171,7 @@ def test_pre_ln_folds_into_layernorm_and_linear():
         ref = model(x)
         ln_before = model.ln.weight.clone()
     quantize_model(model, "int8")
-    report = smooth_quant(model, [{"x": x[:32]}, {"x": x[32:]}], 0.5, device="cpu")
+    report = smooth_quant(model, [{"x": x[:32]}, {"x": x[32:]}], 0.5, device="cpu", min_gain=0.0)
     folds = {tuple(g.consumers): (g.fold, g.into) for g in report.groups}
     # the three readers of ln's output form one group (call order), and 1/s goes into ln
     assert folds[("fc1", "q", "k")] == ("layernorm", "ln")
@@ -198,7 +198,7 @@ def test_without_float_outputs_only_muls():
     with torch.no_grad():
         ref = PreLN.forward(model, x)  # the float values behind the argmax
     quantize_model(model, "int8")
-    report = smooth_quant(model, [{"x": x}], 0.5, device="cpu")
+    report = smooth_quant(model, [{"x": x}], 0.5, device="cpu", min_gain=0.0)
     assert {g.fold for g in report.groups} == {"mul"}
     with quantizer_modes(model, "disabled"), torch.no_grad():
         out = PreLN.forward(model, x)
@@ -217,7 +217,7 @@ def test_scale_of_a_shared_input_uses_every_reader():
         q_before = model.q.weight.clone()
     expected = act.sqrt() / w.sqrt()
     quantize_model(model, "int8")
-    smooth_quant(model, [{"x": x}], 0.5, device="cpu")
+    smooth_quant(model, [{"x": x}], 0.5, device="cpu", min_gain=0.0)
     torch.testing.assert_close(model.q.weight, q_before * expected, rtol=4 * U, atol=0)
 
 
@@ -230,7 +230,7 @@ def smoothed_text(tmp_path_factory):
 
     model = quantize_model(text_encoder.build(), "int8")
     batches = text_encoder.calibration_batches()[:2]
-    report = smooth_quant(model, batches, 0.5, device="cpu")
+    report = smooth_quant(model, batches, 0.5, device="cpu", min_gain=0.0)
     calibrate(model, batches, device="cpu")
     path = tmp_path_factory.mktemp("sq") / "text_encoder.calib.pt"
     save_calibrated(
@@ -274,7 +274,16 @@ def test_cli_smoothquant_export_verify(tmp_path):
     ck, onnx_path = tmp_path / "text_encoder.calib.pt", tmp_path / "text_encoder.onnx"
     # a bare --smoothquant at the end of the line takes alpha 0.5 (subprocess: the real entry point)
     r = cli_subprocess(
-        "calibrate", "text_encoder", "--num-samples", "64", "--out", ck, "--json", "--smoothquant"
+        "calibrate",
+        "text_encoder",
+        "--num-samples",
+        "64",
+        "--out",
+        ck,
+        "--json",
+        "--smoothquant-min-gain",
+        "0",  # every layer: the folds are what is tested (test_smoothing_gain.py tests the choice)
+        "--smoothquant",
     )
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)["smoothquant"]

@@ -85,6 +85,7 @@ class CalibrationRequest:
     data_options: DataOptions = field(default_factory=DataOptions)
     fold_bn: bool | None = None
     smoothquant: float | None = None  # alpha
+    smoothquant_min_gain: float | None = None  # None: smoothing_gain.MIN_GAIN
     min_cosine: float | None = None
     min_snr: float | None = None  # dB
     holdout: Path | None = None
@@ -178,8 +179,10 @@ class CalibrationJob:
         from quantcli.calibration.float_check import check_unchanged, expected_changes, smoothed_modules
         from quantcli.calibration.smoothquant import smooth_quant
 
+        r = self.request
+        gain = {} if r.smoothquant_min_gain is None else {"min_gain": r.smoothquant_min_gain}
         smoothed = smooth_quant(
-            self.model, self.batches, self.request.smoothquant, device=self.request.device
+            self.model, self.batches, self.request.smoothquant, device=self.request.device, **gain
         )
         reference = self.report.float_reference
         if reference and self.batches:
@@ -570,6 +573,13 @@ def _check_request(request: CalibrationRequest, rank: Rank | None) -> None:
         raise QuantCliError(f"--weight-method must be rtn, gptq or awq, got {request.weight_method!r}")
     if request.smoothquant is not None and not 0.0 <= request.smoothquant <= 1.0:
         raise QuantCliError(f"--smoothquant alpha must be in [0, 1], got {request.smoothquant}")
+    if request.smoothquant_min_gain is not None:
+        if request.smoothquant is None:
+            raise QuantCliError("--smoothquant-min-gain applies to --smoothquant: pass --smoothquant too")
+        if not request.smoothquant_min_gain >= 0.0:
+            raise QuantCliError(
+                f"--smoothquant-min-gain must be a number >= 0, got {request.smoothquant_min_gain}"
+            )
 
 
 def _check_kv_cache(request: CalibrationRequest, model: nn.Module) -> None:

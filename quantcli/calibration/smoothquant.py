@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from quantcli.calibration.calibrate import resolve_device
+from quantcli.calibration.smoothing_gain import MIN_GAIN, checkable, relative_error, sample_rows
 from quantcli.errors import CalibrationError
 from quantcli.inputs.batch_axes import head
 from quantcli.inputs.data import Batch, run_model, to_device
@@ -79,6 +80,7 @@ class SmoothGroup:
 @dataclass
 class SmoothReport:
     alpha: float
+    min_gain: float = MIN_GAIN
     groups: list[SmoothGroup] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)  # layer -> why it was not smoothed
     seconds: float = 0.0
@@ -92,6 +94,7 @@ class SmoothReport:
     def to_dict(self) -> dict:
         return {
             "alpha": self.alpha,
+            "min_gain": self.min_gain,
             "counts": self.counts(),
             "groups": [g.to_dict() for g in self.groups],
             "skipped": self.skipped,
@@ -117,14 +120,19 @@ def smooth_quant(
     alpha: float = DEFAULT_ALPHA,
     *,
     device: str | torch.device = "auto",
+    min_gain: float = MIN_GAIN,
 ) -> SmoothReport:
-    """Smooth every Linear layer of a quantized ``model`` whose input quantizer is enabled, in place.
+    """Smooth every Linear layer of a quantized ``model`` whose input quantizer is enabled, in place, where
+    smoothing divides the layers' quantization error by at least ``min_gain``
+    (:mod:`quantcli.calibration.smoothing_gain`; 0: every layer; the others are reported in ``skipped``).
 
     The float model (quantizers disabled) computes the same outputs before and after, to float rounding. Run
     it before :func:`quantcli.calibration.calibrate.calibrate` (which then calibrates the smoothed tensors).
     """
     if not 0.0 <= alpha <= 1.0:
         raise CalibrationError(f"--smoothquant alpha must be in [0, 1], got {alpha}")
+    if not min_gain >= 0.0:
+        raise CalibrationError(f"--smoothquant-min-gain must be a number >= 0, got {min_gain}")
     if not batches:
         raise CalibrationError("no calibration batches")
     if smoothed_layers(model):
@@ -138,7 +146,7 @@ def smooth_quant(
         for n, m in model.named_modules()
         if isinstance(m, (QuantLinear, QuantLinearLike)) and m.input_quantizer.enabled
     }
-    report = SmoothReport(alpha)
+    report = SmoothReport(alpha, min_gain)
     tied = _tied_weights(model, layers)
     layers = {n: m for n, m in layers.items() if n not in tied}
     if not layers and tied:
@@ -155,11 +163,15 @@ def smooth_quant(
     with quantizer_modes(model, "disabled"), torch.inference_mode():  # observe the float model
         obs = _observe(model, layers, batches, dev)
         reference = _outputs(run_model(model, check, where="calibration batch 0"))
-        plans = []
+        plans, useless = [], {}
         for inp, consumers in obs.groups:
             act = torch.stack([obs.act_amax[c] for c in consumers]).amax(0)
             w = torch.stack([_weight_in_amax(layers[c]) for c in consumers]).amax(0)
             s = smoothing_scales(act, w, alpha)
+            worse = _no_gain(obs.samples.get(inp), consumers, layers, s, min_gain) if min_gain > 0 else ""
+            if worse:
+                useless.update(dict.fromkeys(consumers, worse))
+                continue
             # no floating-point output to compare (e.g. class ids): no trial can show a fold exact, so Muls
             # only
             fold, into = (
@@ -174,7 +186,7 @@ def smooth_quant(
             s = s.clone()
             _apply(model, layers, consumers, fold, into, s, explicit=True)
             report.groups.append(SmoothGroup(consumers, fold, into, float(s.min()), float(s.max())))
-    report.skipped = {**tied, **obs.skipped}
+    report.skipped = {**tied, **obs.skipped, **useless}
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -189,6 +201,7 @@ class _Observed:
     order: dict[str, int]  # Linear layer -> index of its first call on batch 0
     ln_outputs: dict[int, str]  # id of a LayerNorm's output on batch 0 -> the LayerNorm's name
     skipped: dict[str, str]
+    samples: dict[int, torch.Tensor] = field(default_factory=dict)  # input id -> rows of it from batch 0
 
 
 def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence[Batch], dev) -> _Observed:
@@ -199,6 +212,7 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
     ln_out: dict[int, str] = {}
     held: list[torch.Tensor] = []  # keeps batch 0's tensors alive, so that no id() is reused
     first = [True]
+    samples: dict[int, torch.Tensor] = {}
 
     def pre_hook(name):
         def hook(module, args):
@@ -239,6 +253,7 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
             run_model(model, to_device(batch, dev), where=f"calibration batch {i}")
             if i == 0:
                 groups = _group(inputs, order)
+                samples = {inp: sample_rows(inputs[cs[0]][0]) for inp, cs in groups}
                 first[0] = False
     finally:
         for h in handles:
@@ -253,7 +268,7 @@ def _observe(model: nn.Module, layers: dict[str, QuantLinear], batches: Sequence
     )
     groups = [(i, [c for c in cs if c not in skipped]) for i, cs in groups]
     groups = [(i, cs) for i, cs in groups if cs]
-    obs = _Observed(amax, groups, order, dict(ln_out), skipped)
+    obs = _Observed(amax, groups, order, dict(ln_out), skipped, samples)
     held.clear()
     inputs.clear()
     return obs
@@ -264,6 +279,31 @@ def _group(inputs: dict[str, list[torch.Tensor]], order: dict[str, int]) -> list
     for name in sorted(inputs, key=lambda n: order.get(n, 0)):
         by_input.setdefault(id(inputs[name][0]), []).append(name)
     return list(by_input.items())
+
+
+def _no_gain(
+    x: torch.Tensor | None, consumers: list[str], layers: dict, s: torch.Tensor, min_gain: float
+) -> str:
+    """Why smoothing the layers ``consumers`` by ``s`` is left out ("" to smooth them): their summed
+    relative output error with every operand quantized (:mod:`quantcli.calibration.smoothing_gain`) on the
+    sample ``x`` of their input is not ``min_gain`` times lower smoothed than as it is."""
+    if x is None:
+        return ""
+    first = layers[consumers[0]]
+    if not all(checkable(first.input_quantizer.desc, layers[c].weight_quantizer.desc) for c in consumers):
+        return ""
+    weights = [layers[c].weight if _out_axis(layers[c]) == 0 else layers[c].weight.T for c in consumers]
+    descs = [layers[c].weight_quantizer.desc for c in consumers]
+    x = x.to(weights[0].device)
+    plain = relative_error(x, weights, torch.ones_like(s), first.input_quantizer.desc, descs)
+    smoothed = relative_error(x, weights, s, first.input_quantizer.desc, descs)
+    if smoothed * min_gain <= plain:
+        return ""
+    return (
+        f"smoothing would not lower its quantization error by {min_gain:g}x (relative output error "
+        f"{smoothed:.3g} smoothed, {plain:.3g} as it is, on calibration batch 0): its input has no outlier "
+        "channels to move"
+    )
 
 
 # ------------------------------------------------------------------------------------------ folding

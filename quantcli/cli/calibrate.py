@@ -163,6 +163,15 @@ def calibrate(
             "LayerNorm/Linear where exact, else an explicit Mul.",
         ),
     ] = None,
+    smoothquant_min_gain: Annotated[
+        Optional[float],
+        typer.Option(
+            "--smoothquant-min-gain",
+            help="With --smoothquant: smooth only the layers whose quantization error (relative, of their "
+            "output) it divides by at least this much (default 2: inputs with outlier channels; 0: every "
+            "layer).",
+        ),
+    ] = None,
     weight_method: Annotated[
         str,
         typer.Option(
@@ -239,6 +248,7 @@ def calibrate(
         data_options=preprocessing,
         fold_bn=fold_bn,
         smoothquant=smoothquant,
+        smoothquant_min_gain=smoothquant_min_gain,
         min_cosine=min_cosine,
         min_snr=min_snr,
         holdout=holdout,
