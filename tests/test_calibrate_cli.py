@@ -671,3 +671,28 @@ def test_a_num_bins_the_asymmetric_search_cannot_take_is_refused_up_front(tmp_pa
         "calibrate", "text_encoder", "--method", method, "--num-bins", "1000", "--config", cfg, "--out", out
     )
     assert r.exit_code == 0, r.output
+
+
+def test_inspect_shows_an_asymmetric_quantizers_minimum(tmp_path):
+    """An asymmetric quantizer's range is [amin, amax]; inspect showed only amax, so the grid the graph
+    runs (its zero point) could not be read from the table or --json. The minimum is what load_calibrated
+    rebuilds the quantizer with."""
+    from quantcli.inputs.checkpoint import load_calibrated
+    from quantcli.nn import quantizers
+
+    ck = tmp_path / "te.calib.pt"
+    assert cli("calibrate", "text_encoder", "--num-samples", "16", "--out", ck).exit_code == 0
+    r = cli("inspect", ck, "--json")
+    assert r.exit_code == 0, r.output
+    rows = {q["name"]: q for q in json.loads(r.stdout)["quantizers"]}
+    model = load_calibrated(ck).model
+    asym = [n for n, q in quantizers(model).items() if q.enabled and q.desc.asymmetric]
+    assert asym
+    for n in asym:
+        want = float(quantizers(model)[n].amin)
+        assert want < 0 and rows[n]["amin_values"] == [pytest.approx(want)]
+    sym = next(n for n, q in quantizers(model).items() if q.enabled and not q.desc.asymmetric)
+    assert rows[sym]["amin"] is None
+    table = cli("inspect", ck).output
+    line = next(ln for ln in table.splitlines() if asym[0] in ln)
+    assert f"{float(quantizers(model)[asym[0]].amin):.5g}"[:5] in line

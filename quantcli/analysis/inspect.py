@@ -34,8 +34,10 @@ def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, 
 
     data = read_checkpoint(path)
     rows = []
+    state = data.get("state_dict") or {}
     for name, q in data["quantizers"].items():
         d = q["descriptor"]
+        amin = state.get(f"{name}.amin")  # an asymmetric quantizer's calibrated minimum (a buffer)
         rows.append(
             {
                 "name": name,
@@ -45,6 +47,8 @@ def inspect_checkpoint(path: str | Path, trust_code: bool = False) -> dict[str, 
                 "block_sizes": {k: v for k, v in (d.get("block_sizes") or {}).items()},
                 "amax": _amax_text(q["amax"]) if q["enabled"] else "-",
                 "amax_values": None if q["amax"] is None else q["amax"].flatten().tolist(),
+                "amin": _amax_text(amin) if q["enabled"] and amin is not None else None,
+                "amin_values": None if amin is None else amin.flatten().tolist(),
             }
         )
     return {

@@ -169,6 +169,8 @@ def _codes_text(codes) -> str:
 
 
 def render_inspect_checkpoint(rows: dict, path: Path) -> None:
+    # asymmetric quantizers (a [min, max] range with a zero point) add their calibrated minimum
+    with_amin = any(r.get("amin") for r in rows["quantizers"])
     qs = (
         (
             r["name"],
@@ -176,6 +178,7 @@ def render_inspect_checkpoint(rows: dict, path: Path) -> None:
             r["format"],
             str(r["axis"]),
             str(r["block_sizes"] or ""),
+            *((r.get("amin") or "",) if with_amin else ()),
             r["amax"],
         )
         for r in rows["quantizers"]
@@ -183,7 +186,7 @@ def render_inspect_checkpoint(rows: dict, path: Path) -> None:
     out.print(
         table(
             f"{path} — {rows['model']} ({rows['config']}, target {rows['target']})",
-            ("quantizer", "enabled", "num_bits", "axis", "block", "amax"),
+            ("quantizer", "enabled", "num_bits", "axis", "block", *(("amin",) if with_amin else ()), "amax"),
             qs,
         )
     )
