@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from calibrators.histogram import compute_amax_percentile
+from calibrators.histogram import compute_amax_entropy, compute_amax_percentile
 from quantcli import defaults
 from quantcli.quant import arithmetic
 
@@ -305,6 +305,27 @@ def _descend_all(los, his, lo, hi, points, num_bits: int, max_rounds: int):
     return lo, hi
 
 
+def range_entropy(
+    pos_hist, pos_edges, neg_hist, neg_edges, lo_data, hi_data, num_bits: int = 8
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(min, max)``: the data's range clipped at ``±T``, ``T`` the entropy (KL divergence, TensorRT's)
+    threshold of ``|x|``'s histogram for a signed ``num_bits`` grid. ``|x|``'s histogram is the two sides'
+    counts added bin for bin (one set of edges), less the other sign's values each side counts in its bin 0.
+    A candidate of ``--method auto`` for asymmetric quantizers, which compares it on the layer's output; not
+    ``--method entropy``'s (those quantizers keep the data's min and max: :data:`METHODS`)."""
+    if not torch.equal(torch.as_tensor(pos_edges), torch.as_tensor(neg_edges)):
+        raise ValueError("range_entropy needs both sides over one set of edges")
+    pos = torch.as_tensor(pos_hist).to(torch.float64).reshape(-1)
+    neg = torch.as_tensor(neg_hist).to(torch.float64).reshape(-1)
+    absolute = pos + neg
+    absolute[0] -= pos.sum()  # each side counts every value of the other sign (and each zero) in its bin 0
+    lo, hi = _limits(lo_data, hi_data)
+    t = torch.as_tensor(compute_amax_entropy(absolute.clamp(min=0), pos_edges, num_bits), dtype=torch.float32)
+    t = t.reshape(())
+    return torch.maximum(-t, lo), torch.minimum(t, hi)
+
+
 #: the range search behind each histogram method for asymmetric quantizers; ``entropy`` (TensorRT's search of
 #: a symmetric threshold by KL divergence) has none: those quantizers keep the data's min and max
+#: (:func:`range_entropy` is ``--method auto``'s candidate only)
 METHODS = {"percentile": range_percentile, "mse": range_mse}

@@ -11,7 +11,7 @@ from calibrators.counting import small_values
 from calibrators.max import MinMaxCalibrator
 from calibrators.scratch import reads_on_host
 from calibrators.signed_histogram import SignedHistogramCalibrator
-from calibrators.two_sided import METHODS
+from calibrators.two_sided import METHODS, range_entropy
 from quantcli import defaults
 
 
@@ -82,6 +82,14 @@ class TwoSidedHistogramCalibrator(Calibrator):
             pos, neg, edges = self.histogram.sides()
             found = METHODS[method](pos, edges, neg, edges, lo.cpu(), hi.cpu(), **kwargs)
             shared.keep_equal(key, stats, found)
+        return found[0].to(lo.device), found[1].to(hi.device)
+
+    def compute_entropy_range(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(min, max)`` clipped at ``|x|``'s entropy threshold
+        (:func:`calibrators.two_sided.range_entropy`): a candidate of ``--method auto``."""
+        lo, hi = self.extremes.compute_range()
+        pos, neg, edges = self.histogram.sides()
+        found = range_entropy(pos, edges, neg, edges, lo.cpu(), hi.cpu(), self.num_bits)
         return found[0].to(lo.device), found[1].to(hi.device)
 
     def compute_amax(self, method: str = "mse", **kwargs) -> torch.Tensor:

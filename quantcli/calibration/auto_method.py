@@ -208,6 +208,10 @@ def _candidates(q, st: LayerInput, kwargs: dict) -> _Scored:
             q.calibrator = hist
             cands[m] = q.load_calib_amax(m, **kwargs).clone()
             amins[m] = q.amin.clone()
+        if isinstance(q.desc.num_bits, int):  # and the range clipped at |x|'s entropy threshold
+            lo, hi = hist.compute_entropy_range()
+            scale = q.desc.scale_amax if q.desc.scale_amax is not None else 1.0
+            amins["entropy"], cands["entropy"] = lo * scale, (hi * scale).to(cands["max"].dtype)
     else:
         q.calibrator = st.max_calibrator
         cands["max"] = q.load_calib_amax("max").clone()
