@@ -246,6 +246,15 @@ def test_generate_refuses_what_is_not_a_decode_graph(float_graph, tmp_path, expo
     # a CNN's graph was asked for a tokenizer first ("no tokenizer ... pass --tokenizer FOLDER")
     assert_clean_error(cli("generate", exported("digits_cnn", "int8"), "--prompt", "x"), "not a decode graph")
     assert_clean_error(cli("generate", tmp_path / "none.onnx", "--prompt", "x"), "does not exist")
+    # a decode graph another tool wrote (its cache inputs, none of quantcli's metadata) was called "not a
+    # decode graph (no KV cache inputs)"
+    _, path = float_graph
+    foreign = onnx.load(str(path))
+    del foreign.metadata_props[:]
+    onnx.save(foreign, str(tmp_path / "foreign.onnx"))
+    assert_clean_error(
+        cli("generate", tmp_path / "foreign.onnx", "--prompt", "x"), "did not write", "past_key_values"
+    )
 
 
 def _cache_off_by_one(src, dst) -> None:

@@ -41,6 +41,13 @@ def read_info(path) -> DecodeExport:
         why = {p.key: p.value for p in graph.metadata_props}.get(NO_DECODE_KEY)
         if why:  # a causal LM export wrote as a prefill graph, saying why
             raise NotADecodeGraph(f"{path} is not a decode graph: export wrote a {why}")
+        if any(i.name.startswith(("past_key_values", "past.")) for i in graph.graph.input):
+            # onnxruntime-genai's model builder, Optimum: a cache, but no layout quantcli can read
+            raise NotADecodeGraph(
+                f"{path} is a decode graph quantcli did not write (it has past_key_values inputs but no "
+                "quantcli.causal_lm metadata saying its layout and tokenizer): run it with the tool that "
+                "wrote it (onnxruntime-genai for its model builder's), or export the model with quantcli"
+            )
         raise NotADecodeGraph(
             f"{path} is not a decode graph (no KV cache inputs); export the causal LM with `quantcli export` "
             "(without --no-kv-cache)"
