@@ -232,16 +232,29 @@ def test_preprocessor_config_gives_the_defaults(tmp_path):
     )
 
 
-@pytest.mark.parametrize("kind", ["resize_then_crop", "shortest_edge_then_crop", "crop_only", "crop_pct"])
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "resize_then_crop",
+        "shortest_edge_then_crop",
+        "crop_only",
+        "crop_pct",
+        "flip_no_normalize",
+        "legacy_size",
+    ],
+)
 def test_image_preprocessing_equals_the_hugging_face_processor(tmp_path, kind):
     """The pixels quantcli calibrates and verifies on are the ones the model's own image processor makes
     (transformers' PIL processors, independent of quantcli's code): a DeiT config (resize to 40x40, center
     crop to 32x32, bicubic) was applied as one bilinear resize to 32x32, off by up to 2.0 normalised.
     ConvNext's ``crop_pct`` (the shorter side to shortest_edge / crop_pct, then a center crop) was ignored:
-    no crop."""
+    no crop. MobileViT's (BGR channel order, no normalisation) was normalised in RGB, off by up to 1.8, and a
+    legacy integer ``size`` (openai/clip-vit-base-patch32's, the shorter side for CLIP's class) squashed the
+    image to a square."""
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
     from transformers.models.convnext.image_processing_pil_convnext import ConvNextImageProcessorPil
     from transformers.models.deit.image_processing_pil_deit import DeiTImageProcessorPil
+    from transformers.models.mobilevit.image_processing_pil_mobilevit import MobileViTImageProcessorPil
 
     from quantcli.inputs.image_data import image_batches, image_settings
 
@@ -253,8 +266,18 @@ def test_image_preprocessing_equals_the_hugging_face_processor(tmp_path, kind):
         "shortest_edge_then_crop": lambda: CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size=crop),
         "crop_only": lambda: DeiTImageProcessorPil(do_resize=False, crop_size=crop),
         "crop_pct": lambda: ConvNextImageProcessorPil(size={"shortest_edge": 32}, crop_pct=0.875),
+        "flip_no_normalize": lambda: MobileViTImageProcessorPil(size={"shortest_edge": 36}, crop_size=crop),
+        "legacy_size": lambda: CLIPImageProcessorPil(size={"shortest_edge": 36}, crop_size=crop),
     }[kind]()
     proc.save_pretrained(str(tmp_path / "model"))
+    if (
+        kind == "legacy_size"
+    ):  # as old configs store it: an integer, which CLIP's class reads as the shorter side
+        path = tmp_path / "model" / "preprocessor_config.json"
+        cfg = json.loads(path.read_text())
+        cfg["size"], cfg["crop_size"] = 36, 32
+        path.write_text(json.dumps(cfg))
+        proc = CLIPImageProcessorPil.from_pretrained(str(tmp_path / "model"))
     rng = np.random.default_rng(0)
     images = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((48, 48), (40, 64), (70, 30))]
     for i, a in enumerate(images):
@@ -264,6 +287,46 @@ def test_image_preprocessing_equals_the_hugging_face_processor(tmp_path, kind):
     want = np.concatenate([proc(Image.fromarray(a), return_tensors="np")["pixel_values"] for a in images])
     assert got["x"].shape == want.shape == (3, 3, 32, 32)
     np.testing.assert_allclose(got["x"].numpy(), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["levit", "rescale_offset", "no_resize"])
+def test_an_image_processor_quantcli_cannot_reproduce_is_refused(tmp_path, kind):
+    """LeViT's resize (256/224 of the size, then a crop), EfficientNet's rescale_offset and a processor that
+    does not resize were applied as plain resizes, in silence: calibrate and verify both used those pixels,
+    so verify passed a graph calibrated on other inputs than deployment gives it. Each is compared with the
+    processor itself on probe images and refused, naming it and what to pass instead."""
+    from transformers.models.efficientnet.image_processing_pil_efficientnet import (
+        EfficientNetImageProcessorPil,
+    )
+    from transformers.models.levit.image_processing_pil_levit import LevitImageProcessorPil
+    from transformers.models.vit.image_processing_pil_vit import ViTImageProcessorPil
+
+    proc = {
+        "levit": lambda: LevitImageProcessorPil(
+            size={"shortest_edge": 40}, crop_size={"height": 32, "width": 32}
+        ),
+        "rescale_offset": lambda: EfficientNetImageProcessorPil(
+            size={"height": 32, "width": 32}, rescale_offset=True, include_top=False
+        ),
+        "no_resize": lambda: ViTImageProcessorPil(do_resize=False),
+    }[kind]()
+    cfg = transformers.ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+    )
+    folder = tmp_path / "vit"
+    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(folder))
+    proc.save_pretrained(str(folder))
+    _png(tmp_path / "imgs" / "a.png", np.zeros((40, 40, 3), np.uint8))
+    out = tmp_path / "m.calib.pt"
+    r = cli("calibrate", folder, "--data", tmp_path / "imgs", "--out", out)
+    assert_clean_error(r, "preprocessor_config.json", type(proc).__name__, "an .npz of pixel_values")
+    assert not out.exists()
 
 
 # ------------------------------------------------------------------------------------------ bad input

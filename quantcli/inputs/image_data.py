@@ -54,6 +54,7 @@ class ImageSettings:
     resize_to: tuple[int, int] | None = None  # (height, width) before the crop
     crop: bool = False  # center crop to ``size`` after the resize (always with ``resize_shorter``)
     resample: int = BILINEAR  # a PIL filter (RESAMPLE_NAMES)
+    flip_channels: bool = False  # RGB -> BGR after decoding (``do_flip_channel_order``: MobileViT)
 
     def __post_init__(self):
         self.crop = self.crop or self.resize_shorter is not None
@@ -68,6 +69,7 @@ class ImageSettings:
             "resize_to": None if self.resize_to is None else list(self.resize_to),
             "crop": self.crop,
             "resample": self.resample,
+            "flip_channels": self.flip_channels,
             "rescale": self.rescale,
             "source": self.source,
         }
@@ -84,6 +86,7 @@ class ImageSettings:
             resize_to=tuple(d["resize_to"]) if d.get("resize_to") else None,
             crop=bool(d.get("crop", False)),
             resample=int(d.get("resample", BILINEAR)),
+            flip_channels=bool(d.get("flip_channels", False)),
         )
 
     def describe(self) -> str:
@@ -96,6 +99,8 @@ class ImageSettings:
             resize = "resized"
         if self.resample != BILINEAR:
             resize += f" ({RESAMPLE_NAMES.get(self.resample, self.resample)})"
+        if self.flip_channels:
+            resize += ", channels flipped to BGR"
         return (
             f"images {resize} to {self.size[0]}x{self.size[1]}, mean {list(self.mean)}, std "
             f"{list(self.std)} ({self.source})" + (f"; converted to {self.mode}: {conv}" if conv else "")
@@ -190,7 +195,82 @@ def _from_preprocessor(cfg: dict[str, Any], where: str = "preprocessor_config.js
         resize_to=resize_to,
         crop=crop,
         resample=resample,
+        flip_channels=bool(cfg.get("do_flip_channel_order", False)),
     )
+
+
+#: largest difference of a probe image's pixel values (normalised) from the folder's own image processor's
+#: that counts as equal (float32 rounding of the normalisation; a different resize or crop moves values by ~1)
+PROCESSOR_TOLERANCE = 1e-3
+
+
+def _image_processor(folder: Path):
+    """The folder's image processor as transformers builds it (its PIL backend, as quantcli resizes with
+    PIL), or None where transformers is missing or cannot build it offline."""
+    try:
+        from quantcli.inputs.hf_model import transformers_module
+
+        auto = transformers_module().AutoImageProcessor
+    except Exception:
+        return None
+    for kwargs in ({"backend": "pil"}, {"use_fast": False}):
+        try:
+            return auto.from_pretrained(str(folder), local_files_only=True, **kwargs)
+        except Exception:
+            continue
+    return None
+
+
+#: the switches of an image processor, read from the processor (None, a switch its class leaves unset, is off)
+_SWITCHES = ("do_resize", "do_center_crop", "do_rescale", "do_normalize", "do_flip_channel_order")
+
+
+def _as_processor_reads(cfg: dict[str, Any], processor) -> dict[str, Any]:
+    """``preprocessor_config.json`` as its processor reads it: a legacy integer ``size`` in the form its class
+    gives it (the shorter side for CLIP's, a square for ViT's), and each switch as the processor holds it
+    (MobileViT's processor never normalises: it has no ``do_normalize`` set)."""
+    out = {**cfg, **json.loads(json.dumps(processor.to_dict(), default=list))}
+    for k in _SWITCHES:
+        if hasattr(processor, k):
+            out[k] = bool(getattr(processor, k))
+    return out
+
+
+def _probe_images():
+    """Two seeded RGB images, one wider and one taller than square (a resize that does not keep the
+    aspect ratio, a crop off-centre by a pixel, show on them)."""
+    Image = _pil()
+    g = np.random.default_rng(0)
+    shapes = ((61, 97, 3), (97, 61, 3))
+    return [Image.fromarray(g.integers(0, 256, shape, dtype=np.uint8)) for shape in shapes]
+
+
+def _check_against(processor, settings: ImageSettings, where: Path) -> None:
+    """Refuse settings that do not reproduce the folder's own image processor on probe images: quantcli
+    reads a processor's resize, center crop, rescale, normalisation and channel order; others (LeViT's
+    resize by 256/224, PoolFormer's crop_pct with crop_size, EfficientNet's rescale_offset, no resize at
+    all) would calibrate and verify on other pixels than the deployed model gets, and verify could not
+    tell."""
+    mean = np.asarray(settings.mean, np.float32).reshape(-1, 1, 1)
+    std = np.asarray(settings.std, np.float32).reshape(-1, 1, 1)
+    for im in _probe_images():
+        try:
+            want = np.asarray(processor(images=im, return_tensors="np")["pixel_values"][0], np.float32)
+        except Exception:
+            return  # the processor does not run here: nothing to compare with
+        got = (_pixels(im.copy(), settings) * np.float32(settings.rescale) - mean) / std
+        if got.shape != want.shape:
+            made = f"{want.shape[-2]}x{want.shape[-1]}"
+            gap = f"it makes {made} pixel values, quantcli {got.shape[-2]}x{got.shape[-1]}"
+        elif float(np.abs(got - want).max()) > PROCESSOR_TOLERANCE:
+            gap = f"their pixel values differ by up to {float(np.abs(got - want).max()):.3g}"
+        else:
+            continue
+        raise DataError(
+            f"{where}: {type(processor).__name__} preprocesses images in a way quantcli's image folders do "
+            f"not ({gap} on a probe image); pass the images preprocessed instead: an .npz of pixel_values "
+            "made by the model's image processor (or --image-size/--mean/--std to choose the preprocessing)"
+        )
 
 
 def image_settings(
@@ -211,7 +291,12 @@ def image_settings(
                 cfg = json.loads(pre.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise DataError(f"{pre} is not valid JSON: {first_line(e)}") from None
+            processor = _image_processor(Path(model_folder))
+            if processor is not None:
+                cfg = _as_processor_reads(cfg, processor)
             base = _from_preprocessor(cfg, pre.name)
+            if processor is not None:
+                _check_against(processor, base, pre)
     given = [n for n, v in (("--image-size", size), ("--mean", mean), ("--std", std)) if v is not None]
     if given:
         base.source = f"{', '.join(given)} given; the rest {base.source}"
@@ -252,6 +337,11 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
         raise
     except Exception as e:
         raise DataError(f"cannot decode image {path}: {first_line(e, 160)}") from None
+    return _pixels(im, settings)
+
+
+def _pixels(im, settings: ImageSettings) -> np.ndarray:
+    """A decoded PIL image resized and cropped as ``settings`` say: float32 ``(C, H, W)`` pixel values."""
     h, w = settings.size
     if settings.resize_shorter:  # as transformers' get_resize_output_image_size: the longer side truncated
         s = settings.resize_shorter
@@ -268,7 +358,8 @@ def _decode(path: Path, mode: str, settings: ImageSettings) -> np.ndarray:
         left, top = (im.width - w) // 2, (im.height - h) // 2
         im = im.crop((left, top, left + w, top + h))
     a = np.asarray(im, dtype=np.float32)
-    return a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+    a = a[None] if a.ndim == 2 else a.transpose(2, 0, 1)
+    return a[::-1].copy() if settings.flip_channels and a.shape[0] == 3 else a
 
 
 def image_batches(
