@@ -322,3 +322,39 @@ def test_dynamo_export_verifies(smoothed_text, tmp_path):
     export_onnx(model, text_encoder.calibration_batches()[0], path, exporter="dynamo")
     report = verify_onnx(path, ck, text_encoder.evaluation_batches()[:2], provider="cpu")
     assert report.passed, report.to_dict()
+
+
+def test_a_fold_is_judged_on_the_readers_own_output_not_only_the_models():
+    """SegFormer's MixFFN (Linear -> depthwise conv -> GELU -> Linear) beside a residual stream that dominates
+    the model's output: folding 1/s into the first Linear moved the model's outputs by less than the bound
+    (1e-4 of their largest magnitude), so the fold was taken, and the second Linear's output moved by 19%:
+    calibrate stopped with "SmoothQuant changed what the float model computes ... please report this", and
+    smooth_quant itself changed the float model. The trial now also compares each reader's own output."""
+    from quantcli.calibration.smoothquant import smooth_quant
+
+    class MixFFN(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+            self.dw = torch.nn.Conv1d(16, 16, 3, padding=1, groups=16)
+            self.skip = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.dw(self.fc1(x).transpose(1, 2)).transpose(1, 2)
+            return self.skip(x) * 1e4 + self.fc2(torch.nn.functional.gelu(h))
+
+    torch.manual_seed(0)
+    net = MixFFN().eval()
+    x = torch.randn(8, 12, 8, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = net.fc2(torch.nn.functional.gelu(net.dw(net.fc1(x).transpose(1, 2)).transpose(1, 2)))
+    model = quantize_model(net, {"preset": "int8", "cpu": "x86-vnni"}, example={"x": x[:2]})
+    report = smooth_quant(model, [{"x": x}], 0.5, device="cpu", min_gain=0.0)
+    fold = {tuple(g.consumers): (g.fold, g.into) for g in report.groups}
+    assert fold[("fc2",)] == ("mul", None)  # not "linear" into fc1: GELU and the conv's bias lie between
+    seen = {}
+    h = model.fc2.register_forward_hook(lambda m, a, o: seen.setdefault("fc2", o.detach()))
+    with quantizer_modes(model, "disabled"), torch.no_grad():
+        model(x)
+    h.remove()
+    assert torch.allclose(seen["fc2"], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
