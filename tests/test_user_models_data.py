@@ -329,6 +329,23 @@ def test_an_image_processor_quantcli_cannot_reproduce_is_refused(tmp_path, kind)
     assert not out.exists()
 
 
+def test_token_ids_without_an_attention_mask_are_warned_about(bert, tmp_path):
+    """An .npz of input_ids alone for a text model: the graph took no attention_mask and calibrate and
+    export said nothing; a deployment padding its batches got other logits on the real tokens."""
+    _, d = bert
+    ids = np.random.default_rng(0).integers(
+        5, transformers.AutoConfig.from_pretrained(d / "clf").vocab_size, (8, 12)
+    )
+    np.savez(tmp_path / "ids.npz", input_ids=ids)
+    np.savez(tmp_path / "both.npz", input_ids=ids, attention_mask=np.ones_like(ids))
+    r = cli("calibrate", d / "clf", "--data", tmp_path / "ids.npz", "--out", tmp_path / "a.calib.pt")
+    assert r.exit_code == 0, r.output
+    assert "forward takes attention_mask, but the data has none" in r.stderr
+    r = cli("calibrate", d / "clf", "--data", tmp_path / "both.npz", "--out", tmp_path / "b.calib.pt")
+    assert r.exit_code == 0, r.output
+    assert "attention_mask" not in r.stderr
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

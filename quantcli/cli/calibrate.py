@@ -340,6 +340,13 @@ def _calibrate_warnings(outcome) -> None:
             f"or name a CPU with VNNI (--cpu x86-vnni) if the graph never runs without it "
             f"({cpu_kinds.remedy_link()})"
         )
+    missing_mask = _mask_not_given(outcome.job)
+    if missing_mask:
+        err.print(
+            f"warning: the model's forward takes {missing_mask}, but the data has none, so the graph takes "
+            f"none either: a padded batch would attend to its padding; give {missing_mask} with the data (an "
+            ".npz key), or pad nothing"
+        )
     mixed = outcome.mixed
     if mixed is not None and mixed.unfused:
         err.print(
@@ -570,6 +577,20 @@ def _calibrate_result_rows(outcome):
         + (f" + {mixed.seconds:.2f} s target search" if mixed else ""),
     )
     yield "written", str(outcome.job.out)
+
+
+def _mask_not_given(job) -> str:
+    """``attention_mask`` where the model's forward takes one and the calibration data has none ("" else)."""
+    import inspect
+
+    example = job.example or {}
+    if not example or "attention_mask" in example:
+        return ""
+    try:
+        params = inspect.signature(job.model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    return "attention_mask" if "attention_mask" in params and "input_ids" in example else ""
 
 
 def _target_missed(mixed) -> None:
