@@ -346,6 +346,29 @@ def test_token_ids_without_an_attention_mask_are_warned_about(bert, tmp_path):
     assert "attention_mask" not in r.stderr
 
 
+def test_a_class_transformers_does_not_export_at_its_top_level_is_found(tmp_path):
+    """A WhisperEncoder folder was "a class transformers does not have; upgrade transformers": the class is
+    in transformers.models.whisper.modeling_whisper. It is found, and the folder refused for what it is (an
+    audio model), with the way to quantize it."""
+    cfg = transformers.WhisperConfig(
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        num_mel_bins=8,
+        max_source_positions=16,
+    )
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    WhisperEncoder(cfg).save_pretrained(str(tmp_path / "enc"))
+    np.savez(tmp_path / "f.npz", input_features=np.zeros((2, 8, 32), np.float32))
+    r = cli("calibrate", tmp_path / "enc", "--data", tmp_path / "f.npz", "--out", tmp_path / "e.calib.pt")
+    assert_clean_error(r, "WhisperEncoder takes neither input_ids nor pixel_values", "model.py:make")
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

@@ -88,11 +88,28 @@ def _config_object(cfg: dict[str, Any], where: str):
         ) from None
 
 
+def _family_class(model_type, name: str):
+    """Class ``name`` from transformers' own modeling module of ``model_type``
+    (``transformers.models.whisper.modeling_whisper``), or None."""
+    import importlib
+
+    if not isinstance(model_type, str) or not model_type.replace("_", "").isalnum():
+        return None
+    family = model_type.replace("-", "_")
+    try:
+        module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except Exception:
+        return None
+    return getattr(module, name, None)
+
+
 def _model_class(cfg: dict[str, Any], config, where: str):
     tf = transformers_module()
     archs = cfg.get("architectures") or []
     if archs:
         cls = getattr(tf, archs[0], None)
+        if cls is None:  # a class transformers has but does not export at its top level (WhisperEncoder)
+            cls = _family_class(cfg.get("model_type"), archs[0])
         if cls is None or not isinstance(cls, type) or not issubclass(cls, nn.Module):
             raise ModelLoadError(
                 f"{where}: config names class {archs[0]!r}, which transformers "
@@ -140,9 +157,9 @@ def _inputs(cls) -> list[str]:
     if "pixel_values" in params:
         return ["pixel_values"]
     raise ModelLoadError(
-        f"{cls.__name__} takes neither input_ids nor pixel_values; quantcli handles "
-        f"Hugging Face "
-        "text and image models"
+        f"{cls.__name__} takes neither input_ids nor pixel_values; quantcli reads Hugging Face folders of "
+        "text and image models: build this one in a model file (model.py:make returning "
+        f"{cls.__name__}.from_pretrained(FOLDER)) and pass its inputs as an .npz keyed by their names"
     )
 
 
