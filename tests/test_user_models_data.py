@@ -41,6 +41,16 @@ def make_tokenizer(folder):
 
 
 #: an encoder of the tiny vocabulary, one layer of 16 features
+#: an encoder-decoder of one layer each (BART's, Whisper's config fields)
+TINY_SEQ2SEQ = dict(
+    d_model=16,
+    encoder_layers=1,
+    decoder_layers=1,
+    encoder_attention_heads=2,
+    decoder_attention_heads=2,
+    encoder_ffn_dim=32,
+    decoder_ffn_dim=32,
+)
 TINY_ENCODER = dict(
     vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
 )
@@ -351,13 +361,7 @@ def test_a_class_transformers_does_not_export_at_its_top_level_is_found(tmp_path
     in transformers.models.whisper.modeling_whisper. It is found, and the folder refused for what it is (an
     audio model), with the way to quantize it."""
     cfg = transformers.WhisperConfig(
-        d_model=16,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=2,
-        decoder_attention_heads=2,
-        encoder_ffn_dim=32,
-        decoder_ffn_dim=32,
+        **TINY_SEQ2SEQ,
         num_mel_bins=8,
         max_source_positions=16,
     )
@@ -438,13 +442,7 @@ def test_bad_folders_texts_and_images(bert, tmp_path):
         lambda: transformers.BartForConditionalGeneration(
             transformers.BartConfig(
                 vocab_size=len(WORDS),
-                d_model=16,
-                encoder_layers=1,
-                decoder_layers=1,
-                encoder_attention_heads=2,
-                decoder_attention_heads=2,
-                encoder_ffn_dim=32,
-                decoder_ffn_dim=32,
+                **TINY_SEQ2SEQ,
                 max_position_embeddings=64,
             )
         ),
