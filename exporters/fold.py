@@ -109,8 +109,8 @@ def fold_pad_amounts(model: onnx.ModelProto) -> int:
     A "same" padding computed in ``forward`` from the input's height and width (EfficientNet's
     ``Conv2dDynamicSamePadding``) reaches the TorchScript graph as ``Shape -> Gather -> Sub -> Div ...``; with
     the batch dimension dynamic, onnxruntime folds none of it, its ``Pad`` does not fold into the
-    ``Conv``, and the Conv stays float. The amounts are evaluated with every symbolic dimension set to 1
-    and then to 3, and folded only when both give the same (they read only static dimensions)."""
+    ``Conv``, and the Conv stays float. The amounts are evaluated with every symbolic dimension set to each
+    of :data:`SYMBOLIC_FILLS`, and folded only when all give the same (they read only static dimensions)."""
     g = model.graph
     inits = initializer_map(g)
     producers = producer_map(g)
@@ -160,6 +160,13 @@ def _ancestors(name: str, producers: dict[str, onnx.NodeProto], limit: int = 102
     return seen
 
 
+#: the sizes a symbolic dimension is given when a computed amount is evaluated: a value folds only when it is
+#: the same for all. Every residue modulo 2 to 7: a parity test (Swin's ``F.pad(x, (0, 0, 0, W % 2, 0, H %
+#: 2))``) gave 1 for both 1 and 3, the two sizes tried before, and was frozen to a pad of 1, so that no
+#: even-sized input could run; a stride-2 "same" padding likewise
+SYMBOLIC_FILLS = (1, 2, 3, 4, 5, 6, 7)
+
+
 def _evaluate(
     model: onnx.ModelProto,
     nodes: list[onnx.NodeProto],
@@ -169,7 +176,7 @@ def _evaluate(
 ) -> np.ndarray | None:
     """``output`` of ``nodes`` (ONNX's reference evaluator), the tensors in ``shaped`` (read only through
     ``Shape``) fed as zeros of their shape; with symbolic dimensions, the value when it is the same for each
-    filled in as 1 and as 3, else None."""
+    filled in as every one of :data:`SYMBOLIC_FILLS`, else None."""
     from onnx.reference import ReferenceEvaluator  # only for computed amounts: a costly import
 
     sub = helper.make_graph(
@@ -180,7 +187,7 @@ def _evaluate(
         [inits[x] for x in {x for m in nodes for x in m.input} if x in inits],
     )
     values = []
-    for fill in (1, 3) if any(None in dims for dims in shaped.values()) else (1,):
+    for fill in SYMBOLIC_FILLS if any(None in dims for dims in shaped.values()) else (1,):
         feeds = {
             x: np.zeros([fill if d is None else d for d in dims], np.float32) for x, dims in shaped.items()
         }

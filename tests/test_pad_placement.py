@@ -251,10 +251,11 @@ def test_method_auto_on_quantizers_before_a_functional_padding(tf_padded, tmp_pa
 # ------------------------------------------------------------------------------------------- graph passes
 
 
-def _pad_model(pads_from_input: bool, dims=(1, 1, 4, 4)) -> onnx.ModelProto:
+def _pad_model(pads_from_input: bool, dims=(1, 1, 4, 4), parity: bool = False) -> onnx.ModelProto:
     """Pad amounts as TorchScript writes ``F.pad(x, (0, 1, 2, 3))``: torch's order (last dim first, begin/end
     pairs) reversed by a Slice of step -1, then transposed into ONNX's order (all begins, then all ends).
-    ``pads_from_input``: the amounts times the input's dimensions (``dims``, a name for a symbolic one)."""
+    ``pads_from_input``: the amounts times the input's dimensions (``dims``, a name for a symbolic one);
+    ``parity``: instead, ``F.pad(x, (0, W % 2))`` (the last dimension's end padded to an even size)."""
     torch_order = numpy_helper.from_array(np.array([[0, 1], [2, 3], [0, 0], [0, 0]], np.int64), "torch_pads")
     consts = [
         numpy_helper.from_array(np.array([-1], np.int64), "start"),
@@ -269,7 +270,19 @@ def _pad_model(pads_from_input: bool, dims=(1, 1, 4, 4)) -> onnx.ModelProto:
         helper.make_node("Transpose", ["reversed"], ["onnx_order"], perm=[1, 0]),
         helper.make_node("Reshape", ["onnx_order", "flat"], ["amounts"]),
     ]
-    if pads_from_input:  # amounts that depend on the input's shape
+    if parity:
+        consts += [
+            numpy_helper.from_array(np.array([3], np.int64), "last"),
+            numpy_helper.from_array(np.array(2, np.int64), "two"),
+            numpy_helper.from_array(np.zeros(7, np.int64), "zeros7"),
+        ]
+        nodes = [
+            helper.make_node("Shape", ["x"], ["shape"]),
+            helper.make_node("Gather", ["shape", "last"], ["width"], axis=0),
+            helper.make_node("Mod", ["width", "two"], ["odd"]),
+            helper.make_node("Concat", ["zeros7", "odd"], ["pads"], axis=0),
+        ]
+    elif pads_from_input:  # amounts that depend on the input's shape
         nodes += [  # amounts * shape, shape twice over for the 8 amounts
             helper.make_node("Shape", ["x"], ["shape"]),
             helper.make_node("Concat", ["shape", "shape"], ["shapes"], axis=0),
@@ -277,13 +290,16 @@ def _pad_model(pads_from_input: bool, dims=(1, 1, 4, 4)) -> onnx.ModelProto:
         ]
     else:
         nodes.append(helper.make_node("Identity", ["amounts"], ["pads"]))
+    if parity:  # (the torch-order amounts are not read)
+        consts = [c for c in consts if c.name in ("zero", "last", "two", "zeros7")]
+        torch_order = None
     nodes.append(helper.make_node("Pad", ["x", "pads", "zero"], ["y"], mode="constant"))
     graph = helper.make_graph(
         nodes,
         "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(dims))],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [torch_order, *consts],
+        [t for t in (torch_order, *consts) if t is not None],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
 
@@ -314,6 +330,18 @@ def test_pad_amounts_that_depend_on_a_symbolic_dimension_are_left_alone():
     nodes = len(model.graph.node)
     assert fold_pad_amounts(model) == 0
     assert len(model.graph.node) == nodes
+
+
+def test_a_pad_amount_from_a_parity_of_a_symbolic_dimension_is_left_alone():
+    """Swin's PatchMerging pads ``W % 2``: evaluated with the dimension at 1 and at 3 it gave 1 both times and
+    was frozen to 1, so the graph failed to run on every even width (a Reshape of 33 columns into 16 x 2)."""
+    model = _pad_model(pads_from_input=True, dims=(1, 1, 4, "width"), parity=True)
+    nodes = len(model.graph.node)
+    assert fold_pad_amounts(model) == 0
+    assert len(model.graph.node) == nodes
+    for width in (4, 5):  # the amount is still computed per input: an even width gets no pad, an odd one 1
+        x = np.zeros((1, 1, 4, width), np.float32)
+        assert _run(model, x).shape[-1] == width + width % 2
 
 
 def test_pad_amounts_computed_from_static_dimensions_are_folded():

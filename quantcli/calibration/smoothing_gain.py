@@ -21,12 +21,12 @@ from quantcli.quant.tensor_quant import fake_affine_tensor_quant, fake_tensor_qu
 #: rows of X the comparison takes (spread evenly over the first calibration batch)
 SAMPLE_ROWS = 4096
 
-#: smoothing is applied where it divides the error by at least this much. Measured over 65 groups of 8 models
-#: (the digits and text samples, ``pretrained_like``, ``structured.deep_encoder``, an MLP, a small transformer and
-#: two MLPs with an outlier channel): layers whose input has outlier channels gained 3x-1300x (deep_encoder's
-#: mild LayerNorm gains of 3-5: 3x-33x), every other layer 0.4x-1.9x, and on the digits CNN a 1.26x gain still
-#: cost 1 dB of SNR end to end (and, through the explicit Mul, its conv2's integer kernel). An error halved
-#: (3 dB) lies between the two kinds.
+#: smoothing is applied where it divides the error by at least this much. Measured over 65 groups of 8
+#: models (the digits and text samples, ``pretrained_like``, ``structured.deep_encoder``, an MLP, a small
+#: transformer and two MLPs with an outlier channel): layers whose input has outlier channels gained
+#: 3x-1300x (deep_encoder's mild LayerNorm gains of 3-5: 3x-33x), every other layer 0.4x-1.9x, and on the
+#: digits CNN a 1.26x gain still cost 1 dB of SNR end to end (and, through the explicit Mul, its conv2's
+#: integer kernel). An error halved (3 dB) lies between the two kinds.
 MIN_GAIN = 2.0
 
 
