@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quantcli.errors import TransformationError
-from quantcli.nn.module_outputs import Fingerprint, capture, describe_change, differences
+from quantcli.nn.module_outputs import Fingerprint, capture, describe_change, differences, fold_changes
 
 
 def expected_changes(
@@ -30,13 +30,16 @@ def expected_changes(
     reference: Mapping[str, Fingerprint],
 ) -> set[str]:
     """The modules whose float output a correct transformation changes: the layers BatchNorms were folded
-    into, and for each ``(into, consumers)`` SmoothQuant group the module that absorbed ``1 / s`` with every
+    into with every module of ``reference`` that finished after such a layer and before its BatchNorm, and for
+    each ``(into, consumers)`` SmoothQuant group the module that absorbed ``1 / s`` with every
     module of ``reference`` that finished after it and before the first of its readers did (what runs between
     the producer and the readers carries the divided tensor: a Linear's output through attention's softmax
     times V, the wrapper that returns it, a dropout). The readers themselves, and every module after them,
     must compute what they computed."""
     order = {name: i for i, name in enumerate(reference)}
-    changed = {f["layer"] for f in folds}
+    # a container whose last module is the layer (timm's deep stem: the Sequential ending in the Conv, its
+    # BatchNorm after it) returns the folded layer's output: what finished between the two changed too
+    changed = fold_changes(reference, ((f["layer"], f.get("batchnorm", "")) for f in folds))
     for into, consumers in smoothed:
         if not into:
             continue

@@ -27,6 +27,7 @@ from quantcli.nn.module_outputs import (
     capture,
     describe_change,
     differences,
+    fold_changes,
     observer,
     unstable,
 )
@@ -383,8 +384,9 @@ def _check_conversions(
     report.float_check = {"checked": True, "modules": len(reference), "reverted": reverted}
     unsteady: set[str] | None = None
     for _ in range(len(layers) + len(folded) + 2):
-        # a folded layer computes its BatchNorm's output: that one is compared
-        skip = set(folded.values()) | (unsteady or set())
+        # a folded layer computes its BatchNorm's output: that one is compared (as is what returned the
+        # layer's output before the BatchNorm, a container ending in it)
+        skip = fold_changes(reference, ((layer, bn) for bn, layer in folded.items())) | (unsteady or set())
         diffs = differences(reference, capture(model, example, reference), skip)
         if not diffs:
             return
@@ -441,7 +443,8 @@ def _check_placement(
 ) -> None:
     """The placement's rewrites (residual quantizers in a block's ``forward``, quantizers moved before a
     padding or after a ReLU) compute, quantizers off, what the model as loaded computes."""
-    skip = {f.layer for f in report.batchnorm.folded} | set(report.float_check.get("unstable", ()))
+    folds = ((f.layer, f.batchnorm) for f in report.batchnorm.folded)
+    skip = fold_changes(reference, folds) | set(report.float_check.get("unstable", ()))
     diffs = differences(reference, capture(model, example, reference), skip)
     if diffs:
         module, rel = diffs[0]
