@@ -909,3 +909,62 @@ def test_a_normalizations_gain_is_not_a_weighted_layer_left_float():
     model = quantize_model(_NormsOverFeatureMaps().eval(), "int8", example={"x": torch.randn(2, 1, 6, 6)})
     assert model.quantcli_report.float_layers == []
     assert set(model.quantcli_report.layers) == {"conv", "fc"}
+
+
+class ScaledStdConv(nn.Conv2d):
+    """timm's ScaledStdConv2d (NF-ResNet, NFNet): the weight standardised through ``F.batch_norm`` of its
+    ``(1, out, K)`` reshape, then reshaped back."""
+
+    def __init__(self, cin, cout, k, stride=1, padding=0):
+        super().__init__(cin, cout, k, stride, padding)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, cout).reshape(cout, 1, 1, 1))
+        self.scale = (cin * k * k) ** -0.5
+
+    def forward(self, x):
+        w = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1),
+            None,
+            None,
+            weight=(self.gain * self.scale).view(-1),
+            training=True,
+            momentum=0.0,
+            eps=1e-6,
+        ).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding)
+
+
+def test_a_per_channel_weight_computed_through_a_reshape_exports_a_graph_onnxruntime_loads(tmp_path):
+    """The computed weight's per-channel Q (axis 0, 16 scales) was copied back across the Reshape onto the
+    ``(1, 16, K)`` batch-norm output, where axis 0 has size 1: onnxruntime refused the graph ("scale ...
+    broadcast_dim") and export said nothing. Only per-tensor Qs are copied across such ops."""
+    import onnxruntime as ort
+
+    from exporters import export_onnx
+    from quantcli.calibration.calibrate import calibrate
+
+    class NF(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = ScaledStdConv(3, 16, 3, 2, 1), ScaledStdConv(16, 32, 3, 1, 1)
+            self.fc = nn.Linear(32, 10)
+
+        def forward(self, x):
+            return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)))
+
+    torch.manual_seed(0)
+    model = NF().eval()
+    x = torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    quantize_model(model, {"preset": "int8", "cpu": "x86-vnni"}, example={"x": x[:4]})
+    assert "c2" in model.quantcli_report.computed
+    calibrate(model, [{"x": x}], device="cpu")
+    path = tmp_path / "nf.onnx"
+    export_onnx(model, {"x": x[:4]}, path)
+    for level in (ort.GraphOptimizationLevel.ORT_DISABLE_ALL, ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        got = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": x.numpy()}
+        )
+        with torch.no_grad():
+            want = model(x).numpy()
+        assert np.abs(got[0] - want).max() < 0.05 * np.abs(want).max()

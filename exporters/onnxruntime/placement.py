@@ -167,8 +167,14 @@ def propagate_quantize(model: onnx.ModelProto) -> int:
                 or len(q.input) < 3
                 or q.input[2] not in inits
                 or inits[q.input[2]].data_type not in _EIGHT_BIT
+                or q.input[1] not in inits
+                or to_numpy(inits[q.input[1]]).size != 1
             ):
-                continue  # float8 has no MaxPool/Transpose kernels in onnxruntime: leave it
+                # float8 has no MaxPool/Transpose kernels in onnxruntime: leave it; and a per-channel Q (a
+                # weight a layer computes, weight standardisation's) names an axis a Reshape or Transpose
+                # before it does not keep: its copy had a scale of 32 on an axis of size 1, a graph
+                # onnxruntime refused to load
+                continue
             op = producers.get(q.input[0])
             if op is not None and op.op_type == "Concat" and op.output[0] not in outputs:
                 copied = _quantize_concat_inputs(g, op, q, inits, producers, consumers)
