@@ -1086,3 +1086,29 @@ def test_values_that_are_no_tensor_are_left_out_of_the_graph(tmp_path, exporter)
     graph = exported_and_verified(ck, data, tmp_path / "m.onnx", "--exporter", exporter)
     sess = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
     assert [o.name for o in sess.get_outputs()] == ["output_0", "output_3"]
+
+
+def test_a_graph_onnxruntime_cannot_run_is_said_by_export(calibrated, tmp_path, monkeypatch):
+    """export checks its graph against the model in onnxruntime; where onnxruntime could not load or run the
+    graph (a timm Swin's frozen Pad, an NF-ResNet's misplaced per-channel Q) the check was skipped in silence:
+    no row, no warning, export exit 0, "0 of N layers run in float". The check says why it could not run."""
+    from quantcli.verify import export_check
+
+    ck = calibrated("digits_cnn", "int8", "max")
+    graph = tmp_path / "d.onnx"
+    assert cli("export", ck, "--onnx", graph).exit_code == 0
+    broken = onnx.load(str(graph))
+    conv = next(n for n in broken.graph.node if n.op_type == "Conv")
+    conv.attribute.append(onnx.helper.make_attribute("group", 7))  # no longer a valid graph
+    onnx.save(broken, str(tmp_path / "broken.onnx"))
+    agreement = export_check.graph_agreement(tmp_path / "broken.onnx", load_calibrated(ck).model, {"x": None})
+    assert agreement is not None and not agreement.passed and "cannot load" in agreement.error
+    # through the command: the export of the same checkpoint, its check pointed at the broken file
+    real = export_check.graph_agreement
+    monkeypatch.setattr(
+        export_check, "graph_agreement", lambda path, *a, **k: real(tmp_path / "broken.onnx", *a, **k)
+    )
+    r = cli("export", ck, "--onnx", tmp_path / "again.onnx")
+    assert r.exit_code == 0, r.output
+    assert "onnxruntime cannot run the exported graph" in r.stderr
+    assert "onnxruntime cannot run the graph" in r.stdout

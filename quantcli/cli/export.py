@@ -183,6 +183,11 @@ def export(
         asked = check_dynamic_dims(dims, ckpt.example, True)  # names resolved, as export_model did
         agreement = graph_agreement(onnx_path, ckpt.model, ckpt.example, asked)
         res.graph_agreement = agreement.to_dict() if agreement is not None else None
+    if agreement is not None and agreement.error:
+        err.print(
+            f"warning: onnxruntime cannot run the exported graph on the example batch ({agreement.error}); "
+            "verify will fail it: try the other --exporter, and please report this"
+        )
     if res.decode is None and res.decode_note and kv_cache:
         # a causal LM quantcli writes no decode graph for: said on stderr too, so that a script sees it
         err.print(
@@ -196,7 +201,7 @@ def export(
             else "Leave it out of --dynamic-dim"
         )
         err.print(f"warning: {fixed.text()}. {remedy}")
-    if agreement is not None and not agreement.passed:
+    if agreement is not None and not agreement.passed and not agreement.error:
         worst = agreement.worst
         err.print(
             f"warning: the graph does not compute what the model does: on the example batch its {worst} is "
@@ -375,7 +380,9 @@ def _export_rows(res):
                 f"{', '.join(res.runtime_quantized_layers)}: between a DequantizeLinear and a QuantizeLinear "
                 "it gives them per-tensor int8 weights of its own (quantcli inspect --runtime onnxruntime)",
             )
-    if res.graph_agreement is not None:
+    if res.graph_agreement is not None and res.graph_agreement.get("error"):
+        yield "graph vs model", f"onnxruntime cannot run the graph: {res.graph_agreement['error']}"
+    elif res.graph_agreement is not None:
         worst = max(res.graph_agreement["outputs"].values())
         verdict = "within" if res.graph_agreement["passed"] else "OVER"
         yield (

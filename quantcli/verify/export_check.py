@@ -34,10 +34,11 @@ class GraphAgreement:
     outputs: dict[str, float]
     limit: float = MAX_RMS_RATIO
     fixed: list = field(default_factory=list)  # FixedSize: named dynamic sizes the graph cannot vary
+    error: str | None = None  # onnxruntime could not load or run the graph on the example batch: why
 
     @property
     def passed(self) -> bool:
-        return all(r <= self.limit for r in self.outputs.values())
+        return self.error is None and all(r <= self.limit for r in self.outputs.values())
 
     @property
     def worst(self) -> str:
@@ -49,6 +50,7 @@ class GraphAgreement:
             "limit": self.limit,
             "passed": self.passed,
             "fixed_sizes": [f.to_dict() for f in self.fixed],
+            **({"error": self.error} if self.error else {}),
         }
 
 
@@ -56,14 +58,14 @@ def graph_agreement(
     path: str | Path, model: nn.Module, example: Batch, requested: dict | None = None
 ) -> GraphAgreement | None:
     """The exact session of the graph at ``path`` against ``model`` (calibrated, fake-quant) on ``example``;
-    None where the two cannot be paired (the session does not load or run on the example, a different number
-    of outputs, an output of another shape: verify reports those). Its ``fixed`` lists the sizes the graph
-    names as dynamic but cannot vary (:func:`fixed_sizes`)."""
+    ``error`` set where onnxruntime does not load or run it on the example batch; None where the two cannot
+    be paired (a different number of outputs, an output of another shape: verify reports those). Its
+    ``fixed`` lists the sizes the graph names as dynamic but cannot vary (:func:`fixed_sizes`)."""
     try:
         session = sessions.open_session(Path(path).read_bytes(), "CPUExecutionProvider", optimize=False)
         outputs = _agreement(session, model, example, "the example batch")
-    except VerifyError:
-        return None
+    except VerifyError as e:  # a graph onnxruntime cannot load or run: said, not skipped in silence
+        return GraphAgreement({}, error=first_line(e, 300))
     if outputs is None:
         return None
     return GraphAgreement(outputs, fixed=fixed_sizes(session, model, example, requested))
