@@ -8,7 +8,8 @@ In eval mode a BatchNorm is a per-channel affine map of its input ``z``::
 
 so when ``z = W x + b`` comes straight from a layer, ``y = (s W) x + (s b + t)``: the layer with weight ``s
 W`` (scaled along its output channels) and bias ``s b + t`` computes the same thing, and the BatchNorm becomes
-an ``nn.Identity``. Folding happens before quantizers are inserted (``quantize_model``), so the weights are
+an ``nn.Identity`` (a BatchNorm with its activation, timm's ``BatchNormAct2d``, becomes that activation:
+:func:`remainder`). Folding happens before quantizers are inserted (``quantize_model``), so the weights are
 calibrated and quantized as they will run, and the exported graph has no BatchNormalization after a quantized
 layer (onnxruntime cannot fuse a Conv into an integer kernel across one).
 
@@ -154,12 +155,27 @@ def _out_channels(layer: nn.Module) -> int:
 _BATCHNORM_FORWARDS = (_BatchNorm.forward, nn.SyncBatchNorm.forward)
 
 
+def remainder(bn: _BatchNorm) -> nn.Module | None:
+    """What is left of ``bn``'s module once its normalisation is folded into the layer before: nothing
+    (``nn.Identity``) for a BatchNorm; for a BatchNorm with its activation (timm's ``BatchNormAct2d``, whose
+    ``forward`` is ``act(drop(batch_norm(x)))``: the most common normalisation of timm's CNNs) its ``drop``
+    and ``act`` in that order, the same module objects; None for another subclass with a ``forward`` of its
+    own. The float check compares every folded model with the model as loaded, so a subclass that computes
+    something else is caught and unfolded."""
+    if type(bn).forward in _BATCHNORM_FORWARDS:
+        return nn.Identity()
+    act, drop = getattr(bn, "act", None), getattr(bn, "drop", None)
+    if "BatchNormAct" in type(bn).__name__ and isinstance(act, nn.Module) and isinstance(drop, nn.Module):
+        return nn.Sequential(drop, act)
+    return None
+
+
 def _batchnorm_problem(bn: _BatchNorm, layer: nn.Module) -> str:
     """Why ``bn`` cannot fold into ``layer`` whatever the data flow, or ''."""
-    if type(bn).forward not in _BATCHNORM_FORWARDS:
+    if remainder(bn) is None:
         return (
             f"{type(bn).__name__} overrides BatchNorm's forward, so it may compute more than a BatchNorm "
-            "(timm's BatchNormAct2d applies its activation there)"
+            "(timm's BatchNormAct2d, its activation after it, folds)"
         )
     if bn.running_mean is None or bn.running_var is None:
         return "it normalises with batch statistics (track_running_stats=False), which no weight can express"
@@ -538,7 +554,7 @@ def fold_batchnorm(
             layer.bias.copy_(b)
         if q is not None:
             fold.weight_amax = _refit_weight_amax(q, layer, s)
-        _set_module(model, fold.batchnorm, nn.Identity())
+        _set_module(model, fold.batchnorm, remainder(bn))
         done.append(fold)
     report.folded = done
     report.skipped.sort()
@@ -603,5 +619,5 @@ def restore_folds(model: nn.Module, folds: list[Mapping[str, str]]) -> None:
                 "built from its spec has no such layer and BatchNorm"
             )
         _ensure_bias(layer)
-        _set_module(model, f["batchnorm"], nn.Identity())
+        _set_module(model, f["batchnorm"], remainder(bn) or nn.Identity())
     model.quantcli_folded_batchnorm = [{"layer": f["layer"], "batchnorm": f["batchnorm"]} for f in folds]
