@@ -331,6 +331,25 @@ def _namequantizers(model: onnx.ModelProto, module: nn.Module) -> dict[str, str]
         hits = [q for q in known if q in flat]
         if hits:
             mapping[n.output[0]] = max(hits, key=len)
+    return _unscoped(model, known, mapping)
+
+
+def _unscoped(model: onnx.ModelProto, known: set[str], mapping: dict[str, str]) -> dict[str, str]:
+    """A quantizer's DQ that TorchScript named by the quantizer's role alone (``/output_quantizer/...``: its
+    module reached through a container called as ``down.forward(y)``, timm's HRNet head, which records no
+    scope) goes to the one quantizer of that role no other DQ was mapped to; verify failed such a graph
+    ("Q/DQ pair missing") with the pair in it."""
+    taken = set(mapping.values())
+    for n in model.graph.node:
+        if n.op_type != "DequantizeLinear" or n.output[0] in mapping:
+            continue
+        parts = n.name.strip("/").split("/")
+        if len(parts) != 2 or not parts[0].endswith("_quantizer"):
+            continue
+        left = [q for q in known if q.endswith("." + parts[0]) and q not in taken]
+        if len(left) == 1:
+            mapping[n.output[0]] = left[0]
+            taken.add(left[0])
     return mapping
 
 

@@ -1112,3 +1112,40 @@ def test_a_graph_onnxruntime_cannot_run_is_said_by_export(calibrated, tmp_path, 
     assert r.exit_code == 0, r.output
     assert "onnxruntime cannot run the exported graph" in r.stderr
     assert "onnxruntime cannot run the graph" in r.stdout
+
+
+HRNET_HEAD = """
+import torch
+from torch import nn
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        branch = [nn.Sequential(nn.Conv2d(3, 8, 3, s, 1), nn.ReLU()) for s in (1, 2)]
+        self.incre = nn.ModuleList(branch)
+        self.down = nn.ModuleList([nn.Sequential(nn.Conv2d(8, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU())])
+        self.fc = nn.Linear(8, 10)
+
+    def forward(self, x):
+        y = self.incre[0](x)
+        y = self.incre[1](x) + self.down[0].forward(y)  # .forward, as timm's HRNet head calls it
+        return self.fc(y.mean((2, 3)))
+
+
+def make():
+    torch.manual_seed(0)
+    return Head().eval()
+"""
+
+
+def test_a_container_called_through_forward_keeps_its_quantizers_named(tmp_path):
+    """``self.down[0].forward(y)`` records no TorchScript scope for the Sequential, so the output quantizer
+    of its Conv was written ``/output_quantizer/DequantizeLinear``, mapped to no quantizer: verify failed
+    the graph ("down.0.0.output_quantizer: Q/DQ pair missing") with the pair in it."""
+    from exporters.graph import quantizer_map
+
+    x = np.random.default_rng(0).standard_normal((16, 3, 8, 8)).astype(np.float32)
+    ck, data = calibrated_file(tmp_path, HRNET_HEAD, {"x": x})
+    graph = exported_and_verified(ck, data, tmp_path / "h.onnx")
+    assert "down.0.0.output_quantizer" in set(quantizer_map(onnx.load(str(graph))).values())
