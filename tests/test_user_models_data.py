@@ -203,6 +203,28 @@ def test_image_folder_decoded_converted_and_normalised(tmp_path):
     assert r.exit_code == 0, r.output
 
 
+def test_without_a_preprocessor_config_the_image_size_is_the_configs(tmp_path):
+    """A ViT folder of image_size 8 with no preprocessor_config.json: images were resized to 224 and the
+    model refused them ("Input image size (224*224) doesn't match model (8*8)"); config.json says 8."""
+    cfg = transformers.ViTConfig(
+        image_size=8,
+        patch_size=4,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        num_labels=2,
+    )
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(tmp_path / "vit"))
+    _png(tmp_path / "imgs" / "a.png", np.full((20, 30, 3), 128, np.uint8))
+    out = tmp_path / "vit.calib.pt"
+    r = cli("calibrate", tmp_path / "vit", "--data", tmp_path / "imgs", "--out", out, "--json")
+    assert r.exit_code == 0, r.output
+    assert "config.json's image_size" in json.loads(r.stdout)["preprocessing"]
+    assert torch.load(out, weights_only=True)["inputs"]["example"]["pixel_values"].shape == (1, 3, 8, 8)
+
+
 def test_preprocessor_config_gives_the_defaults(tmp_path):
     cfg = transformers.ViTConfig(
         image_size=8,

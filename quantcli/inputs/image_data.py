@@ -273,6 +273,19 @@ def _check_against(processor, settings: ImageSettings, where: Path) -> None:
         )
 
 
+def _config_image_size(path: Path) -> tuple[int, int] | None:
+    """``image_size`` of a Hugging Face ``config.json`` (an int or ``[height, width]``), or None."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8")).get("image_size")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    if isinstance(raw, int) and raw > 0:
+        return (raw, raw)
+    if isinstance(raw, list) and len(raw) == 2 and all(isinstance(v, int) and v > 0 for v in raw):
+        return (raw[0], raw[1])
+    return None
+
+
 def image_settings(
     model_folder: str | Path | None,
     size: tuple[int, int] | None,
@@ -297,6 +310,10 @@ def image_settings(
             base = _from_preprocessor(cfg, pre.name)
             if processor is not None:
                 _check_against(processor, base, pre)
+        elif model_folder:  # a folder without one: the size its config.json says the model takes
+            size = _config_image_size(Path(model_folder) / "config.json")
+            if size is not None:
+                base.size, base.source = size, "config.json's image_size, ImageNet's mean and std"
     given = [n for n, v in (("--image-size", size), ("--mean", mean), ("--std", std)) if v is not None]
     if given:
         base.source = f"{', '.join(given)} given; the rest {base.source}"
