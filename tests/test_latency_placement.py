@@ -64,6 +64,18 @@ def test_decide_unfused_slower_and_within_margin():
     assert got["slower"].to_dict().keys() == {"layer", "kernel", "ratio", "decision", "reason"}
 
 
+def test_a_prediction_names_the_layers_shape_and_the_row_it_comes_from():
+    """The reason quoted the table's nearest row as if it were the layer ("1.96x float as measured for stem
+    conv 27x16 at 256 positions" for a 9x16 stem at 64 positions): it names both now."""
+    shape = kernel_costs.LayerShape(kernel_costs.STEM, 9, 16, 64)
+    pred = kernel_costs.predict("x86-vnni", shape)
+    assert pred is not None and pred.shape == shape
+    text = pred.describe()
+    assert f"this {shape.describe()}" in text and f"the nearest measured: {pred.row.shape.describe()}" in text
+    same = kernel_costs.Prediction(pred.ratio, pred.row, pred.row.shape)
+    assert same.describe() == f"{pred.ratio:.2f}x float as measured for {pred.row.shape.describe()}"
+
+
 def _decision(layer, decision, fused=True):
     return latency_placement.LayerDecision(layer, "QLinearConv", 1.0, decision, "why", [f"{layer}.q"], fused)
 

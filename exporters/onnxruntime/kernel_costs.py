@@ -70,9 +70,14 @@ class Row:
 class Prediction:
     ratio: float
     row: Row  # the nearest measured row
+    shape: LayerShape | None = None  # the layer's own, where it is not the row's
 
     def describe(self) -> str:
-        return f"{self.ratio:.2f}x float as measured for {self.row.shape.describe()}"
+        own = self.shape.describe() if self.shape is not None else None
+        measured = self.row.shape.describe()
+        if own is None or own == measured:
+            return f"{self.ratio:.2f}x float as measured for {measured}"
+        return f"{self.ratio:.2f}x float (this {own}; the nearest measured: {measured})"
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,4 +122,4 @@ def predict(kind: str, shape: LayerShape) -> Prediction | None:
     if not found:
         return None
     row = min(found, key=lambda rk: rk[0].ratio)[0]
-    return Prediction(row.ratio, row)
+    return Prediction(row.ratio, row, shape)
