@@ -416,6 +416,36 @@ def _compare_transformed(
     cmp.transformed_models = (floats.loaded, batch)
 
 
+#: ``reference.transformations`` passes a deviation above its limit that is at most this many times the
+#: model's own float32 rounding (its float32 outputs against float64's): two float32 computations of one
+#: function in different orders differ by about sqrt(2) times either's error; a transformation that changes
+#: the model moves its outputs by orders of magnitude more (a fold through GELU: 0.19)
+ROUNDING_FACTOR = 2.0
+
+
+def _float32_noise(model, batch, names: list[str]) -> dict[str, float]:
+    """Per output, RMS(float32 - float64) / RMS(float64) of ``model`` (the model as loaded) on ``batch``;
+    {} where the model does not run in float64."""
+    import copy
+
+    import numpy as np
+
+    try:
+        with torch.inference_mode():
+            single = output_arrays(run_model(model, batch, "the reference's rounding check"))
+            wide = copy.deepcopy(model).double()
+            doubled = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
+            exact = output_arrays(run_model(wide, doubled, "the reference's rounding check"))
+    except Exception:
+        return {}
+    out = {}
+    for n, a, b in zip(names, single, exact):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.shape == b.shape and a.size and np.isfinite(a).all() and np.isfinite(b).all():
+            out[n] = float(np.sqrt(((a - b) ** 2).mean()) / max(np.sqrt((b**2).mean()), 1e-30))
+    return out
+
+
 def _reference_check(report: VerifyReport, cmp: _Comparison, ckpt: Calibrated) -> None:
     """``report.reference`` and, where the checkpoint stores the model as loaded,
     ``reference.transformations``: RMS(transformed float - float as loaded) / RMS(float as loaded), the worst
@@ -432,6 +462,17 @@ def _reference_check(report: VerifyReport, cmp: _Comparison, ckpt: Calibrated) -
     report.reference = {"float_model": "as loaded", "transformed_relative_rms": rel}
     worst = max(rel, key=rel.get)
     check = at_most("reference.transformations", MAX_TRANSFORM_DEVIATION, rel[worst], worst)
+    if not check.passed and cmp.transformed_models is not None:
+        # a model whose own float32 rounding is that large (LeViT: 1.0e-3 of its output from float64's) is
+        # judged against it: the transformed model computes in float32 too
+        noise = _float32_noise(*cmp.transformed_models, cmp.out_names).get(worst)
+        if noise is not None and rel[worst] <= ROUNDING_FACTOR * noise:
+            check.passed = True
+            check.detail = (
+                f"{check.detail}; within {ROUNDING_FACTOR:g}x the model's own float32 rounding on this batch "
+                f"({noise:.3g} of its output, against float64)"
+            )
+            report.reference["float32_rounding"] = noise
     if any(s.nonfinite for s in cmp.transformed.values()):
         check.passed, check.detail = False, "non-finite values in one model but not the other"
     if not check.passed and cmp.transformed_models is not None:

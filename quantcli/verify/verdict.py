@@ -22,6 +22,7 @@ one default holds for a 4-layer CNN and a 6-layer transformer (README, ``verify`
   (BatchNorm folding, SmoothQuant, placement rewrites) computes the model as loaded, up to float rounding
   (RMS of the difference relative to the output's RMS; exact transformations: about 1e-7). The other checks
   compare against the model as loaded, so a transformation that changes what the model computes is named here.
+  A model whose own float32 rounding is that large passes within twice it (``driver.ROUNDING_FACTOR``).
 """
 
 from __future__ import annotations
