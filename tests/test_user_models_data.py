@@ -395,6 +395,37 @@ def test_a_class_transformers_does_not_export_at_its_top_level_is_found(tmp_path
     assert_clean_error(r, "WhisperEncoder takes neither input_ids nor pixel_values", "model.py:make")
 
 
+def test_a_text_and_image_model_folder_is_refused_for_what_it_is(tmp_path):
+    """A CLIPModel folder took the text wrapper, which dropped its images: "forward(input_ids, attention_mask)
+    failed ... 'NoneType' object has no attribute 'shape'" for text data, and "input 'pixel_values' is not an
+    argument of forward" for an .npz that had it, each blaming the model or the data."""
+    text = dict(
+        vocab_size=len(WORDS),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    vision = dict(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        image_size=8,
+        patch_size=4,
+    )
+    cfg = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
+    transformers.CLIPModel(cfg).eval().save_pretrained(str(tmp_path / "clip"))
+    np.savez(
+        tmp_path / "d.npz",
+        input_ids=np.ones((2, 4), np.int64),
+        pixel_values=np.zeros((2, 3, 8, 8), np.float32),
+    )
+    r = cli("calibrate", tmp_path / "clip", "--data", tmp_path / "d.npz", "--out", tmp_path / "c.calib.pt")
+    assert_clean_error(r, "CLIPModel takes text and images together", "model.py:make")
+
+
 # ------------------------------------------------------------------------------------------ bad input
 
 

@@ -149,6 +149,14 @@ def _inputs(cls) -> list[str]:
             f"{cls.__name__} is an encoder-decoder (seq2seq) model, which quantcli does not export; it "
             "handles encoder-only and decoder-only (causal LM) text models and image models"
         )
+    if "input_ids" in params and "pixel_values" in params:
+        # CLIPModel, a vision-language model: the text wrapper dropped its images, and its forward failed on
+        # "'NoneType' object has no attribute 'shape'", blaming the model
+        raise ModelLoadError(
+            f"{cls.__name__} takes text and images together (input_ids and pixel_values); quantcli reads "
+            "Hugging Face folders of text or image models: build this one in a model file (model.py:make "
+            f"returning {cls.__name__}.from_pretrained(FOLDER)) and pass both inputs in an .npz"
+        )
     if "input_ids" in params:
         # a causal LM generates without token types (its decode graph takes none): a tokenizer that emits
         # them (a BERT tokenizer beside GPT-2) must not calibrate on an input the graph never gets
