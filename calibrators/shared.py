@@ -3,7 +3,11 @@
 - :func:`shared_observations` (one forward pass): the q, k and v projections of an attention layer read one
   input tensor. The first of their calibrators to observe it stores what it computed (a max, a batch
   histogram) under its own key; the others take it instead of reading the tensor again. Identity decides:
-  a value is found only for the very tensor object it was stored for.
+  a value is found only for the very tensor object it was stored for. Inference tensors keep no version
+  counter, so a tensor changed in place between two observations cannot be told apart: only layer inputs
+  share (``TensorQuantizer.collect``), which q, k and v read one after the other; a layer's output is what a
+  forward goes on to change in place (``out += identity``: a folded BatchNorm, an ``nn.Identity``, hands on
+  the Conv's very output, which a MobileOne block then summed into in place).
 - :func:`shared_searches` (one amax computation over all quantizers): those calibrators then hold equal
   histograms, and an amax search is a pure function of the histogram, its range and the settings. A result
   is found only for tensors equal element by element to the ones it was computed from.
@@ -40,6 +44,17 @@ def shared_searches():
 
 def active() -> bool:
     return _scopes["observations"] is not None
+
+
+def suspend():
+    """Leave the observation scope until :func:`resume` (what is collected meanwhile is neither stored nor
+    looked up); returns what :func:`resume` takes."""
+    outer, _scopes["observations"] = _scopes["observations"], None
+    return outer
+
+
+def resume(outer) -> None:
+    _scopes["observations"] = outer
 
 
 def lookup(x: torch.Tensor, key: tuple):

@@ -689,3 +689,78 @@ def test_a_batchnorm_subclass_named_like_it_but_computing_otherwise_is_unfolded(
 
     with quantizer_modes(model, "disabled"), torch.no_grad():
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-5)
+
+
+class ConvBn(nn.Module):
+    def __init__(self, c, k):
+        super().__init__()
+        self.conv = nn.Conv2d(c, c, k, padding=k // 2, bias=False)
+        self.bn = BatchNormAct2d(c, nn.Identity)  # timm's ConvNormAct without its activation
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class MobileOneLike(nn.Module):
+    """timm's MobileOneBlock: branches summed in place into the first one's output, then a ReLU."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.scale = ConvBn(c, 1)
+        self.kxk = nn.ModuleList([ConvBn(c, 3), ConvBn(c, 3)])
+        self.identity = BatchNormAct2d(c, nn.Identity)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        skip = self.identity(x)
+        out = self.scale(x)
+        for branch in self.kxk:
+            out += branch(x)
+        out += skip
+        return self.act(out)
+
+
+def test_an_activation_range_is_not_taken_from_a_tensor_changed_in_place():
+    """After the fold a branch returns its Conv's very output (the BatchNorm gone, its act an Identity), and
+    the block sums the other branches into it in place. The Conv's output quantizer had stored what it
+    observed under that tensor's identity, and the next block's input quantizers found it there: their amax
+    was the first branch's range (2.6), not the block output's (5.8), on 84 quantizers of a MobileOne. Only
+    layer inputs share observations now; every input amax is the max of its layer's input, measured here."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        MobileOneLike(16),
+        MobileOneLike(16),
+        nn.AdaptiveAvgPool2d(1),
+    )
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-0.5, 0.5)
+    net.eval()
+    x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    seen = {}
+
+    def keep(name):
+        def hook(_module, args):
+            seen.setdefault(name, float(args[0].abs().max()))
+
+        return hook
+
+    hooks = [m.register_forward_pre_hook(keep(n)) for n, m in net.named_modules() if isinstance(m, nn.Conv2d)]
+    with torch.no_grad():
+        net(x)
+    for h in hooks:
+        h.remove()
+    model = quantize_model(
+        copy.deepcopy(net), {"preset": "int8", "cpu": "x86-vnni"}, example={"input": x[:4]}
+    )
+    assert len(model.quantcli_report.batchnorm.folded) == 6
+    calibrate(model, [{"input": x}], "max", device="cpu")
+    for name in ("3.kxk.0.conv", "3.kxk.1.conv", "3.scale.conv"):
+        q = model.get_submodule(name).input_quantizer
+        assert float(q.amax) == pytest.approx(seen[name], rel=1e-6), name

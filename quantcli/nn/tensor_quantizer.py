@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator
+from calibrators import HistogramCalibrator, MaxCalibrator, MinMaxCalibrator, shared
 from calibrators.base import normalize_axis
 from calibrators.max import max_abs
 from calibrators.methods import HISTOGRAM_METHODS, defined_for
@@ -134,12 +134,20 @@ class TensorQuantizer(nn.Module):
     def collect(self, x: torch.Tensor) -> None:
         if self.calibrator is None:
             raise CalibrationError(f"{self.name}: start_calibration() first")
-        if self._block is not None:
-            xb, d = self._blocked_view(x)
-            self.calibrator.axis = tuple(i for i in range(xb.dim()) if i != d + 1)
-            self.calibrator.collect(xb)
-        else:
-            self.calibrator.collect(x)
+        # only a layer's input shares what it observed with the quantizers of the same tensor (calibrators.
+        # shared): another quantizer's tensor may be changed in place before anything reads it again
+        apart = shared.active() and not (self.name or "").endswith("input_quantizer")
+        outer = shared.suspend() if apart else None
+        try:
+            if self._block is not None:
+                xb, d = self._blocked_view(x)
+                self.calibrator.axis = tuple(i for i in range(xb.dim()) if i != d + 1)
+                self.calibrator.collect(xb)
+            else:
+                self.calibrator.collect(x)
+        finally:
+            if apart:
+                shared.resume(outer)
 
     def calibrate_max(self, x: torch.Tensor) -> torch.Tensor:
         """amax as ``start_calibration("max")``, ``collect(x)`` and ``load_calib_amax()`` set it from the one
