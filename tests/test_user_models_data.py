@@ -203,12 +203,11 @@ def test_image_folder_decoded_converted_and_normalised(tmp_path):
     assert r.exit_code == 0, r.output
 
 
-def test_without_a_preprocessor_config_the_image_size_is_the_configs(tmp_path):
-    """A ViT folder of image_size 8 with no preprocessor_config.json: images were resized to 224 and the
-    model refused them ("Input image size (224*224) doesn't match model (8*8)"); config.json says 8."""
+def vit_folder(folder, image_size: int = 8, patch_size: int = 4):
+    """A one-layer ViT image classifier (2 labels) saved to ``folder``."""
     cfg = transformers.ViTConfig(
-        image_size=8,
-        patch_size=4,
+        image_size=image_size,
+        patch_size=patch_size,
         hidden_size=16,
         num_hidden_layers=1,
         num_attention_heads=2,
@@ -216,7 +215,13 @@ def test_without_a_preprocessor_config_the_image_size_is_the_configs(tmp_path):
         num_labels=2,
     )
     torch.manual_seed(0)
-    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(tmp_path / "vit"))
+    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(folder))
+
+
+def test_without_a_preprocessor_config_the_image_size_is_the_configs(tmp_path):
+    """A ViT folder of image_size 8 with no preprocessor_config.json: images were resized to 224 and the
+    model refused them ("Input image size (224*224) doesn't match model (8*8)"); config.json says 8."""
+    vit_folder(tmp_path / "vit")
     _png(tmp_path / "imgs" / "a.png", np.full((20, 30, 3), 128, np.uint8))
     out = tmp_path / "vit.calib.pt"
     r = cli("calibrate", tmp_path / "vit", "--data", tmp_path / "imgs", "--out", out, "--json")
@@ -226,18 +231,7 @@ def test_without_a_preprocessor_config_the_image_size_is_the_configs(tmp_path):
 
 
 def test_preprocessor_config_gives_the_defaults(tmp_path):
-    cfg = transformers.ViTConfig(
-        image_size=8,
-        patch_size=4,
-        num_channels=3,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=2,
-    )
-    torch.manual_seed(0)
-    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(tmp_path / "vit"))
+    vit_folder(tmp_path / "vit")
     (tmp_path / "vit" / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -342,17 +336,8 @@ def test_an_image_processor_quantcli_cannot_reproduce_is_refused(tmp_path, kind)
         ),
         "no_resize": lambda: ViTImageProcessorPil(do_resize=False),
     }[kind]()
-    cfg = transformers.ViTConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=2,
-    )
     folder = tmp_path / "vit"
-    transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(folder))
+    vit_folder(folder, image_size=32, patch_size=8)
     proc.save_pretrained(str(folder))
     _png(tmp_path / "imgs" / "a.png", np.zeros((40, 40, 3), np.uint8))
     out = tmp_path / "m.calib.pt"
