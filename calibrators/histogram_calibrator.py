@@ -358,13 +358,20 @@ class HistogramCalibrator(Calibrator):
         key = ("amax", method, tuple(sorted(kwargs.items())), self._amax_shape)
         found = self.kept_result(key)  # searched with all quantizers of a model at once (calibrators.batched)
         if found is None:  # q/k/v calibrators of one input hold equal histograms: one search serves them
-            found = shared.find_equal(key, (self._exp, self._hist))
+            found = shared.find_equal(key, self.statistics())
         if found is not None:
             return found.clone()
         hist, edges = self.search_input()
         amax = self.shaped(METHODS[method](hist, edges, **kwargs))
-        shared.keep_equal(key, (self._exp, self._hist), amax.clone())
+        shared.keep_equal(key, self.statistics(), amax.clone())
         return amax
+
+    def statistics(self) -> tuple[torch.Tensor, ...]:
+        """What every amax search reads (the range exponent and the counts): equal for calibrators that
+        observed the same values."""
+        self._flush()
+        self._check_ready()
+        return self._exp, self._hist
 
     def result_key(self, method: str, kwargs: dict) -> tuple:
         """What :meth:`compute_amax` keeps and finds a search's result under (:meth:`keep_result`)."""

@@ -74,15 +74,21 @@ class TwoSidedHistogramCalibrator(Calibrator):
         found = self.kept_result(key)
         if found is not None:
             return found
-        lo, hi = self.extremes.compute_range()
+        stats = self.statistics()
+        lo, hi = stats[2:]
         # q/k/v calibrators of one input hold equal statistics: one search serves them (calibrators.shared)
-        stats = (self.histogram.range_exponent(), self.histogram.hist, lo, hi)
         found = shared.find_equal(key, stats)
         if found is None:
             pos, neg, edges = self.histogram.sides()
             found = METHODS[method](pos, edges, neg, edges, lo.cpu(), hi.cpu(), **kwargs)
             shared.keep_equal(key, stats, found)
         return found[0].to(lo.device), found[1].to(hi.device)
+
+    def statistics(self) -> tuple[torch.Tensor, ...]:
+        """What every range search reads (the histogram's exponent and counts, the data's min and max): equal
+        for calibrators that observed the same values."""
+        lo, hi = self.extremes.compute_range()
+        return self.histogram.range_exponent(), self.histogram.hist, lo, hi
 
     def compute_entropy_range(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(min, max)`` clipped at ``|x|``'s entropy threshold

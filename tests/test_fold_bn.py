@@ -764,3 +764,40 @@ def test_an_activation_range_is_not_taken_from_a_tensor_changed_in_place():
     for name in ("3.kxk.0.conv", "3.kxk.1.conv", "3.scale.conv"):
         q = model.get_submodule(name).input_quantizer
         assert float(q.amax) == pytest.approx(seen[name], rel=1e-6), name
+
+
+def test_auto_does_not_tie_the_ranges_of_a_tensor_changed_in_place():
+    """--method auto gives the quantizers of one tensor one range, by tensor identity. After the fold the
+    first branch's Conv output is the very object the block sums into in place and returns (no activation
+    after the sum here, so both sides are on one grid): the branch's output quantizer and the next block's
+    input quantizers were one "tensor", and were tied to one range. Quantizers whose statistics differ are
+    not tied; the output quantizer's range stays within what its Conv computed."""
+    torch.manual_seed(0)
+    blocks = [MobileOneLike(16), MobileOneLike(16)]
+    blocks[0].act = nn.Identity()  # no ReLU after the sum: the next block's input is on the branch's grid too
+    net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), *blocks)
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-0.5, 0.5)
+    net.eval()
+    x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    own = {}
+
+    def keep(_module, _args, out):
+        own["max"] = float(out.max())  # before the block sums into it in place
+
+    hook = net[2].scale.register_forward_hook(keep)  # the branch's output: the folded Conv's
+    with torch.no_grad():
+        net(x.clone())
+    hook.remove()
+    model = quantize_model(
+        copy.deepcopy(net), {"preset": "int8", "cpu": "x86-vnni"}, example={"input": x[:4]}
+    )
+    out_q = model.get_submodule("2.scale.conv").output_quantizer
+    summary = calibrate(model, [{"input": x}], "auto", device="cpu")
+    assert not any("2.scale.conv.output_quantizer" in a.get("shared_with", []) for a in summary.auto.values())
+    assert float(out_q.amax) <= own["max"] * (1 + 1e-6)

@@ -13,8 +13,9 @@ square, so a layer with large outputs does not outvote the others); a quantizer 
 layer's input (the residual Add's) takes it as well.
 
 Quantizers are "of one tensor" when the pass gave them the very same tensor object (the identity the shared
-observations of :mod:`calibrators.shared` use) and their grids are equal (the same descriptor but for its
-name): one Q cannot serve two grids, so those choose apart.
+observations of :mod:`calibrators.shared` use), their grids are equal (the same descriptor but for its name:
+one Q cannot serve two grids, so those choose apart) and their calibrators observed the same values (a tensor
+changed in place between their calls is one object holding other values).
 """
 
 from __future__ import annotations
@@ -84,12 +85,36 @@ class TensorGroups:
         return record
 
     def groups(self, acts: dict) -> list[list[str]]:
-        """The quantizers of one tensor and one grid, two or more, in ``acts``' order."""
+        """The quantizers of one tensor and one grid that observed the same values, two or more, in
+        ``acts``' order. Inference tensors keep no version counter: a tensor changed in place between two
+        quantizers' calls (a folded BatchNorm hands on its Conv's very output, which a MobileOne block sums
+        into) is one object holding other values, which their statistics tell apart."""
         by_key: dict[tuple, list[str]] = {}
         for name, q in acts.items():
             if name in self.group_of:
                 by_key.setdefault((self.group_of[name], _grid(q)), []).append(name)
-        return [names for names in by_key.values() if len(names) > 1]
+        out = []
+        for names in by_key.values():
+            alike: list[tuple[tuple, list[str]]] = []  # (statistics, names)
+            for n in names:
+                stats = _statistics(acts[n])
+                same = next((g for s, g in alike if stats and _equal(s, stats)), None)
+                if same is None:
+                    alike.append((stats, [n]))
+                else:
+                    same.append(n)
+            out += [g for _, g in alike if len(g) > 1]
+        return out
+
+
+def _statistics(q) -> tuple:
+    """What ``q``'s calibrator observed, as its amax searches read it; () where it cannot say."""
+    read = getattr(q.calibrator, "statistics", None)
+    return tuple(read()) if read is not None else ()
+
+
+def _equal(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _grid(q) -> str:
