@@ -181,9 +181,7 @@ class CalibrationJob:
 
         r = self.request
         gain = {} if r.smoothquant_min_gain is None else {"min_gain": r.smoothquant_min_gain}
-        smoothed = smooth_quant(
-            self.model, self.batches, self.request.smoothquant, device=self.request.device, **gain
-        )
+        smoothed = smooth_quant(self.model, self.batches, r.smoothquant, device=r.device, **gain)
         reference = self.report.float_reference
         if reference and self.batches:
             folds = getattr(self.model, "quantcli_folded_batchnorm", [])

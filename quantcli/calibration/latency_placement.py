@@ -485,12 +485,8 @@ def _not_applicable(modules: dict[str, nn.Module], layer: str) -> str | None:
 
 
 def placed_layers(model: nn.Module) -> list[str]:
-    """The 8-bit integer layers placement (and the target search's fusion check) decides for."""
-    return _weighed(model)
-
-
-def _weighed(model: nn.Module) -> list[str]:
-    """The layers placement decides for: quantized modules it finds applicable."""
+    """The layers placement (and the target search's fusion check) decides for: quantized modules it finds
+    applicable."""
     modules = dict(model.named_modules())
     return [
         n
@@ -696,7 +692,7 @@ def measure_and_decide(
     that does not export or load is not decided (``measured`` False, the reason in ``note``), never an error.
     The model is not changed (see :func:`apply`)."""
     t0 = time.perf_counter()
-    if not _weighed(model):
+    if not placed_layers(model):
         return LatencyPlacement(
             "auto",
             False,

@@ -31,8 +31,9 @@ quantization, which gives the same integer codes as the exported graph in onnxru
    between its Q/DQ, 1.9x slower than onnxruntime's own ``quantize_static`` graph. With a ``fusion`` probe
    (what onnxruntime fuses with given quantizers off, :func:`quantcli.calibration.latency_placement.
    fusion_probe`), each kept layer, least sensitive first, keeps its input quantizer (its weights float) where
-   that restores a lost integer kernel and the target stays met; a layer that still costs another its
-   integer kernel is reported (``unfused``), as is the target it would have missed.
+   that restores a lost integer kernel and the target stays met (``inputs_kept``); a layer that loses its
+   kernel all the same runs float too (``float_too``) where the quality stays as good; what neither way can
+   keep is reported (``unfused``).
 
 ``max_float_layers`` caps the layers kept in float (default: a quarter of the quantized layers, at least one),
 not those step 5 moves to dynamic int8: where the target needs more float layers than the cap but step 5
@@ -227,6 +228,10 @@ class _Search:
         kept = set(inputs_kept)
         return {q for u in layers for q in self.units[u] if not (u in kept and role(q) == "input_quantizer")}
 
+    def has_input(self, layer: str) -> bool:
+        """Whether ``layer``'s unit has an input quantizer (one step 6 may keep)."""
+        return any(role(q) == "input_quantizer" for q in self.units[layer])
+
     def meets(self, q: Quality) -> bool:
         return q.meets(self.res.min_cosine, self.res.min_snr)
 
@@ -374,7 +379,7 @@ def _keep_fusion(
     and less accurate; its input quantizer stays where another layer's kernel needs it. Layers that would
     still lose theirs go to ``res.unfused``."""
     kept = list(res.kept_float)
-    if not any(role(q) == "input_quantizer" for u in kept for q in search.units[u]):
+    if not any(search.has_input(u) for u in kept):
         return
     fused_before = {layer for layer, f in fusion(set()).items() if f and layer not in kept}
 
@@ -393,7 +398,7 @@ def _keep_fusion(
     if res.met:
         after = res.after
         for u in reversed(kept):
-            if not any(role(q) == "input_quantizer" for q in search.units[u]):
+            if not search.has_input(u):
                 continue
             q = search.quality_without(kept, res.dynamic, inputs + [u])
             if search.meets(q):

@@ -182,23 +182,17 @@ def unstable(model: nn.Module, example: Mapping[str, torch.Tensor], names: Itera
     return {n for n in names if n in first and n in second and relative_change(first[n], second[n]) > 0.0}
 
 
-def finished_between(reference: Mapping[str, Fingerprint], first: str, last: str) -> set[str]:
-    """The modules of ``reference`` (in the order their forwards finished) that finished after ``first`` and
-    before ``last``: what returns ``first``'s output onward, a container ending in it (timm's deep stem, the
+def fold_changes(reference: Mapping[str, Fingerprint], folds: Iterable[tuple[str, str]]) -> set[str]:
+    """The modules whose output BatchNorm folds ``(layer, batchnorm)`` change by design: each layer, and the
+    modules of ``reference`` (in the order their forwards finished) that finished after it and before its
+    BatchNorm: what returns the layer's output onward, a container ending in it (timm's deep stem, the
     Sequential ending in the Conv a BatchNorm after it is folded into)."""
     order = {name: i for i, name in enumerate(reference)}
-    if first not in order or last not in order:
-        return set()
-    return {name for name, i in order.items() if order[first] < i < order[last]}
-
-
-def fold_changes(reference: Mapping[str, Fingerprint], folds: Iterable[tuple[str, str]]) -> set[str]:
-    """The modules whose output BatchNorm folds ``(layer, batchnorm)`` change by design: each layer, and
-    what finished between it and its BatchNorm (:func:`finished_between`)."""
     out: set[str] = set()
     for layer, bn in folds:
         out.add(layer)
-        out |= finished_between(reference, layer, bn)
+        if layer in order and bn in order:
+            out |= {name for name, i in order.items() if order[layer] < i < order[bn]}
     return out
 
 
