@@ -138,6 +138,11 @@ class Generation:
     decode_seconds: float = 0.0
 
     @property
+    def text_tokens(self) -> list[int]:
+        """The generated ids the text is made of: the end-of-sequence token that stopped it left out."""
+        return self.tokens[:-1] if self.stopped == "eos" else self.tokens
+
+    @property
     def tokens_per_second(self) -> float:
         return (
             len(self.tokens[1:]) / self.decode_seconds

@@ -152,7 +152,7 @@ def generate(
     stream = None if as_json else TextStream(codec, ids)
 
     def write(g) -> None:  # the text as it is generated, byte for byte (not through rich, below)
-        sys.stdout.write(stream.chunk(g.tokens[:-1] if g.stopped == "eos" else g.tokens))
+        sys.stdout.write(stream.chunk(g.text_tokens))
         sys.stdout.flush()
 
     if stream is not None:
@@ -167,7 +167,7 @@ def generate(
         top_k=top_k,
         on_token=write if stream is not None else None,
     )
-    text = continuation(codec, ids, g.tokens[:-1] if g.stopped == "eos" else g.tokens)
+    text = continuation(codec, ids, g.text_tokens)
     result = {
         "prompt": prompt,
         "text": text,
@@ -186,7 +186,7 @@ def generate(
         return
     # the rest of the text, byte for byte: not through rich, which reads ":smile:" as an emoji, expands tabs
     # and drops control characters
-    sys.stdout.write(stream.chunk(g.tokens[:-1] if g.stopped == "eos" else g.tokens, final=True) + "\n")
+    sys.stdout.write(stream.chunk(g.text_tokens, final=True) + "\n")
     sys.stdout.flush()
     rows = [
         (k, str(result[k]))
