@@ -136,7 +136,7 @@ class TensorQuantizer(nn.Module):
             raise CalibrationError(f"{self.name}: start_calibration() first")
         # only a layer's input shares what it observed with the quantizers of the same tensor (calibrators.
         # shared): another quantizer's tensor may be changed in place before anything reads it again
-        apart = shared.active() and not (self.name or "").endswith("input_quantizer")
+        apart = shared.active() and role(self.name or "") != "input_quantizer"
         outer = shared.suspend() if apart else None
         try:
             if self._block is not None:
