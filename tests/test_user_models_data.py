@@ -40,7 +40,6 @@ def make_tokenizer(folder):
     return transformers.BertTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
-#: an encoder of the tiny vocabulary, one layer of 16 features
 #: an encoder-decoder of one layer each (BART's, Whisper's config fields)
 TINY_SEQ2SEQ = dict(
     d_model=16,
@@ -51,9 +50,10 @@ TINY_SEQ2SEQ = dict(
     encoder_ffn_dim=32,
     decoder_ffn_dim=32,
 )
-TINY_ENCODER = dict(
-    vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
-)
+#: one transformer layer of 16 features (a text or an image encoder's config fields)
+TINY_LAYER = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+#: an encoder of the tiny vocabulary, one layer of 16 features
+TINY_ENCODER = dict(vocab_size=len(WORDS), **TINY_LAYER)
 
 
 def save_folder(model, folder, tokenizer=True):
@@ -205,15 +205,7 @@ def test_image_folder_decoded_converted_and_normalised(tmp_path):
 
 def vit_folder(folder, image_size: int = 8, patch_size: int = 4):
     """A one-layer ViT image classifier (2 labels) saved to ``folder``."""
-    cfg = transformers.ViTConfig(
-        image_size=image_size,
-        patch_size=patch_size,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        num_labels=2,
-    )
+    cfg = transformers.ViTConfig(image_size=image_size, patch_size=patch_size, num_labels=2, **TINY_LAYER)
     torch.manual_seed(0)
     transformers.ViTForImageClassification(cfg).eval().save_pretrained(str(folder))
 
@@ -384,22 +376,8 @@ def test_a_text_and_image_model_folder_is_refused_for_what_it_is(tmp_path):
     """A CLIPModel folder took the text wrapper, which dropped its images: "forward(input_ids, attention_mask)
     failed ... 'NoneType' object has no attribute 'shape'" for text data, and "input 'pixel_values' is not an
     argument of forward" for an .npz that had it, each blaming the model or the data."""
-    text = dict(
-        vocab_size=len(WORDS),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    vision = dict(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        image_size=8,
-        patch_size=4,
-    )
+    text = dict(TINY_ENCODER, max_position_embeddings=32)
+    vision = dict(TINY_LAYER, image_size=8, patch_size=4)
     cfg = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=8)
     transformers.CLIPModel(cfg).eval().save_pretrained(str(tmp_path / "clip"))
     np.savez(
