@@ -53,6 +53,7 @@ from quantcli import __version__
 from quantcli.errors import ExportError, few, whole_line
 from quantcli.files import commit, no_space, staging_directory, writable_directory
 from quantcli.inputs.data import check_names, checked_batch
+from quantcli.nn.derived_weights import constant_operands
 from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import input_quantized_before
@@ -466,8 +467,9 @@ def export_onnx(
         axes = _dynamic_axes(example, output_names, outputs, dynamic_dims) if dynamic_axes else None
     res.dynamic_dims = {k: sorted(v) for k, v in (axes or {}).items() if k in example}
     with staging_directory(parent, prefix=".quantcli-export-") as workdir:
-        with exported_weights(model), _plain_outputs(model, outputs):
-            # quantized LSTM layers: their dequantized weights, for the LSTM node; dataclass outputs as dicts
+        with exported_weights(model), constant_operands(model, example), _plain_outputs(model, outputs):
+            # quantized LSTM layers: their dequantized weights, for the LSTM node; derived weight operands as
+            # constants; dataclass outputs as dicts
             onnx_model = _export_graph(model, example, workdir / "raw.onnx", res, axes)
         _inputs_kept_apart_from_outputs(onnx_model, list(example))
         rename_inputs(onnx_model, renamed)
