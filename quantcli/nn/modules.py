@@ -46,6 +46,10 @@ class QuantMixin:
         sx, sw = self.input_quantizer.integer_scale(), self.weight_quantizer.integer_scale()
         if sx is None or sw is None or sx.numel() != 1:
             return None
+        if sw.numel() not in (1, self.bias.shape[0]):
+            # per channel of an operand other than the whole weight (a forward convolving with a slice of
+            # it): the layer's bias is not that operation's, and nothing adds it as int32 codes
+            return None
         scale = arithmetic.bias_scale(sx, sw).to(self.bias.device).expand(self.bias.shape[0]).contiguous()
         return arithmetic.int32_bias_codes(self.bias, scale), scale
 
