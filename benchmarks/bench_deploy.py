@@ -73,6 +73,13 @@ def _cases() -> dict[str, Case]:
                 False,
             ),
             Case(
+                "bit_resnet",
+                structured.bit_resnet,
+                lambda: structured.resnet_batches(256, 32),
+                lambda: structured.resnet_batches(256, 32, split="eval"),
+                False,
+            ),
+            Case(
                 "conv1d_bn",
                 structured.conv1d_bn,
                 lambda: structured.conv1d_batches(256, 32, seed=0),

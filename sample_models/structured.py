@@ -12,6 +12,8 @@ models have and small models trained here lack:
   (percentile, entropy) is visibly worse than max on it, as on pretrained models. Needs ``transformers``.
 - ``resnet_cnn``: a ResNet-style 2-D CNN (stem, four basic blocks with BatchNorm and residual Adds, one
   strided with a 1x1 projection shortcut, global average pooling, a linear head) on 3x32x32 images.
+- ``bit_resnet``: a BiT-shaped (ResNetV2) CNN whose convolutions standardise their weights in ``forward``
+  (timm's ``StdConv2d``) between GroupNorm pre-activations, on the images ``resnet_batches`` makes.
 - ``conv1d_bn``: six Conv1d + BatchNorm + ReLU + MaxPool stages and a linear head, on 8-channel signals.
 
 BatchNorm layers get non-trivial running statistics and affine parameters, so folding them is not an
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # -- deep_encoder ----------------------------------------------------------------------------------------
@@ -213,6 +216,68 @@ def resnet_batches(
     while x.shape[0] < num_samples:
         x = torch.cat([x, x.flip(-1)])
     return [{"x": b} for b in x[:num_samples].split(batch_size)]
+
+
+# -- bit_resnet ------------------------------------------------------------------------------------------
+
+
+class StdConv2d(nn.Conv2d):
+    """A convolution of its weight standardised per output channel on every call, as timm's ``StdConv2d``
+    (BiT, NFNet) computes it."""
+
+    def __init__(self, *args, eps: float = 1e-8, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = self.weight.reshape(1, self.out_channels, -1)
+        w = F.batch_norm(flat, None, None, training=True, momentum=0.0, eps=self.eps).reshape_as(self.weight)
+        return F.conv2d(x, w, self.bias, self.stride, self.padding, self.dilation, self.groups)
+
+
+class PreActBlock(nn.Module):
+    """BiT's pre-activation bottleneck: GroupNorm-ReLU before each standardised convolution."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1):
+        super().__init__()
+        mid = cout // 4
+        self.norm1, self.conv1 = nn.GroupNorm(8, cin), StdConv2d(cin, mid, 1, bias=False)
+        self.norm2, self.conv2 = nn.GroupNorm(8, mid), StdConv2d(mid, mid, 3, stride, 1, bias=False)
+        self.norm3, self.conv3 = nn.GroupNorm(8, mid), StdConv2d(mid, cout, 1, bias=False)
+        self.downsample = StdConv2d(cin, cout, 1, stride, bias=False) if stride != 1 or cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = F.relu(self.norm1(x))
+        shortcut = x if self.downsample is None else self.downsample(pre)
+        out = self.conv1(pre)
+        out = self.conv2(F.relu(self.norm2(out)))
+        out = self.conv3(F.relu(self.norm3(out)))
+        return out + shortcut
+
+
+class BiTResNet(nn.Module):
+    """A BiT-shaped (ResNetV2) network: standardised convolutions, GroupNorm. Input ``x`` float32 ``(N, 3, 32,
+    32)``; output ``(N, classes)`` logits."""
+
+    def __init__(self, width: int = 32, classes: int = 10):
+        super().__init__()
+        self.stem = StdConv2d(3, width, 3, padding=1, bias=False)
+        self.stages = nn.Sequential(
+            PreActBlock(width, 4 * width),
+            PreActBlock(4 * width, 4 * width),
+            PreActBlock(4 * width, 8 * width, stride=2),
+            PreActBlock(8 * width, 8 * width),
+        )
+        self.norm = nn.GroupNorm(8, 8 * width)
+        self.fc = nn.Linear(8 * width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.norm(self.stages(self.stem(x))))
+        return self.fc(x.mean((2, 3)))
+
+
+def bit_resnet(seed: int = 0, width: int = 32) -> BiTResNet:
+    return _seeded(lambda: BiTResNet(width), seed)
 
 
 # -- conv1d_bn -------------------------------------------------------------------------------------------
