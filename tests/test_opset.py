@@ -241,3 +241,41 @@ def test_multihead_attention_without_weights_calibrates_places_exports_and_verif
     assert "scaled_dot_product_attention" in info["opset_reason"]
     r = cli("verify", out, "--reference", ck, "--data", data)
     assert r.exit_code == 0, r.output
+
+
+class HardSwishNet(nn.Module):
+    """MobileNetV3-style blocks: a hard swish after each convolution (as a module, then called directly)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1, self.c2, self.c3 = (
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.Conv2d(8, 4, 1),
+        )
+        self.act = nn.Hardswish()
+
+    def forward(self, x):
+        return self.c3(F.hardswish(self.c2(self.act(self.c1(x)))))
+
+
+def test_a_hard_swish_exports_as_one_hardswish_node_from_opset_14(tmp_path):
+    probe = OpProbe()
+    with probe:
+        HardSwishNet()(torch.randn(1, 3, 8, 8))
+    assert probe.hard_swish
+    torch.manual_seed(0)
+    m = quantize_model(HardSwishNet().eval(), "int8")
+    calibrate(m, [{"x": torch.randn(8, 3, 8, 8)}], "max", device="cpu")
+    x = torch.randn(2, 3, 8, 8)
+    res = export_onnx(m, {"x": x}, tmp_path / "m.onnx")
+    graph = onnx.load(str(tmp_path / "m.onnx"))
+    # below 14 TorchScript writes HardSigmoid and Mul, which onnxruntime fuses neither into the Conv before
+    # them nor into one node
+    assert res.opset == _opset(graph) == 14 and "hard swish" in res.opset_reason
+    assert [n.op_type for n in graph.graph.node].count("HardSwish") == 2
+    assert "HardSigmoid" not in _ops(graph)
+    got, ref = onnx_and_torch(graph, m, {"x": x})
+    assert np.abs(got - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    res = export_onnx(m, {"x": x}, tmp_path / "m13.onnx", opset=13)  # asked for: still written
+    assert res.opset == 13 and "HardSigmoid" in _ops(onnx.load(str(tmp_path / "m13.onnx")))
