@@ -96,12 +96,13 @@ def _graph_parts(path):
     return g, inits, producers
 
 
-def test_only_layers_whose_calls_take_one_operand_take_a_constant():
+def test_only_weight_quantizers_whose_calls_take_one_computed_value_take_a_constant():
     model, x = _calibrated()
-    with constant_operands(model, {"x": x[:4]}) as layers:
-        assert sorted(layers) == ["c1", "c2", "stem"]  # not split: two different operands
-        assert torch.equal(model.c2.constant_weight, _standardised(model.c2.weight.detach()))
-    assert all(getattr(m, "constant_weight", None) is None for m in model.modules())
+    with constant_operands(model, {"x": x[:4]}) as taken:
+        # not split (two different operands) nor fc (its parameter, already an initializer)
+        assert sorted(taken) == ["c1.weight_quantizer", "c2.weight_quantizer", "stem.weight_quantizer"]
+        assert torch.equal(model.c2.weight_quantizer.constant_input, _standardised(model.c2.weight.detach()))
+    assert all(q.constant_input is None for q in quantizers(model).values())
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
@@ -154,3 +155,50 @@ def test_onnxruntime_runs_standardised_convs_on_prepacked_codes(tmp_path):
     assert len(qconvs) >= 2
     assert all(n.input[3] in inits for n in qconvs)  # weight codes constant: prepacked once
     assert "BatchNormalization" not in {n.op_type for n in opt.graph.node}
+
+
+class LegacyNormed(nn.Module):
+    """Weights set by forward pre-hooks (torch.nn.utils.weight_norm and spectral_norm, the legacy forms): the
+    layers are converted by class, their ``weight`` no parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.utils.spectral_norm(nn.Conv2d(8, 32, 3, padding=1))
+        # more than 8192 values: above the dynamo exporter's own constant folding limit
+        self.c2 = nn.utils.weight_norm(nn.Conv2d(32, 32, 3, padding=1))
+        self.fc = nn.utils.weight_norm(nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.fc(F.relu(self.c2(F.relu(self.c1(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_weights_set_by_pre_hooks_are_stored_as_codes(tmp_path, exporter):
+    import warnings
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # weight_norm's deprecation
+        model = LegacyNormed()
+    model.train()
+    with torch.no_grad():
+        model(torch.randn(2, 8, 8, 8))  # a power iteration of spectral_norm's u and v
+    model.eval()
+    x = torch.randn(16, 8, 8, 8, generator=torch.Generator().manual_seed(1))
+    quantize_model(model, QuantConfig(target="tensorrt"), example={"x": x[:4]})  # symmetric, every layer
+    calibrate(model, [{"x": x}], device="cpu")
+    path = tmp_path / "m.onnx"
+    export_onnx(model, {"x": x[:4]}, path, exporter=exporter)
+    g, inits, producers = _graph_parts(path)
+    # every weight's codes are stored (int8) and nothing computes a weight: no norm, no power-iteration
+    # product (the file held weight_orig, g and v in float, twice where the exporter folded a reshaped copy)
+    weight_dqs = [n for n in g.node if n.op_type == "DequantizeLinear" and len(_shape(n, inits) or ()) > 1]
+    assert sorted(_shape(n, inits) for n in weight_dqs) == [(4, 32), (32, 8, 3, 3), (32, 32, 3, 3)]
+    assert all(inits[n.input[0]].dtype == np.int8 for n in weight_dqs)
+    assert not {"ReduceL2", "Div", "MatMul", "LpNormalization"} & {n.op_type for n in g.node}
+    assert max(a.size for a in inits.values() if a.dtype == np.float32) <= 32  # biases and scales only
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        want = model(x).numpy()
+    got = sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)

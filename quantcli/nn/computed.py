@@ -68,7 +68,6 @@ from quantcli.nn.recorded_graph import (
     is_add,
     layer_call,
 )
-from quantcli.nn.tensor_quantizer import quantizer_name
 
 #: weighted operations: function -> (kind, output-channel axis of the weight operand; -1 for its last)
 _FUNCTIONS: dict[Callable, tuple[str, int]] = {
@@ -512,9 +511,6 @@ class ComputedLayer(QuantMixin):
     weight_name = "weight"
     weight_derived = False
     weight_from_forward = True
-    #: a derived operand's value while exporting, taken in place of computing it
-    #: (:func:`quantcli.nn.derived_weights.constant_operands`)
-    constant_weight: torch.Tensor | None = None
     #: see :class:`quantcli.nn.modules.QuantLinear` (a Linear whose input quantizer is dynamic)
     export_hook: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
 
@@ -537,9 +533,6 @@ class ComputedLayer(QuantMixin):
 
     def _run_op(self, func: Callable, kind: str, args: tuple, kwargs: dict):
         x, w, b = operands(kind, args, kwargs)
-        c = self.constant_weight
-        if c is not None and w is not None and c.shape == w.shape and c.dtype == w.dtype:
-            w = c  # exporting: the operand torch computed, a constant of the graph
 
         def run():
             if self._plain_linear(kind, w, kwargs):  # a dynamic input exports as a Linear's does
@@ -863,29 +856,16 @@ def unconvert(model: nn.Module, module: ComputedLayer) -> None:
 
 def weight_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weight operand each computed layer with a derived weight (``weight_derived``) takes on one forward
-    of ``example`` (its weight quantizer's input, by quantizer name; the first, where it takes several); the
-    others' operand is their parameter."""
-    return {
-        quantizer_name(name, "weight_quantizer"): found[0]
-        for name, found in weight_operand_calls(model, example).items()
-        if found
-    }
-
-
-def weight_operand_calls(
-    model: nn.Module, example: Mapping[str, torch.Tensor]
-) -> dict[str, list[torch.Tensor]]:
-    """Per computed layer with a derived weight (by module name), the weight operands its operations take on
-    one forward of ``example``, in call order."""
-    seen: dict[str, list[torch.Tensor]] = {}
+    of ``example`` (its weight quantizer's input, by quantizer name); the others' operand is their
+    parameter."""
+    seen: dict[str, torch.Tensor] = {}
     hooks = []
     for name, m in model.named_modules():
         if isinstance(m, ComputedLayer) and m.weight_derived:
-            seen[name] = []
+            q = m.weight_quantizer
+            qname = f"{name}.weight_quantizer" if name else "weight_quantizer"
             hooks.append(
-                m.weight_quantizer.register_forward_pre_hook(
-                    lambda mod, a, calls=seen[name]: calls.append(a[0].detach().clone())
-                )
+                q.register_forward_pre_hook(lambda mod, a, n=qname: seen.setdefault(n, a[0].detach().clone()))
             )
     if not hooks:
         return seen

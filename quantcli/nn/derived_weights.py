@@ -1,19 +1,23 @@
-"""A computed layer's derived weight operand as a constant of the exported graph.
+"""A weight operand computed from the parameters, as a constant of the exported graph.
 
-A layer whose weight operand is computed from its parameters in ``forward`` (weight standardisation: timm's
-``StdConv2d`` and ``ScaledStdConv2d`` in BiT and NFNet models; a slice or a transpose of the parameter) is
-traced with that computation, so the exported graph repeats it on every run: onnxruntime folds no
-``BatchNormalization`` in training mode below opset 15 (what TorchScript writes for ``F.batch_norm(w, None,
-None, training=True)``), and no ``QuantizeLinear`` of a tensor it computes, so its ``QLinearConv`` took
-weights standardised and quantized per run, without prepacking them. While :func:`constant_operands` is active
-(an export), each such layer takes, in place of the tensor it computes, the operand torch computed on one
-forward of the example batch: a constant of the graph, whose ``QuantizeLinear`` the exporter stores as codes
-(:func:`exporters.fold.fold_weight_quantization`), the codes the fake-quant model computes, bit for bit. A
-float layer's operand is a float initializer.
+A layer whose weight operand is computed from its parameters on every call is traced with that computation, so
+the exported graph repeats it on every run. Such operands: weight standardisation in ``forward`` (timm's
+``StdConv2d`` and ``ScaledStdConv2d`` in BiT and NFNet models), a weight set by a forward pre-hook (the legacy
+``torch.nn.utils.weight_norm`` and ``spectral_norm``), a slice or a transpose of the parameter. onnxruntime
+folds no ``BatchNormalization`` in training mode below opset 15 (what TorchScript writes for ``F.batch_norm(w,
+None, None, training=True)``), and no ``QuantizeLinear`` of a tensor it computes: a ``QLinearConv`` took
+weights standardised and quantized per run, without prepacking them, and the file held the float parameters
+(twice, where the exporter's constant folding stored a reshaped copy) instead of codes.
 
-A layer whose operation runs more than once in a forward takes the constant where every call's operand was
-the same (one weight applied twice); where they differ (slices of one weight) it keeps its computation, as
-does any call whose operand's shape or dtype differs from the recorded one.
+While :func:`constant_operands` is active (an export), each weight quantizer whose input on one forward of the
+example batch was not a parameter of the model quantizes, in place of what the graph computes, the value torch
+computed (:attr:`quantcli.nn.tensor_quantizer.TensorQuantizer.constant_input`): a constant of the graph, whose
+``QuantizeLinear`` the exporter stores as codes (:func:`exporters.fold.fold_weight_quantization`), the codes
+the fake-quant model computes, bit for bit; a float layer's (its quantizer disabled) is a float initializer,
+and what computed it is left unread and dropped. A quantizer called more than once in a forward takes the
+constant only where every call's input was the same (one weight applied twice); where they differ (slices of
+one weight) the graph keeps computing them, as it does for any call whose input's shape or dtype differs from
+the recorded one.
 """
 
 from __future__ import annotations
@@ -24,27 +28,60 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from quantcli.nn.computed import ComputedLayer, weight_operand_calls
+from quantcli.nn.forward_call import call_forward
+from quantcli.nn.fresh_inputs import fresh
+from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizers, role
+
+WEIGHT = "weight_quantizer"
+
+
+def computed_inputs(
+    model: nn.Module, example: Mapping[str, torch.Tensor]
+) -> dict[str, list[torch.Tensor | None]]:
+    """Per weight quantizer (by name), its inputs on one forward of ``example``, in call order: a copy of each
+    computed one, None for each that was a parameter of the model. Quantizers never called are left out."""
+    params = {id(p) for p in model.parameters()}
+    seen: dict[str, list[torch.Tensor | None]] = {}
+
+    def record(name: str):
+        def hook(module, args):
+            x = args[0]
+            seen.setdefault(name, []).append(None if id(x) in params else x.detach().clone())
+
+        return hook
+
+    hooks = [
+        q.register_forward_pre_hook(record(n)) for n, q in quantizers(model).items() if role(n) == WEIGHT
+    ]
+    try:
+        with torch.no_grad():
+            call_forward(model, fresh(example))
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
 
 
 @contextlib.contextmanager
 def constant_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> Iterator[list[str]]:
-    """While the block runs, every computed layer with a derived weight operand, all of whose operations took
-    one value on a forward of ``example``, takes that value as a constant (``ComputedLayer.constant_weight``).
-    Yields the names of the layers that do; restored after."""
-    calls = weight_operand_calls(model, example)
-    layers: list[tuple[str, ComputedLayer]] = []
+    """While the block runs, every weight quantizer whose input on a forward of ``example`` was computed, one
+    value on every call, quantizes that value in place of its input. Yields the quantizers' names; restored
+    after."""
+    qs = quantizers(model)
+    if not any(role(n) == WEIGHT for n in qs):
+        yield []
+        return
+    taken: list[tuple[str, TensorQuantizer]] = []
     try:
-        for name, m in model.named_modules():
-            if isinstance(m, ComputedLayer) and m.weight_derived:
-                found = calls.get(name, [])
-                if found and all(_same(found[0], w) for w in found[1:]):
-                    m.constant_weight = found[0]
-                    layers.append((name, m))
-        yield [name for name, _ in layers]
+        for name, found in computed_inputs(model, example).items():
+            first = found[0]
+            if first is not None and all(x is not None and _same(first, x) for x in found[1:]):
+                qs[name].constant_input = first
+                taken.append((name, qs[name]))
+        yield [name for name, _ in taken]
     finally:
-        for _, m in layers:
-            m.constant_weight = None
+        for _, q in taken:
+            q.constant_input = None
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:

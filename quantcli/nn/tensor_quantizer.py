@@ -44,6 +44,9 @@ class TensorQuantizer(nn.Module):
     #: while an exporter traces, the op it computes this quantizer's output with
     # (:mod:`quantcli.nn.export_hooks`)
     export_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: while exporting, the value a weight quantizer's input computed from parameters took on the example
+    #: batch, quantized in its place so that the graph stores it (:mod:`quantcli.nn.derived_weights`)
+    constant_input: torch.Tensor | None = None
 
     def __init__(self, desc: QuantDescriptor | None = None, name: str | None = None, enabled: bool = True):
         super().__init__()
@@ -268,6 +271,9 @@ class TensorQuantizer(nn.Module):
         return c.compute_amax()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.constant_input
+        if c is not None and c.shape == x.shape and c.dtype == x.dtype:
+            x = c
         if self.mode == "disabled":
             return x
         if self.mode == "calibrate":
