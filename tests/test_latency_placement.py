@@ -736,3 +736,34 @@ def test_a_float_stem_gives_back_its_input_quantizer_beside_a_float_layer_that_k
     assert got["c1"].quantizers[0] == "c1.input_quantizer" and got["c1"].reason == "slower"
     assert "fc.input_quantizer" not in got["fc"].quantizers
     assert got["fc"].reason.endswith(latency_placement.INPUT_KEPT)
+
+
+def test_a_layer_run_from_its_parents_forward_has_the_shape_of_the_operand_it_took():
+    """A stem written as ``F.conv2d(x, self.conv.weight[:k], ...)`` in the parent: the layer's own forward
+    never runs, so it had no shape, no prediction, and stayed quantized where the same stem as an
+    ``nn.Conv2d`` is kept float (2x slower than float at batch 1, helper-43). Its shape is the operation's: 32
+    of the weight's 64 output channels, 3 input channels (a stem)."""
+    from quantcli import quantize_model
+    from quantcli.nn.tensor_quantizer import quantizers
+
+    class Sliced(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 64, 3, padding=1)
+            self.mix = nn.Conv2d(64, 64, 1)
+
+        def forward(self, image):
+            y = torch.relu(
+                torch.nn.functional.conv2d(image, self.conv.weight[:32], self.conv.bias[:32], padding=1)
+            )
+            return torch.nn.functional.conv2d(torch.cat([y, y], 1), self.mix.weight[:, :64, :, :] * 0.5).mean(
+                (2, 3)
+            )
+
+    torch.manual_seed(0)
+    image = {"image": torch.randn(2, 3, 8, 8)}
+    m = quantize_model(Sliced().eval(), "int8", example=image)
+    for q in quantizers(m).values():
+        q.set_mode("disabled")  # not calibrated: the shapes need no amax
+    shapes = latency_placement.layer_shapes(m, image, ["conv", "mix"])
+    assert shapes == {"conv": LayerShape(STEM, 27, 32, 64), "mix": LayerShape(CONV, 64, 64, 64)}

@@ -511,24 +511,65 @@ def layer_shape(module: nn.Module, output: torch.Tensor) -> LayerShape:
         groups = getattr(module, "groups", 1)
         cin = getattr(module, "in_channels", w.shape[1] * groups)
         cout = getattr(module, "out_channels", w.shape[0])
-        kernel = math.prod(w.shape[2:])
-        positions = math.prod(output.shape[2:]) if output.dim() > 2 else 1
-        if u8s8.is_depthwise(cin, cout, groups):
-            return LayerShape(DEPTHWISE, kernel, cout, positions)
-        if groups == 1 and cin <= STEM_CHANNELS and w.shape[0] == cout:  # not transposed
-            return LayerShape(STEM, cin * kernel, cout, positions)
-        return LayerShape(CONV, cin // groups * kernel, cout, positions)
+        return _conv_shape(w, groups, cin, cout, output)
     out_features = output.shape[-1]
     in_features = w.shape[1] if w.shape[0] == out_features else w.shape[0]
+    return _gemm_shape(in_features, out_features, output)
+
+
+def op_shape(kind: str, args: tuple, kwargs: dict, output: torch.Tensor) -> LayerShape | None:
+    """The kernel shape of one weighted operation a computed layer ran (:mod:`quantcli.nn.computed`: its
+    ``kind``, call arguments and output): of the operand it took, which may be a slice of the layer's
+    weight, in whichever module's ``forward`` it ran."""
+    from quantcli.nn.computed import operands
+
+    _, w, _ = operands(kind, args, kwargs)
+    if not isinstance(w, torch.Tensor) or not isinstance(output, torch.Tensor):
+        return None
+    if kind in ("conv", "conv_transpose"):
+        groups = args[6] if len(args) > 6 else kwargs.get("groups", 1)
+        if kind == "conv_transpose":  # (Cin, Cout/groups, *k)
+            return _conv_shape(w, groups, w.shape[0], w.shape[1] * groups, output)
+        return _conv_shape(w, groups, w.shape[1] * groups, w.shape[0], output)
+    if kind == "linear":  # (out, in)
+        return _gemm_shape(w.shape[-1], w.shape[0], output)
+    return _gemm_shape(w.shape[0], w.shape[-1], output)  # x @ W: (in, out)
+
+
+def _conv_shape(w: torch.Tensor, groups: int, cin: int, cout: int, output: torch.Tensor) -> LayerShape:
+    kernel = math.prod(w.shape[2:])
+    positions = math.prod(output.shape[2:]) if output.dim() > 2 else 1
+    if u8s8.is_depthwise(cin, cout, groups):
+        return LayerShape(DEPTHWISE, kernel, cout, positions)
+    if groups == 1 and cin <= STEM_CHANNELS and w.shape[0] == cout:  # not transposed
+        return LayerShape(STEM, cin * kernel, cout, positions)
+    return LayerShape(CONV, cin // groups * kernel, cout, positions)
+
+
+def _gemm_shape(in_features: int, out_features: int, output: torch.Tensor) -> LayerShape:
     positions = math.prod(output.shape[1:-1]) if output.dim() > 2 else 1
     return LayerShape(GEMM, in_features, out_features, positions)
 
 
 def layer_shapes(model: nn.Module, example: Batch, layers: list[str]) -> dict[str, LayerShape]:
     """Each layer's kernel shape, from one forward pass on ``example`` (a layer that does not run has
-    none)."""
+    none). A computed layer whose own ``forward`` never runs (a parent's ``forward`` convolving with a slice
+    of its weight) has that of the first operation it ran, of the operand it took."""
+    from quantcli.nn.computed import OP_OBSERVERS, ComputedLayer, weighted_kind
+
     modules = dict(model.named_modules())
     shapes: dict[str, LayerShape] = {}
+    ran: dict[str, LayerShape] = {}  # computed layers, by the operations they ran
+    wanted = {id(modules[n]): n for n in layers if n in modules and isinstance(modules[n], ComputedLayer)}
+
+    def observe(layer, func, args, kwargs, out):
+        name = wanted.get(id(layer))
+        found = weighted_kind(func)
+        if name is not None and name not in ran and found is not None:
+            shape = op_shape(found[0], args, kwargs, out)
+            if shape is not None:
+                ran[name] = shape
+        return out
 
     def hook(name):
         def record(module, args, kwargs, output):
@@ -550,12 +591,16 @@ def layer_shapes(model: nn.Module, example: Batch, layers: list[str]) -> dict[st
         return record
 
     handles = [modules[n].register_forward_hook(hook(n), with_kwargs=True) for n in layers if n in modules]
+    OP_OBSERVERS.append(observe)
     try:
         with torch.inference_mode():
             run_model(model, example, "the example batch")
     finally:
+        OP_OBSERVERS.remove(observe)
         for h in handles:
             h.remove()
+    for name, shape in ran.items():
+        shapes.setdefault(name, shape)
     return shapes
 
 
