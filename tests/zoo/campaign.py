@@ -17,7 +17,18 @@ from tests.mutations import initializer_values, replace_op, scale_times_two, zer
 
 #: float ops whose replacement by an Identity changes values (a Relu or Clip before an unsigned QuantizeLinear
 #: would not: the QuantizeLinear clamps at 0 itself)
-FLOAT_OPS = ("Softmax", "LayerNormalization", "Erf", "Sigmoid", "Tanh", "Sqrt", "Div", "Gelu", "HardSigmoid", "HardSwish")
+FLOAT_OPS = (
+    "Softmax",
+    "LayerNormalization",
+    "Erf",
+    "Sigmoid",
+    "Tanh",
+    "Sqrt",
+    "Div",
+    "Gelu",
+    "HardSigmoid",
+    "HardSwish",
+)
 
 
 def _middle(items):
