@@ -180,13 +180,15 @@ def check_exportable(model: nn.Module) -> None:
 def _plain_outputs(model: nn.Module, outputs):
     """While exporting, a model whose output holds a dataclass (its own output class), a value that is no
     tensor (an int, a string) or a dict key that is no string returns what the exporters can trace instead
-    (:func:`quantcli.inputs.data.plain_outputs`: the dataclass's fields, None, the key's str)."""
-    from quantcli.inputs.data import needs_plain, plain_outputs
+    (:func:`quantcli.inputs.data.plain_outputs`: the dataclass's fields, None, the key's str), and one that
+    returns a tensor twice returns a copy the second time (:func:`quantcli.inputs.data.distinct_outputs`: one
+    graph value cannot be two outputs)."""
+    from quantcli.inputs.data import distinct_outputs, needs_plain, plain_outputs, repeats_a_tensor
 
-    if not needs_plain(outputs):
+    if not needs_plain(outputs) and not repeats_a_tensor(outputs):
         yield
         return
-    handle = model.register_forward_hook(lambda _m, _args, out: plain_outputs(out))
+    handle = model.register_forward_hook(lambda _m, _args, out: distinct_outputs(plain_outputs(out)))
     try:
         yield
     finally:
@@ -194,21 +196,13 @@ def _plain_outputs(model: nn.Module, outputs):
 
 
 def _output_names(outputs) -> list[str]:
-    """The graph's output names (:func:`quantcli.inputs.data.named_outputs`); refuses a model that returns
-    one tensor twice (the graph would have one value under two names) or no tensor at all."""
+    """The graph's output names (:func:`quantcli.inputs.data.named_outputs`); refuses a model that returns no
+    tensor at all."""
     from quantcli.inputs.data import named_outputs
 
     named = named_outputs(outputs)
     if not named:
         raise ExportError("the model's forward returns no tensor; return the outputs to export as tensors")
-    first: dict[int, str] = {}
-    for name, t in named:
-        if id(t) in first:
-            raise ExportError(
-                f"the model returns one tensor twice, as {first[id(t)]} and {name}; return it once, or "
-                "return a copy (x.clone()) the second time"
-            )
-        first[id(t)] = name
     return [name for name, _ in named]
 
 

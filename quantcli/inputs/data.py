@@ -355,6 +355,36 @@ def plain_outputs(out):
     return None  # a value that is no tensor
 
 
+def distinct_outputs(out):
+    """``out`` (as :func:`plain_outputs` leaves it) with every tensor it holds a second time replaced by a
+    copy (``clone``: an ``Identity`` in the graph), so that no graph value is two outputs; ``out`` itself
+    where no tensor repeats."""
+    seen: set[int] = set()
+
+    def walk(value):
+        if isinstance(value, torch.Tensor):
+            if id(value) in seen:
+                return value.clone()
+            seen.add(id(value))
+            return value
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (tuple, list)):
+            values = [walk(v) for v in value]
+            return type(value)(values) if type(value) in (tuple, list) else type(value)(*values)
+        return value
+
+    if not repeats_a_tensor(out):
+        return out
+    return walk(out)
+
+
+def repeats_a_tensor(out) -> bool:
+    """Whether one tensor appears twice among a model's outputs (:func:`named_outputs`)."""
+    ids = [id(t) for _, t in named_outputs(out)]
+    return len(ids) != len(set(ids))
+
+
 def needs_plain(value) -> bool:
     """Whether :func:`plain_outputs` changes ``value``."""
     if value is None or isinstance(value, torch.Tensor):
