@@ -6,6 +6,8 @@ name, computed here from the model's own layers."""
 
 from __future__ import annotations
 
+from collections import namedtuple
+
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -14,6 +16,8 @@ from torch import nn
 
 from exporters import export_onnx
 from quantcli import calibrate, quantize_model
+
+Pair = namedtuple("Pair", ["logits", "hidden"])
 
 
 class _Outputs(nn.Module):
@@ -31,6 +35,8 @@ class _Outputs(nn.Module):
             return {"cls": y, "reg": (h.sum(-1), (h * 2,))}
         if self.kind == "passthrough":
             return {"logits": y, "x_back": x}
+        if self.kind == "namedtuple":  # its field names, not output_0 and output_1
+            return Pair(y, h)
         return y, y, h  # "twice"
 
 
@@ -38,6 +44,7 @@ WANT = {
     "none": lambda y, h, x: {"logits": y, "h": h},
     "nested": lambda y, h, x: {"cls": y, "reg.0": h.sum(-1), "reg.1.0": h * 2},
     "passthrough": lambda y, h, x: {"logits": y, "x_back": x},
+    "namedtuple": lambda y, h, x: {"logits": y, "hidden": h},
     "twice": lambda y, h, x: {"output_0": y, "output_1": y, "output_2": h},
 }
 

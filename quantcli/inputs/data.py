@@ -311,8 +311,9 @@ def to_device(batch: Batch, device: torch.device) -> Batch:
 def named_outputs(out) -> list[tuple[str, torch.Tensor]]:
     """The tensors of a model's output in the order the exporters write them (tuples, lists and dicts
     flattened depth first, in order; ``None`` and other non-tensor values left out, as the exporters leave
-    them out), each with its graph output name: the dict key, ``output_<i>`` for position ``i`` of a tuple,
-    joined with ``.`` where nested (``reg.0``); a single tensor is ``output_0``."""
+    them out), each with its graph output name: the dict key, a namedtuple's field name, ``output_<i>`` for
+    position ``i`` of another tuple, joined with ``.`` where nested (``reg.0``); a single tensor is
+    ``output_0``."""
     found: list[tuple[str, torch.Tensor]] = []
 
     def walk(value, name: str) -> None:
@@ -321,6 +322,9 @@ def named_outputs(out) -> list[tuple[str, torch.Tensor]]:
         elif isinstance(value, dict):
             for k, v in value.items():
                 walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(value, tuple) and isinstance(getattr(type(value), "_fields", None), tuple):
+            for field, v in zip(type(value)._fields, value):  # a namedtuple: its field names
+                walk(v, f"{name}.{field}" if name else field)
         elif isinstance(value, (tuple, list)):
             for i, v in enumerate(value):
                 walk(v, f"{name}.{i}" if name else f"output_{i}")
