@@ -51,9 +51,9 @@ from quantcli.errors import ExportError, whole_line
 from quantcli.nn.config import computes_plain_linear
 from quantcli.nn.dynamic import linear_weight, weight_spec
 from quantcli.nn.export_hooks import export_hooks
-from quantcli.nn.forward_call import call_forward
 from quantcli.nn.fresh_inputs import fresh
 from quantcli.nn.modules import QuantMixin
+from quantcli.nn.quantizer_inputs import observe_inputs
 from quantcli.nn.tensor_quantizer import quantizers
 from quantcli.quant import arithmetic, formats
 from quantcli.quant.granularity import broadcast_onnx_param
@@ -230,17 +230,8 @@ def quantizer_spec(q, x_shape) -> QdqSpec:
 def _input_shapes(model: nn.Module, example: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """The shape of the tensor each static quantizer sees, from one eager forward."""
     shapes: dict[str, tuple[int, ...]] = {}
-    hooks = [
-        q.register_forward_pre_hook(lambda m, a, n=n: shapes.__setitem__(n, tuple(a[0].shape)))
-        for n, q in quantizers(model).items()
-        if q.mode == "quantize" and not q.dynamic_uint8
-    ]
-    try:
-        with torch.no_grad():
-            call_forward(model, fresh(example))
-    finally:
-        for h in hooks:
-            h.remove()
+    static = [n for n, q in quantizers(model).items() if q.mode == "quantize" and not q.dynamic_uint8]
+    observe_inputs(model, example, static, lambda n, x: shapes.__setitem__(n, tuple(x.shape)))
     return shapes
 
 

@@ -858,21 +858,13 @@ def weight_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> di
     """The weight operand each computed layer with a derived weight (``weight_derived``) takes on one forward
     of ``example`` (its weight quantizer's input, by quantizer name); the others' operand is their
     parameter."""
+    from quantcli.nn.quantizer_inputs import observe_inputs
+
     seen: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, m in model.named_modules():
-        if isinstance(m, ComputedLayer) and m.weight_derived:
-            q = m.weight_quantizer
-            qname = f"{name}.weight_quantizer" if name else "weight_quantizer"
-            hooks.append(
-                q.register_forward_pre_hook(lambda mod, a, n=qname: seen.setdefault(n, a[0].detach().clone()))
-            )
-    if not hooks:
-        return seen
-    try:
-        with torch.no_grad():
-            call_forward(model, fresh(example))
-    finally:
-        for h in hooks:
-            h.remove()
+    names = [
+        f"{name}.weight_quantizer" if name else "weight_quantizer"
+        for name, m in model.named_modules()
+        if isinstance(m, ComputedLayer) and m.weight_derived
+    ]
+    observe_inputs(model, example, names, lambda n, x: seen.setdefault(n, x.detach().clone()))
     return seen

@@ -28,8 +28,7 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from quantcli.nn.forward_call import call_forward
-from quantcli.nn.fresh_inputs import fresh
+from quantcli.nn.quantizer_inputs import observe_inputs
 from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizers, role
 
 WEIGHT = "weight_quantizer"
@@ -43,22 +42,10 @@ def computed_inputs(
     params = {id(p) for p in model.parameters()}
     seen: dict[str, list[torch.Tensor | None]] = {}
 
-    def record(name: str):
-        def hook(module, args):
-            x = args[0]
-            seen.setdefault(name, []).append(None if id(x) in params else x.detach().clone())
+    def record(name: str, x: torch.Tensor) -> None:
+        seen.setdefault(name, []).append(None if id(x) in params else x.detach().clone())
 
-        return hook
-
-    hooks = [
-        q.register_forward_pre_hook(record(n)) for n, q in quantizers(model).items() if role(n) == WEIGHT
-    ]
-    try:
-        with torch.no_grad():
-            call_forward(model, fresh(example))
-    finally:
-        for h in hooks:
-            h.remove()
+    observe_inputs(model, example, [n for n in quantizers(model) if role(n) == WEIGHT], record)
     return seen
 
 
