@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from quantcli.nn.quantizer_inputs import observe_inputs
-from quantcli.nn.tensor_quantizer import TensorQuantizer, quantizers, role
+from quantcli.nn.tensor_quantizer import TensorQuantizer, owner, quantizers, role
 
 WEIGHT = "weight_quantizer"
 
@@ -45,8 +45,18 @@ def computed_inputs(
     def record(name: str, x: torch.Tensor) -> None:
         seen.setdefault(name, []).append(None if id(x) in params else x.detach().clone())
 
-    observe_inputs(model, example, [n for n in quantizers(model) if role(n) == WEIGHT], record)
+    modules = dict(model.named_modules())
+    names = [n for n in quantizers(model) if role(n) == WEIGHT and _may_compute(modules.get(owner(n)))]
+    observe_inputs(model, example, names, record)  # no forward where no layer may compute its weight
     return seen
+
+
+def _may_compute(layer: nn.Module | None) -> bool:
+    """Whether ``layer``'s weight operand may be no parameter: a computed layer's derived operand
+    (:mod:`quantcli.nn.computed`), or a ``weight`` that is no parameter (set by a forward pre-hook)."""
+    if layer is None or getattr(layer, "weight_derived", False):
+        return True
+    return not isinstance(getattr(layer, "weight", None), nn.Parameter)
 
 
 @contextlib.contextmanager
@@ -55,9 +65,6 @@ def constant_operands(model: nn.Module, example: Mapping[str, torch.Tensor]) -> 
     value on every call, quantizes that value in place of its input. Yields the quantizers' names; restored
     after."""
     qs = quantizers(model)
-    if not any(role(n) == WEIGHT for n in qs):
-        yield []
-        return
     taken: list[tuple[str, TensorQuantizer]] = []
     try:
         for name, found in computed_inputs(model, example).items():
