@@ -18,6 +18,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from exporters import export_onnx
@@ -1119,3 +1120,59 @@ def test_a_stem_read_by_a_conv_and_a_maxpool_keeps_one_quantizelinear_and_fuses(
     save_calibrated(ckpt, m, parse_spec(f"{tmp_path / 'net.py'}:make"), batches[0])
     report = verify_onnx(path, load_calibrated(ckpt, trust_code=True), batches, provider="cpu")
     assert report.passed, [c for c in report.to_dict()["checks"] if not c["passed"]]
+
+
+def _cbr(cin, cout, stride=1, relu=True):
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, stride, 1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU() if relu else nn.Identity(),
+    )
+
+
+class _Block(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.c1, self.c2 = _cbr(c, c), _cbr(c, c, relu=False)
+
+    def forward(self, x):
+        return F.relu(x + self.c2(self.c1(x)))
+
+
+class _EncoderDecoder(nn.Module):
+    """Two residual stages (the second after a strided conv), a decoder upsampling the second and
+    concatenating the first: a U-Net's skip."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = _cbr(3, 8)
+        self.s1 = nn.Sequential(_Block(8), _Block(8))
+        self.down = _cbr(8, 16, 2)
+        self.s2 = nn.Sequential(_Block(16), _Block(16))
+        self.dec = _cbr(24, 8)
+        self.out = nn.Conv2d(8, 1, 3, padding=1)
+
+    def forward(self, x):
+        f1 = self.s1(self.stem(x))
+        f2 = F.interpolate(self.s2(self.down(f1)), scale_factor=2, mode="bilinear", align_corners=False)
+        return self.out(self.dec(torch.cat([f2, f1], 1)))
+
+
+def test_an_encoder_stage_feeding_a_decoder_keeps_qlinearadd_before_its_last_block(tmp_path):
+    """Each stage's last block feeds the decoder (torch.cat, F.interpolate), so its Add cannot run as
+    QLinearAdd. Judged one Add at a time, that cost the block before it its QLinearAdd too (its output is the
+    last block's skip, read in float), and so on up the stage: 0 of 4, where quantize_static fuses them. The
+    skip operand of the last block is quantized now, for the Add before it to fuse (helper-45's depth model:
+    0 -> 4 of 8)."""
+    shape = (2, 3, 16, 16)
+    m = _quantized(_EncoderDecoder(), shape, example=True)
+    assert m.quantcli_report.placement.residual_quantized == [
+        "s1.0.residual_quantizer",
+        "s1.1.residual_quantizer",
+        "s2.0.residual_quantizer",
+        "s2.1.residual_quantizer",
+    ]
+    path = _export(m, shape, tmp_path)
+    k = _kernels(path)
+    assert k["QLinearAdd"] == 2 and k["Add"] == 2, k  # s1.0 and s2.0; s1.1 and s2.1 feed the decoder
+    assert_exact(m, path, shape)

@@ -187,8 +187,9 @@ class Placement:
     pool_inputs: dict[str, bool] = field(default_factory=dict)
     # onnxruntime: activation quantizers put on uint8 with a zero point (the config's asymmetric_activations)
     asymmetric: list[str] = field(default_factory=list)
-    # onnxruntime: the residual Adds that run as QLinearAdd once their skip is quantized, as {Add node: skip
-    # node} of the graph read (for the rewrite that inserts those quantizers; not part of the report)
+    # onnxruntime: the residual Adds whose skip gets a quantizer (those that run as QLinearAdd once it is, and
+    # those whose skip is such an Add's output), as {Add node: skip node} of the graph read (for the rewrite
+    # that inserts those quantizers; not part of the report)
     qlinear_adds: dict = field(default_factory=dict, repr=False)
     # onnxruntime: the sigmoids, multiplications and global poolings run on codes (QLinearSigmoid, QLinearMul,
     # QLinearGlobalAveragePool) once their operands are quantized, as {node: ActivationOp} of the graph read
@@ -465,23 +466,40 @@ def _pools_reached(node, modules, pools) -> set:
 def onnxruntime_residual_skips(
     residuals: list, modules, layers: dict[str, nn.Module], quantized_inputs: set[str], ends=()
 ) -> dict:
-    """Of the ``residuals`` (:func:`residual_skips`), the Adds that onnxruntime can run as ``QLinearAdd`` once
-    their skip operand is quantized: ``{add node: skip node}``. The branch is a quantized Conv's output (it
-    gets an output quantizer), the skip is not a Conv's output (that one gets its own), and everything the
-    Add's output reaches through ReLUs and commuting ops is a quantized layer's input, another such Add's skip
-    or the input of a node of ``ends`` (``QLinearAdd`` needs a Q on every output edge)."""
+    """Of the ``residuals`` (:func:`residual_skips`), the Adds whose skip operand gets a quantizer:
+    ``{add node: skip node}``. A candidate's branch is a quantized Conv's output (it gets an output quantizer)
+    and its skip is not a Conv's output (that one gets its own). onnxruntime runs a candidate as
+    ``QLinearAdd`` where everything its output reaches through ReLUs and commuting ops is a quantized layer's
+    input, a candidate's skip or the input of a node of ``ends`` (``QLinearAdd`` needs a Q on every output
+    edge). The Adds that do are returned, and with them every candidate whose skip such an Add's output is:
+    that skip operand must be quantized for the Add before to fuse, whether or not its own Add does. (Judged
+    one Add at a time, the last block of an encoder stage, whose output also feeds a decoder's ``torch.cat``,
+    lost its QLinearAdd, then so did the block before it, whose output is that block's skip, and so on up the
+    stage.)"""
     layer_ids = {id(v) for v in layers.values()}
-    skips = {
+    candidates = {
         add: skip for add, skip, _ in residuals if _quantized_conv_behind(skip, modules, layer_ids) is None
     }
-    changed = True
-    while changed:
-        changed = False
-        for add in list(skips):
-            if not _reaches_quantized_layers_only(add, modules, quantized_inputs, skips, ends):
-                del skips[add]
-                changed = True
-    return skips
+    # every residual Add that can fuse, a candidate or one of two quantized Convs' outputs (a downsampling
+    # block's: both operands get output quantizers)
+    fused = [
+        add
+        for add, _, _ in residuals
+        if _reaches_quantized_layers_only(add, modules, quantized_inputs, candidates, ends)
+    ]
+    fed = {b for add in fused for b in _skips_reached(add, modules, candidates)}
+    return {add: skip for add, skip in candidates.items() if add in fused or add in fed}
+
+
+def _skips_reached(node, modules, candidates: dict) -> set:
+    """The Adds of ``candidates`` whose skip operand is ``node``'s output, through ReLUs and commuting ops."""
+    out = set()
+    for user in node.users:
+        if candidates.get(user) is node:
+            out.add(user)
+        elif _kind(user, modules) in ("relu", "commuting") and user.args and user.args[0] is node:
+            out |= _skips_reached(user, modules, candidates)
+    return out
 
 
 def analyse(
