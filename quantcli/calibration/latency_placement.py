@@ -235,6 +235,8 @@ def keep_neighbours(
     every = frozenset(d.layer for d in floats)
     unfused = frozenset(d.layer for d in floats if not d.fused)
     tries = [(every, False), (every, True), (unfused, False), (unfused, True)]
+    # (each choice is tried as a group: what the group costs is not what each layer alone would)
+    group = f"keeping {_shown(sorted(every))} float together" if len(every) > 1 else "keeping it float"
     first_lost: list[str] = []
     first_requantized: list[str] = []
     for chosen, keep_inputs in dict.fromkeys(t for t in tries if t[0]):
@@ -243,7 +245,10 @@ def keep_neighbours(
         # a float layer between a DQ and a Q gets onnxruntime's own per-tensor int8 weights: not float at all
         requantized = sorted(layer for layer in chosen if now.get(layer) is True)
         if not lost and not requantized:
-            why = f"keeping it float too would cost {_shown(first_lost)} their integer kernel(s)"
+            # the loss was the first try's, of the whole group: a layer the group needed does not cause it
+            # alone (a stem was said to cost a U-Net's decoder convs their kernels, which its transposed
+            # convolutions' inputs did)
+            why = f"{group} would cost {_shown(first_lost)} their integer kernel(s)"
             if first_requantized and not first_lost:
                 why = RUNTIME_QUANTIZES
             return [_chosen(d, chosen, keep_inputs, why) for d in decisions]
@@ -251,8 +256,6 @@ def keep_neighbours(
         first_requantized = first_requantized or requantized
     if not first_lost and not first_requantized:
         return decisions
-    # (each choice was tried as a group: what the group costs is not what each layer alone would)
-    group = f"keeping {_shown(sorted(every))} float together" if len(every) > 1 else "keeping it float"
     why = RUNTIME_QUANTIZES
     if first_lost:
         why = f"{group} would cost {_shown(first_lost)} their integer kernel(s)"
