@@ -720,6 +720,18 @@ class MobileOneLike(nn.Module):
         return self.act(out)
 
 
+def _with_bn_stats(net: nn.Module) -> None:
+    """Non-trivial BatchNorm statistics and affine parameters (from the global RNG), then eval mode."""
+    for m in net.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 2)
+                m.bias.uniform_(-0.5, 0.5)
+    net.eval()
+
+
 def test_an_activation_range_is_not_taken_from_a_tensor_changed_in_place():
     """After the fold a branch returns its Conv's very output (the BatchNorm gone, its act an Identity), and
     the block sums the other branches into it in place. The Conv's output quantizer had stored what it
@@ -734,14 +746,7 @@ def test_an_activation_range_is_not_taken_from_a_tensor_changed_in_place():
         MobileOneLike(16),
         nn.AdaptiveAvgPool2d(1),
     )
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            with torch.no_grad():
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2)
-                m.weight.uniform_(0.5, 2)
-                m.bias.uniform_(-0.5, 0.5)
-    net.eval()
+    _with_bn_stats(net)
     x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     seen = {}
 
@@ -776,14 +781,7 @@ def test_auto_does_not_tie_the_ranges_of_a_tensor_changed_in_place():
     blocks = [MobileOneLike(16), MobileOneLike(16)]
     blocks[0].act = nn.Identity()  # no ReLU after the sum: the next block's input is on the branch's grid too
     net = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), *blocks)
-    for m in net.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            with torch.no_grad():
-                m.running_mean.uniform_(-0.5, 0.5)
-                m.running_var.uniform_(0.5, 2)
-                m.weight.uniform_(0.5, 2)
-                m.bias.uniform_(-0.5, 0.5)
-    net.eval()
+    _with_bn_stats(net)
     x = torch.randn(32, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     own = {}
 
