@@ -6,6 +6,7 @@ then the verdict (:mod:`quantcli.verify.verdict`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import time
 from collections.abc import Iterator
@@ -426,10 +427,6 @@ ROUNDING_FACTOR = 2.0
 def _float32_noise(model, batch, names: list[str]) -> dict[str, float]:
     """Per output, RMS(float32 - float64) / RMS(float64) of ``model`` (the model as loaded) on ``batch``;
     {} where the model does not run in float64."""
-    import copy
-
-    import numpy as np
-
     try:
         with torch.inference_mode():
             single = output_arrays(run_model(model, batch, "the reference's rounding check"))
